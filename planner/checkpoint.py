@@ -1,0 +1,282 @@
+"""Find a checkpoint's tensors (names, dtypes, shapes, bytes) from its index and shard headers only.
+
+Three sources: a local folder (sharded with an index, or one ``model.safetensors``), a single local
+``.safetensors`` file, or a Hugging Face repo id read through ``huggingface_hub``. For the hub, the index and
+config are small files fetched (or served from the local cache); shard headers come from the cache when the
+shard is there, else from HTTP range requests. Tensor data is never read.
+"""
+
+import hashlib
+import json
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from planner.errors import ModelInputError
+from planner.safetensors_header import TensorEntry, entries_from_header, read_entries
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+_REPO_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Checkpoint:
+    """Every tensor of a checkpoint, with where it came from."""
+
+    #: what the user passed: a path (relative to the working directory) or a hub repo id
+    source: str
+    #: "local" or "hub"
+    kind: str
+    #: the hub commit the files were read at; None for local checkpoints
+    revision: str | None
+    #: sorted by name
+    tensors: tuple[TensorEntry, ...]
+    #: the parsed config.json, or None when the checkpoint has none
+    config: dict | None
+    num_files: int
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of every tensor in the checkpoint."""
+        return sum(t.nbytes for t in self.tensors)
+
+    def fingerprint(self) -> str:
+        """A hash of every tensor's name, dtype and shape: equal for the same model however it is sharded."""
+        digest = hashlib.sha256()
+        for tensor in self.tensors:
+            digest.update(f"{tensor.name}\0{tensor.dtype}\0{','.join(map(str, tensor.shape))}\n".encode())
+        return "sha256:" + digest.hexdigest()
+
+
+def load_checkpoint(model: str, revision: str | None = None) -> Checkpoint:
+    """Read a checkpoint's tensor list from a local path or a Hugging Face repo id."""
+    path = Path(model).expanduser()
+    if path.exists():
+        if revision is not None:
+            raise ModelInputError(f"--revision applies to hub repo ids, but {model!r} is a local path; drop it")
+        return _load_local(path, _display_path(path))
+    if _REPO_ID_RE.match(model) and not model.startswith((".", "/")):
+        return _load_hub(model, revision)
+    raise ModelInputError(
+        f"{model!r} is neither an existing path nor a Hugging Face repo id (org/name); check the spelling"
+    )
+
+
+def _display_path(path: Path) -> str:
+    """Paths in plans are relative to the working directory, so plans hold no machine-specific prefix."""
+    return os.path.relpath(path.resolve(), Path.cwd())
+
+
+def _load_local(path: Path, source: str) -> Checkpoint:
+    if path.is_file():
+        if path.name.endswith(".index.json"):
+            folder, index_path = path.parent, path
+        else:
+            return _local_single(path, source, _read_config(path.parent))
+    else:
+        folder, index_path = path, _find_index(path)
+        if index_path is None:
+            single = path / SINGLE_NAME
+            if not single.is_file():
+                raise ModelInputError(
+                    f"{path}: no {INDEX_NAME} and no {SINGLE_NAME}; point --model at a folder that has "
+                    "one of them, or at a .safetensors file"
+                )
+            return _local_single(single, source, _read_config(path))
+    weight_map = _read_weight_map(index_path)
+    files = sorted(set(weight_map.values()))
+    for name in files:
+        if not (folder / name).is_file():
+            raise ModelInputError(
+                f"{folder}: shard {name} listed in {index_path.name} is missing; download it "
+                "(for planning, its header is enough)"
+            )
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        per_file = list(pool.map(lambda name: read_entries(folder / name, name), files))
+    tensors = _merge_shards(weight_map, dict(zip(files, per_file)), str(index_path))
+    return Checkpoint(
+        source=source, kind="local", revision=None, tensors=tensors, config=_read_config(folder), num_files=len(files)
+    )
+
+
+def _find_index(folder: Path) -> Path | None:
+    if (folder / INDEX_NAME).is_file():
+        return folder / INDEX_NAME
+    candidates = sorted(folder.glob("*.safetensors.index.json"))
+    if len(candidates) > 1:
+        names = ", ".join(c.name for c in candidates)
+        raise ModelInputError(f"{folder}: several indexes ({names}); pass the one to plan as --model PATH/NAME")
+    return candidates[0] if candidates else None
+
+
+def _local_single(path: Path, source: str, config: dict | None) -> Checkpoint:
+    entries = read_entries(path, path.name)
+    return Checkpoint(
+        source=source,
+        kind="local",
+        revision=None,
+        tensors=tuple(sorted(entries, key=lambda t: t.name)),
+        config=config,
+        num_files=1,
+    )
+
+
+def _read_weight_map(index_path: Path) -> dict[str, str]:
+    try:
+        index = json.loads(index_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ModelInputError(f"{index_path}: cannot read the index ({error}); download it again") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ModelInputError(f"{index_path}: the index has no weight_map; download it again")
+    if not all(isinstance(v, str) and "/" not in v and v.endswith(".safetensors") for v in weight_map.values()):
+        raise ModelInputError(f"{index_path}: weight_map names files that are not .safetensors shards here")
+    return weight_map
+
+
+def _merge_shards(weight_map: dict[str, str], per_file: dict[str, list[TensorEntry]], origin: str):
+    """Check that the index and the shard headers agree, and return every tensor once, sorted by name."""
+    by_name: dict[str, TensorEntry] = {}
+    for file, entries in per_file.items():
+        for entry in entries:
+            if entry.name in by_name:
+                raise ModelInputError(
+                    f"{origin}: tensor {entry.name!r} is in both {by_name[entry.name].file} and {file}; "
+                    "the checkpoint is inconsistent"
+                )
+            by_name[entry.name] = entry
+    for name, file in weight_map.items():
+        entry = by_name.get(name)
+        if entry is None or entry.file != file:
+            raise ModelInputError(
+                f"{origin}: the index puts {name!r} in {file} but that shard's header does not have it; "
+                "the index and shards are from different versions: download them again"
+            )
+    return tuple(by_name[name] for name in sorted(by_name))
+
+
+def _read_config(folder: Path) -> dict | None:
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        return None
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ModelInputError(f"{config_path}: not valid JSON ({error}); fix or remove it") from None
+    if not isinstance(config, dict):
+        raise ModelInputError(f"{config_path}: not a JSON object; fix or remove it")
+    return config
+
+
+# ---- Hugging Face hub ---------------------------------------------------------------------------------------
+
+
+def _load_hub(repo_id: str, revision: str | None) -> Checkpoint:
+    """Index and config through hf_hub_download (cached), shard headers from the cache or range requests."""
+    index_path = _hub_small_file(repo_id, INDEX_NAME, revision, required=False)
+    if index_path is None:
+        weight_map = None
+        files = [SINGLE_NAME]
+        anchor = _hub_small_file(repo_id, "config.json", revision, required=False)
+    else:
+        weight_map = _read_weight_map(index_path)
+        files = sorted(set(weight_map.values()))
+        anchor = index_path
+    commit = _commit_of(anchor) if anchor is not None else revision
+    config_path = _hub_small_file(repo_id, "config.json", commit, required=False)
+    per_file = _hub_headers(repo_id, commit, files)
+    origin = f"{repo_id}@{commit}"
+    if weight_map is None:
+        tensors = tuple(sorted(per_file[SINGLE_NAME], key=lambda t: t.name))
+    else:
+        tensors = _merge_shards(weight_map, per_file, origin)
+    config = _read_config(config_path.parent) if config_path is not None else None
+    return Checkpoint(
+        source=repo_id, kind="hub", revision=commit, tensors=tensors, config=config, num_files=len(files)
+    )
+
+
+def _hub_small_file(repo_id: str, filename: str, revision: str | None, *, required: bool) -> Path | None:
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub import errors as hub_errors
+
+    try:
+        return Path(hf_hub_download(repo_id, filename, revision=revision))
+    except hub_errors.RepositoryNotFoundError:
+        raise ModelInputError(
+            f"{repo_id}: no such repository on the hub, or it is private/gated: check the id, or log in "
+            "with `hf auth login`"
+        ) from None
+    except hub_errors.RevisionNotFoundError:
+        raise ModelInputError(f"{repo_id}: revision {revision!r} does not exist; check --revision") from None
+    except hub_errors.LocalEntryNotFoundError:
+        if required:
+            raise _offline_error(repo_id, filename) from None
+        return None
+    except hub_errors.EntryNotFoundError:
+        if required:
+            raise ModelInputError(f"{repo_id}: has no {filename}") from None
+        return None
+    except (OSError, hub_errors.HfHubHTTPError) as error:
+        raise ModelInputError(f"{repo_id}: cannot reach the hub ({type(error).__name__}); retry, or set "
+                              "HF_HUB_OFFLINE=1 to use the local cache") from None
+
+
+def _offline_error(repo_id: str, filename: str) -> ModelInputError:
+    return ModelInputError(
+        f"{repo_id}: {filename} is not in the local Hugging Face cache and the hub cannot be reached "
+        "(HF_HUB_OFFLINE or no network); go online once, or pass a local folder as --model"
+    )
+
+
+def _commit_of(cached_path: Path) -> str | None:
+    """hf_hub_download returns .../snapshots/<commit>/<file>: the commit the files were read at."""
+    parts = cached_path.parts
+    if "snapshots" in parts:
+        return parts[parts.index("snapshots") + 1]
+    return None
+
+
+def _hub_headers(repo_id: str, commit: str | None, files: list[str]) -> dict[str, list[TensorEntry]]:
+    from huggingface_hub import try_to_load_from_cache
+
+    per_file: dict[str, list[TensorEntry]] = {}
+    missing = []
+    for name in files:
+        cached = try_to_load_from_cache(repo_id, name, revision=commit)
+        if isinstance(cached, str):
+            per_file[name] = read_entries(Path(cached), name)
+        else:
+            missing.append(name)
+    if missing:
+        per_file.update(_remote_headers(repo_id, commit, missing))
+    return per_file
+
+
+def _remote_headers(repo_id: str, commit: str | None, files: list[str]) -> dict[str, list[TensorEntry]]:
+    """Shard headers over HTTP range requests (a few KB each): the weights are never downloaded."""
+    from huggingface_hub import constants, get_safetensors_metadata
+
+    if constants.HF_HUB_OFFLINE:
+        raise _offline_error(repo_id, files[0])
+    try:
+        metadata = get_safetensors_metadata(repo_id, revision=commit)
+    except Exception as error:  # the hub client raises many types; all mean the same to the user
+        raise ModelInputError(
+            f"{repo_id}: cannot read shard headers from the hub ({type(error).__name__}: {error}); retry, or "
+            "download the shards' headers into the cache"
+        ) from None
+    per_file = {}
+    for name in files:
+        file_meta = metadata.files_metadata.get(name)
+        if file_meta is None:
+            raise ModelInputError(f"{repo_id}: the hub has no header for shard {name}")
+        header = {
+            tensor_name: {"dtype": info.dtype, "shape": list(info.shape), "data_offsets": list(info.data_offsets)}
+            for tensor_name, info in file_meta.tensors.items()
+        }
+        per_file[name] = entries_from_header(header, name, f"{repo_id}/{name}")
+    return per_file

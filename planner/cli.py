@@ -1,0 +1,159 @@
+"""The ``offload-plan`` command line: thin commands that parse, call the planner or runtime, and print.
+
+Data (plans, JSON) goes to stdout or a file; tables, progress and warnings go to stderr. Every
+OffloadPlanError becomes one line on stderr and a non-zero exit; OFFLOAD_PLAN_DEBUG=1 shows tracebacks.
+"""
+
+import functools
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from planner.errors import OffloadPlanError
+from planner.plan import Inputs, plan_to_dict, read_plan, render_plan, write_atomic
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Plan, explain and apply how a model's weights are split between GPU memory and host memory.",
+)
+# A pipe or file gets 120 columns (rich's default of 80 breaks the timeline); a terminal keeps its own width.
+stderr = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 120)
+
+ModelOption = Annotated[str, typer.Option("--model", "-m", help="Checkpoint folder, .safetensors file, or hub repo id.")]
+GpuOption = Annotated[str, typer.Option("--gpu", "-g", help="Built-in profile name (see `profiles`) or a profile .yaml.")]
+PlanArgument = Annotated[Path, typer.Argument(help="A plan file written by `make`.")]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON to stdout.")]
+
+
+def handle_errors(command):
+    """Turn project errors into one line on stderr and the error's exit code."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except OffloadPlanError as error:
+            if os.environ.get("OFFLOAD_PLAN_DEBUG"):
+                raise
+            stderr.print(f"offload-plan: error: {error}", markup=False, soft_wrap=True)
+            raise typer.Exit(error.exit_code) from None
+        except KeyboardInterrupt:
+            stderr.print("offload-plan: interrupted")
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+@app.command()
+@handle_errors
+def make(
+    model: ModelOption,
+    gpu: GpuOption,
+    budget: Annotated[Optional[str], typer.Option(help="GPU bytes for weights, slots included: 40GiB, 80GB.")] = None,
+    trigger: Annotated[Optional[float], typer.Option(help="Budget as a share of GPU memory, e.g. 0.5.")] = None,
+    tokens: Annotated[int, typer.Option(help="Tokens per forward step (prefill chunk or decode batch).")] = 2048,
+    sequences: Annotated[int, typer.Option(help="Sequences those tokens belong to (decode: the batch).")] = 1,
+    context: Annotated[int, typer.Option(help="Tokens already in each sequence's KV cache.")] = 0,
+    params: Annotated[Optional[list[str]], typer.Option("--params", help="Offload only params matching these name segments (repeat).")] = None,
+    stack: Annotated[Optional[str], typer.Option(help="Layer stack to plan, e.g. model.language_model.layers.")] = None,
+    revision: Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag or commit).")] = None,
+    group_size: Annotated[Optional[int], typer.Option(help="Pin G instead of searching it.")] = None,
+    num_in_group: Annotated[Optional[int], typer.Option(help="Pin K instead of searching it.")] = None,
+    prefetch_step: Annotated[Optional[int], typer.Option(help="Pin P instead of searching it.")] = None,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the plan here (default: stdout).")] = None,
+):
+    """Search the fastest offload plan that fits. Example: offload-plan make -m org/model -g h100-sxm --budget 40GiB -o plan.yaml"""
+    from planner.make import make_plan, regenerate_command
+
+    inputs = Inputs(
+        model=model, revision=revision, gpu=gpu, budget=budget, trigger=trigger, tokens=tokens, sequences=sequences,
+        context=context, params=tuple(params or ()), stack=stack, group_size=group_size,
+        num_in_group=num_in_group, prefetch_step=prefetch_step,
+    )
+    planned = make_plan(inputs)
+    for warning in planned.warnings:
+        stderr.print(f"offload-plan: warning: {warning}", markup=False, soft_wrap=True)
+    text = render_plan(planned.plan, regenerate_command(inputs, str(output) if output else None))
+    if output is None:
+        sys.stdout.write(text)
+    else:
+        write_atomic(output, text)
+    _print_outcome(planned.plan, output)
+
+
+def _print_outcome(plan, output) -> None:
+    from planner.units import format_bytes, format_ms
+
+    offload, prediction = plan.offload, plan.prediction
+    where = f"wrote {output}: " if output else ""
+    stderr.print(
+        f"{where}{len(offload.layers)}/{plan.model.num_layers} layers offloaded "
+        f"(G={offload.group_size} K={offload.num_in_group} P={offload.prefetch_step}), "
+        f"GPU {format_bytes(plan.memory.gpu_bytes)} of {format_bytes(plan.memory.budget_bytes)}, "
+        f"predicted step {format_ms(prediction.step_ms)} (all resident {format_ms(prediction.resident_step_ms)})",
+        markup=False, soft_wrap=True,
+    )
+
+
+@app.command()
+@handle_errors
+def show(
+    plan: PlanArgument,
+    json_output: JsonOption = False,
+    layers: Annotated[bool, typer.Option("--layers/--no-layers", help="Include the per-layer table.")] = True,
+):
+    """Explain a plan: summary, memory, layers, timeline, stalls. Example: offload-plan show plan.yaml"""
+    loaded = read_plan(plan)
+    if json_output:
+        sys.stdout.write(json.dumps(plan_to_dict(loaded), indent=2) + "\n")
+        return
+    from planner.report import show_plan
+
+    show_plan(loaded, stderr, layer_table=layers)
+
+
+@app.command()
+@handle_errors
+def profiles(json_output: JsonOption = False):
+    """List the built-in hardware profiles with their key figures. Example: offload-plan profiles"""
+    from planner.profile import list_profile_names, load_profile, profile_to_dict
+
+    loaded = [load_profile(name) for name in list_profile_names()]
+    if json_output:
+        sys.stdout.write(json.dumps([profile_to_dict(p) for p in loaded], indent=2) + "\n")
+        return
+    table = Table(title="Hardware profiles (d = datasheet, m = measured, f = fitted, a = assumed)", title_justify="left")
+    for name in ("name", "GPU GiB", "HBM TB/s", "bf16 TFLOP/s", "H2D GB/s", "trigger", "description"):
+        table.add_column(name, justify="left" if name in ("name", "description") else "right")
+    for p in loaded:
+        table.add_row(
+            p.name,
+            _with_source(p.gpu_memory_bytes, 2**30, ".1f"),
+            _with_source(p.hbm_bytes_per_s, 1e12, ".2f"),
+            _with_source(p.bf16_flops_per_s, 1e12, ".0f"),
+            _with_source(p.h2d_bytes_per_s, 1e9, ".1f"),
+            _with_source(p.trigger, 1, ".2f"),
+            p.description,
+        )
+    stderr.print(table)
+
+
+def _with_source(figure, scale: float, spec: str) -> str:
+    return f"{figure.value / scale:{spec}} {figure.source[0]}"
+
+
+def main() -> None:
+    """Entry point of the ``offload-plan`` script."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""Per-layer compute time, estimated from each layer's FLOPs and bytes and the profile's rates (roofline).
+
+The estimate is a seam: a measured table (a later issue) replaces ``ComputeTimes`` and says so in ``source``.
+FLOPs and bytes come from the tensor shapes; config.json supplies attention geometry and MoE routing.
+"""
+
+import math
+from dataclasses import dataclass
+
+from planner.layout import LayerInfo, ModelLayout
+from planner.profile import HardwareProfile
+
+# Bytes per cached K or V element: a bf16 KV cache.
+KV_ELEMENT_BYTES = 2
+_FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
+_EXPERT_COUNT_KEYS = ("num_local_experts", "n_routed_experts", "num_experts", "moe_num_experts")
+_TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k")
+DEFAULT_TOP_K = 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """What one forward step processes."""
+
+    #: tokens in one forward step: a prefill chunk, or the batch of a decode step
+    tokens_per_step: int = 2048
+    #: sequences those tokens belong to (1 for a prefill chunk, the batch size for decode)
+    sequences_per_step: int = 1
+    #: tokens already in each sequence's KV cache before the step
+    context_tokens: int = 0
+
+    def __post_init__(self):
+        if self.tokens_per_step < 1 or self.sequences_per_step < 1 or self.context_tokens < 0:
+            raise ValueError("tokens and sequences must be >= 1 and context >= 0")
+        if self.tokens_per_step % self.sequences_per_step:
+            raise ValueError("tokens per step must be a multiple of sequences per step")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ComputeTimes:
+    """Compute time of each planned layer and of the work outside the stack, for one step."""
+
+    layer_ms: tuple[float, ...]
+    #: embedding, final norm and LM head, run once per step on the compute stream
+    head_ms: float
+    #: how the times were obtained, recorded in the plan
+    source: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelGeometry:
+    """What config.json (or the shapes) say about attention and routing."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_experts: int
+    top_k: int
+
+
+def geometry_from_config(config: dict | None, layout: ModelLayout) -> ModelGeometry:
+    """Attention heads and MoE routing from config.json; experts counted from names when config is silent."""
+    text = _text_config(config)
+    hidden = text.get("hidden_size") or text.get("n_embd") or 0
+    num_heads = text.get("num_attention_heads") or text.get("n_head") or 0
+    head_dim = text.get("head_dim") or (hidden // num_heads if num_heads else 0)
+    num_kv_heads = text.get("num_key_value_heads") or num_heads
+    num_experts = next((text[k] for k in _EXPERT_COUNT_KEYS if isinstance(text.get(k), int)), 0)
+    num_experts = num_experts or _count_experts(layout.layers[-1])
+    top_k = next((text[k] for k in _TOP_K_KEYS if isinstance(text.get(k), int)), 0)
+    if num_experts and not top_k:
+        top_k = min(DEFAULT_TOP_K, num_experts)
+    return ModelGeometry(
+        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, num_experts=num_experts, top_k=top_k
+    )
+
+
+def _text_config(config: dict | None) -> dict:
+    if not config:
+        return {}
+    for key in ("text_config", "language_config"):
+        if isinstance(config.get(key), dict):
+            return config[key]
+    return config
+
+
+def is_expert_param(relative_name: str) -> bool:
+    """Routed-expert weights sit under an ``experts`` segment (``shared_experts`` is dense)."""
+    return ".experts." in f".{relative_name}."
+
+
+def _count_experts(layer: LayerInfo) -> int:
+    indices = set()
+    for name, _, shape, _ in layer.params:
+        if not is_expert_param(name):
+            continue
+        tail = f".{name}.".split(".experts.", 1)[1].split(".")[0]
+        if tail.isdigit():
+            indices.add(int(tail))
+        elif len(shape) == 3:
+            return shape[0]
+    return len(indices)
+
+
+def _logical_params(name: str, dtype: str, shape: tuple[int, ...]) -> int:
+    """Weights that take part in matmuls: 2-D and up, scales excluded; U8 'blocks' hold two FP4 values a byte."""
+    if len(shape) < 2 or "scale" in name.rsplit(".", 1)[-1]:
+        return 0
+    count = math.prod(shape)
+    if dtype in ("U8", "I8") and name.endswith("blocks"):
+        return 2 * count
+    return count
+
+
+def layer_cost(layer: LayerInfo, geometry: ModelGeometry, workload: Workload) -> tuple[float, float, bool]:
+    """(FLOPs, HBM bytes, fp8) of one layer for one step."""
+    tokens = workload.tokens_per_step
+    dense_params = expert_params = dense_bytes = expert_bytes = fp8_bytes = 0
+    for name, dtype, shape, nbytes in layer.params:
+        if is_expert_param(name):
+            expert_params += _logical_params(name, dtype, shape)
+            expert_bytes += nbytes
+        else:
+            dense_params += _logical_params(name, dtype, shape)
+            dense_bytes += nbytes
+        fp8_bytes += nbytes if dtype in _FP8_DTYPES else 0
+    active_share = geometry.top_k / geometry.num_experts if expert_params and geometry.num_experts else 1.0
+    # Experts any token of the step touches: each token picks top_k of num_experts.
+    touched_share = 1 - (1 - active_share) ** tokens
+    flops = 2 * tokens * (dense_params + active_share * expert_params)
+    tokens_per_sequence = tokens // workload.sequences_per_step
+    attended = workload.context_tokens + (tokens_per_sequence + 1) / 2
+    flops += 4 * tokens * attended * geometry.num_heads * geometry.head_dim
+    kv_bytes = (
+        workload.sequences_per_step
+        * (workload.context_tokens + tokens_per_sequence)
+        * 2 * geometry.num_kv_heads * geometry.head_dim * KV_ELEMENT_BYTES
+    )
+    hbm_bytes = dense_bytes + touched_share * expert_bytes + kv_bytes
+    return flops, hbm_bytes, fp8_bytes * 2 > layer.nbytes
+
+
+def roofline_ms(flops: float, hbm_bytes: float, fp8: bool, profile: HardwareProfile) -> float:
+    """max(FLOPs / rate, bytes / bandwidth), both derated by the profile's compute efficiency."""
+    rate = profile.bf16_flops_per_s.value
+    if fp8 and profile.fp8_flops_per_s is not None:
+        rate = profile.fp8_flops_per_s.value
+    efficiency = profile.compute_efficiency.value
+    return 1e3 * max(flops / (rate * efficiency), hbm_bytes / (profile.hbm_bytes_per_s.value * efficiency))
+
+
+def _head_shape(layout: ModelLayout, checkpoint_shapes: dict[str, tuple[int, ...]]) -> tuple[int, ...] | None:
+    """The LM head's [vocab, hidden] shape: lm_head, else the (tied) input embedding."""
+    for suffix in ("lm_head.weight", "output.weight", "embed_tokens.weight", "wte.weight", "word_embeddings.weight"):
+        for name in layout.non_layer_names:
+            if name.endswith(suffix) and len(checkpoint_shapes.get(name, ())) == 2:
+                return checkpoint_shapes[name]
+    return None
+
+
+def estimate_compute(
+    layout: ModelLayout,
+    geometry: ModelGeometry,
+    workload: Workload,
+    profile: HardwareProfile,
+    checkpoint_shapes: dict[str, tuple[int, ...]],
+) -> ComputeTimes:
+    """Roofline compute time of every layer, and of the LM head for the last token of each sequence."""
+    layer_ms = tuple(roofline_ms(*layer_cost(layer, geometry, workload), profile) for layer in layout.layers)
+    head_ms = 0.0
+    shape = _head_shape(layout, checkpoint_shapes)
+    if shape is not None:
+        vocab, hidden = shape
+        head_flops = 2 * workload.sequences_per_step * vocab * hidden
+        head_ms = roofline_ms(head_flops, vocab * hidden * 2, False, profile)
+    source = (
+        f"estimated: roofline from layer shapes at {profile.name} datasheet rates x compute_efficiency "
+        f"{profile.compute_efficiency.value:g}"
+    )
+    return ComputeTimes(layer_ms=layer_ms, head_ms=head_ms, source=source)

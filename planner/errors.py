@@ -1,0 +1,47 @@
+"""The project's exceptions: one base class, one subclass per kind of bad input.
+
+The CLI maps every ``OffloadPlanError`` to a one-line message and a non-zero exit code; anything else is a
+bug and keeps its traceback.
+"""
+
+
+class OffloadPlanError(Exception):
+    """Base class: a problem the user can fix. The message is one line: what is wrong and how to fix it."""
+
+    exit_code = 1
+
+
+class ModelInputError(OffloadPlanError):
+    """The checkpoint cannot be read: missing file or shard, corrupt header, unknown layout."""
+
+    exit_code = 2
+
+
+class ProfileError(OffloadPlanError):
+    """A hardware profile is unknown or malformed."""
+
+    exit_code = 3
+
+
+class PlanError(OffloadPlanError):
+    """A plan file is malformed, or does not match its model or profile."""
+
+    exit_code = 4
+
+
+class InfeasibleError(OffloadPlanError):
+    """No plan fits the budget, even with every layer offloaded."""
+
+    exit_code = 5
+
+
+class UsageError(OffloadPlanError):
+    """Command-line arguments that do not make sense together."""
+
+    exit_code = 6
+
+
+class RuntimeUnavailableError(OffloadPlanError):
+    """The runtime cannot run here (no CUDA GPU, not enough GPU or pinned host memory)."""
+
+    exit_code = 7

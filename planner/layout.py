@@ -1,0 +1,150 @@
+"""Find the repeated block stack in a checkpoint from tensor names alone, and sum bytes per layer.
+
+A stack is a name prefix followed by a layer index: ``model.layers.N.``, ``transformer.h.N.``,
+``language_model.model.layers.N.``. The first numeric segment of a name decides which stack it belongs to, so
+experts inside a layer (``mlp.experts.7.``) stay inside their layer. No per-architecture tables.
+"""
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from planner.checkpoint import Checkpoint
+from planner.errors import ModelInputError
+from planner.safetensors_header import TensorEntry
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerInfo:
+    """One layer of the planned stack."""
+
+    index: int
+    #: (name relative to the layer, dtype, shape, bytes), sorted by name
+    params: tuple[tuple[str, str, tuple[int, ...], int], ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every param of the layer."""
+        return sum(p[3] for p in self.params)
+
+    def matching_bytes(self, segments: tuple[str, ...]) -> int:
+        """Bytes of the params selected by ``segments`` (all params when ``segments`` is empty)."""
+        return sum(p[3] for p in self.params if param_selected(p[0], segments))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelLayout:
+    """The planned stack's layers, and everything else in the checkpoint, counted."""
+
+    stack: str
+    #: every stack found, prefix -> number of layers, for reporting and --stack
+    stacks: dict[str, int]
+    #: layers a served model runs, in index order
+    layers: tuple[LayerInfo, ...]
+    #: layers of the stack beyond config's layer count (e.g. a multi-token-prediction layer): not loaded
+    unused_layers: tuple[LayerInfo, ...]
+    #: bytes outside the planned stack (embeddings, norms, head, other stacks): always resident on the GPU
+    non_layer_bytes: int
+    non_layer_names: tuple[str, ...]
+
+    @property
+    def unused_bytes(self) -> int:
+        """Bytes of tensors a served model does not use."""
+        return sum(layer.nbytes for layer in self.unused_layers)
+
+    @property
+    def layer_bytes(self) -> int:
+        """Bytes of the layers that run."""
+        return sum(layer.nbytes for layer in self.layers)
+
+
+def param_selected(relative_name: str, segments: tuple[str, ...]) -> bool:
+    """vLLM's rule: a segment matches whole dot-separated parts of the name relative to its layer.
+
+    "experts" and "experts.w2_weight" match "mlp.experts.w2_weight"; "expert" and "w2" do not.
+    """
+    if not segments:
+        return True
+    dotted = f".{relative_name}."
+    return any(f".{segment}." in dotted for segment in segments)
+
+
+def _split(name: str) -> tuple[str, int, str] | None:
+    """'model.layers.3.mlp.w' -> ('model.layers', 3, 'mlp.w'); None when the name has no index segment."""
+    parts = name.split(".")
+    for position, part in enumerate(parts[:-1]):
+        if part.isdigit() and position > 0:
+            return ".".join(parts[:position]), int(part), ".".join(parts[position + 1 :])
+    return None
+
+
+def find_stacks(tensors: tuple[TensorEntry, ...]) -> dict[str, dict[int, list[TensorEntry]]]:
+    """Every prefix with two or more layer indices, with the tensors of each layer."""
+    grouped: dict[str, dict[int, list[TensorEntry]]] = defaultdict(lambda: defaultdict(list))
+    for tensor in tensors:
+        split = _split(tensor.name)
+        if split is not None:
+            grouped[split[0]][split[1]].append(tensor)
+    return {prefix: dict(layers) for prefix, layers in grouped.items() if len(layers) >= 2}
+
+
+def _stack_bytes(layers: dict[int, list[TensorEntry]]) -> int:
+    return sum(t.nbytes for tensors in layers.values() for t in tensors)
+
+
+def config_num_layers(config: dict | None) -> int | None:
+    """The number of layers config.json says the served model runs (text config for multimodal models)."""
+    if not config:
+        return None
+    for section in (config.get("text_config"), config.get("language_config"), config):
+        if isinstance(section, dict):
+            for key in ("num_hidden_layers", "n_layer", "num_layers"):
+                if isinstance(section.get(key), int):
+                    return section[key]
+    return None
+
+
+def build_layout(checkpoint: Checkpoint, stack: str | None = None) -> ModelLayout:
+    """Pick the stack to plan (the largest by bytes unless ``stack`` names one) and count every tensor."""
+    stacks = find_stacks(checkpoint.tensors)
+    if not stacks:
+        raise ModelInputError(
+            f"{checkpoint.source}: no repeated layer stack found in tensor names (expected names like "
+            "model.layers.0.*); this checkpoint has nothing to offload layer by layer"
+        )
+    if stack is None:
+        stack = max(stacks, key=lambda prefix: (_stack_bytes(stacks[prefix]), prefix))
+    elif stack not in stacks:
+        raise ModelInputError(f"--stack {stack!r} is not a layer stack of this checkpoint; choose from {sorted(stacks)}")
+    layers = [_layer_info(index, tensors, stack) for index, tensors in sorted(stacks[stack].items())]
+    _check_contiguous(layers, stack)
+    served = config_num_layers(checkpoint.config)
+    used = [layer for layer in layers if served is None or layer.index < served]
+    unused = [layer for layer in layers if served is not None and layer.index >= served]
+    if not used:
+        raise ModelInputError(f"config.json says {served} layers but stack {stack} has none below that index")
+    in_stack = {f"{stack}.{layer.index}.{p[0]}" for layer in layers for p in layer.params}
+    outside = [t for t in checkpoint.tensors if t.name not in in_stack]
+    return ModelLayout(
+        stack=stack,
+        stacks={prefix: len(layers_) for prefix, layers_ in sorted(stacks.items())},
+        layers=tuple(used),
+        unused_layers=tuple(unused),
+        non_layer_bytes=sum(t.nbytes for t in outside),
+        non_layer_names=tuple(t.name for t in outside),
+    )
+
+
+def _layer_info(index: int, tensors: list[TensorEntry], stack: str) -> LayerInfo:
+    cut = len(stack) + len(str(index)) + 2
+    params = sorted((t.name[cut:], t.dtype, t.shape, t.nbytes) for t in tensors)
+    return LayerInfo(index=index, params=tuple(params))
+
+
+def _check_contiguous(layers: list[LayerInfo], stack: str) -> None:
+    indices = [layer.index for layer in layers]
+    if indices != list(range(len(indices))):
+        missing = sorted(set(range(max(indices) + 1)) - set(indices))
+        raise ModelInputError(
+            f"stack {stack}: layer indices are not 0..{len(indices) - 1} (missing {missing[:5]}); "
+            "a shard is probably missing from the index"
+        )

@@ -1,0 +1,358 @@
+"""The plan file: a frozen dataclass tree, written by one function with fixed YAML settings.
+
+Same inputs, same bytes: stable key order, block style (one line per layer row so diffs stay readable),
+floats rounded to fixed decimals, no timestamps, host names or absolute paths. A header comment holds the
+command that regenerates the file. Written atomically: a failed write never leaves a partial file.
+"""
+
+import os
+import tempfile
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from planner.errors import PlanError
+
+SCHEMA_VERSION = 1
+MS_DECIMALS = 4
+SHARE_DECIMALS = 4
+
+
+@dataclass(frozen=True, kw_only=True)
+class Inputs:
+    """The arguments of ``make`` that produced the plan: enough to regenerate it."""
+
+    model: str
+    revision: str | None
+    gpu: str
+    budget: str | None
+    trigger: float | None
+    tokens: int
+    sequences: int
+    context: int
+    params: tuple[str, ...]
+    stack: str | None
+    group_size: int | None
+    num_in_group: int | None
+    prefetch_step: int | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSection:
+    """What was planned: the checkpoint's identity and how its bytes divide."""
+
+    source: str
+    #: hub commit the headers were read at; null for local checkpoints
+    revision: str | None
+    #: sha256 over every tensor's name, dtype and shape
+    fingerprint: str
+    architecture: str | None
+    #: the planned layer stack's name prefix
+    stack: str
+    #: layers of the stack that run
+    num_layers: int
+    num_tensors: int
+    #: every tensor of the checkpoint
+    total_bytes: int
+    #: bytes of the layers that run
+    layer_bytes: int
+    #: embeddings, norms, head and other stacks: always on the GPU
+    non_layer_bytes: int
+    #: stack layers beyond config's layer count (e.g. multi-token prediction): never loaded
+    unused_layers: tuple[int, ...]
+    unused_bytes: int
+    #: dtype -> bytes, over the whole checkpoint
+    dtype_bytes: dict[str, int]
+
+
+@dataclass(frozen=True, kw_only=True)
+class HardwareSection:
+    """The profile figures the plan was computed with."""
+
+    profile: str
+    gpu_memory_bytes: int
+    hbm_bytes_per_s: float
+    bf16_flops_per_s: float
+    fp8_flops_per_s: float | None
+    h2d_bytes_per_s: float
+    copy_overhead_us: float
+    trigger: float
+    reserve_bytes: int
+    compute_efficiency: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkloadSection:
+    """One forward step."""
+
+    tokens_per_step: int
+    sequences_per_step: int
+    context_tokens: int
+    #: where the per-layer compute times come from ("estimated: ..." or "measured: ...")
+    compute_source: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadSection:
+    """The decisions, in the engines' terms, and the explicit layer list."""
+
+    #: G: layers are taken in groups of G (0 when nothing is offloaded)
+    group_size: int
+    #: K: the last K layers of every group are offloaded
+    num_in_group: int
+    #: P: copies run this many offloaded layers ahead; also the number of GPU slots
+    prefetch_step: int
+    #: name segments selecting the params that move (empty: whole layers)
+    params: tuple[str, ...]
+    #: offloaded layer indices, ascending
+    layers: tuple[int, ...]
+
+    def __post_init__(self):
+        if list(self.layers) != sorted(set(self.layers)):
+            raise ValueError("offload.layers must be ascending and distinct")
+        if self.layers and (self.prefetch_step < 1 or self.group_size < 1):
+            raise ValueError("offload.prefetch_step and offload.group_size must be >= 1 when layers are offloaded")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemorySection:
+    """Where the weights live."""
+
+    budget_bytes: int
+    #: weights on the GPU: resident params + slots + non-layer tensors
+    gpu_bytes: int
+    resident_layer_bytes: int
+    non_layer_bytes: int
+    num_slots: int
+    #: one slot holds the largest offloaded layer's selected params
+    slot_bytes: int
+    #: offloaded params in pinned host memory
+    host_pinned_bytes: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class PredictionSection:
+    """The simulated steady-state step."""
+
+    step_ms: float
+    resident_step_ms: float
+    #: compute outside the stack per step (embedding, final norm, LM head)
+    head_ms: float
+    stall_ms: float
+    #: offloaded bytes copied per step / host-to-device bandwidth: no step can be faster than this
+    link_floor_ms: float
+    copy_bytes_per_step: int
+    #: share of the step the link is busy
+    link_busy_share: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerRow:
+    """One planned layer."""
+
+    index: int
+    bytes: int
+    #: bytes moved over the link when offloaded (selected params); 0 for resident layers
+    offloaded_bytes: int
+    compute_ms: float
+    #: copy time of the selected params (shown for every layer, to see what offloading it would cost)
+    copy_ms: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """A whole plan file."""
+
+    schema_version: int
+    inputs: Inputs
+    model: ModelSection
+    hardware: HardwareSection
+    workload: WorkloadSection
+    offload: OffloadSection
+    memory: MemorySection
+    prediction: PredictionSection
+    layers: tuple[LayerRow, ...]
+
+    def __post_init__(self):
+        if self.schema_version != SCHEMA_VERSION:
+            raise ValueError(f"schema_version must be {SCHEMA_VERSION}")
+        if len(self.layers) != self.model.num_layers:
+            raise ValueError("layers must have one row per planned layer")
+        if any(i >= self.model.num_layers for i in self.offload.layers):
+            raise ValueError("offload.layers names a layer beyond model.num_layers")
+
+
+SECTIONS = {
+    "inputs": Inputs,
+    "model": ModelSection,
+    "hardware": HardwareSection,
+    "workload": WorkloadSection,
+    "offload": OffloadSection,
+    "memory": MemorySection,
+    "prediction": PredictionSection,
+}
+
+
+# ---- writing ------------------------------------------------------------------------------------------------
+
+
+class _FlowRow(dict):
+    """A mapping dumped on one line: per-layer rows, so a moved layer is a one-line diff."""
+
+
+class _Dumper(yaml.SafeDumper):
+    pass
+
+
+def _represent_flow_row(dumper, data):
+    return dumper.represent_mapping("tag:yaml.org,2002:map", data.items(), flow_style=True)
+
+
+def _represent_flow_list(dumper, data):
+    return dumper.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=True)
+
+
+class _FlowList(list):
+    """A short list of scalars dumped on one line (layer indices, params)."""
+
+
+_Dumper.add_representer(_FlowRow, _represent_flow_row)
+_Dumper.add_representer(_FlowList, _represent_flow_list)
+
+
+def _rounded(value: Any, decimals: int) -> Any:
+    return round(value, decimals) if isinstance(value, float) else value
+
+
+def plan_to_dict(plan: Plan) -> dict:
+    """The plan as plain data in schema key order (also what ``show --json`` prints)."""
+    out: dict = {"schema_version": plan.schema_version}
+    for name in SECTIONS:
+        section = asdict(getattr(plan, name))
+        out[name] = {key: _plain(value) for key, value in section.items()}
+    out["layers"] = [{key: _plain(value) for key, value in asdict(row).items()} for row in plan.layers]
+    return out
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return list(value)
+    if isinstance(value, float):
+        return round(value, MS_DECIMALS) if abs(value) < 1e6 else value
+    return value
+
+
+def render_plan(plan: Plan, command: str) -> str:
+    """The plan's file text: header comment with the regenerating command, then block-style YAML."""
+    data = plan_to_dict(plan)
+    for name in ("inputs", "offload", "model"):
+        for key, value in data[name].items():
+            if isinstance(value, list):
+                data[name][key] = _FlowList(value)
+    data["layers"] = [_FlowRow(row) for row in data["layers"]]
+    body = yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=120, allow_unicode=False)
+    header = (
+        "# Offload plan written by offload-plan. Do not edit by hand; regenerate with:\n"
+        f"#   {command}\n"
+    )
+    return header + body
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename: never a partial file."""
+    path = Path(path)
+    directory = path.parent if str(path.parent) else Path(".")
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(handle, "w") as stream:
+            stream.write(text)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+# ---- reading ------------------------------------------------------------------------------------------------
+
+
+def read_plan(path: Path) -> Plan:
+    """Load and validate a plan file; any problem is a one-line PlanError naming the field."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as error:
+        raise PlanError(f"{path}: cannot read plan ({error.strerror}); check the path") from None
+    except yaml.YAMLError as error:
+        raise PlanError(f"{path}: not valid YAML ({str(error).splitlines()[0]}); regenerate it with make") from None
+    return plan_from_dict(data, str(path))
+
+
+def plan_from_dict(data: object, origin: str) -> Plan:
+    """Build a Plan from parsed YAML."""
+    if not isinstance(data, dict):
+        raise PlanError(f"{origin}: not a plan (expected a mapping); regenerate it with offload-plan make")
+    expected = {"schema_version", "layers", *SECTIONS}
+    if set(data) != expected:
+        problems = sorted(set(data) ^ expected)
+        raise PlanError(f"{origin}: plan keys differ from schema {SCHEMA_VERSION} at {problems}; regenerate it")
+    if data["schema_version"] != SCHEMA_VERSION:
+        raise PlanError(
+            f"{origin}: schema_version {data['schema_version']!r} is not {SCHEMA_VERSION}; regenerate it"
+        )
+    kwargs: dict = {"schema_version": SCHEMA_VERSION}
+    for name, cls in SECTIONS.items():
+        kwargs[name] = _section(cls, data[name], f"{origin}: {name}")
+    rows = data["layers"]
+    if not isinstance(rows, list):
+        raise PlanError(f"{origin}: layers must be a list of rows; regenerate the plan")
+    kwargs["layers"] = tuple(_section(LayerRow, row, f"{origin}: layers[{i}]") for i, row in enumerate(rows))
+    try:
+        return Plan(**kwargs)
+    except ValueError as error:
+        raise PlanError(f"{origin}: {error}; regenerate the plan") from None
+
+
+_TYPES = {int: (int,), float: (int, float), str: (str,), bool: (bool,)}
+
+
+def _section(cls, raw: object, origin: str):
+    if not isinstance(raw, dict):
+        raise PlanError(f"{origin} must be a mapping; regenerate the plan")
+    names = [f.name for f in fields(cls)]
+    if set(raw) != set(names):
+        raise PlanError(f"{origin}: keys {sorted(set(raw) ^ set(names))} differ from the schema; regenerate the plan")
+    values = {}
+    for f in fields(cls):
+        values[f.name] = _check_type(raw[f.name], f.type, f"{origin}.{f.name}")
+    try:
+        return cls(**values)
+    except ValueError as error:
+        raise PlanError(f"{origin}: {error}; regenerate the plan") from None
+
+
+def _check_type(value: Any, annotation: Any, origin: str) -> Any:
+    """Check one field against its annotation (int, float, str, optional, tuples and str->int dicts)."""
+    text = str(annotation)
+    if value is None:
+        if "None" in text:
+            return None
+        raise PlanError(f"{origin} must not be null; regenerate the plan")
+    if text.startswith("tuple"):
+        inner = int if "int" in text else str
+        if not isinstance(value, list) or not all(_is(v, inner) for v in value):
+            raise PlanError(f"{origin} must be a list of {inner.__name__}; regenerate the plan")
+        return tuple(value)
+    if text.startswith("dict"):
+        if not isinstance(value, dict) or not all(isinstance(v, int) for v in value.values()):
+            raise PlanError(f"{origin} must be a mapping of names to integers; regenerate the plan")
+        return value
+    base = next(t for t in (int, float, str) if t.__name__ in text.split("|")[0] or t is annotation)
+    if not _is(value, base):
+        raise PlanError(f"{origin} must be {base.__name__}, got {value!r}; regenerate the plan")
+    return float(value) if base is float else value
+
+
+def _is(value: Any, kind: type) -> bool:
+    return not isinstance(value, bool) and isinstance(value, _TYPES[kind])

@@ -1,0 +1,166 @@
+"""Hardware profiles: YAML data in ``profiles/``, read into a frozen dataclass that validates itself.
+
+Every figure carries its provenance (``datasheet``, ``measured``, ``fitted`` or ``assumed``) and a note that
+says where it comes from, so a reviewer can tell a reading from a lead.
+"""
+
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import yaml
+
+from planner.errors import ProfileError
+
+SOURCES = ("datasheet", "measured", "fitted", "assumed")
+PROFILE_SUFFIXES = (".yaml", ".yml")
+
+
+def profiles_dir() -> Path:
+    """The built-in profiles: ``profiles/`` beside the packages (repo checkout or installed data)."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here.parent / "profiles", here / "_profiles"):
+        if candidate.is_dir():
+            return candidate
+    raise ProfileError("the built-in profiles folder is missing from this installation; reinstall offload-plan")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Figure:
+    """One number of a profile, with where it comes from."""
+
+    value: float
+    #: one of SOURCES
+    source: str
+    #: citation or method, for people
+    note: str = ""
+
+    def __post_init__(self):
+        if self.source not in SOURCES:
+            raise ValueError(f"source must be one of {', '.join(SOURCES)}, not {self.source!r}")
+        if isinstance(self.value, bool) or not isinstance(self.value, (int, float)) or not math.isfinite(self.value):
+            raise ValueError(f"value must be a finite number, not {self.value!r}")
+        if self.value < 0:
+            raise ValueError(f"value must not be negative, got {self.value}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class HardwareProfile:
+    """What the planner needs to know about one GPU and its link to host memory."""
+
+    name: str
+    description: str
+    #: GPU memory usable by programs
+    gpu_memory_bytes: Figure
+    hbm_bytes_per_s: Figure
+    #: dense (not sparse) bf16 tensor-core rate
+    bf16_flops_per_s: Figure
+    #: dense fp8 rate; None on chips without fp8 tensor cores
+    fp8_flops_per_s: Figure | None
+    #: pinned host-to-device copy-engine bandwidth for layer-sized copies
+    h2d_bytes_per_s: Figure
+    #: fixed cost of one host-to-device copy, on top of bytes / bandwidth
+    copy_overhead_us: Figure
+    #: default share of GPU memory that weights may occupy (vLLM PR 6081's trigger)
+    trigger: Figure
+    #: GPU memory held back for activations, KV cache and the CUDA context
+    reserve_bytes: Figure
+    #: share of peak FLOP/s and HBM bandwidth that an eager decoder layer reaches
+    compute_efficiency: Figure
+
+    def __post_init__(self):
+        if not self.name or not isinstance(self.name, str):
+            raise ValueError("name must be a non-empty string")
+        for key in ("gpu_memory_bytes", "hbm_bytes_per_s", "bf16_flops_per_s", "h2d_bytes_per_s"):
+            if getattr(self, key).value <= 0:
+                raise ValueError(f"{key} must be positive")
+        for key in ("trigger", "compute_efficiency"):
+            if not 0 < getattr(self, key).value <= 1:
+                raise ValueError(f"{key} must be a share in (0, 1], got {getattr(self, key).value}")
+        if self.reserve_bytes.value >= self.gpu_memory_bytes.value:
+            raise ValueError("reserve_bytes must be less than gpu_memory_bytes")
+
+    @property
+    def weight_limit_bytes(self) -> int:
+        """The most GPU memory weights may take: all of it less the reserve."""
+        return int(self.gpu_memory_bytes.value - self.reserve_bytes.value)
+
+    def figures(self) -> dict[str, float | None]:
+        """Field name -> value, for plans and tables."""
+        return {
+            f.name: (None if getattr(self, f.name) is None else getattr(self, f.name).value)
+            for f in fields(self)
+            if f.name not in ("name", "description")
+        }
+
+
+_FIGURE_FIELDS = tuple(f.name for f in fields(HardwareProfile) if f.name not in ("name", "description"))
+_OPTIONAL_FIELDS = ("fp8_flops_per_s",)
+
+
+def profile_from_dict(data: object, origin: str) -> HardwareProfile:
+    """Build a profile from parsed YAML, naming the field and the fix in any error."""
+    if not isinstance(data, dict):
+        raise ProfileError(f"{origin}: a profile is a YAML mapping of fields; see profiles/h100-sxm.yaml")
+    known = {"name", "description", *_FIGURE_FIELDS}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ProfileError(f"{origin}: unknown field(s) {unknown}; valid fields: {sorted(known)}")
+    missing = sorted(k for k in known - set(data) if k not in _OPTIONAL_FIELDS)
+    if missing:
+        raise ProfileError(f"{origin}: missing field(s) {missing}; see profiles/h100-sxm.yaml for the format")
+    kwargs = {"name": data["name"], "description": str(data.get("description", ""))}
+    for key in _FIGURE_FIELDS:
+        kwargs[key] = _figure(data.get(key), key, origin)
+    try:
+        return HardwareProfile(**kwargs)
+    except (TypeError, ValueError) as error:
+        raise ProfileError(f"{origin}: {error}") from None
+
+
+def _figure(raw: object, key: str, origin: str) -> Figure | None:
+    if raw is None and key in _OPTIONAL_FIELDS:
+        return None
+    if not isinstance(raw, dict) or "value" not in raw or "source" not in raw:
+        raise ProfileError(f"{origin}: field {key} must be a mapping with value, source and note")
+    extra = sorted(set(raw) - {"value", "source", "note"})
+    if extra:
+        raise ProfileError(f"{origin}: field {key} has unknown key(s) {extra}; use value, source and note")
+    try:
+        return Figure(value=raw["value"], source=raw["source"], note=str(raw.get("note", "")))
+    except ValueError as error:
+        raise ProfileError(f"{origin}: field {key}: {error}") from None
+
+
+def list_profile_names() -> list[str]:
+    """Names of the built-in profiles, sorted."""
+    return sorted(p.stem for p in profiles_dir().iterdir() if p.suffix in PROFILE_SUFFIXES)
+
+
+def load_profile(name_or_path: str) -> HardwareProfile:
+    """A built-in profile by name (``gb200``), or the user's own YAML file by path."""
+    path = Path(name_or_path)
+    if path.suffix not in PROFILE_SUFFIXES:
+        path = profiles_dir() / f"{name_or_path.lower()}.yaml"
+        if not path.is_file():
+            raise ProfileError(
+                f"unknown GPU {name_or_path!r}; choose one of {', '.join(list_profile_names())}, "
+                "or pass a profile file (--gpu my-gpu.yaml)"
+            )
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as error:
+        raise ProfileError(f"{path}: cannot read profile ({error.strerror}); check the path") from None
+    except yaml.YAMLError as error:
+        raise ProfileError(f"{path}: not valid YAML ({str(error).splitlines()[0]}); fix the file") from None
+    return profile_from_dict(data, str(path))
+
+
+def profile_to_dict(profile: HardwareProfile) -> dict:
+    """The YAML-ready form of a profile (the inverse of profile_from_dict)."""
+    out: dict = {"name": profile.name, "description": profile.description}
+    for key in _FIGURE_FIELDS:
+        figure = getattr(profile, key)
+        if figure is not None:
+            out[key] = {"value": figure.value, "source": figure.source, "note": figure.note}
+    return out

@@ -1,0 +1,160 @@
+"""``show``: explain a plan to a person with rich tables and a one-step copy/compute timeline."""
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from planner.plan import Plan
+from planner.simulate import Simulation, simulate
+from planner.units import format_bytes, format_ms
+
+TIMELINE_COLUMNS = 96
+NUM_STALLS_LISTED = 8
+
+
+def resimulate(plan: Plan) -> Simulation:
+    """Re-run the plan's simulation from its recorded per-layer times (for the timeline)."""
+    return simulate(
+        layer_ms=tuple(row.compute_ms for row in plan.layers),
+        head_ms=plan.prediction.head_ms,
+        offloaded=plan.offload.layers,
+        copy_ms=tuple(plan.layers[i].copy_ms for i in plan.offload.layers),
+        prefetch_step=plan.offload.prefetch_step,
+    )
+
+
+def show_plan(plan: Plan, console: Console, *, layer_table: bool = True) -> None:
+    """Print summary, memory, per-layer table, timeline and stalls."""
+    simulation = resimulate(plan)
+    console.print(_summary(plan))
+    console.print(_memory(plan))
+    if layer_table:
+        console.print(_layer_table(plan, simulation))
+    console.print(_timeline(plan, simulation, max(20, min(TIMELINE_COLUMNS, console.width - 12))))
+    console.print(_stalls(plan, simulation))
+
+
+def _summary(plan: Plan) -> Table:
+    model, offload, prediction = plan.model, plan.offload, plan.prediction
+    table = Table(title="Plan", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    table.add_row("model", f"{model.source}" + (f" @ {model.revision}" if model.revision else ""))
+    table.add_row("layers", f"{model.num_layers} in {model.stack}, {format_bytes(model.layer_bytes)}; "
+                            f"{format_bytes(model.non_layer_bytes)} outside the stack; "
+                            f"{format_bytes(model.unused_bytes)} unused")
+    table.add_row("hardware", f"{plan.hardware.profile}: {format_bytes(plan.hardware.gpu_memory_bytes)}, "
+                              f"link {plan.hardware.h2d_bytes_per_s / 1e9:.1f} GB/s")
+    table.add_row("workload", f"{plan.workload.tokens_per_step} tokens/step in {plan.workload.sequences_per_step} "
+                              f"sequence(s), context {plan.workload.context_tokens}; {plan.workload.compute_source}")
+    if offload.layers:
+        params = " ".join(offload.params) if offload.params else "whole layers"
+        table.add_row("offload", f"{len(offload.layers)} of {model.num_layers} layers ({params}); "
+                                 f"group size {offload.group_size}, {offload.num_in_group} per group, "
+                                 f"prefetch {offload.prefetch_step}")
+    else:
+        table.add_row("offload", "nothing: every weight fits the budget")
+    slowdown = prediction.step_ms / prediction.resident_step_ms if prediction.resident_step_ms else 1.0
+    table.add_row("predicted step", f"{format_ms(prediction.step_ms)} (all resident {format_ms(prediction.resident_step_ms)}, "
+                                    f"x{slowdown:.2f}); stall {format_ms(prediction.stall_ms)}; "
+                                    f"link floor {format_ms(prediction.link_floor_ms)}, "
+                                    f"link busy {100 * prediction.link_busy_share:.0f}%")
+    table.add_row("bound by", _bound_by(plan))
+    return table
+
+
+def _bound_by(plan: Plan) -> str:
+    prediction = plan.prediction
+    if not plan.offload.layers or prediction.stall_ms < 0.01 * prediction.step_ms:
+        return "compute: copies hide behind compute"
+    if prediction.link_floor_ms >= 0.98 * prediction.step_ms:
+        return "the host link: every copy back to back; more budget is the only way faster"
+    return "prefetch latency: the link is idle part of the step; a deeper prefetch or a spread-out layer set helps"
+
+
+def _memory(plan: Plan) -> Table:
+    memory = plan.memory
+    table = Table(title="Memory", title_justify="left")
+    table.add_column("where")
+    table.add_column("bytes", justify="right")
+    table.add_column("", justify="right")
+    rows = [
+        ("GPU: resident layer params", memory.resident_layer_bytes),
+        ("GPU: outside the stack (embeddings, norms, head)", memory.non_layer_bytes),
+        (f"GPU: {memory.num_slots} prefetch slot(s) x {format_bytes(memory.slot_bytes)}", memory.num_slots * memory.slot_bytes),
+        ("GPU: total weights", memory.gpu_bytes),
+        ("GPU: budget", memory.budget_bytes),
+        ("host: pinned offloaded params", memory.host_pinned_bytes),
+    ]
+    for label, value in rows:
+        table.add_row(label, f"{value:,}", format_bytes(value))
+    return table
+
+
+def _layer_table(plan: Plan, simulation: Simulation) -> Table:
+    table = Table(title="Layers (steady-state step)", title_justify="left")
+    for name in ("layer", "where", "bytes", "moved", "compute", "copy", "waits"):
+        table.add_column(name, justify="right" if name not in ("where",) else "left")
+    offloaded = set(plan.offload.layers)
+    for row in plan.layers:
+        stall = simulation.layer_stall_ms[row.index]
+        table.add_row(
+            str(row.index),
+            Text("offloaded", style="cyan") if row.index in offloaded else Text("resident", style="green"),
+            format_bytes(row.bytes),
+            format_bytes(row.offloaded_bytes) if row.offloaded_bytes else "-",
+            format_ms(row.compute_ms),
+            format_ms(row.copy_ms) if row.index in offloaded else "-",
+            Text(format_ms(stall), style="red") if stall > 1e-6 else "-",
+        )
+    return table
+
+
+def timeline_rows(simulation: Simulation, offloaded: set[int], columns: int = TIMELINE_COLUMNS) -> tuple[str, str]:
+    """Two character rows for one step: compute (# resident, o offloaded, . waiting) and copy (= busy)."""
+    step_ms = simulation.step_ms or 1.0
+    compute_row, copy_row = [], []
+    for column in range(columns):
+        moment = (column + 0.5) * step_ms / columns
+        compute_row.append(_compute_char(simulation, offloaded, moment))
+        copy_row.append("=" if any(_covers(c, moment, step_ms) for c in simulation.copies) else " ")
+    return "".join(compute_row), "".join(copy_row)
+
+
+def _covers(interval, moment: float, step_ms: float) -> bool:
+    # Copies issued late in a step may run into the next one: fold them back onto this step.
+    return interval.start_ms <= moment < interval.end_ms or interval.start_ms <= moment + step_ms < interval.end_ms
+
+
+def _compute_char(simulation: Simulation, offloaded: set[int], moment: float) -> str:
+    for interval in simulation.compute:
+        if interval.start_ms <= moment < interval.end_ms:
+            return "o" if interval.layer in offloaded else ("h" if interval.layer < 0 else "#")
+    return "."
+
+
+def _timeline(plan: Plan, simulation: Simulation, columns: int) -> Text:
+    compute_row, copy_row = timeline_rows(simulation, set(plan.offload.layers), columns)
+    text = Text()
+    text.append(f"One step, {format_ms(simulation.step_ms)} ({format_ms(simulation.step_ms / columns)} a column)\n",
+                style="bold")
+    text.append("compute |")
+    for char in compute_row:
+        text.append(char, style={"#": "green", "o": "cyan", ".": "red", "h": "magenta"}[char])
+    text.append("|\ncopy    |")
+    text.append(copy_row, style="yellow")
+    text.append("|\n         # resident layer, o offloaded layer, . waiting for a copy, h head, = copy on the link\n")
+    return text
+
+
+def _stalls(plan: Plan, simulation: Simulation) -> Text:
+    waits = sorted(((stall, layer) for layer, stall in enumerate(simulation.layer_stall_ms) if stall > 1e-6),
+                   reverse=True)
+    if not waits:
+        return Text("No stalls: every copy finishes before its layer runs.\n", style="green")
+    text = Text(f"Stalls: {len(waits)} layer(s) wait, {format_ms(simulation.stall_ms)} per step in all\n", style="red")
+    for stall, layer in waits[:NUM_STALLS_LISTED]:
+        text.append(f"  layer {layer} waits {format_ms(stall)} for its copy\n")
+    if len(waits) > NUM_STALLS_LISTED:
+        text.append(f"  ... and {len(waits) - NUM_STALLS_LISTED} more\n")
+    return text

@@ -1,0 +1,190 @@
+"""Search group size, offloaded layers per group and prefetch depth for the fastest plan within a budget.
+
+Candidates are vLLM/SGLang-expressible offload sets (layer i offloaded when i % G >= G - K), restricted to
+layers that hold selected params. Each set is bounded from below by max(all-resident step, copies it must
+make / link bandwidth); sets are simulated in order of that bound, and the search stops once no remaining
+set can beat the best plan found.
+"""
+
+from dataclasses import dataclass
+
+from planner.cost import ComputeTimes
+from planner.errors import InfeasibleError
+from planner.schedule import PrefetchSchedule, offloaded_by_rule
+from planner.simulate import Simulation, simulate
+from planner.units import format_bytes
+
+# Step times closer than this are equal for choosing between plans (0.1 us).
+STEP_MS_DECIMALS = 4
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerBytes:
+    """Bytes of each planned layer: all of it, and the part selected for offload."""
+
+    total: tuple[int, ...]
+    selected: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Choice:
+    """One evaluated plan."""
+
+    group_size: int
+    num_in_group: int
+    prefetch_step: int
+    offloaded: tuple[int, ...]
+    simulation: Simulation
+    gpu_bytes: int
+    host_pinned_bytes: int
+    #: bytes copied over the link per step
+    copy_bytes: int
+
+    def key(self) -> tuple:
+        """Fastest first; then fewest bytes over the link, least GPU memory, fewest slots, largest groups."""
+        return (
+            round(self.simulation.step_ms, STEP_MS_DECIMALS),
+            self.copy_bytes,
+            self.gpu_bytes,
+            self.prefetch_step,
+            -self.group_size,
+            self.num_in_group,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchSpace:
+    """The user may pin any of the three knobs (e.g. to evaluate flags they already run with)."""
+
+    group_size: int | None = None
+    num_in_group: int | None = None
+    prefetch_step: int | None = None
+
+
+def copy_ms_of(num_bytes: int, h2d_bytes_per_s: float, copy_overhead_us: float) -> float:
+    """Time of one host-to-device copy of ``num_bytes``."""
+    return copy_overhead_us / 1e3 + 1e3 * num_bytes / h2d_bytes_per_s
+
+
+def gpu_bytes_of(fixed_bytes: int, layers: LayerBytes, offloaded: tuple[int, ...], num_slots: int) -> int:
+    """Resident weights + slots: everything but the offloaded selected params, plus num_slots of the largest."""
+    offloaded_selected = [layers.selected[i] for i in offloaded]
+    slot_bytes = max(offloaded_selected, default=0)
+    return fixed_bytes + sum(layers.total) - sum(offloaded_selected) + num_slots * slot_bytes
+
+
+def minimum_gpu_bytes(fixed_bytes: int, layers: LayerBytes) -> int:
+    """GPU bytes with every eligible layer offloaded through one slot: the least any plan needs."""
+    eligible = tuple(i for i, b in enumerate(layers.selected) if b > 0)
+    return gpu_bytes_of(fixed_bytes, layers, eligible, 1 if eligible else 0)
+
+
+def _candidate_sets(layers: LayerBytes, space: SearchSpace) -> dict[tuple[int, ...], tuple[int, int]]:
+    """Distinct offload sets -> the (group_size, num_in_group) that expresses them (largest group first)."""
+    num_layers = len(layers.total)
+    sets: dict[tuple[int, ...], tuple[int, int]] = {}
+    for group_size in range(num_layers, 0, -1):
+        if space.group_size not in (None, group_size):
+            continue
+        for num_in_group in range(1, group_size + 1):
+            if space.num_in_group not in (None, num_in_group):
+                continue
+            chosen = offloaded_by_rule(num_layers, group_size, num_in_group)
+            chosen = tuple(i for i in chosen if layers.selected[i] > 0)
+            if len(chosen) >= 2 and chosen not in sets:
+                sets[chosen] = (group_size, num_in_group)
+    return sets
+
+
+def search(
+    *,
+    layers: LayerBytes,
+    fixed_bytes: int,
+    compute: ComputeTimes,
+    h2d_bytes_per_s: float,
+    copy_overhead_us: float,
+    budget_bytes: int,
+    space: SearchSpace = SearchSpace(),
+) -> Choice:
+    """The fastest plan within ``budget_bytes`` (offloading nothing when everything fits)."""
+    resident_ms = compute.head_ms + sum(compute.layer_ms)
+    copy_ms = tuple(copy_ms_of(b, h2d_bytes_per_s, copy_overhead_us) for b in layers.selected)
+    resident = _evaluate(layers, fixed_bytes, compute, copy_ms, (), 0, 0, 0)
+    if resident.gpu_bytes <= budget_bytes and space == SearchSpace():
+        return resident
+    needed = minimum_gpu_bytes(fixed_bytes, layers)
+    if needed > budget_bytes:
+        raise InfeasibleError(
+            f"no plan fits: even with every layer offloaded through one slot the weights need "
+            f"{needed} bytes ({format_bytes(needed)}) of GPU memory, but the budget is {budget_bytes} bytes "
+            f"({format_bytes(budget_bytes)}); raise --budget or --trigger, offload more params, or use a larger GPU"
+        )
+    best = None
+    for offloaded, bound, (group_size, num_in_group) in _ordered(layers, fixed_bytes, copy_ms, resident_ms,
+                                                                 budget_bytes, space):
+        if best is not None and round(bound, STEP_MS_DECIMALS) > round(best.simulation.step_ms, STEP_MS_DECIMALS):
+            break
+        for depth in _depths(layers, fixed_bytes, offloaded, budget_bytes, space):
+            choice = _evaluate(layers, fixed_bytes, compute, copy_ms, offloaded, group_size, num_in_group, depth)
+            if best is None or choice.key() < best.key():
+                best = choice
+            if choice.simulation.step_ms <= _link_bound(copy_ms, offloaded, depth, resident_ms) + 1e-9:
+                break  # at the floor: more depth only costs memory
+    if best is None:
+        raise InfeasibleError(
+            f"no plan with the pinned knobs ({_describe(space)}) fits the budget of {format_bytes(budget_bytes)}; "
+            "unpin them or raise --budget"
+        )
+    return best
+
+
+def _describe(space: SearchSpace) -> str:
+    pinned = {k: v for k, v in vars(space).items() if v is not None}
+    return ", ".join(f"{k}={v}" for k, v in pinned.items()) or "none"
+
+
+def _depths(layers, fixed_bytes, offloaded, budget_bytes, space):
+    """Depths from 1 up to the most the budget allows, fewer than the number offloaded (else nothing saved)."""
+    top = len(offloaded) - 1
+    depths = range(1, top + 1) if space.prefetch_step is None else [space.prefetch_step]
+    return [d for d in depths if d <= top and gpu_bytes_of(fixed_bytes, layers, offloaded, d) <= budget_bytes]
+
+
+def _link_bound(copy_ms, offloaded, depth, resident_ms) -> float:
+    schedule = PrefetchSchedule(len(offloaded), depth)
+    copies = sum(copy_ms[layer] for k, layer in enumerate(offloaded) if schedule.needs_copy(k))
+    return max(resident_ms, copies)
+
+
+def _ordered(layers, fixed_bytes, copy_ms, resident_ms, budget_bytes, space):
+    """Feasible offload sets sorted by their lower bound on step time."""
+    ranked = []
+    for offloaded, knobs in _candidate_sets(layers, space).items():
+        depths = _depths(layers, fixed_bytes, offloaded, budget_bytes, space)
+        if not depths:
+            continue
+        bound = min(_link_bound(copy_ms, offloaded, depth, resident_ms) for depth in (depths[0], depths[-1]))
+        ranked.append((bound, sum(layers.selected[i] for i in offloaded), -knobs[0], knobs[1], offloaded, knobs))
+    ranked.sort()
+    return [(entry[4], entry[0], entry[5]) for entry in ranked]
+
+
+def _evaluate(layers, fixed_bytes, compute, copy_ms, offloaded, group_size, num_in_group, depth) -> Choice:
+    simulation = simulate(
+        layer_ms=compute.layer_ms,
+        head_ms=compute.head_ms,
+        offloaded=offloaded,
+        copy_ms=tuple(copy_ms[i] for i in offloaded),
+        prefetch_step=depth,
+    )
+    schedule = PrefetchSchedule(len(offloaded), depth)
+    return Choice(
+        group_size=group_size,
+        num_in_group=num_in_group,
+        prefetch_step=depth,
+        offloaded=offloaded,
+        simulation=simulation,
+        gpu_bytes=gpu_bytes_of(fixed_bytes, layers, offloaded, schedule.num_slots),
+        host_pinned_bytes=sum(layers.selected[i] for i in offloaded),
+        copy_bytes=sum(layers.selected[layer] for k, layer in enumerate(offloaded) if schedule.needs_copy(k)),
+    )

@@ -1,0 +1,126 @@
+"""Discrete-event simulation of one compute stream and one copy stream, run to steady state.
+
+Events follow the runtime exactly (planner.schedule): before the first step the first S offloaded layers
+are loaded; the compute stream runs the head work and every layer in order, an offloaded layer waiting for
+its copy; the copy stream runs copies one at a time in the order layers need them, each copy waiting for its
+slot's previous reader to finish. Several steps are simulated so prefetches wrap into the next step, and
+the steady-state step is reported.
+"""
+
+from dataclasses import dataclass
+
+from planner.schedule import PrefetchSchedule
+
+NUM_WARM_STEPS = 6
+NUM_MEASURED_STEPS = 4
+
+
+@dataclass(frozen=True, kw_only=True)
+class Interval:
+    """One thing on one stream during the reported step, times relative to the step's start."""
+
+    layer: int
+    start_ms: float
+    end_ms: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Simulation:
+    """The steady-state step."""
+
+    step_ms: float
+    #: time the compute stream waits for copies, per step
+    stall_ms: float
+    #: compute stream intervals of one steady-state step (layer -1 is head work)
+    compute: tuple[Interval, ...]
+    #: copy stream intervals that start in that step
+    copies: tuple[Interval, ...]
+    #: per layer, ms waited for its copy in that step
+    layer_stall_ms: tuple[float, ...]
+
+    @property
+    def copy_busy_ms(self) -> float:
+        """Time the link is busy per step."""
+        return sum(c.end_ms - c.start_ms for c in self.copies)
+
+
+def simulate(
+    *,
+    layer_ms: tuple[float, ...],
+    head_ms: float,
+    offloaded: tuple[int, ...],
+    copy_ms: tuple[float, ...],
+    prefetch_step: int,
+) -> Simulation:
+    """Simulate steps until steady state. ``copy_ms[k]`` is the copy time of offloaded position k."""
+    schedule = PrefetchSchedule(len(offloaded), prefetch_step)
+    position_of = {layer: k for k, layer in enumerate(offloaded)}
+    n = len(offloaded)
+    compute_end: dict[tuple[int, int], float] = {}  # (step, position) -> end of that offloaded layer
+    copy_end: dict[tuple[int, int], float] = {}
+    copy_log: list[tuple[int, int, float, float]] = []
+    # The copy stream's order: every copy after the preloaded first num_slots positions of step 0.
+    per_step = [k for k in range(n) if schedule.needs_copy(k)]
+    order = ((step, k) for step in range(NUM_WARM_STEPS + NUM_MEASURED_STEPS) for k in per_step)
+    order = (item for item in order if item[0] > 0 or item[1] >= schedule.num_slots)
+    stream_free_ms = 0.0
+
+    def ensure_copy(step: int, position: int) -> float:
+        """Run the copy stream in order up to (step, position); return when that copy ends."""
+        nonlocal stream_free_ms
+        if (step == 0 and position < schedule.num_slots) or not schedule.needs_copy(position):
+            return 0.0
+        while (step, position) not in copy_end:
+            copy_step, copy_position = next(order)
+            steps_back, reader = schedule.previous_reader(copy_position)
+            start = max(stream_free_ms, compute_end[(copy_step - steps_back, reader)])
+            end = start + copy_ms[copy_position]
+            copy_end[(copy_step, copy_position)] = end
+            copy_log.append((copy_step, offloaded[copy_position], start, end))
+            stream_free_ms = end
+        return copy_end[(step, position)]
+
+    now = 0.0
+    step_starts, traces = [], []
+    for step in range(NUM_WARM_STEPS + NUM_MEASURED_STEPS):
+        step_starts.append(now)
+        trace = [Interval(layer=-1, start_ms=now, end_ms=now + head_ms)]
+        now += head_ms
+        stalls = []
+        for layer, duration in enumerate(layer_ms):
+            ready = now
+            if layer in position_of:
+                ready = max(now, ensure_copy(step, position_of[layer]))
+            stalls.append(ready - now)
+            trace.append(Interval(layer=layer, start_ms=ready, end_ms=ready + duration))
+            now = ready + duration
+            if layer in position_of:
+                compute_end[(step, position_of[layer])] = now
+        traces.append((trace, stalls))
+    step_starts.append(now)
+    return _steady_state(step_starts, traces, copy_log)
+
+
+def _steady_state(step_starts, traces, copy_log) -> Simulation:
+    """Average the last steps (a schedule may repeat with a period above one step) and keep one for display."""
+    first = NUM_WARM_STEPS
+    step_ms = (step_starts[-1] - step_starts[first]) / NUM_MEASURED_STEPS
+    origin = step_starts[first]
+    trace, stalls = traces[first]
+    compute = tuple(
+        Interval(layer=i.layer, start_ms=i.start_ms - origin, end_ms=i.end_ms - origin) for i in trace
+    )
+    window_end = step_starts[first + 1]
+    copies = tuple(
+        Interval(layer=layer, start_ms=start - origin, end_ms=end - origin)
+        for _, layer, start, end in copy_log
+        if origin <= start < window_end
+    )
+    measured_stalls = [sum(traces[s][1]) for s in range(first, len(traces))]
+    return Simulation(
+        step_ms=step_ms,
+        stall_ms=sum(measured_stalls) / len(measured_stalls),
+        compute=compute,
+        copies=copies,
+        layer_stall_ms=tuple(stalls),
+    )
