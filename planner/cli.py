@@ -122,6 +122,66 @@ def show(
 
 @app.command()
 @handle_errors
+def run(
+    plan: PlanArgument,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Checkpoint to load (default: the plan's source).")] = None,
+    bench: Annotated[bool, typer.Option("--bench", help="Time the plan's workload against its prediction.")] = False,
+    prompt: Annotated[Optional[str], typer.Option(help="Generate from this prompt with the plan applied.")] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate with --prompt.")] = 64,
+    json_output: JsonOption = False,
+):
+    """Load the model with the plan applied and run it on the local GPU. Example: offload-plan run plan.yaml --bench"""
+    from planner.errors import UsageError
+
+    if bench == (prompt is not None):
+        raise UsageError("give exactly one of --bench or --prompt TEXT")
+    loaded_plan = read_plan(plan)
+    from runtime.load import load_with_plan, model_path_for, require_cuda
+
+    require_cuda()
+    loaded = _load_with_progress(loaded_plan, model, load_with_plan)
+    if prompt is not None:
+        from runtime.bench import generate
+
+        text, tokens_per_s = generate(loaded, prompt, model_path_for(loaded_plan, model), max_new_tokens)
+        sys.stdout.write(text + "\n")
+        stderr.print(f"{tokens_per_s:.2f} tokens/s with the plan applied")
+        return
+    from runtime.bench import run_bench
+
+    result = run_bench(loaded)
+    if json_output:
+        sys.stdout.write(json.dumps(result.as_dict(), indent=2) + "\n")
+    else:
+        _print_bench(result)
+
+
+def _load_with_progress(plan, model, load):
+    from rich.progress import Progress
+
+    with Progress(console=stderr, transient=True) as progress:
+        task = progress.add_task("packing offloaded layers", total=max(1, len(plan.offload.layers)))
+        return load(plan, model, progress=lambda layer: progress.advance(task))
+
+
+def _print_bench(result) -> None:
+    from planner.units import format_bytes, format_ms
+
+    table = Table(title="run --bench: measured against predicted", title_justify="left")
+    for name in ("", "measured", "predicted", "measured / predicted"):
+        table.add_column(name, justify="right" if name else "left")
+    table.add_row("step", format_ms(result.step_ms), format_ms(result.predicted_step_ms),
+                  f"{result.step_ms / result.predicted_step_ms:.2f}")
+    table.add_row("weights on GPU", format_bytes(result.weights_gpu_bytes), format_bytes(result.planned_gpu_bytes),
+                  f"{result.weights_gpu_bytes / max(1, result.planned_gpu_bytes):.3f}")
+    table.add_row("peak GPU (with activations)", format_bytes(result.peak_gpu_bytes), f"budget {format_bytes(result.budget_bytes)}", "")
+    table.add_row("stall per step", format_ms(result.stall_ms), "", "")
+    table.add_row("link", f"{result.copy_gb_per_s:.1f} GB/s", f"{format_bytes(result.bytes_copied_per_step)}/step", "")
+    stderr.print(table)
+
+
+@app.command()
+@handle_errors
 def profiles(json_output: JsonOption = False):
     """List the built-in hardware profiles with their key figures. Example: offload-plan profiles"""
     from planner.profile import list_profile_names, load_profile, profile_to_dict

@@ -284,7 +284,7 @@ def read_plan(path: Path) -> Plan:
         data = yaml.safe_load(path.read_text())
     except OSError as error:
         raise PlanError(f"{path}: cannot read plan ({error.strerror}); check the path") from None
-    except yaml.YAMLError as error:
+    except (yaml.YAMLError, UnicodeDecodeError) as error:
         raise PlanError(f"{path}: not valid YAML ({str(error).splitlines()[0]}); regenerate it with make") from None
     return plan_from_dict(data, str(path))
 

@@ -151,7 +151,7 @@ def load_profile(name_or_path: str) -> HardwareProfile:
         data = yaml.safe_load(path.read_text())
     except OSError as error:
         raise ProfileError(f"{path}: cannot read profile ({error.strerror}); check the path") from None
-    except yaml.YAMLError as error:
+    except (yaml.YAMLError, UnicodeDecodeError) as error:
         raise ProfileError(f"{path}: not valid YAML ({str(error).splitlines()[0]}); fix the file") from None
     return profile_from_dict(data, str(path))
 

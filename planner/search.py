@@ -132,7 +132,8 @@ def search(
                 break  # at the floor: more depth only costs memory
     if best is None:
         raise InfeasibleError(
-            f"no plan with the pinned knobs ({_describe(space)}) fits the budget of {format_bytes(budget_bytes)}; "
+            f"no plan with the pinned knobs ({_describe(space)}) works: it must offload at least 2 layers, with "
+            f"prefetch_step below the number offloaded, within the budget of {format_bytes(budget_bytes)}; "
             "unpin them or raise --budget"
         )
     return best

@@ -1,0 +1,121 @@
+"""Streams, events and copies behind one small interface: CUDA on a GPU, an in-order stand-in on the CPU.
+
+The stand-in runs every operation at once, in the order the engine issues it. That order is a legal
+execution of the CUDA program (each wait is satisfied by work issued before it), so a schedule that lets a
+copy overwrite a slot before its last reader has run gives wrong outputs on the CPU too: CI tests the
+schedule without a GPU. It also logs each operation, for tests that check the order itself.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class CpuEvent:
+    """An event of the stand-in: remembers which operation recorded it last."""
+
+    name: str
+    recorded_at: int = -1
+
+
+@dataclass
+class CpuStandIn:
+    """Runs copies immediately; waits are checks that the awaited event was recorded earlier."""
+
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    log: list[tuple] = field(default_factory=list)
+
+    def new_event(self, name: str, timing: bool = False) -> CpuEvent:
+        return CpuEvent(name)
+
+    def record_on_compute(self, event: CpuEvent) -> None:
+        event.recorded_at = len(self.log)
+        self.log.append(("record", event.name))
+
+    def record_on_copy(self, event: CpuEvent) -> None:
+        event.recorded_at = len(self.log)
+        self.log.append(("copy-record", event.name))
+
+    def compute_waits(self, event: CpuEvent) -> None:
+        assert event.recorded_at >= 0, f"compute waits on {event.name}, never recorded"
+        self.log.append(("compute-wait", event.name))
+
+    def copy_waits(self, event: CpuEvent) -> None:
+        assert event.recorded_at >= 0, f"copy waits on {event.name}, never recorded"
+        self.log.append(("copy-wait", event.name))
+
+    def copy(self, destination: torch.Tensor, source: torch.Tensor, done: CpuEvent, label: str) -> None:
+        destination.copy_(source)
+        self.log.append(("copy", label))
+        done.recorded_at = len(self.log)
+
+    def synchronize(self) -> None:
+        pass
+
+    def pin(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def unpin(self, tensor: torch.Tensor) -> None:
+        pass
+
+    def alloc_device(self, num_bytes: int) -> torch.Tensor:
+        return torch.empty(num_bytes, dtype=torch.uint8)
+
+    def elapsed_ms(self, start, end) -> float:
+        return 0.0
+
+
+class CudaBackend:
+    """A side stream for copies; events order it against the compute (current) stream."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.copy_stream = torch.cuda.Stream(device=device)
+        self.log = None
+
+    def new_event(self, name: str, timing: bool = False) -> torch.cuda.Event:
+        return torch.cuda.Event(enable_timing=timing)
+
+    def record_on_compute(self, event) -> None:
+        event.record(torch.cuda.current_stream(self.device))
+
+    def record_on_copy(self, event) -> None:
+        event.record(self.copy_stream)
+
+    def compute_waits(self, event) -> None:
+        torch.cuda.current_stream(self.device).wait_event(event)
+
+    def copy_waits(self, event) -> None:
+        self.copy_stream.wait_event(event)
+
+    def copy(self, destination: torch.Tensor, source: torch.Tensor, done, label: str) -> None:
+        with torch.cuda.stream(self.copy_stream):
+            destination.copy_(source, non_blocking=True)
+            done.record(self.copy_stream)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def pin(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Page-lock a host tensor in place, at its exact size.
+
+        torch's pinned allocator rounds each allocation up to a power of two (vLLM issue 56410: ~1.9x host
+        memory); registering our own allocation costs exactly its bytes.
+        """
+        cudart = torch.cuda.cudart()
+        error = cudart.cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0)
+        if int(error) != 0:
+            raise RuntimeError(f"cudaHostRegister failed with CUDA error {int(error)}")
+        return tensor
+
+    def unpin(self, tensor: torch.Tensor) -> None:
+        """Undo ``pin`` before the memory is freed."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
+
+    def alloc_device(self, num_bytes: int) -> torch.Tensor:
+        return torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
+
+    def elapsed_ms(self, start, end) -> float:
+        return start.elapsed_time(end)

@@ -1,0 +1,206 @@
+"""Apply a plan's offload to a model's layer stack: packed host buffers, fixed GPU slots, prefetch hooks.
+
+Each offloaded layer's selected params are packed into one contiguous host buffer (one copy moves the
+layer) and re-pointed, permanently, at views of the layer's slot: addresses never change, which CUDA graphs
+and torch.compile need. Hooks around each offloaded layer's forward make the compute stream wait for the
+layer's copy, record that the layer has read its slot, and issue the copies that planner.schedule says
+become possible at that point.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from planner.layout import param_selected
+from planner.schedule import PrefetchSchedule
+
+# Offsets inside a packed layer are aligned so every view is aligned for any dtype and for fast kernels.
+ALIGN_BYTES = 256
+
+
+@dataclass(frozen=True)
+class PackedParam:
+    """Where one offloaded param lives inside its layer's packed bytes."""
+
+    name: str
+    offset_bytes: int
+    num_bytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclass
+class OffloadStats:
+    """Counters over the steps since the last ``take``."""
+
+    bytes_copied: int = 0
+    num_copies: int = 0
+    stall_ms: float = 0.0
+    copy_ms: float = 0.0
+    #: (start, end) timing event pairs not yet read
+    _stall_events: list = field(default_factory=list)
+    _copy_events: list = field(default_factory=list)
+
+
+def _align(num_bytes: int) -> int:
+    return -(-num_bytes // ALIGN_BYTES) * ALIGN_BYTES
+
+
+def pack_layout(layer: nn.Module, segments: tuple[str, ...]) -> list[PackedParam]:
+    """The selected params of one layer, in name order, at aligned offsets."""
+    packed, offset = [], 0
+    for name, param in sorted(layer.named_parameters(), key=lambda item: item[0]):
+        if not param_selected(name, segments):
+            continue
+        num_bytes = param.numel() * param.element_size()
+        packed.append(PackedParam(name, offset, num_bytes, param.dtype, tuple(param.shape)))
+        offset = _align(offset + num_bytes)
+    return packed
+
+
+def packed_bytes(packed: list[PackedParam]) -> int:
+    """Bytes a packed layer occupies (its last param unpadded)."""
+    return packed[-1].offset_bytes + packed[-1].num_bytes if packed else 0
+
+
+def _view(buffer: torch.Tensor, item: PackedParam) -> torch.Tensor:
+    return buffer[item.offset_bytes : item.offset_bytes + item.num_bytes].view(item.dtype).view(item.shape)
+
+
+class OffloadEngine:
+    """Owns the host buffers, slots, events and hooks for one model's offloaded layers."""
+
+    def __init__(
+        self,
+        *,
+        layers: list[nn.Module],
+        offloaded: tuple[int, ...],
+        prefetch_step: int,
+        params: tuple[str, ...],
+        backend,
+        on_layer_packed=None,
+    ):
+        self.backend = backend
+        self.offloaded = offloaded
+        self.schedule = PrefetchSchedule(len(offloaded), prefetch_step)
+        self.issue_after = self.schedule.issue_after()
+        self.layouts = [pack_layout(layers[i], params) for i in offloaded]
+        self.layer_bytes = [packed_bytes(p) for p in self.layouts]
+        self.stats = OffloadStats()
+        self.timing = False
+        self._hooks = []
+        #: ids of the params now living in slots (the loader must not move them)
+        self.slot_param_ids: set[int] = set()
+        self.host_buffers = self._pack_host(layers, on_layer_packed)
+        self.slots = [backend.alloc_device(max(self.layer_bytes, default=0)) for _ in range(self.schedule.num_slots)]
+        self._point_params_at_slots(layers)
+        self.copy_done = [backend.new_event(f"copy-done-{k}") for k in range(len(offloaded))]
+        self.reader_done = [backend.new_event(f"reader-done-{k}") for k in range(len(offloaded))]
+        for position in range(self.schedule.num_slots):
+            self._copy(position)
+        self._install_hooks(layers)
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one GPU slot."""
+        return max(self.layer_bytes, default=0)
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of pinned host memory holding offloaded params."""
+        return sum(self.layer_bytes)
+
+    def _pack_host(self, layers, on_layer_packed) -> list[torch.Tensor]:
+        """Copy each offloaded layer's selected params into one host allocation, then page-lock it.
+
+        Each param's original storage is released as soon as its bytes are copied, and the buffer is pinned
+        only after it is full, so loading never holds the offloaded params twice.
+        """
+        offsets = [0]
+        for num_bytes in self.layer_bytes:
+            offsets.append(offsets[-1] + _align(num_bytes))
+        host = torch.empty(offsets[-1], dtype=torch.uint8)
+        buffers = [host[offsets[k] : offsets[k] + n] for k, n in enumerate(self.layer_bytes)]
+        for position, layer_index in enumerate(self.offloaded):
+            named = dict(layers[layer_index].named_parameters())
+            for item in self.layouts[position]:
+                param = named[item.name]
+                _view(buffers[position], item).copy_(param.data)
+                param.data = torch.empty(0, dtype=param.dtype)  # release the loaded copy now
+            if on_layer_packed is not None:
+                on_layer_packed(layer_index)
+        self.backend.pin(host)
+        self._host_allocation = host
+        return buffers
+
+    def _point_params_at_slots(self, layers) -> None:
+        for position, layer_index in enumerate(self.offloaded):
+            slot = self.slots[self.schedule.slot_of(position)]
+            named = dict(layers[layer_index].named_parameters())
+            for item in self.layouts[position]:
+                named[item.name].data = _view(slot, item)
+                self.slot_param_ids.add(id(named[item.name]))
+
+    def _copy(self, position: int) -> None:
+        """Copy one offloaded layer's packed params from host into its slot, on the copy stream."""
+        num_bytes = self.layer_bytes[position]
+        slot = self.slots[self.schedule.slot_of(position)]
+        start = end = None
+        if self.timing:
+            start, end = self.backend.new_event("t", timing=True), self.backend.new_event("t", timing=True)
+            self.backend.record_on_copy(start)
+        self.backend.copy(slot[:num_bytes], self.host_buffers[position], self.copy_done[position],
+                          f"layer-{self.offloaded[position]}")
+        if self.timing:
+            self.backend.record_on_copy(end)
+            self.stats._copy_events.append((start, end))
+        self.stats.bytes_copied += num_bytes
+        self.stats.num_copies += 1
+
+    def _before_layer(self, position: int) -> None:
+        if not self.timing:
+            self.backend.compute_waits(self.copy_done[position])
+            return
+        start, end = self.backend.new_event("t", timing=True), self.backend.new_event("t", timing=True)
+        self.backend.record_on_compute(start)
+        self.backend.compute_waits(self.copy_done[position])
+        self.backend.record_on_compute(end)
+        self.stats._stall_events.append((start, end))
+
+    def _after_layer(self, position: int) -> None:
+        self.backend.record_on_compute(self.reader_done[position])
+        for target in self.issue_after[position]:
+            _, reader = self.schedule.previous_reader(target)
+            self.backend.copy_waits(self.reader_done[reader])
+            self._copy(target)
+
+    def _install_hooks(self, layers) -> None:
+        for position, layer_index in enumerate(self.offloaded):
+            module = layers[layer_index]
+            self._hooks.append(module.register_forward_pre_hook(lambda m, a, p=position: self._before_layer(p)))
+            self._hooks.append(module.register_forward_hook(lambda m, a, o, p=position: self._after_layer(p)))
+
+    def remove_hooks(self) -> None:
+        """Detach the hooks (the params stay in their slots)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+
+    def close(self) -> None:
+        """Detach hooks and unpin the host memory; the model must not run afterwards."""
+        self.remove_hooks()
+        if self._host_allocation is not None:
+            self.backend.unpin(self._host_allocation)
+            self._host_allocation = None
+            self.host_buffers = []
+
+    def take_stats(self) -> OffloadStats:
+        """Counters since the last call; synchronizes to read timing events."""
+        self.backend.synchronize()
+        stats = self.stats
+        stats.stall_ms = sum(self.backend.elapsed_ms(s, e) for s, e in stats._stall_events)
+        stats.copy_ms = sum(self.backend.elapsed_ms(s, e) for s, e in stats._copy_events)
+        stats._stall_events, stats._copy_events = [], []
+        self.stats = OffloadStats()
+        return stats

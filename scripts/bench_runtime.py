@@ -1,0 +1,214 @@
+"""Runtime benchmark on a CUDA GPU: all-resident vs the plan vs Accelerate vs the physical floor.
+
+A Qwen3-8B-shaped model (random bf16 weights written to a local checkpoint) at three budgets (about 75%,
+50% and 25% of its layer bytes on the GPU) and two prefill workloads, side by side in one run. The floor is
+max(all-resident step, offloaded bytes per step / pinned H2D bandwidth measured in this run). Every plan's
+logits are checked bitwise against the all-resident model's.
+
+    PYTHONPATH=. python3 scripts/bench_runtime.py --out /tmp/bench      # on a machine with a GPU
+"""
+
+import argparse
+import datetime
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from header_checkpoint import tensor_specs  # noqa: E402
+from planner.make import make_plan  # noqa: E402
+from planner.plan import Inputs  # noqa: E402
+from runtime.bench import forward_step, time_steps  # noqa: E402
+from runtime.load import apply_plan, build_model  # noqa: E402
+from runtime.backend import CudaBackend  # noqa: E402
+
+BUDGET_SHARES = (0.75, 0.5, 0.25)
+TOKENS = (2048, 8192)
+NUM_STEPS = 8
+NUM_ACCELERATE_STEPS = 3
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def write_random_checkpoint(config_path: Path, folder: Path) -> None:
+    """Random bf16 weights (std 0.02, norms 1) with the real names and shapes, in 4 GiB shards."""
+    from safetensors.torch import save_file
+
+    if (folder / "model.safetensors.index.json").exists():
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(config_path.read_text())
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    shards, current, size, weight_map = [], {}, 0, {}
+    for name, _, shape in tensor_specs(config_path, "BF16"):
+        if "norm" in name:
+            tensor = torch.ones(shape, dtype=torch.bfloat16)
+        else:
+            tensor = (torch.randn(shape, generator=generator, device="cuda") * 0.02).to(torch.bfloat16).cpu()
+        current[name] = tensor
+        size += tensor.numel() * 2
+        if size > 4 * 2**30:
+            shards.append(current)
+            current, size = {}, 0
+    shards.append(current)
+    for number, shard in enumerate(shards, start=1):
+        file = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(folder / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def pinned_h2d_bytes_per_s() -> float:
+    """Median of 1 GiB pinned host-to-device copies on a side stream."""
+    host = torch.empty(2**30, dtype=torch.uint8).pin_memory()
+    device = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    times = []
+    for _ in range(6):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        device.copy_(host, non_blocking=True)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    del host, device
+    return 2**30 / (statistics.median(times[1:]) / 1e3)
+
+
+def inputs_for(tokens: int, vocab: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(tokens)
+    return torch.randint(0, vocab, (1, tokens), generator=generator).cuda()
+
+
+def timed(model, input_ids, num_steps: int) -> tuple[float, torch.Tensor]:
+    """(median step ms, logits) after one warm-up step."""
+    with torch.inference_mode():
+        logits = forward_step(model, input_ids).float().cpu()
+        forward_step(model, input_ids)
+        step_ms = statistics.median(time_steps(model, input_ids, num_steps))
+    return step_ms, logits
+
+
+def free() -> None:
+    """Return memory once the caller has dropped its references."""
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def plan_for(checkpoint: Path, share: float, tokens: int, layer_bytes: int, non_layer_bytes: int):
+    budget = int(non_layer_bytes + share * layer_bytes)
+    inputs = Inputs(
+        model=str(checkpoint), revision=None, gpu="h100-sxm", budget=str(budget), trigger=None, tokens=tokens,
+        sequences=1, context=0, params=(), stack=None, group_size=None, num_in_group=None, prefetch_step=None,
+    )
+    return make_plan(inputs).plan
+
+
+def run_accelerate(checkpoint: Path, offloaded: tuple[int, ...], num_layers: int, input_ids) -> float:
+    """Accelerate's dispatch_model with the plan's offloaded layers on "cpu" (its synchronous hooks)."""
+    from accelerate import dispatch_model
+
+    model = build_model(str(checkpoint), None)
+    device_map = {"model.embed_tokens": 0, "model.norm": 0, "model.rotary_emb": 0, "lm_head": 0}
+    device_map.update({f"model.layers.{i}": ("cpu" if i in offloaded else 0) for i in range(num_layers)})
+    model = dispatch_model(model, device_map=device_map, main_device=0)
+    step_ms, _ = timed(model, input_ids, NUM_ACCELERATE_STEPS)
+    del model
+    free()
+    return step_ms
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, default=Path("/tmp/bench"))
+    parser.add_argument("--checkpoint", type=Path, default=Path("/tmp/qwen3-8b-random"))
+    parser.add_argument("--config", type=Path, default=Path(__file__).resolve().parent.parent / "examples/qwen3-8b/config.json")
+    parser.add_argument("--no-accelerate", action="store_true")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    log(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    write_random_checkpoint(args.config, args.checkpoint)
+    log("checkpoint ready")
+    h2d = pinned_h2d_bytes_per_s()
+    log(f"pinned H2D {h2d / 1e9:.1f} GB/s")
+    rows = []
+    resident = build_model(str(args.checkpoint), None).cuda()
+    vocab = resident.config.vocab_size
+    reference = {}
+    for tokens in TOKENS:
+        reference[tokens] = timed(resident, inputs_for(tokens, vocab), NUM_STEPS)
+        log(f"resident {tokens} tokens: {reference[tokens][0]:.2f} ms")
+    del resident
+    free()
+    from planner.checkpoint import load_checkpoint
+    from planner.layout import build_layout
+
+    layout = build_layout(load_checkpoint(str(args.checkpoint)))
+    for share in BUDGET_SHARES:
+        plans = {tokens: plan_for(args.checkpoint, share, tokens, layout.layer_bytes, layout.non_layer_bytes)
+                 for tokens in TOKENS}
+        for tokens, plan in plans.items():
+            model = build_model(str(args.checkpoint), None)
+            engine = apply_plan(model, plan, CudaBackend(torch.device("cuda")))
+            torch.cuda.synchronize()
+            weights_bytes = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            input_ids = inputs_for(tokens, vocab)
+            step_ms, logits = timed(model, input_ids, NUM_STEPS)
+            peak_bytes = torch.cuda.max_memory_allocated()
+            engine.timing = True
+            with torch.inference_mode():
+                time_steps(model, input_ids, 2)
+            engine.timing = False
+            stats = engine.take_stats()
+            engine.close()
+            del model, engine
+            free()
+            accelerate_ms = None
+            if not args.no_accelerate:
+                accelerate_ms = run_accelerate(args.checkpoint, plan.offload.layers, len(layout.layers), input_ids)
+            resident_ms = reference[tokens][0]
+            floor_ms = max(resident_ms, 1e3 * plan.prediction.copy_bytes_per_step / h2d)
+            rows.append({
+                "tokens": tokens, "share": share, "offloaded": len(plan.offload.layers),
+                "prefetch": plan.offload.prefetch_step, "budget_bytes": plan.memory.budget_bytes,
+                "resident_ms": resident_ms, "floor_ms": floor_ms, "plan_ms": step_ms,
+                "predicted_ms": plan.prediction.step_ms, "accelerate_ms": accelerate_ms,
+                "weights_gpu_bytes": weights_bytes, "peak_gpu_bytes": peak_bytes,
+                "stall_ms": stats.stall_ms / 2, "link_gb_per_s": stats.bytes_copied / stats.copy_ms / 1e6 if stats.copy_ms else 0,
+                "bitwise_equal": bool(torch.equal(logits, reference[tokens][1])),
+            })
+            log(json.dumps(rows[-1]))
+    report(rows, h2d, args.out)
+
+
+def report(rows, h2d, out: Path) -> None:
+    header = (f"{datetime.date.today()} {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+              f"pinned H2D {h2d / 1e9:.1f} GB/s, Qwen3-8B shape bf16, prefill steps (1 x tokens)")
+    lines = [header, "",
+             "| tokens | GPU share | offloaded/P | resident ms | floor ms | plan ms | plan/floor | predicted ms | Accelerate ms | Accel/plan | weights GiB / budget GiB | peak GiB | stall ms | link GB/s | bitwise |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        accelerate = f"{r['accelerate_ms']:.1f}" if r["accelerate_ms"] else "-"
+        ratio = f"{r['accelerate_ms'] / r['plan_ms']:.1f}x" if r["accelerate_ms"] else "-"
+        lines.append(
+            f"| {r['tokens']} | {r['share']:.0%} | {r['offloaded']}/{r['prefetch']} | {r['resident_ms']:.1f} | "
+            f"{r['floor_ms']:.1f} | {r['plan_ms']:.1f} | {r['plan_ms'] / r['floor_ms']:.3f} | {r['predicted_ms']:.1f} | "
+            f"{accelerate} | {ratio} | {r['weights_gpu_bytes'] / 2**30:.2f} / {r['budget_bytes'] / 2**30:.2f} | "
+            f"{r['peak_gpu_bytes'] / 2**30:.2f} | {r['stall_ms']:.1f} | {r['link_gb_per_s']:.1f} | {r['bitwise_equal']} |")
+    text = "\n".join(lines)
+    (out / "bench.md").write_text(text + "\n")
+    (out / "bench.json").write_text(json.dumps({"header": header, "rows": rows}, indent=2))
+    print(text, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""Small transformers checkpoints (random weights) and plans for runtime tests, CPU and GPU alike."""
+
+from pathlib import Path
+
+import torch
+
+from planner.make import make_plan
+from planner.plan import Inputs, Plan
+
+# (group_size, num_in_group, prefetch_step): whole stack, depths dividing and not dividing the number
+# offloaded, back-to-back offloaded layers with depth 1, depth past the number offloaded, spread groups.
+PLAN_SHAPES = [(1, 1, 1), (1, 1, 2), (1, 1, 3), (1, 1, 6), (7, 5, 2), (3, 2, 1), (3, 2, 3), (3, 1, 1), (2, 1, 2)]
+
+
+def save_tiny_llama(folder: Path, *, hidden: int = 64, num_layers: int = 7, seed: int = 0) -> Path:
+    """A sharded Llama checkpoint with random weights."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2)
+    return _save(AutoModelForCausalLM.from_config(config), folder, seed)
+
+
+def save_tiny_moe(folder: Path, *, hidden: int = 64, num_layers: int = 7, seed: int = 0) -> Path:
+    """A Qwen3-MoE checkpoint: per-expert tensors on disk, fused expert params in the model."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden,
+                            moe_intermediate_size=hidden, num_hidden_layers=num_layers, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2)
+    return _save(AutoModelForCausalLM.from_config(config), folder, seed)
+
+
+def _save(model, folder: Path, seed: int) -> Path:
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.1)  # norms too: random everywhere, so a wrong weight always shows
+    model.save_pretrained(folder, max_shard_size="200KB")
+    return folder
+
+
+def plan_with(model: Path, group_size: int, num_in_group: int, prefetch_step: int, params=()) -> Plan:
+    """A plan with pinned knobs (the search alone would offload nothing for a tiny model)."""
+    inputs = Inputs(model=str(model), revision=None, gpu="h100-sxm", budget="1GiB", trigger=None, tokens=16,
+                    sequences=1, context=0, params=tuple(params), stack=None, group_size=group_size,
+                    num_in_group=num_in_group, prefetch_step=prefetch_step)
+    return make_plan(inputs).plan

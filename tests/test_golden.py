@@ -1,0 +1,126 @@
+"""Golden plans: make on hand-written checkpoints must reproduce tests/golden/*.yaml byte for byte.
+
+Regenerate after an intended change with:  UPDATE_GOLDEN=1 python -m pytest tests/test_golden.py
+then review the diff of tests/golden/ like any other code change.
+"""
+
+import pytest
+import yaml
+
+from conftest import check_golden, invoke, make_checkpoint
+
+MOE = {"num_experts": 4, "top_k": 2, "expert_intermediate": 32}
+
+# name -> (checkpoint kwargs, extra make arguments)
+CASES = {
+    # 723,072 bytes of weights, budget 0.5 x 1 GB: everything fits.
+    "dense-fits": (dict(num_layers=8, num_shards=3), []),
+    # 500 KB allows at most 4 layers' worth less than the 723,072 bytes: offload forced.
+    "dense-budget": (dict(num_layers=8, num_shards=3), ["--budget", "500KB"]),
+    "moe-experts": (dict(num_layers=4, num_shards=2, moe=MOE), ["--params", "experts", "--budget", "300KB"]),
+    "dense-pinned": (dict(num_layers=8, num_shards=3),
+                     ["--group-size", "4", "--num-in-group", "2", "--prefetch-step", "1"]),
+}
+
+
+def _make(workdir, gpu, case: str, output: str = "plan.yaml") -> str:
+    checkpoint_kwargs, extra = CASES[case]
+    if not (workdir / "ckpt").exists():
+        make_checkpoint(workdir / "ckpt", **checkpoint_kwargs)
+    result = invoke(["make", "--model", "ckpt", "--gpu", gpu, *extra, "-o", output])
+    assert result.exit_code == 0, result.stderr
+    assert "wrote plan.yaml" in result.stderr or output != "plan.yaml"
+    return (workdir / output).read_text()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_golden_plan(workdir, test_gpu, case):
+    text = _make(workdir, test_gpu, case)
+    check_golden(f"{case}.yaml", text)
+
+
+def test_golden_cases_are_what_they_claim(workdir, test_gpu):
+    """Sanity of the golden scenarios themselves, so a regenerated golden file cannot silently lose its point."""
+    fits = yaml.safe_load(_make(workdir, test_gpu, "dense-fits", "fits.yaml"))
+    assert fits["offload"]["layers"] == [] and fits["memory"]["num_slots"] == 0
+    assert fits["prediction"]["step_ms"] == fits["prediction"]["resident_step_ms"]
+
+    forced = yaml.safe_load(_make(workdir, test_gpu, "dense-budget", "forced.yaml"))
+    assert forced["offload"]["layers"], "a 500KB budget must force offload"
+    assert forced["memory"]["gpu_bytes"] <= forced["memory"]["budget_bytes"] == 500_000
+    assert forced["prediction"]["step_ms"] >= forced["prediction"]["link_floor_ms"]
+
+    pinned = yaml.safe_load(_make(workdir, test_gpu, "dense-pinned", "pinned.yaml"))
+    assert pinned["offload"]["layers"] == [2, 3, 6, 7]  # i % 4 >= 4 - 2
+    assert (pinned["offload"]["group_size"], pinned["offload"]["num_in_group"], pinned["offload"]["prefetch_step"]) \
+        == (4, 2, 1)
+
+
+def test_golden_moe_moves_only_experts(workdir, test_gpu):
+    written = make_checkpoint(workdir / "ckpt", **CASES["moe-experts"][0])
+    plan = yaml.safe_load(_make(workdir, test_gpu, "moe-experts"))
+    assert plan["offload"]["params"] == ["experts"]
+    assert plan["offload"]["layers"]
+    for row in plan["layers"]:
+        assert row["bytes"] == written.layer_bytes(row["index"])
+        moved = written.expert_bytes(row["index"]) if row["index"] in plan["offload"]["layers"] else 0
+        assert row["offloaded_bytes"] == moved
+    assert plan["memory"]["slot_bytes"] == written.expert_bytes(0)
+    assert plan["memory"]["host_pinned_bytes"] == written.expert_bytes(0) * len(plan["offload"]["layers"])
+
+
+def test_make_twice_gives_identical_bytes(workdir, test_gpu):
+    first = _make(workdir, test_gpu, "dense-budget", "plan.yaml")
+    second = _make(workdir, test_gpu, "dense-budget", "plan.yaml")
+    assert first.encode() == second.encode()
+    # stdout gets the same bytes as the file, except the regenerate command has no -o
+    result = invoke(["make", "--model", "ckpt", "--gpu", test_gpu, "--budget", "500KB"])
+    assert result.exit_code == 0
+    assert result.stdout.replace("--tokens 2048\n", "--tokens 2048 -o plan.yaml\n", 1) == first
+
+
+def test_plan_round_trips_through_show(workdir, test_gpu):
+    """show --json reads the plan back with exactly the values make wrote."""
+    import json
+
+    text = _make(workdir, test_gpu, "dense-budget")
+    result = invoke(["show", "plan.yaml", "--json"])
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout) == yaml.safe_load(text)
+    result = invoke(["show", "plan.yaml"])
+    assert result.exit_code == 0, result.stderr
+    assert "Plan" in result.stderr and "compute |" in result.stderr
+
+
+SCHEMA = {
+    "schema_version": None,
+    "inputs": ["model", "revision", "gpu", "budget", "trigger", "tokens", "sequences", "context", "params", "stack",
+               "group_size", "num_in_group", "prefetch_step"],
+    "model": ["source", "revision", "fingerprint", "architecture", "stack", "num_layers", "num_tensors",
+              "total_bytes", "layer_bytes", "non_layer_bytes", "unused_layers", "unused_bytes", "dtype_bytes"],
+    "hardware": ["profile", "gpu_memory_bytes", "hbm_bytes_per_s", "bf16_flops_per_s", "fp8_flops_per_s",
+                 "h2d_bytes_per_s", "copy_overhead_us", "trigger", "reserve_bytes", "compute_efficiency"],
+    "workload": ["tokens_per_step", "sequences_per_step", "context_tokens", "compute_source"],
+    "offload": ["group_size", "num_in_group", "prefetch_step", "params", "layers"],
+    "memory": ["budget_bytes", "gpu_bytes", "resident_layer_bytes", "non_layer_bytes", "num_slots", "slot_bytes",
+               "host_pinned_bytes"],
+    "prediction": ["step_ms", "resident_step_ms", "head_ms", "stall_ms", "link_floor_ms", "copy_bytes_per_step",
+                   "link_busy_share"],
+    "layers": ["index", "bytes", "offloaded_bytes", "compute_ms", "copy_ms"],
+}
+
+
+def test_plan_schema_keys_are_pinned(workdir, test_gpu):
+    """A schema change must be deliberate: update SCHEMA here, SCHEMA_VERSION, and the golden files together."""
+    from planner.plan import SCHEMA_VERSION
+
+    plan = yaml.safe_load(_make(workdir, test_gpu, "dense-budget"))
+    assert SCHEMA_VERSION == 1 and plan["schema_version"] == 1
+    assert list(plan) == list(SCHEMA)  # top-level keys, in file order
+    for section, keys in SCHEMA.items():
+        if section == "schema_version":
+            continue
+        if section == "layers":
+            assert all(list(row) == keys for row in plan["layers"])
+        else:
+            assert list(plan[section]) == keys, section
