@@ -7,6 +7,7 @@ layer's copy, record that the layer has read its slot, and issue the copies that
 become possible at that point.
 """
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +42,11 @@ class OffloadStats:
     #: (start, end) timing event pairs not yet read
     _stall_events: list = field(default_factory=list)
     _copy_events: list = field(default_factory=list)
+
+
+def backend_unpin(backend, host: torch.Tensor) -> None:
+    """Finalizer body: must not reference the engine, or the engine would never be collected."""
+    backend.unpin(host)
 
 
 def _align(num_bytes: int) -> int:
@@ -132,6 +138,9 @@ class OffloadEngine:
                 on_layer_packed(layer_index)
         self.backend.pin(host)
         self._host_allocation = host
+        # Unpin before the memory can be freed: a freed range that stays registered could be handed to a
+        # later allocation, and copies from it would read the old pages.
+        self._unpin = weakref.finalize(self, backend_unpin, self.backend, host)
         return buffers
 
     def _point_params_at_slots(self, layers) -> None:
@@ -190,10 +199,9 @@ class OffloadEngine:
     def close(self) -> None:
         """Detach hooks and unpin the host memory; the model must not run afterwards."""
         self.remove_hooks()
-        if self._host_allocation is not None:
-            self.backend.unpin(self._host_allocation)
-            self._host_allocation = None
-            self.host_buffers = []
+        self._unpin()
+        self._host_allocation = None
+        self.host_buffers = []
 
     def take_stats(self) -> OffloadStats:
         """Counters since the last call; synchronizes to read timing events."""

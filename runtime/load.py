@@ -155,9 +155,11 @@ def load_with_plan(plan: Plan, model: str | None = None, progress=None) -> Loade
     check_memory(plan, device)
     built = build_model(path, plan.model.revision)
     backend = CudaBackend(device)
+    baseline_bytes = torch.cuda.memory_allocated(device)
     engine = apply_plan(built, plan, backend, on_layer_packed=progress)
     torch.cuda.synchronize(device)
-    return Loaded(model=built, engine=engine, plan=plan, weights_gpu_bytes=torch.cuda.memory_allocated(device))
+    weights_bytes = torch.cuda.memory_allocated(device) - baseline_bytes
+    return Loaded(model=built, engine=engine, plan=plan, weights_gpu_bytes=weights_bytes)
 
 
 def apply_plan_on_cpu(model: nn.Module, plan: Plan) -> OffloadEngine:

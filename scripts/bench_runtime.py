@@ -68,19 +68,28 @@ def write_random_checkpoint(config_path: Path, folder: Path) -> None:
 
 
 def pinned_h2d_bytes_per_s() -> float:
-    """Median of 1 GiB pinned host-to-device copies on a side stream."""
-    host = torch.empty(2**30, dtype=torch.uint8).pin_memory()
-    device = torch.empty(2**30, dtype=torch.uint8, device="cuda")
-    times = []
-    for _ in range(6):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        device.copy_(host, non_blocking=True)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    del host, device
-    return 2**30 / (statistics.median(times[1:]) / 1e3)
+    """The best pinned host-to-device rate: 256 MiB and 1 GiB copies, torch-pinned and registered memory.
+
+    The floor must be a bound the runtime cannot beat, so take the best of the ways it could copy.
+    """
+    backend = CudaBackend(torch.device("cuda"))
+    best = 0.0
+    for num_bytes in (2**28, 2**30):
+        device = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+        registered = backend.pin(torch.empty(num_bytes, dtype=torch.uint8))
+        for host in (torch.empty(num_bytes, dtype=torch.uint8).pin_memory(), registered):
+            times = []
+            for _ in range(8):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                device.copy_(host, non_blocking=True)
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end))
+            best = max(best, num_bytes / (statistics.median(times[2:]) / 1e3))
+        backend.unpin(registered)
+        del device, registered, host
+    return best
 
 
 def inputs_for(tokens: int, vocab: int) -> torch.Tensor:
@@ -140,12 +149,16 @@ def main() -> None:
     h2d = pinned_h2d_bytes_per_s()
     log(f"pinned H2D {h2d / 1e9:.1f} GB/s")
     rows = []
+    baseline_bytes = torch.cuda.memory_allocated()
     resident = build_model(str(args.checkpoint), None).cuda()
+    resident_weights_bytes = torch.cuda.memory_allocated() - baseline_bytes
     vocab = resident.config.vocab_size
-    reference = {}
+    reference, activation_bytes = {}, {}
     for tokens in TOKENS:
+        torch.cuda.reset_peak_memory_stats()
         reference[tokens] = timed(resident, inputs_for(tokens, vocab), NUM_STEPS)
-        log(f"resident {tokens} tokens: {reference[tokens][0]:.2f} ms")
+        activation_bytes[tokens] = torch.cuda.max_memory_allocated() - baseline_bytes - resident_weights_bytes
+        log(f"resident {tokens} tokens: {reference[tokens][0]:.2f} ms, activations {activation_bytes[tokens] / 2**30:.2f} GiB")
     del resident
     free()
     from planner.checkpoint import load_checkpoint
@@ -157,13 +170,15 @@ def main() -> None:
                  for tokens in TOKENS}
         for tokens, plan in plans.items():
             model = build_model(str(args.checkpoint), None)
+            baseline_bytes = torch.cuda.memory_allocated()  # cuBLAS workspaces of earlier runs live here
             engine = apply_plan(model, plan, CudaBackend(torch.device("cuda")))
             torch.cuda.synchronize()
-            weights_bytes = torch.cuda.memory_allocated()
+            weights_bytes = torch.cuda.memory_allocated() - baseline_bytes
             torch.cuda.reset_peak_memory_stats()
             input_ids = inputs_for(tokens, vocab)
             step_ms, logits = timed(model, input_ids, NUM_STEPS)
-            peak_bytes = torch.cuda.max_memory_allocated()
+            peak_bytes = torch.cuda.max_memory_allocated() - baseline_bytes
+            engine.take_stats()
             engine.timing = True
             with torch.inference_mode():
                 time_steps(model, input_ids, 2)
@@ -183,6 +198,7 @@ def main() -> None:
                 "resident_ms": resident_ms, "floor_ms": floor_ms, "plan_ms": step_ms,
                 "predicted_ms": plan.prediction.step_ms, "accelerate_ms": accelerate_ms,
                 "weights_gpu_bytes": weights_bytes, "peak_gpu_bytes": peak_bytes,
+                "resident_activation_bytes": activation_bytes[tokens],
                 "stall_ms": stats.stall_ms / 2, "link_gb_per_s": stats.bytes_copied / stats.copy_ms / 1e6 if stats.copy_ms else 0,
                 "bitwise_equal": bool(torch.equal(logits, reference[tokens][1])),
             })
@@ -194,7 +210,7 @@ def report(rows, h2d, out: Path) -> None:
     header = (f"{datetime.date.today()} {torch.cuda.get_device_name()}, torch {torch.__version__}, "
               f"pinned H2D {h2d / 1e9:.1f} GB/s, Qwen3-8B shape bf16, prefill steps (1 x tokens)")
     lines = [header, "",
-             "| tokens | GPU share | offloaded/P | resident ms | floor ms | plan ms | plan/floor | predicted ms | Accelerate ms | Accel/plan | weights GiB / budget GiB | peak GiB | stall ms | link GB/s | bitwise |",
+             "| tokens | GPU share | offloaded/P | resident ms | floor ms | plan ms | plan/floor | predicted ms | Accelerate ms | Accel/plan | weights GiB / budget GiB | peak GiB (resident's activations) | stall ms | link GB/s | bitwise |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         accelerate = f"{r['accelerate_ms']:.1f}" if r["accelerate_ms"] else "-"
@@ -203,7 +219,7 @@ def report(rows, h2d, out: Path) -> None:
             f"| {r['tokens']} | {r['share']:.0%} | {r['offloaded']}/{r['prefetch']} | {r['resident_ms']:.1f} | "
             f"{r['floor_ms']:.1f} | {r['plan_ms']:.1f} | {r['plan_ms'] / r['floor_ms']:.3f} | {r['predicted_ms']:.1f} | "
             f"{accelerate} | {ratio} | {r['weights_gpu_bytes'] / 2**30:.2f} / {r['budget_bytes'] / 2**30:.2f} | "
-            f"{r['peak_gpu_bytes'] / 2**30:.2f} | {r['stall_ms']:.1f} | {r['link_gb_per_s']:.1f} | {r['bitwise_equal']} |")
+            f"{r['peak_gpu_bytes'] / 2**30:.2f} ({r['resident_activation_bytes'] / 2**30:.2f}) | {r['stall_ms']:.1f} | {r['link_gb_per_s']:.1f} | {r['bitwise_equal']} |")
     text = "\n".join(lines)
     (out / "bench.md").write_text(text + "\n")
     (out / "bench.json").write_text(json.dumps({"header": header, "rows": rows}, indent=2))

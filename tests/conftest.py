@@ -209,13 +209,37 @@ def run_cli(args, cwd, env: dict | None = None, timeout: float = 120) -> subproc
     )
 
 
-def invoke(args):
+def invoke(args, catch_exceptions: bool = False):
     """Run the CLI in-process (fast); the working directory is the caller's. Returns click's Result."""
     from typer.testing import CliRunner
 
     from planner.cli import app
 
-    return CliRunner().invoke(app, [str(a) for a in args], catch_exceptions=False)
+    return CliRunner().invoke(app, [str(a) for a in args], catch_exceptions=catch_exceptions)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run(args, cwd, in_process: bool) -> Outcome:
+    """The CLI's exit code and streams, in a subprocess or in-process (cwd must already be the working dir).
+
+    In-process, an exception other than the CLI's own exit is re-raised: that is what a user sees as a
+    traceback.
+    """
+    if not in_process:
+        proc = run_cli(args, cwd)
+        return Outcome(proc.returncode, proc.stdout, proc.stderr)
+    assert Path.cwd() == Path(cwd).resolve()
+    result = invoke(args, catch_exceptions=True)
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise AssertionError(f"uncaught {type(result.exception).__name__} (a traceback for the user)") \
+            from result.exception
+    return Outcome(result.exit_code, result.stdout, result.stderr)
 
 
 def assert_one_line_error(returncode: int, stderr: str, stdout: str = "", contains: tuple[str, ...] = ()) -> str:

@@ -46,3 +46,22 @@ def plan_with(model: Path, group_size: int, num_in_group: int, prefetch_step: in
                     sequences=1, context=0, params=tuple(params), stack=None, group_size=group_size,
                     num_in_group=num_in_group, prefetch_step=prefetch_step)
     return make_plan(inputs).plan
+
+
+def save_word_tokenizer(folder: Path, vocab_size: int = 256) -> None:
+    """A word-level tokenizer over vocab_size made-up words, so `run --prompt` has one to load."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, **{f"w{i}": i for i in range(1, vocab_size)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]").save_pretrained(folder)
+
+
+def write_plan(plan: Plan, path: Path) -> Path:
+    """Write a plan file as make would."""
+    from planner.plan import render_plan, write_atomic
+
+    write_atomic(path, render_plan(plan, "test"))
+    return path

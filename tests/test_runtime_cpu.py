@@ -107,3 +107,28 @@ def test_selection_mismatch_is_a_plan_error(moe):
     plan = plan_with(moe, 1, 1, 2, params=("experts.0",))  # per-expert names exist only on disk
     with pytest.raises(PlanError, match="moves"):
         apply_plan_on_cpu(build_model(str(moe), None), plan)
+
+
+def test_fingerprint_mismatch_is_a_plan_error(llama, moe):
+    from planner.errors import PlanError
+    from runtime.load import check_fingerprint
+
+    plan = plan_with(llama, 1, 1, 2)
+    check_fingerprint(plan, str(llama))
+    with pytest.raises(PlanError, match="regenerate the plan"):
+        check_fingerprint(plan, str(moe))
+
+
+def test_run_without_a_gpu_is_one_line(tmp_path, llama):
+    import subprocess
+    import sys
+
+    from tests.runtime_models import write_plan
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    plan_path = write_plan(plan_with(llama, 1, 1, 2), tmp_path / "plan.yaml")
+    result = subprocess.run([sys.executable, "-m", "planner.cli", "run", str(plan_path), "--bench"],
+                            capture_output=True, text=True)
+    assert result.returncode == 7
+    assert result.stderr.strip().count("\n") == 0 and "CUDA GPU" in result.stderr

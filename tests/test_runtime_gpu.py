@@ -66,3 +66,41 @@ def test_copies_overlap_compute(llama):
     assert stats.num_copies == 2 * len(plan.offload.layers)
     assert stats.bytes_copied == 2 * sum(engine.layer_bytes)
     assert stats.copy_ms > 0
+
+
+def _cli(*args):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    return subprocess.run([sys.executable, "-m", "planner.cli", *args], capture_output=True, text=True, env=env)
+
+
+def test_cli_run_bench_and_prompt(llama, tmp_path):
+    import json
+
+    from planner.plan import read_plan
+    from tests.runtime_models import save_word_tokenizer, write_plan
+
+    save_word_tokenizer(llama)
+    plan_path = write_plan(plan_with(llama, 7, 5, 2), tmp_path / "plan.yaml")
+    bench = _cli("run", str(plan_path), "--bench", "--json")
+    assert bench.returncode == 0, bench.stderr
+    result = json.loads(bench.stdout)
+    assert result["step_ms"] > 0 and result["stall_ms"] >= 0
+    # depth 2 < 5 offloaded: every offloaded layer is copied once per step
+    assert result["bytes_copied_per_step"] >= sum(row.offloaded_bytes for row in read_plan(plan_path).layers)
+    assert result["weights_gpu_bytes"] <= result["planned_gpu_bytes"] + 256 * 64
+    generated = _cli("run", str(plan_path), "--prompt", "w1 w2 w3", "--max-new-tokens", "8")
+    assert generated.returncode == 0, generated.stderr
+    assert "tokens/s" in generated.stderr
+
+
+def test_cli_run_refuses_a_plan_for_another_checkpoint(llama, moe, tmp_path):
+    from tests.runtime_models import write_plan
+
+    plan_path = write_plan(plan_with(llama, 1, 1, 2), tmp_path / "plan.yaml")
+    result = _cli("run", str(plan_path), "--model", str(moe), "--bench")
+    assert result.returncode != 0
+    assert "fingerprint" in result.stderr and "Traceback" not in result.stderr

@@ -1,0 +1,303 @@
+"""The prefetch schedule, the simulator and the search, against cases computed by hand.
+
+Times are small integers (exact in binary floating point), so step times compare with ==.
+"""
+
+import random
+
+import pytest
+
+from planner import simulate as simulate_module
+from planner.cost import ComputeTimes
+from planner.errors import InfeasibleError
+from planner.schedule import PrefetchSchedule, offloaded_by_rule
+from planner.search import LayerBytes, SearchSpace, copy_ms_of, gpu_bytes_of, search
+from planner.simulate import simulate
+
+
+def sim(layer_ms, offloaded, copy_ms, prefetch_step, head_ms=0.0):
+    return simulate(layer_ms=tuple(layer_ms), head_ms=head_ms, offloaded=tuple(offloaded), copy_ms=tuple(copy_ms),
+                    prefetch_step=prefetch_step)
+
+
+def copies_per_step(offloaded, copy_ms, prefetch_step) -> float:
+    schedule = PrefetchSchedule(len(offloaded), prefetch_step)
+    return sum(copy_ms[k] for k in range(len(offloaded)) if schedule.needs_copy(k))
+
+
+# ---- (i)-(iii), (v): hand-computed step times ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("head_ms", [0.0, 2.0])
+def test_copies_hide_behind_compute(head_ms):
+    # Layers 1 and 3 offloaded, one slot. Copy of layer 3 (5 ms) starts when layer 1 ends and has layer 2's
+    # 10 ms to hide in; the copy of layer 1 starts when layer 3 ends and hides behind head + layer 0.
+    s = sim([10, 10, 10, 10], offloaded=[1, 3], copy_ms=[5, 5], prefetch_step=1, head_ms=head_ms)
+    assert s.step_ms == 40 + head_ms
+    assert s.stall_ms == 0
+    assert s.layer_stall_ms == (0, 0, 0, 0)
+    assert s.copy_busy_ms == 10
+
+
+def test_link_bound_step_equals_link_floor():
+    # 4 of 6 layers offloaded, 10 ms copies, 1 ms compute, two slots: the copy stream never idles, so the
+    # step is the 40 ms of copies per step, far above the 6 ms of compute.
+    s = sim([1] * 6, offloaded=[0, 1, 2, 3], copy_ms=[10] * 4, prefetch_step=2)
+    floor = copies_per_step([0, 1, 2, 3], [10] * 4, 2)
+    assert floor == 40
+    assert s.step_ms == floor
+    assert s.stall_ms == 40 - 6
+    assert s.copy_busy_ms == 40
+
+
+@pytest.mark.parametrize(
+    "prefetch_step, step_ms, stall_ms",
+    [
+        # P=1: copy k waits for layer k-1 to finish, and layer k for copy k: 4 x (5 + 2) = 28 ms. The head
+        # (1 ms) runs under the copy of layer 0, so layer 0 waits 4 and layers 1-3 wait 5: stall 19.
+        (1, 28.0, 19.0),
+        # P=2: copy k waits for layer k-2, which ended 3 ms after copy k-2 ended and 2 ms before copy k-1
+        # ends: copies run back to back, 4 x 5 = 20 ms (the link floor). Waits 2 (layer 0) + 3 x 3 = 11.
+        (2, 20.0, 11.0),
+        # P=3: slots 0,1,2,0. Positions 1 and 2 own their slots and are never recopied; 0 and 3 share
+        # slot 0, so copy 3 waits for layer 0 and copy 0 for layer 3: 2 + 5 (copy 3, under layers 1-2, 4 ms)
+        # + 2 + 5 (copy 0; the head hides 1 ms of it) = 14 ms. Waits: layer 3 waits 1, layer 0 waits 4.
+        (3, 14.0, 5.0),
+        # P=4 (and more): a slot per layer, nothing is copied after the first step: compute only.
+        (4, 9.0, 0.0),
+        (7, 9.0, 0.0),
+    ],
+)
+def test_prefetch_depth(prefetch_step, step_ms, stall_ms):
+    s = sim([2, 2, 2, 2], offloaded=[0, 1, 2, 3], copy_ms=[5, 5, 5, 5], prefetch_step=prefetch_step, head_ms=1.0)
+    assert s.step_ms == step_ms
+    assert s.stall_ms == stall_ms
+    assert s.step_ms == 9.0 + s.stall_ms  # compute (head 1 + 4 x 2) plus waits
+
+
+@pytest.mark.parametrize("num_offloaded, prefetch_step", [(3, 3), (3, 5), (1, 1), (2, 9)])
+def test_depth_at_least_n_never_recopies(num_offloaded, prefetch_step):
+    schedule = PrefetchSchedule(num_offloaded, prefetch_step)
+    assert schedule.num_slots == num_offloaded
+    assert not schedule.recopies
+    assert not any(schedule.needs_copy(k) for k in range(num_offloaded))
+    assert schedule.issue_after() == ((),) * num_offloaded
+    layers = [3.0] * (num_offloaded + 2)
+    offloaded = list(range(1, num_offloaded + 1))
+    s = sim(layers, offloaded, [100.0] * num_offloaded, prefetch_step, head_ms=1.0)
+    assert s.step_ms == 1.0 + sum(layers)
+    assert s.stall_ms == 0 and s.copies == () and s.copy_busy_ms == 0
+
+
+# ---- (iv): depth not dividing the number offloaded ---------------------------------------------------------------
+
+
+def test_schedule_tables_n5_p2():
+    schedule = PrefetchSchedule(5, 2)
+    assert schedule.num_slots == 2 and schedule.recopies
+    assert [schedule.slot_of(k) for k in range(5)] == [0, 1, 0, 1, 0]
+    # slot 0 holds positions 0, 2, 4: position 0's previous reader is position 4 of the previous step
+    assert [schedule.previous_reader(k) for k in range(5)] == [(1, 4), (1, 3), (0, 0), (0, 1), (0, 2)]
+    # vLLM would copy 0 after position 3 (while 4 still needs slot 0); here 0 and 1 both wait for 4
+    assert schedule.issue_after() == ((2,), (3,), (4,), (), (0, 1))
+
+
+def test_schedule_tables_n4_p2():
+    schedule = PrefetchSchedule(4, 2)
+    assert [schedule.slot_of(k) for k in range(4)] == [0, 1, 0, 1]
+    assert [schedule.previous_reader(k) for k in range(4)] == [(1, 2), (1, 3), (0, 0), (0, 1)]
+    assert schedule.issue_after() == ((2,), (3,), (0,), (1,))
+
+
+def test_schedule_tables_n3_p1_and_n7_p3():
+    assert PrefetchSchedule(3, 1).issue_after() == ((1,), (2,), (0,))
+    assert [PrefetchSchedule(3, 1).previous_reader(k) for k in range(3)] == [(1, 2), (0, 0), (0, 1)]
+    # N=7, S=3: slots 0,1,2,0,1,2,0; position 0 waits for 6, 1 for 4, 2 for 5; FIFO keeps 1 and 2 behind 0.
+    schedule = PrefetchSchedule(7, 3)
+    assert [schedule.previous_reader(k) for k in range(3)] == [(1, 6), (1, 4), (1, 5)]
+    assert schedule.issue_after() == ((3,), (4,), (5,), (6,), (), (), (0, 1, 2))
+
+
+@pytest.mark.parametrize("n, p", [(2, 1), (4, 2), (6, 3), (6, 2), (8, 4), (9, 3)])
+def test_issue_after_is_vllms_rule_when_depth_divides(n, p):
+    """vLLM issues the copy of (k + P) mod N after position k; that is right when P divides N."""
+    assert PrefetchSchedule(n, p).issue_after() == tuple(((k + p) % n,) for k in range(n))
+
+
+def _check_slot_discipline(s, offloaded, num_slots):
+    """No copy into a slot overlaps a read of that slot, every read follows the copy of its own layer, and
+    every copy is next read by its own layer (so it never started before the slot's previous reader ended)."""
+    position = {layer: k for k, layer in enumerate(offloaded)}
+    for slot in range(num_slots):
+        reads = [(i.start_ms, i.end_ms, i.layer) for i in s.compute
+                 if i.layer in position and position[i.layer] % num_slots == slot]
+        writes = [(c.start_ms, c.end_ms, c.layer) for c in s.copies if position[c.layer] % num_slots == slot]
+        for w_start, w_end, w_layer in writes:
+            for r_start, r_end, r_layer in reads:
+                assert not (w_start < r_end and r_start < w_end), (
+                    f"copy of layer {w_layer} [{w_start}, {w_end}] overlaps layer {r_layer}'s read "
+                    f"[{r_start}, {r_end}] of slot {slot}")
+        for r_start, _, r_layer in reads:
+            before = [w for w in writes if w[1] <= r_start]
+            if before:
+                assert max(before)[2] == r_layer, f"layer {r_layer} reads slot {slot} after a copy of {max(before)[2]}"
+        for w_start, w_end, w_layer in writes:
+            after = [r for r in reads if r[0] >= w_end]
+            if after:
+                assert min(after)[2] == w_layer, f"slot {slot}: copy of {w_layer} is read by {min(after)[2]}"
+
+
+@pytest.mark.parametrize("warm_steps", range(0, 7))
+def test_n5_p2_copies_never_overwrite_a_slot_in_use(monkeypatch, warm_steps):
+    # Five of seven layers offloaded through two slots (5 % 2 != 0), uneven times; every simulated step is
+    # displayed in turn by moving the measured window.
+    monkeypatch.setattr(simulate_module, "NUM_WARM_STEPS", warm_steps)
+    offloaded = [0, 1, 3, 4, 6]
+    layer_ms = [1, 2, 3, 1, 2, 3, 1]
+    copy_ms = [4, 1, 3, 2, 5]
+    s = sim(layer_ms, offloaded, copy_ms, prefetch_step=2, head_ms=0.5)
+    assert len(s.copies) >= (3 if warm_steps == 0 else 5)  # step 0 starts with two slots preloaded
+    _check_slot_discipline(s, offloaded, 2)
+    # one copy stream: copies run one at a time
+    copies = sorted((c.start_ms, c.end_ms) for c in s.copies)
+    assert all(end <= next_start for (_, end), (next_start, _) in zip(copies, copies[1:]))
+
+
+def test_slot_check_catches_vllms_wraparound(monkeypatch):
+    """The check above is not vacuous: with vLLM's rule (copy (k + S) mod N after position k) the copy of
+    position 0 starts after position 3 while position 4 still reads slot 0."""
+    original = PrefetchSchedule.previous_reader
+
+    def vllm_previous_reader(self, position):
+        if position >= self.num_slots:
+            return original(self, position)
+        return 1, (position - self.num_slots) % self.num_offloaded
+
+    monkeypatch.setattr(PrefetchSchedule, "previous_reader", vllm_previous_reader)
+    offloaded = [0, 1, 3, 4, 6]
+    s = sim([1, 2, 3, 1, 2, 3, 1], offloaded, [4, 1, 3, 2, 5], prefetch_step=2, head_ms=0.5)
+    with pytest.raises(AssertionError):
+        _check_slot_discipline(s, offloaded, 2)
+
+
+def test_slot_discipline_random_cases():
+    rng = random.Random(7)
+    for _ in range(60):
+        num_layers = rng.randint(3, 9)
+        offloaded = sorted(rng.sample(range(num_layers), rng.randint(2, num_layers)))
+        depth = rng.randint(1, len(offloaded) - 1)
+        s = sim([rng.choice([0.5, 1, 2, 4]) for _ in range(num_layers)], offloaded,
+                [rng.choice([0.5, 1, 3, 6]) for _ in offloaded], depth, head_ms=rng.choice([0, 1]))
+        _check_slot_discipline(s, offloaded, min(depth, len(offloaded)))
+
+
+# ---- the prediction never beats the link or the compute ----------------------------------------------------------
+
+
+def test_prediction_never_beats_link_or_compute():
+    rng = random.Random(12345)
+    for _ in range(300):
+        num_layers = rng.randint(1, 12)
+        offloaded = sorted(rng.sample(range(num_layers), rng.randint(0, num_layers)))
+        layer_ms = [rng.uniform(0, 5) for _ in range(num_layers)]
+        copy_ms = [rng.uniform(0.01, 8) for _ in offloaded]
+        depth = rng.randint(1, len(offloaded) + 1) if offloaded else 0
+        head_ms = rng.uniform(0, 2)
+        s = sim(layer_ms, offloaded, copy_ms, depth, head_ms)
+        compute = head_ms + sum(layer_ms)
+        link = copies_per_step(offloaded, copy_ms, depth) if offloaded else 0.0
+        tolerance = 1e-9 * max(1.0, s.step_ms)
+        assert s.step_ms >= compute - tolerance, (num_layers, offloaded, depth)
+        assert s.step_ms >= link - tolerance, (num_layers, offloaded, depth, s.step_ms, link)
+        assert s.stall_ms >= -tolerance
+        assert abs(s.step_ms - (compute + s.stall_ms)) <= 1e-6 * max(1.0, s.step_ms)
+
+
+# ---- search -------------------------------------------------------------------------------------------------------
+
+
+def _compute(num_layers, layer_ms=1.0, head_ms=0.0):
+    return ComputeTimes(layer_ms=(layer_ms,) * num_layers, head_ms=head_ms, source="test")
+
+
+def _layers(num_layers, nbytes):
+    return LayerBytes(total=(nbytes,) * num_layers, selected=(nbytes,) * num_layers)
+
+
+def test_search_everything_fits_offloads_nothing():
+    layers = _layers(6, 1000)
+    choice = search(layers=layers, fixed_bytes=500, compute=_compute(6), h2d_bytes_per_s=1e9, copy_overhead_us=0,
+                    budget_bytes=6500)
+    assert choice.offloaded == () and choice.prefetch_step == 0 and choice.group_size == 0
+    assert choice.gpu_bytes == 6500 and choice.host_pinned_bytes == 0 and choice.copy_bytes == 0
+    assert choice.simulation.step_ms == 6.0 and choice.simulation.stall_ms == 0
+
+
+def test_search_infeasible_names_bytes_needed_and_given():
+    layers = _layers(6, 1000)
+    # least possible: 500 fixed + one 1000-byte slot = 1500
+    with pytest.raises(InfeasibleError, match=r"1500 bytes .* budget is 1499 bytes"):
+        search(layers=layers, fixed_bytes=500, compute=_compute(6), h2d_bytes_per_s=1e9, copy_overhead_us=0,
+               budget_bytes=1499)
+    choice = search(layers=layers, fixed_bytes=500, compute=_compute(6), h2d_bytes_per_s=1e9, copy_overhead_us=0,
+                    budget_bytes=1500)
+    assert choice.offloaded == (0, 1, 2, 3, 4, 5) and choice.prefetch_step == 1 and choice.gpu_bytes == 1500
+
+
+@pytest.mark.parametrize("resident", [0, 1, 3, 5, 6])
+def test_search_budget_for_k_resident_layers(resident):
+    num_layers, nbytes, fixed = 8, 1000, 300
+    layers = _layers(num_layers, nbytes)
+    budget = fixed + resident * nbytes + nbytes  # k resident layers plus one slot
+    choice = search(layers=layers, fixed_bytes=fixed, compute=_compute(num_layers), h2d_bytes_per_s=1e6,
+                    copy_overhead_us=0, budget_bytes=budget)
+    assert choice.gpu_bytes <= budget
+    assert choice.gpu_bytes == gpu_bytes_of(fixed, layers, choice.offloaded, choice.prefetch_step)
+    assert len(choice.offloaded) - choice.prefetch_step >= num_layers - resident - 1
+    assert choice.offloaded == offloaded_by_rule(num_layers, choice.group_size, choice.num_in_group)
+    assert 1 <= choice.prefetch_step < len(choice.offloaded)
+
+
+def test_search_pinned_knobs_that_cannot_work_are_infeasible():
+    layers = _layers(4, 1000)
+    with pytest.raises(InfeasibleError, match="pinned"):
+        # G=4, K=2 offloads 2 layers; depth 2 would keep both in slots: nothing saved, never a candidate
+        search(layers=layers, fixed_bytes=0, compute=_compute(4), h2d_bytes_per_s=1e9, copy_overhead_us=0,
+               budget_bytes=10_000, space=SearchSpace(group_size=4, num_in_group=2, prefetch_step=2))
+
+
+def test_search_pinned_knobs_are_used_even_when_everything_fits():
+    layers = _layers(8, 1000)
+    choice = search(layers=layers, fixed_bytes=0, compute=_compute(8), h2d_bytes_per_s=1e9, copy_overhead_us=0,
+                    budget_bytes=10**9, space=SearchSpace(group_size=4, num_in_group=2, prefetch_step=1))
+    assert (choice.group_size, choice.num_in_group, choice.prefetch_step) == (4, 2, 1)
+    assert choice.offloaded == (2, 3, 6, 7)
+
+
+def test_search_finds_the_brute_force_optimum():
+    """The bound-ordered search with early exit returns the fastest of all feasible (G, K, P)."""
+    rng = random.Random(99)
+    for _ in range(25):
+        num_layers = rng.randint(3, 9)
+        sizes = tuple(rng.choice([800, 1000, 1200]) for _ in range(num_layers))
+        layers = LayerBytes(total=sizes, selected=sizes)
+        compute = ComputeTimes(layer_ms=tuple(rng.choice([0.2, 0.5, 1.0, 2.0]) for _ in range(num_layers)),
+                               head_ms=0.1, source="test")
+        fixed = 100
+        budget = fixed + sum(sizes) - rng.randint(1, sum(sizes) - max(sizes) - 1)
+        h2d, overhead = 1e6, 5.0
+        choice = search(layers=layers, fixed_bytes=fixed, compute=compute, h2d_bytes_per_s=h2d,
+                        copy_overhead_us=overhead, budget_bytes=budget)
+        assert choice.gpu_bytes <= budget
+        best = None
+        for g in range(1, num_layers + 1):
+            for k in range(1, g + 1):
+                offloaded = offloaded_by_rule(num_layers, g, k)
+                for p in range(1, len(offloaded)):
+                    if gpu_bytes_of(fixed, layers, offloaded, p) > budget:
+                        continue
+                    s = sim(compute.layer_ms, offloaded, [copy_ms_of(sizes[i], h2d, overhead) for i in offloaded],
+                            p, compute.head_ms)
+                    best = s.step_ms if best is None else min(best, s.step_ms)
+        assert best is not None
+        assert round(choice.simulation.step_ms, 4) == round(best, 4)
