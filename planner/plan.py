@@ -264,6 +264,10 @@ def write_atomic(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file and a rename: never a partial file."""
     path = Path(path)
     directory = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise PlanError(f"{path} is a folder; give a file name for the plan, e.g. {path / 'plan.yaml'}")
+    if not directory.is_dir():
+        raise PlanError(f"output folder {directory} does not exist; create it first or choose another path")
     handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
     try:
         with os.fdopen(handle, "w") as stream:
@@ -308,6 +312,10 @@ def plan_from_dict(data: object, origin: str) -> Plan:
     if not isinstance(rows, list):
         raise PlanError(f"{origin}: layers must be a list of rows; regenerate the plan")
     kwargs["layers"] = tuple(_section(LayerRow, row, f"{origin}: layers[{i}]") for i, row in enumerate(rows))
+    misplaced = [i for i, row in enumerate(kwargs["layers"]) if row.index != i]
+    if misplaced:
+        raise PlanError(f"{origin}: layers[{misplaced[0]}] has index {kwargs['layers'][misplaced[0]].index}; rows must "
+                        "be numbered 0, 1, 2, ... in order: regenerate the plan")
     try:
         return Plan(**kwargs)
     except ValueError as error:

@@ -126,8 +126,13 @@ def _figure(raw: object, key: str, origin: str) -> Figure | None:
     extra = sorted(set(raw) - {"value", "source", "note"})
     if extra:
         raise ProfileError(f"{origin}: field {key} has unknown key(s) {extra}; use value, source and note")
+    value = raw["value"]
+    if key.endswith("_bytes") and isinstance(value, float):
+        if not value.is_integer():
+            raise ProfileError(f"{origin}: field {key} must be a whole number of bytes, got {value}")
+        value = int(value)  # 1.0e+9 in YAML: a byte count all the same
     try:
-        return Figure(value=raw["value"], source=raw["source"], note=str(raw.get("note", "")))
+        return Figure(value=value, source=raw["source"], note=str(raw.get("note", "")))
     except ValueError as error:
         raise ProfileError(f"{origin}: field {key}: {error}") from None
 

@@ -289,9 +289,3 @@ def test_gpu(workdir) -> str:
     """The --gpu argument for the round-number test profile (relative to ``workdir``)."""
     return TEST_GPU
 
-
-@pytest.fixture
-def test_profile():
-    from planner.profile import load_profile
-
-    return load_profile(str(TEST_GPU_FILE))

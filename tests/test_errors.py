@@ -282,18 +282,14 @@ def test_show_good_plan_exits_zero(workdir, good_plan):
     assert "Traceback" not in proc.stderr and "error" not in proc.stderr
 
 
-# ---- known bugs: each xfail names the defect; strict, so a fix makes the test pass and the marker must go -----
+# ---- defects found in review, fixed: these keep them fixed ---------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="BUG planner/plan.py write_atomic: -o into a missing folder raises "
-                                       "FileNotFoundError from tempfile.mkstemp, shown as a traceback")
 def test_output_in_missing_folder_is_one_line_error(workdir, good_plan):
     proc = run_cli(["make", "--model", "ckpt", "--gpu", TEST_GPU, "-o", "no-such-dir/plan.yaml"], cwd=workdir)
     assert_one_line_error(proc.returncode, proc.stderr, proc.stdout)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG planner/plan.py write_atomic: -o naming a folder raises "
-                                       "IsADirectoryError from os.replace, shown as a traceback")
 def test_output_is_a_folder_is_one_line_error(workdir, good_plan):
     (workdir / "a-folder").mkdir()
     proc = run_cli(["make", "--model", "ckpt", "--gpu", TEST_GPU, "-o", "a-folder"], cwd=workdir)
@@ -301,17 +297,12 @@ def test_output_is_a_folder_is_one_line_error(workdir, good_plan):
     assert_one_line_error(proc.returncode, proc.stderr, proc.stdout)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG planner/plan.py read_plan/report.py: a layer row whose index is out of "
-                                       "range passes validation, then show raises IndexError (report.py _layer_table)")
 def test_show_row_index_out_of_range_is_one_line_error(workdir, good_plan):
     _plan_edit(lambda d: d["layers"][3].update(index=99))(workdir)
     proc = run_cli(["show", "bad-plan.yaml"], cwd=workdir)
     assert_one_line_error(proc.returncode, proc.stderr, proc.stdout)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG planner/make.py _assemble / profile.py: a profile byte count written as "
-                                       "a float (1.0e+9) lands in the plan as 1000000000.0, and show then rejects "
-                                       "the plan make just wrote (hardware.gpu_memory_bytes must be int)")
 def test_profile_with_float_byte_counts_gives_a_readable_plan(workdir, good_plan):
     data = _profile(gpu_memory_bytes={"value": 1.0e9, "source": "assumed"})
     _write_profile(workdir / "float.yaml", data)

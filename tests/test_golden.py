@@ -15,7 +15,7 @@ MOE = {"num_experts": 4, "top_k": 2, "expert_intermediate": 32}
 CASES = {
     # 723,072 bytes of weights, budget 0.5 x 1 GB: everything fits.
     "dense-fits": (dict(num_layers=8, num_shards=3), []),
-    # 500 KB allows at most 4 layers' worth less than the 723,072 bytes: offload forced.
+    # 500 KB is less than the 723,072 bytes of weights: offload forced.
     "dense-budget": (dict(num_layers=8, num_shards=3), ["--budget", "500KB"]),
     "moe-experts": (dict(num_layers=4, num_shards=2, moe=MOE), ["--params", "experts", "--budget", "300KB"]),
     "dense-pinned": (dict(num_layers=8, num_shards=3),
@@ -49,6 +49,10 @@ def test_golden_cases_are_what_they_claim(workdir, test_gpu):
     assert forced["offload"]["layers"], "a 500KB budget must force offload"
     assert forced["memory"]["gpu_bytes"] <= forced["memory"]["budget_bytes"] == 500_000
     assert forced["prediction"]["step_ms"] >= forced["prediction"]["link_floor_ms"]
+    # test-gpu: h2d 1e9 B/s and 10 us per copy, so a copy takes 0.01 + bytes / 1e6 ms
+    for row in forced["layers"]:
+        assert row["copy_ms"] == round(0.01 + row["bytes"] / 1e6, 4)
+    assert forced["prediction"]["link_floor_ms"] == round(forced["prediction"]["copy_bytes_per_step"] / 1e6, 4)
 
     pinned = yaml.safe_load(_make(workdir, test_gpu, "dense-pinned", "pinned.yaml"))
     assert pinned["offload"]["layers"] == [2, 3, 6, 7]  # i % 4 >= 4 - 2
