@@ -21,7 +21,7 @@ from planner.plan import (
     WorkloadSection,
 )
 from planner.profile import HardwareProfile, load_profile
-from planner.search import Choice, LayerBytes, SearchSpace, copy_ms_of, search
+from planner.search import Choice, LayerBytes, SearchSpace, copy_ms_of, search, weight_gpu_bytes
 from planner.units import format_bytes, parse_bytes
 
 
@@ -82,7 +82,11 @@ def make_plan(inputs: Inputs, compute_override: ComputeTimes | None = None) -> P
     compute = compute_override or estimate_compute(
         layout, geometry_from_config(checkpoint.config, layout), workload, profile, shapes
     )
-    layer_bytes = LayerBytes(total=tuple(layer.nbytes for layer in layout.layers), selected=selected)
+    layer_bytes = LayerBytes(
+        total=tuple(layer.nbytes for layer in layout.layers),
+        selected=selected,
+        num_tensors=len(checkpoint.tensors) - sum(len(layer.params) for layer in layout.unused_layers),
+    )
     choice = search(
         layers=layer_bytes,
         fixed_bytes=layout.non_layer_bytes,
@@ -157,6 +161,8 @@ def _assemble(inputs, checkpoint, layout, profile, workload, compute, layer_byte
             gpu_bytes=choice.gpu_bytes,
             resident_layer_bytes=sum(layer_bytes.total) - choice.host_pinned_bytes,
             non_layer_bytes=layout.non_layer_bytes,
+            allocation_slack_bytes=choice.gpu_bytes - weight_gpu_bytes(
+                layout.non_layer_bytes, layer_bytes, choice.offloaded, num_slots),
             num_slots=num_slots,
             slot_bytes=slot_bytes,
             host_pinned_bytes=choice.host_pinned_bytes,

@@ -121,10 +121,12 @@ class MemorySection:
     """Where the weights live."""
 
     budget_bytes: int
-    #: weights on the GPU: resident params + slots + non-layer tensors
+    #: weights on the GPU: resident params + slots + non-layer tensors + allocation slack
     gpu_bytes: int
     resident_layer_bytes: int
     non_layer_bytes: int
+    #: alignment pads and allocator rounding of the runtime's one GPU allocation (planner.placement)
+    allocation_slack_bytes: int
     num_slots: int
     #: one slot holds the largest offloaded layer's selected params
     slot_bytes: int

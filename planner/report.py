@@ -82,6 +82,7 @@ def _memory(plan: Plan) -> Table:
         ("GPU: resident layer params", memory.resident_layer_bytes),
         ("GPU: outside the stack (embeddings, norms, head)", memory.non_layer_bytes),
         (f"GPU: {memory.num_slots} prefetch slot(s) x {format_bytes(memory.slot_bytes)}", memory.num_slots * memory.slot_bytes),
+        ("GPU: alignment and allocator rounding (bound)", memory.allocation_slack_bytes),
         ("GPU: total weights", memory.gpu_bytes),
         ("GPU: budget", memory.budget_bytes),
         ("host: pinned offloaded params", memory.host_pinned_bytes),

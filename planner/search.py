@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from planner.cost import ComputeTimes
 from planner.errors import InfeasibleError
+from planner.placement import allocation_slack_bytes
 from planner.schedule import PrefetchSchedule, offloaded_by_rule
 from planner.simulate import Simulation, simulate
 from planner.units import format_bytes
@@ -24,6 +25,8 @@ class LayerBytes:
 
     total: tuple[int, ...]
     selected: tuple[int, ...]
+    #: tensors the runtime places on the GPU (for the arena's alignment pads)
+    num_tensors: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,11 +69,20 @@ def copy_ms_of(num_bytes: int, h2d_bytes_per_s: float, copy_overhead_us: float) 
     return copy_overhead_us / 1e3 + 1e3 * num_bytes / h2d_bytes_per_s
 
 
-def gpu_bytes_of(fixed_bytes: int, layers: LayerBytes, offloaded: tuple[int, ...], num_slots: int) -> int:
-    """Resident weights + slots: everything but the offloaded selected params, plus num_slots of the largest."""
+def weight_gpu_bytes(fixed_bytes: int, layers: LayerBytes, offloaded: tuple[int, ...], num_slots: int) -> int:
+    """Resident weights + slots: everything but the offloaded selected params, plus num_slots of the largest.
+
+    ``fixed_bytes`` is what stays on the GPU whatever the plan: the weights outside the stack.
+    """
     offloaded_selected = [layers.selected[i] for i in offloaded]
     slot_bytes = max(offloaded_selected, default=0)
     return fixed_bytes + sum(layers.total) - sum(offloaded_selected) + num_slots * slot_bytes
+
+
+def gpu_bytes_of(fixed_bytes: int, layers: LayerBytes, offloaded: tuple[int, ...], num_slots: int) -> int:
+    """What the runtime allocates for weights: their bytes plus the arena's slack (planner.placement)."""
+    weights = weight_gpu_bytes(fixed_bytes, layers, offloaded, num_slots)
+    return weights + allocation_slack_bytes(weights, layers.num_tensors)
 
 
 def minimum_gpu_bytes(fixed_bytes: int, layers: LayerBytes) -> int:

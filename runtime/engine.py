@@ -14,10 +14,8 @@ import torch
 from torch import nn
 
 from planner.layout import param_selected
+from planner.placement import align_up
 from planner.schedule import PrefetchSchedule
-
-# Offsets inside a packed layer are aligned so every view is aligned for any dtype and for fast kernels.
-ALIGN_BYTES = 256
 
 
 @dataclass(frozen=True)
@@ -49,10 +47,6 @@ def backend_unpin(backend, host: torch.Tensor) -> None:
     backend.unpin(host)
 
 
-def _align(num_bytes: int) -> int:
-    return -(-num_bytes // ALIGN_BYTES) * ALIGN_BYTES
-
-
 def pack_layout(layer: nn.Module, segments: tuple[str, ...]) -> list[PackedParam]:
     """The selected params of one layer, in name order, at aligned offsets."""
     packed, offset = [], 0
@@ -61,7 +55,7 @@ def pack_layout(layer: nn.Module, segments: tuple[str, ...]) -> list[PackedParam
             continue
         num_bytes = param.numel() * param.element_size()
         packed.append(PackedParam(name, offset, num_bytes, param.dtype, tuple(param.shape)))
-        offset = _align(offset + num_bytes)
+        offset = align_up(offset + num_bytes)
     return packed
 
 
@@ -70,7 +64,12 @@ def packed_bytes(packed: list[PackedParam]) -> int:
     return packed[-1].offset_bytes + packed[-1].num_bytes if packed else 0
 
 
-def _view(buffer: torch.Tensor, item: PackedParam) -> torch.Tensor:
+def offloaded_layouts(layers: list[nn.Module], offloaded: tuple[int, ...], params: tuple[str, ...]):
+    """The packed layout of each offloaded layer, in offloaded order."""
+    return [pack_layout(layers[i], params) for i in offloaded]
+
+
+def view_as_param(buffer: torch.Tensor, item: PackedParam) -> torch.Tensor:
     return buffer[item.offset_bytes : item.offset_bytes + item.num_bytes].view(item.dtype).view(item.shape)
 
 
@@ -85,21 +84,22 @@ class OffloadEngine:
         prefetch_step: int,
         params: tuple[str, ...],
         backend,
+        slots: list[torch.Tensor],
         on_layer_packed=None,
     ):
+        """``slots``: one uint8 device buffer per slot, each at least as long as the largest packed layer."""
         self.backend = backend
         self.offloaded = offloaded
         self.schedule = PrefetchSchedule(len(offloaded), prefetch_step)
         self.issue_after = self.schedule.issue_after()
-        self.layouts = [pack_layout(layers[i], params) for i in offloaded]
+        self.layouts = offloaded_layouts(layers, offloaded, params)
         self.layer_bytes = [packed_bytes(p) for p in self.layouts]
         self.stats = OffloadStats()
         self.timing = False
         self._hooks = []
-        #: ids of the params now living in slots (the loader must not move them)
-        self.slot_param_ids: set[int] = set()
         self.host_buffers = self._pack_host(layers, on_layer_packed)
-        self.slots = [backend.alloc_device(max(self.layer_bytes, default=0)) for _ in range(self.schedule.num_slots)]
+        assert len(slots) == self.schedule.num_slots and all(s.numel() >= self.slot_bytes for s in slots)
+        self.slots = slots
         self._point_params_at_slots(layers)
         self.copy_done = [backend.new_event(f"copy-done-{k}") for k in range(len(offloaded))]
         self.reader_done = [backend.new_event(f"reader-done-{k}") for k in range(len(offloaded))]
@@ -125,14 +125,14 @@ class OffloadEngine:
         """
         offsets = [0]
         for num_bytes in self.layer_bytes:
-            offsets.append(offsets[-1] + _align(num_bytes))
+            offsets.append(offsets[-1] + align_up(num_bytes))
         host = torch.empty(offsets[-1], dtype=torch.uint8)
         buffers = [host[offsets[k] : offsets[k] + n] for k, n in enumerate(self.layer_bytes)]
         for position, layer_index in enumerate(self.offloaded):
             named = dict(layers[layer_index].named_parameters())
             for item in self.layouts[position]:
                 param = named[item.name]
-                _view(buffers[position], item).copy_(param.data)
+                view_as_param(buffers[position], item).copy_(param.data)
                 param.data = torch.empty(0, dtype=param.dtype)  # release the loaded copy now
             if on_layer_packed is not None:
                 on_layer_packed(layer_index)
@@ -148,8 +148,7 @@ class OffloadEngine:
             slot = self.slots[self.schedule.slot_of(position)]
             named = dict(layers[layer_index].named_parameters())
             for item in self.layouts[position]:
-                named[item.name].data = _view(slot, item)
-                self.slot_param_ids.add(id(named[item.name]))
+                named[item.name].data = view_as_param(slot, item)
 
     def _copy(self, position: int) -> None:
         """Copy one offloaded layer's packed params from host into its slot, on the copy stream."""

@@ -18,7 +18,9 @@ from planner.errors import PlanError, RuntimeUnavailableError
 from planner.plan import Plan
 from planner.units import format_bytes
 from runtime.backend import CpuStandIn, CudaBackend
-from runtime.engine import OffloadEngine, packed_bytes, pack_layout
+from planner.placement import align_up
+from planner.schedule import PrefetchSchedule
+from runtime.engine import OffloadEngine, PackedParam, offloaded_layouts, pack_layout, packed_bytes, view_as_param
 
 # Headroom on the GPU beyond the plan's weights: CUDA context, slot alignment, the first activations.
 GPU_HEADROOM_BYTES = 1 << 30
@@ -126,25 +128,47 @@ def check_selection(plan: Plan, layers: list[nn.Module]) -> None:
 
 
 def apply_plan(model: nn.Module, plan: Plan, backend, on_layer_packed=None) -> OffloadEngine:
-    """Offload the plan's layers and move everything else to the backend's device."""
+    """Offload the plan's layers and place everything else, with the slots, in one device arena.
+
+    One allocation means one allocator rounding (planner.placement): the plan's memory.gpu_bytes bounds it.
+    """
     layers = layer_stack(model, plan)
     check_selection(plan, layers)
-    engine = OffloadEngine(
-        layers=layers,
-        offloaded=plan.offload.layers,
-        prefetch_step=plan.offload.prefetch_step,
-        params=plan.offload.params,
-        backend=backend,
-        on_layer_packed=on_layer_packed,
-    )
+    offloaded = plan.offload.layers
+    layouts = offloaded_layouts(layers, offloaded, plan.offload.params)
+    moving = set()
+    for index, layout in zip(offloaded, layouts):
+        named = dict(layers[index].named_parameters())
+        moving.update(id(named[item.name]) for item in layout)
+    resident = [p for p in model.parameters() if id(p) not in moving]
+    resident_layout, resident_bytes = _arena_layout(resident)
+    slot_bytes = max((packed_bytes(layout) for layout in layouts), default=0)
+    num_slots = PrefetchSchedule(len(offloaded), plan.offload.prefetch_step).num_slots if offloaded else 0
+    arena = backend.alloc_device(resident_bytes + num_slots * align_up(slot_bytes))
+    slots = [arena[resident_bytes + k * align_up(slot_bytes):][:slot_bytes] for k in range(num_slots)]
+    engine = OffloadEngine(layers=layers, offloaded=offloaded, prefetch_step=plan.offload.prefetch_step,
+                           params=plan.offload.params, backend=backend, slots=slots,
+                           on_layer_packed=on_layer_packed)
+    for param, item in zip(resident, resident_layout):
+        view = view_as_param(arena, item)
+        view.copy_(param.data)
+        param.data = view  # the loaded copy is released here, one param at a time
     for module in model.modules():
-        for name, param in module.named_parameters(recurse=False):
-            if id(param) not in engine.slot_param_ids and param.device != backend.device:
-                param.data = param.data.to(backend.device)
         for name, buffer in module.named_buffers(recurse=False):
             if buffer.device != backend.device:
                 module._buffers[name] = buffer.to(backend.device)
+    engine.arena = arena
     return engine
+
+
+def _arena_layout(params: list[nn.Parameter]) -> tuple[list[PackedParam], int]:
+    """Aligned offsets for params packed back to back, and the bytes they span."""
+    layout, offset = [], 0
+    for param in params:
+        num_bytes = param.numel() * param.element_size()
+        layout.append(PackedParam("", offset, num_bytes, param.dtype, tuple(param.shape)))
+        offset = align_up(offset + num_bytes)
+    return layout, offset
 
 
 def load_with_plan(plan: Plan, model: str | None = None, progress=None) -> Loaded:

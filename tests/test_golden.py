@@ -106,7 +106,7 @@ SCHEMA = {
                  "h2d_bytes_per_s", "copy_overhead_us", "trigger", "reserve_bytes", "compute_efficiency"],
     "workload": ["tokens_per_step", "sequences_per_step", "context_tokens", "compute_source"],
     "offload": ["group_size", "num_in_group", "prefetch_step", "params", "layers"],
-    "memory": ["budget_bytes", "gpu_bytes", "resident_layer_bytes", "non_layer_bytes", "num_slots", "slot_bytes",
+    "memory": ["budget_bytes", "gpu_bytes", "resident_layer_bytes", "non_layer_bytes", "allocation_slack_bytes", "num_slots", "slot_bytes",
                "host_pinned_bytes"],
     "prediction": ["step_ms", "resident_step_ms", "head_ms", "stall_ms", "link_floor_ms", "copy_bytes_per_step",
                    "link_busy_share"],

@@ -70,7 +70,10 @@ def test_llama70b_plan_on_h100_with_40gib(plan70b):
     assert memory["budget_bytes"] == 40 * 2**30
     assert memory["gpu_bytes"] <= 40 * 2**30
     # weights on the GPU: 20 resident layers, the P slots and everything outside the stack
-    assert memory["gpu_bytes"] == NON_LAYER_BYTES + (80 - 60 + offload["prefetch_step"]) * LAYER_BYTES
+    weights = NON_LAYER_BYTES + (80 - 60 + offload["prefetch_step"]) * LAYER_BYTES
+    # 723 tensors: one 256-byte pad each, then the 2 MiB allocator granule (planner.placement)
+    assert memory["gpu_bytes"] == -(-(weights + 256 * 723) // 2**21) * 2**21
+    assert memory["allocation_slack_bytes"] == memory["gpu_bytes"] - weights
     assert memory["host_pinned_bytes"] == 60 * LAYER_BYTES
 
     link_floor_ms = prediction["copy_bytes_per_step"] / H100_H2D_BYTES_PER_S * 1e3

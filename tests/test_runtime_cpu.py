@@ -82,6 +82,11 @@ def test_params_keep_their_addresses_and_host_bytes_are_exact(llama):
     assert engine.host_bytes - offloaded_bytes < 256 * 8 * len(plan.offload.layers)  # alignment only
     assert engine.slot_bytes >= plan.memory.slot_bytes
     assert len(engine.slots) == plan.memory.num_slots
+    # one arena holds every resident param and the slots, within the plan's bound
+    weights = plan.memory.gpu_bytes - plan.memory.allocation_slack_bytes
+    assert weights <= engine.arena.numel() <= plan.memory.gpu_bytes
+    arena_start = engine.arena.data_ptr()
+    assert all(arena_start <= p.data_ptr() < arena_start + engine.arena.numel() for p in model.parameters())
 
 
 def test_copy_waits_follow_the_schedule(llama):

@@ -226,22 +226,23 @@ def _layers(num_layers, nbytes):
 
 def test_search_everything_fits_offloads_nothing():
     layers = _layers(6, 1000)
+    # 6500 bytes of weights in an arena rounded to 512 bytes: 6656 (planner.placement)
     choice = search(layers=layers, fixed_bytes=500, compute=_compute(6), h2d_bytes_per_s=1e9, copy_overhead_us=0,
-                    budget_bytes=6500)
+                    budget_bytes=6656)
     assert choice.offloaded == () and choice.prefetch_step == 0 and choice.group_size == 0
-    assert choice.gpu_bytes == 6500 and choice.host_pinned_bytes == 0 and choice.copy_bytes == 0
+    assert choice.gpu_bytes == 6656 and choice.host_pinned_bytes == 0 and choice.copy_bytes == 0
     assert choice.simulation.step_ms == 6.0 and choice.simulation.stall_ms == 0
 
 
 def test_search_infeasible_names_bytes_needed_and_given():
     layers = _layers(6, 1000)
-    # least possible: 500 fixed + one 1000-byte slot = 1500
-    with pytest.raises(InfeasibleError, match=r"1500 bytes .* budget is 1499 bytes"):
+    # least possible: 500 fixed + one 1000-byte slot = 1500, in an arena rounded to 512 bytes: 1536
+    with pytest.raises(InfeasibleError, match=r"1536 bytes .* budget is 1535 bytes"):
         search(layers=layers, fixed_bytes=500, compute=_compute(6), h2d_bytes_per_s=1e9, copy_overhead_us=0,
-               budget_bytes=1499)
+               budget_bytes=1535)
     choice = search(layers=layers, fixed_bytes=500, compute=_compute(6), h2d_bytes_per_s=1e9, copy_overhead_us=0,
-                    budget_bytes=1500)
-    assert choice.offloaded == (0, 1, 2, 3, 4, 5) and choice.prefetch_step == 1 and choice.gpu_bytes == 1500
+                    budget_bytes=1536)
+    assert choice.offloaded == (0, 1, 2, 3, 4, 5) and choice.prefetch_step == 1 and choice.gpu_bytes == 1536
 
 
 @pytest.mark.parametrize("resident", [0, 1, 3, 5, 6])
@@ -249,6 +250,7 @@ def test_search_budget_for_k_resident_layers(resident):
     num_layers, nbytes, fixed = 8, 1000, 300
     layers = _layers(num_layers, nbytes)
     budget = fixed + resident * nbytes + nbytes  # k resident layers plus one slot
+    budget = -(-budget // 512) * 512  # the arena's allocator rounding (planner.placement)
     choice = search(layers=layers, fixed_bytes=fixed, compute=_compute(num_layers), h2d_bytes_per_s=1e6,
                     copy_overhead_us=0, budget_bytes=budget)
     assert choice.gpu_bytes <= budget
