@@ -68,6 +68,8 @@ def make(
     group_size: Annotated[Optional[int], typer.Option(help="Pin G instead of searching it.")] = None,
     num_in_group: Annotated[Optional[int], typer.Option(help="Pin K instead of searching it.")] = None,
     prefetch_step: Annotated[Optional[int], typer.Option(help="Pin P instead of searching it.")] = None,
+    measure: Annotated[bool, typer.Option("--measure", help="Time one layer of each kind on the local GPU instead of estimating.")] = False,
+    measured_on: Annotated[Optional[str], typer.Option(help="Profile of the local GPU for --measure (default: from its name).")] = None,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the plan here (default: stdout).")] = None,
 ):
     """Search the fastest offload plan that fits. Example: offload-plan make -m org/model -g h100-sxm --budget 40GiB -o plan.yaml"""
@@ -76,7 +78,7 @@ def make(
     inputs = Inputs(
         model=model, revision=revision, gpu=gpu, budget=budget, trigger=trigger, tokens=tokens, sequences=sequences,
         context=context, params=tuple(params or ()), stack=stack, group_size=group_size,
-        num_in_group=num_in_group, prefetch_step=prefetch_step,
+        num_in_group=num_in_group, prefetch_step=prefetch_step, measure=measure, measured_on=measured_on,
     )
     planned = make_plan(inputs)
     for warning in planned.warnings:
@@ -182,6 +184,34 @@ def _print_bench(result) -> None:
 
 @app.command()
 @handle_errors
+def calibrate(
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the profile here (default: stdout).")] = None,
+):
+    """Measure the local GPU and write a profile for --gpu FILE. Example: offload-plan calibrate -o my-h100.yaml"""
+    from runtime.load import require_cuda
+
+    require_cuda("offload-plan calibrate")
+    from runtime.calibrate import calibrate as measure_gpu
+    from runtime.calibrate import calibrated_yaml
+
+    profile, details = measure_gpu()
+    text = calibrated_yaml(profile)
+    if output is None:
+        sys.stdout.write(text)
+    else:
+        write_atomic(output, text)
+    stderr.print(
+        f"{profile.name}: H2D {profile.h2d_bytes_per_s.value / 1e9:.1f} GB/s + {profile.copy_overhead_us.value:.1f} us "
+        f"per copy, HBM {profile.hbm_bytes_per_s.value / 1e12:.2f} TB/s, bf16 {profile.bf16_flops_per_s.value / 1e12:.0f} "
+        f"TFLOP/s, memory {profile.gpu_memory_bytes.value / 2**30:.1f} GiB",
+        markup=False,
+    )
+    for num_bytes, ms in details["h2d_points_bytes_ms"]:
+        stderr.print(f"  H2D {num_bytes / 2**20:7.0f} MiB: {ms:8.3f} ms, {num_bytes / ms / 1e6:6.1f} GB/s", markup=False)
+
+
+@app.command()
+@handle_errors
 def profiles(json_output: JsonOption = False):
     """List the built-in hardware profiles with their key figures. Example: offload-plan profiles"""
     from planner.profile import list_profile_names, load_profile, profile_to_dict
@@ -208,6 +238,9 @@ def profiles(json_output: JsonOption = False):
 
 def _with_source(figure, scale: float, spec: str) -> str:
     return f"{figure.value / scale:{spec}} {figure.source[0]}"
+
+
+import planner.cli_review  # noqa: E402,F401  (registers check, diff, export)
 
 
 def main() -> None:

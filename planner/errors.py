@@ -45,3 +45,9 @@ class RuntimeUnavailableError(OffloadPlanError):
     """The runtime cannot run here (no CUDA GPU, not enough GPU or pinned host memory)."""
 
     exit_code = 7
+
+
+class PlanStaleError(PlanError):
+    """A checked-in plan differs from what its recorded inputs give now (``check``): regenerate it."""
+
+    exit_code = 8

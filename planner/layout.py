@@ -148,3 +148,16 @@ def _check_contiguous(layers: list[LayerInfo], stack: str) -> None:
             f"stack {stack}: layer indices are not 0..{len(indices) - 1} (missing {missing[:5]}); "
             "a shard is probably missing from the index"
         )
+
+
+def layer_kinds(layers: tuple[LayerInfo, ...]) -> tuple[tuple[int, ...], ...]:
+    """Layer indices grouped by identical params (names, dtypes, shapes): one group per kind of layer.
+
+    A dense-then-MoE stack (DeepSeek's first layers) has two kinds; a uniform stack has one. Timing one
+    layer of each kind times them all.
+    """
+    groups: dict[tuple, list[int]] = {}
+    for layer in layers:
+        signature = tuple((name, dtype, shape) for name, dtype, shape, _ in layer.params)
+        groups.setdefault(signature, []).append(layer.index)
+    return tuple(tuple(indices) for indices in sorted(groups.values()))

@@ -78,10 +78,7 @@ def make_plan(inputs: Inputs, compute_override: ComputeTimes | None = None) -> P
             f"--params {' '.join(params)} matches no param of any layer (segments match whole dot-separated "
             f"parts, e.g. 'experts' or 'mlp'); layer 0 has: {', '.join(p[0] for p in layout.layers[0].params[:6])}"
         )
-    shapes = {t.name: t.shape for t in checkpoint.tensors}
-    compute = compute_override or estimate_compute(
-        layout, geometry_from_config(checkpoint.config, layout), workload, profile, shapes
-    )
+    compute = compute_override or _compute_times(inputs, checkpoint, layout, workload, profile)
     layer_bytes = LayerBytes(
         total=tuple(layer.nbytes for layer in layout.layers),
         selected=selected,
@@ -100,6 +97,18 @@ def make_plan(inputs: Inputs, compute_override: ComputeTimes | None = None) -> P
     )
     plan = _assemble(inputs, checkpoint, layout, profile, workload, compute, layer_bytes, choice, budget)
     return Planned(plan=plan, checkpoint=checkpoint, layout=layout, warnings=tuple(warnings))
+
+
+def _compute_times(inputs: Inputs, checkpoint, layout, workload, profile) -> ComputeTimes:
+    """Measured on the local GPU with --measure (runtime, torch), else the roofline estimate (pure)."""
+    if inputs.measure:
+        from runtime.measure import measured_compute
+
+        return measured_compute(checkpoint, layout, workload, profile, inputs.measured_on)
+    if inputs.measured_on is not None:
+        raise UsageError("--measured-on only applies with --measure")
+    shapes = {t.name: t.shape for t in checkpoint.tensors}
+    return estimate_compute(layout, geometry_from_config(checkpoint.config, layout), workload, profile, shapes)
 
 
 def _layout_warnings(layout: ModelLayout) -> list[str]:
@@ -224,6 +233,10 @@ def regenerate_command(inputs: Inputs, output: str | None) -> str:
     for flag, value in optional.items():
         if value is not None:
             words += [flag, str(value)]
+    if inputs.measure:
+        words += ["--measure"]
+    if inputs.measured_on:
+        words += ["--measured-on", inputs.measured_on]
     if output:
         words += ["-o", output]
     return shlex.join(words)

@@ -37,6 +37,10 @@ class Inputs:
     group_size: int | None
     num_in_group: int | None
     prefetch_step: int | None
+    #: time layers on the local GPU instead of estimating them
+    measure: bool = False
+    #: the local GPU's profile for --measure (None: from its device name)
+    measured_on: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -325,6 +329,7 @@ def plan_from_dict(data: object, origin: str) -> Plan:
 
 
 _TYPES = {int: (int,), float: (int, float), str: (str,), bool: (bool,)}
+_BASES = (bool, int, float, str)
 
 
 def _section(cls, raw: object, origin: str):
@@ -358,7 +363,11 @@ def _check_type(value: Any, annotation: Any, origin: str) -> Any:
         if not isinstance(value, dict) or not all(isinstance(v, int) for v in value.values()):
             raise PlanError(f"{origin} must be a mapping of names to integers; regenerate the plan")
         return value
-    base = next(t for t in (int, float, str) if t.__name__ in text.split("|")[0] or t is annotation)
+    base = next(t for t in _BASES if t is annotation or text.split("|")[0].strip() in (t.__name__, f"<class '{t.__name__}'>"))
+    if base is bool:
+        if not isinstance(value, bool):
+            raise PlanError(f"{origin} must be true or false, got {value!r}; regenerate the plan")
+        return value
     if not _is(value, base):
         raise PlanError(f"{origin} must be {base.__name__}, got {value!r}; regenerate the plan")
     return float(value) if base is float else value

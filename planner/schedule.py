@@ -46,6 +46,19 @@ class PrefetchSchedule:
         """False when the position's slot holds no other layer, so its weights are still there next step."""
         return self.recopies and self.previous_reader(position) != (1, position)
 
+    def copied_positions(self) -> range | tuple[int, ...]:
+        """The positions needs_copy() is true for, in order, without testing each one.
+
+        A position p is alone in its slot when no other position shares p mod S: p - S < 0 and p + S >= N,
+        i.e. N - S <= p < S. Everything else is re-copied every step.
+        """
+        n, slots = self.num_offloaded, self.num_slots
+        if not self.recopies:
+            return ()
+        if 2 * slots <= n:
+            return range(n)
+        return tuple(range(n - slots)) + tuple(range(slots, n))
+
     def slot_of(self, position: int) -> int:
         """The slot that offloaded position ``position`` always lives in."""
         return position % self.num_slots

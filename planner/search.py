@@ -6,6 +6,7 @@ make / link bandwidth); sets are simulated in order of that bound, and the searc
 set can beat the best plan found.
 """
 
+import bisect
 from dataclasses import dataclass
 
 from planner.cost import ComputeTimes
@@ -137,6 +138,9 @@ def search(
         if best is not None and round(bound, STEP_MS_DECIMALS) > round(best.simulation.step_ms, STEP_MS_DECIMALS):
             break
         for depth in _depths(layers, fixed_bytes, offloaded, budget_bytes, space):
+            if best is not None and _key_floor(layers, fixed_bytes, copy_ms, resident_ms, offloaded,
+                                               group_size, num_in_group, depth) >= best.key():
+                continue  # cannot beat the best even at its link bound: skip the simulation
             choice = _evaluate(layers, fixed_bytes, compute, copy_ms, offloaded, group_size, num_in_group, depth)
             if best is None or choice.key() < best.key():
                 best = choice
@@ -159,14 +163,41 @@ def _describe(space: SearchSpace) -> str:
 def _depths(layers, fixed_bytes, offloaded, budget_bytes, space):
     """Depths from 1 up to the most the budget allows, fewer than the number offloaded (else nothing saved)."""
     top = len(offloaded) - 1
-    depths = range(1, top + 1) if space.prefetch_step is None else [space.prefetch_step]
-    return [d for d in depths if d <= top and gpu_bytes_of(fixed_bytes, layers, offloaded, d) <= budget_bytes]
+    if space.prefetch_step is not None:
+        depth = space.prefetch_step
+        return [depth] if depth <= top and gpu_bytes_of(fixed_bytes, layers, offloaded, depth) <= budget_bytes else []
+    # GPU bytes grow with depth (one slot per step of lookahead), so the feasible depths are a prefix.
+    fits = bisect.bisect_right(range(1, top + 1), budget_bytes,
+                               key=lambda d: gpu_bytes_of(fixed_bytes, layers, offloaded, d))
+    return range(1, fits + 1)
 
 
 def _link_bound(copy_ms, offloaded, depth, resident_ms) -> float:
+    positions = PrefetchSchedule(len(offloaded), depth).copied_positions()
+    return max(resident_ms, sum(copy_ms[offloaded[k]] for k in positions))
+
+
+def _copy_bytes(layers: LayerBytes, offloaded: tuple[int, ...], depth: int) -> int:
+    """Bytes copied over the link per step (layers alone in their slot are copied once, at load)."""
+    positions = PrefetchSchedule(len(offloaded), depth).copied_positions()
+    return sum(layers.selected[offloaded[k]] for k in positions)
+
+
+def _key_floor(layers, fixed_bytes, copy_ms, resident_ms, offloaded, group_size, num_in_group, depth) -> tuple:
+    """A lower bound on Choice.key() without simulating: every field but the step time is exact.
+
+    When many sets reach the resident bound (nearly everything fits) the step times tie and the later key
+    fields decide; this lets the search skip the simulation of every set that loses on them.
+    """
     schedule = PrefetchSchedule(len(offloaded), depth)
-    copies = sum(copy_ms[layer] for k, layer in enumerate(offloaded) if schedule.needs_copy(k))
-    return max(resident_ms, copies)
+    return (
+        round(_link_bound(copy_ms, offloaded, depth, resident_ms), STEP_MS_DECIMALS),
+        _copy_bytes(layers, offloaded, depth),
+        gpu_bytes_of(fixed_bytes, layers, offloaded, schedule.num_slots),
+        depth,
+        -group_size,
+        num_in_group,
+    )
 
 
 def _ordered(layers, fixed_bytes, copy_ms, resident_ms, budget_bytes, space):
@@ -199,5 +230,5 @@ def _evaluate(layers, fixed_bytes, compute, copy_ms, offloaded, group_size, num_
         simulation=simulation,
         gpu_bytes=gpu_bytes_of(fixed_bytes, layers, offloaded, schedule.num_slots),
         host_pinned_bytes=sum(layers.selected[i] for i in offloaded),
-        copy_bytes=sum(layers.selected[layer] for k, layer in enumerate(offloaded) if schedule.needs_copy(k)),
+        copy_bytes=_copy_bytes(layers, offloaded, depth),
     )

@@ -37,12 +37,12 @@ class Loaded:
     weights_gpu_bytes: int
 
 
-def require_cuda() -> torch.device:
-    """The local CUDA GPU, or a one-line error: the CPU stand-in is for tests only."""
+def require_cuda(what: str = "offload-plan run") -> torch.device:
+    """The local CUDA GPU, or a one-line error naming ``what`` needs it (the CPU stand-in is for tests)."""
     if not torch.cuda.is_available():
         raise RuntimeUnavailableError(
-            "offload-plan run needs a CUDA GPU and this machine has none (or torch is a CPU build); "
-            "plans can still be made and shown here"
+            f"{what} needs a CUDA GPU and this machine has none (or torch is a CPU build); "
+            "plans can still be made (estimated) and shown here"
         )
     return torch.device("cuda", torch.cuda.current_device())
 

@@ -112,11 +112,13 @@ def free() -> None:
     torch.cuda.empty_cache()
 
 
-def plan_for(checkpoint: Path, share: float, tokens: int, layer_bytes: int, non_layer_bytes: int):
-    budget = int(non_layer_bytes + share * layer_bytes)
+def plan_for(checkpoint: Path, share: float, tokens: int, layout, gpu: str, measure: bool):
+    """The plan at a budget of non-layer weights + ``share`` of the layer bytes."""
+    budget = int(layout.non_layer_bytes + share * layout.layer_bytes)
     inputs = Inputs(
-        model=str(checkpoint), revision=None, gpu="h100-sxm", budget=str(budget), trigger=None, tokens=tokens,
+        model=str(checkpoint), revision=None, gpu=gpu, budget=str(budget), trigger=None, tokens=tokens,
         sequences=1, context=0, params=(), stack=None, group_size=None, num_in_group=None, prefetch_step=None,
+        measure=measure, measured_on="h100-sxm" if measure else None,
     )
     return make_plan(inputs).plan
 
@@ -148,6 +150,11 @@ def main() -> None:
     log("checkpoint ready")
     h2d = pinned_h2d_bytes_per_s()
     log(f"pinned H2D {h2d / 1e9:.1f} GB/s")
+    from runtime.calibrate import calibrate, calibrated_yaml
+
+    calibrated_path = args.out / "calibrated.yaml"
+    calibrated_path.write_text(calibrated_yaml(calibrate()[0]))
+    log(f"calibrated profile written to {calibrated_path}")
     rows = []
     baseline_bytes = torch.cuda.memory_allocated()
     resident = build_model(str(args.checkpoint), None).cuda()
@@ -166,9 +173,9 @@ def main() -> None:
 
     layout = build_layout(load_checkpoint(str(args.checkpoint)))
     for share in BUDGET_SHARES:
-        plans = {tokens: plan_for(args.checkpoint, share, tokens, layout.layer_bytes, layout.non_layer_bytes)
-                 for tokens in TOKENS}
-        for tokens, plan in plans.items():
+        for tokens in TOKENS:
+            plan = plan_for(args.checkpoint, share, tokens, layout, str(calibrated_path), measure=True)
+            estimated = plan_for(args.checkpoint, share, tokens, layout, "h100-sxm", measure=False)
             model = build_model(str(args.checkpoint), None)
             baseline_bytes = torch.cuda.memory_allocated()  # cuBLAS workspaces of earlier runs live here
             engine = apply_plan(model, plan, CudaBackend(torch.device("cuda")))
@@ -197,6 +204,9 @@ def main() -> None:
                 "prefetch": plan.offload.prefetch_step, "budget_bytes": plan.memory.budget_bytes,
                 "resident_ms": resident_ms, "floor_ms": floor_ms, "plan_ms": step_ms,
                 "predicted_ms": plan.prediction.step_ms, "accelerate_ms": accelerate_ms,
+                "estimated_plan_predicted_ms": estimated.prediction.step_ms,
+                "estimated_plan_same_layers": estimated.offload.layers == plan.offload.layers
+                and estimated.offload.prefetch_step == plan.offload.prefetch_step,
                 "weights_gpu_bytes": weights_bytes, "peak_gpu_bytes": peak_bytes,
                 "resident_activation_bytes": activation_bytes[tokens],
                 "stall_ms": stats.stall_ms / 2, "link_gb_per_s": stats.bytes_copied / stats.copy_ms / 1e6 if stats.copy_ms else 0,
@@ -208,16 +218,19 @@ def main() -> None:
 
 def report(rows, h2d, out: Path) -> None:
     header = (f"{datetime.date.today()} {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-              f"pinned H2D {h2d / 1e9:.1f} GB/s, Qwen3-8B shape bf16, prefill steps (1 x tokens)")
+              f"pinned H2D {h2d / 1e9:.1f} GB/s, Qwen3-8B shape bf16, prefill steps (1 x tokens); plans made with "
+              f"the calibrated profile and measured layer times (make --measure)")
     lines = [header, "",
-             "| tokens | GPU share | offloaded/P | resident ms | floor ms | plan ms | plan/floor | predicted ms | Accelerate ms | Accel/plan | weights GiB / budget GiB | peak GiB (resident's activations) | stall ms | link GB/s | bitwise |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| tokens | GPU share | offloaded/P | resident ms | floor ms | plan ms | plan/floor | predicted ms | error | roofline-plan predicted ms | Accelerate ms | Accel/plan | weights GiB / budget GiB | peak GiB (resident's activations) | stall ms | link GB/s | bitwise |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         accelerate = f"{r['accelerate_ms']:.1f}" if r["accelerate_ms"] else "-"
         ratio = f"{r['accelerate_ms'] / r['plan_ms']:.1f}x" if r["accelerate_ms"] else "-"
         lines.append(
             f"| {r['tokens']} | {r['share']:.0%} | {r['offloaded']}/{r['prefetch']} | {r['resident_ms']:.1f} | "
             f"{r['floor_ms']:.1f} | {r['plan_ms']:.1f} | {r['plan_ms'] / r['floor_ms']:.3f} | {r['predicted_ms']:.1f} | "
+            f"{(r['predicted_ms'] - r['plan_ms']) / r['plan_ms']:+.1%} | {r['estimated_plan_predicted_ms']:.1f}"
+            f"{'' if r['estimated_plan_same_layers'] else ' (other layers)'} | "
             f"{accelerate} | {ratio} | {r['weights_gpu_bytes'] / 2**30:.2f} / {r['budget_bytes'] / 2**30:.2f} | "
             f"{r['peak_gpu_bytes'] / 2**30:.2f} ({r['resident_activation_bytes'] / 2**30:.2f}) | {r['stall_ms']:.1f} | {r['link_gb_per_s']:.1f} | {r['bitwise_equal']} |")
     text = "\n".join(lines)

@@ -14,7 +14,7 @@ import struct
 from pathlib import Path
 
 DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
-BITS = {"BF16": 16, "F16": 16, "F32": 32}
+BITS = {"BF16": 16, "F16": 16, "F32": 32, "F8_E4M3": 8, "U8": 8}
 
 
 def tensor_specs(config_path: Path, dtype: str) -> list[tuple[str, str, list[int]]]:

@@ -99,7 +99,7 @@ def test_plan_round_trips_through_show(workdir, test_gpu):
 SCHEMA = {
     "schema_version": None,
     "inputs": ["model", "revision", "gpu", "budget", "trigger", "tokens", "sequences", "context", "params", "stack",
-               "group_size", "num_in_group", "prefetch_step"],
+               "group_size", "num_in_group", "prefetch_step", "measure", "measured_on"],
     "model": ["source", "revision", "fingerprint", "architecture", "stack", "num_layers", "num_tensors",
               "total_bytes", "layer_bytes", "non_layer_bytes", "unused_layers", "unused_bytes", "dtype_bytes"],
     "hardware": ["profile", "gpu_memory_bytes", "hbm_bytes_per_s", "bf16_flops_per_s", "fp8_flops_per_s",

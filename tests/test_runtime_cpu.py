@@ -137,3 +137,25 @@ def test_run_without_a_gpu_is_one_line(tmp_path, llama):
                             capture_output=True, text=True)
     assert result.returncode == 7
     assert result.stderr.strip().count("\n") == 0 and "CUDA GPU" in result.stderr
+
+
+def test_layer_kinds_groups_identical_layers():
+    from planner.layout import LayerInfo, layer_kinds
+
+    dense = (("mlp.w", "BF16", (4, 4), 32),)
+    moe = (("mlp.experts.0.w", "BF16", (4, 4), 32), ("mlp.gate.weight", "BF16", (2, 4), 16))
+    layers = tuple(LayerInfo(index=i, params=dense if i < 2 else moe) for i in range(5))
+    assert layer_kinds(layers) == ((0, 1), (2, 3, 4))
+
+
+def test_measure_and_calibrate_need_a_gpu(llama, tmp_path):
+    import subprocess
+    import sys
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    for args in (["make", "-m", str(llama), "-g", "h100-sxm", "--measure"], ["calibrate"],
+                 ["make", "-m", str(llama), "-g", "h100-sxm", "--measured-on", "h100-sxm"]):
+        result = subprocess.run([sys.executable, "-m", "planner.cli", *args], capture_output=True, text=True)
+        assert result.returncode in (6, 7), result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr

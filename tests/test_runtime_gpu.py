@@ -104,3 +104,50 @@ def test_cli_run_refuses_a_plan_for_another_checkpoint(llama, moe, tmp_path):
     result = _cli("run", str(plan_path), "--model", str(moe), "--bench")
     assert result.returncode != 0
     assert "fingerprint" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_measure_times_each_kind_once_and_caches(llama, tmp_path, monkeypatch):
+    from planner.checkpoint import load_checkpoint
+    from planner.cost import Workload
+    from planner.layout import build_layout
+    from runtime import measure
+
+    monkeypatch.setenv("OFFLOAD_PLAN_CACHE", str(tmp_path))
+    checkpoint = load_checkpoint(str(llama))
+    layout = build_layout(checkpoint)
+    workload = Workload(tokens_per_step=128, sequences_per_step=2, context_tokens=0)
+    layer_ms, head_ms = measure.measure_local(checkpoint, layout, workload)
+    assert len(set(layer_ms)) == 1 and layer_ms[0] > 0 and head_ms > 0  # one kind: every layer the same
+    monkeypatch.setattr(measure, "build_reduced_model", lambda *a: pytest.fail("re-measured a cached shape"))
+    assert measure.measure_local(checkpoint, layout, workload) == (layer_ms, head_ms)
+    decode = Workload(tokens_per_step=4, sequences_per_step=4, context_tokens=32)
+    monkeypatch.undo()
+    monkeypatch.setenv("OFFLOAD_PLAN_CACHE", str(tmp_path))
+    assert measure.measure_local(checkpoint, layout, decode)[0][0] > 0
+
+
+def test_make_measure_records_source_and_scales_for_another_gpu(llama, tmp_path, monkeypatch):
+    import yaml
+
+    monkeypatch.setenv("OFFLOAD_PLAN_CACHE", str(tmp_path))
+    here = _cli("make", "-m", str(llama), "-g", "h100-sxm", "--tokens", "64", "--measure", "--measured-on", "h100-sxm")
+    assert here.returncode == 0, here.stderr
+    plan = yaml.safe_load(here.stdout)
+    assert plan["workload"]["compute_source"].startswith("measured: ") and "scaled" not in plan["workload"]["compute_source"]
+    there = _cli("make", "-m", str(llama), "-g", "gb200", "--tokens", "64", "--measure", "--measured-on", "h100-sxm")
+    assert there.returncode == 0, there.stderr
+    scaled = yaml.safe_load(there.stdout)
+    assert "scaled from h100-sxm to gb200" in scaled["workload"]["compute_source"]
+    assert scaled["layers"][0]["compute_ms"] < plan["layers"][0]["compute_ms"]
+
+
+def test_calibrate_writes_a_profile_make_reads(tmp_path, llama):
+    result = _cli("calibrate", "-o", str(tmp_path / "gpu.yaml"))
+    assert result.returncode == 0, result.stderr
+    from planner.profile import load_profile
+
+    profile = load_profile(str(tmp_path / "gpu.yaml"))
+    assert profile.h2d_bytes_per_s.source == "measured" and 20e9 < profile.h2d_bytes_per_s.value < 1e12
+    assert profile.bf16_flops_per_s.source == "measured" and profile.gpu_memory_bytes.source == "measured"
+    made = _cli("make", "-m", str(llama), "-g", str(tmp_path / "gpu.yaml"), "--budget", "20MB")
+    assert made.returncode == 0, made.stderr

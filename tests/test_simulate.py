@@ -303,3 +303,11 @@ def test_search_finds_the_brute_force_optimum():
                     best = s.step_ms if best is None else min(best, s.step_ms)
         assert best is not None
         assert round(choice.simulation.step_ms, 4) == round(best, 4)
+
+
+def test_copied_positions_match_needs_copy():
+    for num_offloaded in range(0, 13):
+        for depth in range(1, 14):
+            schedule = PrefetchSchedule(num_offloaded, depth)
+            expected = [k for k in range(num_offloaded) if schedule.needs_copy(k)]
+            assert list(schedule.copied_positions()) == expected

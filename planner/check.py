@@ -1,0 +1,152 @@
+"""``check``: regenerate checked-in plans from their recorded inputs and compare them byte for byte.
+
+A plan fails when it is not a valid plan, when its checkpoint or profile cannot be read, when the checkpoint's
+fingerprint is no longer the one the plan records, when it no longer fits its profile's GPU memory, or when
+``make`` with the recorded inputs now writes different bytes. Each failure keeps the error class whose exit
+code the CLI returns, and the command that fixes the plan.
+"""
+
+import difflib
+import os
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+from planner.checkpoint import load_checkpoint
+from planner.errors import (InfeasibleError, ModelInputError, OffloadPlanError, PlanError, PlanStaleError,
+                            ProfileError)
+from planner.make import make_plan, regenerate_command
+from planner.plan import Plan, read_plan, render_plan
+from planner.profile import HardwareProfile, load_profile
+from planner.units import format_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class Problem:
+    """One reason a plan fails check."""
+
+    #: invalid, profile, model, fingerprint, fit, regenerate or stale
+    kind: str
+    #: one line for people
+    message: str
+    #: raised by the CLI when this is the first problem: its exit code is check's
+    error_class: type[OffloadPlanError]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckResult:
+    """What check found for one plan file."""
+
+    #: the file, relative to the working directory
+    path: str
+    problems: tuple[Problem, ...]
+    #: unified diff of the file against the regenerated plan; empty when equal or not regenerated
+    diff: str
+    #: the shell command that rewrites the plan; None when the file is not a plan
+    fix_command: str | None
+    #: the plan make writes now; None when it could not be regenerated
+    regenerated: str | None
+
+    @property
+    def ok(self) -> bool:
+        """True when the plan is up to date."""
+        return not self.problems
+
+    @property
+    def exit_code(self) -> int:
+        """The exit code of the first problem, 0 when none."""
+        return self.problems[0].error_class.exit_code if self.problems else 0
+
+
+def check_plan(path: Path) -> CheckResult:
+    """Check one plan file against its checkpoint, its profile and what make writes from its inputs now."""
+    display = os.path.relpath(path)
+    try:
+        text = Path(path).read_text()
+        plan = read_plan(path)
+    except (OSError, UnicodeDecodeError, PlanError) as error:
+        message = str(error) if isinstance(error, PlanError) else f"{display}: cannot read ({error})"
+        return _failed(display, Problem(kind="invalid", message=message, error_class=PlanError), None)
+    command = regenerate_command(plan.inputs, recorded_output(text, display))
+    try:
+        profile = load_profile(plan.inputs.gpu)
+    except ProfileError as error:
+        return _failed(display, Problem(kind="profile", message=str(error), error_class=ProfileError), command)
+    try:
+        return _compare(display, text, plan, profile, command)
+    except ModelInputError as error:
+        return _failed(display, Problem(kind="model", message=str(error), error_class=ModelInputError), command)
+
+
+def _failed(display: str, problem: Problem, command: str | None) -> CheckResult:
+    return CheckResult(path=display, problems=(problem,), diff="", fix_command=command, regenerated=None)
+
+
+def _compare(display: str, text: str, plan: Plan, profile: HardwareProfile, command: str) -> CheckResult:
+    """Regenerate the plan and collect every difference; a checkpoint that cannot be read raises."""
+    problems = list(fit_problems(plan, profile))
+    regenerated = None
+    try:
+        planned = make_plan(plan.inputs)
+        regenerated = render_plan(planned.plan, command)
+        fingerprint = planned.checkpoint.fingerprint()
+    except ModelInputError:
+        raise
+    except OffloadPlanError as error:
+        problems.append(Problem(kind="regenerate", message=f"make with the recorded inputs fails: {error}",
+                                error_class=type(error)))
+        fingerprint = load_checkpoint(plan.inputs.model, plan.inputs.revision).fingerprint()
+    if fingerprint != plan.model.fingerprint:
+        problems.insert(0, Problem(
+            kind="fingerprint", error_class=PlanError,
+            message=f"the checkpoint at {plan.inputs.model} is not the one planned (fingerprint {fingerprint[:19]}... "
+                    f"against the plan's {plan.model.fingerprint[:19]}...): its tensor names, dtypes or shapes changed",
+        ))
+    diff = unified_diff(text, regenerated, display) if regenerated not in (None, text) else ""
+    if diff:
+        problems.append(Problem(kind="stale", error_class=PlanStaleError,
+                                message="out of date: make with the recorded inputs writes a different plan"))
+    return CheckResult(path=display, problems=tuple(problems), diff=diff, fix_command=command, regenerated=regenerated)
+
+
+def fit_problems(plan: Plan, profile: HardwareProfile) -> tuple[Problem, ...]:
+    """The plan's weights or budget above what the profile now allows for weights (memory less reserve)."""
+    limit = profile.weight_limit_bytes
+    memory = plan.memory
+    if memory.gpu_bytes <= limit and memory.budget_bytes <= limit:
+        return ()
+    message = (
+        f"no longer fits {profile.name}: weights may take {format_bytes(limit)} (GPU memory "
+        f"{format_bytes(profile.gpu_memory_bytes.value)} less reserve {format_bytes(profile.reserve_bytes.value)}) "
+        f"but the plan puts {format_bytes(memory.gpu_bytes)} on the GPU within a budget of "
+        f"{format_bytes(memory.budget_bytes)}; regenerate it with a smaller --budget"
+    )
+    return (Problem(kind="fit", message=message, error_class=InfeasibleError),)
+
+
+def recorded_output(text: str, display: str) -> str:
+    """The -o of the plan's header command when it names this file, else the file's path as checked.
+
+    The header is part of the bytes compared, so a plan regenerates with the same output name it was made
+    with; a plan moved or written to stdout is regenerated with the path it has now.
+    """
+    lines = text.splitlines()
+    words = _split_command(lines[1].lstrip("#").strip()) if len(lines) > 1 else []
+    if "-o" in words[:-1]:
+        recorded = words[words.index("-o") + 1]
+        if os.path.normpath(recorded) == os.path.normpath(display):
+            return recorded
+    return display
+
+
+def _split_command(line: str) -> list[str]:
+    try:
+        return shlex.split(line)
+    except ValueError:
+        return []
+
+
+def unified_diff(old_text: str, new_text: str, path: str) -> str:
+    """The file against the regenerated plan, as ``diff -u`` shows it."""
+    lines = difflib.unified_diff(old_text.splitlines(True), new_text.splitlines(True), path, f"{path} (regenerated)")
+    return "".join(line if line.endswith("\n") else line + "\n" for line in lines)

@@ -1,0 +1,159 @@
+"""``diff``: what changed between two plans, in the terms a reviewer decides on.
+
+Layers that moved between GPU and host, the params selection, G/K/P, GPU and host memory, the predicted step,
+and whether the model, hardware or workload changed. ``compare_plans`` gives plain data (``diff --json``);
+``summary_sentences`` says the same in words.
+"""
+
+from dataclasses import asdict
+
+from planner.plan import Plan
+from planner.units import format_bytes, format_ms
+
+MEMORY_FIELDS = ("budget_bytes", "gpu_bytes", "host_pinned_bytes", "num_slots", "slot_bytes")
+PREDICTION_FIELDS = ("step_ms", "resident_step_ms", "stall_ms", "link_floor_ms", "copy_bytes_per_step")
+KNOB_FIELDS = ("group_size", "num_in_group", "prefetch_step")
+
+
+def compare_plans(old: Plan, new: Plan) -> dict:
+    """Every difference between two plans as JSON-ready data; numbers as {old, new, change}."""
+    data = {
+        "same_model": old.model.fingerprint == new.model.fingerprint,
+        "model": {"old": _model_identity(old), "new": _model_identity(new)},
+        "hardware": {"old": old.hardware.profile, "new": new.hardware.profile,
+                     "changed": _changed(asdict(old.hardware), asdict(new.hardware), exclude=("profile",))},
+        "workload": {"changed": _changed(asdict(old.workload), asdict(new.workload))},
+        "inputs": {"changed": _changed(_plain(asdict(old.inputs)), _plain(asdict(new.inputs)))},
+        "offload": {
+            **{name: _number(getattr(old.offload, name), getattr(new.offload, name)) for name in KNOB_FIELDS},
+            "params": {"old": list(old.offload.params), "new": list(new.offload.params)},
+            "num_offloaded": _number(len(old.offload.layers), len(new.offload.layers)),
+        },
+        "layers": _moved_layers(old, new),
+        "memory": {name: _number(getattr(old.memory, name), getattr(new.memory, name)) for name in MEMORY_FIELDS},
+        "prediction": {name: _number(getattr(old.prediction, name), getattr(new.prediction, name))
+                       for name in PREDICTION_FIELDS},
+    }
+    step = data["prediction"]["step_ms"]
+    step["speedup"] = round(step["old"] / step["new"], 4) if step["new"] else None
+    return data
+
+
+def _model_identity(plan: Plan) -> dict:
+    model = plan.model
+    return {"source": model.source, "fingerprint": model.fingerprint, "architecture": model.architecture,
+            "num_layers": model.num_layers}
+
+
+def _plain(values: dict) -> dict:
+    return {key: list(value) if isinstance(value, tuple) else value for key, value in values.items()}
+
+
+def _changed(old: dict, new: dict, exclude: tuple[str, ...] = ()) -> dict:
+    """{key: {old, new}} for the keys whose values differ."""
+    return {key: {"old": old[key], "new": new[key]} for key in old if key not in exclude and old[key] != new[key]}
+
+
+def _number(old: float, new: float) -> dict:
+    change = new - old
+    return {"old": old, "new": new, "change": round(change, 4) if isinstance(change, float) else change}
+
+
+def _moved_layers(old: Plan, new: Plan) -> dict:
+    """Layers newly offloaded (to host), newly resident (to GPU), and offloaded in both but moving other bytes."""
+    before, after = set(old.offload.layers), set(new.offload.layers)
+    both = sorted(before & after)
+    reselected = [i for i in both if i < len(new.layers)
+                  and old.layers[i].offloaded_bytes != new.layers[i].offloaded_bytes]
+    return {"to_host": sorted(after - before), "to_gpu": sorted(before - after), "selection_changed": reselected}
+
+
+def format_layers(indices: list[int]) -> str:
+    """[3, 4, 5, 9] -> '3-5, 9'."""
+    runs: list[list[int]] = []
+    for index in indices:
+        if runs and index == runs[-1][-1] + 1:
+            runs[-1].append(index)
+        else:
+            runs.append([index])
+    return ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 2 else ", ".join(map(str, run)) for run in runs)
+
+
+def summary_sentences(data: dict) -> list[str]:
+    """The comparison in words, most decisive first: model and hardware, layers, memory, step time."""
+    sentences = [_identity_sentence(data)]
+    for section in ("inputs", "workload"):
+        if data[section]["changed"]:
+            sentences.append(f"{section.capitalize()} changed: {_pairs(data[section]['changed'])}.")
+    sentences += [_layers_sentence(data), _knobs_sentence(data), _memory_sentence(data), _step_sentence(data)]
+    return sentences
+
+
+def _identity_sentence(data: dict) -> str:
+    old, new = data["model"]["old"], data["model"]["new"]
+    hardware = data["hardware"]
+    if data["same_model"]:
+        text = f"Same model ({new['source']}, {new['num_layers']} layers)"
+    else:
+        text = (f"Different checkpoints: {old['source']} ({old['fingerprint'][:15]}...) -> {new['source']} "
+                f"({new['fingerprint'][:15]}...); layers are compared by index")
+    if hardware["old"] != hardware["new"]:
+        text += f"; hardware {hardware['old']} -> {hardware['new']}"
+    else:
+        text += f" on {hardware['new']}"
+    if hardware["changed"]:
+        text += f" (profile figures changed: {_pairs(hardware['changed'])})"
+    return text + "."
+
+
+def _pairs(changed: dict) -> str:
+    return ", ".join(f"{key} {value['old']} -> {value['new']}" for key, value in changed.items())
+
+
+def _layers_sentence(data: dict) -> str:
+    layers = data["layers"]
+    parts = []
+    for key, words in (("to_gpu", "move to the GPU"), ("to_host", "move to host memory"),
+                       ("selection_changed", "stay offloaded but move other params")):
+        if layers[key]:
+            parts.append(f"{len(layers[key])} layer(s) {words} ({format_layers(layers[key])})")
+    count = data["offload"]["num_offloaded"]
+    return (("; ".join(parts) if parts else "No layer moves") +
+            f"; {count['old']} -> {count['new']} layers offloaded.")
+
+
+def _knobs_sentence(data: dict) -> str:
+    offload = data["offload"]
+    knobs = "/".join(str(offload[name]["old"]) for name in KNOB_FIELDS)
+    knobs_new = "/".join(str(offload[name]["new"]) for name in KNOB_FIELDS)
+    params = offload["params"]
+    old_params, new_params = (" ".join(p) or "whole layers" for p in (params["old"], params["new"]))
+    knob_text = f"G/K/P {knobs} -> {knobs_new}" if knobs != knobs_new else f"G/K/P {knobs} (unchanged)"
+    param_text = (f"params {old_params} -> {new_params}" if old_params != new_params
+                  else f"params {new_params} (unchanged)")
+    return f"{knob_text}; {param_text}."
+
+
+def _memory_sentence(data: dict) -> str:
+    memory = data["memory"]
+    return (f"GPU weights {_bytes_change(memory['gpu_bytes'])}; budget {_bytes_change(memory['budget_bytes'])}; "
+            f"pinned host memory {_bytes_change(memory['host_pinned_bytes'])}; "
+            f"{memory['num_slots']['old']} -> {memory['num_slots']['new']} prefetch slot(s).")
+
+
+def _bytes_change(pair: dict) -> str:
+    if pair["change"] == 0:
+        return f"{format_bytes(pair['new'])} (unchanged)"
+    sign = "+" if pair["change"] > 0 else "-"
+    return f"{format_bytes(pair['old'])} -> {format_bytes(pair['new'])} ({sign}{format_bytes(abs(pair['change']))})"
+
+
+def _step_sentence(data: dict) -> str:
+    step, stall = data["prediction"]["step_ms"], data["prediction"]["stall_ms"]
+    if step["change"] == 0:
+        return f"Predicted step {format_ms(step['new'])} (unchanged)."
+    share = 100 * step["change"] / step["old"] if step["old"] else 0.0
+    verdict = (f"{step['speedup']:.2f}x faster" if step["change"] < 0
+               else f"{1 / step['speedup']:.2f}x slower") if step["speedup"] else "from zero"
+    return (f"Predicted step {format_ms(step['old'])} -> {format_ms(step['new'])} ({share:+.1f}%, {verdict}); "
+            f"stall {format_ms(stall['old'])} -> {format_ms(stall['new'])}.")

@@ -1,0 +1,262 @@
+"""``export``: the vLLM or SGLang flags that run a plan, and the plan's prediction restated for them.
+
+Engine facts (shared/reference/offloaders.md and the engines' sources):
+
+- Both engines offload layer i when ``i % G >= G - K`` (``--offload-group-size G``, ``--offload-num-in-group K``),
+  skip a chosen layer whose selection matches no param, and prefetch P offloaded layers ahead through P static
+  slots (``--offload-prefetch-step P``), slot = position % P.
+- vLLM: the prefetch backend is chosen when G > 0; its selection flag is ``--offload-params SEG ...``
+  (``--cpu-offload-params`` is the same selection for the UVA backend, ``--cpu-offload-gb``). Before its
+  PR 54975 (fixed 2026-09) slot = position % P corrupts weights when P does not divide N.
+- SGLang (OffloaderV2): ``--offload-mode cpu`` copies from pinned host memory (``shm_cpu`` and ``sharded_gpu``
+  share one copy between data-parallel ranks and need TP size 1); its selection flag is
+  ``--offload-param-names SEG ...``, except that the DeepSeek-V2/V3 model code (Kimi-K2 included) always
+  offloads the routed experts. Its open PR asserts that P divides N.
+- Both match segments against the engine's own param names, where some checkpoint names are fused: q/k/v_proj
+  into qkv_proj, gate/up_proj into gate_up_proj, per-expert tensors (experts.E.w1/w3) into one
+  experts.w13_weight per layer.
+
+With tensor parallelism each rank holds 1/TP of every layer and copies its share over its own link, so the
+prediction is re-simulated with per-rank copies and per-rank compute (1/TP each; all-reduces not modelled).
+"""
+
+import math
+import shlex
+from dataclasses import dataclass
+
+from planner.errors import PlanError, UsageError
+from planner.plan import Plan
+from planner.schedule import PrefetchSchedule, offloaded_by_rule
+from planner.search import copy_ms_of
+from planner.simulate import simulate
+from planner.units import format_bytes, format_ms
+
+ENGINES = ("vllm", "sglang")
+#: checkpoint name parts each engine fuses with others into one param: a segment naming one alone selects nothing
+FUSED_PARTS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+               "up_proj": "gate_up_proj", "w1": "experts.w13_weight", "w3": "experts.w13_weight",
+               "w2": "experts.w2_weight"}
+#: architectures whose SGLang model code fixes the selection to the routed experts, whatever the flags say
+SGLANG_EXPERTS_ONLY = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+VLLM_FIX = "PR 54975 (fixed 2026-09)"
+MODE_NOTES = {
+    "vllm": "vLLM runs its prefetch backend (static slots, copies on a side stream) because --offload-group-size "
+            "is above 0 (--offload-backend auto); the UVA backend (--cpu-offload-gb) reads weights in place instead",
+    "sglang": "--offload-mode cpu: each offloaded param lives in pinned host memory and is copied into its static slot, "
+              "as planned (shm_cpu and sharded_gpu share one copy between data-parallel ranks and need TP size 1)",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prediction:
+    """One step of the exported configuration, per rank."""
+
+    step_ms: float
+    stall_ms: float
+    link_floor_ms: float
+    copy_bytes_per_step: int
+    gpu_bytes: int
+    host_pinned_bytes: int
+    num_slots: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Export:
+    """The flags for one engine, what they approximate, and the prediction they give."""
+
+    engine: str
+    tp_size: int
+    flags: tuple[str, ...]
+    prefetch_step: int
+    #: explanations for people: what each flag means here, assumptions and approximations
+    notes: tuple[str, ...]
+    #: things that make the flags wrong on some engine builds
+    warnings: tuple[str, ...]
+    plan_prediction: Prediction
+    prediction: Prediction
+
+    def command_fragment(self) -> str:
+        """The flags as one shell fragment."""
+        return shlex.join(self.flags)
+
+
+def export_plan(plan: Plan, engine: str, *, tp_size: int = 1, exact: bool = False) -> Export:
+    """Flags for ``engine``; raises PlanError when the engine cannot express the plan."""
+    if engine not in ENGINES:
+        raise UsageError(f"--to {engine!r} is not an engine offload-plan exports to; choose {' or '.join(ENGINES)}")
+    if tp_size < 1:
+        raise UsageError(f"--tp {tp_size}: the tensor-parallel size must be 1 or more")
+    notes: list[str] = []
+    warnings: list[str] = []
+    flags = list(_tp_flags(engine, tp_size))
+    prefetch_step = plan.offload.prefetch_step
+    if plan.offload.layers:
+        check_rule(plan)
+        prefetch_step = _engine_prefetch_step(plan, engine, exact, notes, warnings)
+        flags += _offload_flags(plan, engine, prefetch_step)
+        notes.append(MODE_NOTES[engine])
+        flags += _params_flags(plan, engine, notes)
+    else:
+        notes.append("the plan offloads nothing: serve without offload flags")
+    if tp_size > 1:
+        notes.append(_tp_note(plan, tp_size))
+    return Export(engine=engine, tp_size=tp_size, flags=tuple(flags), prefetch_step=prefetch_step, notes=tuple(notes),
+                  warnings=tuple(warnings), plan_prediction=predict(plan, 1, plan.offload.prefetch_step),
+                  prediction=predict(plan, tp_size, prefetch_step))
+
+
+def check_rule(plan: Plan) -> None:
+    """The engines take G and K, not a layer list: the plan's layers must be what the rule gives."""
+    offload = plan.offload
+    rule = offloaded_by_rule(plan.model.num_layers, offload.group_size, offload.num_in_group) \
+        if offload.num_in_group <= offload.group_size else ()
+    # Layers the rule picks but that hold no selected params are skipped by the engines as by the planner.
+    expected = tuple(i for i in rule if i in offload.layers or not _selects_nothing(plan, i))
+    if expected != offload.layers:
+        raise PlanError(
+            f"offload.layers {list(offload.layers)} is not what the engines' rule gives for G={offload.group_size}, "
+            f"K={offload.num_in_group} (layer i when i % G >= G - K: {list(expected)}); the engines take G, K and P, "
+            "not a list of layers: regenerate the plan with make instead of editing offload.layers"
+        )
+
+
+def _selects_nothing(plan: Plan, index: int) -> bool:
+    """A layer whose recorded copy time is the bare per-copy overhead holds no selected params."""
+    if not plan.offload.params:
+        return False
+    empty_copy_ms = copy_ms_of(0, plan.hardware.h2d_bytes_per_s, plan.hardware.copy_overhead_us)
+    return round(plan.layers[index].copy_ms, 4) == round(empty_copy_ms, 4)
+
+
+def _tp_flags(engine: str, tp_size: int) -> tuple[str, ...]:
+    if tp_size == 1:
+        return ()
+    return ("--tensor-parallel-size" if engine == "vllm" else "--tp-size", str(tp_size))
+
+
+def _offload_flags(plan: Plan, engine: str, prefetch_step: int) -> list[str]:
+    offload = plan.offload
+    flags = ["--offload-group-size", str(offload.group_size), "--offload-num-in-group", str(offload.num_in_group),
+             "--offload-prefetch-step", str(prefetch_step)]
+    return flags + (["--offload-mode", "cpu"] if engine == "sglang" else [])
+
+
+def _engine_prefetch_step(plan: Plan, engine: str, exact: bool, notes: list, warnings: list) -> int:
+    """The plan's P, or for SGLang the nearest P that divides N (its assertion) when the plan's does not."""
+    num_offloaded, prefetch_step = len(plan.offload.layers), plan.offload.prefetch_step
+    if num_offloaded % prefetch_step == 0:
+        return prefetch_step
+    divisor = nearest_divisor(plan, prefetch_step)
+    restated = predict(plan, 1, divisor).step_ms
+    if engine == "vllm":
+        warnings.append(
+            f"P={prefetch_step} does not divide the {num_offloaded} offloaded layers: vLLM builds before its {VLLM_FIX} "
+            f"corrupt weights then; on such a build use --offload-prefetch-step {divisor} (predicted step "
+            f"{format_ms(restated)} on one GPU)"
+        )
+        return prefetch_step
+    if exact:
+        raise PlanError(
+            f"SGLang asserts that P divides the number of offloaded layers, and P={prefetch_step} does not divide "
+            f"{num_offloaded}; drop --exact to export P={divisor}, or make the plan with --prefetch-step {divisor}"
+        )
+    notes.append(
+        f"approximation: SGLang asserts that P divides the {num_offloaded} offloaded layers, so P={prefetch_step} "
+        f"becomes {divisor}, the nearest divisor within the plan's budget (predicted step "
+        f"{format_ms(plan.prediction.step_ms)} -> {format_ms(restated)} on one GPU)"
+    )
+    return divisor
+
+
+def nearest_divisor(plan: Plan, prefetch_step: int) -> int:
+    """The divisor of N nearest to P whose slots fit the plan's budget (ties: fewer slots)."""
+    num_offloaded = len(plan.offload.layers)
+    fitting = [d for d in range(1, num_offloaded + 1)
+               if num_offloaded % d == 0 and _gpu_bytes(plan, d) <= plan.memory.budget_bytes]
+    return min(fitting, key=lambda d: (abs(d - prefetch_step), d))
+
+
+def _gpu_bytes(plan: Plan, prefetch_step: int) -> int:
+    """The plan's GPU weights with the slots of ``prefetch_step`` instead of its own."""
+    num_offloaded = len(plan.offload.layers)
+    slots = PrefetchSchedule(num_offloaded, prefetch_step).num_slots if num_offloaded else 0
+    return plan.memory.gpu_bytes + (slots - plan.memory.num_slots) * plan.memory.slot_bytes
+
+
+def _params_flags(plan: Plan, engine: str, notes: list) -> list[str]:
+    """The selection flag, or an error when the engine cannot say the plan's selection."""
+    segments = plan.offload.params
+    for segment in segments:
+        _check_segment(segment)
+    if engine == "sglang" and plan.model.architecture in SGLANG_EXPERTS_ONLY:
+        if segments != ("experts",):
+            raise PlanError(
+                f"SGLang's {plan.model.architecture} code offloads only the routed experts of each offloaded layer, "
+                f"but this plan moves {' '.join(segments) or 'whole layers'}: make the plan with --params experts"
+            )
+        notes.append(f"SGLang's {plan.model.architecture} code offloads the routed experts (experts.w13_weight, "
+                     "w2_weight) itself: no selection flag; their FP8 block scales stay on the GPU")
+        return []
+    if not segments:
+        return []
+    flag = "--offload-params" if engine == "vllm" else "--offload-param-names"
+    notes.append(f"{flag} matches whole dot-separated segments of the engine's param names, as the plan did of the "
+                 f"checkpoint's: {' '.join(segments)!r} selects the same params"
+                 + ("; SGLang builds without this flag offload whole layers" if engine == "sglang" else ""))
+    return [flag, *segments]
+
+
+def _check_segment(segment: str) -> None:
+    """Segments that name a fused checkpoint part or one expert cannot be said to an engine."""
+    parts = segment.split(".")
+    if any(part.isdigit() for part in parts):
+        raise PlanError(f"--params {segment!r} names one expert or layer by index, but the engines hold each layer's "
+                        "experts as one fused param: select 'experts' instead")
+    fused = [part for part in parts if part in FUSED_PARTS]
+    if fused:
+        raise PlanError(f"--params {segment!r}: the engines fuse {fused[0]} into {FUSED_PARTS[fused[0]]} with its "
+                        "siblings, so their matching cannot select it alone: select the enclosing module "
+                        "(e.g. 'self_attn', 'mlp' or 'experts') and make the plan again")
+
+
+def _tp_note(plan: Plan, tp_size: int) -> str:
+    rate_gb_per_s = plan.hardware.h2d_bytes_per_s / 1e9
+    return (f"TP={tp_size}: each rank holds 1/{tp_size} of every layer and copies its share over its own link at "
+            f"{rate_gb_per_s:.1f} GB/s (less where GPUs share a host link: a PCIe switch, a Grace of GB200); compute "
+            f"per rank is taken as 1/{tp_size} (all-reduces not modelled). Per-rank weights are 1/{tp_size} of the "
+            "plan's, which was made for one GPU: these flags may offload more than TP ranks need")
+
+
+def predict(plan: Plan, tp_size: int, prefetch_step: int) -> Prediction:
+    """Re-simulate the plan's layers per rank of ``tp_size`` with ``prefetch_step``."""
+    offloaded = plan.offload.layers
+    hardware = plan.hardware
+    rank_bytes = [math.ceil(plan.layers[i].offloaded_bytes / tp_size) for i in offloaded]
+    copy_ms = tuple(copy_ms_of(b, hardware.h2d_bytes_per_s, hardware.copy_overhead_us) for b in rank_bytes)
+    simulation = simulate(
+        layer_ms=tuple(row.compute_ms / tp_size for row in plan.layers),
+        head_ms=plan.prediction.head_ms / tp_size,
+        offloaded=offloaded,
+        copy_ms=copy_ms,
+        prefetch_step=prefetch_step,
+    )
+    schedule = PrefetchSchedule(len(offloaded), prefetch_step)
+    copy_bytes = sum(b for k, b in enumerate(rank_bytes) if schedule.needs_copy(k))
+    return Prediction(
+        step_ms=simulation.step_ms,
+        stall_ms=simulation.stall_ms,
+        link_floor_ms=1e3 * copy_bytes / hardware.h2d_bytes_per_s,
+        copy_bytes_per_step=copy_bytes,
+        gpu_bytes=math.ceil(_gpu_bytes(plan, prefetch_step) / tp_size),
+        host_pinned_bytes=math.ceil(plan.memory.host_pinned_bytes / tp_size),
+        num_slots=schedule.num_slots,
+    )
+
+
+def describe_prediction(export: Export) -> str:
+    """One sentence: the plan's step on one GPU against the exported configuration's, per rank."""
+    before, after = export.plan_prediction, export.prediction
+    where = f"per rank of TP={export.tp_size}" if export.tp_size > 1 else "on one GPU"
+    return (f"predicted step {format_ms(after.step_ms)} {where} (plan: {format_ms(before.step_ms)} on one GPU), "
+            f"stall {format_ms(after.stall_ms)}, link floor {format_ms(after.link_floor_ms)}; GPU weights "
+            f"{format_bytes(after.gpu_bytes)} and pinned host {format_bytes(after.host_pinned_bytes)} per rank")

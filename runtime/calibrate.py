@@ -1,0 +1,104 @@
+"""``calibrate``: measure the local GPU and write a profile whose figures are readings, not datasheets.
+
+Host-to-device: copies from page-locked memory registered the way the runtime registers it, from 1 MiB to
+1 GiB; a least-squares line through (bytes, time) gives the bandwidth for layer-sized copies (slope) and
+the fixed cost per copy (intercept). HBM: a 2 GiB device-to-device copy, bytes read plus written. Matmul: an
+8192^3 bf16 product on random data. Memory: what the driver reports. Every reading is a median.
+"""
+
+import datetime
+import statistics
+
+import torch
+
+from planner.profile import Figure, HardwareProfile, load_profile, profile_to_dict
+from runtime.backend import CudaBackend
+from runtime.measure import CALIBRATED_SUFFIX, local_profile_name
+
+COPY_SIZES_BYTES = (2**20, 2**22, 2**24, 2**26, 2**28, 2**30)
+NUM_REPEATS = 7
+
+
+def _median_ms(run, repeats: int = NUM_REPEATS) -> float:
+    """Median of ``repeats`` timings of ``run()`` with CUDA events, after one warm-up."""
+    run()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def h2d_line() -> tuple[float, float, list[tuple[int, float]]]:
+    """(bytes/s, fixed us per copy, [(bytes, ms)]) for pinned host-to-device copies on a side stream."""
+    backend = CudaBackend(torch.device("cuda"))
+    largest = max(COPY_SIZES_BYTES)
+    host = backend.pin(torch.empty(largest, dtype=torch.uint8).random_(0, 255))
+    device = torch.empty(largest, dtype=torch.uint8, device="cuda")
+    points = []
+    with torch.cuda.stream(backend.copy_stream):
+        for num_bytes in COPY_SIZES_BYTES:
+            points.append((num_bytes, _median_ms(lambda: device[:num_bytes].copy_(host[:num_bytes], non_blocking=True))))
+    backend.unpin(host)
+    slope_ms_per_byte, intercept_ms = _fit_line(points)
+    return 1e3 / slope_ms_per_byte, max(0.0, intercept_ms * 1e3), points
+
+
+def _fit_line(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least-squares slope and intercept of time against bytes."""
+    mean_x = statistics.fmean(x for x, _ in points)
+    mean_y = statistics.fmean(y for _, y in points)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sum((x - mean_x) ** 2 for x, _ in points)
+    return slope, mean_y - slope * mean_x
+
+
+def hbm_bytes_per_s() -> float:
+    """Device-to-device copy of 2 GiB, counting bytes read and written."""
+    source = torch.empty(2**31, dtype=torch.uint8, device="cuda").random_(0, 255)
+    target = torch.empty_like(source)
+    ms = _median_ms(lambda: target.copy_(source))
+    return 2 * source.numel() / (ms / 1e3)
+
+
+def bf16_flops_per_s(size: int = 8192) -> float:
+    """An n^3 bf16 matrix product on random data."""
+    a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    ms = _median_ms(lambda: a @ b)
+    return 2 * size**3 / (ms / 1e3)
+
+
+def calibrate() -> tuple[HardwareProfile, dict]:
+    """Measure this GPU; figures that cannot be measured come from its built-in profile, marked as such."""
+    base = load_profile(local_profile_name())
+    gpu = torch.cuda.get_device_name()
+    stamp = f"calibrated on {gpu}, {datetime.date.today()}, torch {torch.__version__}"
+    h2d, overhead_us, points = h2d_line()
+    hbm = hbm_bytes_per_s()
+    matmul = bf16_flops_per_s()
+    free_bytes, total_bytes = torch.cuda.mem_get_info()
+    measured = {
+        "gpu_memory_bytes": Figure(value=total_bytes, source="measured", note=f"cudaMemGetInfo total; {stamp}"),
+        "hbm_bytes_per_s": Figure(value=hbm, source="measured", note=f"2 GiB device-to-device copy, read + written; {stamp}"),
+        "bf16_flops_per_s": Figure(value=matmul, source="measured", note=f"8192^3 bf16 matmul, random data; {stamp}"),
+        "h2d_bytes_per_s": Figure(value=h2d, source="measured",
+                                  note=f"slope of pinned H2D copies 1 MiB..1 GiB on a side stream; {stamp}"),
+        "copy_overhead_us": Figure(value=overhead_us, source="measured",
+                                   note=f"intercept of the same line; {stamp}"),
+    }
+    fields = {key: getattr(base, key) for key in ("fp8_flops_per_s", "trigger", "reserve_bytes", "compute_efficiency")}
+    profile = HardwareProfile(name=base.name + CALIBRATED_SUFFIX, description=f"{base.description}; {stamp}",
+                              **measured, **fields)
+    return profile, {"h2d_points_bytes_ms": points, "free_bytes": free_bytes}
+
+
+def calibrated_yaml(profile: HardwareProfile) -> str:
+    """The profile as YAML that --gpu FILE reads."""
+    import yaml
+
+    header = "# Written by offload-plan calibrate; figures marked measured were read on this GPU.\n"
+    return header + yaml.safe_dump(profile_to_dict(profile), sort_keys=False, width=120)

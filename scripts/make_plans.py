@@ -1,0 +1,57 @@
+"""Write every plan under plans/ from the header-only checkpoints of scripts/real_checkpoints.py.
+
+Each entry is one ``offload-plan make`` run from the repository root, so each plan's header holds the command
+that regenerates it and ``offload-plan check plans/*.yaml`` can reproduce it. plans/README.md says why each
+model, GPU and budget was chosen, and which combinations have no plan.
+
+    python3 scripts/make_plans.py            # checkpoints, then every plan
+    offload-plan check --update plans/*.yaml # later: refresh the existing plans after a planner change
+"""
+
+import subprocess
+import sys
+
+from real_checkpoints import REPO_ROOT, write_checkpoint
+
+#: (model under plans/models, GPU profile, --budget, --params segments)
+PLANS = (
+    ("qwen3-8b", "h100-sxm", "40GiB", ()),
+    ("qwen3-32b", "h100-sxm", "40GiB", ()),
+    ("qwen3-32b", "gh200", "48GiB", ()),
+    ("qwen3-32b", "gb200", "120GiB", ()),
+    ("llama-3.1-70b", "h100-sxm", "40GiB", ()),
+    ("llama-3.1-70b", "gh200", "64GiB", ()),
+    ("llama-3.1-70b", "gb200", "96GiB", ()),
+    ("mixtral-8x7b", "h100-sxm", "40GiB", ("experts",)),
+    ("mixtral-8x7b", "h100-sxm", "60GiB", ("experts",)),
+    ("mixtral-8x7b", "gh200", "64GiB", ("experts",)),
+    ("mixtral-8x7b", "gb200", "120GiB", ("experts",)),
+    ("gpt-oss-120b", "h100-sxm", "48GiB", ("experts",)),
+    ("gpt-oss-120b", "gh200", "72GiB", ("experts",)),
+    ("deepseek-v3", "h100-sxm", "64GiB", ("experts",)),
+    ("kimi-k2", "h100-sxm", "64GiB", ("experts",)),
+)
+
+
+def plan_path(model: str, gpu: str, budget: str) -> str:
+    """plans/MODEL-GPU-BUDGET.yaml, relative to the repository root."""
+    return f"plans/{model}-{gpu}-{budget.lower()}.yaml"
+
+
+def make_command(model: str, gpu: str, budget: str, params: tuple[str, ...]) -> list[str]:
+    """The make invocation for one entry (the checkpoint path relative to the repository root)."""
+    words = ["make", "--model", f".cache/checkpoints/{model}", "--gpu", gpu, "--budget", budget]
+    for segment in params:
+        words += ["--params", segment]
+    return words + ["-o", plan_path(model, gpu, budget)]
+
+
+def main() -> None:
+    for model in sorted({entry[0] for entry in PLANS}):
+        write_checkpoint(model)
+    for entry in PLANS:
+        subprocess.run([sys.executable, "-m", "planner.cli", *make_command(*entry)], cwd=REPO_ROOT, check=True)
+
+
+if __name__ == "__main__":
+    main()

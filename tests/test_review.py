@@ -1,0 +1,292 @@
+"""check, diff and export on tiny hand-written checkpoints and the round-number test profile.
+
+check: a fresh plan passes; an edited plan, a changed profile, a changed checkpoint, a file that is not a plan
+each fail with their exit code, a diff where one applies, and the command that fixes it. diff: the JSON a bot
+reads. export: flags for vLLM and SGLang, tensor parallelism, selections, P that does not divide N, and the
+plans an engine cannot express.
+"""
+
+import json
+import shutil
+
+import pytest
+import yaml
+
+from tests.conftest import ERROR_PREFIX, TEST_GPU_FILE, invoke, make_checkpoint
+
+MOE = {"num_experts": 4, "top_k": 2, "expert_intermediate": 32}
+# Exit codes of check, written out so a change is deliberate.
+OK, MODEL, PROFILE, PLAN, INFEASIBLE, STALE = 0, 2, 3, 4, 5, 8
+
+
+def _make(args, output="plan.yaml", model="ckpt") -> dict:
+    result = invoke(["make", "--model", model, *args, "-o", output])
+    assert result.exit_code == 0, result.stderr
+    return yaml.safe_load(open(output).read())
+
+
+def _check(*args):
+    return invoke(["check", *args], catch_exceptions=False)
+
+
+def _assert_failed(result, code: int) -> str:
+    """Exit code, no traceback, and the last stderr line is the one-line summary error."""
+    assert result.exit_code == code, result.stderr
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(ERROR_PREFIX), last
+    return last
+
+
+def _edit(path, old: str, new: str) -> None:
+    text = open(path).read()
+    assert old in text
+    open(path, "w").write(text.replace(old, new, 1))
+
+
+@pytest.fixture
+def dense(workdir, test_gpu):
+    make_checkpoint(workdir / "ckpt", num_layers=8, num_shards=3)
+    return _make(["--gpu", test_gpu, "--budget", "500KB"])
+
+
+@pytest.fixture
+def own_profile(workdir):
+    """A profile file the test may change: my-gpu.yaml, a copy of the test GPU."""
+    shutil.copy(TEST_GPU_FILE, workdir / "my-gpu.yaml")
+    return workdir / "my-gpu.yaml"
+
+
+# ---- check --------------------------------------------------------------------------------------------------
+
+
+def test_check_passes_on_a_fresh_plan(dense):
+    result = _check("plan.yaml")
+    assert result.exit_code == OK, result.stderr
+    assert "ok plan.yaml" in result.stderr and "1 plan(s) up to date" in result.stderr
+    assert result.stdout == ""
+
+
+def test_check_fails_on_an_edited_plan_with_diff_and_fix(dense):
+    _edit("plan.yaml", f"prefetch_step: {dense['offload']['prefetch_step']}\n  params",
+          f"prefetch_step: {dense['offload']['prefetch_step'] + 1}\n  params")
+    result = _check("plan.yaml")
+    last = _assert_failed(result, STALE)
+    assert "plan.yaml (stale)" in last
+    assert result.stdout.startswith("--- plan.yaml\n+++ plan.yaml (regenerated)\n")
+    assert f"-  prefetch_step: {dense['offload']['prefetch_step'] + 1}" in result.stdout
+    assert f"+  prefetch_step: {dense['offload']['prefetch_step']}" in result.stdout
+    header_command = open("plan.yaml").read().splitlines()[1].lstrip("#").strip()
+    assert f"fix: {header_command}" in result.stderr
+
+
+def test_check_update_rewrites_the_plan(dense):
+    original = open("plan.yaml").read()
+    _edit("plan.yaml", "step_ms:", "step_ms: 1.0\n  old_step_ms:")  # not even a valid plan key any more
+    assert _check("plan.yaml").exit_code == PLAN  # invalid files cannot be regenerated from their inputs
+    open("plan.yaml", "w").write(original.replace("tokens_per_step: 2048", "tokens_per_step: 2048 ", 1))
+    result = _check("--update", "plan.yaml")
+    assert result.exit_code == OK, result.stderr
+    assert "updated plan.yaml" in result.stderr
+    assert open("plan.yaml").read() == original
+    assert _check("plan.yaml").exit_code == OK
+
+
+def test_check_fails_when_the_profile_changes(workdir, own_profile):
+    make_checkpoint(workdir / "ckpt", num_layers=8, num_shards=3)
+    _make(["--gpu", "my-gpu.yaml", "--budget", "500KB"])
+    _edit(own_profile, "value: 1.0e+9", "value: 2.0e+9")  # a faster host link
+    result = _check("plan.yaml")
+    _assert_failed(result, STALE)
+    assert "-  h2d_bytes_per_s: 1000000000.0\n+  h2d_bytes_per_s: 2000000000.0\n" in result.stdout
+
+
+def test_check_fails_when_the_plan_no_longer_fits(workdir, own_profile):
+    make_checkpoint(workdir / "ckpt", num_layers=8, num_shards=3)
+    _make(["--gpu", "my-gpu.yaml", "--budget", "500KB"])
+    # 400 KB of memory less 100 MB reserve is refused by the profile itself; shrink memory and reserve together
+    _edit(own_profile, "value: 1000000000\n", "value: 400000\n")
+    _edit(own_profile, "value: 100000000\n", "value: 100000\n")
+    result = _check("--json", "plan.yaml")
+    assert result.exit_code == INFEASIBLE
+    (entry,) = json.loads(result.stdout)
+    kinds = [p["kind"] for p in entry["problems"]]
+    assert kinds[0] == "fit" and entry["exit_code"] == INFEASIBLE
+    assert "no longer fits test-gpu" in entry["problems"][0]["message"]
+
+
+def test_check_fails_on_fingerprint_mismatch(dense, workdir):
+    shutil.rmtree(workdir / "ckpt")
+    make_checkpoint(workdir / "ckpt", num_layers=8, num_shards=3, intermediate=96)  # other shapes
+    result = _check("--json", "plan.yaml")
+    assert result.exit_code == PLAN
+    (entry,) = json.loads(result.stdout)
+    assert [p["kind"] for p in entry["problems"]][:1] == ["fingerprint"]
+    assert "stale" in [p["kind"] for p in entry["problems"]]
+    assert entry["fix_command"].startswith("offload-plan make --model ckpt")
+
+
+def test_check_fails_when_the_checkpoint_is_gone(dense, workdir):
+    shutil.rmtree(workdir / "ckpt")
+    last = _assert_failed(_check("plan.yaml"), MODEL)
+    assert "plan.yaml (model)" in last
+
+
+@pytest.mark.parametrize("text", ["not: [a plan\n", "- 1\n- 2\n", "schema_version: 1\n"])
+def test_check_fails_on_a_file_that_is_not_a_plan(workdir, text):
+    (workdir / "bad.yaml").write_text(text)
+    last = _assert_failed(_check("bad.yaml"), PLAN)
+    assert "bad.yaml (invalid)" in last
+
+
+def test_check_several_plans_exits_with_the_first_failure(dense, workdir):
+    shutil.copy("plan.yaml", "stale.yaml")  # its header names plan.yaml: regenerated with -o stale.yaml
+    (workdir / "bad.yaml").write_text("nonsense\n")
+    result = _check("plan.yaml", "stale.yaml", "bad.yaml")
+    last = _assert_failed(result, STALE)
+    assert "2 of 3 plan(s) fail check: stale.yaml (stale); bad.yaml (invalid)" in last
+    assert "+#   offload-plan make --model ckpt" in result.stdout and "-o stale.yaml" in result.stdout
+
+
+# ---- diff ---------------------------------------------------------------------------------------------------
+
+
+def test_diff_of_two_budgets(dense, test_gpu):
+    fits = _make(["--gpu", test_gpu], output="fits.yaml")
+    result = invoke(["diff", "plan.yaml", "fits.yaml", "--json"])
+    assert result.exit_code == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["same_model"] is True
+    assert data["inputs"]["changed"] == {"budget": {"old": "500KB", "new": None}}
+    assert data["layers"]["to_gpu"] == dense["offload"]["layers"] and data["layers"]["to_host"] == []
+    memory, prediction = data["memory"], data["prediction"]
+    assert memory["gpu_bytes"] == {"old": dense["memory"]["gpu_bytes"], "new": fits["memory"]["gpu_bytes"],
+                                   "change": fits["memory"]["gpu_bytes"] - dense["memory"]["gpu_bytes"]}
+    assert memory["host_pinned_bytes"]["new"] == 0
+    assert prediction["step_ms"]["old"] == dense["prediction"]["step_ms"]
+    assert prediction["step_ms"]["new"] == fits["prediction"]["step_ms"]
+    assert data["offload"]["num_offloaded"]["new"] == 0
+    assert any("move to the GPU" in sentence for sentence in data["summary"])
+
+    words = invoke(["diff", "plan.yaml", "fits.yaml"])
+    assert words.exit_code == 0 and words.stdout == ""
+    assert "faster" in words.stderr and "predicted step" in words.stderr and "G / K / P" in words.stderr
+
+
+def test_diff_of_identical_plans_says_nothing_moved(dense):
+    data = json.loads(invoke(["diff", "plan.yaml", "plan.yaml", "--json"]).stdout)
+    assert data["layers"] == {"to_host": [], "to_gpu": [], "selection_changed": []}
+    assert data["prediction"]["step_ms"]["change"] == 0
+    assert "No layer moves" in " ".join(data["summary"])
+
+
+def test_diff_of_different_models_and_hardware(dense, workdir, own_profile):
+    make_checkpoint(workdir / "other", num_layers=8, num_shards=1, moe=MOE)
+    _edit(own_profile, "name: test-gpu", "name: my-gpu")
+    _make(["--gpu", "my-gpu.yaml", "--budget", "500KB", "--params", "experts"], output="moe.yaml", model="other")
+    data = json.loads(invoke(["diff", "plan.yaml", "moe.yaml", "--json"]).stdout)
+    assert data["same_model"] is False
+    assert (data["hardware"]["old"], data["hardware"]["new"]) == ("test-gpu", "my-gpu")
+    assert "hardware test-gpu -> my-gpu" in data["summary"][0]
+    assert data["offload"]["params"] == {"old": [], "new": ["experts"]}
+    assert "Different checkpoints" in data["summary"][0]
+
+
+# ---- export -------------------------------------------------------------------------------------------------
+
+
+def _export(*args):
+    return invoke(["export", *args])
+
+
+def test_export_vllm_and_sglang_flags(dense):
+    offload = dense["offload"]
+    knobs = ["--offload-group-size", str(offload["group_size"]), "--offload-num-in-group",
+             str(offload["num_in_group"]), "--offload-prefetch-step", str(offload["prefetch_step"])]
+    vllm = _export("plan.yaml", "--to", "vllm")
+    assert vllm.exit_code == 0, vllm.stderr
+    assert vllm.stdout == " ".join(knobs) + "\n"
+    sglang = _export("plan.yaml", "--to", "sglang")
+    assert sglang.stdout == " ".join(knobs + ["--offload-mode", "cpu"]) + "\n"
+    data = json.loads(_export("plan.yaml", "--to", "vllm", "--json").stdout)
+    assert data["flags"] == knobs and data["tp_size"] == 1
+    # one GPU and the plan's own P: the restated prediction is the plan's
+    assert data["prediction"]["exported"]["step_ms"] == pytest.approx(dense["prediction"]["step_ms"], abs=1e-3)
+    assert data["prediction"]["exported"]["gpu_bytes"] == dense["memory"]["gpu_bytes"]
+
+
+def test_export_with_tensor_parallelism(dense):
+    data = json.loads(_export("plan.yaml", "--to", "vllm", "--tp", "2", "--json").stdout)
+    assert data["flags"][:2] == ["--tensor-parallel-size", "2"]
+    plan, exported = data["prediction"]["plan"], data["prediction"]["exported"]
+    assert exported["copy_bytes_per_step"] <= plan["copy_bytes_per_step"] // 2 + len(dense["offload"]["layers"])
+    assert exported["step_ms"] < plan["step_ms"]
+    assert exported["host_pinned_bytes"] == -(-dense["memory"]["host_pinned_bytes"] // 2)
+    assert any("TP=2" in note for note in data["notes"])
+    sglang = json.loads(_export("plan.yaml", "--to", "sglang", "--tp", "4", "--json").stdout)
+    assert sglang["flags"][:2] == ["--tp-size", "4"]
+
+
+def test_export_selective_params(workdir, test_gpu):
+    make_checkpoint(workdir / "ckpt", num_layers=4, num_shards=2, moe=MOE)
+    _make(["--gpu", test_gpu, "--params", "experts", "--budget", "300KB"])
+    assert _export("plan.yaml", "--to", "vllm").stdout.endswith("--offload-params experts\n")
+    assert _export("plan.yaml", "--to", "sglang").stdout.endswith("--offload-param-names experts\n")
+
+
+def test_export_sglang_deepseek_selects_experts_itself(workdir, test_gpu):
+    deepseek = {"architectures": ["DeepseekV3ForCausalLM"]}
+    make_checkpoint(workdir / "ckpt", num_layers=4, num_shards=2, moe=MOE, extra_config=deepseek)
+    _make(["--gpu", test_gpu, "--params", "experts", "--budget", "300KB"])
+    result = _export("plan.yaml", "--to", "sglang")
+    assert result.exit_code == 0 and "--offload-param" not in result.stdout
+    assert "offloads the routed experts" in result.stderr
+    _make(["--gpu", test_gpu, "--budget", "300KB"], output="whole.yaml")
+    result = _export("whole.yaml", "--to", "sglang")
+    assert result.exit_code == PLAN and "make the plan with --params experts" in result.stderr
+
+
+def test_export_p_that_does_not_divide_n(workdir, test_gpu):
+    make_checkpoint(workdir / "ckpt", num_layers=8, num_shards=3)
+    # G=8, K=5: layers 3..7 (N=5); P=2 does not divide 5
+    plan = _make(["--gpu", test_gpu, "--group-size", "8", "--num-in-group", "5", "--prefetch-step", "2"])
+    assert plan["offload"]["layers"] == [3, 4, 5, 6, 7]
+    sglang = json.loads(_export("plan.yaml", "--to", "sglang", "--json").stdout)
+    assert sglang["prefetch_step"] == 1 and "--offload-prefetch-step" in sglang["flags"]
+    assert sglang["flags"][sglang["flags"].index("--offload-prefetch-step") + 1] == "1"
+    assert any(note.startswith("approximation: SGLang asserts") for note in sglang["notes"])
+    assert sglang["prediction"]["exported"]["num_slots"] == 1
+    exact = _export("plan.yaml", "--to", "sglang", "--exact")
+    assert exact.exit_code == PLAN and "P=2 does not divide 5" in exact.stderr
+    vllm = json.loads(_export("plan.yaml", "--to", "vllm", "--json").stdout)
+    assert vllm["prefetch_step"] == 2
+    assert any("PR 54975" in warning for warning in vllm["warnings"])
+
+
+def test_export_refuses_a_hand_edited_layer_list(dense):
+    layers = dense["offload"]["layers"]
+    _edit("plan.yaml", f"layers: [{', '.join(map(str, layers))}]", f"layers: [{', '.join(map(str, layers[:-1]))}]")
+    result = _export("plan.yaml", "--to", "vllm")
+    assert result.exit_code == PLAN
+    assert "is not what the engines' rule gives" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_export_refuses_a_fused_param_segment(workdir, test_gpu):
+    make_checkpoint(workdir / "ckpt", num_layers=8, num_shards=3)
+    _make(["--gpu", test_gpu, "--params", "q_proj", "--budget", "700KB"])
+    result = _export("plan.yaml", "--to", "vllm")
+    assert result.exit_code == PLAN and "fuse q_proj into qkv_proj" in result.stderr
+
+
+def test_export_of_a_plan_that_offloads_nothing(workdir, test_gpu):
+    make_checkpoint(workdir / "ckpt", num_layers=8, num_shards=3)
+    _make(["--gpu", test_gpu])
+    result = _export("plan.yaml", "--to", "sglang")
+    assert result.exit_code == 0 and result.stdout == ""
+    assert "offloads nothing" in result.stderr
+
+
+def test_export_unknown_engine(dense):
+    result = _export("plan.yaml", "--to", "tgi")
+    assert result.exit_code == 6 and "choose vllm or sglang" in result.stderr
