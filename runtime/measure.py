@@ -1,13 +1,17 @@
-"""``make --measure``: time one layer of each kind on the local GPU at the plan's workload.
+"""``make --measure``: time the model's layers on the local GPU at the plan's workload.
 
-A copy of the model with just enough layers to hold one of each kind is built on the GPU with random bf16
-weights; the other layers are replaced by pass-throughs. The model's own forward runs, so each timed layer
-gets exactly the arguments it gets in service (masks, rotary embeddings, caches), and CUDA events around the
-timed layers and the LM head give their times. Results are cached by GPU, versions, config, layer shape and
-workload. For a target GPU other than the local one, times are scaled per layer by the ratio of the two
+The model is built at full depth, but only one layer of each kind (same params, same attention type) gets
+weights on the GPU: every other position runs an alias of its kind's layer, sharing the weights and keeping
+its own layer index (so KV-cache writes, masks and rotary work as in service). The model's own forward runs
+all of them back to back, so the GPU is as busy, as hot and as launch-bound as in the real step, which a lone
+layer run between idle gaps is not (the lent H100 clocks down by about 5% under sustained prefill). CUDA
+events around each layer give its time; the whole forward minus the layers gives the non-layer time
+(embedding, rotary, masks, final norm, LM head, gaps). Results are cached by GPU, versions, config, layout
+and workload. For a target GPU other than the local one, times are scaled per layer by the ratio of the two
 profiles' roofline estimates, and the plan says so.
 """
 
+import copy
 import hashlib
 import json
 import os
@@ -34,13 +38,6 @@ DEVICE_PROFILES = (
 CALIBRATED_SUFFIX = "-calibrated"
 
 
-class PassThrough(nn.Module):
-    """Stands in for a layer that need not run: returns its input hidden states."""
-
-    def forward(self, hidden_states, *args, **kwargs):
-        return hidden_states
-
-
 def local_profile_name() -> str:
     """The built-in profile of the local CUDA GPU, from its device name."""
     name = torch.cuda.get_device_name()
@@ -56,12 +53,13 @@ def cache_path() -> Path:
     return Path(root) / "layer-times.json"
 
 
-def _cache_key(config: dict, signature: str, workload: Workload) -> str:
+def _cache_key(config: dict, layout: ModelLayout, workload: Workload) -> str:
     import transformers
 
     identity = {
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
-        "config": config, "layer": signature, "workload": vars(workload),
+        "config": config, "layers": [[list(p[:3]) for p in layer.params] for layer in layout.layers],
+        "workload": vars(workload), "method": "full-depth aliases v2",
     }
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -80,56 +78,101 @@ def _save_cache(cache: dict) -> None:
     write_atomic(cache_path(), json.dumps(cache, indent=1, sort_keys=True))
 
 
-def build_reduced_model(config: dict, keep: tuple[int, ...], stack: str) -> nn.Module:
-    """The model with max(keep)+1 layers on the GPU, random bf16 weights, layers not in ``keep`` skipped."""
+def measured_kinds(layout: ModelLayout, config: dict) -> tuple[tuple[int, ...], ...]:
+    """Layer indices grouped by params and attention type (sliding-window and full layers time differently)."""
+    layer_types = _text_config(config).get("layer_types") or []
+    groups: dict[tuple, list[int]] = {}
+    for kind in layer_kinds(layout.layers):
+        for index in kind:
+            attention = layer_types[index] if index < len(layer_types) else None
+            groups.setdefault((kind[0], attention), []).append(index)
+    return tuple(tuple(indices) for indices in sorted(groups.values()))
+
+
+def _text_config(config: dict) -> dict:
+    for key in ("text_config", "language_config"):
+        if isinstance(config.get(key), dict):
+            return config[key]
+    return config
+
+
+def alias_module(module: nn.Module, layer_index: int) -> nn.Module:
+    """A copy of ``module`` that shares its parameters and buffers but has its own hooks and layer index."""
+    clone = copy.copy(module)
+    for name, value in vars(module).items():
+        if isinstance(value, dict):  # parameters, buffers, submodules, hooks: own containers, shared tensors
+            setattr(clone, name, type(value)(value))
+    for name, child in module._modules.items():
+        clone._modules[name] = None if child is None else alias_module(child, layer_index)
+    if hasattr(clone, "layer_idx"):
+        clone.layer_idx = layer_index
+    return clone
+
+
+def build_measure_model(config: dict, kinds: tuple[tuple[int, ...], ...], stack: str, device: str = "cuda") -> nn.Module:
+    """The model at full depth on the GPU with random bf16 weights for one layer per kind, aliases elsewhere."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = {k: v for k, v in config.items() if k != "quantization_config"}  # measured in bf16
     hf_config = AutoConfig.for_model(**config)
     text_config = hf_config.get_text_config()
-    text_config.num_hidden_layers = max(keep) + 1
-    if hasattr(text_config, "layer_types") and text_config.layer_types:
-        text_config.layer_types = text_config.layer_types[: max(keep) + 1]
+    num_layers = text_config.num_hidden_layers
+    layer_types = getattr(text_config, "layer_types", None)
+    built = max(kind[0] for kind in kinds) + 1  # enough layers to hold one of each kind
+    text_config.num_hidden_layers = built
+    if layer_types:
+        text_config.layer_types = layer_types[:built]
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16)
     layers = model.get_submodule(stack)
-    for index in range(len(layers)):
-        if index not in keep:
-            layers[index] = PassThrough()
+    owners = {index: layers[kind[0]] for kind in kinds for index in kind}
+    representatives = {kind[0] for kind in kinds}
+    parent_name, _, attribute = stack.rpartition(".")
+    setattr(model.get_submodule(parent_name), attribute, nn.ModuleList(
+        [owners[i] if i in representatives else alias_module(owners[i], i) for i in range(num_layers)]))
+    del layers
+    text_config.num_hidden_layers = num_layers
+    if layer_types:
+        text_config.layer_types = layer_types
     torch.cuda.empty_cache()
     return model.eval()
 
 
-def _time_layers(model, stack: str, keep: tuple[int, ...], workload: Workload) -> tuple[dict[int, float], float]:
-    """Median ms of each kept layer and of the LM head over NUM_TIMED forwards."""
+def _time_forward(model, stack: str, workload: Workload) -> tuple[list[float], float]:
+    """Median ms of every layer position, and of the rest of the forward, over NUM_TIMED forwards."""
     layers = model.get_submodule(stack)
-    targets = {index: layers[index] for index in keep}
-    head = model.get_output_embeddings()
-    if head is not None:
-        targets[-1] = head
-    samples: dict[int, list] = {index: [] for index in targets}
+    samples: list[list] = [[] for _ in layers]
     handles = []
-    for index, module in targets.items():
+    for index, module in enumerate(layers):
         handles.append(module.register_forward_pre_hook(lambda m, a, i=index: _start(samples, i)))
         handles.append(module.register_forward_hook(lambda m, a, o, i=index: _stop(samples, i)))
     vocab = model.config.get_text_config().vocab_size
     sequences = workload.sequences_per_step
     step_ids = torch.randint(0, vocab, (sequences, workload.tokens_per_step // sequences), device="cuda")
     cache = _prefill(model, vocab, workload)
+    forwards = []
     with torch.inference_mode():
         for repeat in range(NUM_WARMUP + NUM_TIMED):
             if repeat == NUM_WARMUP:
-                for values in samples.values():
+                for values in samples:
                     values.clear()
+                forwards.clear()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
             model(input_ids=step_ids, past_key_values=cache, use_cache=cache is not None, logits_to_keep=1)
+            end.record()
+            forwards.append((start, end))
             if cache is not None:
                 cache.crop(workload.context_tokens)
     torch.cuda.synchronize()
     for handle in handles:
         handle.remove()
-    times = {index: statistics.median(s.elapsed_time(e) for s, e in pairs) for index, pairs in samples.items()}
-    return {i: t for i, t in times.items() if i >= 0}, times.get(-1, 0.0)
+    per_forward_layers = [sum(samples[i][r][0].elapsed_time(samples[i][r][1]) for i in range(len(layers)))
+                          for r in range(NUM_TIMED)]
+    rest_ms = statistics.median(s.elapsed_time(e) - in_layers for (s, e), in_layers in zip(forwards, per_forward_layers))
+    layer_ms = [statistics.median(s.elapsed_time(e) for s, e in pairs) for pairs in samples]
+    return layer_ms, max(0.0, rest_ms)
 
 
 def _start(samples, index):
@@ -158,33 +201,32 @@ def _prefill(model, vocab: int, workload: Workload):
 
 
 def measure_local(checkpoint: Checkpoint, layout: ModelLayout, workload: Workload) -> tuple[tuple[float, ...], float]:
-    """(ms of every planned layer, head ms) on the local GPU, from one measured layer per kind (cached)."""
+    """(ms of every planned layer, non-layer ms) on the local GPU (cached).
+
+    Each layer gets the median of its kind over all positions and forwards: one figure per kind, so the
+    plan does not chase the noise between equal layers.
+    """
     from runtime.load import require_cuda
 
     require_cuda("make --measure")
     if checkpoint.config is None:
         raise UsageError("--measure builds layers from config.json, and this checkpoint has none")
-    kinds = layer_kinds(layout.layers)
+    if len(layout.layers) != _text_config(checkpoint.config).get("num_hidden_layers", len(layout.layers)):
+        raise UsageError(f"--measure needs config.json's num_hidden_layers to match the {len(layout.layers)} "
+                         f"planned layers of {layout.stack}; fix config.json or plan without --measure")
+    key = _cache_key(checkpoint.config, layout, workload)
     cache = _load_cache()
-    keys = {kind[0]: _cache_key(checkpoint.config, _signature(layout, kind[0]), workload) for kind in kinds}
-    head_key = _cache_key(checkpoint.config, "head", workload)
-    if not all(key in cache for key in [*keys.values(), head_key]):
-        model = build_reduced_model(checkpoint.config, tuple(keys), layout.stack)
-        times, head_ms = _time_layers(model, layout.stack, tuple(keys), workload)
+    if key not in cache:
+        kinds = measured_kinds(layout, checkpoint.config)
+        model = build_measure_model(checkpoint.config, kinds, layout.stack)
+        layer_ms, rest_ms = _time_forward(model, layout.stack, workload)
         del model
         torch.cuda.empty_cache()
-        cache.update({keys[index]: ms for index, ms in times.items()})
-        cache[head_key] = head_ms
+        per_kind = {index: statistics.median(layer_ms[i] for i in kind) for kind in kinds for index in kind}
+        cache[key] = {"layer_ms": [per_kind[i] for i in range(len(layout.layers))], "non_layer_ms": rest_ms,
+                      "raw_layer_ms": layer_ms}
         _save_cache(cache)
-    per_layer = [0.0] * len(layout.layers)
-    for kind in kinds:
-        for index in kind:
-            per_layer[index] = cache[keys[kind[0]]]
-    return tuple(per_layer), cache[head_key]
-
-
-def _signature(layout: ModelLayout, index: int) -> str:
-    return json.dumps([list(p[:3]) for p in layout.layers[index].params])
+    return tuple(cache[key]["layer_ms"]), cache[key]["non_layer_ms"]
 
 
 def measured_compute(
@@ -198,7 +240,7 @@ def measured_compute(
     layer_ms, head_ms = measure_local(checkpoint, layout, workload)
     source = (f"measured: {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, "
               f"{workload.tokens_per_step} tokens in {workload.sequences_per_step} sequence(s), context "
-              f"{workload.context_tokens}, median of {NUM_TIMED}")
+              f"{workload.context_tokens}, full-depth forward, median of {NUM_TIMED}")
     if target.name.removesuffix(CALIBRATED_SUFFIX) == local_name.removesuffix(CALIBRATED_SUFFIX):
         return ComputeTimes(layer_ms=layer_ms, head_ms=head_ms, source=source)
     local = load_profile(local_name)

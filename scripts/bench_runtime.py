@@ -153,8 +153,11 @@ def main() -> None:
     from runtime.calibrate import calibrate, calibrated_yaml
 
     calibrated_path = args.out / "calibrated.yaml"
-    calibrated_path.write_text(calibrated_yaml(calibrate()[0]))
-    log(f"calibrated profile written to {calibrated_path}")
+    calibrated, details = calibrate()
+    calibrated_path.write_text(calibrated_yaml(calibrated))
+    log(f"calibrated profile written to {calibrated_path}: H2D {calibrated.h2d_bytes_per_s.value / 1e9:.1f} GB/s "
+        f"+ {calibrated.copy_overhead_us.value:.1f} us per copy; points (MiB, ms, GB/s): " + ", ".join(
+            f"({b / 2**20:.0f}, {ms:.3f}, {b / ms / 1e6:.1f})" for b, ms in details["h2d_points_bytes_ms"]))
     rows = []
     baseline_bytes = torch.cuda.memory_allocated()
     resident = build_model(str(args.checkpoint), None).cuda()
@@ -204,6 +207,7 @@ def main() -> None:
                 "prefetch": plan.offload.prefetch_step, "budget_bytes": plan.memory.budget_bytes,
                 "resident_ms": resident_ms, "floor_ms": floor_ms, "plan_ms": step_ms,
                 "predicted_ms": plan.prediction.step_ms, "accelerate_ms": accelerate_ms,
+                "resident_predicted_ms": plan.prediction.resident_step_ms,
                 "estimated_plan_predicted_ms": estimated.prediction.step_ms,
                 "estimated_plan_same_layers": estimated.offload.layers == plan.offload.layers
                 and estimated.offload.prefetch_step == plan.offload.prefetch_step,
@@ -221,13 +225,14 @@ def report(rows, h2d, out: Path) -> None:
               f"pinned H2D {h2d / 1e9:.1f} GB/s, Qwen3-8B shape bf16, prefill steps (1 x tokens); plans made with "
               f"the calibrated profile and measured layer times (make --measure)")
     lines = [header, "",
-             "| tokens | GPU share | offloaded/P | resident ms | floor ms | plan ms | plan/floor | predicted ms | error | roofline-plan predicted ms | Accelerate ms | Accel/plan | weights GiB / budget GiB | peak GiB (resident's activations) | stall ms | link GB/s | bitwise |",
+             "| tokens | GPU share | offloaded/P | resident ms (predicted) | floor ms | plan ms | plan/floor | predicted ms | error | roofline-plan predicted ms | Accelerate ms | Accel/plan | weights GiB / budget GiB | peak GiB (resident's activations) | stall ms | link GB/s | bitwise |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         accelerate = f"{r['accelerate_ms']:.1f}" if r["accelerate_ms"] else "-"
         ratio = f"{r['accelerate_ms'] / r['plan_ms']:.1f}x" if r["accelerate_ms"] else "-"
         lines.append(
-            f"| {r['tokens']} | {r['share']:.0%} | {r['offloaded']}/{r['prefetch']} | {r['resident_ms']:.1f} | "
+            f"| {r['tokens']} | {r['share']:.0%} | {r['offloaded']}/{r['prefetch']} | {r['resident_ms']:.1f} "
+            f"({r['resident_predicted_ms']:.1f}) | "
             f"{r['floor_ms']:.1f} | {r['plan_ms']:.1f} | {r['plan_ms'] / r['floor_ms']:.3f} | {r['predicted_ms']:.1f} | "
             f"{(r['predicted_ms'] - r['plan_ms']) / r['plan_ms']:+.1%} | {r['estimated_plan_predicted_ms']:.1f}"
             f"{'' if r['estimated_plan_same_layers'] else ' (other layers)'} | "

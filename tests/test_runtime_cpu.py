@@ -159,3 +159,74 @@ def test_measure_and_calibrate_need_a_gpu(llama, tmp_path):
         result = subprocess.run([sys.executable, "-m", "planner.cli", *args], capture_output=True, text=True)
         assert result.returncode in (6, 7), result.stderr
         assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+def test_measure_kinds_split_by_attention_type():
+    from types import SimpleNamespace
+
+    from planner.layout import LayerInfo
+    from runtime.measure import measured_kinds
+
+    dense = (("mlp.w", "BF16", (4, 4), 32),)
+    layout = SimpleNamespace(layers=tuple(LayerInfo(index=i, params=dense) for i in range(4)))
+    types = ["sliding_attention", "full_attention"] * 2
+    assert measured_kinds(layout, {"layer_types": types}) == ((0, 2), (1, 3))
+    assert measured_kinds(layout, {"text_config": {}}) == ((0, 1, 2, 3),)
+
+
+@pytest.mark.parametrize("save", [save_tiny_llama, save_tiny_moe])
+def test_measure_model_aliases_equal_a_model_of_copied_layers(save, tmp_path):
+    """The full-depth model measure times is the real model with every layer holding its kind's weights."""
+    import json
+
+    from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+
+    from runtime.measure import build_measure_model
+
+    config = json.loads((save(tmp_path) / "config.json").read_text())
+    aliased = build_measure_model(config, (tuple(range(7)),), "model.layers", device="cpu")
+    layers = aliased.model.layers
+    assert len(layers) == 7 and aliased.config.num_hidden_layers == 7
+    owner_params = [p.data_ptr() for p in layers[0].parameters()]
+    assert all([p.data_ptr() for p in layer.parameters()] == owner_params for layer in layers)
+    assert [layer.self_attn.layer_idx for layer in layers] == list(range(7))
+    fired = []
+    layers[3].register_forward_pre_hook(lambda *a: fired.append(3))
+
+    reference = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.bfloat16).eval()
+    reference.load_state_dict(aliased.state_dict(), strict=False)  # non-layer weights
+    for layer in reference.model.layers:
+        layer.load_state_dict(layers[0].state_dict())
+    ids = _input_ids()
+    with torch.inference_mode():
+        caches = [DynamicCache(config=m.config) for m in (aliased, reference)]
+        out, expected = (m(input_ids=ids, past_key_values=c, use_cache=True).logits
+                         for m, c in zip((aliased, reference), caches))
+    assert torch.equal(out, expected) and fired == [3]
+    assert [caches[0].get_seq_length(i) for i in range(7)] == [ids.shape[1]] * 7
+
+
+def test_h2d_line_fit_weighs_every_size_alike():
+    from runtime.calibrate import _fit_line
+
+    sizes = [2**e for e in range(20, 31)]
+    exact = [(b, 0.010 + 1e3 * b / 54.5e9) for b in sizes]
+    slope, intercept = _fit_line(exact)
+    assert abs(1e3 / slope - 54.5e9) < 1e6 and abs(intercept - 0.010) < 1e-9
+    # One slow 1 GiB copy (45 GB/s) must not set the bandwidth for every layer-sized copy.
+    skewed = exact[:-1] + [(sizes[-1], 1e3 * sizes[-1] / 45e9)]
+    assert 1e3 / _fit_line(skewed)[0] > 50e9
+
+
+def test_calibrated_efficiency_keeps_the_fitted_layer_time():
+    from planner.profile import load_profile
+    from planner.cost import roofline_ms
+    from runtime.calibrate import restated_efficiency
+
+    base = load_profile("h100-sxm")
+    measured_rate = 779e12
+    calibrated = base.__class__(**{**vars(base), "compute_efficiency": restated_efficiency(base, measured_rate),
+                                   "bf16_flops_per_s": base.bf16_flops_per_s.__class__(value=measured_rate, source="measured")})
+    flops = 3.5e12
+    # equal up to the 4 significant digits the profile keeps
+    assert roofline_ms(flops, 0, False, calibrated) == pytest.approx(roofline_ms(flops, 0, False, base), rel=1e-4)

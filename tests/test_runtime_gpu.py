@@ -118,7 +118,7 @@ def test_measure_times_each_kind_once_and_caches(llama, tmp_path, monkeypatch):
     workload = Workload(tokens_per_step=128, sequences_per_step=2, context_tokens=0)
     layer_ms, head_ms = measure.measure_local(checkpoint, layout, workload)
     assert len(set(layer_ms)) == 1 and layer_ms[0] > 0 and head_ms > 0  # one kind: every layer the same
-    monkeypatch.setattr(measure, "build_reduced_model", lambda *a: pytest.fail("re-measured a cached shape"))
+    monkeypatch.setattr(measure, "build_measure_model", lambda *a: pytest.fail("re-measured a cached shape"))
     assert measure.measure_local(checkpoint, layout, workload) == (layer_ms, head_ms)
     decode = Workload(tokens_per_step=4, sequences_per_step=4, context_tokens=32)
     monkeypatch.undo()
@@ -149,5 +149,5 @@ def test_calibrate_writes_a_profile_make_reads(tmp_path, llama):
     profile = load_profile(str(tmp_path / "gpu.yaml"))
     assert profile.h2d_bytes_per_s.source == "measured" and 20e9 < profile.h2d_bytes_per_s.value < 1e12
     assert profile.bf16_flops_per_s.source == "measured" and profile.gpu_memory_bytes.source == "measured"
-    made = _cli("make", "-m", str(llama), "-g", str(tmp_path / "gpu.yaml"), "--budget", "20MB")
+    made = _cli("make", "-m", str(llama), "-g", str(tmp_path / "gpu.yaml"), "--budget", "1GiB")
     assert made.returncode == 0, made.stderr
