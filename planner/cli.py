@@ -70,6 +70,7 @@ def make(
     prefetch_step: Annotated[Optional[int], typer.Option(help="Pin P instead of searching it.")] = None,
     measure: Annotated[bool, typer.Option("--measure", help="Time one layer of each kind on the local GPU instead of estimating.")] = False,
     measured_on: Annotated[Optional[str], typer.Option(help="Profile of the local GPU for --measure (default: from its name).")] = None,
+    cuda_graph: Annotated[bool, typer.Option("--cuda-graph", help="Plan for steps replayed from a CUDA graph (run --cuda-graph): prefetches join at each step's end; --measure times layers graphed.")] = False,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the plan here (default: stdout).")] = None,
 ):
     """Search the fastest offload plan that fits. Example: offload-plan make -m org/model -g h100-sxm --budget 40GiB -o plan.yaml"""
@@ -79,6 +80,7 @@ def make(
         model=model, revision=revision, gpu=gpu, budget=budget, trigger=trigger, tokens=tokens, sequences=sequences,
         context=context, params=tuple(params or ()), stack=stack, group_size=group_size,
         num_in_group=num_in_group, prefetch_step=prefetch_step, measure=measure, measured_on=measured_on,
+        cuda_graph=cuda_graph,
     )
     planned = make_plan(inputs)
     for warning in planned.warnings:
@@ -130,6 +132,7 @@ def run(
     bench: Annotated[bool, typer.Option("--bench", help="Time the plan's workload against its prediction.")] = False,
     prompt: Annotated[Optional[str], typer.Option(help="Generate from this prompt with the plan applied.")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate with --prompt.")] = 64,
+    cuda_graph: Annotated[bool, typer.Option("--cuda-graph", help="Replay decode steps from a CUDA graph, offload copies captured inside.")] = False,
     json_output: JsonOption = False,
 ):
     """Load the model with the plan applied and run it on the local GPU. Example: offload-plan run plan.yaml --bench"""
@@ -138,6 +141,10 @@ def run(
     if bench == (prompt is not None):
         raise UsageError("give exactly one of --bench or --prompt TEXT")
     loaded_plan = read_plan(plan)
+    if bench and cuda_graph != loaded_plan.workload.cuda_graph:
+        made, running = ("graph replays", "eager steps") if loaded_plan.workload.cuda_graph else ("eager steps", "graph replays")
+        stderr.print(f"offload-plan: warning: the plan predicts {made} and this runs {running}; for a like-for-like "
+                     f"prediction make the plan {'with' if cuda_graph else 'without'} --cuda-graph", markup=False)
     from runtime.load import load_with_plan, model_path_for, require_cuda
 
     require_cuda()
@@ -145,13 +152,13 @@ def run(
     if prompt is not None:
         from runtime.bench import generate
 
-        text, tokens_per_s = generate(loaded, prompt, model_path_for(loaded_plan, model), max_new_tokens)
+        text, tokens_per_s = generate(loaded, prompt, model_path_for(loaded_plan, model), max_new_tokens, cuda_graph)
         sys.stdout.write(text + "\n")
         stderr.print(f"{tokens_per_s:.2f} tokens/s with the plan applied")
         return
     from runtime.bench import run_bench
 
-    result = run_bench(loaded)
+    result = run_bench(loaded, cuda_graph=cuda_graph)
     if json_output:
         sys.stdout.write(json.dumps(result.as_dict(), indent=2) + "\n")
     else:
@@ -169,7 +176,7 @@ def _load_with_progress(plan, model, load):
 def _print_bench(result) -> None:
     from planner.units import format_bytes, format_ms
 
-    table = Table(title="run --bench: measured against predicted", title_justify="left")
+    table = Table(title=f"run --bench ({result.mode}): measured against predicted", title_justify="left")
     for name in ("", "measured", "predicted", "measured / predicted"):
         table.add_column(name, justify="right" if name else "left")
     table.add_row("step", format_ms(result.step_ms), format_ms(result.predicted_step_ms),
@@ -177,8 +184,14 @@ def _print_bench(result) -> None:
     table.add_row("weights on GPU", format_bytes(result.weights_gpu_bytes), format_bytes(result.planned_gpu_bytes),
                   f"{result.weights_gpu_bytes / max(1, result.planned_gpu_bytes):.3f}")
     table.add_row("peak GPU (with activations)", format_bytes(result.peak_gpu_bytes), f"budget {format_bytes(result.budget_bytes)}", "")
-    table.add_row("stall per step", format_ms(result.stall_ms), "", "")
-    table.add_row("link", f"{result.copy_gb_per_s:.1f} GB/s", f"{format_bytes(result.bytes_copied_per_step)}/step", "")
+    table.add_row("tokens/s", f"{result.tokens_per_s:.1f}", "", "")
+    if result.stall_ms is not None:
+        table.add_row("stall per step", format_ms(result.stall_ms), "", "")
+        table.add_row("link", f"{result.copy_gb_per_s:.1f} GB/s", f"{format_bytes(result.bytes_copied_per_step)}/step", "")
+    else:
+        table.add_row("link", f"{result.bytes_copied_per_step / result.step_ms / 1e6:.1f} GB/s (bytes / step)",
+                      f"{format_bytes(result.bytes_copied_per_step)}/step", "")
+        table.add_row("graph warm-up, capture", f"{result.warmup_s:.2f} s, {result.capture_s:.2f} s", "", "")
     stderr.print(table)
 
 

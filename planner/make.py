@@ -66,6 +66,9 @@ def make_plan(inputs: Inputs, compute_override: ComputeTimes | None = None) -> P
         )
     except ValueError as error:
         raise UsageError(f"workload: {error}") from None
+    if inputs.cuda_graph and inputs.tokens != inputs.sequences:
+        raise UsageError("--cuda-graph plans decode steps, one new token per sequence: give --tokens equal to "
+                         "--sequences (the batch), e.g. --tokens 64 --sequences 64 --context 1024")
     profile = load_profile(inputs.gpu)
     budget = budget_bytes_for(inputs, profile)
     checkpoint = load_checkpoint(inputs.model, inputs.revision)
@@ -94,6 +97,7 @@ def make_plan(inputs: Inputs, compute_override: ComputeTimes | None = None) -> P
         space=SearchSpace(
             group_size=inputs.group_size, num_in_group=inputs.num_in_group, prefetch_step=inputs.prefetch_step
         ),
+        join_at_step_end=inputs.cuda_graph,
     )
     plan = _assemble(inputs, checkpoint, layout, profile, workload, compute, layer_bytes, choice, budget)
     return Planned(plan=plan, checkpoint=checkpoint, layout=layout, warnings=tuple(warnings))
@@ -104,7 +108,7 @@ def _compute_times(inputs: Inputs, checkpoint, layout, workload, profile) -> Com
     if inputs.measure:
         from runtime.measure import measured_compute
 
-        return measured_compute(checkpoint, layout, workload, profile, inputs.measured_on)
+        return measured_compute(checkpoint, layout, workload, profile, inputs.measured_on, inputs.cuda_graph)
     if inputs.measured_on is not None:
         raise UsageError("--measured-on only applies with --measure")
     shapes = {t.name: t.shape for t in checkpoint.tensors}
@@ -157,6 +161,7 @@ def _assemble(inputs, checkpoint, layout, profile, workload, compute, layer_byte
             sequences_per_step=workload.sequences_per_step,
             context_tokens=workload.context_tokens,
             compute_source=compute.source,
+            cuda_graph=inputs.cuda_graph,
         ),
         offload=OffloadSection(
             group_size=choice.group_size,
@@ -237,6 +242,8 @@ def regenerate_command(inputs: Inputs, output: str | None) -> str:
         words += ["--measure"]
     if inputs.measured_on:
         words += ["--measured-on", inputs.measured_on]
+    if inputs.cuda_graph:
+        words += ["--cuda-graph"]
     if output:
         words += ["-o", output]
     return shlex.join(words)

@@ -7,7 +7,7 @@ command that regenerates the file. Written atomically: a failed write never leav
 
 import os
 import tempfile
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,8 @@ class Inputs:
     measure: bool = False
     #: the local GPU's profile for --measure (None: from its device name)
     measured_on: str | None = None
+    #: steps replayed from a CUDA graph: prefetches joined at the end of each step, layers timed graphed
+    cuda_graph: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,6 +98,8 @@ class WorkloadSection:
     context_tokens: int
     #: where the per-layer compute times come from ("estimated: ..." or "measured: ...")
     compute_source: str
+    #: each step is one CUDA-graph replay: copies that wrap into the next step finish inside this one
+    cuda_graph: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -336,11 +340,15 @@ def _section(cls, raw: object, origin: str):
     if not isinstance(raw, dict):
         raise PlanError(f"{origin} must be a mapping; regenerate the plan")
     names = [f.name for f in fields(cls)]
-    if set(raw) != set(names):
-        raise PlanError(f"{origin}: keys {sorted(set(raw) ^ set(names))} differ from the schema; regenerate the plan")
+    # Fields added after schema 1 carry defaults: a plan written before them still reads (check reports it stale).
+    optional = {f.name for f in fields(cls) if f.default is not MISSING}
+    if set(raw) - set(names) or set(names) - set(raw) - optional:
+        wrong = sorted((set(raw) - set(names)) | (set(names) - set(raw) - optional))
+        raise PlanError(f"{origin}: keys {wrong} differ from the schema; regenerate the plan")
     values = {}
     for f in fields(cls):
-        values[f.name] = _check_type(raw[f.name], f.type, f"{origin}.{f.name}")
+        if f.name in raw:
+            values[f.name] = _check_type(raw[f.name], f.type, f"{origin}.{f.name}")
     try:
         return cls(**values)
     except ValueError as error:

@@ -4,7 +4,9 @@ Events follow the runtime exactly (planner.schedule): before the first step the 
 are loaded; the compute stream runs the head work and every layer in order, an offloaded layer waiting for
 its copy; the copy stream runs copies one at a time in the order layers need them, each copy waiting for its
 slot's previous reader to finish. Several steps are simulated so prefetches wrap into the next step, and
-the steady-state step is reported.
+the steady-state step is reported. Under CUDA graphs (``join_at_step_end``) a step is one graph replay, and a
+replay cannot end with copies in flight: the copies of the next step's first S positions, which the schedule
+issues after their slots' last readers, must finish before the step ends (as vLLM and SGLang join them).
 """
 
 from dataclasses import dataclass
@@ -51,6 +53,7 @@ def simulate(
     offloaded: tuple[int, ...],
     copy_ms: tuple[float, ...],
     prefetch_step: int,
+    join_at_step_end: bool = False,
 ) -> Simulation:
     """Simulate steps until steady state. ``copy_ms[k]`` is the copy time of offloaded position k."""
     schedule = PrefetchSchedule(len(offloaded), prefetch_step)
@@ -61,7 +64,7 @@ def simulate(
     copy_log: list[tuple[int, int, float, float]] = []
     # The copy stream's order: every copy after the preloaded first num_slots positions of step 0.
     per_step = [k for k in range(n) if schedule.needs_copy(k)]
-    order = ((step, k) for step in range(NUM_WARM_STEPS + NUM_MEASURED_STEPS) for k in per_step)
+    order = ((step, k) for step in range(NUM_WARM_STEPS + NUM_MEASURED_STEPS + 1) for k in per_step)
     order = (item for item in order if item[0] > 0 or item[1] >= schedule.num_slots)
     stream_free_ms = 0.0
 
@@ -96,7 +99,11 @@ def simulate(
             now = ready + duration
             if layer in position_of:
                 compute_end[(step, position_of[layer])] = now
-        traces.append((trace, stalls))
+        join_wait = 0.0
+        if join_at_step_end:
+            joined = max([now, *(ensure_copy(step + 1, k) for k in range(min(schedule.num_slots, n)))])
+            join_wait, now = joined - now, joined
+        traces.append((trace, stalls, join_wait))
     step_starts.append(now)
     return _steady_state(step_starts, traces, copy_log)
 
@@ -106,7 +113,7 @@ def _steady_state(step_starts, traces, copy_log) -> Simulation:
     first = NUM_WARM_STEPS
     step_ms = (step_starts[-1] - step_starts[first]) / NUM_MEASURED_STEPS
     origin = step_starts[first]
-    trace, stalls = traces[first]
+    trace, stalls, _ = traces[first]
     compute = tuple(
         Interval(layer=i.layer, start_ms=i.start_ms - origin, end_ms=i.end_ms - origin) for i in trace
     )
@@ -116,7 +123,7 @@ def _steady_state(step_starts, traces, copy_log) -> Simulation:
         for _, layer, start, end in copy_log
         if origin <= start < window_end
     )
-    measured_stalls = [sum(traces[s][1]) for s in range(first, len(traces))]
+    measured_stalls = [sum(traces[s][1]) + traces[s][2] for s in range(first, len(traces))]
     return Simulation(
         step_ms=step_ms,
         stall_ms=sum(measured_stalls) / len(measured_stalls),

@@ -21,10 +21,19 @@ class CpuEvent:
 
 @dataclass
 class CpuStandIn:
-    """Runs copies immediately; waits are checks that the awaited event was recorded earlier."""
+    """Runs copies immediately; waits are checks that the awaited event was recorded earlier.
+
+    Between begin_capture and end_capture it also enforces CUDA stream capture's rules, so CI catches a
+    schedule that could not be captured in a graph: no wait on an event recorded before the capture began,
+    and no copy left un-joined (not waited on by the compute stream) when it ends.
+    """
 
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     log: list[tuple] = field(default_factory=list)
+    #: log index where the current capture began, or None
+    capture_start: int | None = None
+    #: log index of the last copy not yet joined to the compute stream during a capture
+    _unjoined_copy_at: int = -1
 
     def new_event(self, name: str, timing: bool = False) -> CpuEvent:
         return CpuEvent(name)
@@ -37,18 +46,36 @@ class CpuStandIn:
         event.recorded_at = len(self.log)
         self.log.append(("copy-record", event.name))
 
+    def _check_wait(self, stream: str, event: CpuEvent) -> None:
+        assert event.recorded_at >= 0, f"{stream} waits on {event.name}, never recorded"
+        if self.capture_start is not None:
+            assert event.recorded_at >= self.capture_start, (
+                f"{stream} waits on {event.name}, recorded before the capture began: not capturable")
+
     def compute_waits(self, event: CpuEvent) -> None:
-        assert event.recorded_at >= 0, f"compute waits on {event.name}, never recorded"
+        self._check_wait("compute", event)
+        if event.recorded_at >= self._unjoined_copy_at:
+            self._unjoined_copy_at = -1  # the copy stream is in order: every copy up to the event is joined
         self.log.append(("compute-wait", event.name))
 
     def copy_waits(self, event: CpuEvent) -> None:
-        assert event.recorded_at >= 0, f"copy waits on {event.name}, never recorded"
+        self._check_wait("copy", event)
         self.log.append(("copy-wait", event.name))
 
     def copy(self, destination: torch.Tensor, source: torch.Tensor, done: CpuEvent, label: str) -> None:
         destination.copy_(source)
         self.log.append(("copy", label))
         done.recorded_at = len(self.log)
+        if self.capture_start is not None:
+            self._unjoined_copy_at = done.recorded_at
+
+    def begin_capture(self) -> None:
+        self.capture_start, self._unjoined_copy_at = len(self.log), -1
+
+    def end_capture(self) -> None:
+        unjoined = self._unjoined_copy_at >= 0
+        self.capture_start, self._unjoined_copy_at = None, -1
+        assert not unjoined, "a copy issued during the capture was never joined to the compute stream"
 
     def synchronize(self) -> None:
         pass

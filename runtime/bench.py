@@ -25,25 +25,35 @@ class BenchResult:
     planned_gpu_bytes: int
     peak_gpu_bytes: int
     budget_bytes: int
-    stall_ms: float
-    copy_gb_per_s: float
+    #: None under CUDA graphs: timing events cannot sit inside a replay
+    stall_ms: float | None
+    copy_gb_per_s: float | None
     bytes_copied_per_step: int
     host_pinned_bytes: int
+    #: "prefill", "decode eager" or "decode graphed"
+    mode: str = "prefill"
+    tokens_per_s: float = 0.0
+    #: wall seconds of the warm-up steps and of capturing the graph (graphed decode only)
+    warmup_s: float = 0.0
+    capture_s: float = 0.0
 
     def as_dict(self) -> dict:
         """Plain data for --json."""
         return asdict(self)
 
 
-def bench_inputs(loaded: Loaded, device: torch.device) -> torch.Tensor:
-    """Random token ids of the plan's workload shape: [sequences, tokens per sequence]."""
-    workload = loaded.plan.workload
-    if workload.context_tokens:
-        raise UsageError("run --bench times prefill steps (context 0); make the plan with --context 0")
-    vocab = loaded.model.config.get_text_config().vocab_size
-    shape = (workload.sequences_per_step, workload.tokens_per_step // workload.sequences_per_step)
-    generator = torch.Generator(device="cpu").manual_seed(0)
+def random_ids(model, shape: tuple[int, int], device: torch.device, seed: int = 0) -> torch.Tensor:
+    """Reproducible random token ids of ``shape`` within the model's vocabulary."""
+    vocab = model.config.get_text_config().vocab_size
+    generator = torch.Generator(device="cpu").manual_seed(seed)
     return torch.randint(0, vocab, shape, generator=generator).to(device)
+
+
+def bench_inputs(loaded: Loaded, device: torch.device) -> torch.Tensor:
+    """Random token ids of the plan's prefill workload shape: [sequences, tokens per sequence]."""
+    workload = loaded.plan.workload
+    shape = (workload.sequences_per_step, workload.tokens_per_step // workload.sequences_per_step)
+    return random_ids(loaded.model, shape, device)
 
 
 def forward_step(model, input_ids: torch.Tensor) -> torch.Tensor:
@@ -65,10 +75,20 @@ def time_steps(model, input_ids: torch.Tensor, num_steps: int) -> list[float]:
     return [events[i].elapsed_time(events[i + 1]) for i in range(num_steps)]
 
 
-def run_bench(loaded: Loaded, num_steps: int = NUM_TIMED_STEPS) -> BenchResult:
-    """Warm up, then time the plan's workload; read the offload counters over the timed steps."""
-    device = next(p.device for p in loaded.model.parameters() if p.device.type == "cuda")
-    plan, engine = loaded.plan, loaded.engine
+def model_device(model) -> torch.device:
+    """The CUDA device the model's resident weights are on."""
+    return next(p.device for p in model.parameters() if p.device.type == "cuda")
+
+
+def run_bench(loaded: Loaded, num_steps: int = NUM_TIMED_STEPS, cuda_graph: bool = False) -> BenchResult:
+    """Time the plan's workload: prefill steps (context 0), or decode steps over its KV context."""
+    if loaded.plan.workload.context_tokens:
+        return run_decode_bench(loaded, num_steps, cuda_graph)
+    if cuda_graph:
+        raise UsageError("--cuda-graph replays decode steps; make the plan for decode (--tokens B --sequences B "
+                         "--context N) or drop --cuda-graph")
+    device = model_device(loaded.model)
+    engine = loaded.engine
     input_ids = bench_inputs(loaded, device)
     with torch.inference_mode():
         for _ in range(NUM_WARMUP_STEPS):
@@ -78,9 +98,16 @@ def run_bench(loaded: Loaded, num_steps: int = NUM_TIMED_STEPS) -> BenchResult:
         engine.timing = True
         step_ms = time_steps(loaded.model, input_ids, num_steps)
         engine.timing = False
-    stats = engine.take_stats()
+    return _result(loaded, step_ms, engine.take_stats(), device, timed=True)
+
+
+def _result(loaded: Loaded, step_ms: list[float], stats, device, *, timed: bool, **extra) -> BenchResult:
+    """Measured step times and the offload counters, beside what the plan says. ``timed``: the engine's
+    timing events ran (not under CUDA graphs), so stall and link rate were measured."""
+    plan, engine = loaded.plan, loaded.engine
+    median_ms = statistics.median(step_ms)
     return BenchResult(
-        step_ms=statistics.median(step_ms),
+        step_ms=median_ms,
         predicted_step_ms=plan.prediction.step_ms,
         resident_step_ms_predicted=plan.prediction.resident_step_ms,
         step_ms_all=tuple(step_ms),
@@ -88,15 +115,46 @@ def run_bench(loaded: Loaded, num_steps: int = NUM_TIMED_STEPS) -> BenchResult:
         planned_gpu_bytes=plan.memory.gpu_bytes,
         peak_gpu_bytes=torch.cuda.max_memory_allocated(device),
         budget_bytes=plan.memory.budget_bytes,
-        stall_ms=stats.stall_ms / num_steps,
-        copy_gb_per_s=stats.bytes_copied / stats.copy_ms / 1e6 if stats.copy_ms else 0.0,
-        bytes_copied_per_step=stats.bytes_copied // num_steps,
+        stall_ms=stats.stall_ms / len(step_ms) if timed else None,
+        copy_gb_per_s=(stats.bytes_copied / stats.copy_ms / 1e6 if stats.copy_ms else 0.0) if timed else None,
+        # counted by the engine where it ran Python per copy; from the schedule under graphs
+        bytes_copied_per_step=stats.bytes_copied // len(step_ms) if timed else engine.copy_bytes_per_step,
         host_pinned_bytes=engine.host_bytes,
+        tokens_per_s=plan.workload.tokens_per_step * 1e3 / median_ms,
+        **extra,
     )
 
 
-def generate(loaded: Loaded, prompt: str, model_path: str, max_new_tokens: int) -> tuple[str, float]:
-    """Generate with the plan applied; returns (text, tokens per second)."""
+def run_decode_bench(loaded: Loaded, num_steps: int, cuda_graph: bool) -> BenchResult:
+    """Decode steps of the plan's batch over a static cache of its context, eager or replayed from a graph."""
+    from runtime.graph import DecodeLoop, cache_tokens_for
+
+    plan, engine = loaded.plan, loaded.engine
+    workload = plan.workload
+    if workload.tokens_per_step != workload.sequences_per_step:
+        raise UsageError("a plan with --context times decode steps, one token per sequence: make it with --tokens "
+                         "equal to --sequences")
+    device = model_device(loaded.model)
+    batch, context = workload.sequences_per_step, workload.context_tokens
+    loop = DecodeLoop(loaded.model, batch=batch, max_cache_tokens=cache_tokens_for(context),
+                      device=device, engine=engine)
+    loop.prefill(random_ids(loaded.model, (batch, context), device))
+    if cuda_graph:
+        loop.capture()
+    loop.timed_steps(NUM_WARMUP_STEPS)
+    engine.take_stats()
+    torch.cuda.reset_peak_memory_stats(device)
+    engine.timing = not cuda_graph
+    step_ms = loop.timed_steps(num_steps)
+    engine.timing = False
+    return _result(loaded, step_ms, engine.take_stats(), device, timed=not cuda_graph,
+                   mode="decode graphed" if cuda_graph else "decode eager", warmup_s=loop.warmup_s,
+                   capture_s=loop.capture_s)
+
+
+def generate(loaded: Loaded, prompt: str, model_path: str, max_new_tokens: int,
+             cuda_graph: bool = False) -> tuple[str, float]:
+    """Generate greedily with the plan applied; returns (text, tokens per second)."""
     import time
 
     from transformers import AutoTokenizer
@@ -105,8 +163,10 @@ def generate(loaded: Loaded, prompt: str, model_path: str, max_new_tokens: int) 
         tokenizer = AutoTokenizer.from_pretrained(model_path)
     except (OSError, ValueError):
         raise UsageError(f"{model_path} has no tokenizer; use --bench, or point --model at a checkpoint with one") from None
-    device = next(p.device for p in loaded.model.parameters() if p.device.type == "cuda")
+    device = model_device(loaded.model)
     inputs = tokenizer(prompt, return_tensors="pt").to(device)
+    if cuda_graph:
+        return _generate_graphed(loaded, tokenizer, inputs["input_ids"], max_new_tokens)
     with torch.inference_mode():
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -115,3 +175,24 @@ def generate(loaded: Loaded, prompt: str, model_path: str, max_new_tokens: int) 
         seconds = time.perf_counter() - start
     new_tokens = output.shape[1] - inputs["input_ids"].shape[1]
     return tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True), new_tokens / seconds
+
+
+def _generate_graphed(loaded: Loaded, tokenizer, prompt_ids: torch.Tensor, max_new_tokens: int) -> tuple[str, float]:
+    """Greedy decode replayed from a CUDA graph; the text stops at the first end-of-sequence token."""
+    import time
+
+    from runtime.graph import DecodeLoop
+
+    loop = DecodeLoop(loaded.model, batch=1, max_cache_tokens=prompt_ids.shape[1] + max_new_tokens + 1,
+                      device=prompt_ids.device, engine=loaded.engine)
+    loop.prefill(prompt_ids)
+    loop.capture()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    ids, _ = loop.generate(max_new_tokens)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    tokens = ids[0].tolist()
+    if tokenizer.eos_token_id in tokens:
+        tokens = tokens[: tokens.index(tokenizer.eos_token_id)]
+    return tokenizer.decode(tokens, skip_special_tokens=True), max_new_tokens / seconds

@@ -96,6 +96,8 @@ class OffloadEngine:
         self.layer_bytes = [packed_bytes(p) for p in self.layouts]
         self.stats = OffloadStats()
         self.timing = False
+        #: steps are CUDA-graph replays: the first slots are loaded when a step begins (see set_graph_mode)
+        self.graph_mode = False
         self._hooks = []
         self.host_buffers = self._pack_host(layers, on_layer_packed)
         assert len(slots) == self.schedule.num_slots and all(s.numel() >= self.slot_bytes for s in slots)
@@ -166,7 +168,40 @@ class OffloadEngine:
         self.stats.bytes_copied += num_bytes
         self.stats.num_copies += 1
 
+    @property
+    def copy_bytes_per_step(self) -> int:
+        """Bytes the schedule copies over the link in one step."""
+        return sum(self.layer_bytes[k] for k in self.schedule.copied_positions())
+
+    def set_graph_mode(self, on: bool) -> None:
+        """Switch between eager steps and steps captured in (and replayed from) a CUDA graph.
+
+        Eagerly, the copies for the next step's first S positions run on into that step, and its layers wait
+        on their events. A captured step cannot end with copies in flight nor wait on an event recorded outside
+        it, so in graph mode every step joins those copies at its end (finish_step) and the first S positions
+        need no wait: their slots are loaded before the step begins.
+        """
+        if on == self.graph_mode:
+            return
+        if on and self.timing:
+            raise RuntimeError("timing events cannot be captured; turn timing off before graph mode")
+        self.graph_mode = on
+        if on:
+            self._join_wrapped_copies()  # copies the last eager step left in flight
+
+    def finish_step(self) -> None:
+        """End of a step: in graph mode, the compute stream waits for the copies that wrap into the next step."""
+        if self.graph_mode:
+            self._join_wrapped_copies()
+
+    def _join_wrapped_copies(self) -> None:
+        for position in range(self.schedule.num_slots):
+            if self.schedule.needs_copy(position):
+                self.backend.compute_waits(self.copy_done[position])
+
     def _before_layer(self, position: int) -> None:
+        if self.graph_mode and position < self.schedule.num_slots:
+            return  # loaded before the step began (joined at the end of the previous one)
         if not self.timing:
             self.backend.compute_waits(self.copy_done[position])
             return

@@ -29,6 +29,7 @@ from planner.profile import HardwareProfile, load_profile
 
 NUM_WARMUP = 2
 NUM_TIMED = 5
+NUM_TIMED_REPLAYS = 20
 # torch.cuda.get_device_name() fragments -> built-in profile, most specific first.
 DEVICE_PROFILES = (
     ("GH200", "gh200"), ("GB300", "gb300"), ("GB200", "gb200"), ("B200", "b200"), ("H200", "h200"),
@@ -36,6 +37,18 @@ DEVICE_PROFILES = (
     ("RTX 4090", "rtx4090"),
 )
 CALIBRATED_SUFFIX = "-calibrated"
+
+
+class PassThrough(nn.Module):
+    """Stands in for a layer left out of a timed graph: returns its input hidden states."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states
+
+
+def _set_layers(model: nn.Module, stack: str, modules: list[nn.Module]) -> None:
+    parent_name, _, attribute = stack.rpartition(".")
+    setattr(model.get_submodule(parent_name), attribute, nn.ModuleList(modules))
 
 
 def local_profile_name() -> str:
@@ -53,13 +66,13 @@ def cache_path() -> Path:
     return Path(root) / "layer-times.json"
 
 
-def _cache_key(config: dict, layout: ModelLayout, workload: Workload) -> str:
+def _cache_key(config: dict, layout: ModelLayout, workload: Workload, graphed: bool) -> str:
     import transformers
 
     identity = {
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
         "config": config, "layers": [[list(p[:3]) for p in layer.params] for layer in layout.layers],
-        "workload": vars(workload), "method": "full-depth aliases v2",
+        "workload": vars(workload), "method": "full-depth aliases v2", "graphed": graphed,
     }
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -128,9 +141,8 @@ def build_measure_model(config: dict, kinds: tuple[tuple[int, ...], ...], stack:
     layers = model.get_submodule(stack)
     owners = {index: layers[kind[0]] for kind in kinds for index in kind}
     representatives = {kind[0] for kind in kinds}
-    parent_name, _, attribute = stack.rpartition(".")
-    setattr(model.get_submodule(parent_name), attribute, nn.ModuleList(
-        [owners[i] if i in representatives else alias_module(owners[i], i) for i in range(num_layers)]))
+    _set_layers(model, stack, [owners[i] if i in representatives else alias_module(owners[i], i)
+                               for i in range(num_layers)])
     del layers
     text_config.num_hidden_layers = num_layers
     if layer_types:
@@ -175,6 +187,44 @@ def _time_forward(model, stack: str, workload: Workload) -> tuple[list[float], f
     return layer_ms, max(0.0, rest_ms)
 
 
+def _time_graphed(model, stack: str, kinds, workload: Workload) -> tuple[list[float], float]:
+    """Per-layer and non-layer ms of decode steps replayed from CUDA graphs.
+
+    Events cannot sit between the layers of a replay, so whole replays are timed: with every layer left out
+    (pass-throughs: the non-layer time), and with the layers of one kind in (each kind alone when there are
+    several, all of them when there is one); a kind's per-layer time is the difference over its count.
+    """
+    from runtime.graph import DecodeLoop, cache_tokens_for
+
+    layers = list(model.get_submodule(stack))
+    device = torch.device("cuda")
+    sequences = workload.sequences_per_step
+    context = max(1, workload.context_tokens)  # a decode step needs one token of cache at least
+    loop = DecodeLoop(model, batch=sequences, max_cache_tokens=cache_tokens_for(context), device=device)
+    vocab = model.config.get_text_config().vocab_size
+    loop.prefill(torch.randint(0, vocab, (sequences, context), device=device))
+    saved = loop.save_state()
+
+    def replay_ms(active: set[int]) -> float:
+        _set_layers(model, stack, [layers[i] if i in active else PassThrough() for i in range(len(layers))])
+        loop.capture()
+        loop.timed_steps(NUM_WARMUP)
+        ms = statistics.median(loop.timed_steps(NUM_TIMED_REPLAYS))
+        loop.restore_state(saved)
+        loop.graph = None
+        return ms
+
+    none_ms = replay_ms(set())
+    per_layer = [0.0] * len(layers)
+    for kind in kinds:
+        active = set(kind) if len(kinds) > 1 else set(range(len(layers)))
+        kind_ms = (replay_ms(active) - none_ms) / len(kind)
+        for index in kind:
+            per_layer[index] = max(0.0, kind_ms)
+    _set_layers(model, stack, layers)
+    return per_layer, none_ms
+
+
 def _start(samples, index):
     event = torch.cuda.Event(enable_timing=True)
     event.record()
@@ -200,11 +250,13 @@ def _prefill(model, vocab: int, workload: Workload):
     return cache
 
 
-def measure_local(checkpoint: Checkpoint, layout: ModelLayout, workload: Workload) -> tuple[tuple[float, ...], float]:
+def measure_local(
+    checkpoint: Checkpoint, layout: ModelLayout, workload: Workload, graphed: bool = False
+) -> tuple[tuple[float, ...], float]:
     """(ms of every planned layer, non-layer ms) on the local GPU (cached).
 
     Each layer gets the median of its kind over all positions and forwards: one figure per kind, so the
-    plan does not chase the noise between equal layers.
+    plan does not chase the noise between equal layers. ``graphed``: decode steps replayed from CUDA graphs.
     """
     from runtime.load import require_cuda
 
@@ -214,12 +266,15 @@ def measure_local(checkpoint: Checkpoint, layout: ModelLayout, workload: Workloa
     if len(layout.layers) != _text_config(checkpoint.config).get("num_hidden_layers", len(layout.layers)):
         raise UsageError(f"--measure needs config.json's num_hidden_layers to match the {len(layout.layers)} "
                          f"planned layers of {layout.stack}; fix config.json or plan without --measure")
-    key = _cache_key(checkpoint.config, layout, workload)
+    key = _cache_key(checkpoint.config, layout, workload, graphed)
     cache = _load_cache()
     if key not in cache:
         kinds = measured_kinds(layout, checkpoint.config)
         model = build_measure_model(checkpoint.config, kinds, layout.stack)
-        layer_ms, rest_ms = _time_forward(model, layout.stack, workload)
+        if graphed:
+            layer_ms, rest_ms = _time_graphed(model, layout.stack, kinds, workload)
+        else:
+            layer_ms, rest_ms = _time_forward(model, layout.stack, workload)
         del model
         torch.cuda.empty_cache()
         per_kind = {index: statistics.median(layer_ms[i] for i in kind) for kind in kinds for index in kind}
@@ -230,17 +285,20 @@ def measure_local(checkpoint: Checkpoint, layout: ModelLayout, workload: Workloa
 
 
 def measured_compute(
-    checkpoint: Checkpoint, layout: ModelLayout, workload: Workload, target: HardwareProfile, measured_on: str | None
+    checkpoint: Checkpoint, layout: ModelLayout, workload: Workload, target: HardwareProfile, measured_on: str | None,
+    graphed: bool = False,
 ) -> ComputeTimes:
     """Measured times for the plan: local if the target is this GPU, else scaled by roofline ratio."""
     from runtime.load import require_cuda
 
     require_cuda("make --measure")
     local_name = measured_on or local_profile_name()
-    layer_ms, head_ms = measure_local(checkpoint, layout, workload)
+    layer_ms, head_ms = measure_local(checkpoint, layout, workload, graphed)
+    how = (f"CUDA-graph replays, median of {NUM_TIMED_REPLAYS}" if graphed
+           else f"full-depth forward, median of {NUM_TIMED}")
     source = (f"measured: {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, "
               f"{workload.tokens_per_step} tokens in {workload.sequences_per_step} sequence(s), context "
-              f"{workload.context_tokens}, full-depth forward, median of {NUM_TIMED}")
+              f"{workload.context_tokens}, {how}")
     if target.name.removesuffix(CALIBRATED_SUFFIX) == local_name.removesuffix(CALIBRATED_SUFFIX):
         return ComputeTimes(layer_ms=layer_ms, head_ms=head_ms, source=source)
     local = load_profile(local_name)

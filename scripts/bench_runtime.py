@@ -92,6 +92,19 @@ def pinned_h2d_bytes_per_s() -> float:
     return best
 
 
+def write_calibrated(out: Path) -> Path:
+    """Run offload-plan's calibration, write the profile into ``out`` and log its copy-rate points."""
+    from runtime.calibrate import calibrate, calibrated_yaml
+
+    path = out / "calibrated.yaml"
+    profile, details = calibrate()
+    path.write_text(calibrated_yaml(profile))
+    log(f"calibrated profile {path}: H2D {profile.h2d_bytes_per_s.value / 1e9:.1f} GB/s + "
+        f"{profile.copy_overhead_us.value:.1f} us per copy; points (MiB, ms per copy, GB/s): " + ", ".join(
+            f"({b / 2**20:.0f}, {ms:.3f}, {b / ms / 1e6:.1f})" for b, ms in details["h2d_points_bytes_ms"]))
+    return path
+
+
 def inputs_for(tokens: int, vocab: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(tokens)
     return torch.randint(0, vocab, (1, tokens), generator=generator).cuda()
@@ -112,13 +125,14 @@ def free() -> None:
     torch.cuda.empty_cache()
 
 
-def plan_for(checkpoint: Path, share: float, tokens: int, layout, gpu: str, measure: bool):
+def plan_for(checkpoint: Path, share: float, tokens: int, layout, gpu: str, measure: bool, *, sequences: int = 1,
+             context: int = 0, cuda_graph: bool = False):
     """The plan at a budget of non-layer weights + ``share`` of the layer bytes."""
     budget = int(layout.non_layer_bytes + share * layout.layer_bytes)
     inputs = Inputs(
         model=str(checkpoint), revision=None, gpu=gpu, budget=str(budget), trigger=None, tokens=tokens,
-        sequences=1, context=0, params=(), stack=None, group_size=None, num_in_group=None, prefetch_step=None,
-        measure=measure, measured_on="h100-sxm" if measure else None,
+        sequences=sequences, context=context, params=(), stack=None, group_size=None, num_in_group=None,
+        prefetch_step=None, measure=measure, measured_on="h100-sxm" if measure else None, cuda_graph=cuda_graph,
     )
     return make_plan(inputs).plan
 
@@ -149,15 +163,8 @@ def main() -> None:
     write_random_checkpoint(args.config, args.checkpoint)
     log("checkpoint ready")
     h2d = pinned_h2d_bytes_per_s()
-    log(f"pinned H2D {h2d / 1e9:.1f} GB/s")
-    from runtime.calibrate import calibrate, calibrated_yaml
-
-    calibrated_path = args.out / "calibrated.yaml"
-    calibrated, details = calibrate()
-    calibrated_path.write_text(calibrated_yaml(calibrated))
-    log(f"calibrated profile written to {calibrated_path}: H2D {calibrated.h2d_bytes_per_s.value / 1e9:.1f} GB/s "
-        f"+ {calibrated.copy_overhead_us.value:.1f} us per copy; points (MiB, ms, GB/s): " + ", ".join(
-            f"({b / 2**20:.0f}, {ms:.3f}, {b / ms / 1e6:.1f})" for b, ms in details["h2d_points_bytes_ms"]))
+    log(f"pinned H2D {h2d / 1e9:.1f} GB/s (best single copy)")
+    calibrated_path = write_calibrated(args.out)
     rows = []
     baseline_bytes = torch.cuda.memory_allocated()
     resident = build_model(str(args.checkpoint), None).cuda()
@@ -238,6 +245,11 @@ def report(rows, h2d, out: Path) -> None:
             f"{'' if r['estimated_plan_same_layers'] else ' (other layers)'} | "
             f"{accelerate} | {ratio} | {r['weights_gpu_bytes'] / 2**30:.2f} / {r['budget_bytes'] / 2**30:.2f} | "
             f"{r['peak_gpu_bytes'] / 2**30:.2f} ({r['resident_activation_bytes'] / 2**30:.2f}) | {r['stall_ms']:.1f} | {r['link_gb_per_s']:.1f} | {r['bitwise_equal']} |")
+    write_report(out, header, lines, rows)
+
+
+def write_report(out: Path, header: str, lines: list[str], rows: list[dict]) -> None:
+    """bench.md (the table), bench.json (every figure) and the table on stdout."""
     text = "\n".join(lines)
     (out / "bench.md").write_text(text + "\n")
     (out / "bench.json").write_text(json.dumps({"header": header, "rows": rows}, indent=2))

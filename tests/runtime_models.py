@@ -40,11 +40,12 @@ def _save(model, folder: Path, seed: int) -> Path:
     return folder
 
 
-def plan_with(model: Path, group_size: int, num_in_group: int, prefetch_step: int, params=()) -> Plan:
+def plan_with(model: Path, group_size: int, num_in_group: int, prefetch_step: int, params=(), *, tokens: int = 16,
+              sequences: int = 1, context: int = 0, cuda_graph: bool = False) -> Plan:
     """A plan with pinned knobs (the search alone would offload nothing for a tiny model)."""
-    inputs = Inputs(model=str(model), revision=None, gpu="h100-sxm", budget="1GiB", trigger=None, tokens=16,
-                    sequences=1, context=0, params=tuple(params), stack=None, group_size=group_size,
-                    num_in_group=num_in_group, prefetch_step=prefetch_step)
+    inputs = Inputs(model=str(model), revision=None, gpu="h100-sxm", budget="1GiB", trigger=None, tokens=tokens,
+                    sequences=sequences, context=context, params=tuple(params), stack=None, group_size=group_size,
+                    num_in_group=num_in_group, prefetch_step=prefetch_step, cuda_graph=cuda_graph)
     return make_plan(inputs).plan
 
 

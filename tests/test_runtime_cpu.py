@@ -230,3 +230,88 @@ def test_calibrated_efficiency_keeps_the_fitted_layer_time():
     flops = 3.5e12
     # equal up to the 4 significant digits the profile keeps
     assert roofline_ms(flops, 0, False, calibrated) == pytest.approx(roofline_ms(flops, 0, False, base), rel=1e-4)
+
+
+def _captured_steps(engine, model, calls: int = 3, finish: bool = True):
+    """Forwards as CUDA-graph captures would run them, on the stand-in that enforces capture's rules."""
+    outputs = []
+    with torch.inference_mode():
+        for _ in range(calls):
+            engine.backend.begin_capture()
+            outputs.append(model(_input_ids()).logits)
+            if finish:
+                engine.finish_step()
+            engine.backend.end_capture()
+    return outputs
+
+
+@pytest.mark.parametrize("shape", PLAN_SHAPES)
+def test_graph_mode_steps_are_capturable_and_equal_resident(llama, shape):
+    plan = plan_with(llama, *shape)
+    reference = _logits(build_model(str(llama), None), 1)[0]
+    model = build_model(str(llama), None)
+    engine = apply_plan_on_cpu(model, plan)
+    _logits(model, 2)  # eager steps first: graph mode must take over their in-flight copies
+    engine.set_graph_mode(True)
+    assert all(torch.equal(out, reference) for out in _captured_steps(engine, model))
+
+
+def test_eager_schedule_is_not_capturable_and_unjoined_copies_are_caught(llama):
+    plan = plan_with(llama, 3, 2, 2)  # 4 offloaded through 2 slots: copies every step
+    model = build_model(str(llama), None)
+    engine = apply_plan_on_cpu(model, plan)
+    with pytest.raises(AssertionError, match="recorded before the capture began"):
+        _captured_steps(engine, model, calls=1)
+    model = build_model(str(llama), None)
+    engine = apply_plan_on_cpu(model, plan)
+    engine.set_graph_mode(True)
+    with pytest.raises(AssertionError, match="never joined"):
+        _captured_steps(engine, model, calls=1, finish=False)
+
+
+def test_copy_bytes_per_step_follows_the_schedule(llama):
+    engine = apply_plan_on_cpu(build_model(str(llama), None), plan_with(llama, 7, 5, 2))
+    assert engine.copy_bytes_per_step == sum(engine.layer_bytes)  # 5 layers through 2 slots: all recopied
+    engine = apply_plan_on_cpu(build_model(str(llama), None), plan_with(llama, 1, 1, 6))
+    # 7 through 6 slots: positions 1..5 keep a slot of their own, 0 and 6 share one
+    assert engine.copy_bytes_per_step == engine.layer_bytes[0] + engine.layer_bytes[6]
+
+
+def test_decode_loop_matches_generate_and_the_plan_matches_resident(llama):
+    """DecodeLoop's greedy steps over a static cache: the tokens transformers' generate gives, and with a plan
+    applied (graph mode, each step checked against capture's rules) the resident logits bit for bit."""
+    from runtime.graph import DecodeLoop
+
+    prompt = _input_ids()
+    resident = build_model(str(llama), None)
+    loop = DecodeLoop(resident, batch=2, max_cache_tokens=32, device=torch.device("cpu"))
+    loop.prefill(prompt)
+    saved = loop.save_state()
+    loop.generate(3)
+    loop.restore_state(saved)  # back to right after the prefill: the same steps again
+    ids, logits = loop.generate(6)
+    with torch.inference_mode():
+        expected = resident.generate(prompt, max_new_tokens=6, do_sample=False, min_new_tokens=6)
+    assert torch.equal(ids, expected[:, prompt.shape[1]:])
+
+    model = build_model(str(llama), None)
+    engine = apply_plan_on_cpu(model, plan_with(llama, 3, 2, 1))
+    planned = DecodeLoop(model, batch=2, max_cache_tokens=32, device=torch.device("cpu"), engine=engine)
+    planned.prefill(prompt)
+    engine.set_graph_mode(True)
+    for step in range(6):
+        engine.backend.begin_capture()
+        with torch.inference_mode():
+            planned._step()
+        engine.backend.end_capture()
+        assert torch.equal(planned.logits, logits[step])
+
+
+def test_cuda_graph_plans_need_a_decode_workload(llama):
+    from tests.conftest import assert_one_line_error, run_cli
+
+    result = run_cli(["make", "-m", str(llama), "-g", "h100-sxm", "--tokens", "64", "--cuda-graph"], cwd=llama)
+    assert_one_line_error(result.returncode, result.stderr, contains=("--tokens equal to", "--sequences"))
+    ok = run_cli(["make", "-m", str(llama), "-g", "h100-sxm", "--tokens", "8", "--sequences", "8", "--context", "64",
+                  "--cuda-graph", "--budget", "1MB"], cwd=llama)
+    assert ok.returncode == 0 and "cuda_graph: true" in ok.stdout and "--cuda-graph" in ok.stdout.splitlines()[1]

@@ -151,3 +151,72 @@ def test_calibrate_writes_a_profile_make_reads(tmp_path, llama):
     assert profile.bf16_flops_per_s.source == "measured" and profile.gpu_memory_bytes.source == "measured"
     made = _cli("make", "-m", str(llama), "-g", str(tmp_path / "gpu.yaml"), "--budget", "1GiB")
     assert made.returncode == 0, made.stderr
+
+
+def _decode(model, engine=None, graphed=False, steps=6):
+    """Greedy decode of 3 sequences after a 40-token prompt: (token ids, logits of each step)."""
+    from runtime.graph import DecodeLoop
+
+    prompt = torch.randint(0, 256, (3, 40), generator=torch.Generator().manual_seed(2)).cuda()
+    loop = DecodeLoop(model, batch=3, max_cache_tokens=64, device=torch.device("cuda"), engine=engine)
+    loop.prefill(prompt)
+    if graphed:
+        loop.capture()
+        assert loop.capture_s > 0
+    ids, logits = loop.generate(steps)
+    return ids.cpu(), [out.cpu() for out in logits]
+
+
+def _graphed_equals_eager_resident(checkpoint, plan):
+    reference = _decode(build_model(str(checkpoint), None).cuda())
+    resident_graphed = _decode(build_model(str(checkpoint), None).cuda(), graphed=True)
+    model = build_model(str(checkpoint), None)
+    engine = apply_plan(model, plan, CudaBackend(torch.device("cuda")))
+    planned = _decode(model, engine, graphed=True)
+    same = lambda a, b: torch.equal(a[0], b[0]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+    return same(resident_graphed, reference), same(planned, reference)
+
+
+@pytest.mark.parametrize("shape", PLAN_SHAPES)
+def test_graphed_decode_bitwise_equal_to_eager_resident(llama, shape):
+    """Every plan shape, depth not dividing the number offloaded included: ids and logits bit for bit."""
+    plan = plan_with(llama, *shape, tokens=3, sequences=3, context=40, cuda_graph=True)
+    assert _graphed_equals_eager_resident(llama, plan) == (True, True)
+
+
+@pytest.mark.parametrize("params", [(), ("experts",)])
+def test_graphed_moe_decode_bitwise_equal(moe, params):
+    plan = plan_with(moe, 3, 2, 1, params=params, tokens=3, sequences=3, context=40, cuda_graph=True)
+    assert _graphed_equals_eager_resident(moe, plan) == (True, True)
+
+
+def test_cli_run_cuda_graph_bench_and_prompt(llama, tmp_path):
+    import json
+
+    from tests.runtime_models import save_word_tokenizer, write_plan
+
+    save_word_tokenizer(llama)
+    plan = plan_with(llama, 7, 5, 2, tokens=4, sequences=4, context=128, cuda_graph=True)
+    plan_path = write_plan(plan, tmp_path / "decode.yaml")
+    graphed = _cli("run", str(plan_path), "--bench", "--cuda-graph", "--json")
+    assert graphed.returncode == 0, graphed.stderr
+    result = json.loads(graphed.stdout)
+    assert result["mode"] == "decode graphed" and result["step_ms"] > 0 and result["capture_s"] > 0
+    assert result["stall_ms"] is None and result["tokens_per_s"] == pytest.approx(4e3 / result["step_ms"])
+    eager = _cli("run", str(plan_path), "--bench", "--json")
+    assert eager.returncode == 0 and json.loads(eager.stdout)["mode"] == "decode eager"
+    assert "predicts graph replays" in eager.stderr
+    text = _cli("run", str(plan_path), "--prompt", "w1 w2 w3", "--max-new-tokens", "8", "--cuda-graph")
+    assert text.returncode == 0 and "tokens/s" in text.stderr, text.stderr
+
+
+def test_make_measure_cuda_graph_times_replays(llama, tmp_path, monkeypatch):
+    import yaml
+
+    monkeypatch.setenv("OFFLOAD_PLAN_CACHE", str(tmp_path))
+    made = _cli("make", "-m", str(llama), "-g", "h100-sxm", "--tokens", "4", "--sequences", "4", "--context", "64",
+                "--measure", "--cuda-graph", "--budget", "1GiB")
+    assert made.returncode == 0, made.stderr
+    plan = yaml.safe_load(made.stdout)
+    assert "CUDA-graph replays" in plan["workload"]["compute_source"] and plan["workload"]["cuda_graph"] is True
+    assert all(row["compute_ms"] > 0 for row in plan["layers"])

@@ -276,7 +276,8 @@ def test_search_pinned_knobs_are_used_even_when_everything_fits():
     assert choice.offloaded == (2, 3, 6, 7)
 
 
-def test_search_finds_the_brute_force_optimum():
+@pytest.mark.parametrize("graphed", [False, True])
+def test_search_finds_the_brute_force_optimum(graphed):
     """The bound-ordered search with early exit returns the fastest of all feasible (G, K, P)."""
     rng = random.Random(99)
     for _ in range(25):
@@ -289,7 +290,7 @@ def test_search_finds_the_brute_force_optimum():
         budget = fixed + sum(sizes) - rng.randint(1, sum(sizes) - max(sizes) - 1)
         h2d, overhead = 1e6, 5.0
         choice = search(layers=layers, fixed_bytes=fixed, compute=compute, h2d_bytes_per_s=h2d,
-                        copy_overhead_us=overhead, budget_bytes=budget)
+                        copy_overhead_us=overhead, budget_bytes=budget, join_at_step_end=graphed)
         assert choice.gpu_bytes <= budget
         best = None
         for g in range(1, num_layers + 1):
@@ -298,8 +299,9 @@ def test_search_finds_the_brute_force_optimum():
                 for p in range(1, len(offloaded)):
                     if gpu_bytes_of(fixed, layers, offloaded, p) > budget:
                         continue
-                    s = sim(compute.layer_ms, offloaded, [copy_ms_of(sizes[i], h2d, overhead) for i in offloaded],
-                            p, compute.head_ms)
+                    s = simulate(layer_ms=compute.layer_ms, head_ms=compute.head_ms, offloaded=offloaded,
+                                 copy_ms=tuple(copy_ms_of(sizes[i], h2d, overhead) for i in offloaded),
+                                 prefetch_step=p, join_at_step_end=graphed)
                     best = s.step_ms if best is None else min(best, s.step_ms)
         assert best is not None
         assert round(choice.simulation.step_ms, 4) == round(best, 4)
@@ -311,3 +313,27 @@ def test_copied_positions_match_needs_copy():
             schedule = PrefetchSchedule(num_offloaded, depth)
             expected = [k for k in range(num_offloaded) if schedule.needs_copy(k)]
             assert list(schedule.copied_positions()) == expected
+
+
+def test_graph_replays_join_the_wrapped_copies_by_hand():
+    """4 layers of 1 ms, layers 2 and 3 offloaded through one slot, 3 ms per copy.
+
+    Eager: copy(2) 3 -> layer 2 1 -> copy(3) 3 -> layer 3 1 -> copy(2) ...: an 8 ms cycle, layers 0 and 1
+    hide under the wrapped copy. Graphed: each replay ends only when the wrapped copy of layer 2 is done,
+    so layers 0 and 1 run in the next replay, after it: 2 + 1 + 3 + 1 + 3 = 10 ms, 6 of them stalled.
+    """
+    common = dict(layer_ms=(1.0,) * 4, head_ms=0.0, offloaded=(2, 3), copy_ms=(3.0, 3.0), prefetch_step=1)
+    assert simulate(**common).step_ms == pytest.approx(8.0)
+    graphed = simulate(**common, join_at_step_end=True)
+    assert graphed.step_ms == pytest.approx(10.0) and graphed.stall_ms == pytest.approx(6.0)
+
+
+def test_graph_replays_expose_the_copy_after_the_last_reader():
+    """Layers 1, 3, 5 through 2 slots: 1 and 5 share slot 0, 3 keeps slot 1 (never re-copied).
+
+    Eager, layer 1's copy for the next step runs under layer 5's successors and the next head: 31 ms. Graphed,
+    it can start only when layer 5, the last layer, is done, and the replay waits for it: 32 ms.
+    """
+    common = dict(layer_ms=(5.0,) * 6, head_ms=1.0, offloaded=(1, 3, 5), copy_ms=(1.0,) * 3, prefetch_step=2)
+    assert simulate(**common).step_ms == pytest.approx(31.0)
+    assert simulate(**common, join_at_step_end=True).step_ms == pytest.approx(32.0)

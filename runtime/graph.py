@@ -1,0 +1,150 @@
+"""Greedy decode over a static KV cache, each step run eagerly or replayed from one CUDA graph.
+
+A replay must do exactly what the eager step does with no help from Python, so everything that changes
+between steps lives on the GPU at fixed addresses: the token ids (the step writes its argmax back into
+them), the KV cache and its length counter (transformers' StaticCache advances it in place), the logits
+(copied into one output buffer) and the offloaded weights (fixed slots). The offload copies and their
+event waits are captured with the forward; the copies that wrap into the next step are joined before the
+replay ends (OffloadEngine.finish_step), which the planner models with ``--cuda-graph``.
+"""
+
+import time
+
+import torch
+
+from planner.errors import UsageError
+
+NUM_WARMUP_STEPS = 2
+#: prefill at most this many tokens per forward (batch x chunk), to bound activation memory
+PREFILL_CHUNK_TOKENS = 16384
+#: cache room past the context for warm-up and timed steps. transformers' static cache attends over its whole
+#: length (masked), so step time grows with it: measuring and running use the same room.
+DECODE_ROOM_TOKENS = 64
+
+
+def cache_tokens_for(context_tokens: int) -> int:
+    """The static cache length for decode steps after ``context_tokens``: the same when measured and run."""
+    return context_tokens + DECODE_ROOM_TOKENS
+
+
+def use_capturable_experts(model) -> bool:
+    """Route MoE experts through transformers' 'batched_mm' (device-side gather), True if the model has experts.
+
+    The default 'eager' experts loop asks the host which experts were hit (a synchronisation no graph can
+    capture). Eager and graphed decode both use batched_mm, so their outputs stay bitwise comparable.
+    """
+    if not any(name.rsplit(".", 1)[-1] == "experts" for name, _ in model.named_modules()):
+        return False
+    if not hasattr(model, "set_experts_implementation"):
+        raise UsageError("decoding a MoE model over a static cache needs transformers' set_experts_implementation "
+                         "(transformers >= 5); upgrade transformers")
+    model.set_experts_implementation("batched_mm")
+    return True
+
+
+class DecodeLoop:
+    """Decode steps for ``batch`` sequences whose cache holds up to ``max_cache_tokens`` tokens each."""
+
+    def __init__(self, model, *, batch: int, max_cache_tokens: int, device: torch.device, engine=None):
+        from transformers import StaticCache
+
+        self.model, self.engine, self.device = model, engine, device
+        use_capturable_experts(model)
+        self.cache = StaticCache(config=model.config, max_cache_len=max_cache_tokens)
+        self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.logits: torch.Tensor | None = None
+        self.graph: torch.cuda.CUDAGraph | None = None
+        #: wall seconds of the warm-up steps and of the capture
+        self.warmup_s = self.capture_s = 0.0
+
+    def prefill(self, prompt_ids: torch.Tensor) -> None:
+        """Fill the cache with ``prompt_ids`` [batch, tokens] in chunks; the next ids are the last argmax."""
+        chunk = max(1, PREFILL_CHUNK_TOKENS // prompt_ids.shape[0])
+        with torch.inference_mode():
+            for start in range(0, prompt_ids.shape[1], chunk):
+                output = self.model(input_ids=prompt_ids[:, start:start + chunk], past_key_values=self.cache,
+                                    use_cache=True, logits_to_keep=1)
+            self._check_static_cache()
+            logits = output.logits[:, -1, :]
+            self.logits = torch.empty_like(logits)
+            self.logits.copy_(logits)
+            self.ids.copy_(logits.argmax(-1, keepdim=True))
+
+    def _check_static_cache(self) -> None:
+        layers = getattr(self.cache, "layers", [])
+        if not layers or any(getattr(layer, "is_sliding", False) or not hasattr(layer, "cumulative_length")
+                             for layer in layers):
+            raise UsageError("--cuda-graph needs a full-attention static KV cache whose length lives on the GPU "
+                             "(transformers >= 5 StaticCache); this model or transformers version has another; "
+                             "run without --cuda-graph")
+
+    def _step(self) -> None:
+        logits = self.model(input_ids=self.ids, past_key_values=self.cache, use_cache=True).logits[:, -1, :]
+        if self.engine is not None:
+            self.engine.finish_step()
+        self.logits.copy_(logits)
+        self.ids.copy_(logits.argmax(-1, keepdim=True))
+
+    def capture(self) -> None:
+        """Warm up on a side stream, then capture one step; the cache and ids are left as they were."""
+        if self.engine is not None:
+            self.engine.set_graph_mode(True)
+        saved = self.save_state()
+        torch.cuda.synchronize(self.device)
+        started = time.perf_counter()
+        side = torch.cuda.Stream(device=self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.inference_mode(), torch.cuda.stream(side):
+            for _ in range(NUM_WARMUP_STEPS):  # cuBLAS handles, workspaces and lazy inits happen here
+                self._step()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        self.restore_state(saved)
+        torch.cuda.synchronize(self.device)
+        self.warmup_s = time.perf_counter() - started
+        started = time.perf_counter()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(self.graph):
+            self._step()
+        torch.cuda.synchronize(self.device)
+        self.capture_s = time.perf_counter() - started
+
+    @torch.inference_mode()
+    def save_state(self) -> list[torch.Tensor]:
+        """Copies of what a step changes: ids, logits and the cache length (the cache's tensors are inference
+        tensors, so saving and restoring run in inference mode)."""
+        return [self.ids.clone(), self.logits.clone(), *(layer.cumulative_length.clone() for layer in self.cache.layers)]
+
+    @torch.inference_mode()
+    def restore_state(self, saved: list[torch.Tensor]) -> None:
+        """Put ids, logits and the cache length back; entries written past it are masked and overwritten."""
+        self.ids.copy_(saved[0])
+        self.logits.copy_(saved[1])
+        for layer, length in zip(self.cache.layers, saved[2:]):
+            layer.cumulative_length.copy_(length)
+
+    def step(self) -> torch.Tensor:
+        """One decode step (a replay once captured); returns the output logits buffer [batch, vocab]."""
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            with torch.inference_mode():
+                self._step()
+        return self.logits
+
+    def timed_steps(self, num_steps: int) -> list[float]:
+        """Milliseconds of ``num_steps`` back-to-back steps (no host synchronisation between them)."""
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(num_steps + 1)]
+        events[0].record()
+        for index in range(num_steps):
+            self.step()
+            events[index + 1].record()
+        torch.cuda.synchronize(self.device)
+        return [events[i].elapsed_time(events[i + 1]) for i in range(num_steps)]
+
+    def generate(self, num_steps: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(token ids [batch, num_steps], logits of each step): the first id is the prefill's argmax."""
+        ids, logits = [self.ids.clone()], []
+        for _ in range(num_steps):
+            logits.append(self.step().clone())
+            ids.append(self.ids.clone())
+        return torch.cat(ids[:-1], dim=1), logits

@@ -1,0 +1,161 @@
+"""Decode benchmark on a CUDA GPU: offloading under CUDA graphs against eager and against the floor.
+
+A Qwen3-8B-shaped model (random bf16 weights), KV context 1024, decode batches 1, 16, 64 and 256, the plan's
+budget half of the layer bytes. For each batch: the all-resident model graphed, the plan graphed, the plan
+eager, and the floor = max(all-resident graphed step, bytes the plan copies per step / pinned H2D bandwidth).
+Plans come from make --cuda-graph with the calibrated profile and layer times measured from graph replays,
+so the prediction is checked too. Token ids and logits of every run are compared bit for bit with the eager
+all-resident model over the first steps.
+
+    PYTHONPATH=. python3 scripts/bench_decode.py --out /tmp/bench-decode      # on a machine with a GPU
+"""
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+# Bitwise checks need a reproducible reference: eager decode on the H100 was not (the same model, inputs and
+# cache gave logits 0.05-0.23 apart between two runs). Deterministic algorithms, and cuBLAS's fixed workspace
+# config they require, must be set before CUDA starts.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench_runtime import (free, log, pinned_h2d_bytes_per_s, plan_for, write_calibrated,  # noqa: E402
+                           write_random_checkpoint, write_report)
+from runtime.backend import CudaBackend  # noqa: E402
+from runtime.bench import random_ids  # noqa: E402
+from runtime.graph import DecodeLoop, cache_tokens_for  # noqa: E402
+from runtime.load import apply_plan, build_model  # noqa: E402
+
+BATCHES = (1, 16, 64, 256)
+CONTEXT_TOKENS = 1024
+BUDGET_SHARE = 0.5
+NUM_CHECKED_STEPS = 4
+NUM_TIMED_STEPS = {"graphed": 20, "eager": 8}
+
+
+def decode_run(model, batch: int, prompt, engine=None, reference=None, graphed: bool = True) -> dict:
+    """Prefill, check the first steps against ``reference`` (ids, logits), then time back-to-back steps."""
+    loop = DecodeLoop(model, batch=batch, max_cache_tokens=cache_tokens_for(CONTEXT_TOKENS),
+                      device=torch.device("cuda"), engine=engine)
+    loop.prefill(prompt)
+    prefill_logits = loop.logits.cpu()
+    if graphed:
+        loop.capture()
+    saved = loop.save_state()
+    ids, logits = loop.generate(NUM_CHECKED_STEPS)
+    outputs = (ids.cpu(), [out.cpu() for out in logits], prefill_logits)
+    bitwise = None if reference is None else compare(outputs, reference)
+    loop.restore_state(saved)
+    loop.timed_steps(3)
+    step_ms = statistics.median(loop.timed_steps(NUM_TIMED_STEPS["graphed" if graphed else "eager"]))
+    result = {"step_ms": step_ms, "bitwise": bitwise, "warmup_s": loop.warmup_s, "capture_s": loop.capture_s,
+              "outputs": outputs}
+    if engine is not None:
+        engine.set_graph_mode(False)
+    del loop
+    free()
+    return result
+
+
+def compare(outputs, reference) -> dict:
+    """Bit-for-bit checks against the reference run, and where they fail, the first difference's size."""
+    (ids, logits, prefill), (ref_ids, ref_logits, ref_prefill) = outputs, reference
+    return {
+        "prefill_logits": torch.equal(prefill, ref_prefill),
+        "ids": torch.equal(ids, ref_ids),
+        "step_logits": all(torch.equal(a, b) for a, b in zip(logits, ref_logits)),
+        "first_step_max_abs_diff": (logits[0].float() - ref_logits[0].float()).abs().max().item(),
+    }
+
+
+def all_equal(check: dict | None) -> bool:
+    return check is not None and check["prefill_logits"] and check["ids"] and check["step_logits"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, default=Path("/tmp/bench-decode"))
+    parser.add_argument("--checkpoint", type=Path, default=Path("/tmp/qwen3-8b-random"))
+    parser.add_argument("--config", type=Path, default=Path(__file__).resolve().parent.parent / "examples/qwen3-8b/config.json")
+    parser.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
+    parser.add_argument("--nondeterministic", action="store_true", help="leave torch's default algorithms")
+    args = parser.parse_args()
+    if not args.nondeterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.utils.deterministic.fill_uninitialized_memory = False  # NaN-filling every empty() would add kernels
+    args.out.mkdir(parents=True, exist_ok=True)
+    log(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    write_random_checkpoint(args.config, args.checkpoint)
+    h2d = pinned_h2d_bytes_per_s()
+    log(f"pinned H2D {h2d / 1e9:.1f} GB/s (best single copy)")
+    calibrated_path = write_calibrated(args.out)
+    from planner.checkpoint import load_checkpoint
+    from planner.layout import build_layout
+
+    layout = build_layout(load_checkpoint(str(args.checkpoint)))
+    resident = build_model(str(args.checkpoint), None).cuda()
+    rows = []
+    for batch in args.batches:
+        plan = plan_for(args.checkpoint, BUDGET_SHARE, batch, layout, str(calibrated_path), measure=True,
+                        sequences=batch, context=CONTEXT_TOKENS, cuda_graph=True)
+        prompt = random_ids(resident, (batch, CONTEXT_TOKENS), torch.device("cuda"), seed=batch)
+        eager_resident = decode_run(resident, batch, prompt, graphed=False)
+        reference = eager_resident["outputs"]
+        repeat = decode_run(resident, batch, prompt, reference=reference, graphed=False)  # is eager deterministic?
+        graphed_resident = decode_run(resident, batch, prompt, reference=reference)
+        model = build_model(str(args.checkpoint), None)
+        engine = apply_plan(model, plan, CudaBackend(torch.device("cuda")))
+        eager_plan = decode_run(model, batch, prompt, engine, reference, graphed=False)
+        graphed_plan = decode_run(model, batch, prompt, engine, reference)
+        copy_bytes = engine.copy_bytes_per_step
+        engine.close()
+        del model, engine
+        free()
+        floor_ms = max(graphed_resident["step_ms"], 1e3 * copy_bytes / h2d)
+        rows.append({
+            "batch": batch, "offloaded": len(plan.offload.layers), "prefetch": plan.offload.prefetch_step,
+            "group_size": plan.offload.group_size, "num_in_group": plan.offload.num_in_group,
+            "copy_bytes_per_step": copy_bytes, "resident_eager_ms": eager_resident["step_ms"],
+            "resident_graphed_ms": graphed_resident["step_ms"], "plan_eager_ms": eager_plan["step_ms"],
+            "plan_graphed_ms": graphed_plan["step_ms"], "floor_ms": floor_ms,
+            "predicted_ms": plan.prediction.step_ms, "predicted_resident_ms": plan.prediction.resident_step_ms,
+            "warmup_s": graphed_plan["warmup_s"], "capture_s": graphed_plan["capture_s"],
+            "bitwise": {"resident eager again": repeat["bitwise"], "resident graphed": graphed_resident["bitwise"],
+                        "plan eager": eager_plan["bitwise"], "plan graphed": graphed_plan["bitwise"]},
+        })
+        log(json.dumps(rows[-1]))
+    report(rows, h2d, args.out)
+
+
+def report(rows, h2d: float, out: Path) -> None:
+    mode = "deterministic algorithms" if torch.are_deterministic_algorithms_enabled() else "default algorithms"
+    header = (f"{datetime.date.today()} {torch.cuda.get_device_name()}, torch {torch.__version__} ({mode}), pinned H2D "
+              f"{h2d / 1e9:.1f} GB/s, Qwen3-8B shape bf16, KV context {CONTEXT_TOKENS}, budget {BUDGET_SHARE:.0%} of "
+              "layer bytes; plans from make --cuda-graph --measure with the calibrated profile")
+    lines = [header, "",
+             "| batch | offloaded (G, K, P) | resident graphed ms (eager) | floor ms | plan graphed ms | floor/plan | "
+             "plan eager ms | graph speed-up | tokens/s graphed | predicted ms | error | warm-up + capture s | bitwise |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        graphed = r["plan_graphed_ms"]
+        lines.append(
+            f"| {r['batch']} | {r['offloaded']} ({r['group_size']}, {r['num_in_group']}, {r['prefetch']}) | "
+            f"{r['resident_graphed_ms']:.2f} ({r['resident_eager_ms']:.2f}) | {r['floor_ms']:.2f} | {graphed:.2f} | "
+            f"{r['floor_ms'] / graphed:.3f} | {r['plan_eager_ms']:.2f} | {r['plan_eager_ms'] / graphed:.2f}x | "
+            f"{r['batch'] * 1e3 / graphed:.1f} | {r['predicted_ms']:.2f} | "
+            f"{(r['predicted_ms'] - graphed) / graphed:+.1%} | {r['warmup_s']:.2f} + {r['capture_s']:.2f} | "
+            f"{all(all_equal(check) for check in r['bitwise'].values())} |")
+    write_report(out, header, lines, rows)
+
+
+if __name__ == "__main__":
+    main()
