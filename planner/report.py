@@ -46,7 +46,9 @@ def _summary(plan: Plan) -> Table:
     table.add_row("hardware", f"{plan.hardware.profile}: {format_bytes(plan.hardware.gpu_memory_bytes)}, "
                               f"link {plan.hardware.h2d_bytes_per_s / 1e9:.1f} GB/s")
     table.add_row("workload", f"{plan.workload.tokens_per_step} tokens/step in {plan.workload.sequences_per_step} "
-                              f"sequence(s), context {plan.workload.context_tokens}; {plan.workload.compute_source}")
+                              f"sequence(s), context {plan.workload.context_tokens}; {plan.workload.compute_source}"
+                              + ("; CUDA-graph replays (copies into the next step join at each step's end)"
+                                 if plan.workload.cuda_graph else ""))
     if offload.layers:
         params = " ".join(offload.params) if offload.params else "whole layers"
         table.add_row("offload", f"{len(offload.layers)} of {model.num_layers} layers ({params}); "
