@@ -60,7 +60,7 @@ class ModelGeometry:
 
 def geometry_from_config(config: dict | None, layout: ModelLayout) -> ModelGeometry:
     """Attention heads and MoE routing from config.json; experts counted from names when config is silent."""
-    text = _text_config(config)
+    text = text_config(config)
     hidden = text.get("hidden_size") or text.get("n_embd") or 0
     num_heads = text.get("num_attention_heads") or text.get("n_head") or 0
     head_dim = text.get("head_dim") or (hidden // num_heads if num_heads else 0)
@@ -75,7 +75,8 @@ def geometry_from_config(config: dict | None, layout: ModelLayout) -> ModelGeome
     )
 
 
-def _text_config(config: dict | None) -> dict:
+def text_config(config: dict | None) -> dict:
+    """The language model's part of config.json (``text_config``/``language_config`` of multimodal models)."""
     if not config:
         return {}
     for key in ("text_config", "language_config"):

@@ -45,15 +45,15 @@ class Choice:
     copy_bytes: int
 
     def key(self) -> tuple:
-        """Fastest first; then fewest bytes over the link, least GPU memory, fewest slots, largest groups."""
-        return (
-            round(self.simulation.step_ms, STEP_MS_DECIMALS),
-            self.copy_bytes,
-            self.gpu_bytes,
-            self.prefetch_step,
-            -self.group_size,
-            self.num_in_group,
-        )
+        """The order plans are chosen in (choice_key)."""
+        return choice_key(self.simulation.step_ms, self.copy_bytes, self.gpu_bytes, self.prefetch_step,
+                          self.group_size, self.num_in_group)
+
+
+def choice_key(step_ms: float, copy_bytes: int, gpu_bytes: int, prefetch_step: int, group_size: int,
+               num_in_group: int) -> tuple:
+    """Fastest first; then fewest bytes over the link, least GPU memory, fewest slots, largest groups."""
+    return (round(step_ms, STEP_MS_DECIMALS), copy_bytes, gpu_bytes, prefetch_step, -group_size, num_in_group)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -194,15 +194,9 @@ def _key_floor(layers, fixed_bytes, copy_ms, resident_ms, offloaded, group_size,
     When many sets reach the resident bound (nearly everything fits) the step times tie and the later key
     fields decide; this lets the search skip the simulation of every set that loses on them.
     """
-    schedule = PrefetchSchedule(len(offloaded), depth)
-    return (
-        round(_link_bound(copy_ms, offloaded, depth, resident_ms), STEP_MS_DECIMALS),
-        _copy_bytes(layers, offloaded, depth),
-        gpu_bytes_of(fixed_bytes, layers, offloaded, schedule.num_slots),
-        depth,
-        -group_size,
-        num_in_group,
-    )
+    num_slots = PrefetchSchedule(len(offloaded), depth).num_slots
+    return choice_key(_link_bound(copy_ms, offloaded, depth, resident_ms), _copy_bytes(layers, offloaded, depth),
+                      gpu_bytes_of(fixed_bytes, layers, offloaded, num_slots), depth, group_size, num_in_group)
 
 
 def _ordered(layers, fixed_bytes, copy_ms, resident_ms, budget_bytes, space):

@@ -61,18 +61,23 @@ def forward_step(model, input_ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=input_ids, use_cache=False, logits_to_keep=1).logits
 
 
-def time_steps(model, input_ids: torch.Tensor, num_steps: int) -> list[float]:
-    """Milliseconds of each of ``num_steps`` back-to-back steps, from events between them.
+def time_calls(step, num_steps: int, device: torch.device | None = None) -> list[float]:
+    """Milliseconds of each of ``num_steps`` back-to-back calls of ``step()``, from CUDA events between them.
 
-    No synchronisation between steps: prefetches that wrap into the next step overlap as in serving.
+    No synchronisation between calls: prefetches that wrap into the next step overlap as in serving.
     """
     events = [torch.cuda.Event(enable_timing=True) for _ in range(num_steps + 1)]
     events[0].record()
-    for step in range(num_steps):
-        forward_step(model, input_ids)
-        events[step + 1].record()
-    torch.cuda.synchronize()
+    for index in range(num_steps):
+        step()
+        events[index + 1].record()
+    torch.cuda.synchronize(device)
     return [events[i].elapsed_time(events[i + 1]) for i in range(num_steps)]
+
+
+def time_steps(model, input_ids: torch.Tensor, num_steps: int) -> list[float]:
+    """Milliseconds of each of ``num_steps`` back-to-back forward steps (time_calls)."""
+    return time_calls(lambda: forward_step(model, input_ids), num_steps)
 
 
 def model_device(model) -> torch.device:

@@ -133,13 +133,9 @@ class DecodeLoop:
 
     def timed_steps(self, num_steps: int) -> list[float]:
         """Milliseconds of ``num_steps`` back-to-back steps (no host synchronisation between them)."""
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(num_steps + 1)]
-        events[0].record()
-        for index in range(num_steps):
-            self.step()
-            events[index + 1].record()
-        torch.cuda.synchronize(self.device)
-        return [events[i].elapsed_time(events[i + 1]) for i in range(num_steps)]
+        from runtime.bench import time_calls
+
+        return time_calls(self.step, num_steps, self.device)
 
     def generate(self, num_steps: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """(token ids [batch, num_steps], logits of each step): the first id is the prefill's argmax."""

@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 from planner.checkpoint import Checkpoint
-from planner.cost import ComputeTimes, Workload, estimate_compute, geometry_from_config
+from planner.cost import ComputeTimes, Workload, estimate_compute, geometry_from_config, text_config
 from planner.errors import UsageError
-from planner.layout import ModelLayout, layer_kinds
+from planner.layout import ModelLayout, config_num_layers, layer_kinds
 from planner.profile import HardwareProfile, load_profile
 
 NUM_WARMUP = 2
@@ -93,20 +93,13 @@ def _save_cache(cache: dict) -> None:
 
 def measured_kinds(layout: ModelLayout, config: dict) -> tuple[tuple[int, ...], ...]:
     """Layer indices grouped by params and attention type (sliding-window and full layers time differently)."""
-    layer_types = _text_config(config).get("layer_types") or []
+    layer_types = text_config(config).get("layer_types") or []
     groups: dict[tuple, list[int]] = {}
     for kind in layer_kinds(layout.layers):
         for index in kind:
             attention = layer_types[index] if index < len(layer_types) else None
             groups.setdefault((kind[0], attention), []).append(index)
     return tuple(tuple(indices) for indices in sorted(groups.values()))
-
-
-def _text_config(config: dict) -> dict:
-    for key in ("text_config", "language_config"):
-        if isinstance(config.get(key), dict):
-            return config[key]
-    return config
 
 
 def alias_module(module: nn.Module, layer_index: int) -> nn.Module:
@@ -128,13 +121,13 @@ def build_measure_model(config: dict, kinds: tuple[tuple[int, ...], ...], stack:
 
     config = {k: v for k, v in config.items() if k != "quantization_config"}  # measured in bf16
     hf_config = AutoConfig.for_model(**config)
-    text_config = hf_config.get_text_config()
-    num_layers = text_config.num_hidden_layers
-    layer_types = getattr(text_config, "layer_types", None)
+    language = hf_config.get_text_config()
+    num_layers = language.num_hidden_layers
+    layer_types = getattr(language, "layer_types", None)
     built = max(kind[0] for kind in kinds) + 1  # enough layers to hold one of each kind
-    text_config.num_hidden_layers = built
+    language.num_hidden_layers = built
     if layer_types:
-        text_config.layer_types = layer_types[:built]
+        language.layer_types = layer_types[:built]
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16)
@@ -144,9 +137,9 @@ def build_measure_model(config: dict, kinds: tuple[tuple[int, ...], ...], stack:
     _set_layers(model, stack, [owners[i] if i in representatives else alias_module(owners[i], i)
                                for i in range(num_layers)])
     del layers
-    text_config.num_hidden_layers = num_layers
+    language.num_hidden_layers = num_layers
     if layer_types:
-        text_config.layer_types = layer_types
+        language.layer_types = layer_types
     torch.cuda.empty_cache()
     return model.eval()
 
@@ -263,7 +256,7 @@ def measure_local(
     require_cuda("make --measure")
     if checkpoint.config is None:
         raise UsageError("--measure builds layers from config.json, and this checkpoint has none")
-    if len(layout.layers) != _text_config(checkpoint.config).get("num_hidden_layers", len(layout.layers)):
+    if config_num_layers(checkpoint.config) not in (None, len(layout.layers)):
         raise UsageError(f"--measure needs config.json's num_hidden_layers to match the {len(layout.layers)} "
                          f"planned layers of {layout.stack}; fix config.json or plan without --measure")
     key = _cache_key(checkpoint.config, layout, workload, graphed)
