@@ -133,6 +133,7 @@ def run(
     prompt: Annotated[Optional[str], typer.Option(help="Generate from this prompt with the plan applied.")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate with --prompt.")] = 64,
     cuda_graph: Annotated[bool, typer.Option("--cuda-graph", help="Replay decode steps from a CUDA graph, offload copies captured inside.")] = False,
+    compile_steps: Annotated[bool, typer.Option("--compile", help="Compile decode steps with torch.compile (Inductor), the offload hooks inside; with --cuda-graph the compiled step is captured.")] = False,
     json_output: JsonOption = False,
 ):
     """Load the model with the plan applied and run it on the local GPU. Example: offload-plan run plan.yaml --bench"""
@@ -148,17 +149,23 @@ def run(
     from runtime.load import load_with_plan, model_path_for, require_cuda
 
     require_cuda()
+    compile_backend = "inductor" if compile_steps else None
+    if bench:
+        from runtime.bench import check_decode_flags
+
+        check_decode_flags(loaded_plan, cuda_graph, compile_backend)  # before the minutes of loading
     loaded = _load_with_progress(loaded_plan, model, load_with_plan)
     if prompt is not None:
         from runtime.bench import generate
 
-        text, tokens_per_s = generate(loaded, prompt, model_path_for(loaded_plan, model), max_new_tokens, cuda_graph)
+        text, tokens_per_s = generate(loaded, prompt, model_path_for(loaded_plan, model), max_new_tokens, cuda_graph,
+                                      compile_backend)
         sys.stdout.write(text + "\n")
         stderr.print(f"{tokens_per_s:.2f} tokens/s with the plan applied")
         return
     from runtime.bench import run_bench
 
-    result = run_bench(loaded, cuda_graph=cuda_graph)
+    result = run_bench(loaded, cuda_graph=cuda_graph, compile_backend=compile_backend)
     if json_output:
         sys.stdout.write(json.dumps(result.as_dict(), indent=2) + "\n")
     else:
@@ -192,6 +199,8 @@ def _print_bench(result) -> None:
         table.add_row("link", f"{result.bytes_copied_per_step / result.step_ms / 1e6:.1f} GB/s (bytes / step)",
                       f"{format_bytes(result.bytes_copied_per_step)}/step", "")
         table.add_row("graph warm-up, capture", f"{result.warmup_s:.2f} s, {result.capture_s:.2f} s", "", "")
+    if result.compile_s:
+        table.add_row("torch.compile (first step)", f"{result.compile_s:.1f} s", "", "")
     stderr.print(table)
 
 

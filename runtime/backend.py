@@ -17,6 +17,8 @@ class CpuEvent:
 
     name: str
     recorded_at: int = -1
+    #: the capture (numbered from 1) it was last recorded in, or None if outside any
+    captured_in: int | None = None
 
 
 @dataclass
@@ -25,7 +27,8 @@ class CpuStandIn:
 
     Between begin_capture and end_capture it also enforces CUDA stream capture's rules, so CI catches a
     schedule that could not be captured in a graph: no wait on an event recorded before the capture began,
-    and no copy left un-joined (not waited on by the compute stream) when it ends.
+    and no copy left un-joined (not waited on by the compute stream) when it ends. An event recorded inside a
+    capture belongs to that graph: waiting on it outside the capture fails, as CUDA fails it (invalid argument).
     """
 
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
@@ -34,20 +37,27 @@ class CpuStandIn:
     capture_start: int | None = None
     #: log index of the last copy not yet joined to the compute stream during a capture
     _unjoined_copy_at: int = -1
+    _num_captures: int = 0
 
     def new_event(self, name: str, timing: bool = False) -> CpuEvent:
         return CpuEvent(name)
 
+    def _record(self, event: CpuEvent, entry: tuple) -> None:
+        self.log.append(entry)
+        event.recorded_at = len(self.log) if entry[0] == "copy" else len(self.log) - 1
+        event.captured_in = self._num_captures if self.capture_start is not None else None
+
     def record_on_compute(self, event: CpuEvent) -> None:
-        event.recorded_at = len(self.log)
-        self.log.append(("record", event.name))
+        self._record(event, ("record", event.name))
 
     def record_on_copy(self, event: CpuEvent) -> None:
-        event.recorded_at = len(self.log)
-        self.log.append(("copy-record", event.name))
+        self._record(event, ("copy-record", event.name))
 
     def _check_wait(self, stream: str, event: CpuEvent) -> None:
         assert event.recorded_at >= 0, f"{stream} waits on {event.name}, never recorded"
+        current = self._num_captures if self.capture_start is not None else None
+        assert event.captured_in in (None, current), (
+            f"{stream} waits on {event.name}, recorded inside capture {event.captured_in}: invalid outside it")
         if self.capture_start is not None:
             assert event.recorded_at >= self.capture_start, (
                 f"{stream} waits on {event.name}, recorded before the capture began: not capturable")
@@ -64,13 +74,13 @@ class CpuStandIn:
 
     def copy(self, destination: torch.Tensor, source: torch.Tensor, done: CpuEvent, label: str) -> None:
         destination.copy_(source)
-        self.log.append(("copy", label))
-        done.recorded_at = len(self.log)
+        self._record(done, ("copy", label))
         if self.capture_start is not None:
             self._unjoined_copy_at = done.recorded_at
 
     def begin_capture(self) -> None:
         self.capture_start, self._unjoined_copy_at = len(self.log), -1
+        self._num_captures += 1
 
     def end_capture(self) -> None:
         unjoined = self._unjoined_copy_at >= 0

@@ -35,6 +35,7 @@ class BenchResult:
     tokens_per_s: float = 0.0
     #: wall seconds of the warm-up steps and of capturing the graph (graphed decode only)
     warmup_s: float = 0.0
+    compile_s: float = 0.0
     capture_s: float = 0.0
 
     def as_dict(self) -> dict:
@@ -85,13 +86,22 @@ def model_device(model) -> torch.device:
     return next(p.device for p in model.parameters() if p.device.type == "cuda")
 
 
-def run_bench(loaded: Loaded, num_steps: int = NUM_TIMED_STEPS, cuda_graph: bool = False) -> BenchResult:
+def check_decode_flags(plan, cuda_graph: bool, compile_backend: str | None) -> None:
+    """--cuda-graph and --compile time decode steps: the plan must be made for decode (a KV context)."""
+    if plan.workload.context_tokens:
+        return
+    for wanted, flag in ((cuda_graph, "--cuda-graph"), (compile_backend, "--compile")):
+        if wanted:
+            raise UsageError(f"{flag} applies to decode steps; make the plan for decode (--tokens B --sequences B "
+                             f"--context N) or drop {flag}")
+
+
+def run_bench(loaded: Loaded, num_steps: int = NUM_TIMED_STEPS, cuda_graph: bool = False,
+              compile_backend: str | None = None) -> BenchResult:
     """Time the plan's workload: prefill steps (context 0), or decode steps over its KV context."""
+    check_decode_flags(loaded.plan, cuda_graph, compile_backend)
     if loaded.plan.workload.context_tokens:
-        return run_decode_bench(loaded, num_steps, cuda_graph)
-    if cuda_graph:
-        raise UsageError("--cuda-graph replays decode steps; make the plan for decode (--tokens B --sequences B "
-                         "--context N) or drop --cuda-graph")
+        return run_decode_bench(loaded, num_steps, cuda_graph, compile_backend)
     device = model_device(loaded.model)
     engine = loaded.engine
     input_ids = bench_inputs(loaded, device)
@@ -130,8 +140,9 @@ def _result(loaded: Loaded, step_ms: list[float], stats, device, *, timed: bool,
     )
 
 
-def run_decode_bench(loaded: Loaded, num_steps: int, cuda_graph: bool) -> BenchResult:
-    """Decode steps of the plan's batch over a static cache of its context, eager or replayed from a graph."""
+def run_decode_bench(loaded: Loaded, num_steps: int, cuda_graph: bool, compile_backend: str | None = None) -> BenchResult:
+    """Decode steps of the plan's batch over a static cache of its context, eager or replayed from a graph,
+    compiled with ``compile_backend`` or not."""
     from runtime.graph import DecodeLoop, cache_tokens_for
 
     plan, engine = loaded.plan, loaded.engine
@@ -142,23 +153,25 @@ def run_decode_bench(loaded: Loaded, num_steps: int, cuda_graph: bool) -> BenchR
     device = model_device(loaded.model)
     batch, context = workload.sequences_per_step, workload.context_tokens
     loop = DecodeLoop(loaded.model, batch=batch, max_cache_tokens=cache_tokens_for(context),
-                      device=device, engine=engine)
+                      device=device, engine=engine, compile_backend=compile_backend)
     loop.prefill(random_ids(loaded.model, (batch, context), device))
     if cuda_graph:
         loop.capture()
+    else:
+        loop.warm_up()
     loop.timed_steps(NUM_WARMUP_STEPS)
     engine.take_stats()
     torch.cuda.reset_peak_memory_stats(device)
     engine.timing = not cuda_graph
     step_ms = loop.timed_steps(num_steps)
     engine.timing = False
-    return _result(loaded, step_ms, engine.take_stats(), device, timed=not cuda_graph,
-                   mode="decode graphed" if cuda_graph else "decode eager", warmup_s=loop.warmup_s,
-                   capture_s=loop.capture_s)
+    mode = "decode " + ("graphed" if cuda_graph else "eager") + (", compiled" if compile_backend else "")
+    return _result(loaded, step_ms, engine.take_stats(), device, timed=not cuda_graph, mode=mode,
+                   warmup_s=loop.warmup_s, compile_s=loop.compile_s, capture_s=loop.capture_s)
 
 
 def generate(loaded: Loaded, prompt: str, model_path: str, max_new_tokens: int,
-             cuda_graph: bool = False) -> tuple[str, float]:
+             cuda_graph: bool = False, compile_backend: str | None = None) -> tuple[str, float]:
     """Generate greedily with the plan applied; returns (text, tokens per second)."""
     import time
 
@@ -170,8 +183,8 @@ def generate(loaded: Loaded, prompt: str, model_path: str, max_new_tokens: int,
         raise UsageError(f"{model_path} has no tokenizer; use --bench, or point --model at a checkpoint with one") from None
     device = model_device(loaded.model)
     inputs = tokenizer(prompt, return_tensors="pt").to(device)
-    if cuda_graph:
-        return _generate_graphed(loaded, tokenizer, inputs["input_ids"], max_new_tokens)
+    if cuda_graph or compile_backend:
+        return _generate_static(loaded, tokenizer, inputs["input_ids"], max_new_tokens, cuda_graph, compile_backend)
     with torch.inference_mode():
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -182,16 +195,21 @@ def generate(loaded: Loaded, prompt: str, model_path: str, max_new_tokens: int,
     return tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True), new_tokens / seconds
 
 
-def _generate_graphed(loaded: Loaded, tokenizer, prompt_ids: torch.Tensor, max_new_tokens: int) -> tuple[str, float]:
-    """Greedy decode replayed from a CUDA graph; the text stops at the first end-of-sequence token."""
+def _generate_static(loaded: Loaded, tokenizer, prompt_ids: torch.Tensor, max_new_tokens: int, cuda_graph: bool,
+                     compile_backend: str | None) -> tuple[str, float]:
+    """Greedy decode over a static cache, replayed from a CUDA graph and/or compiled; the text stops at the
+    first end-of-sequence token. Tokens/s counts the steps only (not compilation or capture)."""
     import time
 
     from runtime.graph import DecodeLoop
 
     loop = DecodeLoop(loaded.model, batch=1, max_cache_tokens=prompt_ids.shape[1] + max_new_tokens + 1,
-                      device=prompt_ids.device, engine=loaded.engine)
+                      device=prompt_ids.device, engine=loaded.engine, compile_backend=compile_backend)
     loop.prefill(prompt_ids)
-    loop.capture()
+    if cuda_graph:
+        loop.capture()
+    else:
+        loop.warm_up()
     torch.cuda.synchronize()
     start = time.perf_counter()
     ids, _ = loop.generate(max_new_tokens)

@@ -5,8 +5,14 @@ layer) and re-pointed, permanently, at views of the layer's slot: addresses neve
 and torch.compile need. Hooks around each offloaded layer's forward make the compute stream wait for the
 layer's copy, record that the layer has read its slot, and issue the copies that planner.schedule says
 become possible at that point.
+
+Under torch.compile the hooks are traced into the graph as one opaque op, ``offload_plan::layer_boundary``,
+which runs the same engine code when the compiled step runs. The op claims to mutate the hidden states
+passing the boundary (it leaves them as they are): that data dependence is what keeps Inductor from moving
+a layer's kernels across its wait or its copies, and Inductor re-inplaces it, so it costs no copy.
 """
 
+import itertools
 import weakref
 from dataclasses import dataclass, field
 
@@ -73,6 +79,33 @@ def view_as_param(buffer: torch.Tensor, item: PackedParam) -> torch.Tensor:
     return buffer[item.offset_bytes : item.offset_bytes + item.num_bytes].view(item.dtype).view(item.shape)
 
 
+#: live engines by key, for the compiled op (a graph can hold ints, not Python objects)
+_ENGINES: "weakref.WeakValueDictionary[int, OffloadEngine]" = weakref.WeakValueDictionary()
+_ENGINE_KEYS = itertools.count()
+
+
+@torch.library.custom_op("offload_plan::layer_boundary", mutates_args=("hidden",))
+def layer_boundary(hidden: torch.Tensor, engine_key: int, position: int, before: bool) -> None:
+    """Enter (``before``) or leave offloaded position ``position`` of an engine; ``hidden`` is untouched."""
+    engine = _ENGINES[engine_key]
+    if before:
+        engine._before_layer(position)
+    else:
+        engine._after_layer(position)
+
+
+@layer_boundary.register_fake
+def _layer_boundary_fake(hidden, engine_key, position, before) -> None:
+    return None
+
+
+def _hidden_states(value):
+    """The hidden-states tensor among a layer's inputs or outputs (the first tensor)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    return next(item for item in value if isinstance(item, torch.Tensor))
+
+
 class OffloadEngine:
     """Owns the host buffers, slots, events and hooks for one model's offloaded layers."""
 
@@ -99,6 +132,8 @@ class OffloadEngine:
         #: steps are CUDA-graph replays: the first slots are loaded when a step begins (see set_graph_mode)
         self.graph_mode = False
         self._hooks = []
+        self.key = next(_ENGINE_KEYS)
+        _ENGINES[self.key] = self
         self.host_buffers = self._pack_host(layers, on_layer_packed)
         assert len(slots) == self.schedule.num_slots and all(s.numel() >= self.slot_bytes for s in slots)
         self.slots = slots
@@ -188,6 +223,18 @@ class OffloadEngine:
         self.graph_mode = on
         if on:
             self._join_wrapped_copies()  # copies the last eager step left in flight
+        else:
+            self._mark_first_slots_loaded()
+
+    def _mark_first_slots_loaded(self) -> None:
+        """Leaving graph mode: eager steps wait on the first S positions' copy-done events, but those were last
+        recorded inside a capture, and CUDA rejects a wait on such an event outside its graph. The slots are
+        loaded (every graph-mode step joins them at its end), so record the events afresh, after that join."""
+        loaded = self.backend.new_event("graph-mode-exit")
+        self.backend.record_on_compute(loaded)
+        self.backend.copy_waits(loaded)
+        for position in range(self.schedule.num_slots):
+            self.backend.record_on_copy(self.copy_done[position])
 
     def finish_step(self) -> None:
         """End of a step: in graph mode, the compute stream waits for the copies that wrap into the next step."""
@@ -218,11 +265,25 @@ class OffloadEngine:
             self.backend.copy_waits(self.reader_done[reader])
             self._copy(target)
 
+    def _pre_hook(self, position: int, args: tuple, kwargs: dict) -> None:
+        if torch.compiler.is_compiling():
+            hidden = _hidden_states(args) if args else kwargs["hidden_states"]
+            torch.ops.offload_plan.layer_boundary(hidden, self.key, position, True)
+        else:
+            self._before_layer(position)
+
+    def _post_hook(self, position: int, output) -> None:
+        if torch.compiler.is_compiling():
+            torch.ops.offload_plan.layer_boundary(_hidden_states(output), self.key, position, False)
+        else:
+            self._after_layer(position)
+
     def _install_hooks(self, layers) -> None:
         for position, layer_index in enumerate(self.offloaded):
             module = layers[layer_index]
-            self._hooks.append(module.register_forward_pre_hook(lambda m, a, p=position: self._before_layer(p)))
-            self._hooks.append(module.register_forward_hook(lambda m, a, o, p=position: self._after_layer(p)))
+            self._hooks.append(module.register_forward_pre_hook(
+                lambda m, args, kwargs, p=position: self._pre_hook(p, args, kwargs), with_kwargs=True))
+            self._hooks.append(module.register_forward_hook(lambda m, a, output, p=position: self._post_hook(p, output)))
 
     def remove_hooks(self) -> None:
         """Detach the hooks (the params stay in their slots)."""

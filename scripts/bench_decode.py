@@ -5,7 +5,7 @@ budget half of the layer bytes. For each batch: the all-resident model graphed, 
 eager, and the floor = max(all-resident graphed step, bytes the plan copies per step / pinned H2D bandwidth).
 Plans come from make --cuda-graph with the calibrated profile and layer times measured from graph replays,
 so the prediction is checked too. Token ids and logits of every run are compared bit for bit with the eager
-all-resident model over the first steps.
+all-resident model over the first steps. With --compile, both models are also compiled by Inductor and graphed.
 
     PYTHONPATH=. python3 scripts/bench_decode.py --out /tmp/bench-decode      # on a machine with a GPU
 """
@@ -42,10 +42,11 @@ NUM_CHECKED_STEPS = 4
 NUM_TIMED_STEPS = {"graphed": 20, "eager": 8}
 
 
-def decode_run(model, batch: int, prompt, engine=None, reference=None, graphed: bool = True) -> dict:
+def decode_run(model, batch: int, prompt, engine=None, reference=None, graphed: bool = True,
+               compile_backend: str | None = None) -> dict:
     """Prefill, check the first steps against ``reference`` (ids, logits), then time back-to-back steps."""
     loop = DecodeLoop(model, batch=batch, max_cache_tokens=cache_tokens_for(CONTEXT_TOKENS),
-                      device=torch.device("cuda"), engine=engine)
+                      device=torch.device("cuda"), engine=engine, compile_backend=compile_backend)
     loop.prefill(prompt)
     prefill_logits = loop.logits.cpu()
     if graphed:
@@ -58,7 +59,7 @@ def decode_run(model, batch: int, prompt, engine=None, reference=None, graphed: 
     loop.timed_steps(3)
     step_ms = statistics.median(loop.timed_steps(NUM_TIMED_STEPS["graphed" if graphed else "eager"]))
     result = {"step_ms": step_ms, "bitwise": bitwise, "warmup_s": loop.warmup_s, "capture_s": loop.capture_s,
-              "outputs": outputs}
+              "compile_s": loop.compile_s, "outputs": outputs}
     if engine is not None:
         engine.set_graph_mode(False)
     del loop
@@ -88,10 +89,18 @@ def main() -> None:
     parser.add_argument("--config", type=Path, default=Path(__file__).resolve().parent.parent / "examples/qwen3-8b/config.json")
     parser.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     parser.add_argument("--nondeterministic", action="store_true", help="leave torch's default algorithms")
+    parser.add_argument("--compile", type=int, nargs="*", metavar="BATCH",
+                        help="also time both models compiled by Inductor, graphed, at these batches (all if none given)")
+    parser.add_argument("--sdpa-cudnn", action="store_true", help="let SDPA pick cuDNN attention (not reproducible)")
     args = parser.parse_args()
     if not args.nondeterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.utils.deterministic.fill_uninitialized_memory = False  # NaN-filling every empty() would add kernels
+    if not args.sdpa_cudnn:
+        # scripts/decode_determinism.py: cuDNN attention, which SDPA picks for the masked decode step at batch 16
+        # and up, gave different outputs on two runs of the same step; flash, efficient and math did not.
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    compile_batches = set(args.batches if args.compile == [] else args.compile or ())
     args.out.mkdir(parents=True, exist_ok=True)
     log(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}")
     write_random_checkpoint(args.config, args.checkpoint)
@@ -116,6 +125,9 @@ def main() -> None:
         engine = apply_plan(model, plan, CudaBackend(torch.device("cuda")))
         eager_plan = decode_run(model, batch, prompt, engine, reference, graphed=False)
         graphed_plan = decode_run(model, batch, prompt, engine, reference)
+        compiled = None
+        if batch in compile_batches:
+            compiled = compiled_runs(resident, model, engine, batch, prompt, reference)
         copy_bytes = engine.copy_bytes_per_step
         engine.close()
         del model, engine
@@ -132,12 +144,25 @@ def main() -> None:
             "bitwise": {"resident eager again": repeat["bitwise"], "resident graphed": graphed_resident["bitwise"],
                         "plan eager": eager_plan["bitwise"], "plan graphed": graphed_plan["bitwise"]},
         })
+        if compiled is not None:
+            rows[-1]["compiled"] = compiled | {"floor_ms": max(compiled["resident_ms"], 1e3 * copy_bytes / h2d)}
         log(json.dumps(rows[-1]))
-    report(rows, h2d, args.out)
+        report(rows, h2d, args.out)  # after every batch: a run cut short still leaves its rows
+
+
+def compiled_runs(resident, model, engine, batch: int, prompt, eager_reference) -> dict:
+    """Both models' steps compiled by Inductor and graphed. Compiled kernels round differently from eager ones,
+    so the plan is checked bit for bit against the compiled resident model, and its ids against eager."""
+    compiled_resident = decode_run(resident, batch, prompt, reference=eager_reference, compile_backend="inductor")
+    compiled_plan = decode_run(model, batch, prompt, engine, compiled_resident["outputs"], compile_backend="inductor")
+    return {"resident_ms": compiled_resident["step_ms"], "plan_ms": compiled_plan["step_ms"],
+            "compile_s": compiled_plan["compile_s"], "resident_vs_eager": compiled_resident["bitwise"],
+            "plan_vs_compiled_resident": compiled_plan["bitwise"]}
 
 
 def report(rows, h2d: float, out: Path) -> None:
     mode = "deterministic algorithms" if torch.are_deterministic_algorithms_enabled() else "default algorithms"
+    mode += "" if torch.backends.cuda.cudnn_sdp_enabled() else ", SDPA without cuDNN"
     header = (f"{datetime.date.today()} {torch.cuda.get_device_name()}, torch {torch.__version__} ({mode}), pinned H2D "
               f"{h2d / 1e9:.1f} GB/s, Qwen3-8B shape bf16, KV context {CONTEXT_TOKENS}, budget {BUDGET_SHARE:.0%} of "
               "layer bytes; plans from make --cuda-graph --measure with the calibrated profile")
@@ -154,6 +179,18 @@ def report(rows, h2d: float, out: Path) -> None:
             f"{r['batch'] * 1e3 / graphed:.1f} | {r['predicted_ms']:.2f} | "
             f"{(r['predicted_ms'] - graphed) / graphed:+.1%} | {r['warmup_s']:.2f} + {r['capture_s']:.2f} | "
             f"{all(all_equal(check) for check in r['bitwise'].values())} |")
+    compiled = [r for r in rows if "compiled" in r]
+    if compiled:
+        lines += ["", "torch.compile (Inductor) inside the graph; floor = max(compiled resident step, copy time):", "",
+                  "| batch | resident graphed ms | resident compiled ms | plan graphed ms | plan compiled ms | floor ms | "
+                  "floor/plan | compile s | plan = compiled resident | resident ids = eager |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in compiled:
+            c = r["compiled"]
+            lines.append(f"| {r['batch']} | {r['resident_graphed_ms']:.2f} | {c['resident_ms']:.2f} | "
+                         f"{r['plan_graphed_ms']:.2f} | {c['plan_ms']:.2f} | {c['floor_ms']:.2f} | "
+                         f"{c['floor_ms'] / c['plan_ms']:.3f} | {c['compile_s']:.1f} | "
+                         f"{all_equal(c['plan_vs_compiled_resident'])} | {c['resident_vs_eager']['ids']} |")
     write_report(out, header, lines, rows)
 
 

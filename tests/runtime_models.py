@@ -12,13 +12,14 @@ from planner.plan import Inputs, Plan
 PLAN_SHAPES = [(1, 1, 1), (1, 1, 2), (1, 1, 3), (1, 1, 6), (7, 5, 2), (3, 2, 1), (3, 2, 3), (3, 1, 1), (2, 1, 2)]
 
 
-def save_tiny_llama(folder: Path, *, hidden: int = 64, num_layers: int = 7, seed: int = 0) -> Path:
+def save_tiny_llama(folder: Path, *, hidden: int = 64, num_layers: int = 7, seed: int = 0,
+                    dtype: torch.dtype = torch.float32) -> Path:
     """A sharded Llama checkpoint with random weights."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     config = LlamaConfig(vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden,
                          num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2)
-    return _save(AutoModelForCausalLM.from_config(config), folder, seed)
+    return _save(AutoModelForCausalLM.from_config(config).to(dtype), folder, seed)
 
 
 def save_tiny_moe(folder: Path, *, hidden: int = 64, num_layers: int = 7, seed: int = 0) -> Path:

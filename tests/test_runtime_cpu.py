@@ -1,5 +1,7 @@
 """The runtime's schedule on the CPU stand-in: outputs equal to the all-resident model for every plan shape."""
 
+import shutil
+
 import pytest
 import torch
 
@@ -256,6 +258,19 @@ def test_graph_mode_steps_are_capturable_and_equal_resident(llama, shape):
     assert all(torch.equal(out, reference) for out in _captured_steps(engine, model))
 
 
+def test_eager_steps_after_captured_ones_equal_resident(llama):
+    """Graph mode off after captures: eager steps must not wait on events recorded inside a capture (CUDA
+    rejects that with 'invalid argument'), and the slots the captures left loaded stay correct."""
+    plan = plan_with(llama, 3, 2, 1)
+    reference = _logits(build_model(str(llama), None), 1)[0]
+    model = build_model(str(llama), None)
+    engine = apply_plan_on_cpu(model, plan)
+    engine.set_graph_mode(True)
+    _captured_steps(engine, model, calls=2)
+    engine.set_graph_mode(False)
+    assert all(torch.equal(out, reference) for out in _logits(model, 2))
+
+
 def test_eager_schedule_is_not_capturable_and_unjoined_copies_are_caught(llama):
     plan = plan_with(llama, 3, 2, 2)  # 4 offloaded through 2 slots: copies every step
     model = build_model(str(llama), None)
@@ -318,3 +333,48 @@ def test_cuda_graph_plans_need_a_decode_workload(llama):
     (llama / "graphed.yaml").write_text(ok.stdout)
     shown = run_cli(["show", "graphed.yaml"], cwd=llama)
     assert shown.returncode == 0 and "CUDA-graph replays" in shown.stderr
+
+
+# Inductor compiles C++ on the CPU
+needs_c_compiler = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                      reason="Inductor on the CPU needs a C compiler")
+
+
+@pytest.fixture(scope="module")
+def llama_bf16(tmp_path_factory):
+    return save_tiny_llama(tmp_path_factory.mktemp("llama-bf16"), dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("backend, checkpoint", [("aot_eager", "llama"), pytest.param("inductor", "llama", marks=needs_c_compiler),
+                                                 pytest.param("inductor", "llama_bf16", marks=needs_c_compiler)])
+def test_compiled_steps_run_the_offload_inside_and_equal_compiled_resident(backend, checkpoint, request):
+    """torch.compile traces the hooks as the layer_boundary op: each compiled step waits and copies as the
+    schedule says (capture's rules checked) and gives the compiled resident logits bit for bit, in bf16 too
+    (where the op's split of Inductor's fusions would change rounding). The resident model compiles first,
+    so its code (no hooks) being reused for the plan's model would show here."""
+    from runtime.graph import DecodeLoop
+
+    llama = request.getfixturevalue(checkpoint)
+    prompt = _input_ids()
+    resident = DecodeLoop(build_model(str(llama), None), batch=2, max_cache_tokens=32, device=torch.device("cpu"),
+                          compile_backend=backend)
+    resident.prefill(prompt)
+    resident.warm_up()
+    assert resident.compile_s > 0
+    _, reference = resident.generate(4)
+
+    model = build_model(str(llama), None)
+    engine = apply_plan_on_cpu(model, plan_with(llama, 3, 2, 1))  # 4 offloaded through 2 slots
+    loop = DecodeLoop(model, batch=2, max_cache_tokens=32, device=torch.device("cpu"), engine=engine,
+                      compile_backend=backend)
+    loop.prefill(prompt)
+    engine.set_graph_mode(True)
+    loop.warm_up()
+    for step in range(4):
+        logged = len(engine.backend.log)
+        engine.backend.begin_capture()
+        loop.step()
+        engine.backend.end_capture()
+        assert torch.equal(loop.logits, reference[step])
+        copies = [entry for entry in engine.backend.log[logged:] if entry[0] == "copy"]
+        assert len(copies) == 4  # every offloaded layer recopied each step, from inside the compiled code
