@@ -70,7 +70,7 @@ def make(
     prefetch_step: Annotated[Optional[int], typer.Option(help="Pin P instead of searching it.")] = None,
     measure: Annotated[bool, typer.Option("--measure", help="Time one layer of each kind on the local GPU instead of estimating.")] = False,
     measured_on: Annotated[Optional[str], typer.Option(help="Profile of the local GPU for --measure (default: from its name).")] = None,
-    cuda_graph: Annotated[bool, typer.Option("--cuda-graph", help="Plan for steps replayed from a CUDA graph (run --cuda-graph): prefetches join at each step's end; --measure times layers graphed.")] = False,
+    cuda_graph: Annotated[bool, typer.Option("--cuda-graph", help="Plan for decode steps replayed from CUDA graphs (run --cuda-graph), 4 per replay: prefetches join at each replay's end; --measure times layers graphed.")] = False,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the plan here (default: stdout).")] = None,
 ):
     """Search the fastest offload plan that fits. Example: offload-plan make -m org/model -g h100-sxm --budget 40GiB -o plan.yaml"""

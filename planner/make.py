@@ -22,6 +22,7 @@ from planner.plan import (
 )
 from planner.profile import HardwareProfile, load_profile
 from planner.search import Choice, LayerBytes, SearchSpace, copy_ms_of, search, weight_gpu_bytes
+from planner.simulate import STEPS_PER_GRAPH
 from planner.units import format_bytes, parse_bytes
 
 
@@ -97,7 +98,7 @@ def make_plan(inputs: Inputs, compute_override: ComputeTimes | None = None) -> P
         space=SearchSpace(
             group_size=inputs.group_size, num_in_group=inputs.num_in_group, prefetch_step=inputs.prefetch_step
         ),
-        join_at_step_end=inputs.cuda_graph,
+        join_every_steps=STEPS_PER_GRAPH if inputs.cuda_graph else 0,
     )
     plan = _assemble(inputs, checkpoint, layout, profile, workload, compute, layer_bytes, choice, budget)
     return Planned(plan=plan, checkpoint=checkpoint, layout=layout, warnings=tuple(warnings))

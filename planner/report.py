@@ -5,7 +5,7 @@ from rich.table import Table
 from rich.text import Text
 
 from planner.plan import Plan
-from planner.simulate import Simulation, simulate
+from planner.simulate import STEPS_PER_GRAPH, Simulation, simulate
 from planner.units import format_bytes, format_ms
 
 TIMELINE_COLUMNS = 96
@@ -20,6 +20,7 @@ def resimulate(plan: Plan) -> Simulation:
         offloaded=plan.offload.layers,
         copy_ms=tuple(plan.layers[i].copy_ms for i in plan.offload.layers),
         prefetch_step=plan.offload.prefetch_step,
+        join_every_steps=STEPS_PER_GRAPH if plan.workload.cuda_graph else 0,
     )
 
 
@@ -47,8 +48,8 @@ def _summary(plan: Plan) -> Table:
                               f"link {plan.hardware.h2d_bytes_per_s / 1e9:.1f} GB/s")
     table.add_row("workload", f"{plan.workload.tokens_per_step} tokens/step in {plan.workload.sequences_per_step} "
                               f"sequence(s), context {plan.workload.context_tokens}; {plan.workload.compute_source}"
-                              + ("; CUDA-graph replays (copies into the next step join at each step's end)"
-                                 if plan.workload.cuda_graph else ""))
+                              + (f"; CUDA-graph replays of {STEPS_PER_GRAPH} steps (copies into the next replay "
+                                 "join at each replay's end)" if plan.workload.cuda_graph else ""))
     if offload.layers:
         params = " ".join(offload.params) if offload.params else "whole layers"
         table.add_row("offload", f"{len(offload.layers)} of {model.num_layers} layers ({params}); "

@@ -118,15 +118,16 @@ def search(
     copy_overhead_us: float,
     budget_bytes: int,
     space: SearchSpace = SearchSpace(),
-    join_at_step_end: bool = False,
+    join_every_steps: int = 0,
 ) -> Choice:
     """The fastest plan within ``budget_bytes`` (offloading nothing when everything fits).
 
-    ``join_at_step_end``: steps are CUDA-graph replays, so copies for the next step finish inside this one.
+    ``join_every_steps``: steps are CUDA-graph replays of this many steps, so copies into the next replay
+    finish inside each one (0: eager steps).
     """
     resident_ms = compute.head_ms + sum(compute.layer_ms)
     copy_ms = tuple(copy_ms_of(b, h2d_bytes_per_s, copy_overhead_us) for b in layers.selected)
-    resident = _evaluate(layers, fixed_bytes, compute, copy_ms, (), 0, 0, 0, join_at_step_end)
+    resident = _evaluate(layers, fixed_bytes, compute, copy_ms, (), 0, 0, 0, join_every_steps)
     if resident.gpu_bytes <= budget_bytes and space == SearchSpace():
         return resident
     needed = minimum_gpu_bytes(fixed_bytes, layers)
@@ -146,7 +147,7 @@ def search(
                                                group_size, num_in_group, depth) >= best.key():
                 continue  # cannot beat the best even at its link bound: skip the simulation
             choice = _evaluate(layers, fixed_bytes, compute, copy_ms, offloaded, group_size, num_in_group, depth,
-                               join_at_step_end)
+                               join_every_steps)
             if best is None or choice.key() < best.key():
                 best = choice
             if choice.simulation.step_ms <= _link_bound(copy_ms, offloaded, depth, resident_ms) + 1e-9:
@@ -213,14 +214,14 @@ def _ordered(layers, fixed_bytes, copy_ms, resident_ms, budget_bytes, space):
 
 
 def _evaluate(layers, fixed_bytes, compute, copy_ms, offloaded, group_size, num_in_group, depth,
-              join_at_step_end) -> Choice:
+              join_every_steps) -> Choice:
     simulation = simulate(
         layer_ms=compute.layer_ms,
         head_ms=compute.head_ms,
         offloaded=offloaded,
         copy_ms=tuple(copy_ms[i] for i in offloaded),
         prefetch_step=depth,
-        join_at_step_end=join_at_step_end,
+        join_every_steps=join_every_steps,
     )
     schedule = PrefetchSchedule(len(offloaded), depth)
     return Choice(

@@ -4,9 +4,10 @@ Events follow the runtime exactly (planner.schedule): before the first step the 
 are loaded; the compute stream runs the head work and every layer in order, an offloaded layer waiting for
 its copy; the copy stream runs copies one at a time in the order layers need them, each copy waiting for its
 slot's previous reader to finish. Several steps are simulated so prefetches wrap into the next step, and
-the steady-state step is reported. Under CUDA graphs (``join_at_step_end``) a step is one graph replay, and a
-replay cannot end with copies in flight: the copies of the next step's first S positions, which the schedule
-issues after their slots' last readers, must finish before the step ends (as vLLM and SGLang join them).
+the steady-state step is reported. Under CUDA graphs (``join_every_steps``) one graph replay runs that many
+steps, and a replay cannot end with copies in flight: the copies of the next step's first S positions, which
+the schedule issues after their slots' last readers, must finish before the replay ends (vLLM and SGLang
+replay one step per graph, so they join at every step; inside a replay the copies wrap as eagerly).
 """
 
 from dataclasses import dataclass
@@ -15,6 +16,10 @@ from planner.schedule import PrefetchSchedule
 
 NUM_WARM_STEPS = 6
 NUM_MEASURED_STEPS = 4
+#: decode steps per CUDA-graph replay (run --cuda-graph, make --cuda-graph): the copies that wrap into the
+#: next replay are joined at its end, so more steps per replay join less often; tokens come back this many at
+#: a time. Divides NUM_MEASURED_STEPS, so the measured window holds whole replays.
+STEPS_PER_GRAPH = 4
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,9 +58,11 @@ def simulate(
     offloaded: tuple[int, ...],
     copy_ms: tuple[float, ...],
     prefetch_step: int,
-    join_at_step_end: bool = False,
+    join_every_steps: int = 0,
 ) -> Simulation:
-    """Simulate steps until steady state. ``copy_ms[k]`` is the copy time of offloaded position k."""
+    """Simulate steps until steady state. ``copy_ms[k]`` is the copy time of offloaded position k;
+    ``join_every_steps``: the steps per CUDA-graph replay (0: eager steps, never joined)."""
+    assert join_every_steps >= 0 and NUM_MEASURED_STEPS % max(1, join_every_steps) == 0
     schedule = PrefetchSchedule(len(offloaded), prefetch_step)
     position_of = {layer: k for k, layer in enumerate(offloaded)}
     n = len(offloaded)
@@ -100,7 +107,7 @@ def simulate(
             if layer in position_of:
                 compute_end[(step, position_of[layer])] = now
         join_wait = 0.0
-        if join_at_step_end:
+        if join_every_steps and (step + 1) % join_every_steps == 0:
             joined = max([now, *(ensure_copy(step + 1, k) for k in range(min(schedule.num_slots, n)))])
             join_wait, now = joined - now, joined
         traces.append((trace, stalls, join_wait))

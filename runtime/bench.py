@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from planner.errors import UsageError
+from planner.simulate import STEPS_PER_GRAPH
 from runtime.load import Loaded
 
 NUM_WARMUP_STEPS = 3
@@ -152,8 +153,10 @@ def run_decode_bench(loaded: Loaded, num_steps: int, cuda_graph: bool, compile_b
                          "equal to --sequences")
     device = model_device(loaded.model)
     batch, context = workload.sequences_per_step, workload.context_tokens
-    loop = DecodeLoop(loaded.model, batch=batch, max_cache_tokens=cache_tokens_for(context),
-                      device=device, engine=engine, compile_backend=compile_backend)
+    # eager steps one per call, so the engine's counters divide by steps
+    steps = STEPS_PER_GRAPH if cuda_graph else 1
+    loop = DecodeLoop(loaded.model, batch=batch, max_cache_tokens=cache_tokens_for(context), device=device,
+                      engine=engine, compile_backend=compile_backend, steps_per_call=steps)
     loop.prefill(random_ids(loaded.model, (batch, context), device))
     if cuda_graph:
         loop.capture()
@@ -201,10 +204,13 @@ def _generate_static(loaded: Loaded, tokenizer, prompt_ids: torch.Tensor, max_ne
     first end-of-sequence token. Tokens/s counts the steps only (not compilation or capture)."""
     import time
 
-    from runtime.graph import DecodeLoop
+    from runtime.graph import NUM_WARMUP_CALLS, DecodeLoop
 
-    loop = DecodeLoop(loaded.model, batch=1, max_cache_tokens=prompt_ids.shape[1] + max_new_tokens + 1,
-                      device=prompt_ids.device, engine=loaded.engine, compile_backend=compile_backend)
+    steps = STEPS_PER_GRAPH if cuda_graph else 1
+    room_tokens = max(NUM_WARMUP_CALLS * steps, -(-max_new_tokens // steps) * steps)
+    loop = DecodeLoop(loaded.model, batch=1, max_cache_tokens=prompt_ids.shape[1] + room_tokens,
+                      device=prompt_ids.device, engine=loaded.engine, compile_backend=compile_backend,
+                      steps_per_call=steps)
     loop.prefill(prompt_ids)
     if cuda_graph:
         loop.capture()

@@ -129,8 +129,10 @@ class OffloadEngine:
         self.layer_bytes = [packed_bytes(p) for p in self.layouts]
         self.stats = OffloadStats()
         self.timing = False
-        #: steps are CUDA-graph replays: the first slots are loaded when a step begins (see set_graph_mode)
+        #: steps are CUDA-graph replays: the first slots are loaded when a replay begins (see set_graph_mode)
         self.graph_mode = False
+        #: in graph mode, the last step joined its wrapped copies: the first S positions need no wait
+        self._first_slots_joined = False
         self._hooks = []
         self.key = next(_ENGINE_KEYS)
         _ENGINES[self.key] = self
@@ -212,9 +214,10 @@ class OffloadEngine:
         """Switch between eager steps and steps captured in (and replayed from) a CUDA graph.
 
         Eagerly, the copies for the next step's first S positions run on into that step, and its layers wait
-        on their events. A captured step cannot end with copies in flight nor wait on an event recorded outside
-        it, so in graph mode every step joins those copies at its end (finish_step) and the first S positions
-        need no wait: their slots are loaded before the step begins.
+        on their events. A replay cannot end with copies in flight nor wait on an event recorded outside its
+        capture, so in graph mode the last step of each replay joins those copies at its end (finish_step with
+        ``join``) and the next replay's first S positions need no wait: their slots are loaded before it begins.
+        Steps inside a replay wrap as eagerly.
         """
         if on == self.graph_mode:
             return
@@ -223,23 +226,27 @@ class OffloadEngine:
         self.graph_mode = on
         if on:
             self._join_wrapped_copies()  # copies the last eager step left in flight
+            self._first_slots_joined = True
         else:
             self._mark_first_slots_loaded()
 
     def _mark_first_slots_loaded(self) -> None:
         """Leaving graph mode: eager steps wait on the first S positions' copy-done events, but those were last
         recorded inside a capture, and CUDA rejects a wait on such an event outside its graph. The slots are
-        loaded (every graph-mode step joins them at its end), so record the events afresh, after that join."""
+        loaded (every replay joins them at its end), so record the events afresh, after that join."""
         loaded = self.backend.new_event("graph-mode-exit")
         self.backend.record_on_compute(loaded)
         self.backend.copy_waits(loaded)
         for position in range(self.schedule.num_slots):
             self.backend.record_on_copy(self.copy_done[position])
 
-    def finish_step(self) -> None:
-        """End of a step: in graph mode, the compute stream waits for the copies that wrap into the next step."""
+    def finish_step(self, join: bool = True) -> None:
+        """End of a step. In graph mode with ``join`` (a replay's last step), the compute stream waits for the
+        copies that wrap into the next step; without, the next step waits for them layer by layer."""
         if self.graph_mode:
-            self._join_wrapped_copies()
+            if join:
+                self._join_wrapped_copies()
+            self._first_slots_joined = join
 
     def _join_wrapped_copies(self) -> None:
         for position in range(self.schedule.num_slots):
@@ -247,7 +254,7 @@ class OffloadEngine:
                 self.backend.compute_waits(self.copy_done[position])
 
     def _before_layer(self, position: int) -> None:
-        if self.graph_mode and position < self.schedule.num_slots:
+        if self.graph_mode and self._first_slots_joined and position < self.schedule.num_slots:
             return  # loaded before the step began (joined at the end of the previous one)
         if not self.timing:
             self.backend.compute_waits(self.copy_done[position])

@@ -1,11 +1,12 @@
-"""Greedy decode over a static KV cache, each step run eagerly or replayed from one CUDA graph.
+"""Greedy decode over a static KV cache, steps run eagerly or replayed from a CUDA graph of several steps.
 
-A replay must do exactly what the eager step does with no help from Python, so everything that changes
-between steps lives on the GPU at fixed addresses: the token ids (the step writes its argmax back into
-them), the KV cache and its length counter (transformers' StaticCache advances it in place), the logits
-(copied into one output buffer) and the offloaded weights (fixed slots). The offload copies and their
-event waits are captured with the forward; the copies that wrap into the next step are joined before the
-replay ends (OffloadEngine.finish_step), which the planner models with ``--cuda-graph``.
+A replay must do exactly what the eager steps do with no help from Python, so everything that changes
+between steps lives on the GPU at fixed addresses: the token ids (each step writes its argmax back into
+them), the KV cache and its length counter (transformers' StaticCache advances it in place), the ids and
+logits of each step (output buffers) and the offloaded weights (fixed slots). The offload copies and their
+event waits are captured with the forward. Inside a replay the copies wrap from step to step as eagerly;
+those that wrap past its last step are joined before it ends (OffloadEngine.finish_step), which is why a
+replay runs planner.simulate.STEPS_PER_GRAPH steps, and the planner models it with ``--cuda-graph``.
 
 With ``compile_backend`` the step's forward runs under torch.compile (one graph, fixed shapes); the offload
 hooks enter it as an opaque op (runtime.engine.layer_boundary), and a CUDA graph then captures the compiled
@@ -17,8 +18,9 @@ import time
 import torch
 
 from planner.errors import UsageError
+from planner.simulate import STEPS_PER_GRAPH
 
-NUM_WARMUP_STEPS = 2
+NUM_WARMUP_CALLS = 2
 #: prefill at most this many tokens per forward (batch x chunk), to bound activation memory
 PREFILL_CHUNK_TOKENS = 16384
 #: cache room past the context for warm-up and timed steps. transformers' static cache attends over its whole
@@ -66,10 +68,11 @@ def use_capturable_experts(model) -> bool:
 
 
 class DecodeLoop:
-    """Decode steps for ``batch`` sequences whose cache holds up to ``max_cache_tokens`` tokens each."""
+    """Decode steps for ``batch`` sequences whose cache holds up to ``max_cache_tokens`` tokens each, run
+    ``steps_per_call`` at a time: one call is one CUDA-graph replay once captured, or that many eager steps."""
 
     def __init__(self, model, *, batch: int, max_cache_tokens: int, device: torch.device, engine=None,
-                 compile_backend: str | None = None):
+                 compile_backend: str | None = None, steps_per_call: int = STEPS_PER_GRAPH):
         """``compile_backend``: run the steps under torch.compile with this backend ("inductor"), or eagerly."""
         from transformers import StaticCache
 
@@ -77,11 +80,18 @@ class DecodeLoop:
         self.forward = model if compile_backend is None else compile_forward(model, compile_backend)
         use_capturable_experts(model)
         self.cache = StaticCache(config=model.config, max_cache_len=max_cache_tokens)
-        self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        self.logits: torch.Tensor | None = None
+        self.steps_per_call = steps_per_call
+        self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)  # [batch, 1]: the next step's input
+        #: each step's input ids [batch, steps_per_call] and output logits [steps_per_call, batch, vocab] of
+        #: the last call
+        self.step_ids = torch.zeros(batch, steps_per_call, dtype=torch.long, device=device)
+        self.step_logits: torch.Tensor | None = None
+        self.prefill_logits: torch.Tensor | None = None  # [batch, vocab]
         self.graph: torch.cuda.CUDAGraph | None = None
-        #: wall seconds of the warm-up steps, of the first of them when compiled (torch.compile runs there),
-        #: and of the capture
+        #: cache entries still free (counted on the host: an overflow inside a replay could not be reported)
+        self.free_tokens = max_cache_tokens
+        #: wall seconds of the warm-up, of its first call when compiled (torch.compile runs there), and of the
+        #: capture
         self.warmup_s = self.compile_s = self.capture_s = 0.0
         self.compiled = compile_backend is not None
 
@@ -94,9 +104,10 @@ class DecodeLoop:
                                     use_cache=True, logits_to_keep=1)
             self._check_static_cache()
             logits = output.logits[:, -1, :]
-            self.logits = torch.empty_like(logits)
-            self.logits.copy_(logits)
+            self.prefill_logits = logits.clone()
+            self.step_logits = logits.new_empty(self.steps_per_call, *logits.shape)
             self.ids.copy_(logits.argmax(-1, keepdim=True))
+        self.free_tokens -= prompt_ids.shape[1]
 
     def _check_static_cache(self) -> None:
         layers = getattr(self.cache, "layers", [])
@@ -106,47 +117,55 @@ class DecodeLoop:
                              "(transformers >= 5 StaticCache); this model or transformers version has another; "
                              "run without --cuda-graph")
 
-    def _step(self) -> None:
+    def _step(self, index: int, join: bool) -> None:
+        """Step ``index`` of a call; ``join``: the call's last step, which joins the copies wrapping past it."""
+        self.step_ids[:, index : index + 1].copy_(self.ids)
         logits = self.forward(input_ids=self.ids, past_key_values=self.cache, use_cache=True).logits[:, -1, :]
         if self.engine is not None:
-            self.engine.finish_step()
-        self.logits.copy_(logits)
+            self.engine.finish_step(join)
+        self.step_logits[index].copy_(logits)
         self.ids.copy_(logits.argmax(-1, keepdim=True))
+
+    def _steps(self) -> None:
+        """The body of one call (what a replay runs)."""
+        for index in range(self.steps_per_call):
+            self._step(index, join=index == self.steps_per_call - 1)
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     def warm_up(self) -> None:
-        """Run the warm-up steps (compilation, cuBLAS handles, workspaces and lazy inits happen here), then put
-        ids, logits and cache length back as they were."""
+        """Run the warm-up calls (compilation, cuBLAS handles, workspaces and lazy inits happen here), then put
+        ids and cache length back as they were."""
+        self._reserve(NUM_WARMUP_CALLS * self.steps_per_call)
         saved = self.save_state()
         self._synchronize()
         started = time.perf_counter()
         with torch.inference_mode():
             if self.compiled:
-                self._compiled_step()
+                self._compiled_steps()
                 self._synchronize()
                 self.compile_s = time.perf_counter() - started
-            for _ in range(NUM_WARMUP_STEPS - self.compiled):
-                self._step()
+            for _ in range(NUM_WARMUP_CALLS - self.compiled):
+                self._steps()
         self._synchronize()
         self.warmup_s = time.perf_counter() - started
         self.restore_state(saved)
 
-    def _compiled_step(self) -> None:
-        """The first compiled step, which traces and compiles: what torch.compile cannot take is a UsageError."""
+    def _compiled_steps(self) -> None:
+        """The first compiled call, which traces and compiles: what torch.compile cannot take is a UsageError."""
         import torch._dynamo
 
         try:
-            self._step()
+            self._steps()
         except torch._dynamo.exc.TorchDynamoException as error:
             reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise UsageError(f"torch.compile could not compile this model's decode step as one graph ({reason}); "
                              "run without --compile") from None
 
     def capture(self) -> None:
-        """Warm up on a side stream, then capture one step; the cache and ids are left as they were."""
+        """Warm up on a side stream, then capture one call's steps; the cache and ids are left as they were."""
         if self.engine is not None:
             self.engine.set_graph_mode(True)
         side = torch.cuda.Stream(device=self.device)
@@ -158,43 +177,53 @@ class DecodeLoop:
         started = time.perf_counter()
         self.graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(self.graph):
-            self._step()
+            self._steps()
         torch.cuda.synchronize(self.device)
         self.capture_s = time.perf_counter() - started
 
     @torch.inference_mode()
-    def save_state(self) -> list[torch.Tensor]:
-        """Copies of what a step changes: ids, logits and the cache length (the cache's tensors are inference
-        tensors, so saving and restoring run in inference mode)."""
-        return [self.ids.clone(), self.logits.clone(), *(layer.cumulative_length.clone() for layer in self.cache.layers)]
+    def save_state(self) -> list:
+        """What a call changes: the next ids, the cache length (the cache's tensors are inference tensors, so
+        saving and restoring run in inference mode) and the free-token count."""
+        return [self.ids.clone(), self.free_tokens, *(layer.cumulative_length.clone() for layer in self.cache.layers)]
 
     @torch.inference_mode()
-    def restore_state(self, saved: list[torch.Tensor]) -> None:
-        """Put ids, logits and the cache length back; entries written past it are masked and overwritten."""
+    def restore_state(self, saved: list) -> None:
+        """Put ids and cache length back; entries written past it are masked and overwritten."""
         self.ids.copy_(saved[0])
-        self.logits.copy_(saved[1])
+        self.free_tokens = saved[1]
         for layer, length in zip(self.cache.layers, saved[2:]):
             layer.cumulative_length.copy_(length)
 
-    def step(self) -> torch.Tensor:
-        """One decode step (a replay once captured); returns the output logits buffer [batch, vocab]."""
+    def step(self) -> None:
+        """One call: ``steps_per_call`` decode steps (one replay once captured) into step_ids and step_logits."""
+        self._reserve(self.steps_per_call)
+        self.free_tokens -= self.steps_per_call
         if self.graph is not None:
             self.graph.replay()
         else:
             with torch.inference_mode():
-                self._step()
-        return self.logits
+                self._steps()
+
+    def _reserve(self, num_tokens: int) -> None:
+        if self.free_tokens < num_tokens:
+            raise UsageError(f"the static KV cache has {self.free_tokens} free tokens and the next steps need "
+                             f"{num_tokens}; give it more room")
 
     def timed_steps(self, num_steps: int) -> list[float]:
-        """Milliseconds of ``num_steps`` back-to-back steps (no host synchronisation between them)."""
+        """Milliseconds per decode step of back-to-back calls covering ``num_steps`` steps (no host
+        synchronisation between them): each call's time over its steps."""
         from runtime.bench import time_calls
 
-        return time_calls(self.step, num_steps, self.device)
+        num_calls = -(-num_steps // self.steps_per_call)
+        return [ms / self.steps_per_call for ms in time_calls(self.step, num_calls, self.device)]
 
     def generate(self, num_steps: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """(token ids [batch, num_steps], logits of each step): the first id is the prefill's argmax."""
-        ids, logits = [self.ids.clone()], []
-        for _ in range(num_steps):
-            logits.append(self.step().clone())
-            ids.append(self.ids.clone())
-        return torch.cat(ids[:-1], dim=1), logits
+        """(input ids [batch, num_steps], output logits [batch, vocab] of each step): the first id is the
+        prefill's argmax. Whole calls run; steps past ``num_steps`` are dropped."""
+        ids, logits = [], []
+        for _ in range(-(-num_steps // self.steps_per_call)):
+            self.step()
+            ids.append(self.step_ids.clone())
+            logits.extend(self.step_logits.clone().unbind(0))
+        return torch.cat(ids, dim=1)[:, :num_steps], logits[:num_steps]

@@ -32,13 +32,14 @@ from bench_runtime import (free, log, pinned_h2d_bytes_per_s, plan_for, write_ca
                            write_random_checkpoint, write_report)
 from runtime.backend import CudaBackend  # noqa: E402
 from runtime.bench import random_ids  # noqa: E402
+from planner.simulate import STEPS_PER_GRAPH  # noqa: E402
 from runtime.graph import DecodeLoop, cache_tokens_for  # noqa: E402
 from runtime.load import apply_plan, build_model  # noqa: E402
 
 BATCHES = (1, 16, 64, 256)
 CONTEXT_TOKENS = 1024
 BUDGET_SHARE = 0.5
-NUM_CHECKED_STEPS = 4
+NUM_CHECKED_STEPS = 8  # two replays: the join between them is checked too
 NUM_TIMED_STEPS = {"graphed": 20, "eager": 8}
 
 
@@ -46,9 +47,10 @@ def decode_run(model, batch: int, prompt, engine=None, reference=None, graphed: 
                compile_backend: str | None = None) -> dict:
     """Prefill, check the first steps against ``reference`` (ids, logits), then time back-to-back steps."""
     loop = DecodeLoop(model, batch=batch, max_cache_tokens=cache_tokens_for(CONTEXT_TOKENS),
-                      device=torch.device("cuda"), engine=engine, compile_backend=compile_backend)
+                      device=torch.device("cuda"), engine=engine, compile_backend=compile_backend,
+                      steps_per_call=STEPS_PER_GRAPH if graphed else 1)
     loop.prefill(prompt)
-    prefill_logits = loop.logits.cpu()
+    prefill_logits = loop.prefill_logits.cpu()
     if graphed:
         loop.capture()
     saved = loop.save_state()

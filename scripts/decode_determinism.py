@@ -56,7 +56,7 @@ def recorded_step(model, loop: DecodeLoop) -> list[tuple[str, torch.Tensor | Non
         hooks.append(module.register_forward_hook(hook, with_kwargs=True))
     saved = loop.save_state()
     with torch.inference_mode():
-        loop._step()
+        loop._step(0, join=True)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     loop.restore_state(saved)
@@ -87,7 +87,8 @@ def main() -> None:
     write_random_checkpoint(args.config, args.checkpoint)
     model = build_model(str(args.checkpoint), None).cuda()
     for batch in args.batch:
-        loop = DecodeLoop(model, batch=batch, max_cache_tokens=cache_tokens_for(CONTEXT_TOKENS), device=torch.device("cuda"))
+        loop = DecodeLoop(model, batch=batch, max_cache_tokens=cache_tokens_for(CONTEXT_TOKENS),
+                          device=torch.device("cuda"), steps_per_call=1)
         loop.prefill(random_ids(model, (batch, CONTEXT_TOKENS), torch.device("cuda"), seed=batch))
         for setting, (deterministic, backend) in SETTINGS.items():
             torch.use_deterministic_algorithms(deterministic, warn_only=True)

@@ -292,34 +292,38 @@ def test_copy_bytes_per_step_follows_the_schedule(llama):
     assert engine.copy_bytes_per_step == engine.layer_bytes[0] + engine.layer_bytes[6]
 
 
-def test_decode_loop_matches_generate_and_the_plan_matches_resident(llama):
+@pytest.mark.parametrize("steps_per_call", [1, 4])
+def test_decode_loop_matches_generate_and_the_plan_matches_resident(llama, steps_per_call):
     """DecodeLoop's greedy steps over a static cache: the tokens transformers' generate gives, and with a plan
-    applied (graph mode, each step checked against capture's rules) the resident logits bit for bit."""
+    applied (graph mode, each call checked against capture's rules: inside one, steps wrap copies into the
+    next step; the last joins them) the resident logits bit for bit."""
     from runtime.graph import DecodeLoop
 
     prompt = _input_ids()
     resident = build_model(str(llama), None)
-    loop = DecodeLoop(resident, batch=2, max_cache_tokens=32, device=torch.device("cpu"))
+    loop = DecodeLoop(resident, batch=2, max_cache_tokens=32, device=torch.device("cpu"),
+                      steps_per_call=steps_per_call)
     loop.prefill(prompt)
     saved = loop.save_state()
     loop.generate(3)
     loop.restore_state(saved)  # back to right after the prefill: the same steps again
-    ids, logits = loop.generate(6)
+    ids, logits = loop.generate(8)
     with torch.inference_mode():
-        expected = resident.generate(prompt, max_new_tokens=6, do_sample=False, min_new_tokens=6)
+        expected = resident.generate(prompt, max_new_tokens=8, do_sample=False, min_new_tokens=8)
     assert torch.equal(ids, expected[:, prompt.shape[1]:])
 
     model = build_model(str(llama), None)
     engine = apply_plan_on_cpu(model, plan_with(llama, 3, 2, 1))
-    planned = DecodeLoop(model, batch=2, max_cache_tokens=32, device=torch.device("cpu"), engine=engine)
+    planned = DecodeLoop(model, batch=2, max_cache_tokens=32, device=torch.device("cpu"), engine=engine,
+                         steps_per_call=steps_per_call)
     planned.prefill(prompt)
     engine.set_graph_mode(True)
-    for step in range(6):
+    for call in range(8 // steps_per_call):
         engine.backend.begin_capture()
-        with torch.inference_mode():
-            planned._step()
+        planned.step()
         engine.backend.end_capture()
-        assert torch.equal(planned.logits, logits[step])
+        for index in range(steps_per_call):
+            assert torch.equal(planned.step_logits[index], logits[call * steps_per_call + index])
 
 
 def test_cuda_graph_plans_need_a_decode_workload(llama):
@@ -370,11 +374,10 @@ def test_compiled_steps_run_the_offload_inside_and_equal_compiled_resident(backe
     loop.prefill(prompt)
     engine.set_graph_mode(True)
     loop.warm_up()
-    for step in range(4):
-        logged = len(engine.backend.log)
-        engine.backend.begin_capture()
-        loop.step()
-        engine.backend.end_capture()
-        assert torch.equal(loop.logits, reference[step])
-        copies = [entry for entry in engine.backend.log[logged:] if entry[0] == "copy"]
-        assert len(copies) == 4  # every offloaded layer recopied each step, from inside the compiled code
+    logged = len(engine.backend.log)
+    engine.backend.begin_capture()
+    loop.step()  # 4 steps
+    engine.backend.end_capture()
+    assert all(torch.equal(loop.step_logits[step], reference[step]) for step in range(4))
+    copies = [entry for entry in engine.backend.log[logged:] if entry[0] == "copy"]
+    assert len(copies) == 4 * 4  # every offloaded layer recopied each step, from inside the compiled code

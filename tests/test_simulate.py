@@ -12,7 +12,7 @@ from planner.cost import ComputeTimes
 from planner.errors import InfeasibleError
 from planner.schedule import PrefetchSchedule, offloaded_by_rule
 from planner.search import LayerBytes, SearchSpace, copy_ms_of, gpu_bytes_of, search
-from planner.simulate import simulate
+from planner.simulate import STEPS_PER_GRAPH, simulate
 
 
 def sim(layer_ms, offloaded, copy_ms, prefetch_step, head_ms=0.0):
@@ -290,7 +290,7 @@ def test_search_finds_the_brute_force_optimum(graphed):
         budget = fixed + sum(sizes) - rng.randint(1, sum(sizes) - max(sizes) - 1)
         h2d, overhead = 1e6, 5.0
         choice = search(layers=layers, fixed_bytes=fixed, compute=compute, h2d_bytes_per_s=h2d,
-                        copy_overhead_us=overhead, budget_bytes=budget, join_at_step_end=graphed)
+                        copy_overhead_us=overhead, budget_bytes=budget, join_every_steps=STEPS_PER_GRAPH if graphed else 0)
         assert choice.gpu_bytes <= budget
         best = None
         for g in range(1, num_layers + 1):
@@ -301,7 +301,7 @@ def test_search_finds_the_brute_force_optimum(graphed):
                         continue
                     s = simulate(layer_ms=compute.layer_ms, head_ms=compute.head_ms, offloaded=offloaded,
                                  copy_ms=tuple(copy_ms_of(sizes[i], h2d, overhead) for i in offloaded),
-                                 prefetch_step=p, join_at_step_end=graphed)
+                                 prefetch_step=p, join_every_steps=STEPS_PER_GRAPH if graphed else 0)
                     best = s.step_ms if best is None else min(best, s.step_ms)
         assert best is not None
         assert round(choice.simulation.step_ms, 4) == round(best, 4)
@@ -324,8 +324,16 @@ def test_graph_replays_join_the_wrapped_copies_by_hand():
     """
     common = dict(layer_ms=(1.0,) * 4, head_ms=0.0, offloaded=(2, 3), copy_ms=(3.0, 3.0), prefetch_step=1)
     assert simulate(**common).step_ms == pytest.approx(8.0)
-    graphed = simulate(**common, join_at_step_end=True)
+    graphed = simulate(**common, join_every_steps=1)
     assert graphed.step_ms == pytest.approx(10.0) and graphed.stall_ms == pytest.approx(6.0)
+
+
+def test_replays_of_several_steps_join_once_per_replay_by_hand():
+    """The example above with 4 steps per replay: 3 steps wrap as eagerly (8 ms); the replay's last waits 3 ms
+    for the wrapped copy (11 ms) and the next step finds its copy done and saves 1 ms (7 ms): 34 ms per 4."""
+    common = dict(layer_ms=(1.0,) * 4, head_ms=0.0, offloaded=(2, 3), copy_ms=(3.0, 3.0), prefetch_step=1)
+    assert simulate(**common, join_every_steps=4).step_ms == pytest.approx(34.0 / 4)
+    assert simulate(**common, join_every_steps=2).step_ms == pytest.approx((11.0 + 7.0) / 2)
 
 
 def test_graph_replays_expose_the_copy_after_the_last_reader():
@@ -336,4 +344,4 @@ def test_graph_replays_expose_the_copy_after_the_last_reader():
     """
     common = dict(layer_ms=(5.0,) * 6, head_ms=1.0, offloaded=(1, 3, 5), copy_ms=(1.0,) * 3, prefetch_step=2)
     assert simulate(**common).step_ms == pytest.approx(31.0)
-    assert simulate(**common, join_at_step_end=True).step_ms == pytest.approx(32.0)
+    assert simulate(**common, join_every_steps=1).step_ms == pytest.approx(32.0)
