@@ -1,9 +1,11 @@
 """Streams, events and copies behind one small interface: CUDA on a GPU, an in-order stand-in on the CPU.
 
-The stand-in runs every operation at once, in the order the engine issues it. That order is a legal
-execution of the CUDA program (each wait is satisfied by work issued before it), so a schedule that lets a
-copy overwrite a slot before its last reader has run gives wrong outputs on the CPU too: CI tests the
-schedule without a GPU. It also logs each operation, for tests that check the order itself.
+The stand-in runs every operation in the order the engine issues it, each copy either at once or (with
+``lazy_copies``) as late as CUDA allows: when the compute stream first waits on it or on a later copy.
+Both are legal executions of the CUDA program. Copies at once give wrong outputs when a copy is issued
+before its slot's last reader has run; copies as late as allowed give wrong outputs when a layer reads its
+slot without waiting for its copy. So CI tests the schedule both ways without a GPU. The stand-in also logs
+each operation, for tests that check the order itself.
 """
 
 from dataclasses import dataclass, field
@@ -19,11 +21,14 @@ class CpuEvent:
     recorded_at: int = -1
     #: the capture (numbered from 1) it was last recorded in, or None if outside any
     captured_in: int | None = None
+    #: recorded on the copy stream (by a copy or record_on_copy)
+    on_copy_stream: bool = False
 
 
 @dataclass
 class CpuStandIn:
-    """Runs copies immediately; waits are checks that the awaited event was recorded earlier.
+    """Runs copies immediately (or, with ``lazy_copies``, when first awaited); waits are checks that the
+    awaited event was recorded earlier.
 
     Between begin_capture and end_capture it also enforces CUDA stream capture's rules, so CI catches a
     schedule that could not be captured in a graph: no wait on an event recorded before the capture began,
@@ -32,12 +37,16 @@ class CpuStandIn:
     """
 
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    #: land each copy only when the compute stream waits on it (or on a later copy), not when issued
+    lazy_copies: bool = False
     log: list[tuple] = field(default_factory=list)
     #: log index where the current capture began, or None
     capture_start: int | None = None
     #: log index of the last copy not yet joined to the compute stream during a capture
     _unjoined_copy_at: int = -1
     _num_captures: int = 0
+    #: (log index, destination, source) of copies issued and not yet landed, in copy-stream order
+    _pending: list[tuple] = field(default_factory=list)
 
     def new_event(self, name: str, timing: bool = False) -> CpuEvent:
         return CpuEvent(name)
@@ -46,6 +55,7 @@ class CpuStandIn:
         self.log.append(entry)
         event.recorded_at = len(self.log) if entry[0] == "copy" else len(self.log) - 1
         event.captured_in = self._num_captures if self.capture_start is not None else None
+        event.on_copy_stream = entry[0] in ("copy", "copy-record")
 
     def record_on_compute(self, event: CpuEvent) -> None:
         self._record(event, ("record", event.name))
@@ -66,14 +76,25 @@ class CpuStandIn:
         self._check_wait("compute", event)
         if event.recorded_at >= self._unjoined_copy_at:
             self._unjoined_copy_at = -1  # the copy stream is in order: every copy up to the event is joined
+        if event.on_copy_stream:
+            self._land_copies(before=event.recorded_at)
         self.log.append(("compute-wait", event.name))
+
+    def _land_copies(self, before: int) -> None:
+        """Carry out the pending copies issued before log index ``before`` (the copy stream runs in order)."""
+        while self._pending and self._pending[0][0] < before:
+            _, destination, source = self._pending.pop(0)
+            destination.copy_(source)
 
     def copy_waits(self, event: CpuEvent) -> None:
         self._check_wait("copy", event)
         self.log.append(("copy-wait", event.name))
 
     def copy(self, destination: torch.Tensor, source: torch.Tensor, done: CpuEvent, label: str) -> None:
-        destination.copy_(source)
+        if self.lazy_copies:
+            self._pending.append((len(self.log), destination, source))
+        else:
+            destination.copy_(source)
         self._record(done, ("copy", label))
         if self.capture_start is not None:
             self._unjoined_copy_at = done.recorded_at
@@ -88,7 +109,7 @@ class CpuStandIn:
         assert not unjoined, "a copy issued during the capture was never joined to the compute stream"
 
     def synchronize(self) -> None:
-        pass
+        self._land_copies(before=len(self.log))
 
     def pin(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor

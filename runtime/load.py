@@ -186,6 +186,7 @@ def load_with_plan(plan: Plan, model: str | None = None, progress=None) -> Loade
     return Loaded(model=built, engine=engine, plan=plan, weights_gpu_bytes=weights_bytes)
 
 
-def apply_plan_on_cpu(model: nn.Module, plan: Plan) -> OffloadEngine:
-    """The CPU stand-in (tests only): same schedule, executed in issue order."""
-    return apply_plan(model, plan, CpuStandIn())
+def apply_plan_on_cpu(model: nn.Module, plan: Plan, lazy_copies: bool = False) -> OffloadEngine:
+    """The CPU stand-in (tests only): same schedule, executed in issue order, copies landing at once or (with
+    ``lazy_copies``) only when awaited."""
+    return apply_plan(model, plan, CpuStandIn(lazy_copies=lazy_copies))

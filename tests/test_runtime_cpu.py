@@ -29,18 +29,24 @@ def _logits(model, calls: int = 3):
         return [model(_input_ids()).logits for _ in range(calls)]
 
 
-def _offloaded_equals_resident(checkpoint, plan):
+# Copies landing at once catch a copy issued before its slot's last reader ran; copies landing only when
+# awaited catch a layer that reads its slot without waiting (runtime.backend)
+LANDING = pytest.mark.parametrize("lazy", [False, True], ids=["copies-at-once", "copies-when-awaited"])
+
+
+def _offloaded_equals_resident(checkpoint, plan, lazy=False):
     reference = _logits(build_model(str(checkpoint), None), 1)[0]
     model = build_model(str(checkpoint), None)
-    engine = apply_plan_on_cpu(model, plan)
+    engine = apply_plan_on_cpu(model, plan, lazy)
     outputs = _logits(model)  # three calls: prefetch wraps into the next forward
     return engine, all(torch.equal(out, reference) for out in outputs)
 
 
+@LANDING
 @pytest.mark.parametrize("shape", PLAN_SHAPES)
-def test_dense_plan_shapes_equal_resident(llama, shape):
+def test_dense_plan_shapes_equal_resident(llama, shape, lazy):
     plan = plan_with(llama, *shape)
-    engine, equal = _offloaded_equals_resident(llama, plan)
+    engine, equal = _offloaded_equals_resident(llama, plan, lazy)
     assert equal
     assert plan.offload.layers  # the plan really offloads
     # every step copies each layer whose slot it shares: preload + 3 calls
@@ -49,12 +55,25 @@ def test_dense_plan_shapes_equal_resident(llama, shape):
     assert engine.stats.num_copies == schedule.num_slots + 3 * per_step
 
 
+@LANDING
 @pytest.mark.parametrize("shape", [(1, 1, 2), (3, 2, 1), (7, 5, 3)])
 @pytest.mark.parametrize("params", [(), ("experts",), ("self_attn", "mlp.gate")])
-def test_moe_plan_shapes_and_selections_equal_resident(moe, shape, params):
+def test_moe_plan_shapes_and_selections_equal_resident(moe, shape, params, lazy):
     plan = plan_with(moe, *shape, params=params)
-    _, equal = _offloaded_equals_resident(moe, plan)
+    _, equal = _offloaded_equals_resident(moe, plan, lazy)
     assert equal
+
+
+def test_a_missing_wait_is_caught_when_copies_land_late(llama, monkeypatch):
+    """Negative control for the copies-when-awaited stand-in: a layer that skips its wait reads the slot's
+    previous contents, so outputs differ; with copies landing at once the same bug would pass unseen."""
+    from runtime.engine import OffloadEngine
+
+    plan = plan_with(llama, 3, 2, 1)  # 4 offloaded through 2 slots: every slot is reloaded each step
+    waits = OffloadEngine._before_layer
+    monkeypatch.setattr(OffloadEngine, "_before_layer", lambda self, p: None if p == 2 else waits(self, p))
+    assert _offloaded_equals_resident(llama, plan, lazy=False)[1]
+    assert not _offloaded_equals_resident(llama, plan, lazy=True)[1]
 
 
 def test_vllm_slot_reuse_bug_is_caught(llama, monkeypatch):
@@ -247,24 +266,26 @@ def _captured_steps(engine, model, calls: int = 3, finish: bool = True):
     return outputs
 
 
+@LANDING
 @pytest.mark.parametrize("shape", PLAN_SHAPES)
-def test_graph_mode_steps_are_capturable_and_equal_resident(llama, shape):
+def test_graph_mode_steps_are_capturable_and_equal_resident(llama, shape, lazy):
     plan = plan_with(llama, *shape)
     reference = _logits(build_model(str(llama), None), 1)[0]
     model = build_model(str(llama), None)
-    engine = apply_plan_on_cpu(model, plan)
+    engine = apply_plan_on_cpu(model, plan, lazy)
     _logits(model, 2)  # eager steps first: graph mode must take over their in-flight copies
     engine.set_graph_mode(True)
     assert all(torch.equal(out, reference) for out in _captured_steps(engine, model))
 
 
-def test_eager_steps_after_captured_ones_equal_resident(llama):
+@LANDING
+def test_eager_steps_after_captured_ones_equal_resident(llama, lazy):
     """Graph mode off after captures: eager steps must not wait on events recorded inside a capture (CUDA
     rejects that with 'invalid argument'), and the slots the captures left loaded stay correct."""
     plan = plan_with(llama, 3, 2, 1)
     reference = _logits(build_model(str(llama), None), 1)[0]
     model = build_model(str(llama), None)
-    engine = apply_plan_on_cpu(model, plan)
+    engine = apply_plan_on_cpu(model, plan, lazy)
     engine.set_graph_mode(True)
     _captured_steps(engine, model, calls=2)
     engine.set_graph_mode(False)
@@ -292,8 +313,9 @@ def test_copy_bytes_per_step_follows_the_schedule(llama):
     assert engine.copy_bytes_per_step == engine.layer_bytes[0] + engine.layer_bytes[6]
 
 
+@LANDING
 @pytest.mark.parametrize("steps_per_call", [1, 4])
-def test_decode_loop_matches_generate_and_the_plan_matches_resident(llama, steps_per_call):
+def test_decode_loop_matches_generate_and_the_plan_matches_resident(llama, steps_per_call, lazy):
     """DecodeLoop's greedy steps over a static cache: the tokens transformers' generate gives, and with a plan
     applied (graph mode, each call checked against capture's rules: inside one, steps wrap copies into the
     next step; the last joins them) the resident logits bit for bit."""
@@ -313,7 +335,7 @@ def test_decode_loop_matches_generate_and_the_plan_matches_resident(llama, steps
     assert torch.equal(ids, expected[:, prompt.shape[1]:])
 
     model = build_model(str(llama), None)
-    engine = apply_plan_on_cpu(model, plan_with(llama, 3, 2, 1))
+    engine = apply_plan_on_cpu(model, plan_with(llama, 3, 2, 1), lazy)
     planned = DecodeLoop(model, batch=2, max_cache_tokens=32, device=torch.device("cpu"), engine=engine,
                          steps_per_call=steps_per_call)
     planned.prefill(prompt)
