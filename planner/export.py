@@ -18,6 +18,8 @@ Engine facts (shared/reference/offloaders.md and the engines' sources):
 
 With tensor parallelism each rank holds 1/TP of every layer and copies its share over its own link, so the
 prediction is re-simulated with per-rank copies and per-rank compute (1/TP each; all-reduces not modelled).
+Both engines capture decode in CUDA graphs of one step each and join the wrapped copies at every step's end;
+a plan made with --cuda-graph (offload-plan's replays join every STEPS_PER_GRAPH steps) is restated so.
 """
 
 import math
@@ -28,7 +30,7 @@ from planner.errors import PlanError, UsageError
 from planner.plan import Plan
 from planner.schedule import PrefetchSchedule, offloaded_by_rule
 from planner.search import copy_ms_of
-from planner.simulate import simulate
+from planner.simulate import STEPS_PER_GRAPH, simulate
 from planner.units import format_bytes, format_ms
 
 ENGINES = ("vllm", "sglang")
@@ -100,8 +102,12 @@ def export_plan(plan: Plan, engine: str, *, tp_size: int = 1, exact: bool = Fals
         notes.append("the plan offloads nothing: serve without offload flags")
     if tp_size > 1:
         notes.append(_tp_note(plan, tp_size))
+    if plan.workload.cuda_graph and plan.offload.layers:
+        notes.append(f"{engine} replays one decode step per CUDA graph and joins the copies that wrap into the next "
+                     f"step at every step's end (offload-plan joins once per {STEPS_PER_GRAPH}): predicted so")
+    plan_prediction = predict(plan, 1, plan.offload.prefetch_step, STEPS_PER_GRAPH if plan.workload.cuda_graph else 0)
     return Export(engine=engine, tp_size=tp_size, flags=tuple(flags), prefetch_step=prefetch_step, notes=tuple(notes),
-                  warnings=tuple(warnings), plan_prediction=predict(plan, 1, plan.offload.prefetch_step),
+                  warnings=tuple(warnings), plan_prediction=plan_prediction,
                   prediction=predict(plan, tp_size, prefetch_step))
 
 
@@ -227,8 +233,11 @@ def _tp_note(plan: Plan, tp_size: int) -> str:
             "plan's, which was made for one GPU: these flags may offload more than TP ranks need")
 
 
-def predict(plan: Plan, tp_size: int, prefetch_step: int) -> Prediction:
-    """Re-simulate the plan's layers per rank of ``tp_size`` with ``prefetch_step``."""
+def predict(plan: Plan, tp_size: int, prefetch_step: int, join_every_steps: int | None = None) -> Prediction:
+    """Re-simulate the plan's layers per rank of ``tp_size`` with ``prefetch_step``; ``join_every_steps`` as
+    planner.simulate (default: the engines' one step per graph for a --cuda-graph plan, else eager)."""
+    if join_every_steps is None:
+        join_every_steps = 1 if plan.workload.cuda_graph else 0
     offloaded = plan.offload.layers
     hardware = plan.hardware
     rank_bytes = [math.ceil(plan.layers[i].offloaded_bytes / tp_size) for i in offloaded]
@@ -239,6 +248,7 @@ def predict(plan: Plan, tp_size: int, prefetch_step: int) -> Prediction:
         offloaded=offloaded,
         copy_ms=copy_ms,
         prefetch_step=prefetch_step,
+        join_every_steps=join_every_steps,
     )
     schedule = PrefetchSchedule(len(offloaded), prefetch_step)
     copy_bytes = sum(b for k, b in enumerate(rank_bytes) if schedule.needs_copy(k))

@@ -154,9 +154,14 @@ def _timeline(plan: Plan, simulation: Simulation, columns: int) -> Text:
 def _stalls(plan: Plan, simulation: Simulation) -> Text:
     waits = sorted(((stall, layer) for layer, stall in enumerate(simulation.layer_stall_ms) if stall > 1e-6),
                    reverse=True)
-    if not waits:
+    join = (f"CUDA-graph replays of {STEPS_PER_GRAPH} steps wait {format_ms(simulation.join_ms * STEPS_PER_GRAPH)} "
+            f"at their end for the copies wrapping into the next ({format_ms(simulation.join_ms)} per step)\n")
+    if not waits and simulation.join_ms <= 1e-6:
         return Text("No stalls: every copy finishes before its layer runs.\n", style="green")
-    text = Text(f"Stalls: {len(waits)} layer(s) wait, {format_ms(simulation.stall_ms)} per step in all\n", style="red")
+    text = Text(f"Stalls: {len(waits)} layer(s) wait in the step shown; {format_ms(simulation.stall_ms)} per step "
+                "in all, on average\n", style="red")
+    if simulation.join_ms > 1e-6:
+        text.append(join)
     for stall, layer in waits[:NUM_STALLS_LISTED]:
         text.append(f"  layer {layer} waits {format_ms(stall)} for its copy\n")
     if len(waits) > NUM_STALLS_LISTED:

@@ -44,6 +44,8 @@ class Simulation:
     copies: tuple[Interval, ...]
     #: per layer, ms waited for its copy in that step
     layer_stall_ms: tuple[float, ...]
+    #: ms per step, on average, that CUDA-graph replays wait at their end for copies wrapping past them
+    join_ms: float = 0.0
 
     @property
     def copy_busy_ms(self) -> float:
@@ -131,10 +133,12 @@ def _steady_state(step_starts, traces, copy_log) -> Simulation:
         if origin <= start < window_end
     )
     measured_stalls = [sum(traces[s][1]) + traces[s][2] for s in range(first, len(traces))]
+    joins = [traces[s][2] for s in range(first, len(traces))]
     return Simulation(
         step_ms=step_ms,
         stall_ms=sum(measured_stalls) / len(measured_stalls),
         compute=compute,
         copies=copies,
         layer_stall_ms=tuple(stalls),
+        join_ms=sum(joins) / len(joins),
     )

@@ -290,3 +290,15 @@ def test_export_of_a_plan_that_offloads_nothing(workdir, test_gpu):
 def test_export_unknown_engine(dense):
     result = _export("plan.yaml", "--to", "tgi")
     assert result.exit_code == 6 and "choose vllm or sglang" in result.stderr
+
+
+def test_export_of_a_cuda_graph_plan_joins_every_step(workdir, test_gpu):
+    """offload-plan replays several decode steps per graph; the engines replay one and join at every step,
+    which the restated prediction models (never faster than the plan's)."""
+    make_checkpoint(workdir / "ckpt", num_layers=8, num_shards=3)
+    plan = _make(["--gpu", test_gpu, "--tokens", "4", "--sequences", "4", "--context", "64", "--cuda-graph",
+                  "--group-size", "8", "--num-in-group", "5", "--prefetch-step", "1"])
+    data = json.loads(_export("plan.yaml", "--to", "vllm", "--json").stdout)
+    assert data["prediction"]["plan"]["step_ms"] == pytest.approx(plan["prediction"]["step_ms"], abs=1e-3)
+    assert data["prediction"]["exported"]["step_ms"] >= data["prediction"]["plan"]["step_ms"] - 1e-9
+    assert any("one decode step per CUDA graph" in note for note in data["notes"])

@@ -332,7 +332,8 @@ def test_replays_of_several_steps_join_once_per_replay_by_hand():
     """The example above with 4 steps per replay: 3 steps wrap as eagerly (8 ms); the replay's last waits 3 ms
     for the wrapped copy (11 ms) and the next step finds its copy done and saves 1 ms (7 ms): 34 ms per 4."""
     common = dict(layer_ms=(1.0,) * 4, head_ms=0.0, offloaded=(2, 3), copy_ms=(3.0, 3.0), prefetch_step=1)
-    assert simulate(**common, join_every_steps=4).step_ms == pytest.approx(34.0 / 4)
+    four = simulate(**common, join_every_steps=4)
+    assert four.step_ms == pytest.approx(34.0 / 4) and four.join_ms == pytest.approx(3.0 / 4)
     assert simulate(**common, join_every_steps=2).step_ms == pytest.approx((11.0 + 7.0) / 2)
 
 
