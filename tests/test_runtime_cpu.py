@@ -403,3 +403,29 @@ def test_compiled_steps_run_the_offload_inside_and_equal_compiled_resident(backe
     assert all(torch.equal(loop.step_logits[step], reference[step]) for step in range(4))
     copies = [entry for entry in engine.backend.log[logged:] if entry[0] == "copy"]
     assert len(copies) == 4 * 4  # every offloaded layer recopied each step, from inside the compiled code
+
+
+def test_graph_and_compile_flags_need_a_decode_plan(llama):
+    from planner.errors import UsageError
+    from runtime.bench import check_decode_flags
+
+    prefill = plan_with(llama, 3, 2, 1)
+    for graphed, backend, flag in ((True, None, "--cuda-graph"), (False, "inductor", "--compile")):
+        with pytest.raises(UsageError, match=f"{flag} applies to decode steps"):
+            check_decode_flags(prefill, graphed, backend)
+    check_decode_flags(plan_with(llama, 3, 2, 1, tokens=2, sequences=2, context=8), True, "inductor")
+
+
+def test_a_full_static_cache_is_a_usage_error(llama):
+    """The cache's free tokens are counted on the host: a call past its end would write out of bounds inside a
+    replay, where nothing could be reported."""
+    from planner.errors import UsageError
+    from runtime.graph import DecodeLoop
+
+    loop = DecodeLoop(build_model(str(llama), None), batch=2, max_cache_tokens=16, device=torch.device("cpu"))
+    loop.prefill(_input_ids())  # 11 of 16 tokens: one call of 4 fits, a second does not
+    loop.step()
+    with pytest.raises(UsageError, match="1 free tokens and the next steps need 4"):
+        loop.step()
+    with pytest.raises(UsageError, match="give it more room"):
+        loop.warm_up()
