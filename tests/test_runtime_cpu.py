@@ -371,13 +371,15 @@ def llama_bf16(tmp_path_factory):
     return save_tiny_llama(tmp_path_factory.mktemp("llama-bf16"), dtype=torch.bfloat16)
 
 
-@pytest.mark.parametrize("backend, checkpoint", [("aot_eager", "llama"), pytest.param("inductor", "llama", marks=needs_c_compiler),
+@pytest.mark.parametrize("backend, checkpoint", [("aot_eager", "llama"),
+                                                 pytest.param("inductor", "llama", marks=needs_c_compiler),
                                                  pytest.param("inductor", "llama_bf16", marks=needs_c_compiler)])
 def test_compiled_steps_run_the_offload_inside_and_equal_compiled_resident(backend, checkpoint, request):
     """torch.compile traces the hooks as the layer_boundary op: each compiled step waits and copies as the
     schedule says (capture's rules checked) and gives the compiled resident logits bit for bit, in bf16 too
     (where the op's split of Inductor's fusions would change rounding). The resident model compiles first,
-    so its code (no hooks) being reused for the plan's model would show here."""
+    so its code (no hooks) being reused for the plan's model would show here. Copies land only when awaited,
+    so a kernel that Inductor moved ahead of its layer's wait would read the slot's previous layer."""
     from runtime.graph import DecodeLoop
 
     llama = request.getfixturevalue(checkpoint)
@@ -390,7 +392,7 @@ def test_compiled_steps_run_the_offload_inside_and_equal_compiled_resident(backe
     _, reference = resident.generate(4)
 
     model = build_model(str(llama), None)
-    engine = apply_plan_on_cpu(model, plan_with(llama, 3, 2, 1))  # 4 offloaded through 2 slots
+    engine = apply_plan_on_cpu(model, plan_with(llama, 3, 2, 1), lazy_copies=True)  # 4 offloaded, 2 slots
     loop = DecodeLoop(model, batch=2, max_cache_tokens=32, device=torch.device("cpu"), engine=engine,
                       compile_backend=backend)
     loop.prefill(prompt)
