@@ -41,7 +41,7 @@ class Inputs:
     measure: bool = False
     #: the local GPU's profile for --measure (None: from its device name)
     measured_on: str | None = None
-    #: steps replayed from a CUDA graph: prefetches joined at the end of each step, layers timed graphed
+    #: decode steps replayed from CUDA graphs: prefetches joined at the end of each replay, layers timed graphed
     cuda_graph: bool = False
 
 
@@ -98,7 +98,8 @@ class WorkloadSection:
     context_tokens: int
     #: where the per-layer compute times come from ("estimated: ..." or "measured: ...")
     compute_source: str
-    #: each step is one CUDA-graph replay: copies that wrap into the next step finish inside this one
+    #: steps are CUDA-graph replays of planner.simulate.STEPS_PER_GRAPH steps: copies that wrap past a replay's
+    #: last step finish inside it
     cuda_graph: bool = False
 
 
