@@ -71,6 +71,7 @@ def make(
     measure: Annotated[bool, typer.Option("--measure", help="Time one layer of each kind on the local GPU instead of estimating.")] = False,
     measured_on: Annotated[Optional[str], typer.Option(help="Profile of the local GPU for --measure (default: from its name).")] = None,
     cuda_graph: Annotated[bool, typer.Option("--cuda-graph", help="Plan for decode steps replayed from CUDA graphs (run --cuda-graph), 4 per replay: prefetches join at each replay's end; --measure times layers graphed.")] = False,
+    host_memory: Annotated[Optional[str], typer.Option(help="Host memory the offloaded params may be pinned in, e.g. 480GB (default: the profile's figure; Grace profiles have one).")] = None,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the plan here (default: stdout).")] = None,
 ):
     """Search the fastest offload plan that fits. Example: offload-plan make -m org/model -g h100-sxm --budget 40GiB -o plan.yaml"""
@@ -80,7 +81,7 @@ def make(
         model=model, revision=revision, gpu=gpu, budget=budget, trigger=trigger, tokens=tokens, sequences=sequences,
         context=context, params=tuple(params or ()), stack=stack, group_size=group_size,
         num_in_group=num_in_group, prefetch_step=prefetch_step, measure=measure, measured_on=measured_on,
-        cuda_graph=cuda_graph,
+        cuda_graph=cuda_graph, host_memory=host_memory,
     )
     planned = make_plan(inputs)
     for warning in planned.warnings:

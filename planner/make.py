@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from planner.checkpoint import Checkpoint, load_checkpoint
 from planner.cost import ComputeTimes, Workload, estimate_compute, geometry_from_config
-from planner.errors import UsageError
+from planner.errors import InfeasibleError, UsageError
 from planner.layout import ModelLayout, build_layout
 from planner.plan import (
     SCHEMA_VERSION,
@@ -100,7 +100,9 @@ def make_plan(inputs: Inputs, compute_override: ComputeTimes | None = None) -> P
         ),
         join_every_steps=STEPS_PER_GRAPH if inputs.cuda_graph else 0,
     )
-    plan = _assemble(inputs, checkpoint, layout, profile, workload, compute, layer_bytes, choice, budget)
+    host_limit = host_memory_bytes_for(inputs, profile)
+    check_host_memory(choice.host_pinned_bytes, host_limit, inputs)
+    plan = _assemble(inputs, checkpoint, layout, profile, workload, compute, layer_bytes, choice, budget, host_limit)
     return Planned(plan=plan, checkpoint=checkpoint, layout=layout, warnings=tuple(warnings))
 
 
@@ -133,7 +135,27 @@ def _layout_warnings(layout: ModelLayout) -> list[str]:
     return warnings
 
 
-def _assemble(inputs, checkpoint, layout, profile, workload, compute, layer_bytes, choice: Choice, budget) -> Plan:
+def host_memory_bytes_for(inputs: Inputs, profile: HardwareProfile) -> int | None:
+    """--host-memory, else the profile's host memory figure, else None (not checked)."""
+    if inputs.host_memory is not None:
+        return parse_bytes(inputs.host_memory)
+    return None if profile.host_memory_bytes is None else int(profile.host_memory_bytes.value)
+
+
+def check_host_memory(pinned_bytes: int, host_limit: int | None, inputs: Inputs) -> None:
+    """The offloaded params must fit in the host memory they are pinned in."""
+    if host_limit is None or pinned_bytes <= host_limit:
+        return
+    where = "--host-memory" if inputs.host_memory is not None else f"the {inputs.gpu} profile"
+    raise InfeasibleError(
+        f"the plan pins {pinned_bytes} bytes ({format_bytes(pinned_bytes)}) of host memory but {where} allows "
+        f"{host_limit} bytes ({format_bytes(host_limit)}); keep more on the GPU (raise --budget), offload fewer "
+        "params, split the model over more GPUs, or give --host-memory for a host with more"
+    )
+
+
+def _assemble(inputs, checkpoint, layout, profile, workload, compute, layer_bytes, choice: Choice, budget,
+              host_limit: int | None) -> Plan:
     h2d = profile.h2d_bytes_per_s.value
     overhead_us = profile.copy_overhead_us.value
     offloaded = set(choice.offloaded)
@@ -156,7 +178,7 @@ def _assemble(inputs, checkpoint, layout, profile, workload, compute, layer_byte
         schema_version=SCHEMA_VERSION,
         inputs=inputs,
         model=_model_section(checkpoint, layout),
-        hardware=HardwareSection(profile=profile.name, **profile.figures()),
+        hardware=HardwareSection(profile=profile.name, **(profile.figures() | {"host_memory_bytes": host_limit})),
         workload=WorkloadSection(
             tokens_per_step=workload.tokens_per_step,
             sequences_per_step=workload.sequences_per_step,
@@ -245,6 +267,8 @@ def regenerate_command(inputs: Inputs, output: str | None) -> str:
         words += ["--measured-on", inputs.measured_on]
     if inputs.cuda_graph:
         words += ["--cuda-graph"]
+    if inputs.host_memory is not None:
+        words += ["--host-memory", inputs.host_memory]
     if output:
         words += ["-o", output]
     return shlex.join(words)

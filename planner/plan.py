@@ -43,6 +43,8 @@ class Inputs:
     measured_on: str | None = None
     #: decode steps replayed from CUDA graphs: prefetches joined at the end of each replay, layers timed graphed
     cuda_graph: bool = False
+    #: host memory for pinned params, e.g. "480GB" (None: the profile's figure, if it has one)
+    host_memory: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,6 +89,8 @@ class HardwareSection:
     trigger: float
     reserve_bytes: int
     compute_efficiency: float
+    #: host memory the plan's pinned bytes were checked against (--host-memory, else the profile's); None: unchecked
+    host_memory_bytes: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -67,6 +67,9 @@ class HardwareProfile:
     reserve_bytes: Figure
     #: share of peak FLOP/s and HBM bandwidth that an eager decoder layer reaches
     compute_efficiency: Figure
+    #: host memory this GPU's offloaded params may be pinned in (its share where GPUs share one host, as two
+    #: B200s share a Grace); None where it depends on the machine, as on PCIe servers
+    host_memory_bytes: Figure | None = None
 
     def __post_init__(self):
         if not self.name or not isinstance(self.name, str):
@@ -95,7 +98,7 @@ class HardwareProfile:
 
 
 _FIGURE_FIELDS = tuple(f.name for f in fields(HardwareProfile) if f.name not in ("name", "description"))
-_OPTIONAL_FIELDS = ("fp8_flops_per_s",)
+_OPTIONAL_FIELDS = ("fp8_flops_per_s", "host_memory_bytes")
 
 
 def profile_from_dict(data: object, origin: str) -> HardwareProfile:

@@ -90,6 +90,8 @@ def _memory(plan: Plan) -> Table:
         ("GPU: budget", memory.budget_bytes),
         ("host: pinned offloaded params", memory.host_pinned_bytes),
     ]
+    if plan.hardware.host_memory_bytes is not None:
+        rows.append(("host: memory for pinned params (--host-memory or profile)", plan.hardware.host_memory_bytes))
     for label, value in rows:
         table.add_row(label, f"{value:,}", format_bytes(value))
     return table

@@ -77,6 +77,18 @@ def test_written_checkpoint_is_sparse_and_its_mtp_layer_unused(tmp_path):
     assert checkpoint.fingerprint() == planned["model"]["fingerprint"]  # the same bytes wherever it is written
 
 
+def test_deepseek_v3_does_not_fit_one_gh200s_host_memory(tmp_path):
+    """689 GB of weights, a GH200's 96 GB HBM and up to 480 GB LPDDR5X: the experts left over do not fit the
+    host, which make says in one line (naming both sizes) instead of writing a plan that cannot load."""
+    from tests.conftest import invoke
+
+    folder = real_checkpoints.write_checkpoint("deepseek-v3", tmp_path)
+    args = ["make", "--model", str(folder), "--gpu", "gh200", "--budget", "80GB", "--params", "experts"]
+    result = invoke(args)
+    assert result.exit_code == 5 and "of host memory but the gh200 profile allows 480000000000 bytes" in result.stderr
+    assert invoke([*args, "--host-memory", "1TB"]).exit_code == 0
+
+
 def test_plans_folder_matches_the_table():
     listed = {make_plans.plan_path(model, gpu, budget) for model, gpu, budget, _ in make_plans.PLANS}
     present = {f"plans/{p.name}" for p in PLANS_DIR.glob("*.yaml")}

@@ -302,3 +302,17 @@ def test_export_of_a_cuda_graph_plan_joins_every_step(workdir, test_gpu):
     assert data["prediction"]["plan"]["step_ms"] == pytest.approx(plan["prediction"]["step_ms"], abs=1e-3)
     assert data["prediction"]["exported"]["step_ms"] >= data["prediction"]["plan"]["step_ms"] - 1e-9
     assert any("one decode step per CUDA graph" in note for note in data["notes"])
+
+
+def test_grace_profiles_check_host_memory(workdir, test_gpu):
+    """Pinned params must fit the host memory: from the profile (Grace superchips have one figure) or
+    --host-memory, recorded in the plan and in its regenerating command."""
+    make_checkpoint(workdir / "ckpt", num_layers=8, num_shards=3)
+    plan = _make(["--gpu", test_gpu, "--budget", "500KB", "--host-memory", "1MB"])
+    assert plan["hardware"]["host_memory_bytes"] == 1_000_000 and plan["inputs"]["host_memory"] == "1MB"
+    assert "--host-memory 1MB" in (workdir / "plan.yaml").read_text().splitlines()[1]
+    assert _make(["--gpu", test_gpu, "--budget", "500KB"], output="free.yaml")["hardware"]["host_memory_bytes"] is None
+    (workdir / "small-host.yaml").write_text(
+        TEST_GPU_FILE.read_text() + "host_memory_bytes:\n  value: 50000\n  source: assumed\n  note: a tiny host\n")
+    result = invoke(["make", "--model", "ckpt", "--gpu", "small-host.yaml", "--budget", "500KB"])
+    assert result.exit_code == 5 and "the small-host.yaml profile allows 50000 bytes" in result.stderr
