@@ -6,8 +6,8 @@ copies, so the time per copy is what a steady stream of them costs; a line throu
 (slope) and the fixed cost per copy (intercept). The line is fitted to relative error, so every size counts
 alike: an ordinary least-squares fit is decided by the two largest copies alone, and small copies (whose
 rate does not follow a line) pulled the slope 6% under the rate layer copies reach on the lent H100. HBM: a 2 GiB device-to-device copy, bytes
-read plus written. Matmul: an 8192^3 bf16 product on random data. Memory: what the driver reports. Every
-reading is a median.
+read plus written. Matmul: an 8192^3 bf16 product on random data. Memory: what the driver reports; host
+memory: the host's MemTotal. Every reading is a median.
 """
 
 import datetime
@@ -17,6 +17,7 @@ import torch
 
 from planner.profile import Figure, HardwareProfile, load_profile, profile_to_dict
 from runtime.backend import CudaBackend
+from runtime.load import meminfo_bytes
 from runtime.measure import CALIBRATED_SUFFIX, local_profile_name
 
 COPY_SIZES_BYTES = tuple(2**e for e in range(20, 31))
@@ -47,8 +48,8 @@ def h2d_line() -> tuple[float, float, list[tuple[int, float]]]:
     largest = max(COPY_SIZES_BYTES)
     # Register before filling: registration faults every page in from this thread. Filled first, random_()'s
     # worker threads would first-touch pages on every NUMA node. On two of three lent H100 hosts the old order
-    # measured 47-50 GB/s while the runtime's layer copies reached 52-54 GB/s; page placement is the suspect
-    # (not yet confirmed on the device, see the issue notes).
+    # measured 47-50 GB/s while the runtime's layer copies reached 52-54 GB/s. Registered first, it read 54.0
+    # and 54.6 GB/s on the next two hosts, whose single large copies reached 54.7 and 54.3.
     host = backend.pin(torch.empty(largest, dtype=torch.uint8))
     host.random_(0, 255)
     device = torch.empty(largest, dtype=torch.uint8, device="cuda")
@@ -112,7 +113,14 @@ def calibrate() -> tuple[HardwareProfile, dict]:
         "copy_overhead_us": Figure(value=overhead_us, source="measured",
                                    note=f"intercept of the same line; {stamp}"),
     }
+    host_bytes = meminfo_bytes("MemTotal")
+    if host_bytes is not None:
+        measured["host_memory_bytes"] = Figure(
+            value=host_bytes, source="measured",
+            note=f"MemTotal of this host, shared with the OS and, where several GPUs share the host, with them; {stamp}")
     fields = {key: getattr(base, key) for key in ("fp8_flops_per_s", "trigger", "reserve_bytes")}
+    if host_bytes is None:
+        fields["host_memory_bytes"] = base.host_memory_bytes
     fields["compute_efficiency"] = restated_efficiency(base, matmul)
     profile = HardwareProfile(name=base.name + CALIBRATED_SUFFIX, description=f"{base.description}; {stamp}",
                               **measured, **fields)

@@ -83,9 +83,14 @@ def check_memory(plan: Plan, device: torch.device) -> None:
 
 def host_available_bytes() -> int | None:
     """MemAvailable from /proc/meminfo, or None where there is no such file."""
+    return meminfo_bytes("MemAvailable")
+
+
+def meminfo_bytes(key: str) -> int | None:
+    """One /proc/meminfo figure in bytes (``MemTotal``, ``MemAvailable``), or None where there is none."""
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
+            if line.startswith(f"{key}:"):
                 return int(line.split()[1]) * 1024
     except OSError:
         return None

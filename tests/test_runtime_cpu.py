@@ -431,3 +431,16 @@ def test_a_full_static_cache_is_a_usage_error(llama):
         loop.step()
     with pytest.raises(UsageError, match="give it more room"):
         loop.warm_up()
+
+
+def test_meminfo_reads_the_hosts_memory():
+    """calibrate records MemTotal as the host memory figure; run checks MemAvailable before loading."""
+    import os
+
+    from runtime.load import meminfo_bytes
+
+    if not os.path.exists("/proc/meminfo"):
+        pytest.skip("no /proc/meminfo here")
+    total, available = meminfo_bytes("MemTotal"), meminfo_bytes("MemAvailable")
+    assert total == pytest.approx(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), rel=0.01)
+    assert 0 < available <= total and meminfo_bytes("NoSuchKey") is None
