@@ -141,7 +141,8 @@ def _result(loaded: Loaded, step_ms: list[float], stats, device, *, timed: bool,
     )
 
 
-def run_decode_bench(loaded: Loaded, num_steps: int, cuda_graph: bool, compile_backend: str | None = None) -> BenchResult:
+def run_decode_bench(loaded: Loaded, num_steps: int, cuda_graph: bool,
+                     compile_backend: str | None = None) -> BenchResult:
     """Decode steps of the plan's batch over a static cache of its context, eager or replayed from a graph,
     compiled with ``compile_backend`` or not."""
     from runtime.graph import DecodeLoop, cache_tokens_for

@@ -117,7 +117,7 @@ def calibrate() -> tuple[HardwareProfile, dict]:
     if host_bytes is not None:
         measured["host_memory_bytes"] = Figure(
             value=host_bytes, source="measured",
-            note=f"MemTotal of this host, shared with the OS and, where several GPUs share the host, with them; {stamp}")
+            note=f"MemTotal of this host, shared with the OS and with any other GPU of the host; {stamp}")
     fields = {key: getattr(base, key) for key in ("fp8_flops_per_s", "trigger", "reserve_bytes")}
     if host_bytes is None:
         fields["host_memory_bytes"] = base.host_memory_bytes

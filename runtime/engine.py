@@ -290,7 +290,8 @@ class OffloadEngine:
             module = layers[layer_index]
             self._hooks.append(module.register_forward_pre_hook(
                 lambda m, args, kwargs, p=position: self._pre_hook(p, args, kwargs), with_kwargs=True))
-            self._hooks.append(module.register_forward_hook(lambda m, a, output, p=position: self._post_hook(p, output)))
+            self._hooks.append(module.register_forward_hook(
+                lambda m, args, output, p=position: self._post_hook(p, output)))
 
     def remove_hooks(self) -> None:
         """Detach the hooks (the params stay in their slots)."""
