@@ -133,7 +133,7 @@ def run(
     bench: Annotated[bool, typer.Option("--bench", help="Time the plan's workload against its prediction.")] = False,
     prompt: Annotated[Optional[str], typer.Option(help="Generate from this prompt with the plan applied.")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate with --prompt.")] = 64,
-    cuda_graph: Annotated[bool, typer.Option("--cuda-graph", help="Replay decode steps from a CUDA graph, offload copies captured inside.")] = False,
+    cuda_graph: Annotated[bool, typer.Option("--cuda-graph", help="Replay decode steps from CUDA graphs, 4 per replay, offload copies captured inside.")] = False,
     compile_steps: Annotated[bool, typer.Option("--compile", help="Compile decode steps with torch.compile (Inductor), the offload hooks inside; with --cuda-graph the compiled step is captured.")] = False,
     json_output: JsonOption = False,
 ):
