@@ -30,7 +30,7 @@ from planner.errors import PlanError, UsageError
 from planner.plan import Plan
 from planner.schedule import PrefetchSchedule, offloaded_by_rule
 from planner.search import copy_ms_of
-from planner.simulate import STEPS_PER_GRAPH, simulate
+from planner.simulate import STEPS_PER_GRAPH, join_every_steps_for, simulate
 from planner.units import format_bytes, format_ms
 
 ENGINES = ("vllm", "sglang")
@@ -105,7 +105,7 @@ def export_plan(plan: Plan, engine: str, *, tp_size: int = 1, exact: bool = Fals
     if plan.workload.cuda_graph and plan.offload.layers:
         notes.append(f"{engine} replays one decode step per CUDA graph and joins the copies that wrap into the next "
                      f"step at every step's end (offload-plan joins once per {STEPS_PER_GRAPH}): predicted so")
-    plan_prediction = predict(plan, 1, plan.offload.prefetch_step, STEPS_PER_GRAPH if plan.workload.cuda_graph else 0)
+    plan_prediction = predict(plan, 1, plan.offload.prefetch_step, join_every_steps_for(plan.workload.cuda_graph))
     return Export(engine=engine, tp_size=tp_size, flags=tuple(flags), prefetch_step=prefetch_step, notes=tuple(notes),
                   warnings=tuple(warnings), plan_prediction=plan_prediction,
                   prediction=predict(plan, tp_size, prefetch_step))

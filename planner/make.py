@@ -22,7 +22,7 @@ from planner.plan import (
 )
 from planner.profile import HardwareProfile, load_profile
 from planner.search import Choice, LayerBytes, SearchSpace, copy_ms_of, search, weight_gpu_bytes
-from planner.simulate import STEPS_PER_GRAPH
+from planner.simulate import join_every_steps_for
 from planner.units import format_bytes, parse_bytes
 
 
@@ -98,7 +98,7 @@ def make_plan(inputs: Inputs, compute_override: ComputeTimes | None = None) -> P
         space=SearchSpace(
             group_size=inputs.group_size, num_in_group=inputs.num_in_group, prefetch_step=inputs.prefetch_step
         ),
-        join_every_steps=STEPS_PER_GRAPH if inputs.cuda_graph else 0,
+        join_every_steps=join_every_steps_for(inputs.cuda_graph),
     )
     host_limit = host_memory_bytes_for(inputs, profile)
     check_host_memory(choice.host_pinned_bytes, host_limit, inputs)

@@ -5,7 +5,7 @@ from rich.table import Table
 from rich.text import Text
 
 from planner.plan import Plan
-from planner.simulate import STEPS_PER_GRAPH, Simulation, simulate
+from planner.simulate import STEPS_PER_GRAPH, Simulation, join_every_steps_for, simulate
 from planner.units import format_bytes, format_ms
 
 TIMELINE_COLUMNS = 96
@@ -20,7 +20,7 @@ def resimulate(plan: Plan) -> Simulation:
         offloaded=plan.offload.layers,
         copy_ms=tuple(plan.layers[i].copy_ms for i in plan.offload.layers),
         prefetch_step=plan.offload.prefetch_step,
-        join_every_steps=STEPS_PER_GRAPH if plan.workload.cuda_graph else 0,
+        join_every_steps=join_every_steps_for(plan.workload.cuda_graph),
     )
 
 

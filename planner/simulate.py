@@ -22,6 +22,11 @@ NUM_MEASURED_STEPS = 4
 STEPS_PER_GRAPH = 4
 
 
+def join_every_steps_for(cuda_graph: bool) -> int:
+    """simulate's ``join_every_steps`` for a plan: STEPS_PER_GRAPH under CUDA graphs, else 0 (never joined)."""
+    return STEPS_PER_GRAPH if cuda_graph else 0
+
+
 @dataclass(frozen=True, kw_only=True)
 class Interval:
     """One thing on one stream during the reported step, times relative to the step's start."""

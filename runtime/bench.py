@@ -6,7 +6,6 @@ from dataclasses import asdict, dataclass
 import torch
 
 from planner.errors import UsageError
-from planner.simulate import STEPS_PER_GRAPH
 from runtime.load import Loaded
 
 NUM_WARMUP_STEPS = 3
@@ -145,7 +144,7 @@ def run_decode_bench(loaded: Loaded, num_steps: int, cuda_graph: bool,
                      compile_backend: str | None = None) -> BenchResult:
     """Decode steps of the plan's batch over a static cache of its context, eager or replayed from a graph,
     compiled with ``compile_backend`` or not."""
-    from runtime.graph import DecodeLoop, cache_tokens_for
+    from runtime.graph import DecodeLoop, cache_tokens_for, steps_per_call_for
 
     plan, engine = loaded.plan, loaded.engine
     workload = plan.workload
@@ -154,10 +153,8 @@ def run_decode_bench(loaded: Loaded, num_steps: int, cuda_graph: bool,
                          "equal to --sequences")
     device = model_device(loaded.model)
     batch, context = workload.sequences_per_step, workload.context_tokens
-    # eager steps one per call, so the engine's counters divide by steps
-    steps = STEPS_PER_GRAPH if cuda_graph else 1
     loop = DecodeLoop(loaded.model, batch=batch, max_cache_tokens=cache_tokens_for(context), device=device,
-                      engine=engine, compile_backend=compile_backend, steps_per_call=steps)
+                      engine=engine, compile_backend=compile_backend, steps_per_call=steps_per_call_for(cuda_graph))
     loop.prefill(random_ids(loaded.model, (batch, context), device))
     if cuda_graph:
         loop.capture()
@@ -205,10 +202,10 @@ def _generate_static(loaded: Loaded, tokenizer, prompt_ids: torch.Tensor, max_ne
     first end-of-sequence token. Tokens/s counts the steps only (not compilation or capture)."""
     import time
 
-    from runtime.graph import NUM_WARMUP_CALLS, DecodeLoop
+    from runtime.graph import NUM_WARMUP_CALLS, DecodeLoop, calls_for, steps_per_call_for
 
-    steps = STEPS_PER_GRAPH if cuda_graph else 1
-    room_tokens = max(NUM_WARMUP_CALLS * steps, -(-max_new_tokens // steps) * steps)
+    steps = steps_per_call_for(cuda_graph)
+    room_tokens = max(NUM_WARMUP_CALLS, calls_for(max_new_tokens, steps)) * steps
     loop = DecodeLoop(loaded.model, batch=1, max_cache_tokens=prompt_ids.shape[1] + room_tokens,
                       device=prompt_ids.device, engine=loaded.engine, compile_backend=compile_backend,
                       steps_per_call=steps)

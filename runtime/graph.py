@@ -33,6 +33,17 @@ def cache_tokens_for(context_tokens: int) -> int:
     return context_tokens + DECODE_ROOM_TOKENS
 
 
+def steps_per_call_for(graphed: bool) -> int:
+    """Decode steps per DecodeLoop call: a replay's STEPS_PER_GRAPH when graphed; eagerly one, so counters that
+    the engine keeps per call are per step."""
+    return STEPS_PER_GRAPH if graphed else 1
+
+
+def calls_for(num_steps: int, steps_per_call: int) -> int:
+    """Whole calls that cover ``num_steps`` steps."""
+    return -(-num_steps // steps_per_call)
+
+
 def compile_forward(model, backend: str):
     """``model.forward`` under torch.compile for one fixed decode shape, in a single graph."""
     import torch._dynamo
@@ -217,14 +228,14 @@ class DecodeLoop:
         synchronisation between them): each call's time over its steps."""
         from runtime.bench import time_calls
 
-        num_calls = -(-num_steps // self.steps_per_call)
+        num_calls = calls_for(num_steps, self.steps_per_call)
         return [ms / self.steps_per_call for ms in time_calls(self.step, num_calls, self.device)]
 
     def generate(self, num_steps: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """(input ids [batch, num_steps], output logits [batch, vocab] of each step): the first id is the
         prefill's argmax. Whole calls run; steps past ``num_steps`` are dropped."""
         ids, logits = [], []
-        for _ in range(-(-num_steps // self.steps_per_call)):
+        for _ in range(calls_for(num_steps, self.steps_per_call)):
             self.step()
             ids.append(self.step_ids.clone())
             logits.extend(self.step_logits.clone().unbind(0))
