@@ -70,7 +70,7 @@ def make(
     prefetch_step: Annotated[Optional[int], typer.Option(help="Pin P instead of searching it.")] = None,
     measure: Annotated[bool, typer.Option("--measure", help="Time one layer of each kind on the local GPU instead of estimating.")] = False,
     measured_on: Annotated[Optional[str], typer.Option(help="Profile of the local GPU for --measure (default: from its name).")] = None,
-    cuda_graph: Annotated[bool, typer.Option("--cuda-graph", help="Plan for decode steps replayed from CUDA graphs (run --cuda-graph), 4 per replay: prefetches join at each replay's end; --measure times layers graphed.")] = False,
+    cuda_graph: Annotated[bool, typer.Option("--cuda-graph", help="Plan for decode steps replayed from CUDA graphs (run --cuda-graph), one step per replay: prefetches join at each replay's end; --measure times layers graphed.")] = False,
     host_memory: Annotated[Optional[str], typer.Option(help="Host memory the offloaded params may be pinned in, e.g. 480GB (default: the profile's figure; Grace profiles have one).")] = None,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the plan here (default: stdout).")] = None,
 ):
@@ -133,7 +133,7 @@ def run(
     bench: Annotated[bool, typer.Option("--bench", help="Time the plan's workload against its prediction.")] = False,
     prompt: Annotated[Optional[str], typer.Option(help="Generate from this prompt with the plan applied.")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate with --prompt.")] = 64,
-    cuda_graph: Annotated[bool, typer.Option("--cuda-graph", help="Replay decode steps from CUDA graphs, 4 per replay, offload copies captured inside.")] = False,
+    cuda_graph: Annotated[bool, typer.Option("--cuda-graph", help="Replay decode steps from CUDA graphs, one per replay, offload copies captured inside.")] = False,
     compile_steps: Annotated[bool, typer.Option("--compile", help="Compile decode steps with torch.compile (Inductor), the offload hooks inside; with --cuda-graph the compiled step is captured.")] = False,
     json_output: JsonOption = False,
 ):

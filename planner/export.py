@@ -19,7 +19,7 @@ Engine facts (shared/reference/offloaders.md and the engines' sources):
 With tensor parallelism each rank holds 1/TP of every layer and copies its share over its own link, so the
 prediction is re-simulated with per-rank copies and per-rank compute (1/TP each; all-reduces not modelled).
 Both engines capture decode in CUDA graphs of one step each and join the wrapped copies at every step's end;
-a plan made with --cuda-graph (offload-plan's replays join every STEPS_PER_GRAPH steps) is restated so.
+a plan made with --cuda-graph is predicted so (offload-plan's own replays run STEPS_PER_GRAPH steps, one today).
 """
 
 import math
@@ -30,7 +30,7 @@ from planner.errors import PlanError, UsageError
 from planner.plan import Plan
 from planner.schedule import PrefetchSchedule, offloaded_by_rule
 from planner.search import copy_ms_of
-from planner.simulate import STEPS_PER_GRAPH, join_every_steps_for, simulate
+from planner.simulate import join_every_steps_for, simulate
 from planner.units import format_bytes, format_ms
 
 ENGINES = ("vllm", "sglang")
@@ -104,7 +104,7 @@ def export_plan(plan: Plan, engine: str, *, tp_size: int = 1, exact: bool = Fals
         notes.append(_tp_note(plan, tp_size))
     if plan.workload.cuda_graph and plan.offload.layers:
         notes.append(f"{engine} replays one decode step per CUDA graph and joins the copies that wrap into the next "
-                     f"step at every step's end (offload-plan joins once per {STEPS_PER_GRAPH}): predicted so")
+                     "step at every step's end: predicted so")
     plan_prediction = predict(plan, 1, plan.offload.prefetch_step, join_every_steps_for(plan.workload.cuda_graph))
     return Export(engine=engine, tp_size=tp_size, flags=tuple(flags), prefetch_step=prefetch_step, notes=tuple(notes),
                   warnings=tuple(warnings), plan_prediction=plan_prediction,

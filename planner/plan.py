@@ -102,8 +102,8 @@ class WorkloadSection:
     context_tokens: int
     #: where the per-layer compute times come from ("estimated: ..." or "measured: ...")
     compute_source: str
-    #: steps are CUDA-graph replays of planner.simulate.STEPS_PER_GRAPH steps: copies that wrap past a replay's
-    #: last step finish inside it
+    #: steps are CUDA-graph replays of planner.simulate.STEPS_PER_GRAPH steps (one): copies that wrap past a
+    #: replay's last step finish inside it
     cuda_graph: bool = False
 
 

@@ -48,7 +48,7 @@ def _summary(plan: Plan) -> Table:
                               f"link {plan.hardware.h2d_bytes_per_s / 1e9:.1f} GB/s")
     table.add_row("workload", f"{plan.workload.tokens_per_step} tokens/step in {plan.workload.sequences_per_step} "
                               f"sequence(s), context {plan.workload.context_tokens}; {plan.workload.compute_source}"
-                              + (f"; CUDA-graph replays of {STEPS_PER_GRAPH} steps (copies into the next replay "
+                              + (f"; CUDA-graph replays of {_replay_steps()} (copies into the next replay "
                                  "join at each replay's end)" if plan.workload.cuda_graph else ""))
     if offload.layers:
         params = " ".join(offload.params) if offload.params else "whole layers"
@@ -153,11 +153,16 @@ def _timeline(plan: Plan, simulation: Simulation, columns: int) -> Text:
     return text
 
 
+def _replay_steps() -> str:
+    return "one step" if STEPS_PER_GRAPH == 1 else f"{STEPS_PER_GRAPH} steps"
+
+
 def _stalls(plan: Plan, simulation: Simulation) -> Text:
     waits = sorted(((stall, layer) for layer, stall in enumerate(simulation.layer_stall_ms) if stall > 1e-6),
                    reverse=True)
-    join = (f"CUDA-graph replays of {STEPS_PER_GRAPH} steps wait {format_ms(simulation.join_ms * STEPS_PER_GRAPH)} "
-            f"at their end for the copies wrapping into the next ({format_ms(simulation.join_ms)} per step)\n")
+    per_step = f" ({format_ms(simulation.join_ms)} per step)" if STEPS_PER_GRAPH > 1 else ""
+    join = (f"CUDA-graph replays of {_replay_steps()} wait {format_ms(simulation.join_ms * STEPS_PER_GRAPH)} "
+            f"at their end for the copies wrapping into the next{per_step}\n")
     if not waits and simulation.join_ms <= 1e-6:
         return Text("No stalls: every copy finishes before its layer runs.\n", style="green")
     text = Text(f"Stalls: {len(waits)} layer(s) wait in the step shown; {format_ms(simulation.stall_ms)} per step "

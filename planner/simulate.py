@@ -16,10 +16,12 @@ from planner.schedule import PrefetchSchedule
 
 NUM_WARM_STEPS = 6
 NUM_MEASURED_STEPS = 4
-#: decode steps per CUDA-graph replay (run --cuda-graph, make --cuda-graph): the copies that wrap into the
-#: next replay are joined at its end, so more steps per replay join less often; tokens come back this many at
-#: a time. Divides NUM_MEASURED_STEPS, so the measured window holds whole replays.
-STEPS_PER_GRAPH = 4
+#: decode steps per CUDA-graph replay (run --cuda-graph, make --cuda-graph), as vLLM and SGLang capture decode.
+#: The copies that wrap into the next replay are joined at its end. More steps per replay would join less
+#: often, and simulate() predicts 4 would save most of that join, but an interleaved A/B on the H100
+#: (scripts/bench_replay_steps.py, README) measured 4 no faster than 1 (162.05 against 162.35 ms at batch 64,
+#: 155.28 against 154.09 at batch 16), so one step it is. Divides NUM_MEASURED_STEPS.
+STEPS_PER_GRAPH = 1
 
 
 def join_every_steps_for(cuda_graph: bool) -> int:

@@ -225,7 +225,11 @@ class OffloadEngine:
             raise RuntimeError("timing events cannot be captured; turn timing off before graph mode")
         self.graph_mode = on
         if on:
-            self._join_wrapped_copies()  # copies the last eager step left in flight
+            # Join every slot's last copy, not only those wrapping into the next step: a slot that holds one
+            # layer for good was loaded once, outside any capture, and a wait on that load event inside a
+            # capture is 'dependency created on uncaptured work' (cudaErrorStreamCaptureIsolation).
+            for position in range(self.schedule.num_slots):
+                self.backend.compute_waits(self.copy_done[position])
             self._first_slots_joined = True
         else:
             self._mark_first_slots_loaded()
@@ -248,14 +252,22 @@ class OffloadEngine:
                 self._join_wrapped_copies()
             self._first_slots_joined = join
 
+    def _loaded_before_step(self, position: int) -> bool:
+        """In graph mode: the position's slot was loaded before this step began, so it needs no wait (a wait
+        would be on an event recorded outside the capture). True for a slot that holds one layer for good
+        (joined when graph mode began) and, after a joining step, for the first S positions."""
+        if not self.schedule.needs_copy(position):
+            return True
+        return self._first_slots_joined and position < self.schedule.num_slots
+
     def _join_wrapped_copies(self) -> None:
         for position in range(self.schedule.num_slots):
             if self.schedule.needs_copy(position):
                 self.backend.compute_waits(self.copy_done[position])
 
     def _before_layer(self, position: int) -> None:
-        if self.graph_mode and self._first_slots_joined and position < self.schedule.num_slots:
-            return  # loaded before the step began (joined at the end of the previous one)
+        if self.graph_mode and self._loaded_before_step(position):
+            return
         if not self.timing:
             self.backend.compute_waits(self.copy_done[position])
             return

@@ -5,8 +5,9 @@ between steps lives on the GPU at fixed addresses: the token ids (each step writ
 them), the KV cache and its length counter (transformers' StaticCache advances it in place), the ids and
 logits of each step (output buffers) and the offloaded weights (fixed slots). The offload copies and their
 event waits are captured with the forward. Inside a replay the copies wrap from step to step as eagerly;
-those that wrap past its last step are joined before it ends (OffloadEngine.finish_step), which is why a
-replay runs planner.simulate.STEPS_PER_GRAPH steps, and the planner models it with ``--cuda-graph``.
+those that wrap past its last step are joined before it ends (OffloadEngine.finish_step); the planner models
+that join with ``--cuda-graph``. A replay runs planner.simulate.STEPS_PER_GRAPH steps (one, as the engines
+capture decode: 4 measured no faster on the H100); ``steps_per_call`` takes others.
 
 With ``compile_backend`` the step's forward runs under torch.compile (one graph, fixed shapes); the offload
 hooks enter it as an opaque op (runtime.engine.layer_boundary), and a CUDA graph then captures the compiled

@@ -293,8 +293,8 @@ def test_export_unknown_engine(dense):
 
 
 def test_export_of_a_cuda_graph_plan_joins_every_step(workdir, test_gpu):
-    """offload-plan replays several decode steps per graph; the engines replay one and join at every step,
-    which the restated prediction models (never faster than the plan's)."""
+    """The engines replay one decode step per graph and join at every step's end, as offload-plan does: the
+    restated prediction models that join (never faster than the plan's)."""
     make_checkpoint(workdir / "ckpt", num_layers=8, num_shards=3)
     plan = _make(["--gpu", test_gpu, "--tokens", "4", "--sequences", "4", "--context", "64", "--cuda-graph",
                   "--group-size", "8", "--num-in-group", "5", "--prefetch-step", "1"])

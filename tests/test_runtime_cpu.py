@@ -253,29 +253,35 @@ def test_calibrated_efficiency_keeps_the_fitted_layer_time():
     assert roofline_ms(flops, 0, False, calibrated) == pytest.approx(roofline_ms(flops, 0, False, base), rel=1e-4)
 
 
-def _captured_steps(engine, model, calls: int = 3, finish: bool = True):
-    """Forwards as CUDA-graph captures would run them, on the stand-in that enforces capture's rules."""
+def _captured_steps(engine, model, calls: int = 3, finish: bool = True, steps_per_capture: int = 1):
+    """Forwards as CUDA-graph captures would run them, on the stand-in that enforces capture's rules: each
+    capture runs steps_per_capture steps and joins the wrapped copies after its last."""
     outputs = []
     with torch.inference_mode():
         for _ in range(calls):
             engine.backend.begin_capture()
-            outputs.append(model(_input_ids()).logits)
-            if finish:
-                engine.finish_step()
+            for step in range(steps_per_capture):
+                outputs.append(model(_input_ids()).logits)
+                if finish:
+                    engine.finish_step(join=step == steps_per_capture - 1)
             engine.backend.end_capture()
     return outputs
 
 
 @LANDING
+@pytest.mark.parametrize("steps_per_capture", [1, 4])
 @pytest.mark.parametrize("shape", PLAN_SHAPES)
-def test_graph_mode_steps_are_capturable_and_equal_resident(llama, shape, lazy):
+def test_graph_mode_steps_are_capturable_and_equal_resident(llama, shape, steps_per_capture, lazy):
+    """Every plan shape, including those with slots that hold one layer for good (copied once at load: a
+    wait on their load event inside a capture is the 'uncaptured work' CUDA rejects)."""
     plan = plan_with(llama, *shape)
     reference = _logits(build_model(str(llama), None), 1)[0]
     model = build_model(str(llama), None)
     engine = apply_plan_on_cpu(model, plan, lazy)
     _logits(model, 2)  # eager steps first: graph mode must take over their in-flight copies
     engine.set_graph_mode(True)
-    assert all(torch.equal(out, reference) for out in _captured_steps(engine, model))
+    outputs = _captured_steps(engine, model, steps_per_capture=steps_per_capture)
+    assert all(torch.equal(out, reference) for out in outputs)
 
 
 @LANDING
@@ -394,7 +400,7 @@ def test_compiled_steps_run_the_offload_inside_and_equal_compiled_resident(backe
     model = build_model(str(llama), None)
     engine = apply_plan_on_cpu(model, plan_with(llama, 3, 2, 1), lazy_copies=True)  # 4 offloaded, 2 slots
     loop = DecodeLoop(model, batch=2, max_cache_tokens=32, device=torch.device("cpu"), engine=engine,
-                      compile_backend=backend)
+                      compile_backend=backend, steps_per_call=4)  # steps wrap inside one capture too
     loop.prefill(prompt)
     engine.set_graph_mode(True)
     loop.warm_up()
@@ -424,7 +430,8 @@ def test_a_full_static_cache_is_a_usage_error(llama):
     from planner.errors import UsageError
     from runtime.graph import DecodeLoop
 
-    loop = DecodeLoop(build_model(str(llama), None), batch=2, max_cache_tokens=16, device=torch.device("cpu"))
+    loop = DecodeLoop(build_model(str(llama), None), batch=2, max_cache_tokens=16, device=torch.device("cpu"),
+                      steps_per_call=4)
     loop.prefill(_input_ids())  # 11 of 16 tokens: one call of 4 fits, a second does not
     loop.step()
     with pytest.raises(UsageError, match="1 free tokens and the next steps need 4"):
