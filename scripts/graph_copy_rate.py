@@ -7,6 +7,10 @@ replay and with four (README, "Decode under CUDA graphs"). If memcpy nodes in a 
 than cudaMemcpyAsync, the gap would not depend on the replay length; this measures exactly that: 21 copies
 of one layer's bytes (386 MB, Qwen3-8B bf16) on a side stream, eager and graphed, from torch-pinned and
 from cudaHostRegister'd memory (what the engine uses).
+
+``--with-compute`` also runs the copies beside a chain of bf16 matmuls on the compute stream (about as long
+as the copies), eager and captured in one graph, and times matmuls alone, copies alone and both: if a graph
+ran its copies through the SMs, or queued them behind kernels, "both" would exceed the longer of the two.
 """
 
 from __future__ import annotations
@@ -44,6 +48,42 @@ def timed_ms(run) -> float:
     return statistics.median(times[1:])
 
 
+MATMUL_SIZE = 8192
+NUM_MATMULS = 100
+
+
+def with_compute(device_buffers, host, side) -> None:
+    """Matmuls alone, copies alone and both at once, eager and graphed: ms of each."""
+    a = torch.randn(MATMUL_SIZE, MATMUL_SIZE, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(MATMUL_SIZE, MATMUL_SIZE, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(a)
+
+    def matmuls():
+        for _ in range(NUM_MATMULS):
+            torch.mm(a, b, out=out)
+
+    def copies_only():
+        side.wait_stream(torch.cuda.current_stream())
+        copies(device_buffers, host, side)
+        torch.cuda.current_stream().wait_stream(side)
+
+    def both():
+        side.wait_stream(torch.cuda.current_stream())
+        copies(device_buffers, host, side)
+        matmuls()
+        torch.cuda.current_stream().wait_stream(side)
+
+    print("| work | eager ms | graphed ms |")
+    print("|---|---|---|")
+    for name, run in (("matmuls", matmuls), ("copies", copies_only), ("both", both)):
+        run()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        print(f"| {name} | {timed_ms(run):.2f} | {timed_ms(graph.replay):.2f} |")
+
+
 def main() -> None:
     backend = CudaBackend(torch.device("cuda"))
     device_buffers = [torch.empty(LAYER_BYTES, dtype=torch.uint8, device="cuda") for _ in range(2)]
@@ -68,6 +108,8 @@ def main() -> None:
         total = NUM_COPIES * LAYER_BYTES
         print(f"| {name} | {eager_ms:.2f} | {total / eager_ms / 1e6:.1f} | {graphed_ms:.2f} | "
               f"{total / graphed_ms / 1e6:.1f} |")
+    if "--with-compute" in sys.argv[1:]:
+        with_compute(device_buffers, sources["cudaHostRegister"], side)
 
 
 if __name__ == "__main__":
