@@ -28,9 +28,11 @@ NUM_REPEATS = 7
 STREAM_BYTES = 2**31
 
 
-def _median_ms(run, repeats: int = NUM_REPEATS) -> float:
-    """Median of ``repeats`` timings of ``run()`` with CUDA events, after one warm-up."""
-    run()
+def median_event_ms(run, repeats: int = NUM_REPEATS, warmups: int = 1) -> float:
+    """Median of ``repeats`` timings of ``run()`` with CUDA events (on the current stream, synchronized after
+    each), after ``warmups`` untimed calls."""
+    for _ in range(warmups):
+        run()
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -62,7 +64,7 @@ def h2d_line() -> tuple[float, float, list[tuple[int, float]]]:
                 for _ in range(count):
                     device[:num_bytes].copy_(host[:num_bytes], non_blocking=True)
 
-            points.append((num_bytes, _median_ms(queue) / count))
+            points.append((num_bytes, median_event_ms(queue) / count))
     backend.unpin(host)
     slope_ms_per_byte, intercept_ms = _fit_line([p for p in points if p[0] >= FIT_FROM_BYTES])
     return 1e3 / slope_ms_per_byte, max(0.0, intercept_ms * 1e3), points
@@ -83,7 +85,7 @@ def hbm_bytes_per_s() -> float:
     """Device-to-device copy of 2 GiB, counting bytes read and written."""
     source = torch.empty(2**31, dtype=torch.uint8, device="cuda").random_(0, 255)
     target = torch.empty_like(source)
-    ms = _median_ms(lambda: target.copy_(source))
+    ms = median_event_ms(lambda: target.copy_(source))
     return 2 * source.numel() / (ms / 1e3)
 
 
@@ -91,7 +93,7 @@ def bf16_flops_per_s(size: int = 8192) -> float:
     """An n^3 bf16 matrix product on random data."""
     a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
-    ms = _median_ms(lambda: a @ b)
+    ms = median_event_ms(lambda: a @ b)
     return 2 * size**3 / (ms / 1e3)
 
 

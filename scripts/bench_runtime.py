@@ -28,6 +28,7 @@ from planner.plan import Inputs  # noqa: E402
 from runtime.bench import forward_step, time_steps  # noqa: E402
 from runtime.load import apply_plan, build_model  # noqa: E402
 from runtime.backend import CudaBackend  # noqa: E402
+from runtime.calibrate import median_event_ms  # noqa: E402
 
 BUDGET_SHARES = (0.75, 0.5, 0.25)
 TOKENS = (2048, 8192)
@@ -78,15 +79,8 @@ def pinned_h2d_bytes_per_s() -> float:
         device = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
         registered = backend.pin(torch.empty(num_bytes, dtype=torch.uint8))
         for host in (torch.empty(num_bytes, dtype=torch.uint8).pin_memory(), registered):
-            times = []
-            for _ in range(8):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                device.copy_(host, non_blocking=True)
-                end.record()
-                torch.cuda.synchronize()
-                times.append(start.elapsed_time(end))
-            best = max(best, num_bytes / (statistics.median(times[2:]) / 1e3))
+            ms = median_event_ms(lambda d=device, h=host: d.copy_(h, non_blocking=True), repeats=6, warmups=2)
+            best = max(best, num_bytes / (ms / 1e3))
         backend.unpin(registered)
         del device, registered, host
     return best

@@ -15,7 +15,6 @@ ran its copies through the SMs, or queued them behind kernels, "both" would exce
 
 from __future__ import annotations
 
-import statistics
 import sys
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from runtime.backend import CudaBackend  # noqa: E402
+from runtime.calibrate import median_event_ms  # noqa: E402
 
 LAYER_BYTES = 386_000_000
 NUM_COPIES = 21
@@ -37,15 +37,7 @@ def copies(device_buffers, host_buffers, stream) -> None:
 
 
 def timed_ms(run) -> float:
-    times = []
-    for _ in range(NUM_REPEATS + 1):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times[1:])
+    return median_event_ms(run, repeats=NUM_REPEATS)
 
 
 MATMUL_SIZE = 8192
