@@ -82,7 +82,8 @@ def main() -> None:
     side = torch.cuda.Stream()
     sources = {"pin_memory": [torch.empty(LAYER_BYTES, dtype=torch.uint8).pin_memory() for _ in range(2)],
                "cudaHostRegister": [backend.pin(torch.empty(LAYER_BYTES, dtype=torch.uint8)) for _ in range(2)]}
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}: {NUM_COPIES} copies of {LAYER_BYTES / 1e6:.0f} MB")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}: "
+          f"{NUM_COPIES} copies of {LAYER_BYTES / 1e6:.0f} MB")
     print("| host memory | eager ms | eager GB/s | graphed ms | graphed GB/s |")
     print("|---|---|---|---|---|")
     for name, host in sources.items():
