@@ -192,6 +192,7 @@ def _assemble(inputs, checkpoint, layout, profile, workload, compute, layer_byte
             prefetch_step=choice.prefetch_step,
             params=tuple(inputs.params),
             layers=choice.offloaded,
+            replay_start_copies=choice.replay_start_copies,
         ),
         memory=MemorySection(
             budget_bytes=budget,

@@ -121,10 +121,15 @@ class OffloadSection:
     params: tuple[str, ...]
     #: offloaded layer indices, ascending
     layers: tuple[int, ...]
+    #: under CUDA graphs (workload.cuda_graph; written only then): of the copies that wrap past a replay, the
+    #: last this many are issued by the next replay as it begins instead of joined at this one's end
+    replay_start_copies: int = 0
 
     def __post_init__(self):
         if list(self.layers) != sorted(set(self.layers)):
             raise ValueError("offload.layers must be ascending and distinct")
+        if not 0 <= self.replay_start_copies <= (self.prefetch_step if self.layers else 0):
+            raise ValueError("offload.replay_start_copies must be between 0 and prefetch_step")
         if self.layers and (self.prefetch_step < 1 or self.group_size < 1):
             raise ValueError("offload.prefetch_step and offload.group_size must be >= 1 when layers are offloaded")
 
@@ -197,6 +202,8 @@ class Plan:
             raise ValueError("layers must have one row per planned layer")
         if any(i >= self.model.num_layers for i in self.offload.layers):
             raise ValueError("offload.layers names a layer beyond model.num_layers")
+        if self.offload.replay_start_copies and not self.workload.cuda_graph:
+            raise ValueError("offload.replay_start_copies applies to CUDA-graph plans (workload.cuda_graph) only")
 
 
 SECTIONS = {
@@ -247,6 +254,8 @@ def plan_to_dict(plan: Plan) -> dict:
     for name in SECTIONS:
         section = asdict(getattr(plan, name))
         out[name] = {key: _plain(value) for key, value in section.items()}
+    if not plan.workload.cuda_graph:
+        del out["offload"]["replay_start_copies"]  # eager plans keep their bytes
     out["layers"] = [{key: _plain(value) for key, value in asdict(row).items()} for row in plan.layers]
     return out
 

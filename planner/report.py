@@ -5,6 +5,7 @@ from rich.table import Table
 from rich.text import Text
 
 from planner.plan import Plan
+from planner.schedule import PrefetchSchedule
 from planner.simulate import STEPS_PER_GRAPH, Simulation, join_every_steps_for, simulate
 from planner.units import format_bytes, format_ms
 
@@ -21,6 +22,7 @@ def resimulate(plan: Plan) -> Simulation:
         copy_ms=tuple(plan.layers[i].copy_ms for i in plan.offload.layers),
         prefetch_step=plan.offload.prefetch_step,
         join_every_steps=join_every_steps_for(plan.workload.cuda_graph),
+        replay_start_copies=plan.offload.replay_start_copies,
     )
 
 
@@ -48,8 +50,8 @@ def _summary(plan: Plan) -> Table:
                               f"link {plan.hardware.h2d_bytes_per_s / 1e9:.1f} GB/s")
     table.add_row("workload", f"{plan.workload.tokens_per_step} tokens/step in {plan.workload.sequences_per_step} "
                               f"sequence(s), context {plan.workload.context_tokens}; {plan.workload.compute_source}"
-                              + (f"; CUDA-graph replays of {_replay_steps()} (copies into the next replay "
-                                 "join at each replay's end)" if plan.workload.cuda_graph else ""))
+                              + (f"; CUDA-graph replays of {_replay_steps()} ({_replay_boundary(plan)})"
+                                 if plan.workload.cuda_graph else ""))
     if offload.layers:
         params = " ".join(offload.params) if offload.params else "whole layers"
         table.add_row("offload", f"{len(offload.layers)} of {model.num_layers} layers ({params}); "
@@ -64,6 +66,18 @@ def _summary(plan: Plan) -> Table:
                                     f"link busy {100 * prediction.link_busy_share:.0f}%")
     table.add_row("bound by", _bound_by(plan))
     return table
+
+
+def _replay_boundary(plan: Plan) -> str:
+    """How the copies wrapping into the next replay are split between this replay's end and the next's start."""
+    joined, left = PrefetchSchedule(len(plan.offload.layers), plan.offload.prefetch_step).replay_boundary(
+        plan.offload.replay_start_copies) if plan.offload.layers else ((), ())
+    if not left:
+        return "copies into the next replay join at each replay's end"
+    def layers(positions):
+        return "layer" + "s" * (len(positions) > 1) + " " + ", ".join(str(plan.offload.layers[k]) for k in positions)
+    joined_text = f"{layers(joined)} join at each replay's end" if joined else "nothing joins at a replay's end"
+    return f"{joined_text}; {layers(left)} copied as the next replay begins, so the link works while it computes"
 
 
 def _bound_by(plan: Plan) -> str:

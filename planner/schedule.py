@@ -59,6 +59,18 @@ class PrefetchSchedule:
             return range(n)
         return tuple(range(n - slots)) + tuple(range(slots, n))
 
+    def replay_boundary(self, replay_start_copies: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(joined, deferred): the positions whose copies wrap past a CUDA-graph replay, split in need order.
+
+        The copies of the first S positions (those re-copied) wrap into the next step. A replay cannot end
+        with copies in flight, so each either ends the replay joined, or (the last ``replay_start_copies``)
+        is left to the next replay, which issues it as it begins: then the link has work while that replay
+        computes its way to the first slot it frees, instead of sitting idle.
+        """
+        wrapped = tuple(k for k in range(self.num_slots) if self.needs_copy(k))
+        split = len(wrapped) - min(replay_start_copies, len(wrapped))
+        return wrapped[:split], wrapped[split:]
+
     def slot_of(self, position: int) -> int:
         """The slot that offloaded position ``position`` always lives in."""
         return position % self.num_slots

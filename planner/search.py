@@ -13,7 +13,7 @@ from planner.cost import ComputeTimes
 from planner.errors import InfeasibleError
 from planner.placement import allocation_slack_bytes
 from planner.schedule import PrefetchSchedule, offloaded_by_rule
-from planner.simulate import Simulation, simulate
+from planner.simulate import Simulation, simulate_fastest_boundary
 from planner.units import format_bytes
 
 # Step times closer than this are equal for choosing between plans (0.1 us).
@@ -38,6 +38,8 @@ class Choice:
     num_in_group: int
     prefetch_step: int
     offloaded: tuple[int, ...]
+    #: under CUDA graphs: wrapped copies each replay issues as it begins (planner.schedule.replay_boundary)
+    replay_start_copies: int
     simulation: Simulation
     gpu_bytes: int
     host_pinned_bytes: int
@@ -215,7 +217,7 @@ def _ordered(layers, fixed_bytes, copy_ms, resident_ms, budget_bytes, space):
 
 def _evaluate(layers, fixed_bytes, compute, copy_ms, offloaded, group_size, num_in_group, depth,
               join_every_steps) -> Choice:
-    simulation = simulate(
+    replay_start_copies, simulation = simulate_fastest_boundary(
         layer_ms=compute.layer_ms,
         head_ms=compute.head_ms,
         offloaded=offloaded,
@@ -229,6 +231,7 @@ def _evaluate(layers, fixed_bytes, compute, copy_ms, offloaded, group_size, num_
         num_in_group=num_in_group,
         prefetch_step=depth,
         offloaded=offloaded,
+        replay_start_copies=replay_start_copies,
         simulation=simulation,
         gpu_bytes=gpu_bytes_of(fixed_bytes, layers, offloaded, schedule.num_slots),
         host_pinned_bytes=sum(layers.selected[i] for i in offloaded),

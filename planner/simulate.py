@@ -68,11 +68,15 @@ def simulate(
     copy_ms: tuple[float, ...],
     prefetch_step: int,
     join_every_steps: int = 0,
+    replay_start_copies: int = 0,
 ) -> Simulation:
     """Simulate steps until steady state. ``copy_ms[k]`` is the copy time of offloaded position k;
-    ``join_every_steps``: the steps per CUDA-graph replay (0: eager steps, never joined)."""
+    ``join_every_steps``: the steps per CUDA-graph replay (0: eager steps, never joined);
+    ``replay_start_copies``: of the copies wrapping past a replay, how many (the last, in need order) are
+    left to the next replay, which issues them when it begins."""
     assert join_every_steps >= 0 and NUM_MEASURED_STEPS % max(1, join_every_steps) == 0
     schedule = PrefetchSchedule(len(offloaded), prefetch_step)
+    joined, deferred = schedule.replay_boundary(replay_start_copies if join_every_steps else 0)
     position_of = {layer: k for k, layer in enumerate(offloaded)}
     n = len(offloaded)
     compute_end: dict[tuple[int, int], float] = {}  # (step, position) -> end of that offloaded layer
@@ -92,7 +96,10 @@ def simulate(
         while (step, position) not in copy_end:
             copy_step, copy_position = next(order)
             steps_back, reader = schedule.previous_reader(copy_position)
-            start = max(stream_free_ms, compute_end[(copy_step - steps_back, reader)])
+            ready = compute_end[(copy_step - steps_back, reader)]
+            if copy_position in deferred and copy_step % join_every_steps == 0:
+                ready = max(ready, step_starts[copy_step])  # issued when the replay begins
+            start = max(stream_free_ms, ready)
             end = start + copy_ms[copy_position]
             copy_end[(copy_step, copy_position)] = end
             copy_log.append((copy_step, offloaded[copy_position], start, end))
@@ -117,8 +124,8 @@ def simulate(
                 compute_end[(step, position_of[layer])] = now
         join_wait = 0.0
         if join_every_steps and (step + 1) % join_every_steps == 0:
-            joined = max([now, *(ensure_copy(step + 1, k) for k in range(min(schedule.num_slots, n)))])
-            join_wait, now = joined - now, joined
+            joined_at = max([now, *(ensure_copy(step + 1, k) for k in joined)])
+            join_wait, now = joined_at - now, joined_at
         traces.append((trace, stalls, join_wait))
     step_starts.append(now)
     return _steady_state(step_starts, traces, copy_log)
@@ -149,3 +156,18 @@ def _steady_state(step_starts, traces, copy_log) -> Simulation:
         layer_stall_ms=tuple(stalls),
         join_ms=sum(joins) / len(joins),
     )
+
+
+def simulate_fastest_boundary(*, prefetch_step: int, offloaded: tuple[int, ...], join_every_steps: int,
+                              **times) -> tuple[int, Simulation]:
+    """(replay_start_copies, simulation): under CUDA graphs, the split of the wrapped copies between a
+    replay's end and the next one's start that gives the fastest step (the fewest left to the start on a
+    tie); eagerly nothing is split. ``times``: simulate's layer_ms, head_ms and copy_ms."""
+    num_wrapped = 0
+    if join_every_steps:
+        joined, deferred = PrefetchSchedule(len(offloaded), prefetch_step).replay_boundary(0)
+        num_wrapped = len(joined) + len(deferred)
+    runs = [(simulate(prefetch_step=prefetch_step, offloaded=offloaded, join_every_steps=join_every_steps,
+                      replay_start_copies=count, **times), count) for count in range(num_wrapped + 1)]
+    simulation, count = min(runs, key=lambda run: (round(run[0].step_ms, 6), run[1]))
+    return count, simulation

@@ -119,11 +119,16 @@ class OffloadEngine:
         backend,
         slots: list[torch.Tensor],
         on_layer_packed=None,
+        replay_start_copies: int = 0,
     ):
-        """``slots``: one uint8 device buffer per slot, each at least as long as the largest packed layer."""
+        """``slots``: one uint8 device buffer per slot, each at least as long as the largest packed layer;
+        ``replay_start_copies``: in graph mode, how many of the copies wrapping past a replay the next replay
+        issues as it begins (PrefetchSchedule.replay_boundary; the plan's offload.replay_start_copies)."""
         self.backend = backend
         self.offloaded = offloaded
         self.schedule = PrefetchSchedule(len(offloaded), prefetch_step)
+        #: in graph mode: the wrapped copies a replay's last step joins, and those the next replay issues
+        self.joined_positions, self.deferred_positions = self.schedule.replay_boundary(replay_start_copies)
         self.issue_after = self.schedule.issue_after()
         self.layouts = offloaded_layouts(layers, offloaded, params)
         self.layer_bytes = [packed_bytes(p) for p in self.layouts]
@@ -131,8 +136,12 @@ class OffloadEngine:
         self.timing = False
         #: steps are CUDA-graph replays: the first slots are loaded when a replay begins (see set_graph_mode)
         self.graph_mode = False
-        #: in graph mode, the last step joined its wrapped copies: the first S positions need no wait
+        #: in graph mode, the last step joined its wrapped copies: the joined positions need no wait
         self._first_slots_joined = False
+        #: in graph mode, this step is its replay's last: it leaves the deferred positions' copies to the next
+        self._replay_last = False
+        #: a replay's last step left the deferred positions' copies to a next replay that has not begun
+        self._deferred_pending = False
         self._hooks = []
         self.key = next(_ENGINE_KEYS)
         _ENGINES[self.key] = self
@@ -216,8 +225,10 @@ class OffloadEngine:
         Eagerly, the copies for the next step's first S positions run on into that step, and its layers wait
         on their events. A replay cannot end with copies in flight nor wait on an event recorded outside its
         capture, so in graph mode the last step of each replay joins those copies at its end (finish_step with
-        ``join``) and the next replay's first S positions need no wait: their slots are loaded before it begins.
-        Steps inside a replay wrap as eagerly.
+        ``join``) and the next replay's joined positions need no wait: their slots are loaded before it begins.
+        The deferred positions' copies are not issued by the last step but by the next replay as it begins
+        (start_step), so the link works while that replay computes up to the first slot it frees. Steps
+        inside a replay wrap as eagerly.
         """
         if on == self.graph_mode:
             return
@@ -242,7 +253,33 @@ class OffloadEngine:
         self.backend.record_on_compute(loaded)
         self.backend.copy_waits(loaded)
         for position in range(self.schedule.num_slots):
-            self.backend.record_on_copy(self.copy_done[position])
+            if self._deferred_pending and position in self.deferred_positions:
+                self._copy(position)  # the last replay left it to a next one
+            else:
+                self.backend.record_on_copy(self.copy_done[position])
+        self._deferred_pending = False
+
+    def set_replay_start_copies(self, count: int) -> None:
+        """Change how many wrapped copies each replay issues as it begins (benchmarks compare splits on one
+        engine); only outside graph mode, where no replay has a copy left pending."""
+        if self.graph_mode:
+            raise RuntimeError("change replay_start_copies outside graph mode")
+        self.joined_positions, self.deferred_positions = self.schedule.replay_boundary(count)
+
+    def start_step(self, first: bool, last: bool) -> None:
+        """Start of a step; ``first``/``last``: it begins/ends its CUDA-graph replay (ignored eagerly). A
+        replay's first step issues the deferred positions' copies at once: their slots' last readers ran in
+        an earlier replay, so they wait only for the replay to begin."""
+        if not self.graph_mode:
+            return
+        if first and self.deferred_positions:
+            begun = self.backend.new_event("replay-start")
+            self.backend.record_on_compute(begun)
+            self.backend.copy_waits(begun)
+            for position in self.deferred_positions:
+                self._copy(position)
+            self._deferred_pending = False
+        self._replay_last = last
 
     def finish_step(self, join: bool = True) -> None:
         """End of a step. In graph mode with ``join`` (a replay's last step), the compute stream waits for the
@@ -255,15 +292,14 @@ class OffloadEngine:
     def _loaded_before_step(self, position: int) -> bool:
         """In graph mode: the position's slot was loaded before this step began, so it needs no wait (a wait
         would be on an event recorded outside the capture). True for a slot that holds one layer for good
-        (joined when graph mode began) and, after a joining step, for the first S positions."""
+        (joined when graph mode began) and, after a joining step, for the joined positions."""
         if not self.schedule.needs_copy(position):
             return True
-        return self._first_slots_joined and position < self.schedule.num_slots
+        return self._first_slots_joined and position in self.joined_positions
 
     def _join_wrapped_copies(self) -> None:
-        for position in range(self.schedule.num_slots):
-            if self.schedule.needs_copy(position):
-                self.backend.compute_waits(self.copy_done[position])
+        for position in self.joined_positions:
+            self.backend.compute_waits(self.copy_done[position])
 
     def _before_layer(self, position: int) -> None:
         if self.graph_mode and self._loaded_before_step(position):
@@ -280,6 +316,9 @@ class OffloadEngine:
     def _after_layer(self, position: int) -> None:
         self.backend.record_on_compute(self.reader_done[position])
         for target in self.issue_after[position]:
+            if self.graph_mode and self._replay_last and target in self.deferred_positions:
+                self._deferred_pending = True  # the next replay issues it as it begins
+                continue
             _, reader = self.schedule.previous_reader(target)
             self.backend.copy_waits(self.reader_done[reader])
             self._copy(target)

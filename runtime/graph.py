@@ -134,6 +134,8 @@ class DecodeLoop:
     def _step(self, index: int, join: bool) -> None:
         """Step ``index`` of a call; ``join``: the call's last step, which joins the copies wrapping past it."""
         self.step_ids[:, index : index + 1].copy_(self.ids)
+        if self.engine is not None:
+            self.engine.start_step(first=index == 0, last=join)
         logits = self.forward(input_ids=self.ids, past_key_values=self.cache, use_cache=True).logits[:, -1, :]
         if self.engine is not None:
             self.engine.finish_step(join)

@@ -153,7 +153,7 @@ def apply_plan(model: nn.Module, plan: Plan, backend, on_layer_packed=None) -> O
     slots = [arena[resident_bytes + k * align_up(slot_bytes):][:slot_bytes] for k in range(num_slots)]
     engine = OffloadEngine(layers=layers, offloaded=offloaded, prefetch_step=plan.offload.prefetch_step,
                            params=plan.offload.params, backend=backend, slots=slots,
-                           on_layer_packed=on_layer_packed)
+                           on_layer_packed=on_layer_packed, replay_start_copies=plan.offload.replay_start_copies)
     for param, item in zip(resident, resident_layout):
         view = view_as_param(arena, item)
         view.copy_(param.data)

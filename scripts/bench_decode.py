@@ -142,6 +142,7 @@ def main() -> None:
         rows.append({
             "batch": batch, "offloaded": len(plan.offload.layers), "prefetch": plan.offload.prefetch_step,
             "group_size": plan.offload.group_size, "num_in_group": plan.offload.num_in_group,
+            "replay_start_copies": plan.offload.replay_start_copies,
             "copy_bytes_per_step": copy_bytes, "resident_eager_ms": eager_resident["step_ms"],
             "resident_graphed_ms": graphed_resident["step_ms"], "plan_eager_ms": eager_plan["step_ms"],
             "plan_graphed_ms": graphed_plan["step_ms"], "plan_graphed_multi_step_ms": multi_step_plan["step_ms"],
@@ -179,14 +180,15 @@ def report(rows, h2d: float, out: Path) -> None:
               f"layer bytes; plans from make --cuda-graph --measure with the calibrated profile; {STEPS_PER_GRAPH} step(s) "
               "per replay unless said")
     lines = [header, "",
-             "| batch | offloaded (G, K, P) | resident graphed ms (eager) | floor ms | plan graphed ms | floor/plan | "
+             "| batch | offloaded (G, K, P, left to replay start) | resident graphed ms (eager) | floor ms | plan graphed ms | floor/plan | "
              f"plan {MULTI_STEPS_PER_GRAPH} steps/replay ms | plan eager ms | graph speed-up | tokens/s graphed | predicted ms | error | "
              "warm-up + capture s | bitwise |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         graphed = r["plan_graphed_ms"]
         lines.append(
-            f"| {r['batch']} | {r['offloaded']} ({r['group_size']}, {r['num_in_group']}, {r['prefetch']}) | "
+            f"| {r['batch']} | {r['offloaded']} ({r['group_size']}, {r['num_in_group']}, {r['prefetch']}, "
+            f"{r.get('replay_start_copies', 0)}) | "
             f"{r['resident_graphed_ms']:.2f} ({r['resident_eager_ms']:.2f}) | {r['floor_ms']:.2f} | {graphed:.2f} | "
             f"{r['floor_ms'] / graphed:.3f} | {r['plan_graphed_multi_step_ms']:.2f} | {r['plan_eager_ms']:.2f} | "
             f"{r['plan_eager_ms'] / graphed:.2f}x | "

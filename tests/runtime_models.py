@@ -50,6 +50,16 @@ def plan_with(model: Path, group_size: int, num_in_group: int, prefetch_step: in
     return make_plan(inputs).plan
 
 
+def with_replay_start_copies(plan: Plan, count: int) -> Plan:
+    """The plan made for CUDA graphs with ``count`` wrapped copies left to each replay's start (capped at what
+    the plan allows), whatever the search chose."""
+    from dataclasses import replace
+
+    count = min(count, plan.offload.prefetch_step)
+    return replace(plan, workload=replace(plan.workload, cuda_graph=True),
+                   offload=replace(plan.offload, replay_start_copies=count))
+
+
 def save_word_tokenizer(folder: Path, vocab_size: int = 256) -> None:
     """A word-level tokenizer over vocab_size made-up words, so `run --prompt` has one to load."""
     from tokenizers import Tokenizer, models, pre_tokenizers

@@ -267,6 +267,12 @@ SHOW_CASES = {
     "layer-beyond-model": (_plan_edit(lambda d: d["offload"].update(layers=[9], prefetch_step=1, group_size=4)),
                            ["beyond model.num_layers"]),
     "row-count": (_plan_edit(lambda d: d["layers"].pop()), ["one row per planned layer"]),
+    "replay-start-copies-eager": (_plan_edit(lambda d: d["offload"].update(layers=[1, 3], prefetch_step=1, group_size=2,
+                                                                            replay_start_copies=1)),
+                                  ["replay_start_copies applies to CUDA-graph plans"]),
+    "replay-start-copies-over-depth": (_plan_edit(lambda d: d["offload"].update(layers=[1, 3], prefetch_step=1,
+                                                                                 group_size=2, replay_start_copies=2)),
+                                       ["replay_start_copies must be between 0 and prefetch_step"]),
     "file-missing": (None, ["cannot read plan"]),
 }
 

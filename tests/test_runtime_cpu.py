@@ -7,7 +7,7 @@ import torch
 
 from planner.schedule import PrefetchSchedule
 from runtime.load import apply_plan_on_cpu, build_model
-from tests.runtime_models import PLAN_SHAPES, plan_with, save_tiny_llama, save_tiny_moe
+from tests.runtime_models import PLAN_SHAPES, plan_with, save_tiny_llama, save_tiny_moe, with_replay_start_copies
 
 
 @pytest.fixture(scope="module")
@@ -255,12 +255,13 @@ def test_calibrated_efficiency_keeps_the_fitted_layer_time():
 
 def _captured_steps(engine, model, calls: int = 3, finish: bool = True, steps_per_capture: int = 1):
     """Forwards as CUDA-graph captures would run them, on the stand-in that enforces capture's rules: each
-    capture runs steps_per_capture steps and joins the wrapped copies after its last."""
+    capture runs steps_per_capture steps and joins the wrapped copies after its last (DecodeLoop's order)."""
     outputs = []
     with torch.inference_mode():
         for _ in range(calls):
             engine.backend.begin_capture()
             for step in range(steps_per_capture):
+                engine.start_step(first=step == 0, last=step == steps_per_capture - 1)
                 outputs.append(model(_input_ids()).logits)
                 if finish:
                     engine.finish_step(join=step == steps_per_capture - 1)
@@ -268,13 +269,19 @@ def _captured_steps(engine, model, calls: int = 3, finish: bool = True, steps_pe
     return outputs
 
 
+REPLAY_START_COPIES = pytest.mark.parametrize("replay_start_copies", [0, 1, 6], ids=["joined", "one-left", "all-left"])
+
+
 @LANDING
+@REPLAY_START_COPIES
 @pytest.mark.parametrize("steps_per_capture", [1, 4])
 @pytest.mark.parametrize("shape", PLAN_SHAPES)
-def test_graph_mode_steps_are_capturable_and_equal_resident(llama, shape, steps_per_capture, lazy):
+def test_graph_mode_steps_are_capturable_and_equal_resident(llama, shape, steps_per_capture, replay_start_copies,
+                                                            lazy):
     """Every plan shape, including those with slots that hold one layer for good (copied once at load: a
-    wait on their load event inside a capture is the 'uncaptured work' CUDA rejects)."""
-    plan = plan_with(llama, *shape)
+    wait on their load event inside a capture is the 'uncaptured work' CUDA rejects), with the wrapped
+    copies joined at each replay's end, one of them or all left to the next replay's start."""
+    plan = with_replay_start_copies(plan_with(llama, *shape), replay_start_copies)
     reference = _logits(build_model(str(llama), None), 1)[0]
     model = build_model(str(llama), None)
     engine = apply_plan_on_cpu(model, plan, lazy)
@@ -285,10 +292,12 @@ def test_graph_mode_steps_are_capturable_and_equal_resident(llama, shape, steps_
 
 
 @LANDING
-def test_eager_steps_after_captured_ones_equal_resident(llama, lazy):
+@REPLAY_START_COPIES
+def test_eager_steps_after_captured_ones_equal_resident(llama, replay_start_copies, lazy):
     """Graph mode off after captures: eager steps must not wait on events recorded inside a capture (CUDA
-    rejects that with 'invalid argument'), and the slots the captures left loaded stay correct."""
-    plan = plan_with(llama, 3, 2, 1)
+    rejects that with 'invalid argument'), the slots the captures left loaded stay correct, and a copy the
+    last capture left to a next one is made."""
+    plan = with_replay_start_copies(plan_with(llama, 3, 2, 2), replay_start_copies)
     reference = _logits(build_model(str(llama), None), 1)[0]
     model = build_model(str(llama), None)
     engine = apply_plan_on_cpu(model, plan, lazy)
@@ -309,6 +318,22 @@ def test_eager_schedule_is_not_capturable_and_unjoined_copies_are_caught(llama):
     engine.set_graph_mode(True)
     with pytest.raises(AssertionError, match="never joined"):
         _captured_steps(engine, model, calls=1, finish=False)
+
+
+def test_a_copy_left_to_the_next_replay_is_its_first_work_on_the_link(llama):
+    """With one wrapped copy left to the replay's start, each capture's first copy comes before any layer has
+    run (it waits only for the replay to begin), and the last step issues one copy fewer than it would."""
+    plan = with_replay_start_copies(plan_with(llama, 3, 2, 1), 1)  # 4 offloaded through 1 slot
+    model = build_model(str(llama), None)
+    engine = apply_plan_on_cpu(model, plan)
+    engine.set_graph_mode(True)
+    logged = len(engine.backend.log)
+    _captured_steps(engine, model, calls=1)
+    log = engine.backend.log[logged:]
+    first_copy = next(i for i, entry in enumerate(log) if entry[0] == "copy")
+    first_layer_done = next(i for i, entry in enumerate(log) if entry[:2] == ("record", "reader-done-0"))
+    assert first_copy < first_layer_done and log[first_copy] == ("copy", f"layer-{engine.offloaded[0]}")
+    assert sum(entry[0] == "copy" for entry in log) == len(engine.offloaded)  # 3 in the step + 1 at its start
 
 
 def test_copy_bytes_per_step_follows_the_schedule(llama):
@@ -362,6 +387,7 @@ def test_cuda_graph_plans_need_a_decode_workload(llama):
     ok = run_cli(["make", "-m", str(llama), "-g", "h100-sxm", "--tokens", "8", "--sequences", "8", "--context", "64",
                   "--cuda-graph", "--budget", "1MB"], cwd=llama)
     assert ok.returncode == 0 and "cuda_graph: true" in ok.stdout and "--cuda-graph" in ok.stdout.splitlines()[1]
+    assert "replay_start_copies:" in ok.stdout  # written for graphed plans only (golden eager plans keep bytes)
     (llama / "graphed.yaml").write_text(ok.stdout)
     shown = run_cli(["show", "graphed.yaml"], cwd=llama)
     assert shown.returncode == 0 and "CUDA-graph replays" in shown.stderr

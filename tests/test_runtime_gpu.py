@@ -8,7 +8,7 @@ import torch
 
 from runtime.backend import CudaBackend
 from runtime.load import apply_plan, build_model
-from tests.runtime_models import PLAN_SHAPES, plan_with, save_tiny_llama, save_tiny_moe
+from tests.runtime_models import PLAN_SHAPES, plan_with, save_tiny_llama, save_tiny_moe, with_replay_start_copies
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -187,13 +187,16 @@ def _graphed_equals_eager_resident(checkpoint, plan, steps_per_call=1):
     return _same(resident_graphed, reference), _same(planned, reference)
 
 
+@pytest.mark.parametrize("replay_start_copies", [0, 1, 6], ids=["joined", "one-left", "all-left"])
 @pytest.mark.parametrize("steps_per_call", [1, 4])
 @pytest.mark.parametrize("shape", PLAN_SHAPES)
-def test_graphed_decode_bitwise_equal_to_eager_resident(llama, shape, steps_per_call):
+def test_graphed_decode_bitwise_equal_to_eager_resident(llama, shape, steps_per_call, replay_start_copies):
     """Every plan shape, depth not dividing the number offloaded included, and slots holding one layer for
-    good (their load is not captured: a wait on it inside a capture fails), with 1 and 4 steps per replay:
-    ids and logits bit for bit."""
-    plan = plan_with(llama, *shape, tokens=3, sequences=3, context=40, cuda_graph=True)
+    good (their load is not captured: a wait on it inside a capture fails), with 1 and 4 steps per replay and
+    the wrapped copies joined at a replay's end, one or all of them left to the next replay's start: ids and
+    logits bit for bit."""
+    plan = with_replay_start_copies(plan_with(llama, *shape, tokens=3, sequences=3, context=40, cuda_graph=True),
+                                    replay_start_copies)
     assert _graphed_equals_eager_resident(llama, plan, steps_per_call) == (True, True)
 
 

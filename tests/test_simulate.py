@@ -12,7 +12,7 @@ from planner.cost import ComputeTimes
 from planner.errors import InfeasibleError
 from planner.schedule import PrefetchSchedule, offloaded_by_rule
 from planner.search import LayerBytes, SearchSpace, copy_ms_of, gpu_bytes_of, search
-from planner.simulate import STEPS_PER_GRAPH, simulate
+from planner.simulate import STEPS_PER_GRAPH, simulate, simulate_fastest_boundary
 
 
 def sim(layer_ms, offloaded, copy_ms, prefetch_step, head_ms=0.0):
@@ -299,10 +299,12 @@ def test_search_finds_the_brute_force_optimum(graphed):
                 for p in range(1, len(offloaded)):
                     if gpu_bytes_of(fixed, layers, offloaded, p) > budget:
                         continue
-                    s = simulate(layer_ms=compute.layer_ms, head_ms=compute.head_ms, offloaded=offloaded,
-                                 copy_ms=tuple(copy_ms_of(sizes[i], h2d, overhead) for i in offloaded),
-                                 prefetch_step=p, join_every_steps=STEPS_PER_GRAPH if graphed else 0)
-                    best = s.step_ms if best is None else min(best, s.step_ms)
+                    for count in range(p + 1 if graphed else 1):
+                        s = simulate(layer_ms=compute.layer_ms, head_ms=compute.head_ms, offloaded=offloaded,
+                                     copy_ms=tuple(copy_ms_of(sizes[i], h2d, overhead) for i in offloaded),
+                                     prefetch_step=p, join_every_steps=STEPS_PER_GRAPH if graphed else 0,
+                                     replay_start_copies=count)
+                        best = s.step_ms if best is None else min(best, s.step_ms)
         assert best is not None
         assert round(choice.simulation.step_ms, 4) == round(best, 4)
 
@@ -326,6 +328,27 @@ def test_graph_replays_join_the_wrapped_copies_by_hand():
     assert simulate(**common).step_ms == pytest.approx(8.0)
     graphed = simulate(**common, join_every_steps=1)
     assert graphed.step_ms == pytest.approx(10.0) and graphed.stall_ms == pytest.approx(6.0)
+
+
+def test_a_copy_left_to_the_next_replay_runs_under_its_first_layers_by_hand():
+    """The example above with layer 2's wrapped copy left to the next replay: issued as it begins, it runs
+    under layers 0 and 1 (3 ms against 2), layer 2 runs 3-4, copy(3) 4-7, layer 3 7-8; nothing is joined at
+    the end. 8 ms, as eagerly, where joining it cost 10."""
+    common = dict(layer_ms=(1.0,) * 4, head_ms=0.0, offloaded=(2, 3), copy_ms=(3.0, 3.0), prefetch_step=1)
+    left = simulate(**common, join_every_steps=1, replay_start_copies=1)
+    assert left.step_ms == pytest.approx(8.0) and left.join_ms == 0.0 and left.stall_ms == pytest.approx(1.0 + 3.0)
+    assert simulate_fastest_boundary(**common, join_every_steps=1) == (1, left)
+    assert simulate_fastest_boundary(**common, join_every_steps=0)[0] == 0  # eagerly nothing is split
+
+
+def test_the_fastest_boundary_keeps_the_join_when_it_hides_under_the_tail_by_hand():
+    """4 layers of 1 ms, layers 0 and 2 through one slot, 3 ms copies. Joined: layer 0 0-1, copy(2) 1-4,
+    layer 2 4-5, copy(0) 5-8 under layer 3 (5-6), replay ends at 8. Left to the next replay, layer 0 (the
+    first layer) waits for it: copy(0) 0-3, layer 0 3-4, copy(2) 4-7, layer 2 7-8, layer 3 8-9."""
+    common = dict(layer_ms=(1.0,) * 4, head_ms=0.0, offloaded=(0, 2), copy_ms=(3.0, 3.0), prefetch_step=1)
+    assert simulate(**common, join_every_steps=1, replay_start_copies=1).step_ms == pytest.approx(9.0)
+    count, simulation = simulate_fastest_boundary(**common, join_every_steps=1)
+    assert count == 0 and simulation.step_ms == pytest.approx(8.0)
 
 
 def test_replays_of_several_steps_join_once_per_replay_by_hand():
