@@ -1,6 +1,6 @@
 """Where a graphed offloaded decode step loses time against the eager one: a torch.profiler trace of each.
 
-    PYTHONPATH=. python3 scripts/trace_decode.py --out DIR [--batch 64] [--shape 5 3 2] [--label NAME]
+    PYTHONPATH=. python3 scripts/trace_decode.py --out DIR [--batch 64] [--shape 5 3 2] [--steps 1 4] [--label NAME]
 
 Builds bench_replay_steps.py's model and plan (Qwen3-8B shape, random bf16 weights), prefills an eager loop,
 a graphed one (one step per replay, the wrapped copies split as the plan says) and, if the plan leaves some
@@ -29,6 +29,7 @@ from bench_replay_steps import NUM_TIMED_STEPS, PLAN_SHAPE, arm_loops, arms_for,
 from bench_runtime import write_random_checkpoint  # noqa: E402
 from runtime.backend import CudaBackend  # noqa: E402
 from runtime.bench import random_ids  # noqa: E402
+from runtime.graph import calls_for  # noqa: E402
 from runtime.load import apply_plan, build_model  # noqa: E402
 from runtime.timeline import summarize  # noqa: E402
 
@@ -44,7 +45,7 @@ def traced_events(loop, engine, arm, trace_path: Path) -> list[dict]:
     loop.step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(NUM_TRACED_STEPS):
+        for _ in range(calls_for(NUM_TRACED_STEPS, loop.steps_per_call)):
             loop.step()
         torch.cuda.synchronize()
     loop.restore_state(saved)
@@ -64,6 +65,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--shape", type=int, nargs=3, default=list(PLAN_SHAPE),
                         help="group size, offloaded per group, prefetch depth")
+    parser.add_argument("--steps", type=int, nargs="+", default=[1], choices=[1, 2, 4],
+                        help="steps per replay of the graphed arms")
     parser.add_argument("--label", default="default")
     args = parser.parse_args()
     torch.use_deterministic_algorithms(True, warn_only=True)  # as the other decode benchmarks
@@ -75,7 +78,7 @@ def main() -> None:
     model = build_model(str(args.checkpoint), None)
     engine = apply_plan(model, plan, CudaBackend(torch.device("cuda")))
     prompt = random_ids(model, (args.batch, CONTEXT_TOKENS), torch.device("cuda"), seed=args.batch)
-    loops = arm_loops(model, engine, args.batch, prompt, arms_for(plan, [1], joined=True))
+    loops = arm_loops(model, engine, args.batch, prompt, arms_for(plan, args.steps, joined=True))
     rows = {}
     for arm, loop in loops.items():
         name = arm.name
