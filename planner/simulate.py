@@ -7,7 +7,8 @@ slot's previous reader to finish. Several steps are simulated so prefetches wrap
 the steady-state step is reported. Under CUDA graphs (``join_every_steps``) one graph replay runs that many
 steps, and a replay cannot end with copies in flight: the copies of the next step's first S positions, which
 the schedule issues after their slots' last readers, must finish before the replay ends (vLLM and SGLang
-replay one step per graph, so they join at every step; inside a replay the copies wrap as eagerly).
+replay one step per graph, so they join at every step; inside a replay the copies wrap as eagerly), except
+the last ``replay_start_copies`` of them, which the next replay issues as it begins.
 """
 
 from dataclasses import dataclass
@@ -17,10 +18,10 @@ from planner.schedule import PrefetchSchedule
 NUM_WARM_STEPS = 6
 NUM_MEASURED_STEPS = 4
 #: decode steps per CUDA-graph replay (run --cuda-graph, make --cuda-graph), as vLLM and SGLang capture decode.
-#: The copies that wrap into the next replay are joined at its end. More steps per replay would join less
-#: often, and simulate() predicts 4 would save most of that join, but an interleaved A/B on the H100
-#: (scripts/bench_replay_steps.py, README) measured 4 no faster than 1 (162.05 against 162.35 ms at batch 64,
-#: 155.28 against 154.09 at batch 16), so one step it is. Divides NUM_MEASURED_STEPS.
+#: More steps per replay would join less often, but on the H100 4-step replays ran 10-15 ms per step slower
+#: than 1-step ones: the graph executor spreads their copies over several streams, where each moved 42-45
+#: GB/s instead of 55 (scripts/trace_decode.py --steps 1 4, README), which this model does not capture. So one
+#: step it is. Divides NUM_MEASURED_STEPS.
 STEPS_PER_GRAPH = 1
 
 

@@ -6,9 +6,9 @@
 One offloaded Qwen3-8B-shaped model (random weights, the plan bench_decode.py picks at batch 16-64: 21 layers
 offloaded, G=5, K=3, depth 2), one DecodeLoop per arm (eager, and graphed with each steps-per-replay count,
 the wrapped copies split as the plan says; with ``--joined`` also every wrapped copy joined at the replay's
-end, as before offload.replay_start_copies), all on the same engine. Each round times every arm once (24 steps), in an order that alternates between
-rounds, so a link whose rate drifts during the run moves every arm alike. Prints each arm's median over the
-rounds, its spread, and each round's figures.
+end, as before offload.replay_start_copies), all on the same engine. Each round times every arm once (24
+steps), in an order that alternates between rounds, so a link whose rate drifts during the run moves every
+arm alike. Prints each arm's median over the rounds, its spread, and each round's figures.
 """
 
 from __future__ import annotations
@@ -133,12 +133,19 @@ def report(results: list[dict], h2d: float) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def model_parser(default_out: str) -> argparse.ArgumentParser:
+    """--out, and the random Qwen3-8B-shaped checkpoint (written on first use) this script and trace_decode.py
+    share."""
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, default=Path("/tmp/bench-replay-steps"))
+    parser.add_argument("--out", type=Path, default=Path(default_out))
     parser.add_argument("--checkpoint", type=Path, default=Path("/tmp/qwen3-8b-random"))
     parser.add_argument("--config", type=Path,
                         default=Path(__file__).resolve().parent.parent / "examples/qwen3-8b/config.json")
+    return parser
+
+
+def main() -> None:
+    parser = model_parser("/tmp/bench-replay-steps")
     parser.add_argument("--batches", type=int, nargs="+", default=[64])
     # one KV cache per arm: eager and four graphed arms at batch 64 ran out of the H100's memory
     parser.add_argument("--steps", type=int, nargs="+", default=[1, 4])

@@ -13,7 +13,6 @@ CUDA_DEVICE_MAX_CONNECTIONS) with ``--label`` to tell the runs apart; each write
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
@@ -25,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_decode import CONTEXT_TOKENS  # noqa: E402
-from bench_replay_steps import NUM_TIMED_STEPS, PLAN_SHAPE, arm_loops, arms_for, enter, pinned_plan, time_arm  # noqa: E402
+from bench_replay_steps import (NUM_TIMED_STEPS, PLAN_SHAPE, arm_loops, arms_for, enter, model_parser,  # noqa: E402
+                                pinned_plan, time_arm)
 from bench_runtime import write_random_checkpoint  # noqa: E402
 from runtime.backend import CudaBackend  # noqa: E402
 from runtime.bench import random_ids  # noqa: E402
@@ -57,11 +57,7 @@ def traced_events(loop, engine, arm, trace_path: Path) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, default=Path("/tmp/trace-decode"))
-    parser.add_argument("--checkpoint", type=Path, default=Path("/tmp/qwen3-8b-random"))
-    parser.add_argument("--config", type=Path,
-                        default=Path(__file__).resolve().parent.parent / "examples/qwen3-8b/config.json")
+    parser = model_parser("/tmp/trace-decode")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--shape", type=int, nargs=3, default=list(PLAN_SHAPE),
                         help="group size, offloaded per group, prefetch depth")
