@@ -105,7 +105,8 @@ def export_plan(plan: Plan, engine: str, *, tp_size: int = 1, exact: bool = Fals
     if plan.workload.cuda_graph and plan.offload.layers:
         notes.append(f"{engine} replays one decode step per CUDA graph and joins the copies that wrap into the next "
                      "step at every step's end: predicted so")
-    plan_prediction = predict(plan, 1, plan.offload.prefetch_step, join_every_steps_for(plan.workload.cuda_graph))
+    plan_prediction = predict(plan, 1, plan.offload.prefetch_step, join_every_steps_for(plan.workload.cuda_graph),
+                              plan.offload.replay_start_copies)
     return Export(engine=engine, tp_size=tp_size, flags=tuple(flags), prefetch_step=prefetch_step, notes=tuple(notes),
                   warnings=tuple(warnings), plan_prediction=plan_prediction,
                   prediction=predict(plan, tp_size, prefetch_step))
@@ -233,9 +234,11 @@ def _tp_note(plan: Plan, tp_size: int) -> str:
             "plan's, which was made for one GPU: these flags may offload more than TP ranks need")
 
 
-def predict(plan: Plan, tp_size: int, prefetch_step: int, join_every_steps: int | None = None) -> Prediction:
-    """Re-simulate the plan's layers per rank of ``tp_size`` with ``prefetch_step``; ``join_every_steps`` as
-    planner.simulate (default: the engines' one step per graph for a --cuda-graph plan, else eager)."""
+def predict(plan: Plan, tp_size: int, prefetch_step: int, join_every_steps: int | None = None,
+            replay_start_copies: int = 0) -> Prediction:
+    """Re-simulate the plan's layers per rank of ``tp_size`` with ``prefetch_step``; ``join_every_steps`` and
+    ``replay_start_copies`` as planner.simulate (defaults: the engines' one step per graph for a --cuda-graph
+    plan, else eager, every wrapped copy joined at the step's end)."""
     if join_every_steps is None:
         join_every_steps = 1 if plan.workload.cuda_graph else 0
     offloaded = plan.offload.layers
@@ -249,6 +252,7 @@ def predict(plan: Plan, tp_size: int, prefetch_step: int, join_every_steps: int 
         copy_ms=copy_ms,
         prefetch_step=prefetch_step,
         join_every_steps=join_every_steps,
+        replay_start_copies=replay_start_copies,
     )
     schedule = PrefetchSchedule(len(offloaded), prefetch_step)
     copy_bytes = sum(b for k, b in enumerate(rank_bytes) if schedule.needs_copy(k))

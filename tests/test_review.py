@@ -293,11 +293,15 @@ def test_export_unknown_engine(dense):
 
 
 def test_export_of_a_cuda_graph_plan_joins_every_step(workdir, test_gpu):
-    """The engines replay one decode step per graph and join at every step's end, as offload-plan does: the
-    restated prediction models that join (never faster than the plan's)."""
+    """The engines replay one decode step per graph and join every wrapped copy at its end: the restated
+    prediction models that join (never faster than the plan's), while the plan's own, restated, keeps the
+    copy the plan leaves to each replay's start (layers 3-7 through one slot: layer 3's copy runs under
+    layers 0-2)."""
     make_checkpoint(workdir / "ckpt", num_layers=8, num_shards=3)
-    plan = _make(["--gpu", test_gpu, "--tokens", "4", "--sequences", "4", "--context", "64", "--cuda-graph",
+    # a long context, so layers 0-2 take longer than a copy and leaving it to the replay's start pays
+    plan = _make(["--gpu", test_gpu, "--tokens", "256", "--sequences", "256", "--context", "4096", "--cuda-graph",
                   "--group-size", "8", "--num-in-group", "5", "--prefetch-step", "1"])
+    assert plan["offload"]["replay_start_copies"] == 1
     data = json.loads(_export("plan.yaml", "--to", "vllm", "--json").stdout)
     assert data["prediction"]["plan"]["step_ms"] == pytest.approx(plan["prediction"]["step_ms"], abs=1e-3)
     assert data["prediction"]["exported"]["step_ms"] >= data["prediction"]["plan"]["step_ms"] - 1e-9
