@@ -164,10 +164,8 @@ def simulate_fastest_boundary(*, prefetch_step: int, offloaded: tuple[int, ...],
     """(replay_start_copies, simulation): under CUDA graphs, the split of the wrapped copies between a
     replay's end and the next one's start that gives the fastest step (the fewest left to the start on a
     tie); eagerly nothing is split. ``times``: simulate's layer_ms, head_ms and copy_ms."""
-    num_wrapped = 0
-    if join_every_steps:
-        joined, deferred = PrefetchSchedule(len(offloaded), prefetch_step).replay_boundary(0)
-        num_wrapped = len(joined) + len(deferred)
+    wrapped, _ = PrefetchSchedule(len(offloaded), prefetch_step).replay_boundary(0)
+    num_wrapped = len(wrapped) if join_every_steps else 0
     runs = [(simulate(prefetch_step=prefetch_step, offloaded=offloaded, join_every_steps=join_every_steps,
                       replay_start_copies=count, **times), count) for count in range(num_wrapped + 1)]
     simulation, count = min(runs, key=lambda run: (round(run[0].step_ms, 6), run[1]))

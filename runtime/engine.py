@@ -138,10 +138,9 @@ class OffloadEngine:
         self.graph_mode = False
         #: in graph mode, the last step joined its wrapped copies: the joined positions need no wait
         self._first_slots_joined = False
-        #: in graph mode, this step is its replay's last: it leaves the deferred positions' copies to the next
+        #: in graph mode, the step running (or, between steps, the last one run) ends its replay: it leaves the
+        #: deferred positions' copies to the next replay, so they are pending until that one begins
         self._replay_last = False
-        #: a replay's last step left the deferred positions' copies to a next replay that has not begun
-        self._deferred_pending = False
         self._hooks = []
         self.key = next(_ENGINE_KEYS)
         _ENGINES[self.key] = self
@@ -253,11 +252,11 @@ class OffloadEngine:
         self.backend.record_on_compute(loaded)
         self.backend.copy_waits(loaded)
         for position in range(self.schedule.num_slots):
-            if self._deferred_pending and position in self.deferred_positions:
+            if self._replay_last and position in self.deferred_positions:
                 self._copy(position)  # the last replay left it to a next one
             else:
                 self.backend.record_on_copy(self.copy_done[position])
-        self._deferred_pending = False
+        self._replay_last = False
 
     def set_replay_start_copies(self, count: int) -> None:
         """Change how many wrapped copies each replay issues as it begins (benchmarks compare splits on one
@@ -278,7 +277,6 @@ class OffloadEngine:
             self.backend.copy_waits(begun)
             for position in self.deferred_positions:
                 self._copy(position)
-            self._deferred_pending = False
         self._replay_last = last
 
     def finish_step(self, join: bool = True) -> None:
@@ -317,8 +315,7 @@ class OffloadEngine:
         self.backend.record_on_compute(self.reader_done[position])
         for target in self.issue_after[position]:
             if self.graph_mode and self._replay_last and target in self.deferred_positions:
-                self._deferred_pending = True  # the next replay issues it as it begins
-                continue
+                continue  # the next replay issues it as it begins
             _, reader = self.schedule.previous_reader(target)
             self.backend.copy_waits(self.reader_done[reader])
             self._copy(target)
