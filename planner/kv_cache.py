@@ -1,0 +1,372 @@
+"""How many bytes a serving KV cache holds, per architecture, read from config.json.
+
+Every decoder layer keeps one or two cache entries:
+
+- ``full``: grouped-query attention, K and V of every token (2 x num_key_value_heads x head_dim elements).
+- ``sliding``: the same, but at most ``sliding_window`` tokens per sequence. vLLM's ``SlidingWindowSpec``
+  and SGLang's SWA pool keep the window (transformers' ``DynamicSlidingWindowLayer`` keeps window - 1).
+- ``latent``: multi-head latent attention (DeepSeek-V2/V3, Kimi-K2) caches one compressed latent of
+  ``kv_lora_rank`` plus the shared rope key of ``qk_rope_head_dim`` per token, no K/V split (vLLM's
+  ``MLAAttentionSpec``, SGLang's ``MLATokenToKVPool``, transformers >= 5.2 ``DeepseekV3Attention``).
+- ``state``: linear attention or a state-space layer (Qwen3-Next's Gated DeltaNet, Mamba in Jamba, Mamba-2 in
+  Falcon-H1): a convolution state of ``conv_kernel`` columns in the activation dtype plus a recurrent (SSM)
+  state in float32, fixed per sequence whatever the context. float32 is what transformers keeps and SGLang's
+  default ``--mamba-ssm-dtype``; vLLM's ``--mamba-ssm-cache-dtype auto`` keeps the model dtype, so there the
+  model overstates the recurrent state by 2x. ``--kv-cache-dtype`` does not apply to these states.
+
+Layers past ``num_hidden_layers`` (multi-token-prediction heads) are not served by default and not counted.
+Only families listed in ``_FAMILIES`` are modelled; any other architecture is refused in one line, because a
+wrong guess here would silently oversubscribe the GPU.
+"""
+
+from dataclasses import dataclass
+
+from planner.cost import text_config
+from planner.errors import ModelInputError
+from planner.units import format_bytes
+
+#: bytes per element of the cache dtypes ``--kv-dtype`` takes ("auto" is the checkpoint's activation dtype)
+KV_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
+KV_DTYPES = ("auto", *KV_DTYPE_BYTES)
+#: config.json's torch_dtype/dtype -> the name used here
+_CONFIG_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+#: activation dtype when config.json names none: the runtime builds models in bf16
+DEFAULT_ACTIVATION_DTYPE = "bf16"
+RECURRENT_STATE_BYTES = 4  # float32
+KINDS = ("full", "sliding", "latent", "state")
+# Plausibility limits: a config beyond these is corrupt, not a model.
+_MAX_LAYERS = 4096
+_MAX_HEADS = 4096
+_MAX_DIM = 65536
+
+
+@dataclass(frozen=True, kw_only=True)
+class CacheLayer:
+    """One cache entry of one decoder layer (a hybrid layer such as Falcon-H1's has two)."""
+
+    #: index of the decoder layer, 0-based
+    layer_index: int
+    #: "full", "sliding", "latent" or "state"
+    kind: str
+    #: K/V heads of a full or sliding layer
+    num_kv_heads: int = 0
+    #: dims per K/V head of a full or sliding layer
+    head_dim: int = 0
+    #: elements per token of a latent layer: kv_lora_rank + qk_rope_head_dim
+    latent_dims: int = 0
+    #: tokens a sliding layer holds at most per sequence
+    window_tokens: int = 0
+    #: elements per sequence of a state layer's convolution state (activation dtype)
+    conv_state_elements: int = 0
+    #: elements per sequence of a state layer's recurrent/SSM state (float32)
+    recurrent_state_elements: int = 0
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, not {self.kind!r}")
+        if self.layer_index < 0:
+            raise ValueError("layer_index must be >= 0")
+        if self.kind in ("full", "sliding") and (self.num_kv_heads < 1 or self.head_dim < 1):
+            raise ValueError(f"a {self.kind} layer needs num_kv_heads and head_dim >= 1")
+        if self.kind == "sliding" and self.window_tokens < 1:
+            raise ValueError("a sliding layer needs window_tokens >= 1")
+        if self.kind == "latent" and self.latent_dims < 1:
+            raise ValueError("a latent layer needs latent_dims >= 1")
+        if self.kind == "state" and self.conv_state_elements + self.recurrent_state_elements < 1:
+            raise ValueError("a state layer needs a conv or recurrent state")
+
+    @property
+    def elements_per_token(self) -> int:
+        """Cached elements per token per sequence (0 for a fixed state)."""
+        if self.kind in ("full", "sliding"):
+            return 2 * self.num_kv_heads * self.head_dim  # K and V
+        return self.latent_dims
+
+    def held_tokens(self, context_tokens: int) -> int:
+        """Tokens of one sequence this entry holds at ``context_tokens``."""
+        if self.kind == "state":
+            return 0
+        if self.kind == "sliding":
+            return min(context_tokens, self.window_tokens)
+        return context_tokens
+
+    def state_bytes(self, activation_bytes: int) -> int:
+        """Fixed bytes per sequence (state layers only)."""
+        return self.conv_state_elements * activation_bytes + self.recurrent_state_elements * RECURRENT_STATE_BYTES
+
+
+@dataclass(frozen=True, kw_only=True)
+class KvCacheModel:
+    """The serving cache of one model: what every layer keeps per token and per sequence."""
+
+    #: model_type (or architecture) the entries were built for
+    architecture: str
+    #: one or two entries per served decoder layer, in layer order
+    layers: tuple[CacheLayer, ...]
+    #: the checkpoint's activation dtype, what ``kv_dtype="auto"`` means and what conv states are kept in
+    activation_dtype: str = DEFAULT_ACTIVATION_DTYPE
+
+    def __post_init__(self):
+        if not self.layers:
+            raise ValueError("a KV cache model needs at least one layer")
+        if self.activation_dtype not in KV_DTYPE_BYTES:
+            raise ValueError(f"activation_dtype must be one of {tuple(KV_DTYPE_BYTES)}, not {self.activation_dtype!r}")
+
+    def element_bytes(self, kv_dtype: str) -> int:
+        """Bytes per cached K/V/latent element for ``kv_dtype``."""
+        if kv_dtype == "auto":
+            kv_dtype = self.activation_dtype
+        if kv_dtype not in KV_DTYPE_BYTES:
+            raise ModelInputError(f"unknown KV cache dtype {kv_dtype!r}: choose one of {', '.join(KV_DTYPES)}")
+        return KV_DTYPE_BYTES[kv_dtype]
+
+    def cache_bytes(self, *, num_sequences: int, context_tokens: int, kv_dtype: str) -> int:
+        """Bytes of the cache for ``num_sequences`` sequences of ``context_tokens`` tokens each."""
+        if num_sequences < 0 or context_tokens < 0:
+            raise ValueError("num_sequences and context_tokens must be >= 0")
+        element = self.element_bytes(kv_dtype)
+        activation = KV_DTYPE_BYTES[self.activation_dtype]
+        per_sequence = sum(layer.held_tokens(context_tokens) * layer.elements_per_token * element
+                           + layer.state_bytes(activation) for layer in self.layers)
+        return num_sequences * per_sequence
+
+    def bytes_per_token(self, kv_dtype: str) -> int:
+        """Bytes one more token of context adds per sequence, past every sliding window."""
+        element = self.element_bytes(kv_dtype)
+        return sum(layer.elements_per_token * element for layer in self.layers if layer.kind in ("full", "latent"))
+
+    def fixed_bytes_per_sequence(self, kv_dtype: str) -> int:
+        """Bytes per sequence that do not grow past the windows: full sliding windows and fixed states."""
+        element = self.element_bytes(kv_dtype)
+        activation = KV_DTYPE_BYTES[self.activation_dtype]
+        return sum(layer.window_tokens * layer.elements_per_token * element + layer.state_bytes(activation)
+                   for layer in self.layers if layer.kind in ("sliding", "state"))
+
+    def describe(self, kv_dtype: str = "auto") -> str:
+        """One line for ``show``: what a token and a sequence cost, and why."""
+        dtype = self.activation_dtype if kv_dtype == "auto" else kv_dtype
+        parts = [_describe_group(self._of_kind(kind), dtype) for kind in KINDS if self._of_kind(kind)]
+        totals = f"{format_bytes(self.bytes_per_token(kv_dtype))} per token"
+        fixed = self.fixed_bytes_per_sequence(kv_dtype)
+        if fixed:
+            totals += f" + {format_bytes(fixed)} per sequence"
+        return f"{'; '.join(parts)}, {dtype}: {totals}"
+
+    def _of_kind(self, kind: str) -> list[CacheLayer]:
+        return [layer for layer in self.layers if layer.kind == kind]
+
+
+def _describe_group(layers: list[CacheLayer], dtype: str) -> str:
+    first, count = layers[0], len(layers)
+    if first.kind == "latent":
+        return f"{count} layers x latent {first.latent_dims} dims (kv_lora_rank + rope)"
+    if first.kind == "state":
+        return f"{count} layers x fixed state (conv {dtype} + recurrent fp32)"
+    shape = f"{first.num_kv_heads} KV heads x {first.head_dim} dims x K,V"
+    if any(layer.elements_per_token != first.elements_per_token for layer in layers):
+        shape = "mixed heads x K,V"
+    if first.kind == "sliding":
+        return f"{count} sliding layers (window {first.window_tokens}) x {shape}"
+    return f"{count} layers x {shape}"
+
+
+# --- reading config.json -------------------------------------------------------------------------------------
+
+
+class _Config:
+    """config.json's language-model part, read with one-line errors that name the architecture."""
+
+    def __init__(self, config: dict):
+        self.values = text_config(config)
+        top_architectures = config.get("architectures") or []
+        self.model_type = self.values.get("model_type") or config.get("model_type")
+        self.name = self.model_type or (top_architectures[0] if top_architectures else "unknown architecture")
+
+    def missing(self, what: str) -> ModelInputError:
+        return ModelInputError(f"KV cache of {self.name}: config.json has no {what}; add it to plan its KV cache")
+
+    def has(self, key: str) -> bool:
+        return self.values.get(key) is not None
+
+    def int(self, key: str, *, maximum: int = _MAX_DIM, default: int | None = None) -> int:
+        """A positive integer (bools and floats refused), at most ``maximum``."""
+        value = self.values.get(key)
+        if value is None:
+            if default is None:
+                raise self.missing(key)
+            return default
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= maximum:
+            raise ModelInputError(f"KV cache of {self.name}: config.json's {key} is {value!r}; "
+                                  f"expected an integer from 1 to {maximum}")
+        return value
+
+    def num_layers(self) -> int:
+        return self.int("num_hidden_layers", maximum=_MAX_LAYERS)
+
+    def activation_dtype(self) -> str:
+        name = self.values.get("torch_dtype") or self.values.get("dtype")
+        return _CONFIG_DTYPES.get(name, DEFAULT_ACTIVATION_DTYPE) if isinstance(name, str) else DEFAULT_ACTIVATION_DTYPE
+
+
+def _attention_shape(cfg: _Config) -> tuple[int, int]:
+    """(num_key_value_heads, head_dim) of grouped-query attention; head_dim defaults to hidden / heads."""
+    num_heads = cfg.int("num_attention_heads", maximum=_MAX_HEADS)
+    num_kv_heads = cfg.int("num_key_value_heads", maximum=_MAX_HEADS, default=num_heads)
+    if num_heads % num_kv_heads:
+        raise ModelInputError(f"KV cache of {cfg.name}: num_attention_heads {num_heads} is not a multiple of "
+                              f"num_key_value_heads {num_kv_heads}; fix config.json")
+    if cfg.has("head_dim"):
+        return num_kv_heads, cfg.int("head_dim")
+    hidden = cfg.int("hidden_size", maximum=_MAX_DIM * 4)
+    if hidden % num_heads:
+        raise ModelInputError(f"KV cache of {cfg.name}: config.json has no head_dim and hidden_size {hidden} is not "
+                              f"a multiple of num_attention_heads {num_heads}; add head_dim")
+    return num_kv_heads, hidden // num_heads
+
+
+def _sliding_window(cfg: _Config) -> int | None:
+    """The window in tokens, or None where config.json sets none (Mixtral, later Mistral configs)."""
+    if cfg.values.get("use_sliding_window") is False:  # Qwen2/Qwen3 switch the window off this way
+        return None
+    return cfg.int("sliding_window", maximum=2**31) if cfg.has("sliding_window") else None
+
+
+def _explicit_layer_types(cfg: _Config, num_layers: int) -> list[str] | None:
+    types = cfg.values.get("layer_types")
+    if types is None:
+        return None
+    if not isinstance(types, list) or len(types) < num_layers or not all(isinstance(t, str) for t in types):
+        raise ModelInputError(f"KV cache of {cfg.name}: config.json's layer_types must list a type for each of "
+                              f"its {num_layers} layers")
+    return types[:num_layers]
+
+
+def _attention_layer_types(cfg: _Config, num_layers: int, family: str) -> list[str]:
+    """'full_attention' or 'sliding_attention' per layer, as transformers' config classes derive them."""
+    explicit = _explicit_layer_types(cfg, num_layers)
+    if explicit is not None:
+        return explicit
+    window = _sliding_window(cfg)
+    if window is None:
+        return ["full_attention"] * num_layers
+    if family == "alternating":  # Gemma 2, gpt-oss: even layers slide
+        return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
+    if family == "pattern":  # Gemma 3: every sliding_window_pattern-th layer is global (transformers' default 6)
+        period = cfg.int("sliding_window_pattern", maximum=num_layers + 1, default=6)
+        return ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(num_layers)]
+    if family == "qwen":  # layers from max_window_layers on slide
+        first = cfg.values.get("max_window_layers", 0)
+        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+            raise ModelInputError(f"KV cache of {cfg.name}: config.json's max_window_layers is {first!r}; "
+                                  "expected an integer >= 0")
+        return ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    return ["sliding_attention"] * num_layers  # Mistral-7B-v0.1: every layer slides
+
+
+def _attention_entry(cfg: _Config, index: int, layer_type: str) -> CacheLayer:
+    num_kv_heads, head_dim = _attention_shape(cfg)
+    if layer_type == "full_attention":
+        return CacheLayer(layer_index=index, kind="full", num_kv_heads=num_kv_heads, head_dim=head_dim)
+    if layer_type == "sliding_attention":
+        window = _sliding_window(cfg)
+        if window is None:
+            raise cfg.missing(f"sliding_window (layer {index} is a sliding_attention layer)")
+        return CacheLayer(layer_index=index, kind="sliding", num_kv_heads=num_kv_heads, head_dim=head_dim,
+                          window_tokens=window)
+    raise ModelInputError(f"KV cache of {cfg.name}: layer {index} has layer type {layer_type!r}, which is not "
+                          "modelled; known: full_attention, sliding_attention")
+
+
+def _attention_layers(cfg: _Config, family: str) -> list[CacheLayer]:
+    num_layers = cfg.num_layers()
+    types = _attention_layer_types(cfg, num_layers, family)
+    return [_attention_entry(cfg, i, t) for i, t in enumerate(types)]
+
+
+def _latent_layers(cfg: _Config) -> list[CacheLayer]:
+    """MLA: the latent and the rope key per token per layer (the MTP layers past num_hidden_layers excluded)."""
+    dims = cfg.int("kv_lora_rank") + cfg.int("qk_rope_head_dim")
+    return [CacheLayer(layer_index=i, kind="latent", latent_dims=dims) for i in range(cfg.num_layers())]
+
+
+def _gated_deltanet_state(cfg: _Config, index: int) -> CacheLayer:
+    """Qwen3-Next's Gated DeltaNet: conv over q, k, v channels; one k x v matrix per value head."""
+    key_dim = cfg.int("linear_num_key_heads", maximum=_MAX_HEADS) * cfg.int("linear_key_head_dim")
+    num_value_heads = cfg.int("linear_num_value_heads", maximum=_MAX_HEADS)
+    value_dim = num_value_heads * cfg.int("linear_value_head_dim")
+    conv = (2 * key_dim + value_dim) * cfg.int("linear_conv_kernel_dim", maximum=64)
+    recurrent = num_value_heads * cfg.int("linear_key_head_dim") * cfg.int("linear_value_head_dim")
+    return CacheLayer(layer_index=index, kind="state", conv_state_elements=conv, recurrent_state_elements=recurrent)
+
+
+def _qwen3_next_layers(cfg: _Config) -> list[CacheLayer]:
+    num_layers = cfg.num_layers()
+    types = _explicit_layer_types(cfg, num_layers)
+    if types is None:  # transformers' Qwen3NextConfig: every full_attention_interval-th layer is full attention
+        interval = cfg.int("full_attention_interval", maximum=num_layers + 1, default=4)
+        types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers)]
+    return [_gated_deltanet_state(cfg, i) if t == "linear_attention" else _attention_entry(cfg, i, t)
+            for i, t in enumerate(types)]
+
+
+def _jamba_layers(cfg: _Config) -> list[CacheLayer]:
+    """Jamba: Mamba layers except every attn_layer_period-th (from attn_layer_offset); Mamba-1 state."""
+    num_layers = cfg.num_layers()
+    period = cfg.int("attn_layer_period", maximum=num_layers + 1)
+    offset = cfg.values.get("attn_layer_offset")
+    if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset < period:
+        raise ModelInputError(f"KV cache of {cfg.name}: config.json's attn_layer_offset is {offset!r}; expected "
+                              f"an integer from 0 to attn_layer_period - 1 ({period - 1})")
+    inner = cfg.int("mamba_expand", maximum=64) * cfg.int("hidden_size", maximum=_MAX_DIM * 4)
+    conv = inner * cfg.int("mamba_d_conv", maximum=64)
+    recurrent = inner * cfg.int("mamba_d_state")
+    return [_attention_entry(cfg, i, "full_attention") if i % period == offset else
+            CacheLayer(layer_index=i, kind="state", conv_state_elements=conv, recurrent_state_elements=recurrent)
+            for i in range(num_layers)]
+
+
+def _falcon_h1_layers(cfg: _Config) -> list[CacheLayer]:
+    """Falcon-H1: every layer runs attention and Mamba-2 side by side, so it keeps K/V and a state."""
+    hidden = cfg.int("hidden_size", maximum=_MAX_DIM * 4)
+    inner = cfg.int("mamba_d_ssm", maximum=_MAX_DIM * 4, default=cfg.int("mamba_expand", maximum=64) * hidden)
+    num_heads = cfg.int("mamba_n_heads", maximum=_MAX_HEADS)
+    head_dim = cfg.values.get("mamba_d_head")
+    head_dim = inner // num_heads if head_dim in (None, "auto") else cfg.int("mamba_d_head")
+    d_state = cfg.int("mamba_d_state")
+    conv = (inner + 2 * cfg.int("mamba_n_groups", maximum=_MAX_HEADS) * d_state) * cfg.int("mamba_d_conv", maximum=64)
+    recurrent = num_heads * head_dim * d_state
+    entries = []
+    for i in range(cfg.num_layers()):
+        entries.append(_attention_entry(cfg, i, "full_attention"))
+        entries.append(CacheLayer(layer_index=i, kind="state", conv_state_elements=conv,
+                                  recurrent_state_elements=recurrent))
+    return entries
+
+
+# model_type -> how its layers cache. Attention families name how sliding layers are laid out when
+# config.json has no layer_types (the rule of the family's transformers config class).
+_ATTENTION_FAMILIES = {
+    "llama": "all", "mistral": "all", "mixtral": "all", "qwen2": "qwen", "qwen2_moe": "qwen", "qwen3": "qwen",
+    "qwen3_moe": "qwen", "gemma": "all", "gemma2": "alternating", "gemma3": "pattern", "gemma3_text": "pattern",
+    "gpt_oss": "alternating",
+}
+_LATENT_FAMILIES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
+_HYBRID_FAMILIES = {"qwen3_next": _qwen3_next_layers, "jamba": _jamba_layers, "falcon_h1": _falcon_h1_layers}
+SUPPORTED_MODEL_TYPES = tuple(sorted((*_ATTENTION_FAMILIES, *_LATENT_FAMILIES, *_HYBRID_FAMILIES)))
+
+
+def kv_cache_model(config: dict | None) -> KvCacheModel:
+    """The cache model of a checkpoint from its config.json (the language model's part of multimodal ones)."""
+    if not config:
+        raise ModelInputError("KV cache: the checkpoint has no config.json; the KV cache is planned from it")
+    cfg = _Config(config)
+    if cfg.model_type in _ATTENTION_FAMILIES:
+        layers = _attention_layers(cfg, _ATTENTION_FAMILIES[cfg.model_type])
+    elif cfg.model_type in _LATENT_FAMILIES:
+        layers = _latent_layers(cfg)
+    elif cfg.model_type in _HYBRID_FAMILIES:
+        layers = _HYBRID_FAMILIES[cfg.model_type](cfg)
+    else:
+        raise ModelInputError(f"KV cache of {cfg.name}: this architecture's cache is not modelled (model_type "
+                              f"{cfg.model_type!r}); supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    return KvCacheModel(architecture=cfg.name, layers=tuple(layers), activation_dtype=cfg.activation_dtype())
