@@ -72,6 +72,11 @@ def make(
     measured_on: Annotated[Optional[str], typer.Option(help="Profile of the local GPU for --measure (default: from its name).")] = None,
     cuda_graph: Annotated[bool, typer.Option("--cuda-graph", help="Plan for decode steps replayed from CUDA graphs (run --cuda-graph), one step per replay: prefetches join at each replay's end; --measure times layers graphed.")] = False,
     host_memory: Annotated[Optional[str], typer.Option(help="Host memory the offloaded params may be pinned in, e.g. 480GB (default: the profile's figure; Grace profiles have one).")] = None,
+    concurrency: Annotated[Optional[str], typer.Option(help="Serving target: plan the whole GPU for decode at this many sequences of up to --context tokens: 64, a range 8..512, or auto (the most tokens/s).")] = None,
+    chunk: Annotated[int, typer.Option(help="Serving: tokens of a prefill chunk (its activations are planned, its time reported).")] = 2048,
+    kv_dtype: Annotated[str, typer.Option(help="KV cache element type: auto (the checkpoint's), bf16, fp16, fp8.")] = "auto",
+    max_tpot_ms: Annotated[Optional[float], typer.Option(help="Serving: the longest decode step (per-token latency) allowed, in ms.")] = None,
+    gpu_memory: Annotated[Optional[str], typer.Option(help="GPU memory the whole plan must fit, e.g. 24GiB (default: the profile's; run caps itself to it).")] = None,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the plan here (default: stdout).")] = None,
 ):
     """Search the fastest offload plan that fits. Example: offload-plan make -m org/model -g h100-sxm --budget 40GiB -o plan.yaml"""
@@ -81,7 +86,8 @@ def make(
         model=model, revision=revision, gpu=gpu, budget=budget, trigger=trigger, tokens=tokens, sequences=sequences,
         context=context, params=tuple(params or ()), stack=stack, group_size=group_size,
         num_in_group=num_in_group, prefetch_step=prefetch_step, measure=measure, measured_on=measured_on,
-        cuda_graph=cuda_graph, host_memory=host_memory,
+        cuda_graph=cuda_graph, host_memory=host_memory, concurrency=concurrency, chunk=chunk, kv_dtype=kv_dtype,
+        max_tpot_ms=max_tpot_ms, gpu_memory=gpu_memory,
     )
     planned = make_plan(inputs)
     for warning in planned.warnings:
@@ -149,8 +155,11 @@ def run(
                      f"prediction make the plan {'with' if cuda_graph else 'without'} --cuda-graph", markup=False)
     from runtime.load import load_with_plan, model_path_for, require_cuda
 
-    require_cuda()
+    device = require_cuda()
     compile_backend = "inductor" if compile_steps else None
+    from runtime.serving import cap_gpu_memory
+
+    memory_fraction = cap_gpu_memory(loaded_plan.memory.gpu_memory_bytes, device)
     if bench:
         from runtime.bench import check_decode_flags
 
@@ -164,6 +173,16 @@ def run(
         sys.stdout.write(text + "\n")
         stderr.print(f"{tokens_per_s:.2f} tokens/s with the plan applied")
         return
+    if loaded_plan.serving is not None:
+        from runtime.serving import run_serving_bench
+
+        serving = run_serving_bench(loaded, cuda_graph=cuda_graph, compile_backend=compile_backend,
+                                    memory_fraction=memory_fraction)
+        if json_output:
+            sys.stdout.write(json.dumps(serving.as_dict(), indent=2) + "\n")
+        else:
+            _print_serving_bench(serving)
+        return
     from runtime.bench import run_bench
 
     result = run_bench(loaded, cuda_graph=cuda_graph, compile_backend=compile_backend)
@@ -171,6 +190,26 @@ def run(
         sys.stdout.write(json.dumps(result.as_dict(), indent=2) + "\n")
     else:
         _print_bench(result)
+
+
+def _print_serving_bench(result) -> None:
+    from planner.units import format_bytes, format_ms
+
+    table = Table(title=f"run --bench ({result.mode}, {result.concurrency} sequences at context "
+                        f"{result.context_tokens}): measured against predicted", title_justify="left")
+    for name in ("", "measured", "predicted", "measured / predicted"):
+        table.add_column(name, justify="right" if name else "left")
+    rows = (("decode tokens/s", result.decode_tokens_per_s, result.predicted_decode_tokens_per_s, "{:,.0f}".format),
+            ("decode step (per token)", result.decode_step_ms, result.predicted_decode_step_ms, format_ms),
+            (f"prefill chunk ({result.prefill_chunk_tokens} tokens)", result.prefill_chunk_ms,
+             result.predicted_prefill_chunk_ms, format_ms))
+    for label, measured, predicted, text in rows:
+        table.add_row(label, text(measured), text(predicted), f"{measured / predicted:.2f}")
+    cap = f"capped to {result.memory_fraction:.3f} of this GPU" if result.memory_fraction else "uncapped"
+    table.add_row("peak GPU memory", format_bytes(result.peak_gpu_bytes), format_bytes(result.predicted_total_gpu_bytes),
+                  f"{result.peak_gpu_bytes / result.predicted_total_gpu_bytes:.2f}")
+    table.add_row("GPU memory of the plan", format_bytes(result.gpu_memory_bytes), cap, "")
+    stderr.print(table)
 
 
 def _load_with_progress(plan, model, load):

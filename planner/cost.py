@@ -5,6 +5,7 @@ FLOPs and bytes come from the tensor shapes; config.json supplies attention geom
 """
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from planner.layout import LayerInfo, ModelLayout
@@ -113,8 +114,10 @@ def _logical_params(name: str, dtype: str, shape: tuple[int, ...]) -> int:
     return count
 
 
-def layer_cost(layer: LayerInfo, geometry: ModelGeometry, workload: Workload) -> tuple[float, float, bool]:
-    """(FLOPs, HBM bytes, fp8) of one layer for one step."""
+def layer_cost(layer: LayerInfo, geometry: ModelGeometry, workload: Workload,
+               kv_bytes: float | None = None) -> tuple[float, float, bool]:
+    """(FLOPs, HBM bytes, fp8) of one layer for one step; ``kv_bytes``: the KV cache the step reads and writes
+    in this layer, where a cache model knows it (sliding windows, latent attention), else from the geometry."""
     tokens = workload.tokens_per_step
     dense_params = expert_params = dense_bytes = expert_bytes = fp8_bytes = 0
     for name, dtype, shape, nbytes in layer.params:
@@ -132,11 +135,12 @@ def layer_cost(layer: LayerInfo, geometry: ModelGeometry, workload: Workload) ->
     tokens_per_sequence = tokens // workload.sequences_per_step
     attended = workload.context_tokens + (tokens_per_sequence + 1) / 2
     flops += 4 * tokens * attended * geometry.num_heads * geometry.head_dim
-    kv_bytes = (
-        workload.sequences_per_step
-        * (workload.context_tokens + tokens_per_sequence)
-        * 2 * geometry.num_kv_heads * geometry.head_dim * KV_ELEMENT_BYTES
-    )
+    if kv_bytes is None:
+        kv_bytes = (
+            workload.sequences_per_step
+            * (workload.context_tokens + tokens_per_sequence)
+            * 2 * geometry.num_kv_heads * geometry.head_dim * KV_ELEMENT_BYTES
+        )
     hbm_bytes = dense_bytes + touched_share * expert_bytes + kv_bytes
     return flops, hbm_bytes, fp8_bytes * 2 > layer.nbytes
 
@@ -165,9 +169,17 @@ def estimate_compute(
     workload: Workload,
     profile: HardwareProfile,
     checkpoint_shapes: dict[str, tuple[int, ...]],
+    kv_bytes_of: Callable[[int, Workload], float] | None = None,
 ) -> ComputeTimes:
-    """Roofline compute time of every layer, and of the LM head for the last token of each sequence."""
-    layer_ms = tuple(roofline_ms(*layer_cost(layer, geometry, workload), profile) for layer in layout.layers)
+    """Roofline compute time of every layer, and of the LM head for the last token of each sequence.
+
+    ``kv_bytes_of(layer_index, workload)``: KV cache bytes a layer reads and writes in one step, from a cache
+    model (planner.kv_cache); without one, every layer caches ``num_kv_heads x head_dim`` keys and values."""
+    layer_ms = tuple(
+        roofline_ms(*layer_cost(layer, geometry, workload, None if kv_bytes_of is None else kv_bytes_of(i, workload)),
+                    profile)
+        for i, layer in enumerate(layout.layers)
+    )
     head_ms = 0.0
     shape = _head_shape(layout, checkpoint_shapes)
     if shape is not None:

@@ -100,6 +100,8 @@ def export_plan(plan: Plan, engine: str, *, tp_size: int = 1, exact: bool = Fals
         flags += _params_flags(plan, engine, notes)
     else:
         notes.append("the plan offloads nothing: serve without offload flags")
+    if plan.serving is not None:
+        flags += _serving_flags(plan, engine, tp_size, notes)
     if tp_size > 1:
         notes.append(_tp_note(plan, tp_size))
     if plan.workload.cuda_graph and plan.offload.layers:
@@ -224,6 +226,43 @@ def _check_segment(segment: str) -> None:
         raise PlanError(f"--params {segment!r}: the engines fuse {fused[0]} into {FUSED_PARTS[fused[0]]} with its "
                         "siblings, so their matching cannot select it alone: select the enclosing module "
                         "(e.g. 'self_attn', 'mlp' or 'experts') and make the plan again")
+
+
+#: --kv-cache-dtype values for the plan's KV dtype; bf16 and fp16 are the model's own: "auto"
+KV_CACHE_DTYPE_FLAGS = {"vllm": {"fp8": "fp8"}, "sglang": {"fp8": "fp8_e4m3"}}
+
+
+def _serving_flags(plan: Plan, engine: str, tp_size: int, notes: list) -> list[str]:
+    """Concurrency, context and the GPU memory share that leave the engine the plan's KV cache, per rank."""
+    workload, memory = plan.workload, plan.memory
+    per_rank_total = (memory.total_gpu_bytes - memory.cuda_context_bytes) / tp_size + memory.cuda_context_bytes
+    if engine == "vllm":
+        # vLLM's --gpu-memory-utilization covers everything it allocates (weights, activations, graphs, KV cache).
+        share = per_rank_total / plan.hardware.gpu_memory_bytes
+        flags = ["--max-num-seqs", str(workload.concurrency), "--max-model-len", str(workload.context_tokens),
+                 "--gpu-memory-utilization", f"{_ceil_share(share):.2f}"]
+        what = "the whole plan"
+    else:
+        # SGLang's --mem-fraction-static covers the weights and the KV pool; activations and graphs use the rest.
+        share = (memory.gpu_bytes + memory.kv_cache_bytes) / tp_size / plan.hardware.gpu_memory_bytes
+        flags = ["--max-running-requests", str(workload.concurrency), "--context-length", str(workload.context_tokens),
+                 "--mem-fraction-static", f"{_ceil_share(share):.2f}"]
+        what = "the weights and the KV cache"
+    kv_flag = KV_CACHE_DTYPE_FLAGS[engine].get(workload.kv_dtype)
+    if kv_flag is not None:
+        flags += ["--kv-cache-dtype", kv_flag]
+    tokens = workload.concurrency * workload.context_tokens
+    notes.append(f"serving: {workload.concurrency} sequences of up to {workload.context_tokens} tokens; the memory "
+                 f"share is {what} ({format_bytes(per_rank_total if engine == 'vllm' else share * plan.hardware.gpu_memory_bytes)} "
+                 f"per rank) over the GPU's {format_bytes(plan.hardware.gpu_memory_bytes)}, rounded up to the next "
+                 f"0.01; at start-up the engine should report a KV cache of at least {tokens:,} tokens "
+                 f"({format_bytes(memory.kv_cache_bytes / tp_size)} per rank)")
+    return flags
+
+
+def _ceil_share(share: float) -> float:
+    """A memory share rounded up to two decimals (never below what the plan needs), at most 1."""
+    return min(1.0, math.ceil(share * 100 - 1e-9) / 100)
 
 
 def _tp_note(plan: Plan, tp_size: int) -> str:

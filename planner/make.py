@@ -1,12 +1,15 @@
 """``make``: read a checkpoint and a profile, search the plan, and build the Plan object."""
 
+import functools
 import shlex
 from collections import Counter
 from dataclasses import dataclass
 
 from planner.checkpoint import Checkpoint, load_checkpoint
 from planner.cost import ComputeTimes, Workload, estimate_compute, geometry_from_config
-from planner.errors import InfeasibleError, UsageError
+from planner.errors import InfeasibleError, ModelInputError, UsageError
+from planner.activations import ActivationShape, StepShape, activation_shape, estimate_activations
+from planner.kv_cache import KvCacheModel, kv_cache_model
 from planner.layout import ModelLayout, build_layout
 from planner.plan import (
     SCHEMA_VERSION,
@@ -18,11 +21,32 @@ from planner.plan import (
     OffloadSection,
     Plan,
     PredictionSection,
+    ServingRow,
+    ServingSection,
     WorkloadSection,
 )
 from planner.profile import HardwareProfile, load_profile
-from planner.search import Choice, LayerBytes, SearchSpace, copy_ms_of, search, weight_gpu_bytes
-from planner.simulate import join_every_steps_for
+from planner.search import (
+    Choice,
+    LayerBytes,
+    SearchSpace,
+    copy_ms_of,
+    gpu_bytes_of,
+    minimum_gpu_bytes,
+    search,
+    weight_gpu_bytes,
+)
+from planner.serving import (
+    CUDA_CONTEXT_BYTES,
+    DECODE_ROOM_TOKENS,
+    ConcurrencyRange,
+    OtherBytes,
+    ServingPoint,
+    ServingSearch,
+    parse_concurrency,
+    search_serving,
+)
+from planner.simulate import join_every_steps_for, simulate
 from planner.units import format_bytes, parse_bytes
 
 
@@ -59,19 +83,90 @@ def budget_bytes_for(inputs: Inputs, profile: HardwareProfile) -> int:
     return budget
 
 
-def make_plan(inputs: Inputs, compute_override: ComputeTimes | None = None) -> Planned:
-    """Read the checkpoint and profile named by ``inputs`` and search the fastest plan that fits."""
-    try:
-        workload = Workload(
-            tokens_per_step=inputs.tokens, sequences_per_step=inputs.sequences, context_tokens=inputs.context
+@dataclass(frozen=True, kw_only=True)
+class _Model:
+    """What make reads once and every search shares."""
+
+    inputs: Inputs
+    profile: HardwareProfile
+    checkpoint: Checkpoint
+    layout: ModelLayout
+    layer_bytes: LayerBytes
+    #: the cache model, None where the architecture's cache is not modelled (weights-only plans only)
+    kv: KvCacheModel | None
+    #: tensor dims for the activation estimate, None with kv
+    activation_shape: ActivationShape | None
+    warnings: list[str]
+
+    def search(self, compute: ComputeTimes, budget_bytes: int) -> Choice:
+        """The fastest placement of the weights within ``budget_bytes`` for steps of ``compute``."""
+        inputs = self.inputs
+        return search(
+            layers=self.layer_bytes,
+            fixed_bytes=self.layout.non_layer_bytes,
+            compute=compute,
+            h2d_bytes_per_s=self.profile.h2d_bytes_per_s.value,
+            copy_overhead_us=self.profile.copy_overhead_us.value,
+            budget_bytes=budget_bytes,
+            space=SearchSpace(
+                group_size=inputs.group_size, num_in_group=inputs.num_in_group, prefetch_step=inputs.prefetch_step
+            ),
+            join_every_steps=join_every_steps_for(inputs.cuda_graph),
         )
-    except ValueError as error:
-        raise UsageError(f"workload: {error}") from None
-    if inputs.cuda_graph and inputs.tokens != inputs.sequences:
+
+    def activations(self, workload: Workload, static_cache_tokens: int | None = None) -> int:
+        """Peak activation bytes of a step of ``workload`` as the runtime runs it: a decode step over a static
+        cache of ``static_cache_tokens`` (MoE experts through batched_mm, graph-capturable), else a prefill."""
+        tokens_per_sequence = workload.tokens_per_step // workload.sequences_per_step
+        step = StepShape(num_sequences=workload.sequences_per_step, tokens_per_sequence=tokens_per_sequence,
+                         context_tokens=workload.context_tokens, static_cache_tokens=static_cache_tokens)
+        experts = "batched_mm" if static_cache_tokens is not None else "eager"
+        return estimate_activations(self.activation_shape, step, experts_implementation=experts).peak_bytes
+
+    def compute(self, workload: Workload) -> ComputeTimes:
+        """Layer times for ``workload``: measured with --measure, else the roofline estimate."""
+        return _compute_times(self.inputs, self.checkpoint, self.layout, workload, self.profile, self.kv)
+
+
+def make_plan(inputs: Inputs, compute_override: ComputeTimes | None = None) -> Planned:
+    """Read the checkpoint and profile named by ``inputs`` and search the fastest plan that fits: for the
+    weights alone within a budget, or (``inputs.concurrency``) for a serving target on the whole GPU."""
+    if inputs.cuda_graph and inputs.concurrency is None and inputs.tokens != inputs.sequences:
         raise UsageError("--cuda-graph plans decode steps, one new token per sequence: give --tokens equal to "
                          "--sequences (the batch), e.g. --tokens 64 --sequences 64 --context 1024")
+    model = _read_model(inputs)
+    if inputs.concurrency is not None:
+        return make_serving_plan(model)
+    workload = _workload(inputs.tokens, inputs.sequences, inputs.context)
+    budget = budget_bytes_for(inputs, model.profile)
+    compute = compute_override or model.compute(workload)
+    choice = model.search(compute, budget)
+    host_limit = host_memory_bytes_for(inputs, model.profile)
+    check_host_memory(choice.host_pinned_bytes, host_limit, inputs)
+    other = _weights_plan_other_bytes(model, workload)
+    gpu_memory = gpu_memory_bytes_for(inputs, model.profile)
+    if other is not None and choice.gpu_bytes + other.total_bytes > gpu_memory:
+        raise InfeasibleError(
+            f"the weights ({format_bytes(choice.gpu_bytes)}) with the KV cache ({format_bytes(other.kv_cache_bytes)}) "
+            f"and activations ({format_bytes(other.activation_bytes + other.cuda_graph_pool_bytes)}) of "
+            f"{workload.sequences_per_step} sequence(s) at context {workload.context_tokens} and the CUDA context need "
+            f"{format_bytes(choice.gpu_bytes + other.total_bytes)}, more than the {format_bytes(gpu_memory)} of GPU "
+            "memory; lower --budget, or give --concurrency to let the planner divide the GPU"
+        )
+    plan = _assemble(model, workload, compute, choice, budget, host_limit, gpu_memory, other, serving=None)
+    return Planned(plan=plan, checkpoint=model.checkpoint, layout=model.layout, warnings=tuple(model.warnings))
+
+
+def _workload(tokens: int, sequences: int, context: int) -> Workload:
+    try:
+        return Workload(tokens_per_step=tokens, sequences_per_step=sequences, context_tokens=context)
+    except ValueError as error:
+        raise UsageError(f"workload: {error}") from None
+
+
+def _read_model(inputs: Inputs) -> _Model:
+    """Profile, checkpoint headers, layout, the bytes each layer would move, and the KV cache model."""
     profile = load_profile(inputs.gpu)
-    budget = budget_bytes_for(inputs, profile)
     checkpoint = load_checkpoint(inputs.model, inputs.revision)
     layout = build_layout(checkpoint, inputs.stack)
     warnings = _layout_warnings(layout)
@@ -82,31 +177,23 @@ def make_plan(inputs: Inputs, compute_override: ComputeTimes | None = None) -> P
             f"--params {' '.join(params)} matches no param of any layer (segments match whole dot-separated "
             f"parts, e.g. 'experts' or 'mlp'); layer 0 has: {', '.join(p[0] for p in layout.layers[0].params[:6])}"
         )
-    compute = compute_override or _compute_times(inputs, checkpoint, layout, workload, profile)
     layer_bytes = LayerBytes(
         total=tuple(layer.nbytes for layer in layout.layers),
         selected=selected,
         num_tensors=len(checkpoint.tensors) - sum(len(layer.params) for layer in layout.unused_layers),
     )
-    choice = search(
-        layers=layer_bytes,
-        fixed_bytes=layout.non_layer_bytes,
-        compute=compute,
-        h2d_bytes_per_s=profile.h2d_bytes_per_s.value,
-        copy_overhead_us=profile.copy_overhead_us.value,
-        budget_bytes=budget,
-        space=SearchSpace(
-            group_size=inputs.group_size, num_in_group=inputs.num_in_group, prefetch_step=inputs.prefetch_step
-        ),
-        join_every_steps=join_every_steps_for(inputs.cuda_graph),
-    )
-    host_limit = host_memory_bytes_for(inputs, profile)
-    check_host_memory(choice.host_pinned_bytes, host_limit, inputs)
-    plan = _assemble(inputs, checkpoint, layout, profile, workload, compute, layer_bytes, choice, budget, host_limit)
-    return Planned(plan=plan, checkpoint=checkpoint, layout=layout, warnings=tuple(warnings))
+    try:
+        kv, shape = kv_cache_model(checkpoint.config), activation_shape(checkpoint.config)
+    except ModelInputError as error:
+        if inputs.concurrency is not None:
+            raise
+        kv = shape = None
+        warnings.append(f"{error}; the plan leaves the KV cache, activations and GPU total out")
+    return _Model(inputs=inputs, profile=profile, checkpoint=checkpoint, layout=layout, layer_bytes=layer_bytes,
+                  kv=kv, activation_shape=shape, warnings=warnings)
 
 
-def _compute_times(inputs: Inputs, checkpoint, layout, workload, profile) -> ComputeTimes:
+def _compute_times(inputs: Inputs, checkpoint, layout, workload, profile, kv: KvCacheModel | None) -> ComputeTimes:
     """Measured on the local GPU with --measure (runtime, torch), else the roofline estimate (pure)."""
     if inputs.measure:
         from runtime.measure import measured_compute
@@ -115,7 +202,139 @@ def _compute_times(inputs: Inputs, checkpoint, layout, workload, profile) -> Com
     if inputs.measured_on is not None:
         raise UsageError("--measured-on only applies with --measure")
     shapes = {t.name: t.shape for t in checkpoint.tensors}
-    return estimate_compute(layout, geometry_from_config(checkpoint.config, layout), workload, profile, shapes)
+    kv_bytes_of = None if kv is None else functools.partial(kv_step_bytes, kv, kv_dtype=inputs.kv_dtype)
+    return estimate_compute(layout, geometry_from_config(checkpoint.config, layout), workload, profile, shapes,
+                            kv_bytes_of)
+
+
+def kv_step_bytes(kv: KvCacheModel, layer_index: int, workload: Workload, *, kv_dtype: str) -> float:
+    """KV cache bytes one layer reads and writes in a step of ``workload``: each sequence's held tokens."""
+    tokens_per_sequence = workload.tokens_per_step // workload.sequences_per_step
+    context = workload.context_tokens + tokens_per_sequence
+    element = kv.element_bytes(kv_dtype)
+    per_sequence = sum(entry.held_tokens(context) * entry.elements_per_token * element
+                       + entry.state_bytes(kv.element_bytes("auto"))
+                       for entry in kv.layers if entry.layer_index == layer_index)
+    return workload.sequences_per_step * per_sequence
+
+
+def gpu_memory_bytes_for(inputs: Inputs, profile: HardwareProfile) -> int:
+    """The GPU memory a plan must fit: --gpu-memory, else --trigger's share of the profile's (serving plans),
+    else all of the profile's. Never above the profile's."""
+    memory = int(profile.gpu_memory_bytes.value)
+    if inputs.gpu_memory is not None:
+        limit = parse_bytes(inputs.gpu_memory)
+        if not 0 < limit <= memory:
+            raise UsageError(f"--gpu-memory {inputs.gpu_memory} is not between 0 and {profile.name}'s "
+                             f"{format_bytes(memory)}; give at most {memory // 2**20}MiB")
+        return limit
+    if inputs.concurrency is not None and inputs.trigger is not None:
+        if not 0 < inputs.trigger <= 1:
+            raise UsageError(f"--trigger {inputs.trigger} is not a share of GPU memory; give a number in (0, 1]")
+        return int(inputs.trigger * memory)
+    return memory
+
+
+def serving_other_bytes(model: _Model, concurrency: int) -> OtherBytes:
+    """GPU memory besides the weights when serving ``concurrency`` sequences of up to --context tokens: their KV
+    cache, the activation peak (a prefill chunk's, or an eager decode step's when larger), a graphed decode
+    step's pool, and the CUDA context. The decode step is the last one, over a full static cache."""
+    inputs = model.inputs
+    # run's static cache keeps room past the context for the steps it times; engines allocate the context alone
+    cache_tokens = inputs.context + DECODE_ROOM_TOKENS
+    decode_bytes = model.activations(_workload(concurrency, concurrency, inputs.context),
+                                     static_cache_tokens=cache_tokens)
+    chunk_bytes = model.activations(_workload(inputs.chunk, 1, 0))
+    kv_bytes = model.kv.cache_bytes(num_sequences=concurrency, context_tokens=cache_tokens, kv_dtype=inputs.kv_dtype)
+    return _other_bytes(model, kv_bytes, decode_bytes, chunk_bytes, inputs.cuda_graph)
+
+
+def _other_bytes(model: _Model, kv_bytes: int, decode_bytes: int, chunk_bytes: int, graphed: bool) -> OtherBytes:
+    context = model.profile.cuda_context_bytes
+    return OtherBytes(kv_cache_bytes=kv_bytes, activation_bytes=max(chunk_bytes, 0 if graphed else decode_bytes),
+                      cuda_graph_pool_bytes=decode_bytes if graphed else 0,
+                      cuda_context_bytes=CUDA_CONTEXT_BYTES if context is None else int(context.value))
+
+
+def _weights_plan_other_bytes(model: _Model, workload: Workload) -> OtherBytes | None:
+    """A weights-only plan's other GPU memory, its one step run as the runtime runs it (a decode plan over a
+    static cache with run's room, a prefill without one); None when the KV cache is not modelled."""
+    if model.kv is None:
+        return None
+    tokens_per_sequence = workload.tokens_per_step // workload.sequences_per_step
+    decode = workload.context_tokens > 0
+    cache_tokens = workload.context_tokens + (DECODE_ROOM_TOKENS if decode else tokens_per_sequence)
+    step_bytes = model.activations(workload, static_cache_tokens=cache_tokens if decode else None)
+    kv_bytes = model.kv.cache_bytes(num_sequences=workload.sequences_per_step, context_tokens=cache_tokens,
+                                    kv_dtype=model.inputs.kv_dtype)
+    return _other_bytes(model, kv_bytes, step_bytes, 0 if decode else step_bytes, model.inputs.cuda_graph and decode)
+
+
+def make_serving_plan(model: _Model) -> Planned:
+    """The concurrency and placement with the most decode tokens/s that fit the whole GPU (planner.serving)."""
+    inputs = model.inputs
+    if inputs.context < 1:
+        raise UsageError("a serving plan needs --context, the longest sequence in tokens (prompt and output), "
+                         "e.g. --context 4096")
+    if inputs.chunk < 1:
+        raise UsageError(f"--chunk {inputs.chunk}: a prefill chunk holds at least one token, e.g. --chunk 2048")
+    try:
+        wanted = parse_concurrency(inputs.concurrency)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    gpu_memory = gpu_memory_bytes_for(inputs, model.profile)
+    budget = parse_bytes(inputs.budget) if inputs.budget is not None else None
+
+    def decode(concurrency: int) -> Workload:
+        return _workload(concurrency, concurrency, inputs.context)
+
+    found = search_serving(
+        wanted=wanted,
+        gpu_memory_bytes=gpu_memory,
+        other_bytes_at=lambda b: serving_other_bytes(model, b),
+        compute_at=lambda b: model.compute(decode(b)),
+        search_weights=lambda compute, budget_bytes: model.search(compute, budget_bytes),
+        minimum_weight_bytes=minimum_gpu_bytes(model.layout.non_layer_bytes, model.layer_bytes),
+        resident_weight_bytes=gpu_bytes_of(model.layout.non_layer_bytes, model.layer_bytes, (), 0),
+        weights_budget_bytes=budget,
+        max_tpot_ms=inputs.max_tpot_ms,
+    )
+    best = found.best
+    workload = decode(best.concurrency)
+    host_limit = host_memory_bytes_for(inputs, model.profile)
+    check_host_memory(best.choice.host_pinned_bytes, host_limit, inputs)
+    plan = _assemble(model, workload, model.compute(workload), best.choice, best.weights_budget_bytes, host_limit,
+                     gpu_memory, best.other, serving=_serving_section(found, wanted, inputs.max_tpot_ms))
+    return Planned(plan=plan, checkpoint=model.checkpoint, layout=model.layout, warnings=tuple(model.warnings))
+
+
+def _serving_section(found: ServingSearch, wanted: ConcurrencyRange, max_tpot_ms: float | None) -> ServingSection:
+    alternative = found.no_offload
+    return ServingSection(
+        concurrency_low=wanted.low,
+        concurrency_high=wanted.high,
+        max_tpot_ms=max_tpot_ms,
+        no_offload_concurrency=None if alternative is None else alternative.concurrency,
+        no_offload_step_ms=None if alternative is None else alternative.step_ms,
+        no_offload_tokens_per_s=None if alternative is None else alternative.tokens_per_s,
+        points=tuple(_serving_row(point) for point in found.points),
+    )
+
+
+def _serving_row(point: ServingPoint) -> ServingRow:
+    choice = point.choice
+    return ServingRow(
+        concurrency=point.concurrency,
+        num_offloaded=-1 if choice is None else len(choice.offloaded),
+        group_size=0 if choice is None else choice.group_size,
+        num_in_group=0 if choice is None else choice.num_in_group,
+        prefetch_step=0 if choice is None else choice.prefetch_step,
+        weights_gpu_bytes=0 if choice is None else choice.gpu_bytes,
+        kv_cache_bytes=point.other.kv_cache_bytes,
+        total_gpu_bytes=point.total_gpu_bytes,
+        step_ms=point.step_ms,
+        tokens_per_s=point.tokens_per_s,
+    )
 
 
 def _layout_warnings(layout: ModelLayout) -> list[str]:
@@ -154,8 +373,10 @@ def check_host_memory(pinned_bytes: int, host_limit: int | None, inputs: Inputs)
     )
 
 
-def _assemble(inputs, checkpoint, layout, profile, workload, compute, layer_bytes, choice: Choice, budget,
-              host_limit: int | None) -> Plan:
+def _assemble(model: _Model, workload: Workload, compute: ComputeTimes, choice: Choice, budget: int,
+              host_limit: int | None, gpu_memory: int, other: OtherBytes | None,
+              serving: ServingSection | None) -> Plan:
+    inputs, profile, layout, layer_bytes = model.inputs, model.profile, model.layout, model.layer_bytes
     h2d = profile.h2d_bytes_per_s.value
     overhead_us = profile.copy_overhead_us.value
     offloaded = set(choice.offloaded)
@@ -164,6 +385,8 @@ def _assemble(inputs, checkpoint, layout, profile, workload, compute, layer_byte
     slot_bytes = max((layer_bytes.selected[i] for i in choice.offloaded), default=0)
     resident_step_ms = compute.head_ms + sum(compute.layer_ms)
     link_floor_ms = 1e3 * choice.copy_bytes / h2d
+    decode = workload.context_tokens > 0 and workload.tokens_per_step == workload.sequences_per_step
+    chunk_tokens = inputs.chunk if serving is not None else workload.tokens_per_step
     rows = tuple(
         LayerRow(
             index=i,
@@ -177,7 +400,7 @@ def _assemble(inputs, checkpoint, layout, profile, workload, compute, layer_byte
     return Plan(
         schema_version=SCHEMA_VERSION,
         inputs=inputs,
-        model=_model_section(checkpoint, layout),
+        model=_model_section(model.checkpoint, layout),
         hardware=HardwareSection(profile=profile.name, **(profile.figures() | {"host_memory_bytes": host_limit})),
         workload=WorkloadSection(
             tokens_per_step=workload.tokens_per_step,
@@ -185,6 +408,9 @@ def _assemble(inputs, checkpoint, layout, profile, workload, compute, layer_byte
             context_tokens=workload.context_tokens,
             compute_source=compute.source,
             cuda_graph=inputs.cuda_graph,
+            concurrency=workload.sequences_per_step,
+            chunk_tokens=chunk_tokens,
+            kv_dtype=_kv_dtype_name(model),
         ),
         offload=OffloadSection(
             group_size=choice.group_size,
@@ -204,6 +430,12 @@ def _assemble(inputs, checkpoint, layout, profile, workload, compute, layer_byte
             num_slots=num_slots,
             slot_bytes=slot_bytes,
             host_pinned_bytes=choice.host_pinned_bytes,
+            gpu_memory_bytes=gpu_memory,
+            kv_cache_bytes=None if other is None else other.kv_cache_bytes,
+            activation_bytes=None if other is None else other.activation_bytes,
+            cuda_graph_pool_bytes=0 if other is None else other.cuda_graph_pool_bytes,
+            cuda_context_bytes=0 if other is None else other.cuda_context_bytes,
+            total_gpu_bytes=None if other is None else choice.gpu_bytes + other.total_bytes,
         ),
         prediction=PredictionSection(
             step_ms=simulation.step_ms,
@@ -213,9 +445,30 @@ def _assemble(inputs, checkpoint, layout, profile, workload, compute, layer_byte
             link_floor_ms=link_floor_ms,
             copy_bytes_per_step=choice.copy_bytes,
             link_busy_share=simulation.copy_busy_ms / simulation.step_ms if simulation.step_ms else 0.0,
+            decode_step_ms=simulation.step_ms if decode else None,
+            decode_tokens_per_s=1e3 * workload.sequences_per_step / simulation.step_ms if decode else None,
+            prefill_chunk_ms=_prefill_chunk_ms(model, choice, chunk_tokens) if serving is not None or not decode
+            else None,
         ),
         layers=rows,
+        serving=serving,
     )
+
+
+def _kv_dtype_name(model: _Model) -> str:
+    """--kv-dtype with auto resolved to the checkpoint's activation dtype."""
+    if model.inputs.kv_dtype != "auto" or model.kv is None:
+        return model.inputs.kv_dtype
+    return model.kv.activation_dtype
+
+
+def _prefill_chunk_ms(model: _Model, choice: Choice, chunk_tokens: int) -> float:
+    """One prefill chunk of a new sequence with the plan's placement, steps back to back (eager)."""
+    compute = model.compute(_workload(chunk_tokens, 1, 0))
+    copy_ms = tuple(copy_ms_of(model.layer_bytes.selected[i], model.profile.h2d_bytes_per_s.value,
+                               model.profile.copy_overhead_us.value) for i in choice.offloaded)
+    return simulate(layer_ms=compute.layer_ms, head_ms=compute.head_ms, offloaded=choice.offloaded,
+                    copy_ms=copy_ms, prefetch_step=max(1, choice.prefetch_step)).step_ms
 
 
 def _model_section(checkpoint: Checkpoint, layout: ModelLayout) -> ModelSection:
@@ -270,6 +523,16 @@ def regenerate_command(inputs: Inputs, output: str | None) -> str:
         words += ["--cuda-graph"]
     if inputs.host_memory is not None:
         words += ["--host-memory", inputs.host_memory]
+    if inputs.concurrency is not None:
+        words += ["--concurrency", inputs.concurrency]
+        if inputs.chunk != 2048:
+            words += ["--chunk", str(inputs.chunk)]
+    if inputs.max_tpot_ms is not None:
+        words += ["--max-tpot-ms", f"{inputs.max_tpot_ms:g}"]
+    if inputs.kv_dtype != "auto":
+        words += ["--kv-dtype", inputs.kv_dtype]
+    if inputs.gpu_memory is not None:
+        words += ["--gpu-memory", inputs.gpu_memory]
     if output:
         words += ["-o", output]
     return shlex.join(words)

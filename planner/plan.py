@@ -45,6 +45,16 @@ class Inputs:
     cuda_graph: bool = False
     #: host memory for pinned params, e.g. "480GB" (None: the profile's figure, if it has one)
     host_memory: str | None = None
+    #: serving target: decode concurrency "64", a range "8..512" or "auto" (None: a plan for the weights alone)
+    concurrency: str | None = None
+    #: serving: tokens of a prefill chunk
+    chunk: int = 2048
+    #: KV cache element type: auto (the checkpoint's), bf16, fp16, fp8
+    kv_dtype: str = "auto"
+    #: serving: the longest decode step (per-token latency) allowed
+    max_tpot_ms: float | None = None
+    #: GPU memory the whole plan must fit, e.g. "24GiB" (None: the profile's, or --trigger's share of it)
+    gpu_memory: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,6 +101,8 @@ class HardwareSection:
     compute_efficiency: float
     #: host memory the plan's pinned bytes were checked against (--host-memory, else the profile's); None: unchecked
     host_memory_bytes: int | None = None
+    #: the profile's CUDA context figure; None: the planner's default (memory.cuda_context_bytes says what was used)
+    cuda_context_bytes: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,6 +117,12 @@ class WorkloadSection:
     #: steps are CUDA-graph replays of planner.simulate.STEPS_PER_GRAPH steps (one): copies that wrap past a
     #: replay's last step finish inside it
     cuda_graph: bool = False
+    #: sequences decoded together: a serving plan's chosen concurrency, else sequences_per_step
+    concurrency: int = 1
+    #: tokens of one prefill chunk: a serving plan's --chunk, else tokens_per_step
+    chunk_tokens: int = 2048
+    #: KV cache element type (bf16, fp16, fp8, fp32)
+    kv_dtype: str = "bf16"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -150,6 +168,18 @@ class MemorySection:
     slot_bytes: int
     #: offloaded params in pinned host memory
     host_pinned_bytes: int
+    #: the GPU memory the whole plan must fit: the profile's, --trigger's share of it, or --gpu-memory
+    gpu_memory_bytes: int = 0
+    #: KV cache of the workload's sequences at their context (None: the architecture's cache is not modelled)
+    kv_cache_bytes: int | None = None
+    #: peak activations of a step (serving: of a prefill chunk or an eager decode step, whichever is larger)
+    activation_bytes: int | None = None
+    #: a captured decode step's intermediates, held by its CUDA graph's pool (0 when not graphed)
+    cuda_graph_pool_bytes: int = 0
+    #: CUDA context, library workspaces and allocator rounding beyond the tensors
+    cuda_context_bytes: int = 0
+    #: weights + KV cache + activations + graph pool + context (None when the KV cache is not modelled)
+    total_gpu_bytes: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -166,6 +196,12 @@ class PredictionSection:
     copy_bytes_per_step: int
     #: share of the step the link is busy
     link_busy_share: float
+    #: a decode step of workload.concurrency sequences (the per-token latency); None for a prefill plan
+    decode_step_ms: float | None = None
+    #: decode tokens per second over all sequences; None for a prefill plan
+    decode_tokens_per_s: float | None = None
+    #: a prefill chunk of workload.chunk_tokens tokens with the same placement (serving plans and prefill plans)
+    prefill_chunk_ms: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -182,6 +218,43 @@ class LayerRow:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ServingRow:
+    """One concurrency the serving search evaluated, with the best placement there."""
+
+    concurrency: int
+    #: layers offloaded (0: all resident; -1: no placement fits beside this many sequences' cache)
+    num_offloaded: int
+    group_size: int
+    num_in_group: int
+    prefetch_step: int
+    #: GPU bytes of the placed weights (0 when nothing fits)
+    weights_gpu_bytes: int
+    kv_cache_bytes: int
+    #: weights + KV cache + activations + graph pool + context
+    total_gpu_bytes: int
+    #: decode step (per-token latency); None when nothing fits
+    step_ms: float | None
+    tokens_per_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServingSection:
+    """How the serving target was chosen (serving plans only): every concurrency tried, and the alternative."""
+
+    #: the concurrencies searched, low to high (equal for --concurrency N)
+    concurrency_low: int
+    concurrency_high: int
+    #: --max-tpot-ms: the longest decode step allowed (None: no limit)
+    max_tpot_ms: float | None
+    #: the most tokens/s with every weight resident, at this concurrency (None: the model never fits whole)
+    no_offload_concurrency: int | None
+    no_offload_step_ms: float | None
+    no_offload_tokens_per_s: float | None
+    #: rows in ascending concurrency, one line each
+    points: tuple[ServingRow, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
 class Plan:
     """A whole plan file."""
 
@@ -194,6 +267,8 @@ class Plan:
     memory: MemorySection
     prediction: PredictionSection
     layers: tuple[LayerRow, ...]
+    #: serving plans only (make --concurrency): the concurrency search
+    serving: ServingSection | None = None
 
     def __post_init__(self):
         if self.schema_version != SCHEMA_VERSION:
@@ -257,6 +332,10 @@ def plan_to_dict(plan: Plan) -> dict:
     if not plan.workload.cuda_graph:
         del out["offload"]["replay_start_copies"]  # eager plans keep their bytes
     out["layers"] = [{key: _plain(value) for key, value in asdict(row).items()} for row in plan.layers]
+    if plan.serving is not None:
+        out["serving"] = {key: _plain(value) for key, value in asdict(plan.serving).items() if key != "points"}
+        out["serving"]["points"] = [{key: _plain(value) for key, value in asdict(row).items()}
+                                    for row in plan.serving.points]
     return out
 
 
@@ -276,6 +355,8 @@ def render_plan(plan: Plan, command: str) -> str:
             if isinstance(value, list):
                 data[name][key] = _FlowList(value)
     data["layers"] = [_FlowRow(row) for row in data["layers"]]
+    if "serving" in data:
+        data["serving"]["points"] = [_FlowRow(row) for row in data["serving"]["points"]]
     body = yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=120, allow_unicode=False)
     header = (
         "# Offload plan written by offload-plan. Do not edit by hand; regenerate with:\n"
@@ -322,8 +403,8 @@ def plan_from_dict(data: object, origin: str) -> Plan:
     if not isinstance(data, dict):
         raise PlanError(f"{origin}: not a plan (expected a mapping); regenerate it with offload-plan make")
     expected = {"schema_version", "layers", *SECTIONS}
-    if set(data) != expected:
-        problems = sorted(set(data) ^ expected)
+    if set(data) - {"serving"} != expected:
+        problems = sorted((set(data) - {"serving"}) ^ expected)
         raise PlanError(f"{origin}: plan keys differ from schema {SCHEMA_VERSION} at {problems}; regenerate it")
     if data["schema_version"] != SCHEMA_VERSION:
         raise PlanError(
@@ -336,6 +417,8 @@ def plan_from_dict(data: object, origin: str) -> Plan:
     if not isinstance(rows, list):
         raise PlanError(f"{origin}: layers must be a list of rows; regenerate the plan")
     kwargs["layers"] = tuple(_section(LayerRow, row, f"{origin}: layers[{i}]") for i, row in enumerate(rows))
+    if data.get("serving") is not None:
+        kwargs["serving"] = _serving_section(data["serving"], f"{origin}: serving")
     misplaced = [i for i, row in enumerate(kwargs["layers"]) if row.index != i]
     if misplaced:
         raise PlanError(f"{origin}: layers[{misplaced[0]}] has index {kwargs['layers'][misplaced[0]].index}; rows must "
@@ -344,6 +427,27 @@ def plan_from_dict(data: object, origin: str) -> Plan:
         return Plan(**kwargs)
     except ValueError as error:
         raise PlanError(f"{origin}: {error}; regenerate the plan") from None
+
+
+def _serving_section(raw: object, origin: str) -> ServingSection:
+    """The serving section: flat fields, and its points as rows."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("points"), list):
+        raise PlanError(f"{origin} must be a mapping with a list of points; regenerate the plan")
+    points = tuple(_section(ServingRow, row, f"{origin}.points[{i}]") for i, row in enumerate(raw["points"]))
+    section = _section(_ServingFields, {k: v for k, v in raw.items() if k != "points"}, origin)
+    return ServingSection(**vars(section), points=points)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _ServingFields:
+    """ServingSection without its rows, for reading."""
+
+    concurrency_low: int
+    concurrency_high: int
+    max_tpot_ms: float | None
+    no_offload_concurrency: int | None
+    no_offload_step_ms: float | None
+    no_offload_tokens_per_s: float | None
 
 
 _TYPES = {int: (int,), float: (int, float), str: (str,), bool: (bool,)}

@@ -70,6 +70,9 @@ class HardwareProfile:
     #: host memory this GPU's offloaded params may be pinned in (its share where GPUs share one host, as two
     #: B200s share a Grace); None where it depends on the machine, as on PCIe servers
     host_memory_bytes: Figure | None = None
+    #: GPU memory a process holds beyond its tensors (CUDA context, library workspaces, allocator rounding);
+    #: None: planner.serving.CUDA_CONTEXT_BYTES
+    cuda_context_bytes: Figure | None = None
 
     def __post_init__(self):
         if not self.name or not isinstance(self.name, str):
@@ -98,7 +101,7 @@ class HardwareProfile:
 
 
 _FIGURE_FIELDS = tuple(f.name for f in fields(HardwareProfile) if f.name not in ("name", "description"))
-_OPTIONAL_FIELDS = ("fp8_flops_per_s", "host_memory_bytes")
+_OPTIONAL_FIELDS = ("fp8_flops_per_s", "host_memory_bytes", "cuda_context_bytes")
 
 
 def profile_from_dict(data: object, origin: str) -> HardwareProfile:

@@ -27,14 +27,80 @@ def resimulate(plan: Plan) -> Simulation:
 
 
 def show_plan(plan: Plan, console: Console, *, layer_table: bool = True) -> None:
-    """Print summary, memory, per-layer table, timeline and stalls."""
+    """Print the verdict, summary, the serving chart, memory, per-layer table, timeline and stalls."""
     simulation = resimulate(plan)
+    console.print(Text(verdict(plan), style="bold"))
     console.print(_summary(plan))
+    if plan.serving is not None:
+        console.print(serving_chart(plan))
     console.print(_memory(plan))
     if layer_table:
         console.print(_layer_table(plan, simulation))
     console.print(_timeline(plan, simulation, max(20, min(TIMELINE_COLUMNS, console.width - 12))))
     console.print(_stalls(plan, simulation))
+
+
+def verdict(plan: Plan) -> str:
+    """The plan in one or two sentences: what it serves or runs, how fast, and against what."""
+    offloaded, num_layers = len(plan.offload.layers), plan.model.num_layers
+    where = f"{plan.hardware.profile} ({format_bytes(plan.memory.gpu_memory_bytes)} of GPU memory)"
+    placement = f"offloading {offloaded} of {num_layers} layers" if offloaded else "with every weight resident"
+    prediction, workload = plan.prediction, plan.workload
+    if plan.serving is None:
+        step = "decode step" if prediction.decode_step_ms is not None else "step"
+        return (f"{workload.tokens_per_step} tokens per {step} in {workload.sequences_per_step} sequence(s) on "
+                f"{where} {placement}: {format_ms(prediction.step_ms)} predicted, x{_slowdown(plan):.2f} the "
+                "all-resident step.")
+    text = (f"Serves {workload.concurrency} sequences of up to {workload.context_tokens} tokens on {where} "
+            f"{placement}: {prediction.decode_tokens_per_s:,.0f} decode tokens/s, "
+            f"{format_ms(prediction.decode_step_ms)} per token; a {workload.chunk_tokens}-token prefill chunk takes "
+            f"{format_ms(prediction.prefill_chunk_ms)}.")
+    return text + " " + _against_no_offload(plan)
+
+
+def _against_no_offload(plan: Plan) -> str:
+    serving = plan.serving
+    if serving.no_offload_concurrency is None:
+        return "Offloading nothing does not fit at any concurrency searched."
+    if not plan.offload.layers:
+        return "Offloading would not serve more tokens/s here."
+    ratio = plan.prediction.decode_tokens_per_s / serving.no_offload_tokens_per_s
+    return (f"Offloading nothing fits at most {serving.no_offload_concurrency} sequences for "
+            f"{serving.no_offload_tokens_per_s:,.0f} tokens/s ({format_ms(serving.no_offload_step_ms)} per token): "
+            f"this plan gives x{ratio:.2f} the tokens/s.")
+
+
+def _slowdown(plan: Plan) -> float:
+    prediction = plan.prediction
+    return prediction.step_ms / prediction.resident_step_ms if prediction.resident_step_ms else 1.0
+
+
+def serving_chart(plan: Plan, bar_columns: int = 40) -> Table:
+    """Tokens/s against concurrency, one row per concurrency searched, with the best placement at each."""
+    points = plan.serving.points
+    top = max((p.tokens_per_s for p in points), default=0.0) or 1.0
+    title = "Decode tokens/s by concurrency (the best placement at each; > the plan, = offloads nothing)"
+    if plan.serving.max_tpot_ms is not None:
+        title += f"; x: over --max-tpot-ms {plan.serving.max_tpot_ms:g}"
+    table = Table(title=title, title_justify="left")
+    for name in ("sequences", "tokens/s", "", "per token", "offloaded", "KV cache", "GPU total"):
+        table.add_column(name, justify="left" if name == "" else "right")
+    for point in points:
+        fits = point.step_ms is not None
+        bar = "#" * round(bar_columns * point.tokens_per_s / top)
+        mark = ">" if point.concurrency == plan.workload.concurrency else ("=" if point.num_offloaded == 0 else " ")
+        if fits and plan.serving.max_tpot_ms is not None and point.step_ms > plan.serving.max_tpot_ms:
+            mark = "x"
+        table.add_row(
+            f"{mark} {point.concurrency}",
+            f"{point.tokens_per_s:,.0f}" if fits else "-",
+            Text(bar, style="cyan" if mark == ">" else "green" if mark == "=" else ""),
+            format_ms(point.step_ms) if fits else "does not fit",
+            f"{point.num_offloaded}/{plan.model.num_layers}" if fits else "-",
+            format_bytes(point.kv_cache_bytes),
+            format_bytes(point.total_gpu_bytes) if fits else "-",
+        )
+    return table
 
 
 def _summary(plan: Plan) -> Table:
@@ -59,11 +125,13 @@ def _summary(plan: Plan) -> Table:
                                  f"prefetch {offload.prefetch_step}")
     else:
         table.add_row("offload", "nothing: every weight fits the budget")
-    slowdown = prediction.step_ms / prediction.resident_step_ms if prediction.resident_step_ms else 1.0
     table.add_row("predicted step", f"{format_ms(prediction.step_ms)} (all resident {format_ms(prediction.resident_step_ms)}, "
-                                    f"x{slowdown:.2f}); stall {format_ms(prediction.stall_ms)}; "
+                                    f"x{_slowdown(plan):.2f}); stall {format_ms(prediction.stall_ms)}; "
                                     f"link floor {format_ms(prediction.link_floor_ms)}, "
                                     f"link busy {100 * prediction.link_busy_share:.0f}%")
+    if prediction.prefill_chunk_ms is not None and plan.serving is not None:
+        table.add_row("prefill chunk", f"{plan.workload.chunk_tokens} tokens of a new sequence: "
+                                       f"{format_ms(prediction.prefill_chunk_ms)} with this placement")
     table.add_row("bound by", _bound_by(plan))
     return table
 
@@ -104,6 +172,16 @@ def _memory(plan: Plan) -> Table:
         ("GPU: budget", memory.budget_bytes),
         ("host: pinned offloaded params", memory.host_pinned_bytes),
     ]
+    if memory.total_gpu_bytes is not None:
+        rows += [
+            (f"GPU: KV cache ({plan.workload.concurrency} sequences x {plan.workload.context_tokens} tokens, "
+             f"{plan.workload.kv_dtype})", memory.kv_cache_bytes),
+            ("GPU: activations (peak of a prefill chunk or an eager decode step)", memory.activation_bytes),
+            ("GPU: CUDA-graph pool (a captured decode step)", memory.cuda_graph_pool_bytes),
+            ("GPU: CUDA context, workspaces, allocator rounding", memory.cuda_context_bytes),
+            ("GPU: total", memory.total_gpu_bytes),
+            ("GPU: memory the plan must fit", memory.gpu_memory_bytes),
+        ]
     if plan.hardware.host_memory_bytes is not None:
         rows.append(("host: memory for pinned params (--host-memory or profile)", plan.hardware.host_memory_bytes))
     for label, value in rows:

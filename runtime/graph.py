@@ -19,14 +19,14 @@ import time
 import torch
 
 from planner.errors import UsageError
+# cache room past the context for warm-up and timed steps. transformers' static cache attends over its whole
+# length (masked), so step time grows with it: measuring, planning and running use the same room.
+from planner.serving import DECODE_ROOM_TOKENS
 from planner.simulate import STEPS_PER_GRAPH
 
 NUM_WARMUP_CALLS = 2
 #: prefill at most this many tokens per forward (batch x chunk), to bound activation memory
 PREFILL_CHUNK_TOKENS = 16384
-#: cache room past the context for warm-up and timed steps. transformers' static cache attends over its whole
-#: length (masked), so step time grows with it: measuring and running use the same room.
-DECODE_ROOM_TOKENS = 64
 
 
 def cache_tokens_for(context_tokens: int) -> int:
@@ -122,6 +122,24 @@ class DecodeLoop:
             self.step_logits = logits.new_empty(self.steps_per_call, *logits.shape)
             self.ids.copy_(logits.argmax(-1, keepdim=True))
         self.free_tokens -= prompt_ids.shape[1]
+
+    def fill(self, context_tokens: int, seed: int = 0) -> None:
+        """Stand the cache at ``context_tokens`` per sequence without running them: a one-token prefill sets the
+        cache up and the next ids, then every layer's keys and values up to the context get seeded random values.
+        A decode step costs the same over random entries as over real ones, and filling takes milliseconds where
+        a prefill of batch x context tokens takes minutes; the same seed gives two models the same cache."""
+        if not 1 <= context_tokens <= self.free_tokens:
+            raise UsageError(f"cannot fill {context_tokens} tokens into a cache of {self.free_tokens} free tokens")
+        batch = self.ids.shape[0]
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.prefill(torch.randint(0, self.model.config.get_text_config().vocab_size, (batch, 1),
+                                   generator=generator, device=self.device))
+        with torch.inference_mode():
+            for layer in self.cache.layers:
+                for tensor in (layer.keys, layer.values):  # [batch, kv heads, cache tokens, head dim]
+                    tensor[:, :, :context_tokens].normal_(generator=generator)
+                layer.cumulative_length.fill_(context_tokens)
+        self.free_tokens -= context_tokens - 1
 
     def _check_static_cache(self) -> None:
         layers = getattr(self.cache, "layers", [])

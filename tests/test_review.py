@@ -298,8 +298,10 @@ def test_export_of_a_cuda_graph_plan_joins_every_step(workdir, test_gpu):
     copy the plan leaves to each replay's start (layers 3-7 through one slot: layer 3's copy runs under
     layers 0-2)."""
     make_checkpoint(workdir / "ckpt", num_layers=8, num_shards=3)
+    # the round-number GPU with room for this batch's 2 GiB KV cache
+    (workdir / "roomy.yaml").write_text(TEST_GPU_FILE.read_text().replace("value: 1000000000", "value: 4000000000", 1))
     # a long context, so layers 0-2 take longer than a copy and leaving it to the replay's start pays
-    plan = _make(["--gpu", test_gpu, "--tokens", "256", "--sequences", "256", "--context", "4096", "--cuda-graph",
+    plan = _make(["--gpu", "roomy.yaml", "--tokens", "256", "--sequences", "256", "--context", "4096", "--cuda-graph",
                   "--group-size", "8", "--num-in-group", "5", "--prefetch-step", "1"])
     assert plan["offload"]["replay_start_copies"] == 1
     data = json.loads(_export("plan.yaml", "--to", "vllm", "--json").stdout)

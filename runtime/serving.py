@@ -1,0 +1,133 @@
+"""``run --bench`` on a serving plan: the planned KV cache at the plan's concurrency, filled to its context, decode
+steps timed (graphed where the plan is), a prefill chunk timed, and GPU memory held to the plan's figure.
+
+When the plan was made for less GPU memory than this GPU has (a 24 GiB card planned, an 80 GiB H100 at hand),
+the process caps its allocator to the plan's memory, so a plan that does not fit fails here as it would there.
+"""
+
+import statistics
+from dataclasses import asdict, dataclass
+
+import torch
+
+from planner.errors import RuntimeUnavailableError
+from planner.units import format_bytes
+
+NUM_WARMUP_STEPS = 3
+NUM_TIMED_STEPS = 10
+NUM_TIMED_CHUNKS = 3
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServingBench:
+    """A serving plan measured against its prediction."""
+
+    concurrency: int
+    context_tokens: int
+    decode_step_ms: float
+    predicted_decode_step_ms: float
+    decode_tokens_per_s: float
+    predicted_decode_tokens_per_s: float
+    prefill_chunk_tokens: int
+    prefill_chunk_ms: float
+    predicted_prefill_chunk_ms: float
+    #: the process's GPU memory at its peak: the allocator's reserved peak plus what CUDA holds outside it
+    peak_gpu_bytes: int
+    predicted_total_gpu_bytes: int
+    #: the GPU memory the plan was made for (the cap when below this GPU's)
+    gpu_memory_bytes: int
+    #: the share of this GPU the allocator was capped to, None when uncapped
+    memory_fraction: float | None
+    mode: str
+    decode_step_ms_all: tuple[float, ...]
+
+    def as_dict(self) -> dict:
+        """Plain data for --json."""
+        return asdict(self)
+
+
+def outside_allocator_bytes(device: torch.device) -> int:
+    """GPU memory this process holds beyond the caching allocator's: CUDA context, library handles."""
+    free_bytes, total_bytes = torch.cuda.mem_get_info(device)
+    return total_bytes - free_bytes - torch.cuda.memory_reserved(device)
+
+
+def cap_gpu_memory(limit_bytes: int, device: torch.device) -> float | None:
+    """Cap the allocator so the process holds at most ``limit_bytes`` of this GPU; the share set, or None when
+    the GPU has no more than that anyway. Assumes nothing else runs on the GPU (what it holds counts against
+    the cap as if it were ours)."""
+    total_bytes = torch.cuda.get_device_properties(device).total_memory
+    if limit_bytes >= total_bytes:
+        return None
+    outside = outside_allocator_bytes(device)
+    fraction = (limit_bytes - outside) / total_bytes
+    if fraction <= 0:
+        raise RuntimeUnavailableError(
+            f"the plan's GPU memory {format_bytes(limit_bytes)} is less than CUDA already holds here "
+            f"({format_bytes(outside)}); make the plan with more --gpu-memory")
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return fraction
+
+
+def peak_gpu_bytes(device: torch.device) -> int:
+    """The allocator's reserved peak plus what CUDA holds outside it now."""
+    return torch.cuda.max_memory_reserved(device) + outside_allocator_bytes(device)
+
+
+def out_of_memory(what: str, plan) -> RuntimeUnavailableError:
+    """The one-line error for a plan that does not fit the GPU memory it was made for."""
+    return RuntimeUnavailableError(
+        f"out of GPU memory {what}: the plan predicts {format_bytes(plan.memory.total_gpu_bytes)} of "
+        f"{format_bytes(plan.memory.gpu_memory_bytes)}; make the plan with a smaller --concurrency or --context, "
+        "or --measure so activations are measured rather than estimated")
+
+
+def time_prefill_chunk(loaded, chunk_tokens: int, device: torch.device) -> float:
+    """Median ms of a forward over one new sequence's ``chunk_tokens`` tokens (no cache), offload hooks eager."""
+    from runtime.bench import forward_step, random_ids, time_steps
+
+    ids = random_ids(loaded.model, (1, chunk_tokens), device, seed=1)
+    with torch.inference_mode():
+        forward_step(loaded.model, ids)
+        return statistics.median(time_steps(loaded.model, ids, NUM_TIMED_CHUNKS))
+
+
+def run_serving_bench(loaded, cuda_graph: bool, compile_backend: str | None = None,
+                      memory_fraction: float | None = None) -> ServingBench:
+    """Decode at the plan's concurrency over a cache holding its context, then one prefill chunk, within the
+    plan's GPU memory (``memory_fraction``: the cap cap_gpu_memory set, reported)."""
+    from runtime.bench import model_device
+    from runtime.graph import DecodeLoop, cache_tokens_for
+
+    plan, engine = loaded.plan, loaded.engine
+    workload = plan.workload
+    device = model_device(loaded.model)
+    concurrency, context = workload.concurrency, workload.context_tokens
+    torch.cuda.reset_peak_memory_stats(device)
+    try:
+        loop = DecodeLoop(loaded.model, batch=concurrency, max_cache_tokens=cache_tokens_for(context), device=device,
+                          engine=engine, compile_backend=compile_backend, steps_per_call=1)
+        loop.fill(context)
+        if cuda_graph:
+            loop.capture()
+        else:
+            loop.warm_up()
+        loop.timed_steps(NUM_WARMUP_STEPS)
+        step_ms = loop.timed_steps(NUM_TIMED_STEPS)
+        if engine is not None:
+            engine.set_graph_mode(False)
+        del loop
+        chunk_ms = time_prefill_chunk(loaded, workload.chunk_tokens, device)
+    except torch.OutOfMemoryError:
+        raise out_of_memory(f"at {concurrency} sequences of {context} tokens", plan) from None
+    median_ms = statistics.median(step_ms)
+    mode = "decode " + ("graphed" if cuda_graph else "eager") + (", compiled" if compile_backend else "")
+    return ServingBench(
+        concurrency=concurrency, context_tokens=context, decode_step_ms=median_ms,
+        predicted_decode_step_ms=plan.prediction.decode_step_ms,
+        decode_tokens_per_s=1e3 * concurrency / median_ms,
+        predicted_decode_tokens_per_s=plan.prediction.decode_tokens_per_s,
+        prefill_chunk_tokens=workload.chunk_tokens, prefill_chunk_ms=chunk_ms,
+        predicted_prefill_chunk_ms=plan.prediction.prefill_chunk_ms, peak_gpu_bytes=peak_gpu_bytes(device),
+        predicted_total_gpu_bytes=plan.memory.total_gpu_bytes, gpu_memory_bytes=plan.memory.gpu_memory_bytes,
+        memory_fraction=memory_fraction, mode=mode, decode_step_ms_all=tuple(step_ms))

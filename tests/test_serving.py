@@ -1,0 +1,127 @@
+"""The serving search: concurrency and weight placement chosen together, against hand-worked cases and brute force."""
+
+import pytest
+
+from planner.cost import ComputeTimes
+from planner.errors import InfeasibleError
+from planner.search import LayerBytes, gpu_bytes_of, minimum_gpu_bytes, search
+from planner.serving import (
+    CONCURRENCY_GRID,
+    ConcurrencyRange,
+    OtherBytes,
+    candidate_concurrencies,
+    largest_fitting,
+    parse_concurrency,
+    search_serving,
+)
+
+GIB = 2**30
+NUM_LAYERS = 8
+#: 8 layers of 1 GiB each, on a link that moves one in 4 ms
+LAYERS = LayerBytes(total=(GIB,) * NUM_LAYERS, selected=(GIB,) * NUM_LAYERS, num_tensors=8)
+H2D_BYTES_PER_S = GIB / 4e-3
+KV_BYTES_PER_SEQUENCE = 64 * 2**20
+
+
+def compute_at(concurrency: int) -> ComputeTimes:
+    """A decode step whose layers take 1 ms plus 0.05 ms per sequence (memory-bound, then compute-bound)."""
+    return ComputeTimes(layer_ms=(1.0 + 0.05 * concurrency,) * NUM_LAYERS, head_ms=0.0, source="test")
+
+
+def other_at(concurrency: int) -> OtherBytes:
+    return OtherBytes(kv_cache_bytes=KV_BYTES_PER_SEQUENCE * concurrency, activation_bytes=2**20 * concurrency,
+                      cuda_graph_pool_bytes=0, cuda_context_bytes=GIB // 2)
+
+
+def search_weights(compute: ComputeTimes, budget_bytes: int):
+    return search(layers=LAYERS, fixed_bytes=0, compute=compute, h2d_bytes_per_s=H2D_BYTES_PER_S,
+                  copy_overhead_us=0.0, budget_bytes=budget_bytes)
+
+
+def serving(wanted: str, gpu_memory_bytes: int = 12 * GIB, **kwargs):
+    return search_serving(
+        wanted=parse_concurrency(wanted), gpu_memory_bytes=gpu_memory_bytes, other_bytes_at=other_at,
+        compute_at=compute_at, search_weights=search_weights, minimum_weight_bytes=minimum_gpu_bytes(0, LAYERS),
+        resident_weight_bytes=gpu_bytes_of(0, LAYERS, (), 0), **kwargs)
+
+
+def test_fixed_concurrency_gives_the_weights_what_the_cache_leaves():
+    found = serving("32")
+    point = found.best
+    assert [p.concurrency for p in found.points] == [32]
+    assert point.weights_budget_bytes == 12 * GIB - other_at(32).total_bytes
+    assert point.choice == search_weights(compute_at(32), point.weights_budget_bytes)
+    assert point.total_gpu_bytes <= 12 * GIB
+    assert point.tokens_per_s == pytest.approx(32e3 / point.choice.simulation.step_ms)
+
+
+def test_auto_picks_the_evaluated_point_with_the_most_tokens_per_s_and_beats_no_offload():
+    found = serving("auto")
+    best = max(p.tokens_per_s for p in found.points)
+    assert found.best.tokens_per_s == best
+    # At 12 GiB the whole model (8 GiB) fits only beside a small cache; offloading buys more sequences.
+    assert found.no_offload is not None and not found.no_offload.offloads
+    assert found.best.offloads and found.best.concurrency > found.no_offload.concurrency
+    assert found.best.tokens_per_s > found.no_offload.tokens_per_s
+    assert all(p.total_gpu_bytes <= 12 * GIB for p in found.points if p.choice is not None)
+
+
+def test_auto_evaluates_the_largest_concurrency_that_fits_with_and_without_offload():
+    found = serving("auto")
+    concurrencies = [p.concurrency for p in found.points]
+    minimum, resident = minimum_gpu_bytes(0, LAYERS), gpu_bytes_of(0, LAYERS, (), 0)
+    top = max(b for b in range(1, 4097) if 12 * GIB - other_at(b).total_bytes >= minimum)
+    top_resident = max(b for b in range(1, 4097) if 12 * GIB - other_at(b).total_bytes >= resident)
+    assert top in concurrencies and top_resident in concurrencies and max(concurrencies) == top
+    assert all(b in concurrencies for b in CONCURRENCY_GRID if b <= top)
+
+
+def test_the_pick_is_near_the_best_concurrency_found_by_brute_force():
+    found = serving("auto")
+    every = [serving(str(b)).best for b in range(1, max(p.concurrency for p in found.points) + 1)]
+    assert found.best.tokens_per_s >= 0.97 * max(p.tokens_per_s for p in every)
+
+
+def test_a_latency_limit_trades_tokens_per_s_for_shorter_steps():
+    free = serving("auto")
+    limit_ms = free.best.step_ms * 0.6
+    limited = serving("auto", max_tpot_ms=limit_ms)
+    assert limited.best.step_ms <= limit_ms
+    assert limited.best.tokens_per_s < free.best.tokens_per_s
+    with pytest.raises(InfeasibleError, match="--max-tpot-ms 0.5"):
+        serving("auto", max_tpot_ms=0.5)
+
+
+def test_a_fixed_weight_budget_leaves_the_rest_to_the_cache():
+    found = serving("auto", weights_budget_bytes=6 * GIB)
+    assert all(p.weights_budget_bytes == 6 * GIB for p in found.points)
+    assert all(6 * GIB + p.other.total_bytes <= 12 * GIB for p in found.points)
+
+
+def test_nothing_fits_is_one_line_naming_the_parts():
+    with pytest.raises(InfeasibleError) as raised:
+        serving("16", gpu_memory_bytes=2 * GIB)
+    message = str(raised.value)
+    assert "\n" not in message and "KV cache" in message and "--context" in message
+
+
+@pytest.mark.parametrize("text, low, high", [("64", 64, 64), ("8..512", 8, 512), ("auto", 1, 4096), (" AUTO ", 1, 4096)])
+def test_parse_concurrency(text, low, high):
+    assert parse_concurrency(text) == ConcurrencyRange(low=low, high=high)
+
+
+@pytest.mark.parametrize("text", ["0", "-3", "512..8", "x", "1..", "..8", "5000", "1.5", ""])
+def test_parse_concurrency_refuses(text):
+    with pytest.raises(ValueError):
+        parse_concurrency(text)
+
+
+def test_largest_fitting_is_exact():
+    for edge in (1, 2, 7, 100, 4096):
+        assert largest_fitting(1, 4096, lambda b, edge=edge: b <= edge) == edge
+    assert largest_fitting(5, 10, lambda b: False) is None
+
+
+def test_candidates_of_a_range_stay_inside_it():
+    assert candidate_concurrencies(ConcurrencyRange(low=10, high=100), 300, 50) == (10, 12, 16, 24, 32, 48, 50, 64, 96)
+    assert candidate_concurrencies(ConcurrencyRange(low=64, high=64), 300, 50) == (64,)
