@@ -1,0 +1,307 @@
+"""Peak activation bytes of one forward step, estimated from shapes.
+
+The estimate follows what a transformers model allocates when run eagerly under ``torch.inference_mode`` (the
+project's runtime): tensors die as soon as Python drops them, so the peak is the largest set alive at one
+moment. Across the step a few tensors stay alive (the layer input that is also the residual, the rotary
+tables, the attention mask); inside a layer the peak falls in one of five phases, and the estimate is the
+largest of them plus those step-wide tensors:
+
+- ``norm``: RMSNorm upcasts its input to float32 (two float32 copies alive while it scales).
+- ``qkv``: the q/k/v projections, the q/k norms' float32 copies and rotary's temporaries
+  (``q * cos``, ``rotate_half(q)`` and its product with ``sin``).
+- ``attention``: rotated q, k, v, the SDPA output and its transposed copy, the boolean mask turned into an
+  additive one, and where transformers repeats K/V to every query head (``repeat_kv`` before SDPA when a mask
+  is present, i.e. a static cache or a chunk after context), both repeated over every attended token. A
+  growing cache (DynamicCache) also copies the layer's K/V to append the step's (``torch.cat``).
+- ``mlp``: gated MLP ``down(act(gate(x)) * up(x))``: act, up and their product alive together. MoE layers:
+  router logits and float32 probabilities, the routing indices, the output accumulator, and the experts' work
+  as the model's experts implementation does it: transformers 5's default ``grouped_mm`` sorts the (token,
+  expert) pairs and runs them all at once; ``eager`` loops over experts (bounded by every token picking one);
+  ``batched_mm`` (the runtime's graph-capturable path, runtime.graph) gathers every pair's expert weights.
+- ``logits``: after the base model has returned (its step-wide tensors freed), the LM head on the last token of each sequence (``logits_to_keep=1``), in the activation dtype:
+  transformers computes no float32 copy unless it computes a loss. Engines upcast the sampled logits to
+  float32; pass ``logits_bytes_per_element=4`` to plan for that.
+
+FlashAttention and memory-efficient SDPA keep no score matrix; their workspace is the log-sum-exp, float32,
+per head and query rounded up to 32. Which layers slide, and their shorter windows, are ignored: the full
+length bounds them. Linear-attention and state-space layers are not modelled.
+"""
+
+from dataclasses import dataclass
+
+from planner.cost import text_config
+from planner.errors import ModelInputError
+from planner.units import format_bytes
+
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+_EXPERT_COUNT_KEYS = ("num_local_experts", "n_routed_experts", "num_experts", "moe_num_experts")
+_TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k")
+_UNMODELLED = ("qwen3_next", "jamba", "falcon_h1", "mamba", "mamba2", "zamba", "zamba2", "nemotron_h", "lfm2")
+EXPERT_IMPLEMENTATIONS = ("grouped_mm", "eager", "batched_mm")
+FP32 = 4
+INDEX = 8  # int64 indices
+#: SDPA kernels keep a float32 log-sum-exp per head and query, queries rounded up to this block
+_LSE_BLOCK = 32
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActivationShape:
+    """What config.json says about the tensors of one step."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    #: dims per query/key head (MLA: nope + rope) and per value head
+    qk_head_dim: int
+    v_head_dim: int
+    vocab_size: int
+    #: routed experts and how many each token picks (0 for a dense model)
+    num_experts: int = 0
+    top_k: int = 0
+    moe_intermediate_size: int = 0
+    #: shared experts' total intermediate size (0 without)
+    shared_intermediate_size: int = 0
+    #: multi-head latent attention decompresses every cached latent into per-head K and V each step
+    latent_attention: bool = False
+    #: bytes per activation element
+    activation_bytes: int = 2
+
+    def __post_init__(self):
+        for name in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "qk_head_dim", "v_head_dim",
+                     "vocab_size", "activation_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.num_experts and not 1 <= self.top_k <= self.num_experts:
+            raise ValueError("top_k must be from 1 to num_experts")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepShape:
+    """One forward step: ``num_sequences`` sequences of ``tokens_per_sequence`` new tokens each."""
+
+    num_sequences: int
+    tokens_per_sequence: int
+    #: tokens already cached per sequence before the step
+    context_tokens: int = 0
+    #: a static cache's length per sequence (attention reads all of it, masked); None: a growing cache
+    static_cache_tokens: int | None = None
+
+    def __post_init__(self):
+        if self.num_sequences < 1 or self.tokens_per_sequence < 1 or self.context_tokens < 0:
+            raise ValueError("num_sequences and tokens_per_sequence must be >= 1, context_tokens >= 0")
+        if self.static_cache_tokens is not None and self.static_cache_tokens < self.context_tokens + self.tokens_per_sequence:
+            raise ValueError("static_cache_tokens must hold the context and the step's tokens")
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the step, all sequences together."""
+        return self.num_sequences * self.tokens_per_sequence
+
+    @property
+    def attended_tokens(self) -> int:
+        """Key/value length attention reads per sequence."""
+        if self.static_cache_tokens is not None:
+            return self.static_cache_tokens
+        return self.context_tokens + self.tokens_per_sequence
+
+    @property
+    def masked(self) -> bool:
+        """Whether transformers passes SDPA a mask. It skips the mask (relying on is_causal) where that is exact:
+        a one-token step over a growing cache, and a first chunk (no context); a static cache's one-token step
+        keeps it (``allow_is_causal_skip`` is off for compileable caches when decoding)."""
+        if self.tokens_per_sequence == 1:
+            return self.static_cache_tokens is not None
+        return self.context_tokens > 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActivationPeak:
+    """The estimated peak and what it is made of."""
+
+    #: peak bytes of the step's transient tensors (weights and the KV cache excluded)
+    peak_bytes: int
+    #: the phase the peak falls in: norm, qkv, attention, mlp, moe, logits
+    phase: str
+    #: the main terms of that phase, name -> bytes, largest first (step-wide tensors included)
+    terms: tuple[tuple[str, int], ...]
+
+    def describe(self) -> str:
+        """One line for ``show``."""
+        parts = ", ".join(f"{name} {format_bytes(value)}" for name, value in self.terms[:4])
+        return f"{format_bytes(self.peak_bytes)} at the {self.phase} phase ({parts})"
+
+
+def activation_shape(config: dict | None) -> ActivationShape:
+    """Tensor dims of one step from config.json (the language model's part of multimodal ones)."""
+    text = text_config(config)
+    name = text.get("model_type") or (config or {}).get("model_type") or "this architecture"
+    if not text:
+        raise ModelInputError("activation estimate: the checkpoint has no config.json; it is estimated from it")
+    if text.get("model_type") in _UNMODELLED:
+        raise ModelInputError(f"activation estimate of {name}: linear-attention/state-space layers are not "
+                              "modelled; measure them with make --measure")
+
+    def number(key: str, default: int | None = None) -> int:
+        value = text.get(key, default)
+        if value is None:
+            raise ModelInputError(f"activation estimate of {name}: config.json has no {key}")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ModelInputError(f"activation estimate of {name}: config.json's {key} is {value!r}; "
+                                  "expected a positive integer")
+        return value
+
+    hidden = number("hidden_size")
+    num_heads = number("num_attention_heads")
+    num_experts = next((text[k] for k in _EXPERT_COUNT_KEYS if isinstance(text.get(k), int)), 0)
+    latent = text.get("kv_lora_rank") is not None
+    if latent:
+        qk_dim = number("qk_nope_head_dim") + number("qk_rope_head_dim")
+        v_dim = number("v_head_dim")
+    else:
+        qk_dim = v_dim = number("head_dim", hidden // num_heads)
+    moe_inter = number("moe_intermediate_size", number("intermediate_size")) if num_experts else 0
+    shared = text.get("shared_expert_intermediate_size") or moe_inter * (text.get("n_shared_experts") or 0)
+    dtype = text.get("torch_dtype") or text.get("dtype") or "bfloat16"
+    return ActivationShape(
+        hidden_size=hidden, intermediate_size=number("intermediate_size"), num_heads=num_heads,
+        num_kv_heads=num_heads if latent else number("num_key_value_heads", num_heads), qk_head_dim=qk_dim,
+        v_head_dim=v_dim, vocab_size=number("vocab_size"), num_experts=num_experts,
+        top_k=next((text[k] for k in _TOP_K_KEYS if isinstance(text.get(k), int)), 2 if num_experts else 0),
+        moe_intermediate_size=moe_inter, shared_intermediate_size=shared, latent_attention=latent,
+        activation_bytes=_DTYPE_BYTES.get(dtype, 2) if isinstance(dtype, str) else 2,
+    )
+
+
+def _step_wide(shape: ActivationShape, step: StepShape) -> dict[str, int]:
+    """Tensors alive through every layer: the embedding output (the model's forward holds it to the end), the
+    layer's input (also its residual), the rotary tables and the mask."""
+    a, tokens = shape.activation_bytes, step.num_tokens
+    terms = {"embedding output": tokens * shape.hidden_size * a, "layer input (residual)": tokens * shape.hidden_size * a,
+             "rotary cos/sin": 2 * tokens * shape.qk_head_dim * a, "position ids": 2 * tokens * INDEX}
+    if step.masked:
+        terms["attention mask"] = tokens * step.attended_tokens  # bool
+    return terms
+
+
+def _post_attention_residual(shape: ActivationShape, step: StepShape) -> dict[str, int]:
+    """After attention the residual sum is a new tensor while the caller still holds the layer's input."""
+    return {"post-attention residual": step.num_tokens * shape.hidden_size * shape.activation_bytes}
+
+
+def _norm_phase(shape: ActivationShape, step: StepShape) -> dict[str, int]:
+    return {**_post_attention_residual(shape, step),
+            "RMSNorm float32 copies": 2 * step.num_tokens * shape.hidden_size * FP32}
+
+
+def _qkv_phase(shape: ActivationShape, step: StepShape) -> dict[str, int]:
+    a, tokens = shape.activation_bytes, step.num_tokens
+    q = tokens * shape.num_heads * shape.qk_head_dim * a
+    kv = tokens * shape.num_kv_heads * (shape.qk_head_dim + shape.v_head_dim) * a
+    return {"normed input": tokens * shape.hidden_size * a, "q, k, v": q + kv,
+            # q's norm holds two float32 copies; rotary then holds q * cos, rotate_half(q), its product with sin
+            "q norm and rotary temporaries": max(2 * q * FP32 // a, 3 * q)}
+
+
+def _attention_phase(shape: ActivationShape, step: StepShape, expand_kv_heads: bool) -> dict[str, int]:
+    a, tokens, seqs = shape.activation_bytes, step.num_tokens, step.num_sequences
+    q = tokens * shape.num_heads * shape.qk_head_dim * a
+    out = tokens * shape.num_heads * shape.v_head_dim * a
+    kv = tokens * shape.num_kv_heads * (shape.qk_head_dim + shape.v_head_dim) * a
+    per_token_all_heads = shape.num_heads * (shape.qk_head_dim + shape.v_head_dim) * a
+    terms = {"normed input": tokens * shape.hidden_size * a, "q, k, v": q + kv,
+             "attention output and its transposed copy": 2 * out,
+             "SDPA log-sum-exp": seqs * shape.num_heads * -(-step.tokens_per_sequence // _LSE_BLOCK) * _LSE_BLOCK * FP32}
+    grouped = shape.num_kv_heads < shape.num_heads
+    if shape.latent_attention or (grouped and expand_kv_heads and step.masked):
+        terms["K/V repeated to every head"] = seqs * step.attended_tokens * per_token_all_heads
+    if step.masked:
+        terms["additive mask"] = tokens * step.attended_tokens * a
+    if step.static_cache_tokens is None and not shape.latent_attention:
+        # torch.cat builds the grown layer cache while the old one is alive
+        terms["old K/V while the cache grows"] = seqs * step.context_tokens * shape.num_kv_heads * (
+            shape.qk_head_dim + shape.v_head_dim) * a
+    return terms
+
+
+def _mlp_phase(shape: ActivationShape, step: StepShape) -> dict[str, int]:
+    a, tokens = shape.activation_bytes, step.num_tokens
+    return {**_post_attention_residual(shape, step), "normed input": tokens * shape.hidden_size * a,
+            "MLP act(gate), up, product": 3 * tokens * shape.intermediate_size * a}
+
+
+def _moe_phase(shape: ActivationShape, step: StepShape, experts_implementation: str) -> dict[str, int]:
+    a, tokens, hidden = shape.activation_bytes, step.num_tokens, shape.hidden_size
+    experts, top_k, inter = shape.num_experts, shape.top_k, shape.moe_intermediate_size
+    terms = {**_post_attention_residual(shape, step), "normed input": tokens * hidden * a,
+             "router logits and float32 probabilities": tokens * experts * (a + FP32),
+             "expert output accumulator": tokens * hidden * a}
+    pairs = tokens * top_k  # (token, expert) pairs
+    terms["routing: top-k, sorted ids, permutation"] = pairs * (3 * INDEX + FP32)
+    if experts_implementation == "grouped_mm":
+        # pairs sorted by expert: their inputs, gate_up, act(gate), product; later the output, weighted, unsorted
+        terms["expert work of every (token, expert) pair"] = pairs * max(hidden + 4 * inter, 4 * hidden + inter) * a
+    elif experts_implementation == "batched_mm":
+        # the gathered gate_up and down weights of every pair are alive together for a moment
+        terms["gathered expert weights (batched_mm)"] = pairs * 3 * inter * hidden * a
+        terms["expert inputs and outputs (batched_mm)"] = pairs * (hidden + 2 * inter + hidden) * a
+    else:
+        terms["one-hot routing mask"] = tokens * top_k * (experts + 1) * INDEX
+        # one expert at a time: at most every token picks it; gate_up, act, product, output, weighted output
+        terms["one expert's work (all tokens routed to it)"] = tokens * (2 * inter + 2 * inter + 3 * hidden) * a
+    if shape.shared_intermediate_size:
+        terms["shared experts' MLP"] = 3 * tokens * shape.shared_intermediate_size * a
+    return terms
+
+
+def _logits_phase(shape: ActivationShape, step: StepShape, logits_bytes_per_element: int | None) -> dict[str, int]:
+    per_element = logits_bytes_per_element or shape.activation_bytes
+    return {"normed last hidden states": step.num_tokens * shape.hidden_size * shape.activation_bytes,
+            "logits of the last token per sequence": step.num_sequences * shape.vocab_size * per_element}
+
+
+def estimate_activations(
+    shape: ActivationShape, step: StepShape, *, expand_kv_heads: bool = True, experts_implementation: str = "grouped_mm",
+    logits_bytes_per_element: int | None = None,
+) -> ActivationPeak:
+    """The peak of the step's transient tensors over its phases.
+
+    ``expand_kv_heads``: transformers' SDPA path repeats K/V to every query head whenever it passes a mask
+    (true up to at least transformers 5.17; 5.23 packs the head groups of one-token decode instead); False
+    for engines' paged kernels, which read the grouped heads. ``experts_implementation``: transformers'
+    "grouped_mm" (its default), "eager" loop over experts, or "batched_mm" (what runtime.graph uses to capture
+    MoE decode).
+    """
+    if experts_implementation not in EXPERT_IMPLEMENTATIONS:
+        raise ValueError(f"experts_implementation must be one of {EXPERT_IMPLEMENTATIONS}")
+    step_wide = _step_wide(shape, step)
+    phases = {"norm": _norm_phase(shape, step), "qkv": _qkv_phase(shape, step),
+              "attention": _attention_phase(shape, step, expand_kv_heads),
+              "logits": _logits_phase(shape, step, logits_bytes_per_element)}
+    if shape.num_experts:
+        phases["moe"] = _moe_phase(shape, step, experts_implementation)
+    else:
+        phases["mlp"] = _mlp_phase(shape, step)
+    for name in phases:
+        if name != "logits":  # the base model has returned: its step-wide tensors are gone
+            phases[name] = {**phases[name], **step_wide}
+    phase = max(phases, key=lambda name: sum(phases[name].values()))
+    terms = phases[phase]
+    return ActivationPeak(peak_bytes=sum(terms.values()), phase=phase,
+                          terms=tuple(sorted(terms.items(), key=lambda item: (-item[1], item[0]))))
+
+
+def decode_activations(config: dict | None, *, num_sequences: int, context_tokens: int,
+                       static_cache_tokens: int | None = None, **options) -> ActivationPeak:
+    """Peak activations of a decode step: one new token for each of ``num_sequences`` sequences."""
+    step = StepShape(num_sequences=num_sequences, tokens_per_sequence=1, context_tokens=context_tokens,
+                     static_cache_tokens=static_cache_tokens)
+    return estimate_activations(activation_shape(config), step, **options)
+
+
+def prefill_activations(config: dict | None, *, chunk_tokens: int, context_tokens: int = 0,
+                        static_cache_tokens: int | None = None, **options) -> ActivationPeak:
+    """Peak activations of a prefill chunk of ``chunk_tokens`` tokens of one sequence after ``context_tokens``."""
+    step = StepShape(num_sequences=1, tokens_per_sequence=chunk_tokens, context_tokens=context_tokens,
+                     static_cache_tokens=static_cache_tokens)
+    return estimate_activations(activation_shape(config), step, **options)

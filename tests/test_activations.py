@@ -1,0 +1,226 @@
+"""The activation estimate against the peak a real forward allocates (CPU here; the GPU twin is in
+test_runtime_gpu.py).
+
+The CPU peak is read from torch.profiler's memory events (profile_memory=True): every allocation and free with
+its address, replayed in time order. Two CPU-only kernels allocate workspaces that their GPU counterparts do
+not (oneDNN's bf16 GEMM packs its operands; the CPU flash-attention kernel keeps per-thread buffers): blocks
+allocated and freed inside one of those kernels are left out and reported apart, since on the GPU cuBLAS uses
+its persistent workspace and FlashAttention / memory-efficient SDPA keep only the output and log-sum-exp.
+"""
+
+import json
+
+import pytest
+
+from planner.activations import (ActivationShape, StepShape, activation_shape, decode_activations,
+                                 estimate_activations, prefill_activations)
+from planner.errors import ModelInputError
+
+QWEN3_8B = {"model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+            "torch_dtype": "bfloat16"}
+#: the bound the estimate is held to: measured <= estimate <= BOUND x measured
+BOUND = 1.5
+
+
+# --- pure -----------------------------------------------------------------------------------------------------
+
+
+def test_qwen3_8b_decode_terms_by_hand():
+    """B = 64 at context 1024 over a static cache of 1088: transformers <= 5.17 repeats K/V to all 32 heads."""
+    peak = decode_activations(QWEN3_8B, num_sequences=64, context_tokens=1024, static_cache_tokens=1088)
+    terms = dict(peak.terms)
+    assert peak.phase == "attention"
+    assert terms["K/V repeated to every head"] == 64 * 1088 * 32 * (128 + 128) * 2
+    assert terms["additive mask"] == 64 * 1088 * 2 and terms["attention mask"] == 64 * 1088
+    assert peak.peak_bytes == sum(terms.values())
+    packed = decode_activations(QWEN3_8B, num_sequences=64, context_tokens=1024, static_cache_tokens=1088,
+                                expand_kv_heads=False)
+    assert packed.phase == "logits" and packed.peak_bytes == 64 * (151936 + 4096) * 2
+
+
+def test_prefill_chunk_peaks_in_the_mlp():
+    peak = prefill_activations(QWEN3_8B, chunk_tokens=2048)
+    assert peak.phase == "mlp"
+    assert dict(peak.terms)["MLP act(gate), up, product"] == 3 * 2048 * 12288 * 2
+    assert peak.describe().startswith("209.03 MiB")  # 144 MiB MLP + 4 x 16 MiB hidden states + rotary + ids
+
+
+def test_logits_can_be_planned_in_float32():
+    bf16 = decode_activations(QWEN3_8B, num_sequences=256, context_tokens=0, expand_kv_heads=False)
+    fp32 = decode_activations(QWEN3_8B, num_sequences=256, context_tokens=0, expand_kv_heads=False,
+                              logits_bytes_per_element=4)
+    assert fp32.peak_bytes - bf16.peak_bytes == 256 * 151936 * 2
+
+
+def test_moe_batched_mm_gathers_weights():
+    config = {"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144, "num_attention_heads": 32,
+              "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936, "num_experts": 128,
+              "num_experts_per_tok": 8, "moe_intermediate_size": 768}
+    eager = decode_activations(config, num_sequences=64, context_tokens=0, expand_kv_heads=False)
+    gathered = decode_activations(config, num_sequences=64, context_tokens=0, expand_kv_heads=False,
+                                  experts_implementation="batched_mm")
+    assert gathered.phase == "moe" and dict(gathered.terms)["gathered expert weights (batched_mm)"] == (
+        64 * 8 * 3 * 768 * 2048 * 2)
+    assert gathered.peak_bytes > 10 * eager.peak_bytes
+
+
+def test_mla_shape_uses_its_head_dims():
+    config = json.loads(open("plans/models/deepseek-v3/config.json").read())
+    shape = activation_shape(config)
+    assert (shape.qk_head_dim, shape.v_head_dim, shape.num_kv_heads, shape.latent_attention) == (192, 128, 128, True)
+    assert shape.num_experts == 256 and shape.top_k == 8 and shape.shared_intermediate_size == 2048
+
+
+@pytest.mark.parametrize("config, fragment", [
+    ({"model_type": "qwen3_next", "hidden_size": 8}, "not modelled"),
+    ({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4}, "no intermediate_size"),
+    ({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 0,
+      "vocab_size": 8}, "intermediate_size is 0"),
+    (None, "no config.json"),
+])
+def test_bad_configs_are_refused(config, fragment):
+    with pytest.raises(ModelInputError, match=fragment):
+        activation_shape(config)
+
+
+def test_peak_grows_with_batch_and_chunk():
+    shape = activation_shape(QWEN3_8B)
+    decode = [estimate_activations(shape, StepShape(num_sequences=b, tokens_per_sequence=1, context_tokens=512))
+              for b in (1, 4, 16, 64)]
+    assert all(a.peak_bytes < b.peak_bytes for a, b in zip(decode, decode[1:]))
+    with pytest.raises(ValueError):
+        StepShape(num_sequences=1, tokens_per_sequence=8, context_tokens=4, static_cache_tokens=10)
+    with pytest.raises(ValueError):
+        ActivationShape(hidden_size=0, intermediate_size=1, num_heads=1, num_kv_heads=1, qk_head_dim=1,
+                        v_head_dim=1, vocab_size=1)
+
+
+# --- measured on the CPU ----------------------------------------------------------------------------------------
+
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+#: kernels whose internal blocks are CPU-only workspaces (see the module docstring)
+CPU_WORKSPACE_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_dot_product_flash_attention_for_cpu")
+TINY = {
+    "qwen3": dict(hidden_size=256, intermediate_size=768, num_attention_heads=8, num_key_value_heads=2, head_dim=32),
+    "llama": dict(hidden_size=256, intermediate_size=768, num_attention_heads=8, num_key_value_heads=4),
+    "qwen3_moe": dict(hidden_size=256, intermediate_size=768, num_attention_heads=8, num_key_value_heads=2,
+                      head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=384),
+}
+VOCAB = 4096
+
+
+def transformers_expands_kv_heads() -> bool:
+    """Whether the installed transformers repeats K/V to every head for a masked one-token decode step."""
+    from transformers.integrations import sdpa_attention
+
+    return not hasattr(sdpa_attention, "pack_gqa")
+
+
+def _peak_cpu_bytes(run, trace_path) -> tuple[int, int]:
+    """(peak of live tensors above the start and above what stays allocated at the end (a growing cache's new
+    blocks: KV cache, not activations), CPU kernel workspace at its own peak) while ``run()`` runs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    prof.export_chrome_trace(str(trace_path))
+    events = json.loads(trace_path.read_text())["traceEvents"]
+    kernels = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("ph") == "X" and e["name"] in CPU_WORKSPACE_OPS]
+    memory = sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"])
+    opened: dict[int, int] = {}  # address -> index of its allocation event
+    workspace: set[int] = set()  # indices of events that allocate or free a kernel workspace
+    for index, event in enumerate(memory):
+        address = event["args"]["Addr"]
+        if event["args"]["Bytes"] > 0:
+            opened[address] = index
+        elif address in opened:
+            start = opened.pop(address)
+            if any(begin <= memory[start]["ts"] and event["ts"] <= end for begin, end in kernels):
+                workspace.update((start, index))
+    live = peak = scratch = scratch_peak = 0
+    for index, event in enumerate(memory):
+        if index in workspace:
+            scratch += event["args"]["Bytes"]
+            scratch_peak = max(scratch_peak, scratch)
+        else:
+            live += event["args"]["Bytes"]
+            peak = max(peak, live)
+    return peak - live, scratch_peak
+
+
+def _tiny_model(model_type: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = dict(TINY[model_type], model_type=model_type, num_hidden_layers=2, vocab_size=VOCAB,
+                  torch_dtype="bfloat16")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.bfloat16).eval()
+    return config, model
+
+
+def _measure(model, *, sequences: int, tokens: int, context: int, static: bool, tmp_path) -> tuple[int, int]:
+    """Peak bytes of one forward of ``tokens`` new tokens per sequence after ``context`` cached ones."""
+    from transformers import DynamicCache, StaticCache
+
+    ids = torch.randint(0, VOCAB, (sequences, context + tokens), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        if static:
+            cache = StaticCache(config=model.config, max_cache_len=context + tokens + 16)
+            model(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)  # allocates the cache
+            cache.reset()
+        else:
+            cache = DynamicCache(config=model.config)
+        if context:
+            model(input_ids=ids[:, :context], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        if not static and context:
+            pytest.skip("a growing cache frees blocks allocated before the profile: the profiler cannot see it")
+        step = ids[:, context:]
+        return _peak_cpu_bytes(lambda: model(input_ids=step, past_key_values=cache, use_cache=True,
+                                             logits_to_keep=1), tmp_path / "trace.json")
+
+
+CASES = [  # (sequences, tokens per sequence, context, static cache)
+    (1, 1, 256, True), (8, 1, 256, True), (64, 1, 256, True), (256, 1, 64, True),
+    (1, 128, 0, True), (1, 512, 0, True), (1, 256, 256, True), (1, 512, 0, False), (4, 64, 0, False),
+]
+RESULTS: list[tuple] = []
+
+
+@pytest.fixture(scope="module", params=sorted(TINY))
+def tiny(request):
+    return (request.param, *_tiny_model(request.param))
+
+
+@pytest.mark.parametrize("sequences, tokens, context, static", CASES)
+def test_estimate_bounds_the_cpu_peak(tiny, sequences, tokens, context, static, tmp_path):
+    model_type, config, model = tiny
+    measured, workspace = _measure(model, sequences=sequences, tokens=tokens, context=context, static=static,
+                                   tmp_path=tmp_path)
+    step = StepShape(num_sequences=sequences, tokens_per_sequence=tokens, context_tokens=context,
+                     static_cache_tokens=context + tokens + 16 if static else None)
+    estimate = estimate_activations(activation_shape(config), step, expand_kv_heads=transformers_expands_kv_heads())
+    ratio = estimate.peak_bytes / measured
+    RESULTS.append((model_type, sequences, tokens, context, static, estimate.peak_bytes, measured, workspace, ratio))
+    print(f"\n{model_type} B={sequences} T={tokens} C={context} static={static}: estimate {estimate.peak_bytes} "
+          f"measured {measured} (+{workspace} CPU kernel workspace) ratio {ratio:.2f}; {estimate.describe()}")
+    assert 1.0 <= ratio <= BOUND, estimate.describe()
+
+
+@pytest.mark.parametrize("implementation", ["eager", "batched_mm"])
+@pytest.mark.parametrize("sequences, tokens", [(16, 1), (1, 256)])
+def test_other_experts_implementations(implementation, sequences, tokens, tmp_path):
+    """transformers' expert loop (bounded by all tokens picking one expert) and the runtime's batched_mm."""
+    config, model = _tiny_model("qwen3_moe")
+    model.set_experts_implementation(implementation)
+    measured, _ = _measure(model, sequences=sequences, tokens=tokens, context=64, static=True, tmp_path=tmp_path)
+    step = StepShape(num_sequences=sequences, tokens_per_sequence=tokens, context_tokens=64,
+                     static_cache_tokens=64 + tokens + 16)
+    estimate = estimate_activations(activation_shape(config), step, expand_kv_heads=transformers_expands_kv_heads(),
+                                    experts_implementation=implementation)
+    print(f"\nqwen3_moe {implementation} B={sequences} T={tokens}: estimate {estimate.peak_bytes} measured {measured} "
+          f"ratio {estimate.peak_bytes / measured:.2f}; {estimate.describe()}")
+    assert 1.0 <= estimate.peak_bytes / measured <= BOUND, estimate.describe()
