@@ -7,16 +7,18 @@ Plans come from make --cuda-graph with the calibrated profile and layer times me
 so the prediction is checked too. Token ids and logits of every run are compared bit for bit with the eager
 all-resident model over the first steps. With --compile, both models are also compiled by Inductor and graphed.
 
-    PYTHONPATH=. python3 scripts/bench_decode.py --out /tmp/bench-decode      # on a machine with a GPU
+Run from the repository root, on a machine with a CUDA GPU (writes bench.md, bench.json and calibrated.yaml
+into --out, default $OUT or /tmp/bench-decode, after every batch; the table is printed last):
+
+    PYTHONPATH=. python3 scripts/bench_decode.py [--out DIR] [--batches 1 16 64 256] [--compile BATCH ...]
+
+Recorded results: benchmarks/2026-11-23-decode-h100.md.
 """
 
-import argparse
 import datetime
 import json
 import os
 import statistics
-import sys
-from pathlib import Path
 
 # Bitwise checks need a reproducible reference: eager decode on the H100 was not (the same model, inputs and
 # cache gave logits 0.05-0.23 apart between two runs). Deterministic algorithms, and cuBLAS's fixed workspace
@@ -25,19 +27,16 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench_runtime import (free, log, pinned_h2d_bytes_per_s, plan_for, write_calibrated,  # noqa: E402
-                           write_random_checkpoint, write_report)
+from planner.simulate import STEPS_PER_GRAPH  # noqa: E402
 from runtime.backend import CudaBackend  # noqa: E402
 from runtime.bench import random_ids  # noqa: E402
-from planner.simulate import STEPS_PER_GRAPH  # noqa: E402
+from runtime.benchmarking import (CONTEXT_TOKENS, checkpoint_parser, deterministic_decode, free, log,  # noqa: E402
+                                  pinned_h2d_bytes_per_s, plan_for, write_calibrated, write_random_checkpoint,
+                                  write_report)
 from runtime.graph import DecodeLoop, cache_tokens_for  # noqa: E402
 from runtime.load import apply_plan, build_model  # noqa: E402
 
 BATCHES = (1, 16, 64, 256)
-CONTEXT_TOKENS = 1024
 BUDGET_SHARE = 0.5
 NUM_CHECKED_STEPS = 8  # two replays: the join between them is checked too
 NUM_TIMED_STEPS = {"graphed": 20, "eager": 8}
@@ -85,25 +84,29 @@ def all_equal(check: dict | None) -> bool:
     return check is not None and check["prefill_logits"] and check["ids"] and check["step_logits"]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, default=Path("/tmp/bench-decode"))
-    parser.add_argument("--checkpoint", type=Path, default=Path("/tmp/qwen3-8b-random"))
-    parser.add_argument("--config", type=Path, default=Path(__file__).resolve().parent.parent / "examples/qwen3-8b/config.json")
-    parser.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
-    parser.add_argument("--nondeterministic", action="store_true", help="leave torch's default algorithms")
-    parser.add_argument("--compile", type=int, nargs="*", metavar="BATCH",
+def parser():
+    """--out, --checkpoint, --config, --batches, --nondeterministic, --compile, --sdpa-cudnn."""
+    result = checkpoint_parser("/tmp/bench-decode")
+    result.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
+    result.add_argument("--nondeterministic", action="store_true", help="leave torch's default algorithms")
+    result.add_argument("--compile", type=int, nargs="*", metavar="BATCH",
                         help="also time both models compiled by Inductor, graphed, at these batches (all if none given)")
-    parser.add_argument("--sdpa-cudnn", action="store_true", help="let SDPA pick cuDNN attention (not reproducible)")
-    args = parser.parse_args()
+    result.add_argument("--sdpa-cudnn", action="store_true", help="let SDPA pick cuDNN attention (not reproducible)")
+    return result
+
+
+def compile_batches_for(batches: list[int], compile_arg: list[int] | None) -> set[int]:
+    """--compile alone compiles every batch; --compile B ... those; no --compile, none."""
+    return set(batches if compile_arg == [] else compile_arg or ())
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     if not args.nondeterministic:
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        torch.utils.deterministic.fill_uninitialized_memory = False  # NaN-filling every empty() would add kernels
-    if not args.sdpa_cudnn:
-        # scripts/decode_determinism.py: cuDNN attention, which SDPA picks for the masked decode step at batch 16
-        # and up, gave different outputs on two runs of the same step; flash, efficient and math did not.
+        deterministic_decode(cudnn_attention=args.sdpa_cudnn)
+    elif not args.sdpa_cudnn:
         torch.backends.cuda.enable_cudnn_sdp(False)
-    compile_batches = set(args.batches if args.compile == [] else args.compile or ())
+    compile_batches = compile_batches_for(args.batches, args.compile)
     args.out.mkdir(parents=True, exist_ok=True)
     log(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}")
     write_random_checkpoint(args.config, args.checkpoint)
@@ -159,7 +162,7 @@ def main() -> None:
         if compiled is not None:
             rows[-1]["compiled"] = compiled | {"floor_ms": max(compiled["resident_ms"], link_ms)}
         log(json.dumps(rows[-1]))
-        report(rows, h2d, args.out)  # after every batch: a run cut short still leaves its rows
+        report(rows, h2d, args.out, torch.cuda.get_device_name())  # after every batch: a run cut short keeps its rows
 
 
 def compiled_runs(resident, model, engine, batch: int, prompt, eager_reference) -> dict:
@@ -172,10 +175,11 @@ def compiled_runs(resident, model, engine, batch: int, prompt, eager_reference) 
             "plan_vs_compiled_resident": compiled_plan["bitwise"]}
 
 
-def report(rows, h2d: float, out: Path) -> None:
+def report(rows, h2d: float, out, device_name: str) -> None:
+    """bench.md and bench.json in ``out``, and the table on stdout."""
     mode = "deterministic algorithms" if torch.are_deterministic_algorithms_enabled() else "default algorithms"
     mode += "" if torch.backends.cuda.cudnn_sdp_enabled() else ", SDPA without cuDNN"
-    header = (f"{datetime.date.today()} {torch.cuda.get_device_name()}, torch {torch.__version__} ({mode}), pinned H2D "
+    header = (f"{datetime.date.today()} {device_name}, torch {torch.__version__} ({mode}), pinned H2D "
               f"{h2d / 1e9:.1f} GB/s, Qwen3-8B shape bf16, KV context {CONTEXT_TOKENS}, budget {BUDGET_SHARE:.0%} of "
               f"layer bytes; plans from make --cuda-graph --measure with the calibrated profile; {STEPS_PER_GRAPH} step(s) "
               "per replay unless said")

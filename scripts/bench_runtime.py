@@ -5,98 +5,31 @@ A Qwen3-8B-shaped model (random bf16 weights written to a local checkpoint) at t
 max(all-resident step, offloaded bytes per step / pinned H2D bandwidth measured in this run). Every plan's
 logits are checked bitwise against the all-resident model's.
 
-    PYTHONPATH=. python3 scripts/bench_runtime.py --out /tmp/bench      # on a machine with a GPU
+Run from the repository root, on a machine with a CUDA GPU (writes bench.md, bench.json and calibrated.yaml
+into --out, default $OUT or /tmp/bench; the table is printed last):
+
+    PYTHONPATH=. python3 scripts/bench_runtime.py [--out DIR] [--no-accelerate]
+
+Recorded results: benchmarks/2026-11-23-prefill-h100.md.
 """
 
-import argparse
 import datetime
-import gc
 import json
 import statistics
-import sys
-import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from header_checkpoint import tensor_specs  # noqa: E402
-from planner.make import make_plan  # noqa: E402
-from planner.plan import Inputs  # noqa: E402
-from runtime.bench import forward_step, time_steps  # noqa: E402
-from runtime.load import apply_plan, build_model  # noqa: E402
-from runtime.backend import CudaBackend  # noqa: E402
-from runtime.calibrate import median_event_ms  # noqa: E402
+from runtime.backend import CudaBackend
+from runtime.bench import forward_step, time_steps
+from runtime.benchmarking import (checkpoint_parser, free, log, pinned_h2d_bytes_per_s, plan_for, write_calibrated,
+                                  write_random_checkpoint, write_report)
+from runtime.load import apply_plan, build_model
 
 BUDGET_SHARES = (0.75, 0.5, 0.25)
 TOKENS = (2048, 8192)
 NUM_STEPS = 8
 NUM_ACCELERATE_STEPS = 3
-
-
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-def write_random_checkpoint(config_path: Path, folder: Path) -> None:
-    """Random bf16 weights (std 0.02, norms 1) with the real names and shapes, in 4 GiB shards."""
-    from safetensors.torch import save_file
-
-    if (folder / "model.safetensors.index.json").exists():
-        return
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(config_path.read_text())
-    generator = torch.Generator(device="cuda").manual_seed(0)
-    shards, current, size, weight_map = [], {}, 0, {}
-    for name, _, shape in tensor_specs(config_path, "BF16"):
-        if "norm" in name:
-            tensor = torch.ones(shape, dtype=torch.bfloat16)
-        else:
-            tensor = (torch.randn(shape, generator=generator, device="cuda") * 0.02).to(torch.bfloat16).cpu()
-        current[name] = tensor
-        size += tensor.numel() * 2
-        if size > 4 * 2**30:
-            shards.append(current)
-            current, size = {}, 0
-    shards.append(current)
-    for number, shard in enumerate(shards, start=1):
-        file = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(folder / file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, file))
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-
-
-def pinned_h2d_bytes_per_s() -> float:
-    """The best pinned host-to-device rate: 256 MiB and 1 GiB copies, torch-pinned and registered memory.
-
-    The floor must be a bound the runtime cannot beat, so take the best of the ways it could copy.
-    """
-    backend = CudaBackend(torch.device("cuda"))
-    best = 0.0
-    for num_bytes in (2**28, 2**30):
-        device = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
-        registered = backend.pin(torch.empty(num_bytes, dtype=torch.uint8))
-        for host in (torch.empty(num_bytes, dtype=torch.uint8).pin_memory(), registered):
-            ms = median_event_ms(lambda d=device, h=host: d.copy_(h, non_blocking=True), repeats=6, warmups=2)
-            best = max(best, num_bytes / (ms / 1e3))
-        backend.unpin(registered)
-        del device, registered, host
-    return best
-
-
-def write_calibrated(out: Path) -> Path:
-    """Run offload-plan's calibration, write the profile into ``out`` and log its copy-rate points."""
-    from runtime.calibrate import calibrate, calibrated_yaml
-
-    path = out / "calibrated.yaml"
-    profile, details = calibrate()
-    path.write_text(calibrated_yaml(profile))
-    log(f"calibrated profile {path}: H2D {profile.h2d_bytes_per_s.value / 1e9:.1f} GB/s + "
-        f"{profile.copy_overhead_us.value:.1f} us per copy; points (MiB, ms per copy, GB/s): " + ", ".join(
-            f"({b / 2**20:.0f}, {ms:.3f}, {b / ms / 1e6:.1f})" for b, ms in details["h2d_points_bytes_ms"]))
-    return path
 
 
 def inputs_for(tokens: int, vocab: int) -> torch.Tensor:
@@ -113,24 +46,6 @@ def timed(model, input_ids, num_steps: int) -> tuple[float, torch.Tensor]:
     return step_ms, logits
 
 
-def free() -> None:
-    """Return memory once the caller has dropped its references."""
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
-def plan_for(checkpoint: Path, share: float, tokens: int, layout, gpu: str, measure: bool, *, sequences: int = 1,
-             context: int = 0, cuda_graph: bool = False):
-    """The plan at a budget of non-layer weights + ``share`` of the layer bytes."""
-    budget = int(layout.non_layer_bytes + share * layout.layer_bytes)
-    inputs = Inputs(
-        model=str(checkpoint), revision=None, gpu=gpu, budget=str(budget), trigger=None, tokens=tokens,
-        sequences=sequences, context=context, params=(), stack=None, group_size=None, num_in_group=None,
-        prefetch_step=None, measure=measure, measured_on="h100-sxm" if measure else None, cuda_graph=cuda_graph,
-    )
-    return make_plan(inputs).plan
-
-
 def run_accelerate(checkpoint: Path, offloaded: tuple[int, ...], num_layers: int, input_ids) -> float:
     """Accelerate's dispatch_model with the plan's offloaded layers on "cpu" (its synchronous hooks)."""
     from accelerate import dispatch_model
@@ -145,13 +60,15 @@ def run_accelerate(checkpoint: Path, offloaded: tuple[int, ...], num_layers: int
     return step_ms
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, default=Path("/tmp/bench"))
-    parser.add_argument("--checkpoint", type=Path, default=Path("/tmp/qwen3-8b-random"))
-    parser.add_argument("--config", type=Path, default=Path(__file__).resolve().parent.parent / "examples/qwen3-8b/config.json")
-    parser.add_argument("--no-accelerate", action="store_true")
-    args = parser.parse_args()
+def parser():
+    """--out, --checkpoint, --config, --no-accelerate."""
+    result = checkpoint_parser("/tmp/bench")
+    result.add_argument("--no-accelerate", action="store_true", help="skip Accelerate's dispatch_model column")
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     log(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}")
     write_random_checkpoint(args.config, args.checkpoint)
@@ -218,11 +135,12 @@ def main() -> None:
                 "bitwise_equal": bool(torch.equal(logits, reference[tokens][1])),
             })
             log(json.dumps(rows[-1]))
-    report(rows, h2d, args.out)
+    report(rows, h2d, args.out, torch.cuda.get_device_name())
 
 
-def report(rows, h2d, out: Path) -> None:
-    header = (f"{datetime.date.today()} {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+def report(rows, h2d, out: Path, device_name: str) -> None:
+    """bench.md and bench.json in ``out``, and the table on stdout."""
+    header = (f"{datetime.date.today()} {device_name}, torch {torch.__version__}, "
               f"pinned H2D {h2d / 1e9:.1f} GB/s, Qwen3-8B shape bf16, prefill steps (1 x tokens); plans made with "
               f"the calibrated profile and measured layer times (make --measure)")
     lines = [header, "",
@@ -240,14 +158,6 @@ def report(rows, h2d, out: Path) -> None:
             f"{accelerate} | {ratio} | {r['weights_gpu_bytes'] / 2**30:.2f} / {r['budget_bytes'] / 2**30:.2f} | "
             f"{r['peak_gpu_bytes'] / 2**30:.2f} ({r['resident_activation_bytes'] / 2**30:.2f}) | {r['stall_ms']:.1f} | {r['link_gb_per_s']:.1f} | {r['bitwise_equal']} |")
     write_report(out, header, lines, rows)
-
-
-def write_report(out: Path, header: str, lines: list[str], rows: list[dict]) -> None:
-    """bench.md (the table), bench.json (every figure) and the table on stdout."""
-    text = "\n".join(lines)
-    (out / "bench.md").write_text(text + "\n")
-    (out / "bench.json").write_text(json.dumps({"header": header, "rows": rows}, indent=2))
-    print(text, flush=True)
 
 
 if __name__ == "__main__":

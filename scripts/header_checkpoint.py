@@ -1,97 +1,46 @@
 """Write a header-only checkpoint from a config.json: real tensor names, dtypes and shapes, no weights.
 
-transformers builds the model on the meta device (no memory), and every parameter becomes a safetensors
-entry. Shards are sparse files of their full size: planning tools see a complete checkpoint, the disk holds
-only the headers. Used for the README's demo, the tests, and plans of models too large to download.
+A thin wrapper around ``planner.header_checkpoint.write_header_checkpoint`` (installed with the package; the
+command ``offload-plan header-checkpoint CONFIG OUT`` calls the same function). OUT must be new, empty, or a
+folder this tool wrote earlier: anything else is refused and left untouched. Needs torch and transformers.
 
-    python scripts/header_checkpoint.py examples/llama-3.1-70b/config.json /tmp/llama-3.1-70b
+    PYTHONPATH=. python3 scripts/header_checkpoint.py examples/llama-3.1-70b/config.json /tmp/llama-3.1-70b
 """
 
 import argparse
-import json
-import shutil
-import struct
+import os
+import sys
 from pathlib import Path
 
-DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
-BITS = {"BF16": 16, "F16": 16, "F32": 32, "F8_E4M3": 8, "U8": 8}
+from planner.errors import OffloadPlanError
+from planner.header_checkpoint import DEFAULT_SHARD_BYTES, DTYPES, write_header_checkpoint
 
 
-def tensor_specs(config_path: Path, dtype: str) -> list[tuple[str, str, list[int]]]:
-    """(name, dtype, shape) of every parameter the model has, as transformers names them in checkpoints."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(config_path.parent)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    names = set(model.state_dict().keys())
-    specs = []
-    for name, tensor in model.state_dict().items():
-        if getattr(config, "tie_word_embeddings", False) and name == "lm_head.weight":
-            continue  # tied: checkpoints store the embedding only
-        specs.append((name, dtype, list(tensor.shape)))
-    assert len({s[0] for s in specs}) == len(specs) <= len(names)
-    return sorted(specs)
+def parser() -> argparse.ArgumentParser:
+    """CONFIG, OUT, --dtype, --shard-gib."""
+    result = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    result.add_argument("config", type=Path, help="a config.json")
+    result.add_argument("output", type=Path, help="folder to write: new, empty, or written by this tool before")
+    result.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: the config's dtype")
+    result.add_argument("--shard-gib", type=float, default=DEFAULT_SHARD_BYTES / 2**30, help="shard size (GiB)")
+    return result
 
 
-def write_sparse_shards(specs, folder: Path, shard_bytes: int) -> None:
-    """Split tensors into shards of about ``shard_bytes``, write each header and extend the file sparsely."""
-    shards, current, size = [], [], 0
-    for spec in specs:
-        nbytes = _nbytes(spec)
-        if current and size + nbytes > shard_bytes:
-            shards.append(current)
-            current, size = [], 0
-        current.append(spec)
-        size += nbytes
-    shards.append(current)
-    weight_map, total = {}, 0
-    for number, shard in enumerate(shards, start=1):
-        name = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-        total += _write_shard(folder / name, shard)
-        weight_map.update({spec[0]: name for spec in shard})
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-
-
-def _nbytes(spec) -> int:
-    count = 1
-    for dim in spec[2]:
-        count *= dim
-    return count * BITS[spec[1]] // 8
-
-
-def _write_shard(path: Path, shard) -> int:
-    header, offset = {}, 0
-    for name, dtype, shape in shard:
-        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + _nbytes((name, dtype, shape))]}
-        offset += _nbytes((name, dtype, shape))
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    with path.open("wb") as handle:
-        handle.write(struct.pack("<Q", len(raw)) + raw)
-        handle.truncate(8 + len(raw) + offset)  # sparse: no data blocks are written
-    return offset
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("config", type=Path, help="a config.json")
-    parser.add_argument("output", type=Path, help="folder to write (replaced)")
-    parser.add_argument("--dtype", default=None, help="bfloat16, float16 or float32 (default: config's)")
-    parser.add_argument("--shard-gib", type=float, default=5.0)
-    args = parser.parse_args()
-    config = json.loads(args.config.read_text())
-    dtype = DTYPES[args.dtype or config.get("torch_dtype") or config.get("dtype") or "bfloat16"]
-    specs = tensor_specs(args.config, dtype)
-    if args.output.exists():
-        shutil.rmtree(args.output)
-    args.output.mkdir(parents=True)
-    shutil.copy(args.config, args.output / "config.json")
-    write_sparse_shards(specs, args.output, int(args.shard_gib * 2**30))
-    print(f"wrote {len(specs)} tensors to {args.output}")
+def main(argv: list[str] | None = None) -> int:
+    """Write the checkpoint; bad input gets one line on stderr and the project's exit code."""
+    args = parser().parse_args(argv)
+    try:
+        written = write_header_checkpoint(args.config, args.output, dtype=args.dtype,
+                                          shard_bytes=int(args.shard_gib * 2**30))
+    except OffloadPlanError as error:
+        if os.environ.get("OFFLOAD_PLAN_DEBUG"):
+            raise
+        print(f"offload-plan: error: {error}", file=sys.stderr)
+        return error.exit_code
+    print(f"wrote {written.num_tensors} tensors in {written.num_shards} sparse shards to {written.folder}",
+          file=sys.stderr)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -4,14 +4,14 @@ Each entry is one ``offload-plan make`` run from the repository root, so each pl
 that regenerates it and ``offload-plan check plans/*.yaml`` can reproduce it. plans/README.md says why each
 model, GPU and budget was chosen, and which combinations have no plan.
 
-    python3 scripts/make_plans.py            # checkpoints, then every plan
-    offload-plan check --update plans/*.yaml # later: refresh the existing plans after a planner change
+    PYTHONPATH=. python3 scripts/make_plans.py   # checkpoints, then every plan
+    offload-plan check --update plans/*.yaml     # later: refresh the existing plans after a planner change
 """
 
 import subprocess
 import sys
 
-from real_checkpoints import REPO_ROOT, write_checkpoint
+from scripts.real_checkpoints import REPO_ROOT, write_checkpoint
 
 #: (model under plans/models, GPU profile, --budget, --params segments)
 PLANS = (

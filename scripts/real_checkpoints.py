@@ -17,17 +17,21 @@ The same configs give the same bytes (sorted names, fixed shard size), so plans 
 reproducible; ``offload-plan check`` recomputes their fingerprints. The per-format tables are fixture code:
 the planner itself reads names, never an architecture table.
 
-    python3 scripts/real_checkpoints.py                 # every model under plans/models
-    python3 scripts/real_checkpoints.py mixtral-8x7b    # one of them
+    PYTHONPATH=. python3 scripts/real_checkpoints.py                 # every model under plans/models
+    PYTHONPATH=. python3 scripts/real_checkpoints.py mixtral-8x7b    # one of them
+
+Each folder is written as ``planner.header_checkpoint`` writes: a folder this script did not make is refused,
+never replaced. (With the package installed, ``PYTHONPATH=.`` is not needed.)
 """
 
 import argparse
 import json
 import math
-import shutil
+import sys
 from pathlib import Path
 
-from header_checkpoint import write_sparse_shards
+from planner.errors import OffloadPlanError, UsageError
+from planner.header_checkpoint import write_checkpoint_folder
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODELS_DIR = REPO_ROOT / "plans" / "models"
@@ -177,28 +181,43 @@ def tensor_specs(config: dict) -> list:
 
 
 def write_checkpoint(name: str, output_dir: Path = OUTPUT_DIR) -> Path:
-    """Write .cache/checkpoints/NAME from plans/models/NAME/config.json, replacing what was there."""
+    """Write .cache/checkpoints/NAME from plans/models/NAME/config.json, replacing an earlier run's folder."""
     config_path = MODELS_DIR / name / "config.json"
     config = json.loads(config_path.read_text())
     folder = output_dir / name
-    if folder.exists():
-        shutil.rmtree(folder)
-    folder.mkdir(parents=True)
-    shutil.copy(config_path, folder / "config.json")
-    write_sparse_shards(tensor_specs(config), folder, SHARD_BYTES)
+    write_checkpoint_folder(config_path=config_path, specs=tensor_specs(config), out_dir=folder,
+                            shard_bytes=SHARD_BYTES)
     return folder
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("names", nargs="*", help="models under plans/models (default: all)")
-    parser.add_argument("--output", type=Path, default=OUTPUT_DIR, help="where to write (default: .cache/checkpoints)")
-    args = parser.parse_args()
-    names = args.names or sorted(p.name for p in MODELS_DIR.iterdir() if (p / "config.json").is_file())
-    for name in names:
-        folder = write_checkpoint(name, args.output)
-        print(f"wrote {folder}")
+def parser() -> argparse.ArgumentParser:
+    """NAME ..., --output."""
+    result = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    result.add_argument("names", nargs="*", help="models under plans/models (default: all)")
+    result.add_argument("--output", type=Path, default=OUTPUT_DIR, help="where to write (default: .cache/checkpoints)")
+    return result
+
+
+def model_names(names: list[str]) -> list[str]:
+    """The names asked for, or every model under plans/models; an unknown name is a one-line error."""
+    known = sorted(p.name for p in MODELS_DIR.iterdir() if (p / "config.json").is_file())
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise UsageError(f"no plans/models/{unknown[0]}/config.json; choose from {', '.join(known)}")
+    return names or known
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Write each model's folder; bad input gets one line on stderr and the project's exit code."""
+    args = parser().parse_args(argv)
+    try:
+        for name in model_names(args.names):
+            print(f"wrote {write_checkpoint(name, args.output)}")
+    except OffloadPlanError as error:
+        print(f"offload-plan: error: {error}", file=sys.stderr)
+        return error.exit_code
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -8,16 +8,12 @@ script's public facts and keep scripts/make_plans.py, plans/ and the plans' head
 import json
 import math
 import shlex
-import sys
 
 import pytest
 import yaml
 
+from scripts import make_plans, real_checkpoints
 from tests.conftest import REPO_ROOT
-
-sys.path.insert(0, str(REPO_ROOT / "scripts"))
-import make_plans  # noqa: E402
-import real_checkpoints  # noqa: E402
 
 PLANS_DIR = REPO_ROOT / "plans"
 

@@ -1,8 +1,9 @@
 """Where a graphed offloaded decode step loses time against the eager one: a torch.profiler trace of each.
 
-    PYTHONPATH=. python3 scripts/trace_decode.py --out DIR [--batch 64] [--shape 5 3 2] [--steps 1 4] [--label NAME]
+    PYTHONPATH=. python3 scripts/experiments/trace_decode.py --out DIR [--batch 64] [--shape 5 3 2] [--steps 1 4]
+        [--label NAME]                                                  # on a machine with a GPU
 
-Builds bench_replay_steps.py's model and plan (Qwen3-8B shape, random bf16 weights), prefills an eager loop,
+Builds the model and plan of bench_replay_steps.py (runtime.benchmarking) (Qwen3-8B shape, random bf16 weights), prefills an eager loop,
 a graphed one (one step per replay, the wrapped copies split as the plan says) and, if the plan leaves some
 to the replay's start, a graphed one that joins them all at its end; times 24 steps of each, then traces a
 few steps of each and prints,
@@ -20,18 +21,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench_decode import CONTEXT_TOKENS  # noqa: E402
-from bench_replay_steps import (NUM_TIMED_STEPS, PLAN_SHAPE, arm_loops, arms_for, enter, model_parser,  # noqa: E402
-                                pinned_plan, time_arm)
-from bench_runtime import write_random_checkpoint  # noqa: E402
-from runtime.backend import CudaBackend  # noqa: E402
-from runtime.bench import random_ids  # noqa: E402
-from runtime.graph import calls_for  # noqa: E402
-from runtime.load import apply_plan, build_model  # noqa: E402
-from runtime.timeline import summarize  # noqa: E402
+from runtime.backend import CudaBackend
+from runtime.bench import random_ids
+from runtime.benchmarking import (CONTEXT_TOKENS, NUM_ARM_STEPS, PLAN_SHAPE, arm_loops, arms_for, checkpoint_parser,
+                                  deterministic_decode, enter, pinned_plan, time_arm, write_random_checkpoint)
+from runtime.graph import calls_for
+from runtime.load import apply_plan, build_model
+from runtime.timeline import summarize
 
 NUM_TRACED_STEPS = 4
 
@@ -57,7 +53,7 @@ def traced_events(loop, engine, arm, trace_path: Path) -> list[dict]:
 
 
 def main() -> None:
-    parser = model_parser("/tmp/trace-decode")
+    parser = checkpoint_parser("/tmp/trace-decode")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--shape", type=int, nargs=3, default=list(PLAN_SHAPE),
                         help="group size, offloaded per group, prefetch depth")
@@ -65,9 +61,7 @@ def main() -> None:
                         help="steps per replay of the graphed arms")
     parser.add_argument("--label", default="default")
     args = parser.parse_args()
-    torch.use_deterministic_algorithms(True, warn_only=True)  # as the other decode benchmarks
-    torch.utils.deterministic.fill_uninitialized_memory = False
-    torch.backends.cuda.enable_cudnn_sdp(False)
+    deterministic_decode()  # as the other decode benchmarks
     args.out.mkdir(parents=True, exist_ok=True)
     write_random_checkpoint(args.config, args.checkpoint)
     plan = pinned_plan(args.checkpoint, args.batch, tuple(args.shape))
@@ -89,7 +83,7 @@ def main() -> None:
     engine.set_graph_mode(False)
     (args.out / f"trace_{args.label}.json").write_text(json.dumps(rows, indent=1))
     print(f"{args.label}: batch {args.batch}, shape {tuple(args.shape)}, {engine.copy_bytes_per_step / 1e9:.2f} GB "
-          f"per step, replay_start_copies {plan.offload.replay_start_copies}; {NUM_TIMED_STEPS} timed steps, "
+          f"per step, replay_start_copies {plan.offload.replay_start_copies}; {NUM_ARM_STEPS} timed steps, "
           f"{NUM_TRACED_STEPS} traced; ms per step")
     keys = list(next(iter(rows.values())))
     print("| arm | " + " | ".join(keys) + " |")

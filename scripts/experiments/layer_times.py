@@ -4,23 +4,21 @@ For each example config, a header-only checkpoint gives the layout; one layer of
 prefill and a decode workload (runtime.measure) and compared with the estimate from the built-in profile
 (datasheet rates x compute_efficiency) and, with --calibrated FILE, from a calibrated profile.
 
-    PYTHONPATH=. python3 scripts/layer_times.py [--calibrated my-gpu.yaml]
+    PYTHONPATH=. python3 scripts/experiments/layer_times.py [--calibrated my-gpu.yaml]   # on a machine with a GPU
 """
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+from planner.checkpoint import load_checkpoint
+from planner.cost import Workload, estimate_compute, geometry_from_config
+from planner.header_checkpoint import write_header_checkpoint
+from planner.layout import build_layout, layer_kinds
+from planner.profile import load_profile
+from runtime.measure import local_profile_name, measure_local
 
-from header_checkpoint import tensor_specs, write_sparse_shards  # noqa: E402
-from planner.checkpoint import load_checkpoint  # noqa: E402
-from planner.cost import Workload, estimate_compute, geometry_from_config  # noqa: E402
-from planner.layout import build_layout, layer_kinds  # noqa: E402
-from planner.profile import load_profile  # noqa: E402
-from runtime.measure import local_profile_name, measure_local  # noqa: E402
+EXAMPLES = Path("examples")  # run from the repository root
 
 MODELS = ("qwen3-8b", "mixtral-8x7b", "qwen3-30b-a3b")
 WORKLOADS = {
@@ -30,12 +28,8 @@ WORKLOADS = {
 
 
 def header_checkpoint(name: str, folder: Path) -> Path:
-    config = ROOT / "examples" / name / "config.json"
-    target = folder / name
-    target.mkdir(parents=True)
-    (target / "config.json").write_text(config.read_text())
-    write_sparse_shards(tensor_specs(config, "BF16"), target, 5 * 2**30)
-    return target
+    """A bf16 header-only checkpoint of examples/NAME in ``folder``/NAME."""
+    return write_header_checkpoint(EXAMPLES / name / "config.json", folder / name, dtype="bfloat16").folder
 
 
 def main() -> None:

@@ -5,29 +5,21 @@ The decode benchmark found the all-resident Qwen3-8B-shaped model's eager step g
 two runs from the same cache and ids (batch 16 and up), so bitwise comparisons there need a known cause.
 Each setting below is tried in turn: torch's defaults, deterministic algorithms, and each SDPA backend.
 
-    PYTHONPATH=. python3 scripts/decode_determinism.py --batch 16      # on a machine with a GPU
+    PYTHONPATH=. python3 scripts/experiments/decode_determinism.py --batch 16      # on a machine with a GPU
 """
 
-import argparse
 import os
-import sys
 from contextlib import nullcontext
-from pathlib import Path
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS needs it before CUDA starts
 
 import torch  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench_runtime import log, write_random_checkpoint  # noqa: E402
 from runtime.bench import random_ids  # noqa: E402
+from runtime.benchmarking import CONTEXT_TOKENS, checkpoint_parser, log, write_random_checkpoint  # noqa: E402
 from runtime.graph import DecodeLoop, cache_tokens_for  # noqa: E402
 from runtime.load import build_model  # noqa: E402
-
-CONTEXT_TOKENS = 1024
 SETTINGS = {
     "defaults": (False, None),
     "deterministic algorithms": (True, None),
@@ -79,9 +71,7 @@ def first_culprit(first, second, modules: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--checkpoint", type=Path, default=Path("/tmp/qwen3-8b-random"))
-    parser.add_argument("--config", type=Path, default=Path(__file__).resolve().parent.parent / "examples/qwen3-8b/config.json")
+    parser = checkpoint_parser("/tmp/decode-determinism")  # --out is unused: the verdicts are printed
     parser.add_argument("--batch", type=int, nargs="+", default=[16])
     args = parser.parse_args()
     write_random_checkpoint(args.config, args.checkpoint)

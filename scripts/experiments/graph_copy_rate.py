@@ -1,9 +1,9 @@
 """Pinned host-to-device copy rate issued eagerly against the same copies replayed from a CUDA graph.
 
-    PYTHONPATH=. python3 scripts/graph_copy_rate.py     # on a machine with a GPU
+    PYTHONPATH=. python3 scripts/experiments/graph_copy_rate.py [--with-compute]     # on a machine with a GPU
 
 Graphed decode steps of a link-bound plan run about 10-16 ms over eager ones at batch 64 with one step per
-replay and with four (README, "Decode under CUDA graphs"). If memcpy nodes in a graph moved bytes slower
+replay and with four (benchmarks/2026-11-23-decode-h100.md). If memcpy nodes in a graph moved bytes slower
 than cudaMemcpyAsync, the gap would not depend on the replay length; this measures exactly that: 21 copies
 of one layer's bytes (386 MB, Qwen3-8B bf16) on a side stream, eager and graphed, from torch-pinned and
 from cudaHostRegister'd memory (what the engine uses).
@@ -16,14 +16,11 @@ ran its copies through the SMs, or queued them behind kernels, "both" would exce
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from runtime.backend import CudaBackend  # noqa: E402
-from runtime.calibrate import median_event_ms  # noqa: E402
+from runtime.backend import CudaBackend
+from runtime.calibrate import median_event_ms
 
 LAYER_BYTES = 386_000_000
 NUM_COPIES = 21
