@@ -20,8 +20,8 @@ NUM_MEASURED_STEPS = 4
 #: decode steps per CUDA-graph replay (run --cuda-graph, make --cuda-graph), as vLLM and SGLang capture decode.
 #: More steps per replay would join less often, but on the H100 4-step replays ran 10-15 ms per step slower
 #: than 1-step ones: the graph executor spreads their copies over several streams, where each moved 42-45
-#: GB/s instead of 55 (scripts/trace_decode.py --steps 1 4, README), which this model does not capture. So one
-#: step it is. Divides NUM_MEASURED_STEPS.
+#: GB/s instead of 55 (scripts/experiments/trace_decode.py --steps 1 4, benchmarks/2026-11-23-decode-trace-h100.md),
+#: which this model does not capture. So one step it is. Divides NUM_MEASURED_STEPS.
 STEPS_PER_GRAPH = 1
 
 

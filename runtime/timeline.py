@@ -1,7 +1,7 @@
 """What the link and the SMs did during some decode steps, read from a torch.profiler (Kineto) trace.
 
-Used by scripts/trace_decode.py to compare an eager offloaded step with the same step replayed from a CUDA
-graph: is the graphed step slower because each host-to-device copy moves bytes slower (copy busy time grows),
+Used by scripts/experiments/trace_decode.py to compare an eager offloaded step with the same step replayed from a
+CUDA graph: is the graphed step slower because each host-to-device copy moves bytes slower (copy busy time grows),
 or because copies start later (the link sits idle between them, and the SMs were busy then)?
 """
 
