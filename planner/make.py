@@ -120,8 +120,9 @@ class _Model:
         tokens_per_sequence = workload.tokens_per_step // workload.sequences_per_step
         step = StepShape(num_sequences=workload.sequences_per_step, tokens_per_sequence=tokens_per_sequence,
                          context_tokens=workload.context_tokens, static_cache_tokens=static_cache_tokens)
-        experts = "batched_mm" if static_cache_tokens is not None else "eager"
-        return estimate_activations(self.activation_shape, step, experts_implementation=experts).peak_bytes
+        # run's decode loop routes MoE experts through batched_mm (graph-capturable); a prefill keeps the default
+        options = {"experts_implementation": "batched_mm"} if static_cache_tokens is not None else {}
+        return estimate_activations(self.activation_shape, step, **options).peak_bytes
 
     def compute(self, workload: Workload) -> ComputeTimes:
         """Layer times for ``workload``: measured with --measure, else the roofline estimate."""
