@@ -294,7 +294,7 @@ def make_serving_plan(model: _Model) -> Planned:
         gpu_memory_bytes=gpu_memory,
         other_bytes_at=lambda b: serving_other_bytes(model, b),
         compute_at=lambda b: model.compute(decode(b)),
-        search_weights=lambda compute, budget_bytes: model.search(compute, budget_bytes),
+        search_weights=lambda compute, budget_bytes: _search_or_none(model, compute, budget_bytes),
         minimum_weight_bytes=minimum_gpu_bytes(model.layout.non_layer_bytes, model.layer_bytes),
         resident_weight_bytes=gpu_bytes_of(model.layout.non_layer_bytes, model.layer_bytes, (), 0),
         weights_budget_bytes=budget,
@@ -307,6 +307,15 @@ def make_serving_plan(model: _Model) -> Planned:
     plan = _assemble(model, workload, model.compute(workload), best.choice, best.weights_budget_bytes, host_limit,
                      gpu_memory, best.other, serving=_serving_section(found, wanted, inputs.max_tpot_ms))
     return Planned(plan=plan, checkpoint=model.checkpoint, layout=model.layout, warnings=tuple(model.warnings))
+
+
+def _search_or_none(model: _Model, compute: ComputeTimes, budget_bytes: int) -> Choice | None:
+    """The fastest placement within the budget, None where none fits (pinned knobs can ask for more than the
+    leanest placement needs)."""
+    try:
+        return model.search(compute, budget_bytes)
+    except InfeasibleError:
+        return None
 
 
 def _serving_section(found: ServingSearch, wanted: ConcurrencyRange, max_tpot_ms: float | None) -> ServingSection:

@@ -40,6 +40,11 @@ class ServingBench:
     memory_fraction: float | None
     mode: str
     decode_step_ms_all: tuple[float, ...]
+    #: GPU memory held outside the allocator at the end (CUDA context, library handles): planned as part of
+    #: memory.cuda_context_bytes
+    outside_allocator_bytes: int = 0
+    #: the first decode step's logits equal the reference's bit for bit (None: no reference given)
+    first_step_bitwise: bool | None = None
 
     def as_dict(self) -> dict:
         """Plain data for --json."""
@@ -96,6 +101,13 @@ def run_serving_bench(loaded, cuda_graph: bool, compile_backend: str | None = No
                       memory_fraction: float | None = None) -> ServingBench:
     """Decode at the plan's concurrency over a cache holding its context, then one prefill chunk, within the
     plan's GPU memory (``memory_fraction``: the cap cap_gpu_memory set, reported)."""
+    return serve_and_time(loaded, cuda_graph, compile_backend, memory_fraction)[0]
+
+
+def serve_and_time(loaded, cuda_graph: bool, compile_backend: str | None = None, memory_fraction: float | None = None,
+                   reference_logits: torch.Tensor | None = None, seed: int = 0) -> tuple[ServingBench, torch.Tensor]:
+    """run_serving_bench, also returning the first decode step's logits [concurrency, vocab] (on the CPU) and
+    comparing them with ``reference_logits`` (another model's over the same seeded cache)."""
     from runtime.bench import model_device
     from runtime.graph import DecodeLoop, cache_tokens_for
 
@@ -107,11 +119,14 @@ def run_serving_bench(loaded, cuda_graph: bool, compile_backend: str | None = No
     try:
         loop = DecodeLoop(loaded.model, batch=concurrency, max_cache_tokens=cache_tokens_for(context), device=device,
                           engine=engine, compile_backend=compile_backend, steps_per_call=1)
-        loop.fill(context)
+        loop.fill(context, seed)
         if cuda_graph:
             loop.capture()
         else:
             loop.warm_up()
+        saved = loop.save_state()
+        first_logits = loop.generate(1)[1][0].cpu()
+        loop.restore_state(saved)
         loop.timed_steps(NUM_WARMUP_STEPS)
         step_ms = loop.timed_steps(NUM_TIMED_STEPS)
         if engine is not None:
@@ -122,7 +137,7 @@ def run_serving_bench(loaded, cuda_graph: bool, compile_backend: str | None = No
         raise out_of_memory(f"at {concurrency} sequences of {context} tokens", plan) from None
     median_ms = statistics.median(step_ms)
     mode = "decode " + ("graphed" if cuda_graph else "eager") + (", compiled" if compile_backend else "")
-    return ServingBench(
+    bench = ServingBench(
         concurrency=concurrency, context_tokens=context, decode_step_ms=median_ms,
         predicted_decode_step_ms=plan.prediction.decode_step_ms,
         decode_tokens_per_s=1e3 * concurrency / median_ms,
@@ -130,4 +145,7 @@ def run_serving_bench(loaded, cuda_graph: bool, compile_backend: str | None = No
         prefill_chunk_tokens=workload.chunk_tokens, prefill_chunk_ms=chunk_ms,
         predicted_prefill_chunk_ms=plan.prediction.prefill_chunk_ms, peak_gpu_bytes=peak_gpu_bytes(device),
         predicted_total_gpu_bytes=plan.memory.total_gpu_bytes, gpu_memory_bytes=plan.memory.gpu_memory_bytes,
-        memory_fraction=memory_fraction, mode=mode, decode_step_ms_all=tuple(step_ms))
+        memory_fraction=memory_fraction, mode=mode, decode_step_ms_all=tuple(step_ms),
+        outside_allocator_bytes=outside_allocator_bytes(device),
+        first_step_bitwise=None if reference_logits is None else torch.equal(first_logits, reference_logits))
+    return bench, first_logits
