@@ -224,3 +224,35 @@ def test_other_experts_implementations(implementation, sequences, tokens, tmp_pa
     print(f"\nqwen3_moe {implementation} B={sequences} T={tokens}: estimate {estimate.peak_bytes} measured {measured} "
           f"ratio {estimate.peak_bytes / measured:.2f}; {estimate.describe()}")
     assert 1.0 <= estimate.peak_bytes / measured <= BOUND, estimate.describe()
+
+
+@pytest.mark.parametrize("sequences", [1, 16])
+def test_decode_with_kv_heads_repeated(sequences, tmp_path, monkeypatch):
+    """transformers up to 5.17 repeats K/V to every head for a masked one-token step (no pack_gqa): forced here
+    on a newer transformers by taking its pack_gqa branch away."""
+    from transformers.integrations import sdpa_attention
+
+    if hasattr(sdpa_attention, "pack_gqa"):
+        monkeypatch.setattr(sdpa_attention, "is_torchdynamo_compiling", lambda: True)
+    config, model = _tiny_model("qwen3")
+    measured, _ = _measure(model, sequences=sequences, tokens=1, context=256, static=True, tmp_path=tmp_path)
+    step = StepShape(num_sequences=sequences, tokens_per_sequence=1, context_tokens=256, static_cache_tokens=273)
+    estimate = estimate_activations(activation_shape(config), step, expand_kv_heads=True)
+    print(f"\nqwen3 repeated K/V B={sequences}: estimate {estimate.peak_bytes} measured {measured} "
+          f"ratio {estimate.peak_bytes / measured:.2f}; {estimate.describe()}")
+    assert estimate.phase == "attention" and 1.0 <= estimate.peak_bytes / measured <= BOUND, estimate.describe()
+
+
+def test_activation_model_keeps_one_layer_per_kind():
+    """runtime.measure's model for the activation peak: one layer of each kind, renumbered, its own cache."""
+    from runtime.measure import activation_model
+
+    config = dict(model_type="gpt_oss", hidden_size=64, intermediate_size=64, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128, sliding_window=8,
+                  num_local_experts=4, num_experts_per_tok=2)
+    model = activation_model(config, ((0, 2), (1, 3)), "model.layers", device="cpu")
+    assert [layer.self_attn.layer_idx for layer in model.model.layers] == [0, 1]
+    assert model.config.layer_types == ["sliding_attention", "full_attention"]
+    with torch.inference_mode():
+        output = model(input_ids=torch.zeros(2, 12, dtype=torch.long), use_cache=True)
+    assert len(output.past_key_values.layers) == 2 and output.past_key_values.layers[0].keys.shape[-2] == 7
