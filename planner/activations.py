@@ -218,9 +218,9 @@ def _attention_phase(shape: ActivationShape, step: StepShape, expand_kv_heads: b
     if step.masked:
         terms["additive mask"] = tokens * step.attended_tokens * a
     if step.static_cache_tokens is None and not shape.latent_attention:
-        # torch.cat builds the grown layer cache while the old one is alive
-        terms["old K/V while the cache grows"] = seqs * step.context_tokens * shape.num_kv_heads * (
-            shape.qk_head_dim + shape.v_head_dim) * a
+        # torch.cat builds the grown K (then V) while the old one is alive
+        terms["old K or V while the cache grows"] = seqs * step.context_tokens * shape.num_kv_heads * max(
+            shape.qk_head_dim, shape.v_head_dim) * a
     return terms
 
 

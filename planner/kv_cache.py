@@ -145,7 +145,7 @@ class KvCacheModel:
     def describe(self, kv_dtype: str = "auto") -> str:
         """One line for ``show``: what a token and a sequence cost, and why."""
         dtype = self.activation_dtype if kv_dtype == "auto" else kv_dtype
-        parts = [_describe_group(self._of_kind(kind), dtype) for kind in KINDS if self._of_kind(kind)]
+        parts = [_describe_group(self._of_kind(kind), self.activation_dtype) for kind in KINDS if self._of_kind(kind)]
         totals = f"{format_bytes(self.bytes_per_token(kv_dtype))} per token"
         fixed = self.fixed_bytes_per_sequence(kv_dtype)
         if fixed:
@@ -156,12 +156,12 @@ class KvCacheModel:
         return [layer for layer in self.layers if layer.kind == kind]
 
 
-def _describe_group(layers: list[CacheLayer], dtype: str) -> str:
+def _describe_group(layers: list[CacheLayer], activation_dtype: str) -> str:
     first, count = layers[0], len(layers)
     if first.kind == "latent":
         return f"{count} layers x latent {first.latent_dims} dims (kv_lora_rank + rope)"
     if first.kind == "state":
-        return f"{count} layers x fixed state (conv {dtype} + recurrent fp32)"
+        return f"{count} layers x fixed state (conv {activation_dtype} + recurrent fp32)"
     shape = f"{first.num_kv_heads} KV heads x {first.head_dim} dims x K,V"
     if any(layer.elements_per_token != first.elements_per_token for layer in layers):
         shape = "mixed heads x K,V"

@@ -120,15 +120,21 @@ def transformers_expands_kv_heads() -> bool:
     return not hasattr(sdpa_attention, "pack_gqa")
 
 
+STEP = "measured step"
+
+
 def _peak_cpu_bytes(run, trace_path) -> tuple[int, int]:
-    """(peak of live tensors above the start and above what stays allocated at the end (a growing cache's new
-    blocks: KV cache, not activations), CPU kernel workspace at its own peak) while ``run()`` runs."""
+    """(peak of live tensors during the ``STEP`` record_function block that ``run()`` marks, above what stays
+    allocated after it (a growing cache's new blocks are KV cache, not activations); CPU kernel workspace at its
+    own peak). The whole of ``run()`` is profiled, so blocks allocated before the step and freed in it (the old
+    cache a growing cache replaces) are seen."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run()
     prof.export_chrome_trace(str(trace_path))
     events = json.loads(trace_path.read_text())["traceEvents"]
+    begin, end = next((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("ph") == "X" and e["name"] == STEP)
     kernels = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("ph") == "X" and e["name"] in CPU_WORKSPACE_OPS]
     memory = sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"])
     opened: dict[int, int] = {}  # address -> index of its allocation event
@@ -139,16 +145,19 @@ def _peak_cpu_bytes(run, trace_path) -> tuple[int, int]:
             opened[address] = index
         elif address in opened:
             start = opened.pop(address)
-            if any(begin <= memory[start]["ts"] and event["ts"] <= end for begin, end in kernels):
+            if any(low <= memory[start]["ts"] and event["ts"] <= high for low, high in kernels):
                 workspace.update((start, index))
-    live = peak = scratch = scratch_peak = 0
+    live = scratch = 0
+    peak = scratch_peak = None
     for index, event in enumerate(memory):
+        if event["ts"] > end:
+            break
         if index in workspace:
             scratch += event["args"]["Bytes"]
-            scratch_peak = max(scratch_peak, scratch)
         else:
             live += event["args"]["Bytes"]
-            peak = max(peak, live)
+        if event["ts"] >= begin:
+            peak, scratch_peak = max(peak or live, live), max(scratch_peak or 0, scratch)
     return peak - live, scratch_peak
 
 
@@ -167,25 +176,27 @@ def _measure(model, *, sequences: int, tokens: int, context: int, static: bool, 
     from transformers import DynamicCache, StaticCache
 
     ids = torch.randint(0, VOCAB, (sequences, context + tokens), generator=torch.Generator().manual_seed(0))
-    with torch.inference_mode():
-        if static:
-            cache = StaticCache(config=model.config, max_cache_len=context + tokens + 16)
-            model(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)  # allocates the cache
-            cache.reset()
-        else:
-            cache = DynamicCache(config=model.config)
-        if context:
-            model(input_ids=ids[:, :context], past_key_values=cache, use_cache=True, logits_to_keep=1)
-        if not static and context:
-            pytest.skip("a growing cache frees blocks allocated before the profile: the profiler cannot see it")
-        step = ids[:, context:]
-        return _peak_cpu_bytes(lambda: model(input_ids=step, past_key_values=cache, use_cache=True,
-                                             logits_to_keep=1), tmp_path / "trace.json")
+
+    def run():
+        with torch.inference_mode():
+            if static:
+                cache = StaticCache(config=model.config, max_cache_len=context + tokens + 16)
+                model(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)  # allocates the cache
+                cache.reset()
+            else:
+                cache = DynamicCache(config=model.config)
+            if context:
+                model(input_ids=ids[:, :context], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            with torch.profiler.record_function(STEP):
+                model(input_ids=ids[:, context:], past_key_values=cache, use_cache=True, logits_to_keep=1)
+
+    return _peak_cpu_bytes(run, tmp_path / "trace.json")
 
 
 CASES = [  # (sequences, tokens per sequence, context, static cache)
     (1, 1, 256, True), (8, 1, 256, True), (64, 1, 256, True), (256, 1, 64, True),
     (1, 128, 0, True), (1, 512, 0, True), (1, 256, 256, True), (1, 512, 0, False), (4, 64, 0, False),
+    (16, 1, 256, False), (1, 128, 256, False),
 ]
 RESULTS: list[tuple] = []
 
@@ -224,3 +235,35 @@ def test_other_experts_implementations(implementation, sequences, tokens, tmp_pa
     print(f"\nqwen3_moe {implementation} B={sequences} T={tokens}: estimate {estimate.peak_bytes} measured {measured} "
           f"ratio {estimate.peak_bytes / measured:.2f}; {estimate.describe()}")
     assert 1.0 <= estimate.peak_bytes / measured <= BOUND, estimate.describe()
+
+
+@pytest.mark.parametrize("sequences", [1, 16])
+def test_decode_with_kv_heads_repeated(sequences, tmp_path, monkeypatch):
+    """transformers up to 5.17 repeats K/V to every head for a masked one-token step (no pack_gqa): forced here
+    on a newer transformers by taking its pack_gqa branch away."""
+    from transformers.integrations import sdpa_attention
+
+    if hasattr(sdpa_attention, "pack_gqa"):
+        monkeypatch.setattr(sdpa_attention, "is_torchdynamo_compiling", lambda: True)
+    config, model = _tiny_model("qwen3")
+    measured, _ = _measure(model, sequences=sequences, tokens=1, context=256, static=True, tmp_path=tmp_path)
+    step = StepShape(num_sequences=sequences, tokens_per_sequence=1, context_tokens=256, static_cache_tokens=273)
+    estimate = estimate_activations(activation_shape(config), step, expand_kv_heads=True)
+    print(f"\nqwen3 repeated K/V B={sequences}: estimate {estimate.peak_bytes} measured {measured} "
+          f"ratio {estimate.peak_bytes / measured:.2f}; {estimate.describe()}")
+    assert estimate.phase == "attention" and 1.0 <= estimate.peak_bytes / measured <= BOUND, estimate.describe()
+
+
+def test_activation_model_keeps_one_layer_per_kind():
+    """runtime.measure's model for the activation peak: one layer of each kind, renumbered, its own cache."""
+    from runtime.measure import activation_model
+
+    config = dict(model_type="gpt_oss", hidden_size=64, intermediate_size=64, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128, sliding_window=8,
+                  num_local_experts=4, num_experts_per_tok=2)
+    model = activation_model(config, ((0, 2), (1, 3)), "model.layers", device="cpu")
+    assert [layer.self_attn.layer_idx for layer in model.model.layers] == [0, 1]
+    assert model.config.layer_types == ["sliding_attention", "full_attention"]
+    with torch.inference_mode():
+        output = model(input_ids=torch.zeros(2, 12, dtype=torch.long), use_cache=True)
+    assert len(output.past_key_values.layers) == 2 and output.past_key_values.layers[0].keys.shape[-2] == 7

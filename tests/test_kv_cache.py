@@ -98,6 +98,34 @@ def test_every_real_config_is_modelled(path):
     assert model.cache_bytes(num_sequences=4, context_tokens=333, kv_dtype="bf16") == 4 * 333 * expected
 
 
+def test_qwen3_next_80b_by_hand():
+    """Qwen3-Next-80B-A3B's config.json: 48 layers, every 4th full attention (2 KV heads x 256), the other 36
+    Gated DeltaNet: conv over 2 x 16 x 128 + 32 x 128 channels x kernel 4 (bf16), a 128 x 128 fp32 state per
+    value head (32)."""
+    config = dict(model_type="qwen3_next", num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=2,
+                  head_dim=256, hidden_size=2048, linear_num_value_heads=32, linear_num_key_heads=16,
+                  linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                  full_attention_interval=4, torch_dtype="bfloat16")
+    model = kv_cache_model(config)
+    per_sequence = 36 * ((2 * 16 * 128 + 32 * 128) * 4 * 2 + 32 * 128 * 128 * 4)
+    assert model.bytes_per_token("bf16") == 12 * 2 * 2 * 256 * 2
+    assert model.fixed_bytes_per_sequence("bf16") == per_sequence == 77_856_768
+    assert model.cache_bytes(num_sequences=3, context_tokens=4096, kv_dtype="fp8") == 3 * (
+        4096 * 12 * 2 * 2 * 256 + per_sequence)
+
+
+def test_jamba_by_hand():
+    """Jamba-v0.1: attention at layers 4, 12, 20, 28 (attn_layer_period 8, offset 4); Mamba elsewhere with
+    inner 2 x 4096, conv 4, state 16."""
+    config = dict(model_type="jamba", num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                  hidden_size=4096, attn_layer_period=8, attn_layer_offset=4, mamba_expand=2, mamba_d_state=16,
+                  mamba_d_conv=4)
+    model = kv_cache_model(config)
+    assert [layer.layer_index for layer in model.layers if layer.kind == "full"] == [4, 12, 20, 28]
+    assert model.bytes_per_token("bf16") == 4 * 2 * 8 * 128 * 2
+    assert model.fixed_bytes_per_sequence("bf16") == 28 * (8192 * 4 * 2 + 8192 * 16 * 4)
+
+
 def test_multimodal_config_uses_the_text_part():
     text = dict(TINY_CONFIGS["gemma3_text"], model_type="gemma3_text")
     model = kv_cache_model({"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
@@ -242,4 +270,5 @@ def test_state_layers_do_not_grow(family):
     short = planned.cache_bytes(num_sequences=1, context_tokens=1, kv_dtype="auto")
     long = planned.cache_bytes(num_sequences=1, context_tokens=1001, kv_dtype="auto")
     assert long - short == 1000 * planned.bytes_per_token("auto")
+    assert "fixed state (conv bf16 + recurrent fp32), fp8:" in planned.describe("fp8")
     assert planned.fixed_bytes_per_sequence("fp8") == planned.fixed_bytes_per_sequence("bf16") > 0
