@@ -4,6 +4,13 @@ Candidates are vLLM/SGLang-expressible offload sets (layer i offloaded when i % 
 layers that hold selected params. Each set is bounded from below by max(all-resident step, copies it must
 make / link bandwidth); sets are simulated in order of that bound, and the search stops once no remaining
 set can beat the best plan found.
+
+A serving plan searches once per candidate concurrency, so Searcher holds what the searches share (the
+O(num_layers^2) candidate sets, their bytes and copy times) and search() is a Searcher used once. The walk
+makes the same comparisons, on the same floats, as it always has (tests/search_reference.py keeps the old
+code and tests/test_searcher.py compares the two); what changed is their cost: simulate.fast_step_ms gives
+simulate()'s step time bit for bit without building a trace, sums run over tuple slices in C, and runs of
+depths or whole sets that the walk would skip one by one are skipped at once.
 """
 
 import bisect
@@ -135,6 +142,10 @@ class Searcher:
         self.join_every_steps = join_every_steps
         self.copy_ms = tuple(copy_ms_of(b, h2d_bytes_per_s, copy_overhead_us) for b in layers.selected)
         self.sets = _candidate_sets(layers, space, self.copy_ms, fixed_bytes)
+        sizes = set(layers.selected) - {0}
+        #: the selected bytes of every layer that has some, when they are all equal (most models, 0 otherwise):
+        #: then the bytes a step copies are a product
+        self.uniform_bytes = sizes.pop() if len(sizes) == 1 else 0
         self._resident_bytes = gpu_bytes_of(fixed_bytes, layers, (), 0)
         self._least_bytes = minimum_gpu_bytes(fixed_bytes, layers)
         self._least_plan_bytes = self._least_plan()
@@ -280,10 +291,12 @@ class _Run:
 
     def best(self) -> tuple[_OffloadSet, int] | None:
         """(set, depth) of the fastest plan, or None when no candidate fits."""
-        best = None
+        best, last_bound, last_rounded = None, None, None
         for bound, offloaded_set, first, deepest in self._ranked():
             if best is not None:
-                if round(bound, STEP_MS_DECIMALS) > self.best_key[0]:
+                if bound != last_bound:  # bounds tie in runs: round each value once
+                    last_bound, last_rounded = bound, round(bound, STEP_MS_DECIMALS)
+                if last_rounded > self.best_key[0]:
                     break
                 if self._loses_on_bytes(offloaded_set, first, deepest):
                     continue
@@ -330,8 +343,11 @@ class _Run:
                     continue
                 bound = self._link_bound(offloaded_set, first)
             if deepest != first and bound > resident_ms:  # else the deepest's bound, never below, is no less
-                deep_bound = self._link_bound(offloaded_set, deepest)
-                bound = deep_bound if deep_bound < bound else bound  # as min() does: the first of equals
+                copy_ms = offloaded_set.copy_ms
+                if 2 * deepest > top + 1:  # else the same sum as at the first depth
+                    copied_ms = sum(copy_ms[:top + 1 - deepest] + copy_ms[deepest:])  # _copied_ms, inlined
+                    deep_bound = copied_ms if copied_ms > resident_ms else resident_ms
+                    bound = deep_bound if deep_bound < bound else bound  # as min() does: the first of equals
             ranked.append((bound, offloaded_set, first, deepest))
         ranked.sort(key=operator.itemgetter(0))
         return ranked
@@ -405,6 +421,8 @@ class _Run:
         count = len(offloaded)
         if 2 * depth <= count:
             return offloaded_set.host_bytes
+        if self.searcher.uniform_bytes:
+            return 2 * (count - depth) * self.searcher.uniform_bytes
         selected = self.searcher.layers.selected.__getitem__
         if 4 * depth > 3 * count:  # fewer positions copied than alone: add the copied ones (exact either way)
             return sum(map(selected, offloaded[:count - depth])) + sum(map(selected, offloaded[depth:]))

@@ -275,6 +275,7 @@ def fast_step_ms(*, head_ms: float, segments, tail, durations, copy_ms, table: C
     compute_end: list[list[float]] = []
     step_starts: list[float] = []
     stream_free = now = 0.0
+    num_done = 0  # len(ends)
     copy_step, at = divmod(preloaded, per_step_count) if per_step_count else (0, 0)
     for step in range(NUM_WARM_STEPS + NUM_MEASURED_STEPS):
         step_starts.append(now)
@@ -288,7 +289,7 @@ def fast_step_ms(*, head_ms: float, segments, tail, durations, copy_ms, table: C
                 now = reduce(add, segment, now)
             if index >= 0 and (step or not preloaded_at_start):
                 number = first + index
-                while len(ends) <= number:  # the copy stream, in order, up to this copy
+                while num_done <= number:  # the copy stream, in order, up to this copy
                     position = per_step[at]
                     ready = compute_end[copy_step - steps_back[position]][reader[position]]
                     if deferred[position] and copy_step % join_every_steps == 0:
@@ -297,6 +298,7 @@ def fast_step_ms(*, head_ms: float, segments, tail, durations, copy_ms, table: C
                         stream_free = ready
                     stream_free += copy_ms[position]
                     ends.append(stream_free)
+                    num_done += 1
                     at += 1
                     if at == per_step_count:
                         copy_step, at = copy_step + 1, 0
