@@ -29,11 +29,11 @@ from planner.profile import HardwareProfile, load_profile
 from planner.search import (
     Choice,
     LayerBytes,
+    Searcher,
     SearchSpace,
     copy_ms_of,
     gpu_bytes_of,
     minimum_gpu_bytes,
-    search,
     weight_gpu_bytes,
 )
 from planner.serving import (
@@ -98,21 +98,24 @@ class _Model:
     activation_shape: ActivationShape | None
     warnings: list[str]
 
-    def search(self, compute: ComputeTimes, budget_bytes: int) -> Choice:
-        """The fastest placement of the weights within ``budget_bytes`` for steps of ``compute``."""
+    @functools.cached_property
+    def searcher(self) -> Searcher:
+        """The weight search over this model's layers, shared by every budget and compute time."""
         inputs = self.inputs
-        return search(
+        return Searcher(
             layers=self.layer_bytes,
             fixed_bytes=self.layout.non_layer_bytes,
-            compute=compute,
             h2d_bytes_per_s=self.profile.h2d_bytes_per_s.value,
             copy_overhead_us=self.profile.copy_overhead_us.value,
-            budget_bytes=budget_bytes,
             space=SearchSpace(
                 group_size=inputs.group_size, num_in_group=inputs.num_in_group, prefetch_step=inputs.prefetch_step
             ),
             join_every_steps=join_every_steps_for(inputs.cuda_graph),
         )
+
+    def search(self, compute: ComputeTimes, budget_bytes: int) -> Choice:
+        """The fastest placement of the weights within ``budget_bytes`` for steps of ``compute``."""
+        return self.searcher.search(compute=compute, budget_bytes=budget_bytes)
 
     def activations(self, workload: Workload, static_cache_tokens: int | None = None) -> int:
         """Peak activation bytes of a step of ``workload`` as the runtime runs it: a decode step over a static
@@ -312,10 +315,7 @@ def make_serving_plan(model: _Model) -> Planned:
 def _search_or_none(model: _Model, compute: ComputeTimes, budget_bytes: int) -> Choice | None:
     """The fastest placement within the budget, None where none fits (pinned knobs can ask for more than the
     leanest placement needs)."""
-    try:
-        return model.search(compute, budget_bytes)
-    except InfeasibleError:
-        return None
+    return model.search(compute, budget_bytes) if model.searcher.fits(budget_bytes) else None
 
 
 def _serving_section(found: ServingSearch, wanted: ConcurrencyRange, max_tpot_ms: float | None) -> ServingSection:

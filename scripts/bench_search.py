@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from header_checkpoint import write_sparse_shards
+from planner.header_checkpoint import write_sparse_shards
 
 from planner import search as search_module
 from planner.checkpoint import load_checkpoint

@@ -172,8 +172,9 @@ def run_arm(master, plan, reference: torch.Tensor) -> dict:
         torch.cuda.set_per_process_memory_fraction(1.0, device)
 
 
-def run_point(name: str, point: Point, profile: Path, root: Path, plan_only: bool = False) -> list[dict]:
-    """Every arm of one point: planned, and (unless ``plan_only``) run."""
+def run_point(name: str, point: Point, profile: Path, root: Path, plan_only: bool = False,
+              progress=None) -> list[dict]:
+    """Every arm of one point: planned, and (unless ``plan_only``) run; ``progress(rows)`` after each arm."""
     checkpoint = header_checkpoint(point.config, root)
     pick = make(checkpoint, profile, point, "auto")
     if isinstance(pick, str):
@@ -199,6 +200,8 @@ def run_point(name: str, point: Point, profile: Path, root: Path, plan_only: boo
         row |= plan_figures(plan) | run_arm(master, plan, references[key])
         log(json.dumps(row))
         rows.append(row)
+        if progress is not None:
+            progress(rows)
     del master
     free()
     return rows
@@ -255,9 +258,13 @@ def main() -> None:
         log(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}")
         profile = write_calibrated(args.out)
     rows = []
+
+    def save(point_rows: list[dict]) -> None:  # a run cut short still leaves every arm it finished
+        (args.out / "serving.json").write_text(json.dumps(rows + point_rows, indent=1, default=str))
+
     for name in args.points:
-        rows += run_point(name, POINTS[name], profile, args.root, args.plan_only)
-        (args.out / "serving.json").write_text(json.dumps(rows, indent=1, default=str))
+        rows += run_point(name, POINTS[name], profile, args.root, args.plan_only, save)
+        save([])
     text = "\n".join(table(rows))
     (args.out / "serving.md").write_text(text + "\n")
     print(text, flush=True)
