@@ -59,8 +59,8 @@ def outside_allocator_bytes(device: torch.device) -> int:
 
 def cap_gpu_memory(limit_bytes: int, device: torch.device) -> float | None:
     """Cap the allocator so the process holds at most ``limit_bytes`` of this GPU; the share set, or None when
-    the GPU has no more than that anyway. Assumes nothing else runs on the GPU (what it holds counts against
-    the cap as if it were ours)."""
+    the GPU has no more than that anyway. What other processes hold on the GPU counts against the cap as if it
+    were ours: the plan's GPU is taken to be this process's alone."""
     total_bytes = torch.cuda.get_device_properties(device).total_memory
     if limit_bytes >= total_bytes:
         return None
@@ -70,8 +70,17 @@ def cap_gpu_memory(limit_bytes: int, device: torch.device) -> float | None:
         raise RuntimeUnavailableError(
             f"the plan's GPU memory {format_bytes(limit_bytes)} is less than CUDA already holds here "
             f"({format_bytes(outside)}); make the plan with more --gpu-memory")
-    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    torch.cuda.set_per_process_memory_fraction(fraction, _index(device))
     return fraction
+
+
+def release_cap(device: torch.device) -> None:
+    """Let the allocator use the whole GPU again (benchmarks that cap one arm after another)."""
+    torch.cuda.set_per_process_memory_fraction(1.0, _index(device))
+
+
+def _index(device: torch.device) -> int:
+    return torch.cuda.current_device() if device.index is None else device.index
 
 
 def peak_gpu_bytes(device: torch.device) -> int:

@@ -148,9 +148,9 @@ def run_arm(master, plan, reference: torch.Tensor) -> dict:
     """Place the plan's weights, cap the process to its GPU memory, serve graphed; the figures as a dict."""
     from runtime.backend import CudaBackend
     from runtime.load import Loaded, apply_plan
-    from runtime.serving import cap_gpu_memory, serve_and_time
+    from runtime.serving import cap_gpu_memory, release_cap, serve_and_time
 
-    device = torch.device("cuda")
+    device = torch.device("cuda", torch.cuda.current_device())
     fraction = cap_gpu_memory(plan.memory.gpu_memory_bytes, device)
     model = sharing_copy(master)
     engine = None
@@ -169,7 +169,7 @@ def run_arm(master, plan, reference: torch.Tensor) -> dict:
             engine.close()
         del model, engine
         free()
-        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        release_cap(device)
 
 
 def run_point(name: str, point: Point, profile: Path, root: Path, plan_only: bool = False,

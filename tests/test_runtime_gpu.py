@@ -265,19 +265,20 @@ def test_make_measure_cuda_graph_times_replays(llama, tmp_path, monkeypatch):
 
 
 def test_cli_run_bench_of_a_serving_plan(llama, tmp_path, monkeypatch):
-    """make --concurrency plans the whole GPU (3 GiB of it here); run --bench caps itself to that memory, times
-    decode at the plan's concurrency over its filled cache and a prefill chunk, and stays within it."""
+    """make --concurrency plans the whole GPU (12 GiB of it here); run --bench caps itself to that memory, times
+    decode at the plan's concurrency over its filled cache and a prefill chunk, and stays within it. (The cap
+    counts what this test process holds on the GPU too, as another process's memory.)"""
     import json
 
     monkeypatch.setenv("OFFLOAD_PLAN_CACHE", str(tmp_path))
     plan_path = tmp_path / "serve.yaml"
     made = _cli("make", "-m", str(llama), "-g", "h100-sxm", "--context", "512", "--concurrency", "auto", "--chunk",
-                "256", "--gpu-memory", "3GiB", "--cuda-graph", "-o", str(plan_path))
+                "256", "--gpu-memory", "12GiB", "--cuda-graph", "-o", str(plan_path))
     assert made.returncode == 0, made.stderr
     bench = _cli("run", str(plan_path), "--bench", "--cuda-graph", "--json")
     assert bench.returncode == 0, bench.stderr
     result = json.loads(bench.stdout)
     assert result["decode_tokens_per_s"] == pytest.approx(1e3 * result["concurrency"] / result["decode_step_ms"])
     assert result["prefill_chunk_ms"] > 0 and result["prefill_chunk_tokens"] == 256
-    assert 0 < result["memory_fraction"] < 3 * 2**30 / torch.cuda.get_device_properties(0).total_memory + 1e-9
-    assert result["peak_gpu_bytes"] <= 3 * 2**30
+    assert 0 < result["memory_fraction"] < 12 * 2**30 / torch.cuda.get_device_properties(0).total_memory
+    assert result["peak_gpu_bytes"] <= 12 * 2**30
