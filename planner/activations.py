@@ -129,6 +129,11 @@ class ActivationPeak:
     #: the main terms of that phase, name -> bytes, largest first (step-wide tensors included)
     terms: tuple[tuple[str, int], ...]
 
+    @property
+    def planned_bytes(self) -> int:
+        """What a plan sets aside: the peak and the kernels' scratch beyond the modelled tensors."""
+        return self.peak_bytes + KERNEL_SCRATCH_BYTES
+
     def describe(self) -> str:
         """One line for ``show``."""
         parts = ", ".join(f"{name} {format_bytes(value)}" for name, value in self.terms[:4])
@@ -289,7 +294,7 @@ def estimate_activations(
         if name != "logits":  # the base model has returned: its step-wide tensors are gone
             phases[name] = {**phases[name], **step_wide}
     phase = max(phases, key=lambda name: sum(phases[name].values()))
-    terms = {**phases[phase], "kernel scratch": KERNEL_SCRATCH_BYTES}
+    terms = phases[phase]
     return ActivationPeak(peak_bytes=sum(terms.values()), phase=phase,
                           terms=tuple(sorted(terms.items(), key=lambda item: (-item[1], item[0]))))
 

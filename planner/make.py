@@ -125,7 +125,7 @@ class _Model:
                          context_tokens=workload.context_tokens, static_cache_tokens=static_cache_tokens)
         # run's decode loop routes MoE experts through batched_mm (graph-capturable); a prefill keeps the default
         options = {"experts_implementation": "batched_mm"} if static_cache_tokens is not None else {}
-        return estimate_activations(self.activation_shape, step, **options).peak_bytes
+        return estimate_activations(self.activation_shape, step, **options).planned_bytes
 
     def compute(self, workload: Workload) -> ComputeTimes:
         """Layer times for ``workload``: measured with --measure, else the roofline estimate."""
