@@ -140,6 +140,12 @@ class DecodeLoop:
                     tensor[:, :, :context_tokens].normal_(generator=generator)
                 layer.cumulative_length.fill_(context_tokens)
         self.free_tokens -= context_tokens - 1
+        self._release_cached()  # the prefill's activations: the step's own come from one pool or the other
+
+    def _release_cached(self) -> None:
+        """Return the allocator's cached free blocks to the GPU, as engines do between start-up phases."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _check_static_cache(self) -> None:
         layers = getattr(self.cache, "layers", [])
@@ -208,6 +214,10 @@ class DecodeLoop:
             self.warm_up()
         torch.cuda.current_stream(self.device).wait_stream(side)
         torch.cuda.synchronize(self.device)
+        # The warm-up's activations sit cached for the side stream, and the graph's pool cannot take blocks
+        # cached for another stream: released, the captured step reuses their memory rather than adding its own
+        # (a planned serving GPU holds one decode step's activations, not two).
+        self._release_cached()
         started = time.perf_counter()
         self.graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(self.graph):

@@ -140,8 +140,9 @@ def serve_and_time(loaded, cuda_graph: bool, compile_backend: str | None = None,
         step_ms = loop.timed_steps(NUM_TIMED_STEPS)
         if engine is not None:
             engine.set_graph_mode(False)
-        del loop
+        # with the cache and the captured step still held, as a server prefills between decode steps
         chunk_ms = time_prefill_chunk(loaded, workload.chunk_tokens, device)
+        del loop
     except torch.OutOfMemoryError:
         raise out_of_memory(f"at {concurrency} sequences of {context} tokens", plan) from None
     median_ms = statistics.median(step_ms)
