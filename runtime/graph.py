@@ -94,6 +94,7 @@ class DecodeLoop:
         self.forward = model if compile_backend is None else compile_forward(model, compile_backend)
         use_capturable_experts(model)
         self.cache = StaticCache(config=model.config, max_cache_len=max_cache_tokens)
+        self._allocate_cache(batch)
         self.steps_per_call = steps_per_call
         self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)  # [batch, 1]: the next step's input
         #: each step's input ids [batch, steps_per_call] and output logits [steps_per_call, batch, vocab] of
@@ -141,6 +142,16 @@ class DecodeLoop:
                 layer.cumulative_length.fill_(context_tokens)
         self.free_tokens -= context_tokens - 1
         self._release_cached()  # the prefill's activations: the step's own come from one pool or the other
+
+    def _allocate_cache(self, batch: int) -> None:
+        """Allocate the cache's tensors now, before any step: lazily allocated inside the first forward, they
+        were carved out of freed activation blocks, and the rest of those blocks could then neither be returned
+        nor taken by a graph's pool (on the H100 a planned 24 GiB serving process ran out of memory so)."""
+        text = self.model.config.get_text_config()
+        num_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        dtype = next(p.dtype for p in self.model.parameters() if p.is_floating_point())
+        self.cache.early_initialization(batch, num_heads, head_dim, dtype, self.device)
 
     def _release_cached(self) -> None:
         """Return the allocator's cached free blocks to the GPU, as engines do between start-up phases."""

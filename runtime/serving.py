@@ -43,6 +43,8 @@ class ServingBench:
     #: GPU memory held outside the allocator at the end (CUDA context, library handles): planned as part of
     #: memory.cuda_context_bytes
     outside_allocator_bytes: int = 0
+    #: the allocator's reserved bytes after each phase (fill, warm-up/capture, timed steps, prefill chunk)
+    reserved_bytes_by_phase: dict | None = None
     #: the first decode step's logits equal the reference's bit for bit (None: no reference given)
     first_step_bitwise: bool | None = None
 
@@ -125,14 +127,18 @@ def serve_and_time(loaded, cuda_graph: bool, compile_backend: str | None = None,
     device = model_device(loaded.model)
     concurrency, context = workload.concurrency, workload.context_tokens
     torch.cuda.reset_peak_memory_stats(device)
+    phases: dict[str, int] = {}
     try:
         loop = DecodeLoop(loaded.model, batch=concurrency, max_cache_tokens=cache_tokens_for(context), device=device,
                           engine=engine, compile_backend=compile_backend, steps_per_call=1)
+        phases["cache"] = torch.cuda.memory_reserved(device)
         loop.fill(context, seed)
+        phases["fill"] = torch.cuda.max_memory_reserved(device)
         if cuda_graph:
             loop.capture()
         else:
             loop.warm_up()
+        phases["capture" if cuda_graph else "warm-up"] = torch.cuda.max_memory_reserved(device)
         saved = loop.save_state()
         first_logits = loop.generate(1)[1][0].cpu()
         loop.restore_state(saved)
@@ -141,10 +147,13 @@ def serve_and_time(loaded, cuda_graph: bool, compile_backend: str | None = None,
         if engine is not None:
             engine.set_graph_mode(False)
         # with the cache and the captured step still held, as a server prefills between decode steps
+        phases["steps"] = torch.cuda.max_memory_reserved(device)
         chunk_ms = time_prefill_chunk(loaded, workload.chunk_tokens, device)
+        phases["chunk"] = torch.cuda.max_memory_reserved(device)
         del loop
     except torch.OutOfMemoryError:
-        raise out_of_memory(f"at {concurrency} sequences of {context} tokens", plan) from None
+        held = f"; {format_bytes(torch.cuda.memory_reserved(device))} reserved ({', '.join(f'{k} {format_bytes(v)}' for k, v in phases.items())})"
+        raise out_of_memory(f"at {concurrency} sequences of {context} tokens{held}", plan) from None
     median_ms = statistics.median(step_ms)
     mode = "decode " + ("graphed" if cuda_graph else "eager") + (", compiled" if compile_backend else "")
     bench = ServingBench(
@@ -156,6 +165,6 @@ def serve_and_time(loaded, cuda_graph: bool, compile_backend: str | None = None,
         predicted_prefill_chunk_ms=plan.prediction.prefill_chunk_ms, peak_gpu_bytes=peak_gpu_bytes(device),
         predicted_total_gpu_bytes=plan.memory.total_gpu_bytes, gpu_memory_bytes=plan.memory.gpu_memory_bytes,
         memory_fraction=memory_fraction, mode=mode, decode_step_ms_all=tuple(step_ms),
-        outside_allocator_bytes=outside_allocator_bytes(device),
+        outside_allocator_bytes=outside_allocator_bytes(device), reserved_bytes_by_phase=phases,
         first_step_bitwise=None if reference_logits is None else torch.equal(first_logits, reference_logits))
     return bench, first_logits
