@@ -53,7 +53,8 @@ def qwen3_8b_two_layers():
 def _record(case: str, estimate, measured) -> float:
     ratio = estimate.peak_bytes / max(1, measured.activation_bytes)
     ROWS.append({"case": case, "estimate_bytes": estimate.peak_bytes, "measured_bytes": measured.activation_bytes,
-                 "persistent_bytes": measured.persistent_bytes, "reserved_bytes": measured.reserved_bytes, "ratio": round(ratio, 3), "phase": estimate.phase})
+                 "persistent_bytes": measured.persistent_bytes, "reserved_bytes": measured.reserved_bytes,
+                 "ratio": round(ratio, 3), "phase": estimate.phase})
     print(f"\n{case}: estimate {estimate.peak_bytes / 2**20:.1f} MiB, measured {measured.activation_bytes / 2**20:.1f} "
           f"MiB, ratio {ratio:.2f}; {estimate.describe()}")
     return ratio
