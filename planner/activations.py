@@ -2,29 +2,33 @@
 
 The estimate follows what a transformers model allocates when run eagerly under ``torch.inference_mode`` (the
 project's runtime): tensors die as soon as Python drops them, so the peak is the largest set alive at one
-moment. Across the step a few tensors stay alive (the layer input that is also the residual, the rotary
-tables, the attention mask); inside a layer the peak falls in one of five phases, and the estimate is the
-largest of them plus those step-wide tensors:
+moment. Through every layer some tensors stay alive (the embedding output, which the model's forward holds to
+the end; the layer's input, which is also its residual; the rotary tables, position ids and the mask); inside
+a layer the peak falls in one of these phases, and the estimate is the largest of them plus those tensors:
 
 - ``norm``: RMSNorm upcasts its input to float32 (two float32 copies alive while it scales).
 - ``qkv``: the q/k/v projections, the q/k norms' float32 copies and rotary's temporaries
   (``q * cos``, ``rotate_half(q)`` and its product with ``sin``).
 - ``attention``: rotated q, k, v, the SDPA output and its transposed copy, the boolean mask turned into an
   additive one, and where transformers repeats K/V to every query head (``repeat_kv`` before SDPA when a mask
-  is present, i.e. a static cache or a chunk after context), both repeated over every attended token. A
-  growing cache (DynamicCache) also copies the layer's K/V to append the step's (``torch.cat``).
-- ``mlp``: gated MLP ``down(act(gate(x)) * up(x))``: act, up and their product alive together. MoE layers:
-  router logits and float32 probabilities, the routing indices, the output accumulator, and the experts' work
-  as the model's experts implementation does it: transformers 5's default ``grouped_mm`` sorts the (token,
-  expert) pairs and runs them all at once; ``eager`` loops over experts (bounded by every token picking one);
-  ``batched_mm`` (the runtime's graph-capturable path, runtime.graph) gathers every pair's expert weights.
-- ``logits``: after the base model has returned (its step-wide tensors freed), the LM head on the last token of each sequence (``logits_to_keep=1``), in the activation dtype:
-  transformers computes no float32 copy unless it computes a loss. Engines upcast the sampled logits to
-  float32; pass ``logits_bytes_per_element=4`` to plan for that.
+  is present), both repeated over every attended token. A growing cache (DynamicCache) copies the layer's K,
+  then V, to append the step's (``torch.cat``).
+- ``mlp``: next to the post-attention residual, the gated MLP ``down(act(gate(x)) * up(x))``: act, up and
+  their product alive together.
+- ``moe``: router logits and float32 probabilities, the routing indices, the output accumulator, and the
+  experts' work as the model's experts implementation does it: transformers 5's default ``grouped_mm`` sorts
+  the (token, expert) pairs and runs them all at once; ``eager`` loops over experts (bounded by every token
+  picking one); ``batched_mm`` (the runtime's graph-capturable path, runtime.graph) gathers every pair's
+  expert weights.
+- ``logits``: after the base model has returned (its step-wide tensors freed), the LM head on the last
+  token of each sequence (``logits_to_keep=1``), in the activation dtype: transformers computes no float32
+  copy unless it computes a loss. Engines upcast the sampled logits to float32; pass
+  ``logits_bytes_per_element=4`` to plan for that.
 
 FlashAttention and memory-efficient SDPA keep no score matrix; their workspace is the log-sum-exp, float32,
-per head and query rounded up to 32. Which layers slide, and their shorter windows, are ignored: the full
-length bounds them. Linear-attention and state-space layers are not modelled.
+per head and query rounded up to 32. Kernel workspaces that persist (cuBLAS's per stream) belong to the
+allocator reserve, not here. Which layers slide, and their shorter windows, are ignored: the full length
+bounds them. Linear-attention and state-space layers are not modelled.
 """
 
 from dataclasses import dataclass
@@ -93,7 +97,8 @@ class StepShape:
     def __post_init__(self):
         if self.num_sequences < 1 or self.tokens_per_sequence < 1 or self.context_tokens < 0:
             raise ValueError("num_sequences and tokens_per_sequence must be >= 1, context_tokens >= 0")
-        if self.static_cache_tokens is not None and self.static_cache_tokens < self.context_tokens + self.tokens_per_sequence:
+        held = self.context_tokens + self.tokens_per_sequence
+        if self.static_cache_tokens is not None and self.static_cache_tokens < held:
             raise ValueError("static_cache_tokens must hold the context and the step's tokens")
 
     @property
@@ -185,7 +190,8 @@ def _step_wide(shape: ActivationShape, step: StepShape) -> dict[str, int]:
     """Tensors alive through every layer: the embedding output (the model's forward holds it to the end), the
     layer's input (also its residual), the rotary tables and the mask."""
     a, tokens = shape.activation_bytes, step.num_tokens
-    terms = {"embedding output": tokens * shape.hidden_size * a, "layer input (residual)": tokens * shape.hidden_size * a,
+    hidden = tokens * shape.hidden_size * a
+    terms = {"embedding output": hidden, "layer input (residual)": hidden,
              "rotary cos/sin": 2 * tokens * shape.qk_head_dim * a, "position ids": 2 * tokens * INDEX}
     if step.masked:
         terms["attention mask"] = tokens * step.attended_tokens  # bool
@@ -219,7 +225,7 @@ def _attention_phase(shape: ActivationShape, step: StepShape, expand_kv_heads: b
     per_token_all_heads = shape.num_heads * (shape.qk_head_dim + shape.v_head_dim) * a
     terms = {"normed input": tokens * shape.hidden_size * a, "q, k, v": q + kv,
              "attention output and its transposed copy": 2 * out,
-             "SDPA log-sum-exp": seqs * shape.num_heads * -(-step.tokens_per_sequence // _LSE_BLOCK) * _LSE_BLOCK * FP32}
+             "SDPA log-sum-exp": seqs * shape.num_heads * _round_up(step.tokens_per_sequence, _LSE_BLOCK) * FP32}
     grouped = shape.num_kv_heads < shape.num_heads
     if shape.latent_attention or (grouped and expand_kv_heads and step.masked):
         terms["K/V repeated to every head"] = seqs * step.attended_tokens * per_token_all_heads
@@ -230,6 +236,10 @@ def _attention_phase(shape: ActivationShape, step: StepShape, expand_kv_heads: b
         terms["old K or V while the cache grows"] = seqs * step.context_tokens * shape.num_kv_heads * max(
             shape.qk_head_dim, shape.v_head_dim) * a
     return terms
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
 
 
 def _mlp_phase(shape: ActivationShape, step: StepShape) -> dict[str, int]:
@@ -269,8 +279,8 @@ def _logits_phase(shape: ActivationShape, step: StepShape, logits_bytes_per_elem
 
 
 def estimate_activations(
-    shape: ActivationShape, step: StepShape, *, expand_kv_heads: bool = True, experts_implementation: str = "grouped_mm",
-    logits_bytes_per_element: int | None = None,
+    shape: ActivationShape, step: StepShape, *, expand_kv_heads: bool = True,
+    experts_implementation: str = "grouped_mm", logits_bytes_per_element: int | None = None,
 ) -> ActivationPeak:
     """The peak of the step's transient tensors over its phases.
 

@@ -126,8 +126,11 @@ def write_calibrated(out: Path) -> Path:
 
 
 def free() -> None:
-    """Return GPU memory once the caller has dropped its references."""
+    """Return GPU memory once the caller has dropped its references, cuBLAS's per-stream workspaces included
+    (kept otherwise until the process ends; safe here: no captured graph that could use them is left)."""
     gc.collect()
+    if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
+        torch._C._cuda_clearCublasWorkspaces()
     torch.cuda.empty_cache()
 
 

@@ -342,7 +342,15 @@ def activation_model(config: dict, kinds: tuple[tuple[int, ...], ...], stack: st
 
 
 def _reset_peak(device: torch.device) -> tuple[int, int]:
+    """Start of a measured step: (allocated, reserved) now, peak statistics reset.
+
+    cuBLAS keeps a workspace per stream in PyTorch's allocator; a capture may free or add some. Freed here, the
+    step allocates the ones it uses, they stay, and ``_measured_since`` counts them as persistent, not as
+    activations, whichever streams the step runs on.
+    """
     torch.cuda.synchronize(device)
+    if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
+        torch._C._cuda_clearCublasWorkspaces()
     torch.cuda.reset_peak_memory_stats(device)
     return torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
 

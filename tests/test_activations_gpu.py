@@ -54,7 +54,8 @@ def _record(case: str, estimate, measured) -> float:
     # what a plan sets aside: the modelled peak and a flat MiB of kernel scratch (KERNEL_SCRATCH_BYTES)
     ratio = estimate.planned_bytes / max(1, measured.activation_bytes)
     ROWS.append({"case": case, "estimate_bytes": estimate.planned_bytes, "measured_bytes": measured.activation_bytes,
-                 "persistent_bytes": measured.persistent_bytes, "reserved_bytes": measured.reserved_bytes, "ratio": round(ratio, 3), "phase": estimate.phase})
+                 "persistent_bytes": measured.persistent_bytes, "reserved_bytes": measured.reserved_bytes,
+                 "ratio": round(ratio, 3), "phase": estimate.phase})
     print(f"\n{case}: estimate {estimate.peak_bytes / 2**20:.1f} MiB, measured {measured.activation_bytes / 2**20:.1f} "
           f"MiB, ratio {ratio:.2f}; {estimate.describe()}")
     return ratio
