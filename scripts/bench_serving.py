@@ -151,6 +151,7 @@ def run_arm(master, plan, reference: torch.Tensor) -> dict:
     from runtime.serving import cap_gpu_memory, release_cap, serve_and_time
 
     device = torch.device("cuda", torch.cuda.current_device())
+    baseline = {"reserved_before_bytes": torch.cuda.memory_reserved(device)}  # what earlier arms left: 0 expected
     fraction = cap_gpu_memory(plan.memory.gpu_memory_bytes, device)
     model = sharing_copy(master)
     engine = None
@@ -161,9 +162,9 @@ def run_arm(master, plan, reference: torch.Tensor) -> dict:
             model = model.cuda()
         bench, _ = serve_and_time(Loaded(model=model, engine=engine, plan=plan, weights_gpu_bytes=0),
                                   cuda_graph=True, memory_fraction=fraction, reference_logits=reference)
-        return bench.as_dict()
+        return baseline | bench.as_dict()
     except (OffloadPlanError, torch.OutOfMemoryError) as error:
-        return {"error": str(error).splitlines()[0]}
+        return baseline | {"error": str(error).splitlines()[0]}
     finally:
         if engine is not None:
             engine.close()
