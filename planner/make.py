@@ -1,6 +1,7 @@
 """``make``: read a checkpoint and a profile, search the plan, and build the Plan object."""
 
 import functools
+import math
 import shlex
 from collections import Counter
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from planner.search import (
 from planner.serving import (
     CUDA_CONTEXT_BYTES,
     DECODE_ROOM_TOKENS,
+    GRAPH_POOL_FACTOR,
     ConcurrencyRange,
     OtherBytes,
     ServingPoint,
@@ -256,7 +258,7 @@ def serving_other_bytes(model: _Model, concurrency: int) -> OtherBytes:
 def _other_bytes(model: _Model, kv_bytes: int, decode_bytes: int, chunk_bytes: int, graphed: bool) -> OtherBytes:
     context = model.profile.cuda_context_bytes
     return OtherBytes(kv_cache_bytes=kv_bytes, activation_bytes=max(chunk_bytes, 0 if graphed else decode_bytes),
-                      cuda_graph_pool_bytes=decode_bytes if graphed else 0,
+                      cuda_graph_pool_bytes=math.ceil(GRAPH_POOL_FACTOR * decode_bytes) if graphed else 0,
                       cuda_context_bytes=CUDA_CONTEXT_BYTES if context is None else int(context.value))
 
 
