@@ -202,9 +202,9 @@ def cli_env(**extra: str) -> dict:
 
 
 def run_cli(args, cwd, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    """``python -m planner.cli ARGS`` in a subprocess (real stderr, real exit code, real tracebacks)."""
+    """``python -m offload_plan ARGS`` in a subprocess (real stderr, real exit code, real tracebacks)."""
     return subprocess.run(
-        [sys.executable, "-m", "planner.cli", *map(str, args)],
+        [sys.executable, "-m", "offload_plan", *map(str, args)],
         cwd=cwd, env=env or cli_env(), capture_output=True, text=True, timeout=timeout,
     )
 
@@ -213,7 +213,7 @@ def invoke(args, catch_exceptions: bool = False):
     """Run the CLI in-process (fast); the working directory is the caller's. Returns click's Result."""
     from typer.testing import CliRunner
 
-    from planner.cli import app
+    from offload_plan.app import app
 
     return CliRunner().invoke(app, [str(a) for a in args], catch_exceptions=catch_exceptions)
 

@@ -154,7 +154,7 @@ def test_run_without_a_gpu_is_one_line(tmp_path, llama):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     plan_path = write_plan(plan_with(llama, 1, 1, 2), tmp_path / "plan.yaml")
-    result = subprocess.run([sys.executable, "-m", "planner.cli", "run", str(plan_path), "--bench"],
+    result = subprocess.run([sys.executable, "-m", "offload_plan", "run", str(plan_path), "--bench"],
                             capture_output=True, text=True)
     assert result.returncode == 7
     assert result.stderr.strip().count("\n") == 0 and "CUDA GPU" in result.stderr
@@ -177,7 +177,7 @@ def test_measure_and_calibrate_need_a_gpu(llama, tmp_path):
         pytest.skip("this machine has a GPU")
     for args in (["make", "-m", str(llama), "-g", "h100-sxm", "--measure"], ["calibrate"],
                  ["make", "-m", str(llama), "-g", "h100-sxm", "--measured-on", "h100-sxm"]):
-        result = subprocess.run([sys.executable, "-m", "planner.cli", *args], capture_output=True, text=True)
+        result = subprocess.run([sys.executable, "-m", "offload_plan", *args], capture_output=True, text=True)
         assert result.returncode in (6, 7), result.stderr
         assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
 

@@ -79,7 +79,7 @@ def _cli(*args):
     import sys
 
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    return subprocess.run([sys.executable, "-m", "planner.cli", *args], capture_output=True, text=True, env=env)
+    return subprocess.run([sys.executable, "-m", "offload_plan", *args], capture_output=True, text=True, env=env)
 
 
 def test_cli_run_bench_and_prompt(llama, tmp_path):

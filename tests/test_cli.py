@@ -1,0 +1,94 @@
+"""The command line as one application: errors handled once in offload_plan.app, -h, --version.
+
+Every failure is one line on stderr: project errors with their exit code, usage errors naming the command
+(exit 2), anything else as a bug (exit 70) unless OFFLOAD_PLAN_DEBUG=1 asks for the traceback.
+"""
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO_ROOT, assert_one_line_error, cli_env, invoke, run_cli
+
+USAGE, BUG = 2, 70
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["make"], ["make: Missing option '--model'", "offload-plan make -h"]),
+    (["make", "-m", "x", "-g", "h100-sxm", "--tokens", "many"], ["make: Invalid value for '--tokens'"]),
+    (["show"], ["show: Missing argument"]),
+    (["export", "plan.yaml", "--to", "vllm", "--colour"], ["export: No such option: --colour"]),
+    (["bogus"], ["No such command 'bogus'", "offload-plan -h"]),
+    (["--bogus"], ["No such option: --bogus"]),
+])
+def test_usage_errors_are_one_line_naming_the_command(tmp_path, args, fragments):
+    proc = run_cli(args, tmp_path)
+    assert proc.returncode == USAGE
+    assert "╭" not in proc.stderr and "Usage:" not in proc.stderr  # no boxed panel, no usage block
+    assert_one_line_error(proc.returncode, proc.stderr, proc.stdout, contains=tuple(fragments))
+
+
+def _crash(*args, **kwargs):
+    raise ZeroDivisionError("division by zero in the search")
+
+
+def test_unexpected_exception_is_one_line_naming_command_and_input(monkeypatch, tmp_path):
+    monkeypatch.setattr("planner.make.make_plan", _crash)
+    monkeypatch.delenv("OFFLOAD_PLAN_DEBUG", raising=False)
+    result = invoke(["make", "-m", "some/model", "-g", "h100-sxm"], catch_exceptions=True)
+    assert result.exit_code == BUG
+    line = assert_one_line_error(result.exit_code, result.stderr, result.stdout,
+                                 contains=("make failed unexpectedly", "ZeroDivisionError", "make -m some/model",
+                                           "this is a bug", "OFFLOAD_PLAN_DEBUG=1"))
+    assert "Traceback" not in line
+
+
+def _run_crashing(env_extra: dict) -> subprocess.CompletedProcess:
+    """The real entry point in a subprocess, with make_plan replaced by a function that raises."""
+    code = ("import planner.make, offload_plan.app as app\n"
+            "def crash(*a, **k): raise ZeroDivisionError('boom')\n"
+            "planner.make.make_plan = crash\n"
+            "import sys; sys.argv = ['offload-plan', 'make', '-m', 'org/model', '-g', 'h100-sxm']\n"
+            "app.main()\n")
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=cli_env(**env_extra),
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_debug_switch_shows_the_traceback():
+    quiet = _run_crashing({})
+    assert quiet.returncode == BUG
+    assert_one_line_error(quiet.returncode, quiet.stderr, contains=("this is a bug",))
+    loud = _run_crashing({"OFFLOAD_PLAN_DEBUG": "1"})
+    assert loud.returncode != 0 and "Traceback" in loud.stderr and "ZeroDivisionError: boom" in loud.stderr
+
+
+def test_project_error_in_debug_mode_shows_the_traceback(tmp_path):
+    proc = run_cli(["show", "missing.yaml"], tmp_path, env=cli_env(OFFLOAD_PLAN_DEBUG="1"))
+    assert proc.returncode != 0 and "Traceback" in proc.stderr and "PlanError" in proc.stderr
+
+
+def test_control_characters_in_input_are_escaped(tmp_path):
+    proc = run_cli(["make", "-m", "evil\x1b[31m\nsecond line", "-g", "h100-sxm"], tmp_path)
+    line = assert_one_line_error(proc.returncode, proc.stderr, proc.stdout)
+    assert "\x1b" not in proc.stderr and "\\x1b[31m\\nsecond line" in line
+
+
+def test_keyboard_interrupt_exits_130(monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("planner.make.make_plan", interrupted)
+    result = invoke(["make", "-m", "org/model", "-g", "h100-sxm"], catch_exceptions=True)
+    assert result.exit_code == 130 and "interrupted" in result.stderr
+
+
+def test_version_and_short_help(tmp_path):
+    from offload_plan import __version__
+
+    version = run_cli(["--version"], tmp_path)
+    assert version.returncode == 0 and version.stdout == f"offload-plan {__version__}\n"
+    assert __version__ != "unknown"
+    for args in (["-h"], ["make", "-h"], ["check", "-h"]):
+        result = invoke(args)
+        assert result.exit_code == 0 and "Usage: offload-plan" in result.stdout, args
