@@ -2,7 +2,8 @@
 
 A plan fails when it is not a valid plan, when its checkpoint or profile cannot be read, when the checkpoint's
 fingerprint is no longer the one the plan records, when it no longer fits its profile's GPU memory, or when
-``make`` with the recorded inputs now writes different bytes. Each failure keeps the error class whose exit
+``make`` with the recorded inputs now writes different bytes. A ``--measure`` plan is regenerated from the layer
+times it records (no GPU, no torch): check covers what the planner does with them, not the timing itself. Each failure keeps the error class whose exit
 code the CLI returns, and the command that fixes the plan.
 """
 
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from planner.checkpoint import load_checkpoint
+from planner.cost import ComputeTimes
 from planner.errors import (InfeasibleError, ModelInputError, OffloadPlanError, PlanError, PlanStaleError,
                             ProfileError)
 from planner.make import make_plan, regenerate_command
@@ -87,7 +89,7 @@ def _compare(display: str, text: str, plan: Plan, profile: HardwareProfile, comm
     problems = list(fit_problems(plan, profile))
     regenerated = None
     try:
-        planned = make_plan(plan.inputs)
+        planned = make_plan(plan.inputs, compute_override=recorded_compute(plan) if plan.inputs.measure else None)
         regenerated = render_plan(planned.plan, command)
         fingerprint = planned.checkpoint.fingerprint()
     except ModelInputError:
@@ -107,6 +109,12 @@ def _compare(display: str, text: str, plan: Plan, profile: HardwareProfile, comm
         problems.append(Problem(kind="stale", error_class=PlanStaleError,
                                 message="out of date: make with the recorded inputs writes a different plan"))
     return CheckResult(path=display, problems=tuple(problems), diff=diff, fix_command=command, regenerated=regenerated)
+
+
+def recorded_compute(plan: Plan) -> ComputeTimes:
+    """A --measure plan's own layer times: check plans from them instead of timing a GPU (it needs no torch)."""
+    return ComputeTimes(layer_ms=tuple(row.compute_ms for row in plan.layers), head_ms=plan.prediction.head_ms,
+                        source=plan.workload.compute_source)
 
 
 def fit_problems(plan: Plan, profile: HardwareProfile) -> tuple[Problem, ...]:

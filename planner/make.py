@@ -2,13 +2,15 @@
 
 import shlex
 from collections import Counter
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 from planner.checkpoint import Checkpoint, load_checkpoint
 from planner.cost import ComputeTimes, Workload, estimate_compute, geometry_from_config
-from planner.errors import InfeasibleError, UsageError
+from planner.errors import InfeasibleError, PlanError, UsageError
 from planner.layout import ModelLayout, build_layout
 from planner.plan import (
+    MS_DECIMALS,
     SCHEMA_VERSION,
     HardwareSection,
     Inputs,
@@ -24,6 +26,11 @@ from planner.profile import HardwareProfile, load_profile
 from planner.search import Choice, LayerBytes, SearchSpace, copy_ms_of, search, weight_gpu_bytes
 from planner.simulate import join_every_steps_for
 from planner.units import format_bytes, parse_bytes
+
+
+#: times layers on the local GPU for --measure: (checkpoint, layout, workload, profile, measured_on, graphed) ->
+#: ComputeTimes. The planner imports no runtime; the command line passes offload_plan.runtime_seam's.
+MeasureFunction = Callable[[Checkpoint, ModelLayout, Workload, HardwareProfile, "str | None", bool], ComputeTimes]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,8 +66,13 @@ def budget_bytes_for(inputs: Inputs, profile: HardwareProfile) -> int:
     return budget
 
 
-def make_plan(inputs: Inputs, compute_override: ComputeTimes | None = None) -> Planned:
-    """Read the checkpoint and profile named by ``inputs`` and search the fastest plan that fits."""
+def make_plan(inputs: Inputs, compute_override: ComputeTimes | None = None,
+              measure: MeasureFunction | None = None) -> Planned:
+    """Read the checkpoint and profile named by ``inputs`` and search the fastest plan that fits.
+
+    Compute times: ``compute_override`` when given (check passes a --measure plan's recorded times), else
+    ``measure`` for --measure (the caller's, which reaches the GPU), else the roofline estimate.
+    """
     try:
         workload = Workload(
             tokens_per_step=inputs.tokens, sequences_per_step=inputs.sequences, context_tokens=inputs.context
@@ -82,7 +94,7 @@ def make_plan(inputs: Inputs, compute_override: ComputeTimes | None = None) -> P
             f"--params {' '.join(params)} matches no param of any layer (segments match whole dot-separated "
             f"parts, e.g. 'experts' or 'mlp'); layer 0 has: {', '.join(p[0] for p in layout.layers[0].params[:6])}"
         )
-    compute = compute_override or _compute_times(inputs, checkpoint, layout, workload, profile)
+    compute = _compute_times(inputs, checkpoint, layout, workload, profile, compute_override, measure)
     layer_bytes = LayerBytes(
         total=tuple(layer.nbytes for layer in layout.layers),
         selected=selected,
@@ -106,16 +118,30 @@ def make_plan(inputs: Inputs, compute_override: ComputeTimes | None = None) -> P
     return Planned(plan=plan, checkpoint=checkpoint, layout=layout, warnings=tuple(warnings))
 
 
-def _compute_times(inputs: Inputs, checkpoint, layout, workload, profile) -> ComputeTimes:
-    """Measured on the local GPU with --measure (runtime, torch), else the roofline estimate (pure)."""
+def _compute_times(inputs: Inputs, checkpoint, layout, workload, profile, compute_override: ComputeTimes | None,
+                   measure: MeasureFunction | None) -> ComputeTimes:
+    """Given, or measured by the caller's ``measure`` with --measure, else the roofline estimate (pure)."""
+    if compute_override is not None:
+        return _as_recorded(compute_override, len(layout.layers))
     if inputs.measure:
-        from runtime.measure import measured_compute
-
-        return measured_compute(checkpoint, layout, workload, profile, inputs.measured_on, inputs.cuda_graph)
+        if measure is None:
+            raise UsageError("--measure times layers on the local GPU, which needs the runtime: run it as "
+                             "offload-plan make --measure (with offload-plan[runtime] installed), or drop --measure")
+        measured = measure(checkpoint, layout, workload, profile, inputs.measured_on, inputs.cuda_graph)
+        return _as_recorded(measured, len(layout.layers))
     if inputs.measured_on is not None:
         raise UsageError("--measured-on only applies with --measure")
     shapes = {t.name: t.shape for t in checkpoint.tensors}
     return estimate_compute(layout, geometry_from_config(checkpoint.config, layout), workload, profile, shapes)
+
+
+def _as_recorded(compute: ComputeTimes, num_layers: int) -> ComputeTimes:
+    """Times rounded as the plan records them, so a plan made from them regenerates from its own rows (check)."""
+    if len(compute.layer_ms) != num_layers:
+        raise PlanError(f"{len(compute.layer_ms)} layer times for {num_layers} planned layers: the times are for "
+                        "another checkpoint; regenerate the plan with make")
+    return replace(compute, layer_ms=tuple(round(ms, MS_DECIMALS) for ms in compute.layer_ms),
+                   head_ms=round(compute.head_ms, MS_DECIMALS))
 
 
 def _layout_warnings(layout: ModelLayout) -> list[str]:

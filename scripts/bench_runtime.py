@@ -29,6 +29,7 @@ from runtime.bench import forward_step, time_steps  # noqa: E402
 from runtime.load import apply_plan, build_model  # noqa: E402
 from runtime.backend import CudaBackend  # noqa: E402
 from runtime.calibrate import median_event_ms  # noqa: E402
+from runtime.measure import measured_compute  # noqa: E402
 
 BUDGET_SHARES = (0.75, 0.5, 0.25)
 TOKENS = (2048, 8192)
@@ -128,7 +129,7 @@ def plan_for(checkpoint: Path, share: float, tokens: int, layout, gpu: str, meas
         sequences=sequences, context=context, params=(), stack=None, group_size=None, num_in_group=None,
         prefetch_step=None, measure=measure, measured_on="h100-sxm" if measure else None, cuda_graph=cuda_graph,
     )
-    return make_plan(inputs).plan
+    return make_plan(inputs, measure=measured_compute if measure else None).plan
 
 
 def run_accelerate(checkpoint: Path, offloaded: tuple[int, ...], num_layers: int, input_ids) -> float:

@@ -6,6 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from offload_plan import runtime_seam
 from offload_plan.console import say, warn
 from offload_plan.options import GpuOption, ModelOption
 from planner.plan import Inputs, render_plan, write_atomic
@@ -40,7 +41,7 @@ def make(
         num_in_group=num_in_group, prefetch_step=prefetch_step, measure=measure, measured_on=measured_on,
         cuda_graph=cuda_graph, host_memory=host_memory,
     )
-    planned = make_plan(inputs)
+    planned = make_plan(inputs, measure=runtime_seam.measured_compute if measure else None)
     for warning in planned.warnings:
         warn(warning)
     text = render_plan(planned.plan, regenerate_command(inputs, str(output) if output else None))
