@@ -1,4 +1,10 @@
-"""Where output goes: data and human reports on stdout, progress, warnings and errors on stderr."""
+"""Where output goes: data and human reports on stdout, progress, warnings and errors on stderr.
+
+stdout carries what a command is run for (a plan, JSON, show's report, diff's and profiles' tables, run's
+measurements), so ``offload-plan show plan.yaml > report.txt`` keeps it; stderr carries progress, outcome
+lines, notes and warnings. export's stdout is its flags alone, so ``$(offload-plan export ...)`` pastes them
+into an engine's command line; its notes and restated prediction go to stderr.
+"""
 
 import sys
 

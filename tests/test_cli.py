@@ -92,3 +92,21 @@ def test_version_and_short_help(tmp_path):
     for args in (["-h"], ["make", "-h"], ["check", "-h"]):
         result = invoke(args)
         assert result.exit_code == 0 and "Usage: offload-plan" in result.stdout, args
+
+
+def test_human_reports_go_to_stdout_and_progress_to_stderr(workdir, test_gpu):
+    from tests.conftest import make_checkpoint
+
+    make_checkpoint(workdir / "ckpt", num_layers=4)
+    made = run_cli(["make", "-m", "ckpt", "-g", test_gpu, "--budget", "200KiB"], workdir)
+    assert made.returncode == 0 and made.stdout.startswith("# Offload plan") and "layers offloaded" in made.stderr
+    (workdir / "plan.yaml").write_text(made.stdout)
+    shown = run_cli(["show", "plan.yaml"], workdir)
+    assert shown.returncode == 0 and shown.stderr == "" and "Plan" in shown.stdout and "compute |" in shown.stdout
+    listed = run_cli(["profiles"], workdir)
+    assert listed.returncode == 0 and listed.stderr == "" and "h100-sxm" in listed.stdout
+    compared = run_cli(["diff", "plan.yaml", "plan.yaml"], workdir)
+    assert compared.returncode == 0 and compared.stderr == "" and "G / K / P" in compared.stdout
+    exported = run_cli(["export", "plan.yaml", "--to", "vllm"], workdir)
+    assert exported.returncode == 0 and exported.stdout.startswith("--offload-group-size ")
+    assert exported.stdout.count("\n") == 1 and "predicted step" in exported.stderr  # $(...) gets the flags only

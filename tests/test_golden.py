@@ -93,7 +93,7 @@ def test_plan_round_trips_through_show(workdir, test_gpu):
     assert json.loads(result.stdout) == yaml.safe_load(text)
     result = invoke(["show", "plan.yaml"])
     assert result.exit_code == 0, result.stderr
-    assert "Plan" in result.stderr and "compute |" in result.stderr
+    assert "Plan" in result.stdout and "compute |" in result.stdout and result.stderr == ""
 
 
 SCHEMA = {

@@ -169,8 +169,8 @@ def test_diff_of_two_budgets(dense, test_gpu):
     assert any("move to the GPU" in sentence for sentence in data["summary"])
 
     words = invoke(["diff", "plan.yaml", "fits.yaml"])
-    assert words.exit_code == 0 and words.stdout == ""
-    assert "faster" in words.stderr and "predicted step" in words.stderr and "G / K / P" in words.stderr
+    assert words.exit_code == 0 and words.stderr == ""
+    assert "faster" in words.stdout and "predicted step" in words.stdout and "G / K / P" in words.stdout
 
 
 def test_diff_of_identical_plans_says_nothing_moved(dense):

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from offload_plan.console import say, stderr
+from offload_plan.console import stdout
 from offload_plan.options import JsonOption
 
 
@@ -27,8 +27,8 @@ def diff(
         sys.stdout.write(json.dumps(data, indent=2) + "\n")
         return
     for sentence in data["summary"]:
-        say(sentence)
-    stderr.print(_diff_table(data))
+        stdout.print(sentence, markup=False, soft_wrap=True)
+    stdout.print(_diff_table(data))
 
 
 def _diff_table(data: dict) -> Table:

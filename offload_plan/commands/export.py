@@ -18,7 +18,7 @@ def export(
     exact: Annotated[bool, typer.Option("--exact", help="Fail instead of approximating what the engine cannot say.")] = False,
     json_output: JsonOption = False,
 ):
-    """The engine flags that run a plan, its prediction restated. Example: offload-plan export plan.yaml --to vllm --tp 2"""
+    """The engine flags that run a plan, its prediction restated. Example: vllm serve MODEL $(offload-plan export plan.yaml --to vllm)"""
     from planner.export import describe_prediction, export_plan
     from planner.plan import read_plan
 

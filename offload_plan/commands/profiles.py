@@ -5,7 +5,7 @@ import sys
 
 from rich.table import Table
 
-from offload_plan.console import stderr
+from offload_plan.console import stdout
 from offload_plan.options import JsonOption
 
 
@@ -30,7 +30,7 @@ def profiles(json_output: JsonOption = False):
             _with_source(p.trigger, 1, ".2f"),
             p.description,
         )
-    stderr.print(table)
+    stdout.print(table)
 
 
 def _with_source(figure, scale: float, spec: str) -> str:

@@ -8,7 +8,7 @@ import typer
 from rich.table import Table
 
 from offload_plan import runtime_seam
-from offload_plan.console import say, stderr, warn
+from offload_plan.console import say, stderr, stdout, warn
 from offload_plan.options import JsonOption, PlanArgument
 from planner.errors import UsageError
 from planner.plan import read_plan
@@ -47,7 +47,7 @@ def run(
     if json_output:
         sys.stdout.write(json.dumps(result.as_dict(), indent=2) + "\n")
     else:
-        stderr.print(_bench_table(result))
+        stdout.print(_bench_table(result))
 
 
 def _load_with_progress(plan, model):

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from offload_plan.console import stderr
+from offload_plan.console import stdout
 from offload_plan.options import JsonOption, PlanArgument
 from planner.plan import plan_to_dict, read_plan
 
@@ -23,4 +23,4 @@ def show(
         return
     from planner.report import show_plan
 
-    show_plan(loaded, stderr, layer_table=layers)
+    show_plan(loaded, stdout, layer_table=layers)
