@@ -48,7 +48,7 @@ def budget_bytes_for(inputs: Inputs, profile: HardwareProfile) -> int:
     if inputs.budget is not None and inputs.trigger is not None:
         raise UsageError("give --budget or --trigger, not both")
     if inputs.budget is not None:
-        budget = parse_bytes(inputs.budget)
+        budget = parse_bytes(inputs.budget, "--budget")
     else:
         trigger = inputs.trigger if inputs.trigger is not None else profile.trigger.value
         if not 0 < trigger <= 1:
@@ -164,7 +164,7 @@ def _layout_warnings(layout: ModelLayout) -> list[str]:
 def host_memory_bytes_for(inputs: Inputs, profile: HardwareProfile) -> int | None:
     """--host-memory, else the profile's host memory figure, else None (not checked)."""
     if inputs.host_memory is not None:
-        return parse_bytes(inputs.host_memory)
+        return parse_bytes(inputs.host_memory, "--host-memory")
     return None if profile.host_memory_bytes is None else int(profile.host_memory_bytes.value)
 
 

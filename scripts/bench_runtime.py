@@ -125,7 +125,7 @@ def plan_for(checkpoint: Path, share: float, tokens: int, layout, gpu: str, meas
     """The plan at a budget of non-layer weights + ``share`` of the layer bytes."""
     budget = int(layout.non_layer_bytes + share * layout.layer_bytes)
     inputs = Inputs(
-        model=str(checkpoint), revision=None, gpu=gpu, budget=str(budget), trigger=None, tokens=tokens,
+        model=str(checkpoint), revision=None, gpu=gpu, budget=f"{budget}B", trigger=None, tokens=tokens,
         sequences=sequences, context=context, params=(), stack=None, group_size=None, num_in_group=None,
         prefetch_step=None, measure=measure, measured_on="h100-sxm" if measure else None, cuda_graph=cuda_graph,
     )

@@ -120,7 +120,7 @@ def test_tiny_moe_per_expert_names_and_expert_offload(tiny_moe, workdir):
     layer0_experts = sum(b for n, (b, _) in files.items() if n.startswith(f"model.layers.0.{experts}."))
     budget = total - layer0_experts  # all resident misses by one layer's experts: at least two must move
     result = invoke(["make", "--model", str(folder), "--gpu", TEST_GPU, "--params", "experts", "--budget",
-                     str(budget), "-o", "plan.yaml"])
+                     f"{budget}B", "-o", "plan.yaml"])
     assert result.exit_code == 0, result.stderr
     plan = yaml.safe_load((workdir / "plan.yaml").read_text())
     assert plan["model"]["total_bytes"] == sum(b for b, _ in files.values())

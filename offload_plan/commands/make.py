@@ -10,12 +10,13 @@ from offload_plan import runtime_seam
 from offload_plan.console import say, warn
 from offload_plan.options import GpuOption, ModelOption
 from planner.plan import Inputs, render_plan, write_atomic
+from planner.units import SIZE_HELP
 
 
 def make(
     model: ModelOption,
     gpu: GpuOption,
-    budget: Annotated[Optional[str], typer.Option(help="GPU bytes for weights, slots included: 40GiB, 80GB.")] = None,
+    budget: Annotated[Optional[str], typer.Option(help=f"GPU bytes for weights, slots included: 40GiB, 80GB ({SIZE_HELP}).")] = None,
     trigger: Annotated[Optional[float], typer.Option(help="Budget as a share of GPU memory, e.g. 0.5.")] = None,
     tokens: Annotated[int, typer.Option(help="Tokens per forward step (prefill chunk or decode batch).")] = 2048,
     sequences: Annotated[int, typer.Option(help="Sequences those tokens belong to (decode: the batch).")] = 1,
