@@ -80,6 +80,35 @@ def check_plan(path: Path) -> CheckResult:
         return _failed(display, Problem(kind="model", message=str(error), error_class=ModelInputError), command)
 
 
+#: where this repository's checked-in plans get their header-only checkpoints (plans/README.md): a fresh clone
+#: has none until this script has run
+CHECKPOINT_BUILDERS = {".cache/checkpoints/": "scripts/real_checkpoints.py"}
+
+
+def missing_checkpoints(paths: list[Path]) -> list[str]:
+    """The local checkpoints that readable plans among ``paths`` name and that are not here (fresh clone)."""
+    missing = []
+    for path in paths:
+        try:
+            source = read_plan(path).inputs.model
+        except PlanError:
+            continue  # check_plan reports it
+        if source.startswith((".", "/")) and not Path(source).expanduser().exists() and source not in missing:
+            missing.append(source)
+    return missing
+
+
+def missing_checkpoints_error(missing: list[str], num_plans: int) -> ModelInputError:
+    """One line for a check run whose plans name checkpoints that were never built or downloaded here."""
+    builders = {script for prefix, script in CHECKPOINT_BUILDERS.items()
+                if all(source.startswith(prefix) for source in missing) and Path(script).is_file()}
+    how = (f"build them first with python3 {builders.pop()}" if builders
+           else "download or build them first (relative paths are taken from the folder check runs in)")
+    shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+    return ModelInputError(f"the {num_plans} plan(s) name {len(missing)} checkpoint(s) that are not here ({shown}): "
+                           f"{how}, then check again")
+
+
 def _failed(display: str, problem: Problem, command: str | None) -> CheckResult:
     return CheckResult(path=display, problems=(problem,), diff="", fix_command=command, regenerated=None)
 

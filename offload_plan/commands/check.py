@@ -19,8 +19,11 @@ def check(
     json_output: JsonOption = False,
 ):
     """Regenerate each plan from its recorded inputs; fail on any difference. Example: offload-plan check plans/*.yaml"""
-    from planner.check import check_plan
+    from planner.check import check_plan, missing_checkpoints, missing_checkpoints_error
 
+    missing = missing_checkpoints(plans)
+    if missing:  # a fresh clone: one line naming the build step, not a failure per plan
+        raise missing_checkpoints_error(missing, len(plans))
     results = [check_plan(path) for path in plans]
     updated = {result.path for result in results if update and _rewrite(result)}
     results = [dataclasses.replace(r, problems=()) if r.path in updated else r for r in results]

@@ -32,6 +32,9 @@ def run(
         made, running = ("graph replays", "eager steps") if loaded_plan.workload.cuda_graph else ("eager steps", "graph replays")
         warn(f"the plan predicts {made} and this runs {running}; for a like-for-like prediction make the plan "
              f"{'with' if cuda_graph else 'without'} --cuda-graph")
+    from planner.checkpoint import resolve_local_source
+
+    model = model or resolve_local_source(loaded_plan.model.source, plan)  # run works from any directory
     runtime_seam.require_cuda("offload-plan run")
     compile_backend = "inductor" if compile_steps else None
     if bench:
