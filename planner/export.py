@@ -1,6 +1,7 @@
 """``export``: the vLLM or SGLang flags that run a plan, and the plan's prediction restated for them.
 
-Engine facts (shared/reference/offloaders.md and the engines' sources):
+Engine facts, from the engines' sources (vLLM's ``vllm/model_executor/offloader/``, its PRs 29941 and 34535;
+SGLang's OffloaderV2 and its model code):
 
 - Both engines offload layer i when ``i % G >= G - K`` (``--offload-group-size G``, ``--offload-num-in-group K``),
   skip a chosen layer whose selection matches no param, and prefetch P offloaded layers ahead through P static
