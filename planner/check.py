@@ -3,8 +3,8 @@
 A plan fails when it is not a valid plan, when its checkpoint or profile cannot be read, when the checkpoint's
 fingerprint is no longer the one the plan records, when it no longer fits its profile's GPU memory, or when
 ``make`` with the recorded inputs now writes different bytes. A ``--measure`` plan is regenerated from the layer
-times it records (no GPU, no torch): check covers what the planner does with them, not the timing itself. Each failure keeps the error class whose exit
-code the CLI returns, and the command that fixes the plan.
+times it records (no GPU, no torch): check covers what the planner does with them, not the timing itself. Each
+failure keeps the error class whose exit code the CLI returns, and the command that fixes the plan.
 """
 
 import difflib

@@ -286,7 +286,8 @@ def _commit_of(cached_path: Path) -> str | None:
     return None
 
 
-def _hub_headers(repo_id: str, commit: str | None, files: list[str], offline: str | None) -> dict[str, list[TensorEntry]]:
+def _hub_headers(repo_id: str, commit: str | None, files: list[str],
+                 offline: str | None) -> dict[str, list[TensorEntry]]:
     from huggingface_hub import try_to_load_from_cache
 
     per_file: dict[str, list[TensorEntry]] = {}

@@ -45,7 +45,8 @@ VLLM_FIX = "PR 54975 (fixed 2026-09)"
 MODE_NOTES = {
     "vllm": "vLLM runs its prefetch backend (static slots, copies on a side stream) because --offload-group-size "
             "is above 0 (--offload-backend auto); the UVA backend (--cpu-offload-gb) reads weights in place instead",
-    "sglang": "--offload-mode cpu: each offloaded param lives in pinned host memory and is copied into its static slot, "
+    "sglang": "--offload-mode cpu: each offloaded param lives in pinned host memory and is copied into its static "
+              "slot, "
               "as planned (shm_cpu and sharded_gpu share one copy between data-parallel ranks and need TP size 1)",
 }
 
@@ -158,7 +159,8 @@ def _engine_prefetch_step(plan: Plan, engine: str, exact: bool, notes: list, war
     restated = predict(plan, 1, divisor).step_ms
     if engine == "vllm":
         warnings.append(
-            f"P={prefetch_step} does not divide the {num_offloaded} offloaded layers: vLLM builds before its {VLLM_FIX} "
+            f"P={prefetch_step} does not divide the {num_offloaded} offloaded layers: vLLM builds before its "
+            f"{VLLM_FIX} "
             f"corrupt weights then; on such a build use --offload-prefetch-step {divisor} (predicted step "
             f"{format_ms(restated)} on one GPU)"
         )

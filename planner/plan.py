@@ -385,7 +385,8 @@ def _check_type(value: Any, annotation: Any, origin: str) -> Any:
         if not isinstance(value, dict) or not all(isinstance(v, int) for v in value.values()):
             raise PlanError(f"{origin} must be a mapping of names to integers; regenerate the plan")
         return value
-    base = next(t for t in _BASES if t is annotation or text.split("|")[0].strip() in (t.__name__, f"<class '{t.__name__}'>"))
+    first = text.split("|")[0].strip()
+    base = next(t for t in _BASES if t is annotation or first in (t.__name__, f"<class '{t.__name__}'>"))
     if base is bool:
         if not isinstance(value, bool):
             raise PlanError(f"{origin} must be true or false, got {value!r}; regenerate the plan")

@@ -60,7 +60,8 @@ def _summary(plan: Plan) -> Table:
     else:
         table.add_row("offload", "nothing: every weight fits the budget")
     slowdown = prediction.step_ms / prediction.resident_step_ms if prediction.resident_step_ms else 1.0
-    table.add_row("predicted step", f"{format_ms(prediction.step_ms)} (all resident {format_ms(prediction.resident_step_ms)}, "
+    table.add_row("predicted step", f"{format_ms(prediction.step_ms)} "
+                                    f"(all resident {format_ms(prediction.resident_step_ms)}, "
                                     f"x{slowdown:.2f}); stall {format_ms(prediction.stall_ms)}; "
                                     f"link floor {format_ms(prediction.link_floor_ms)}, "
                                     f"link busy {100 * prediction.link_busy_share:.0f}%")
@@ -98,7 +99,8 @@ def _memory(plan: Plan) -> Table:
     rows = [
         ("GPU: resident layer params", memory.resident_layer_bytes),
         ("GPU: outside the stack (embeddings, norms, head)", memory.non_layer_bytes),
-        (f"GPU: {memory.num_slots} prefetch slot(s) x {format_bytes(memory.slot_bytes)}", memory.num_slots * memory.slot_bytes),
+        (f"GPU: {memory.num_slots} prefetch slot(s) x {format_bytes(memory.slot_bytes)}",
+         memory.num_slots * memory.slot_bytes),
         ("GPU: alignment and allocator rounding (bound)", memory.allocation_slack_bytes),
         ("GPU: total weights", memory.gpu_bytes),
         ("GPU: budget", memory.budget_bytes),

@@ -81,7 +81,8 @@ def first_culprit(first, second, modules: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--checkpoint", type=Path, default=Path("/tmp/qwen3-8b-random"))
-    parser.add_argument("--config", type=Path, default=Path(__file__).resolve().parent.parent / "examples/qwen3-8b/config.json")
+    parser.add_argument("--config", type=Path,
+                        default=Path(__file__).resolve().parent.parent / "examples/qwen3-8b/config.json")
     parser.add_argument("--batch", type=int, nargs="+", default=[16])
     args = parser.parse_args()
     write_random_checkpoint(args.config, args.checkpoint)

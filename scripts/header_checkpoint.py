@@ -65,8 +65,9 @@ def _nbytes(spec) -> int:
 def _write_shard(path: Path, shard) -> int:
     header, offset = {}, 0
     for name, dtype, shape in shard:
-        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + _nbytes((name, dtype, shape))]}
-        offset += _nbytes((name, dtype, shape))
+        end = offset + _nbytes((name, dtype, shape))
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, end]}
+        offset = end
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     with path.open("wb") as handle:

@@ -7,6 +7,7 @@ from tests.conftest import make_checkpoint, nbytes_of, write_safetensors
 
 def test_write_safetensors_is_readable_by_the_safetensors_library(tmp_path):
     pytest.importorskip("torch")
+    pytest.importorskip("safetensors")
     from safetensors import safe_open
 
     tensors = {"a.weight": ("BF16", (3, 5)), "b.bias": ("F32", (7,)), "c": ("I64", (2, 2, 2)), "d": ("U8", (0,))}

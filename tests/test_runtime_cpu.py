@@ -247,7 +247,8 @@ def test_calibrated_efficiency_keeps_the_fitted_layer_time():
     base = load_profile("h100-sxm")
     measured_rate = 779e12
     calibrated = base.__class__(**{**vars(base), "compute_efficiency": restated_efficiency(base, measured_rate),
-                                   "bf16_flops_per_s": base.bf16_flops_per_s.__class__(value=measured_rate, source="measured")})
+                                   "bf16_flops_per_s": base.bf16_flops_per_s.__class__(value=measured_rate,
+                                                                                       source="measured")})
     flops = 3.5e12
     # equal up to the 4 significant digits the profile keeps
     assert roofline_ms(flops, 0, False, calibrated) == pytest.approx(roofline_ms(flops, 0, False, base), rel=1e-4)

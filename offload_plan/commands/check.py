@@ -15,10 +15,15 @@ from offload_plan.options import JsonOption, PlanFiles
 
 def check(
     plans: PlanFiles,
-    update: Annotated[bool, typer.Option("--update", help="Rewrite plans that regenerate differently instead of failing.")] = False,
+    update: Annotated[bool, typer.Option(
+        "--update",
+        help="Rewrite plans that regenerate differently instead of failing.")] = False,
     json_output: JsonOption = False,
 ):
-    """Regenerate each plan from its recorded inputs; fail on any difference. Example: offload-plan check plans/*.yaml"""
+    """Regenerate each plan from its recorded inputs; fail on any difference.
+
+    Example: offload-plan check plans/*.yaml
+    """
     from planner.check import check_plan, missing_checkpoints, missing_checkpoints_error
 
     missing = missing_checkpoints(plans)

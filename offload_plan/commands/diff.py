@@ -17,7 +17,10 @@ def diff(
     new: Annotated[Path, typer.Argument(help="The plan after the change.")],
     json_output: JsonOption = False,
 ):
-    """What changed between two plans: layers, params, memory, predicted step. Example: offload-plan diff old.yaml new.yaml"""
+    """What changed between two plans: layers, params, memory, predicted step.
+
+    Example: offload-plan diff old.yaml new.yaml
+    """
     from planner.compare import compare_plans, summary_sentences
     from planner.plan import read_plan
 

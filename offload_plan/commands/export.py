@@ -15,10 +15,15 @@ def export(
     plan: PlanArgument,
     to: Annotated[str, typer.Option("--to", help="The engine: vllm or sglang.")],
     tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel size the engine runs with.")] = 1,
-    exact: Annotated[bool, typer.Option("--exact", help="Fail instead of approximating what the engine cannot say.")] = False,
+    exact: Annotated[bool, typer.Option(
+        "--exact",
+        help="Fail instead of approximating what the engine cannot say.")] = False,
     json_output: JsonOption = False,
 ):
-    """The engine flags that run a plan, its prediction restated. Example: vllm serve MODEL $(offload-plan export plan.yaml --to vllm)"""
+    """The engine flags that run a plan, its prediction restated.
+
+    Example: vllm serve MODEL $(offload-plan export plan.yaml --to vllm)
+    """
     from planner.export import describe_prediction, export_plan
     from planner.plan import read_plan
 

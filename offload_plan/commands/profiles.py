@@ -10,14 +10,18 @@ from offload_plan.options import JsonOption
 
 
 def profiles(json_output: JsonOption = False):
-    """List the built-in hardware profiles with their key figures. Example: offload-plan profiles"""
+    """List the built-in hardware profiles with their key figures.
+
+    Example: offload-plan profiles
+    """
     from planner.profile import list_profile_names, load_profile, profile_to_dict
 
     loaded = [load_profile(name) for name in list_profile_names()]
     if json_output:
         sys.stdout.write(json.dumps([profile_to_dict(p) for p in loaded], indent=2) + "\n")
         return
-    table = Table(title="Hardware profiles (d = datasheet, m = measured, f = fitted, a = assumed)", title_justify="left")
+    table = Table(title="Hardware profiles (d = datasheet, m = measured, f = fitted, a = assumed)",
+                  title_justify="left")
     for name in ("name", "GPU GiB", "HBM TB/s", "bf16 TFLOP/s", "H2D GB/s", "trigger", "description"):
         table.add_column(name, justify="left" if name in ("name", "description") else "right")
     for p in loaded:

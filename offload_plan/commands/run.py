@@ -16,20 +16,32 @@ from planner.plan import read_plan
 
 def run(
     plan: PlanArgument,
-    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Checkpoint to load (default: the plan's source).")] = None,
+    model: Annotated[Optional[str], typer.Option(
+        "--model", "-m",
+        help="Checkpoint to load (default: the plan's source).")] = None,
     bench: Annotated[bool, typer.Option("--bench", help="Time the plan's workload against its prediction.")] = False,
     prompt: Annotated[Optional[str], typer.Option(help="Generate from this prompt with the plan applied.")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate with --prompt.")] = 64,
-    cuda_graph: Annotated[bool, typer.Option("--cuda-graph", help="Replay decode steps from CUDA graphs, one per replay, offload copies captured inside.")] = False,
-    compile_steps: Annotated[bool, typer.Option("--compile", help="Compile decode steps with torch.compile (Inductor), the offload hooks inside; with --cuda-graph the compiled step is captured.")] = False,
+    cuda_graph: Annotated[bool, typer.Option(
+        "--cuda-graph",
+        help="Replay decode steps from CUDA graphs, one per replay, offload copies captured inside.")] = False,
+    compile_steps: Annotated[bool, typer.Option(
+        "--compile",
+        help="Compile decode steps with torch.compile (Inductor), the offload hooks inside; with --cuda-graph the "
+             "compiled step is captured.")] = False,
     json_output: JsonOption = False,
 ):
-    """Load the model with the plan applied and run it on the local GPU. Example: offload-plan run plan.yaml --bench"""
+    """Load the model with the plan applied and run it on the local GPU.
+
+    Example: offload-plan run plan.yaml --bench
+    """
     if bench == (prompt is not None):
         raise UsageError("give exactly one of --bench or --prompt TEXT")
     loaded_plan = read_plan(plan)
     if bench and cuda_graph != loaded_plan.workload.cuda_graph:
-        made, running = ("graph replays", "eager steps") if loaded_plan.workload.cuda_graph else ("eager steps", "graph replays")
+        made, running = ("graph replays", "eager steps")
+        if not loaded_plan.workload.cuda_graph:
+            made, running = running, made
         warn(f"the plan predicts {made} and this runs {running}; for a like-for-like prediction make the plan "
              f"{'with' if cuda_graph else 'without'} --cuda-graph")
     from planner.checkpoint import resolve_local_source
@@ -72,11 +84,13 @@ def _bench_table(result) -> Table:
                   f"{result.step_ms / result.predicted_step_ms:.2f}")
     table.add_row("weights on GPU", format_bytes(result.weights_gpu_bytes), format_bytes(result.planned_gpu_bytes),
                   f"{result.weights_gpu_bytes / max(1, result.planned_gpu_bytes):.3f}")
-    table.add_row("peak GPU (with activations)", format_bytes(result.peak_gpu_bytes), f"budget {format_bytes(result.budget_bytes)}", "")
+    table.add_row("peak GPU (with activations)", format_bytes(result.peak_gpu_bytes),
+                  f"budget {format_bytes(result.budget_bytes)}", "")
     table.add_row("tokens/s", f"{result.tokens_per_s:.1f}", "", "")
     if result.stall_ms is not None:
         table.add_row("stall per step", format_ms(result.stall_ms), "", "")
-        table.add_row("link", f"{result.copy_gb_per_s:.1f} GB/s", f"{format_bytes(result.bytes_copied_per_step)}/step", "")
+        table.add_row("link", f"{result.copy_gb_per_s:.1f} GB/s",
+                      f"{format_bytes(result.bytes_copied_per_step)}/step", "")
     else:
         table.add_row("link", f"{result.bytes_copied_per_step / result.step_ms / 1e6:.1f} GB/s (bytes / step)",
                       f"{format_bytes(result.bytes_copied_per_step)}/step", "")

@@ -16,7 +16,10 @@ def show(
     json_output: JsonOption = False,
     layers: Annotated[bool, typer.Option("--layers/--no-layers", help="Include the per-layer table.")] = True,
 ):
-    """Explain a plan: summary, memory, layers, timeline, stalls. Example: offload-plan show plan.yaml"""
+    """Explain a plan: summary, memory, layers, timeline, stalls.
+
+    Example: offload-plan show plan.yaml
+    """
     loaded = read_plan(plan)
     if json_output:
         sys.stdout.write(json.dumps(plan_to_dict(loaded), indent=2) + "\n")
