@@ -130,11 +130,8 @@ def check_rule(plan: Plan) -> None:
 
 
 def _selects_nothing(plan: Plan, index: int) -> bool:
-    """A layer whose recorded copy time is the bare per-copy overhead holds no selected params."""
-    if not plan.offload.params:
-        return False
-    empty_copy_ms = copy_ms_of(0, plan.hardware.h2d_bytes_per_s, plan.hardware.copy_overhead_us)
-    return round(plan.layers[index].copy_ms, 4) == round(empty_copy_ms, 4)
+    """A layer none of whose params offload.params selects (its row records the selected bytes)."""
+    return plan.layers[index].selected_bytes == 0
 
 
 def _tp_flags(engine: str, tp_size: int) -> tuple[str, ...]:

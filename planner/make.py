@@ -3,7 +3,7 @@
 import shlex
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from planner.checkpoint import Checkpoint, load_checkpoint
 from planner.cost import ComputeTimes, Workload, estimate_compute, geometry_from_config
@@ -194,6 +194,7 @@ def _assemble(inputs, checkpoint, layout, profile, workload, compute, layer_byte
         LayerRow(
             index=i,
             bytes=layer_bytes.total[i],
+            selected_bytes=layer_bytes.selected[i],
             offloaded_bytes=layer_bytes.selected[i] if i in offloaded else 0,
             compute_ms=compute.layer_ms[i],
             copy_ms=copy_ms_of(layer_bytes.selected[i], h2d, overhead_us),
@@ -267,35 +268,23 @@ def _model_section(checkpoint: Checkpoint, layout: ModelLayout) -> ModelSection:
 
 
 def regenerate_command(inputs: Inputs, output: str | None) -> str:
-    """The shell command that writes this plan again (recorded in the plan's header)."""
-    words = ["offload-plan", "make", "--model", inputs.model]
-    if inputs.revision:
-        words += ["--revision", inputs.revision]
-    words += ["--gpu", inputs.gpu]
-    if inputs.budget is not None:
-        words += ["--budget", inputs.budget]
-    if inputs.trigger is not None:
-        words += ["--trigger", f"{inputs.trigger:g}"]
-    words += ["--tokens", str(inputs.tokens)]
-    if inputs.sequences != 1:
-        words += ["--sequences", str(inputs.sequences)]
-    if inputs.context:
-        words += ["--context", str(inputs.context)]
-    for segment in inputs.params:
-        words += ["--params", segment]
-    optional = {"--stack": inputs.stack, "--group-size": inputs.group_size, "--num-in-group": inputs.num_in_group,
-                "--prefetch-step": inputs.prefetch_step}
-    for flag, value in optional.items():
-        if value is not None:
-            words += [flag, str(value)]
-    if inputs.measure:
-        words += ["--measure"]
-    if inputs.measured_on:
-        words += ["--measured-on", inputs.measured_on]
-    if inputs.cuda_graph:
-        words += ["--cuda-graph"]
-    if inputs.host_memory is not None:
-        words += ["--host-memory", inputs.host_memory]
+    """The shell command that writes this plan again (recorded in the plan's header), from Inputs' options."""
+    words = ["offload-plan", "make"]
+    for spec in fields(Inputs):
+        words += _option_words(spec, getattr(inputs, spec.name))
     if output:
         words += ["-o", output]
     return shlex.join(words)
+
+
+def _option_words(spec, value) -> list[str]:
+    """One input as its flag and value: nothing at its default (unless the option says always), a switch alone,
+    a repeated flag for a tuple."""
+    option = spec.metadata
+    if value == spec.default and not option["always"]:
+        return []
+    if isinstance(value, bool):
+        return [option["flag"]] if value else []
+    if isinstance(value, tuple):
+        return [word for item in value for word in (option["flag"], item)]
+    return [option["flag"], f"{value:g}" if isinstance(value, float) else str(value)]

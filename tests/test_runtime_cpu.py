@@ -388,7 +388,7 @@ def test_cuda_graph_plans_need_a_decode_workload(llama):
     ok = run_cli(["make", "-m", str(llama), "-g", "h100-sxm", "--tokens", "8", "--sequences", "8", "--context", "64",
                   "--cuda-graph", "--budget", "1MB"], cwd=llama)
     assert ok.returncode == 0 and "cuda_graph: true" in ok.stdout and "--cuda-graph" in ok.stdout.splitlines()[1]
-    assert "replay_start_copies:" in ok.stdout  # written for graphed plans only (golden eager plans keep bytes)
+    assert "replay_start_copies:" in ok.stdout
     (llama / "graphed.yaml").write_text(ok.stdout)
     shown = run_cli(["show", "graphed.yaml"], cwd=llama)
     assert shown.returncode == 0 and "CUDA-graph replays" in shown.stdout

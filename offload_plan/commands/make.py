@@ -1,6 +1,13 @@
-"""``offload-plan make``: search the fastest plan that fits and write it."""
+"""``offload-plan make``: search the fastest plan that fits and write it.
 
+Its options are not written here: each comes from a field of planner.plan.Inputs (flag and help in the
+field's metadata), the one declaration that also gives the plan's inputs section and its regenerate command.
+"""
+
+import inspect
 import sys
+import typing
+from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -8,57 +15,19 @@ import typer
 
 from offload_plan import runtime_seam
 from offload_plan.console import say, warn
-from offload_plan.options import GpuOption, ModelOption
 from planner.plan import Inputs, render_plan, write_atomic
-from planner.units import SIZE_HELP
 
 
-def make(
-    model: ModelOption,
-    gpu: GpuOption,
-    budget: Annotated[Optional[str], typer.Option(
-        help=f"GPU bytes for weights, slots included: 40GiB, 80GB ({SIZE_HELP}).")] = None,
-    trigger: Annotated[Optional[float], typer.Option(help="Budget as a share of GPU memory, e.g. 0.5.")] = None,
-    tokens: Annotated[int, typer.Option(help="Tokens per forward step (prefill chunk or decode batch).")] = 2048,
-    sequences: Annotated[int, typer.Option(help="Sequences those tokens belong to (decode: the batch).")] = 1,
-    context: Annotated[int, typer.Option(help="Tokens already in each sequence's KV cache.")] = 0,
-    params: Annotated[Optional[list[str]], typer.Option(
-        "--params",
-        help="Offload only params matching these name segments (repeat).")] = None,
-    stack: Annotated[Optional[str], typer.Option(help="Layer stack to plan, e.g. model.language_model.layers.")] = None,
-    revision: Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag or commit).")] = None,
-    group_size: Annotated[Optional[int], typer.Option(help="Pin G instead of searching it.")] = None,
-    num_in_group: Annotated[Optional[int], typer.Option(help="Pin K instead of searching it.")] = None,
-    prefetch_step: Annotated[Optional[int], typer.Option(help="Pin P instead of searching it.")] = None,
-    measure: Annotated[bool, typer.Option(
-        "--measure",
-        help="Time one layer of each kind on the local GPU instead of estimating.")] = False,
-    measured_on: Annotated[Optional[str], typer.Option(
-        help="Profile of the local GPU for --measure (default: from its name).")] = None,
-    cuda_graph: Annotated[bool, typer.Option(
-        "--cuda-graph",
-        help="Plan for decode steps replayed from CUDA graphs (run --cuda-graph), one step per replay: prefetches "
-             "join at each replay's end; --measure times layers graphed.")] = False,
-    host_memory: Annotated[Optional[str], typer.Option(
-        help="Host memory the offloaded params may be pinned in, e.g. 480GB (default: the profile's figure; Grace "
-             "profiles have one).")] = None,
-    output: Annotated[Optional[Path], typer.Option(
-        "--output", "-o",
-        help="Write the plan here (default: stdout).")] = None,
-):
+def make(**values):
     """Search the fastest offload plan that fits.
 
     Example: offload-plan make -m org/model -g h100-sxm --budget 40GiB -o plan.yaml
     """
     from planner.make import make_plan, regenerate_command
 
-    inputs = Inputs(
-        model=model, revision=revision, gpu=gpu, budget=budget, trigger=trigger, tokens=tokens, sequences=sequences,
-        context=context, params=tuple(params or ()), stack=stack, group_size=group_size,
-        num_in_group=num_in_group, prefetch_step=prefetch_step, measure=measure, measured_on=measured_on,
-        cuda_graph=cuda_graph, host_memory=host_memory,
-    )
-    planned = make_plan(inputs, measure=runtime_seam.measured_compute if measure else None)
+    output = values.pop("output")
+    inputs = Inputs(**{name: tuple(value or ()) if name == "params" else value for name, value in values.items()})
+    planned = make_plan(inputs, measure=runtime_seam.measured_compute if inputs.measure else None)
     for warning in planned.warnings:
         warn(warning)
     text = render_plan(planned.plan, regenerate_command(inputs, str(output) if output else None))
@@ -67,6 +36,34 @@ def make(
     else:
         write_atomic(output, text)
     _print_outcome(planned.plan, output)
+
+
+def _cli_type(annotation) -> object:
+    """The command-line type of an Inputs field: a tuple of strings is a repeatable option."""
+    if typing.get_origin(annotation) is tuple:
+        return Optional[list[str]]
+    return annotation
+
+
+def _parameter(spec) -> inspect.Parameter:
+    option = spec.metadata
+    names = [option["flag"], *([option["short"]] if option["short"] else [])]
+    default = None if spec.default == () else (... if spec.default is MISSING else spec.default)
+    annotation = Annotated[_cli_type(spec.type), typer.Option(*names, help=option["help"])]
+    return inspect.Parameter(spec.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
+
+
+def _signature() -> inspect.Signature:
+    """make's parameters: every Inputs field, then --output."""
+    parameters = [_parameter(spec) for spec in fields(Inputs)]
+    output = inspect.Parameter("output", inspect.Parameter.KEYWORD_ONLY, default=None,
+                               annotation=Annotated[Optional[Path], typer.Option(
+                                   "--output", "-o", help="Write the plan here (default: stdout).")])
+    return inspect.Signature([*parameters, output])
+
+
+make.__signature__ = _signature()
+make.__annotations__ = {p.name: p.annotation for p in make.__signature__.parameters.values()}
 
 
 def _print_outcome(plan, output) -> None:
