@@ -2,8 +2,9 @@
 
 A plan fails when it is not a valid plan, when its checkpoint or profile cannot be read, when the checkpoint's
 fingerprint is no longer the one the plan records, when it no longer fits its profile's GPU memory, or when
-``make`` with the recorded inputs now writes different bytes. Each failure keeps the error class whose exit
-code the CLI returns, and the command that fixes the plan.
+``make`` with the recorded inputs now writes different bytes. A ``--measure`` plan is regenerated from the layer
+times it records (no GPU, no torch): check covers what the planner does with them, not the timing itself. Each
+failure keeps the error class whose exit code the CLI returns, and the command that fixes the plan.
 """
 
 import difflib
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from planner.checkpoint import load_checkpoint
+from planner.cost import ComputeTimes
 from planner.errors import (InfeasibleError, ModelInputError, OffloadPlanError, PlanError, PlanStaleError,
                             ProfileError)
 from planner.make import make_plan, regenerate_command
@@ -78,6 +80,35 @@ def check_plan(path: Path) -> CheckResult:
         return _failed(display, Problem(kind="model", message=str(error), error_class=ModelInputError), command)
 
 
+#: where this repository's checked-in plans get their header-only checkpoints (plans/README.md): a fresh clone
+#: has none until this script has run
+CHECKPOINT_BUILDERS = {".cache/checkpoints/": "scripts/real_checkpoints.py"}
+
+
+def missing_checkpoints(paths: list[Path]) -> list[str]:
+    """The local checkpoints that readable plans among ``paths`` name and that are not here (fresh clone)."""
+    missing = []
+    for path in paths:
+        try:
+            source = read_plan(path).inputs.model
+        except PlanError:
+            continue  # check_plan reports it
+        if source.startswith((".", "/")) and not Path(source).expanduser().exists() and source not in missing:
+            missing.append(source)
+    return missing
+
+
+def missing_checkpoints_error(missing: list[str], num_plans: int) -> ModelInputError:
+    """One line for a check run whose plans name checkpoints that were never built or downloaded here."""
+    builders = {script for prefix, script in CHECKPOINT_BUILDERS.items()
+                if all(source.startswith(prefix) for source in missing) and Path(script).is_file()}
+    how = (f"build them first with python3 {builders.pop()}" if builders
+           else "download or build them first (relative paths are taken from the folder check runs in)")
+    shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+    return ModelInputError(f"the {num_plans} plan(s) name {len(missing)} checkpoint(s) that are not here ({shown}): "
+                           f"{how}, then check again")
+
+
 def _failed(display: str, problem: Problem, command: str | None) -> CheckResult:
     return CheckResult(path=display, problems=(problem,), diff="", fix_command=command, regenerated=None)
 
@@ -87,7 +118,7 @@ def _compare(display: str, text: str, plan: Plan, profile: HardwareProfile, comm
     problems = list(fit_problems(plan, profile))
     regenerated = None
     try:
-        planned = make_plan(plan.inputs)
+        planned = make_plan(plan.inputs, compute_override=recorded_compute(plan) if plan.inputs.measure else None)
         regenerated = render_plan(planned.plan, command)
         fingerprint = planned.checkpoint.fingerprint()
     except ModelInputError:
@@ -107,6 +138,12 @@ def _compare(display: str, text: str, plan: Plan, profile: HardwareProfile, comm
         problems.append(Problem(kind="stale", error_class=PlanStaleError,
                                 message="out of date: make with the recorded inputs writes a different plan"))
     return CheckResult(path=display, problems=tuple(problems), diff=diff, fix_command=command, regenerated=regenerated)
+
+
+def recorded_compute(plan: Plan) -> ComputeTimes:
+    """A --measure plan's own layer times: check plans from them instead of timing a GPU (it needs no torch)."""
+    return ComputeTimes(layer_ms=tuple(row.compute_ms for row in plan.layers), head_ms=plan.prediction.head_ms,
+                        source=plan.workload.compute_source)
 
 
 def fit_problems(plan: Plan, profile: HardwareProfile) -> tuple[Problem, ...]:

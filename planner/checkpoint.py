@@ -10,6 +10,8 @@ import hashlib
 import json
 import os
 import re
+import socket
+from urllib.parse import urlparse
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,13 +22,15 @@ from planner.safetensors_header import TensorEntry, entries_from_header, read_en
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 _REPO_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+#: seconds to wait for the hub's host before treating it as unreachable (instead of the client's minute of retries)
+HUB_CONNECT_TIMEOUT_S = 3.0
 
 
 @dataclass(frozen=True, kw_only=True)
 class Checkpoint:
     """Every tensor of a checkpoint, with where it came from."""
 
-    #: what the user passed: a path (relative to the working directory) or a hub repo id
+    #: what the user passed: a path as given (relative to the working directory, or absolute) or a hub repo id
     source: str
     #: "local" or "hub"
     kind: str
@@ -66,8 +70,28 @@ def load_checkpoint(model: str, revision: str | None = None) -> Checkpoint:
 
 
 def _display_path(path: Path) -> str:
-    """Paths in plans are relative to the working directory, so plans hold no machine-specific prefix."""
-    return os.path.relpath(path.resolve(), Path.cwd())
+    """The path as given: relative ones stay relative to the working directory (plans hold no machine-specific
+    prefix unless the user gave one), absolute ones stay absolute."""
+    return os.path.normpath(path)
+
+
+def resolve_local_source(source: str, plan_path: Path) -> str:
+    """Where a plan's relative checkpoint path points from here: the working directory, else the plan's folder
+    or one of its parents (make ran there: plans/x.yaml made from the repository root names .cache/...).
+
+    Absolute paths and hub ids come back as they are; a relative path found nowhere is a one-line error.
+    """
+    if Path(source).expanduser().is_absolute() or Path(source).exists():
+        return source
+    for folder in Path(plan_path).resolve().parents:
+        if (folder / source).exists():
+            return str(folder / source)
+    if _REPO_ID_RE.match(source) and not source.startswith("."):
+        return source
+    raise ModelInputError(
+        f"the plan's checkpoint {source!r} is not under the working directory nor under {plan_path}'s folder or "
+        "its parents; pass --model PATH"
+    )
 
 
 def _load_local(path: Path, source: str) -> Checkpoint:
@@ -175,19 +199,25 @@ def _read_config(folder: Path) -> dict | None:
 
 
 def _load_hub(repo_id: str, revision: str | None) -> Checkpoint:
-    """Index and config through hf_hub_download (cached), shard headers from the cache or range requests."""
-    index_path = _hub_small_file(repo_id, INDEX_NAME, revision, required=False)
+    """Index and config through hf_hub_download (cached), shard headers from the cache or range requests.
+
+    With HF_HUB_OFFLINE, or when the hub's host does not answer within seconds, only the local cache is read.
+    """
+    offline = _hub_unreachable()
+    index_path = _hub_small_file(repo_id, INDEX_NAME, revision, required=False, offline=offline)
     if index_path is None:
         weight_map = None
         files = [SINGLE_NAME]
-        anchor = _hub_small_file(repo_id, "config.json", revision, required=False)
+        anchor = _hub_small_file(repo_id, "config.json", revision, required=False, offline=offline)
+        if anchor is None and offline:
+            raise _offline_error(repo_id, "config.json", offline)
     else:
         weight_map = _read_weight_map(index_path)
         files = sorted(set(weight_map.values()))
         anchor = index_path
     commit = _commit_of(anchor) if anchor is not None else revision
-    config_path = _hub_small_file(repo_id, "config.json", commit, required=False)
-    per_file = _hub_headers(repo_id, commit, files)
+    config_path = _hub_small_file(repo_id, "config.json", commit, required=False, offline=offline)
+    per_file = _hub_headers(repo_id, commit, files, offline)
     origin = f"{repo_id}@{commit}"
     if weight_map is None:
         tensors = tuple(sorted(per_file[SINGLE_NAME], key=lambda t: t.name))
@@ -199,12 +229,28 @@ def _load_hub(repo_id: str, revision: str | None) -> Checkpoint:
     )
 
 
-def _hub_small_file(repo_id: str, filename: str, revision: str | None, *, required: bool) -> Path | None:
+def _hub_unreachable() -> str | None:
+    """Why the hub cannot be used now (HF_HUB_OFFLINE, or its host not answering within seconds), else None."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    endpoint = urlparse(constants.ENDPOINT)
+    host, port = endpoint.hostname or "", endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    try:
+        socket.create_connection((host, port), timeout=HUB_CONNECT_TIMEOUT_S).close()
+    except OSError as error:
+        return f"{host} cannot be reached ({error.strerror or type(error).__name__})"
+    return None
+
+
+def _hub_small_file(repo_id: str, filename: str, revision: str | None, *, required: bool,
+                    offline: str | None = None) -> Path | None:
     from huggingface_hub import hf_hub_download
     from huggingface_hub import errors as hub_errors
 
     try:
-        return Path(hf_hub_download(repo_id, filename, revision=revision))
+        return Path(hf_hub_download(repo_id, filename, revision=revision, local_files_only=offline is not None))
     except hub_errors.RepositoryNotFoundError:
         raise ModelInputError(
             f"{repo_id}: no such repository on the hub, or it is private/gated: check the id, or log in "
@@ -214,7 +260,7 @@ def _hub_small_file(repo_id: str, filename: str, revision: str | None, *, requir
         raise ModelInputError(f"{repo_id}: revision {revision!r} does not exist; check --revision") from None
     except hub_errors.LocalEntryNotFoundError:
         if required:
-            raise _offline_error(repo_id, filename) from None
+            raise _offline_error(repo_id, filename, offline) from None
         return None
     except hub_errors.EntryNotFoundError:
         if required:
@@ -225,10 +271,10 @@ def _hub_small_file(repo_id: str, filename: str, revision: str | None, *, requir
                               "HF_HUB_OFFLINE=1 to use the local cache") from None
 
 
-def _offline_error(repo_id: str, filename: str) -> ModelInputError:
+def _offline_error(repo_id: str, filename: str, why: str | None = None) -> ModelInputError:
     return ModelInputError(
-        f"{repo_id}: {filename} is not in the local Hugging Face cache and the hub cannot be reached "
-        "(HF_HUB_OFFLINE or no network); go online once, or pass a local folder as --model"
+        f"{repo_id}: {filename} is not in the local Hugging Face cache and the hub is not used "
+        f"({why or 'HF_HUB_OFFLINE or no network'}); go online once, or pass a local folder as --model"
     )
 
 
@@ -240,7 +286,8 @@ def _commit_of(cached_path: Path) -> str | None:
     return None
 
 
-def _hub_headers(repo_id: str, commit: str | None, files: list[str]) -> dict[str, list[TensorEntry]]:
+def _hub_headers(repo_id: str, commit: str | None, files: list[str],
+                 offline: str | None) -> dict[str, list[TensorEntry]]:
     from huggingface_hub import try_to_load_from_cache
 
     per_file: dict[str, list[TensorEntry]] = {}
@@ -251,6 +298,8 @@ def _hub_headers(repo_id: str, commit: str | None, files: list[str]) -> dict[str
             per_file[name] = read_entries(Path(cached), name)
         else:
             missing.append(name)
+    if missing and offline:
+        raise _offline_error(repo_id, missing[0], offline)
     if missing:
         per_file.update(_remote_headers(repo_id, commit, missing))
     return per_file

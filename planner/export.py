@@ -1,7 +1,7 @@
 """``export``: the vLLM or SGLang flags that run a plan, and the plan's prediction restated for them.
 
-Engine facts (vLLM's prefetch offloader, vllm/model_executor/offloader/ from its PR 29941; SGLang's OffloaderV2;
-and the engines' sources):
+Engine facts, from the engines' sources (vLLM's ``vllm/model_executor/offloader/``, its PRs 29941 and 34535;
+SGLang's OffloaderV2 and its model code):
 
 - Both engines offload layer i when ``i % G >= G - K`` (``--offload-group-size G``, ``--offload-num-in-group K``),
   skip a chosen layer whose selection matches no param, and prefetch P offloaded layers ahead through P static
@@ -45,7 +45,8 @@ VLLM_FIX = "PR 54975 (fixed 2026-09)"
 MODE_NOTES = {
     "vllm": "vLLM runs its prefetch backend (static slots, copies on a side stream) because --offload-group-size "
             "is above 0 (--offload-backend auto); the UVA backend (--cpu-offload-gb) reads weights in place instead",
-    "sglang": "--offload-mode cpu: each offloaded param lives in pinned host memory and is copied into its static slot, "
+    "sglang": "--offload-mode cpu: each offloaded param lives in pinned host memory and is copied into its static "
+              "slot, "
               "as planned (shm_cpu and sharded_gpu share one copy between data-parallel ranks and need TP size 1)",
 }
 
@@ -131,11 +132,8 @@ def check_rule(plan: Plan) -> None:
 
 
 def _selects_nothing(plan: Plan, index: int) -> bool:
-    """A layer whose recorded copy time is the bare per-copy overhead holds no selected params."""
-    if not plan.offload.params:
-        return False
-    empty_copy_ms = copy_ms_of(0, plan.hardware.h2d_bytes_per_s, plan.hardware.copy_overhead_us)
-    return round(plan.layers[index].copy_ms, 4) == round(empty_copy_ms, 4)
+    """A layer none of whose params offload.params selects (its row records the selected bytes)."""
+    return plan.layers[index].selected_bytes == 0
 
 
 def _tp_flags(engine: str, tp_size: int) -> tuple[str, ...]:
@@ -160,7 +158,8 @@ def _engine_prefetch_step(plan: Plan, engine: str, exact: bool, notes: list, war
     restated = predict(plan, 1, divisor).step_ms
     if engine == "vllm":
         warnings.append(
-            f"P={prefetch_step} does not divide the {num_offloaded} offloaded layers: vLLM builds before its {VLLM_FIX} "
+            f"P={prefetch_step} does not divide the {num_offloaded} offloaded layers: vLLM builds before its "
+            f"{VLLM_FIX} "
             f"corrupt weights then; on such a build use --offload-prefetch-step {divisor} (predicted step "
             f"{format_ms(restated)} on one GPU)"
         )
@@ -253,8 +252,9 @@ def _serving_flags(plan: Plan, engine: str, tp_size: int, notes: list) -> list[s
     if kv_flag is not None:
         flags += ["--kv-cache-dtype", kv_flag]
     tokens = workload.concurrency * workload.context_tokens
+    share_bytes = per_rank_total if engine == "vllm" else share * plan.hardware.gpu_memory_bytes
     notes.append(f"serving: {workload.concurrency} sequences of up to {workload.context_tokens} tokens; the memory "
-                 f"share is {what} ({format_bytes(per_rank_total if engine == 'vllm' else share * plan.hardware.gpu_memory_bytes)} "
+                 f"share is {what} ({format_bytes(share_bytes)} "
                  f"per rank) over the GPU's {format_bytes(plan.hardware.gpu_memory_bytes)}, rounded up to the next "
                  f"0.01; at start-up the engine should report a KV cache of at least {tokens:,} tokens "
                  f"({format_bytes(memory.kv_cache_bytes / tp_size)} per rank)")

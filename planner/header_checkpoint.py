@@ -24,7 +24,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from planner.errors import ModelInputError, RuntimeUnavailableError, UsageError
+from planner.errors import ModelInputError, UsageError
 
 #: written into every folder this module makes: what kind of checkpoint, and the files written there
 MARKER_NAME = ".offload-plan-checkpoint"
@@ -54,20 +54,6 @@ class HeaderCheckpoint:
             raise ValueError("HeaderCheckpoint counts and bytes must be >= 0")
 
 
-def write_header_checkpoint(config_path: str | Path, out_dir: str | Path, *, dtype: str | None = None,
-                            shard_bytes: int = DEFAULT_SHARD_BYTES) -> HeaderCheckpoint:
-    """Write a header-only checkpoint of ``config_path``'s model into ``out_dir`` (see the module docstring).
-
-    ``dtype`` is a config.json dtype name (bfloat16, float16, float32); default: the config's own.
-    """
-    config_path, out_dir = Path(config_path), Path(out_dir)
-    owned_files(out_dir)  # refuse someone else's folder before the slow part (transformers)
-    config = read_config(config_path)
-    safetensors_dtype = dtype_for(dtype or config.get("torch_dtype") or config.get("dtype") or "bfloat16")
-    specs = tensor_specs(config_path, safetensors_dtype)
-    return write_checkpoint_folder(config_path=config_path, specs=specs, out_dir=out_dir, shard_bytes=shard_bytes)
-
-
 def read_config(config_path: Path) -> dict:
     """config.json as a dict, or one line saying why it cannot be read."""
     try:
@@ -86,28 +72,6 @@ def dtype_for(name: str) -> str:
     if name not in DTYPES:
         raise UsageError(f"dtype {name!r} is not supported; choose one of {', '.join(DTYPES)}")
     return DTYPES[name]
-
-
-def tensor_specs(config_path: Path, dtype: str) -> list[TensorSpec]:
-    """(name, dtype, shape) of every parameter the model has, as transformers names them in checkpoints."""
-    try:
-        import torch
-        from transformers import AutoConfig, AutoModelForCausalLM
-    except ImportError as error:
-        raise RuntimeUnavailableError(
-            f"building a header checkpoint needs torch and transformers ({error}); "
-            "install them with: pip install 'offload-plan[runtime]'") from None
-    try:
-        config = AutoConfig.from_pretrained(config_path.parent)
-    except (ValueError, KeyError, OSError) as error:
-        raise ModelInputError(f"{config_path}: transformers cannot build this config ({error})") from None
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    tied = getattr(config, "tie_word_embeddings", False)
-    # tied: checkpoints store the embedding only
-    specs = [(name, dtype, list(tensor.shape)) for name, tensor in model.state_dict().items()
-             if not (tied and name == "lm_head.weight")]
-    return sorted(specs)
 
 
 def write_checkpoint_folder(*, config_path: Path, specs: list[TensorSpec], out_dir: Path,

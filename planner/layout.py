@@ -114,7 +114,8 @@ def build_layout(checkpoint: Checkpoint, stack: str | None = None) -> ModelLayou
     if stack is None:
         stack = max(stacks, key=lambda prefix: (_stack_bytes(stacks[prefix]), prefix))
     elif stack not in stacks:
-        raise ModelInputError(f"--stack {stack!r} is not a layer stack of this checkpoint; choose from {sorted(stacks)}")
+        raise ModelInputError(
+            f"--stack {stack!r} is not a layer stack of this checkpoint; choose from {sorted(stacks)}")
     layers = [_layer_info(index, tensors, stack) for index, tensors in sorted(stacks[stack].items())]
     _check_contiguous(layers, stack)
     served = config_num_layers(checkpoint.config)

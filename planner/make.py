@@ -4,15 +4,17 @@ import functools
 import math
 import shlex
 from collections import Counter
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
 
 from planner.checkpoint import Checkpoint, load_checkpoint
 from planner.cost import ComputeTimes, Workload, estimate_compute, geometry_from_config
-from planner.errors import InfeasibleError, ModelInputError, UsageError
+from planner.errors import InfeasibleError, ModelInputError, PlanError, UsageError
 from planner.activations import ActivationShape, StepShape, activation_shape, estimate_activations
 from planner.kv_cache import KvCacheModel, kv_cache_model
 from planner.layout import ModelLayout, build_layout
 from planner.plan import (
+    MS_DECIMALS,
     SCHEMA_VERSION,
     HardwareSection,
     Inputs,
@@ -52,6 +54,11 @@ from planner.simulate import join_every_steps_for, simulate
 from planner.units import format_bytes, parse_bytes
 
 
+#: times layers on the local GPU for --measure: (checkpoint, layout, workload, profile, measured_on, graphed) ->
+#: ComputeTimes. The planner imports no runtime; the command line passes offload_plan.runtime_seam's.
+MeasureFunction = Callable[[Checkpoint, ModelLayout, Workload, HardwareProfile, "str | None", bool], ComputeTimes]
+
+
 @dataclass(frozen=True, kw_only=True)
 class Planned:
     """A plan with the objects it was computed from (for show and the runtime)."""
@@ -67,7 +74,7 @@ def budget_bytes_for(inputs: Inputs, profile: HardwareProfile) -> int:
     if inputs.budget is not None and inputs.trigger is not None:
         raise UsageError("give --budget or --trigger, not both")
     if inputs.budget is not None:
-        budget = parse_bytes(inputs.budget)
+        budget = parse_bytes(inputs.budget, "--budget")
     else:
         trigger = inputs.trigger if inputs.trigger is not None else profile.trigger.value
         if not 0 < trigger <= 1:
@@ -99,6 +106,8 @@ class _Model:
     #: tensor dims for the activation estimate, None with kv
     activation_shape: ActivationShape | None
     warnings: list[str]
+    #: the caller's timing function for --measure (None: not given)
+    measure: MeasureFunction | None = None
 
     @functools.cached_property
     def searcher(self) -> Searcher:
@@ -131,21 +140,29 @@ class _Model:
 
     def compute(self, workload: Workload) -> ComputeTimes:
         """Layer times for ``workload``: measured with --measure, else the roofline estimate."""
-        return _compute_times(self.inputs, self.checkpoint, self.layout, workload, self.profile, self.kv)
+        return _compute_times(self.inputs, self.checkpoint, self.layout, workload, self.profile, self.kv,
+                              self.measure)
 
 
-def make_plan(inputs: Inputs, compute_override: ComputeTimes | None = None) -> Planned:
+def make_plan(inputs: Inputs, compute_override: ComputeTimes | None = None,
+              measure: MeasureFunction | None = None) -> Planned:
     """Read the checkpoint and profile named by ``inputs`` and search the fastest plan that fits: for the
-    weights alone within a budget, or (``inputs.concurrency``) for a serving target on the whole GPU."""
+    weights alone within a budget, or (``inputs.concurrency``) for a serving target on the whole GPU.
+
+    Compute times: ``compute_override`` when given (check passes a --measure plan's recorded times; not for a
+    serving plan, whose search times every concurrency), else ``measure`` for --measure (the caller's, which
+    reaches the GPU), else the roofline estimate.
+    """
     if inputs.cuda_graph and inputs.concurrency is None and inputs.tokens != inputs.sequences:
         raise UsageError("--cuda-graph plans decode steps, one new token per sequence: give --tokens equal to "
                          "--sequences (the batch), e.g. --tokens 64 --sequences 64 --context 1024")
-    model = _read_model(inputs)
+    model = _read_model(inputs, measure)
     if inputs.concurrency is not None:
         return make_serving_plan(model)
     workload = _workload(inputs.tokens, inputs.sequences, inputs.context)
     budget = budget_bytes_for(inputs, model.profile)
-    compute = compute_override or model.compute(workload)
+    compute = model.compute(workload) if compute_override is None else _as_recorded(compute_override,
+                                                                                   len(model.layout.layers))
     choice = model.search(compute, budget)
     host_limit = host_memory_bytes_for(inputs, model.profile)
     check_host_memory(choice.host_pinned_bytes, host_limit, inputs)
@@ -170,7 +187,7 @@ def _workload(tokens: int, sequences: int, context: int) -> Workload:
         raise UsageError(f"workload: {error}") from None
 
 
-def _read_model(inputs: Inputs) -> _Model:
+def _read_model(inputs: Inputs, measure: MeasureFunction | None = None) -> _Model:
     """Profile, checkpoint headers, layout, the bytes each layer would move, and the KV cache model."""
     profile = load_profile(inputs.gpu)
     checkpoint = load_checkpoint(inputs.model, inputs.revision)
@@ -196,21 +213,33 @@ def _read_model(inputs: Inputs) -> _Model:
         kv = shape = None
         warnings.append(f"{error}; the plan leaves the KV cache, activations and GPU total out")
     return _Model(inputs=inputs, profile=profile, checkpoint=checkpoint, layout=layout, layer_bytes=layer_bytes,
-                  kv=kv, activation_shape=shape, warnings=warnings)
+                  kv=kv, activation_shape=shape, warnings=warnings, measure=measure)
 
 
-def _compute_times(inputs: Inputs, checkpoint, layout, workload, profile, kv: KvCacheModel | None) -> ComputeTimes:
-    """Measured on the local GPU with --measure (runtime, torch), else the roofline estimate (pure)."""
+def _compute_times(inputs: Inputs, checkpoint, layout, workload, profile, kv: KvCacheModel | None,
+                   measure: MeasureFunction | None) -> ComputeTimes:
+    """Measured by the caller's ``measure`` with --measure, else the roofline estimate (pure)."""
     if inputs.measure:
-        from runtime.measure import measured_compute
-
-        return measured_compute(checkpoint, layout, workload, profile, inputs.measured_on, inputs.cuda_graph)
+        if measure is None:
+            raise UsageError("--measure times layers on the local GPU, which needs the runtime: run it as "
+                             "offload-plan make --measure (with offload-plan[runtime] installed), or drop --measure")
+        measured = measure(checkpoint, layout, workload, profile, inputs.measured_on, inputs.cuda_graph)
+        return _as_recorded(measured, len(layout.layers))
     if inputs.measured_on is not None:
         raise UsageError("--measured-on only applies with --measure")
     shapes = {t.name: t.shape for t in checkpoint.tensors}
     kv_bytes_of = None if kv is None else functools.partial(kv_step_bytes, kv, kv_dtype=inputs.kv_dtype)
     return estimate_compute(layout, geometry_from_config(checkpoint.config, layout), workload, profile, shapes,
                             kv_bytes_of)
+
+
+def _as_recorded(compute: ComputeTimes, num_layers: int) -> ComputeTimes:
+    """Times rounded as the plan records them, so a plan made from them regenerates from its own rows (check)."""
+    if len(compute.layer_ms) != num_layers:
+        raise PlanError(f"{len(compute.layer_ms)} layer times for {num_layers} planned layers: the times are for "
+                        "another checkpoint; regenerate the plan with make")
+    return replace(compute, layer_ms=tuple(round(ms, MS_DECIMALS) for ms in compute.layer_ms),
+                   head_ms=round(compute.head_ms, MS_DECIMALS))
 
 
 def kv_step_bytes(kv: KvCacheModel, layer_index: int, workload: Workload, *, kv_dtype: str) -> float:
@@ -229,7 +258,7 @@ def gpu_memory_bytes_for(inputs: Inputs, profile: HardwareProfile) -> int:
     else all of the profile's. Never above the profile's."""
     memory = int(profile.gpu_memory_bytes.value)
     if inputs.gpu_memory is not None:
-        limit = parse_bytes(inputs.gpu_memory)
+        limit = parse_bytes(inputs.gpu_memory, "--gpu-memory")
         if not 0 < limit <= memory:
             raise UsageError(f"--gpu-memory {inputs.gpu_memory} is not between 0 and {profile.name}'s "
                              f"{format_bytes(memory)}; give at most {memory // 2**20}MiB")
@@ -289,7 +318,7 @@ def make_serving_plan(model: _Model) -> Planned:
     except ValueError as error:
         raise UsageError(str(error)) from None
     gpu_memory = gpu_memory_bytes_for(inputs, model.profile)
-    budget = parse_bytes(inputs.budget) if inputs.budget is not None else None
+    budget = parse_bytes(inputs.budget, "--budget") if inputs.budget is not None else None
 
     def decode(concurrency: int) -> Workload:
         return _workload(concurrency, concurrency, inputs.context)
@@ -369,7 +398,7 @@ def _layout_warnings(layout: ModelLayout) -> list[str]:
 def host_memory_bytes_for(inputs: Inputs, profile: HardwareProfile) -> int | None:
     """--host-memory, else the profile's host memory figure, else None (not checked)."""
     if inputs.host_memory is not None:
-        return parse_bytes(inputs.host_memory)
+        return parse_bytes(inputs.host_memory, "--host-memory")
     return None if profile.host_memory_bytes is None else int(profile.host_memory_bytes.value)
 
 
@@ -403,6 +432,7 @@ def _assemble(model: _Model, workload: Workload, compute: ComputeTimes, choice: 
         LayerRow(
             index=i,
             bytes=layer_bytes.total[i],
+            selected_bytes=layer_bytes.selected[i],
             offloaded_bytes=layer_bytes.selected[i] if i in offloaded else 0,
             compute_ms=compute.layer_ms[i],
             copy_ms=copy_ms_of(layer_bytes.selected[i], h2d, overhead_us),
@@ -506,45 +536,23 @@ def _model_section(checkpoint: Checkpoint, layout: ModelLayout) -> ModelSection:
 
 
 def regenerate_command(inputs: Inputs, output: str | None) -> str:
-    """The shell command that writes this plan again (recorded in the plan's header)."""
-    words = ["offload-plan", "make", "--model", inputs.model]
-    if inputs.revision:
-        words += ["--revision", inputs.revision]
-    words += ["--gpu", inputs.gpu]
-    if inputs.budget is not None:
-        words += ["--budget", inputs.budget]
-    if inputs.trigger is not None:
-        words += ["--trigger", f"{inputs.trigger:g}"]
-    words += ["--tokens", str(inputs.tokens)]
-    if inputs.sequences != 1:
-        words += ["--sequences", str(inputs.sequences)]
-    if inputs.context:
-        words += ["--context", str(inputs.context)]
-    for segment in inputs.params:
-        words += ["--params", segment]
-    optional = {"--stack": inputs.stack, "--group-size": inputs.group_size, "--num-in-group": inputs.num_in_group,
-                "--prefetch-step": inputs.prefetch_step}
-    for flag, value in optional.items():
-        if value is not None:
-            words += [flag, str(value)]
-    if inputs.measure:
-        words += ["--measure"]
-    if inputs.measured_on:
-        words += ["--measured-on", inputs.measured_on]
-    if inputs.cuda_graph:
-        words += ["--cuda-graph"]
-    if inputs.host_memory is not None:
-        words += ["--host-memory", inputs.host_memory]
-    if inputs.concurrency is not None:
-        words += ["--concurrency", inputs.concurrency]
-        if inputs.chunk != 2048:
-            words += ["--chunk", str(inputs.chunk)]
-    if inputs.max_tpot_ms is not None:
-        words += ["--max-tpot-ms", f"{inputs.max_tpot_ms:g}"]
-    if inputs.kv_dtype != "auto":
-        words += ["--kv-dtype", inputs.kv_dtype]
-    if inputs.gpu_memory is not None:
-        words += ["--gpu-memory", inputs.gpu_memory]
+    """The shell command that writes this plan again (recorded in the plan's header), from Inputs' options."""
+    words = ["offload-plan", "make"]
+    for spec in fields(Inputs):
+        words += _option_words(spec, getattr(inputs, spec.name))
     if output:
         words += ["-o", output]
     return shlex.join(words)
+
+
+def _option_words(spec, value) -> list[str]:
+    """One input as its flag and value: nothing at its default (unless the option says always), a switch alone,
+    a repeated flag for a tuple."""
+    option = spec.metadata
+    if value == spec.default and not option["always"]:
+        return []
+    if isinstance(value, bool):
+        return [option["flag"]] if value else []
+    if isinstance(value, tuple):
+        return [word for item in value for word in (option["flag"], item)]
+    return [option["flag"], f"{value:g}" if isinstance(value, float) else str(value)]

@@ -7,54 +7,82 @@ command that regenerates the file. Written atomically: a failed write never leav
 
 import os
 import tempfile
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from planner.errors import PlanError
+from planner.units import SIZE_HELP
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+#: versions read_plan accepts: older ones are upgraded on read (and check reports them stale)
+READABLE_SCHEMA_VERSIONS = (1, 2)
 MS_DECIMALS = 4
 SHARE_DECIMALS = 4
 
 
+def option(flag: str, help: str, *, short: str | None = None, always: bool = False) -> dict:
+    """An Inputs field's command-line form: ``make`` builds its option from it and ``regenerate_command``
+    writes it back (``always``: written even at its default, so the header says it)."""
+    return {"flag": flag, "short": short, "help": help, "always": always}
+
+
 @dataclass(frozen=True, kw_only=True)
 class Inputs:
-    """The arguments of ``make`` that produced the plan: enough to regenerate it."""
+    """The arguments of ``make`` that produced the plan: enough to regenerate it.
 
-    model: str
-    revision: str | None
-    gpu: str
-    budget: str | None
-    trigger: float | None
-    tokens: int
-    sequences: int
-    context: int
-    params: tuple[str, ...]
-    stack: str | None
-    group_size: int | None
-    num_in_group: int | None
-    prefetch_step: int | None
-    #: time layers on the local GPU instead of estimating them
-    measure: bool = False
-    #: the local GPU's profile for --measure (None: from its device name)
-    measured_on: str | None = None
-    #: decode steps replayed from CUDA graphs: prefetches joined at the end of each replay, layers timed graphed
-    cuda_graph: bool = False
-    #: host memory for pinned params, e.g. "480GB" (None: the profile's figure, if it has one)
-    host_memory: str | None = None
-    #: serving target: decode concurrency "64", a range "8..512" or "auto" (None: a plan for the weights alone)
-    concurrency: str | None = None
-    #: serving: tokens of a prefill chunk
-    chunk: int = 2048
-    #: KV cache element type: auto (the checkpoint's), bf16, fp16, fp8
-    kv_dtype: str = "auto"
-    #: serving: the longest decode step (per-token latency) allowed
-    max_tpot_ms: float | None = None
-    #: GPU memory the whole plan must fit, e.g. "24GiB" (None: the profile's, or --trigger's share of it)
-    gpu_memory: str | None = None
+    The one declaration of make's inputs: each field's metadata (``option``) is its flag and help, from which
+    the make command's options and the plan's regenerate command are both derived.
+    """
+
+    model: str = field(metadata=option("--model", "Checkpoint folder, .safetensors file, or hub repo id.",
+                                       short="-m", always=True))
+    revision: str | None = field(default=None, metadata=option("--revision", "Hub revision (branch, tag or commit)."))
+    gpu: str = field(metadata=option("--gpu", "Built-in profile name (see `profiles`) or a profile .yaml.",
+                                     short="-g", always=True))
+    budget: str | None = field(default=None, metadata=option(
+        "--budget", f"GPU bytes for weights, slots included: 40GiB, 80GB ({SIZE_HELP})."))
+    trigger: float | None = field(default=None, metadata=option(
+        "--trigger", "Budget as a share of GPU memory, e.g. 0.5."))
+    tokens: int = field(default=2048, metadata=option(
+        "--tokens", "Tokens per forward step (prefill chunk or decode batch).", always=True))
+    sequences: int = field(default=1, metadata=option(
+        "--sequences", "Sequences those tokens belong to (decode: the batch)."))
+    context: int = field(default=0, metadata=option(
+        "--context", "Tokens already in each sequence's KV cache; with --concurrency, the longest sequence served "
+                     "(prompt and output)."))
+    params: tuple[str, ...] = field(default=(), metadata=option(
+        "--params", "Offload only params matching these name segments (repeat)."))
+    stack: str | None = field(default=None, metadata=option(
+        "--stack", "Layer stack to plan, e.g. model.language_model.layers."))
+    group_size: int | None = field(default=None, metadata=option("--group-size", "Pin G instead of searching it."))
+    num_in_group: int | None = field(default=None, metadata=option("--num-in-group", "Pin K instead of searching it."))
+    prefetch_step: int | None = field(default=None, metadata=option(
+        "--prefetch-step", "Pin P instead of searching it."))
+    measure: bool = field(default=False, metadata=option(
+        "--measure", "Time one layer of each kind on the local GPU instead of estimating."))
+    measured_on: str | None = field(default=None, metadata=option(
+        "--measured-on", "Profile of the local GPU for --measure (default: from its name)."))
+    cuda_graph: bool = field(default=False, metadata=option(
+        "--cuda-graph", "Plan for decode steps replayed from CUDA graphs (run --cuda-graph), one step per replay: "
+                        "prefetches join at each replay's end; --measure times layers graphed."))
+    host_memory: str | None = field(default=None, metadata=option(
+        "--host-memory", "Host memory the offloaded params may be pinned in, e.g. 480GB (default: the profile's "
+                         "figure; Grace profiles have one)."))
+    concurrency: str | None = field(default=None, metadata=option(
+        "--concurrency", "Serving target: plan the whole GPU for decode at this many sequences of up to --context "
+                         "tokens: 64, a range 8..512, or auto (the most tokens/s)."))
+    chunk: int = field(default=2048, metadata=option(
+        "--chunk", "Serving: tokens of a prefill chunk (its activations are planned, its time reported)."))
+    kv_dtype: str = field(default="auto", metadata=option(
+        "--kv-dtype", "KV cache element type: auto (the checkpoint's), bf16, fp16, fp8."))
+    max_tpot_ms: float | None = field(default=None, metadata=option(
+        "--max-tpot-ms", "Serving: the longest decode step (per-token latency) allowed, in ms."))
+    gpu_memory: str | None = field(default=None, metadata=option(
+        "--gpu-memory", f"GPU memory the whole plan must fit, e.g. 24GiB ({SIZE_HELP}; default: the profile's; run "
+                        "caps itself to it)."))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -210,6 +238,9 @@ class LayerRow:
 
     index: int
     bytes: int
+    #: bytes of the layer's params that offload.params selects (the whole layer when it selects by layer), for
+    #: every layer: 0 means offloading the layer would move nothing (schema 2)
+    selected_bytes: int
     #: bytes moved over the link when offloaded (selected params); 0 for resident layers
     offloaded_bytes: int
     compute_ms: float
@@ -271,6 +302,8 @@ class Plan:
     serving: ServingSection | None = None
 
     def __post_init__(self):
+        if any(not 0 <= row.offloaded_bytes <= row.selected_bytes <= row.bytes for row in self.layers):
+            raise ValueError("every layer row needs 0 <= offloaded_bytes <= selected_bytes <= bytes")
         if self.schema_version != SCHEMA_VERSION:
             raise ValueError(f"schema_version must be {SCHEMA_VERSION}")
         if len(self.layers) != self.model.num_layers:
@@ -329,8 +362,6 @@ def plan_to_dict(plan: Plan) -> dict:
     for name in SECTIONS:
         section = asdict(getattr(plan, name))
         out[name] = {key: _plain(value) for key, value in section.items()}
-    if not plan.workload.cuda_graph:
-        del out["offload"]["replay_start_copies"]  # eager plans keep their bytes
     out["layers"] = [{key: _plain(value) for key, value in asdict(row).items()} for row in plan.layers]
     if plan.serving is not None:
         out["serving"] = {key: _plain(value) for key, value in asdict(plan.serving).items() if key != "points"}
@@ -398,18 +429,28 @@ def read_plan(path: Path) -> Plan:
     return plan_from_dict(data, str(path))
 
 
+#: keys schema 1 plans may lack (added while it was current, with these values before them)
+_SCHEMA_1_DEFAULTS = {
+    "inputs": {"measure": False, "measured_on": None, "cuda_graph": False, "host_memory": None},
+    "hardware": {"host_memory_bytes": None},
+    "workload": {"cuda_graph": False},
+    "offload": {"replay_start_copies": 0},
+}
+
+
 def plan_from_dict(data: object, origin: str) -> Plan:
-    """Build a Plan from parsed YAML."""
+    """Build a Plan from parsed YAML; a schema 1 plan is upgraded to the current schema first."""
     if not isinstance(data, dict):
         raise PlanError(f"{origin}: not a plan (expected a mapping); regenerate it with offload-plan make")
     expected = {"schema_version", "layers", *SECTIONS}
     if set(data) - {"serving"} != expected:
         problems = sorted((set(data) - {"serving"}) ^ expected)
         raise PlanError(f"{origin}: plan keys differ from schema {SCHEMA_VERSION} at {problems}; regenerate it")
-    if data["schema_version"] != SCHEMA_VERSION:
-        raise PlanError(
-            f"{origin}: schema_version {data['schema_version']!r} is not {SCHEMA_VERSION}; regenerate it"
-        )
+    if data["schema_version"] not in READABLE_SCHEMA_VERSIONS:
+        raise PlanError(f"{origin}: schema_version {data['schema_version']!r} is not one of "
+                        f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))}; regenerate it with this offload-plan")
+    if data["schema_version"] == 1:
+        data = _upgraded_from_1(data, origin)
     kwargs: dict = {"schema_version": SCHEMA_VERSION}
     for name, cls in SECTIONS.items():
         kwargs[name] = _section(cls, data[name], f"{origin}: {name}")
@@ -454,19 +495,41 @@ _TYPES = {int: (int,), float: (int, float), str: (str,), bool: (bool,)}
 _BASES = (bool, int, float, str)
 
 
+def _upgraded_from_1(data: dict, origin: str) -> dict:
+    """A schema 1 plan in schema 2's terms: keys added during schema 1 take their earlier values, and each layer
+    row's selected_bytes is what its copy_ms implies (schema 1 kept only that rounded time)."""
+    upgraded = dict(data, schema_version=SCHEMA_VERSION)
+    for name, defaults in _SCHEMA_1_DEFAULTS.items():
+        if isinstance(data[name], dict):
+            upgraded[name] = {**defaults, **data[name]}
+    hardware, offload = upgraded["hardware"], upgraded["offload"]
+    if not isinstance(data["layers"], list) or not isinstance(hardware, dict) or not isinstance(offload, dict):
+        return upgraded  # the strict reader names what is wrong
+    try:
+        rows = [dict(row, selected_bytes=_selected_bytes_of_1(row, hardware, bool(offload.get("params"))))
+                for row in data["layers"]]
+    except (TypeError, ValueError, KeyError) as error:
+        raise PlanError(f"{origin}: a schema 1 layer row cannot be read ({error}); regenerate the plan") from None
+    return dict(upgraded, layers=rows)
+
+
+def _selected_bytes_of_1(row: dict, hardware: dict, by_params: bool) -> int:
+    if row["offloaded_bytes"] or not by_params:
+        return row["offloaded_bytes"] or row["bytes"]
+    link_ms = row["copy_ms"] - hardware["copy_overhead_us"] / 1e3
+    return min(row["bytes"], max(0, round(link_ms * hardware["h2d_bytes_per_s"] / 1e3)))
+
+
 def _section(cls, raw: object, origin: str):
     if not isinstance(raw, dict):
         raise PlanError(f"{origin} must be a mapping; regenerate the plan")
     names = [f.name for f in fields(cls)]
-    # Fields added after schema 1 carry defaults: a plan written before them still reads (check reports it stale).
-    optional = {f.name for f in fields(cls) if f.default is not MISSING}
-    if set(raw) - set(names) or set(names) - set(raw) - optional:
-        wrong = sorted((set(raw) - set(names)) | (set(names) - set(raw) - optional))
+    if set(raw) != set(names):
+        wrong = sorted(set(raw) ^ set(names))
         raise PlanError(f"{origin}: keys {wrong} differ from the schema; regenerate the plan")
     values = {}
     for f in fields(cls):
-        if f.name in raw:
-            values[f.name] = _check_type(raw[f.name], f.type, f"{origin}.{f.name}")
+        values[f.name] = _check_type(raw[f.name], f.type, f"{origin}.{f.name}")
     try:
         return cls(**values)
     except ValueError as error:
@@ -489,7 +552,8 @@ def _check_type(value: Any, annotation: Any, origin: str) -> Any:
         if not isinstance(value, dict) or not all(isinstance(v, int) for v in value.values()):
             raise PlanError(f"{origin} must be a mapping of names to integers; regenerate the plan")
         return value
-    base = next(t for t in _BASES if t is annotation or text.split("|")[0].strip() in (t.__name__, f"<class '{t.__name__}'>"))
+    first = text.split("|")[0].strip()
+    base = next(t for t in _BASES if t is annotation or first in (t.__name__, f"<class '{t.__name__}'>"))
     if base is bool:
         if not isinstance(value, bool):
             raise PlanError(f"{origin} must be true or false, got {value!r}; regenerate the plan")

@@ -4,6 +4,7 @@ Every figure carries its provenance (``datasheet``, ``measured``, ``fitted`` or 
 says where it comes from, so a reviewer can tell a reading from a lead.
 """
 
+import difflib
 import math
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -148,14 +149,22 @@ def list_profile_names() -> list[str]:
     return sorted(p.stem for p in profiles_dir().iterdir() if p.suffix in PROFILE_SUFFIXES)
 
 
+def _close_names(name: str, names: list[str]) -> list[str]:
+    """Names the user probably meant: those that extend what was typed (h100), else the closest spelling."""
+    name = name.lower()
+    return [n for n in names if n.startswith(name)] or difflib.get_close_matches(name, names, n=1, cutoff=0.5)
+
+
 def load_profile(name_or_path: str) -> HardwareProfile:
     """A built-in profile by name (``gb200``), or the user's own YAML file by path."""
     path = Path(name_or_path)
     if path.suffix not in PROFILE_SUFFIXES:
         path = profiles_dir() / f"{name_or_path.lower()}.yaml"
         if not path.is_file():
+            names = list_profile_names()
+            guess = f"did you mean {' or '.join(close)}? " if (close := _close_names(name_or_path, names)) else ""
             raise ProfileError(
-                f"unknown GPU {name_or_path!r}; choose one of {', '.join(list_profile_names())}, "
+                f"unknown GPU {name_or_path!r}; {guess}choose one of {', '.join(names)}, "
                 "or pass a profile file (--gpu my-gpu.yaml)"
             )
     try:

@@ -125,7 +125,8 @@ def _summary(plan: Plan) -> Table:
                                  f"prefetch {offload.prefetch_step}")
     else:
         table.add_row("offload", "nothing: every weight fits the budget")
-    table.add_row("predicted step", f"{format_ms(prediction.step_ms)} (all resident {format_ms(prediction.resident_step_ms)}, "
+    table.add_row("predicted step", f"{format_ms(prediction.step_ms)} "
+                                    f"(all resident {format_ms(prediction.resident_step_ms)}, "
                                     f"x{_slowdown(plan):.2f}); stall {format_ms(prediction.stall_ms)}; "
                                     f"link floor {format_ms(prediction.link_floor_ms)}, "
                                     f"link busy {100 * prediction.link_busy_share:.0f}%")
@@ -166,7 +167,8 @@ def _memory(plan: Plan) -> Table:
     rows = [
         ("GPU: resident layer params", memory.resident_layer_bytes),
         ("GPU: outside the stack (embeddings, norms, head)", memory.non_layer_bytes),
-        (f"GPU: {memory.num_slots} prefetch slot(s) x {format_bytes(memory.slot_bytes)}", memory.num_slots * memory.slot_bytes),
+        (f"GPU: {memory.num_slots} prefetch slot(s) x {format_bytes(memory.slot_bytes)}",
+         memory.num_slots * memory.slot_bytes),
         ("GPU: alignment and allocator rounding (bound)", memory.allocation_slack_bytes),
         ("GPU: total weights", memory.gpu_bytes),
         ("GPU: budget", memory.budget_bytes),

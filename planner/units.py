@@ -1,33 +1,44 @@
 """Parsing and formatting of byte counts and times."""
 
+import math
 import re
 
 from planner.errors import UsageError
 
+#: unit -> bytes, case-insensitive. Decimal like disk and link datasheets (K, M, G, T and KB, MB, GB, TB are
+#: powers of 1000), binary with an i (KiB, MiB, GiB, TiB, or Ki, Mi, Gi, Ti: powers of 1024). G is GB, not GiB.
 _BYTE_UNITS = {
-    "": 1,
     "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
+    **{f"{prefix}{suffix}": 10 ** (3 * power) for power, prefix in enumerate("kmgt", 1) for suffix in ("", "b")},
+    **{f"{prefix}i{suffix}": 2 ** (10 * power) for power, prefix in enumerate("kmgt", 1) for suffix in ("", "b")},
 }
-_BYTES_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+#: what --help and size errors say about units
+SIZE_HELP = "G and GB are 10^9 bytes, GiB is 2^30, likewise K, M, T; a number needs its unit"
+#: no size this tool handles comes near this: refuse instead of overflowing a 64-bit byte count downstream
+MAX_BYTES = 2**60
+_BYTES_RE = re.compile(r"^\s*([+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_bytes(text: str) -> int:
-    """Parse '40GiB', '80 GB', '1.5TiB' or '123456' into a byte count."""
+def parse_bytes(text: str, flag: str = "size") -> int:
+    """Parse '40GiB', '80 GB', '40G' (= 40 * 10^9) or '1.5TiB' into a byte count; one-line UsageError otherwise.
+
+    A bare number is refused (``--budget 40`` used to mean 40 bytes): the error suggests the likely unit.
+    """
     match = _BYTES_RE.match(str(text))
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _BYTE_UNITS:
-        raise UsageError(
-            f"cannot read {text!r} as a size: write a number with a unit such as 40GiB, 80GB or 512MiB"
-        )
-    return int(round(float(match.group(1)) * _BYTE_UNITS[unit]))
+    if match is None or match.group(2).lower() not in _BYTE_UNITS | {"": 1}:
+        raise UsageError(f"{flag} {text!r}: cannot read it as a size; write a number with a unit such as 40GiB, "
+                         f"80GB or 512MiB ({SIZE_HELP})")
+    number, unit = match.group(1), match.group(2).lower()
+    value = float(number)
+    if not unit:
+        likely = f"{number}GiB" if value < 2**20 else f"{number}B"
+        raise UsageError(f"{flag} {number} has no unit: did you mean {likely}? ({SIZE_HELP})")
+    num_bytes = value * _BYTE_UNITS[unit]
+    if not math.isfinite(num_bytes) or num_bytes > MAX_BYTES:
+        raise UsageError(f"{flag} {text.strip()} is too large to be a size (more than {MAX_BYTES} bytes)")
+    if num_bytes < 0:
+        raise UsageError(f"{flag} {text.strip()} is negative; give a size such as 40GiB")
+    return int(round(num_bytes))
 
 
 def format_bytes(num_bytes: float) -> str:

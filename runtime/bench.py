@@ -181,7 +181,8 @@ def generate(loaded: Loaded, prompt: str, model_path: str, max_new_tokens: int,
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
     except (OSError, ValueError):
-        raise UsageError(f"{model_path} has no tokenizer; use --bench, or point --model at a checkpoint with one") from None
+        raise UsageError(
+            f"{model_path} has no tokenizer; use --bench, or point --model at a checkpoint with one") from None
     device = model_device(loaded.model)
     inputs = tokenizer(prompt, return_tensors="pt").to(device)
     if cuda_graph or compile_backend:

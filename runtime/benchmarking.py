@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from planner.header_checkpoint import marker_kind, tensor_specs, write_owned_folder
+from planner.header_checkpoint import marker_kind, write_owned_folder
+from runtime.header_checkpoint import tensor_specs
 from runtime.backend import CudaBackend
 from runtime.calibrate import median_event_ms
 from runtime.graph import DecodeLoop, cache_tokens_for
@@ -145,13 +146,15 @@ def plan_for(checkpoint: Path, share: float, tokens: int, layout, gpu: str, meas
     from planner.make import make_plan  # here, not at import: planner.make reaches the runtime for --measure
     from planner.plan import Inputs
 
+    from runtime.measure import measured_compute
+
     inputs = Inputs(
-        model=str(checkpoint), revision=None, gpu=gpu, budget=str(budget_for_share(layout, share)), trigger=None,
+        model=str(checkpoint), revision=None, gpu=gpu, budget=f"{budget_for_share(layout, share)}B", trigger=None,
         tokens=tokens, sequences=sequences, context=context, params=(), stack=None, group_size=None,
         num_in_group=None, prefetch_step=None, measure=measure, measured_on="h100-sxm" if measure else None,
         cuda_graph=cuda_graph,
     )
-    return make_plan(inputs).plan
+    return make_plan(inputs, measure=measured_compute if measure else None).plan
 
 
 def deterministic_decode(*, cudnn_attention: bool = False) -> None:

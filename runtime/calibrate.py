@@ -2,12 +2,13 @@
 
 Host-to-device: copies from page-locked memory registered the way the runtime registers it, 1 MiB to 1 GiB
 in doublings, each size queued back to back on the copy stream (2 GiB a timing) as the runtime queues layer
-copies, so the time per copy is what a steady stream of them costs; a line through (bytes, time) of the layer-sized ones (16 MiB and up) gives the bandwidth
-(slope) and the fixed cost per copy (intercept). The line is fitted to relative error, so every size counts
-alike: an ordinary least-squares fit is decided by the two largest copies alone, and small copies (whose
-rate does not follow a line) pulled the slope 6% under the rate layer copies reach on the lent H100. HBM: a 2 GiB device-to-device copy, bytes
-read plus written. Matmul: an 8192^3 bf16 product on random data. Memory: what the driver reports; host
-memory: the host's MemTotal. Every reading is a median.
+copies, so the time per copy is what a steady stream of them costs; a line through (bytes, time) of the
+layer-sized ones (16 MiB and up) gives the bandwidth (slope) and the fixed cost per copy (intercept). The line
+is fitted to relative error, so every size counts alike: an ordinary least-squares fit is decided by the two
+largest copies alone, and small copies (whose rate does not follow a line) pulled the slope 6% under the rate
+layer copies reach on the lent H100. HBM: a 2 GiB device-to-device copy, bytes read plus written. Matmul: an
+8192^3 bf16 product on random data. Memory: what the driver reports; host memory: the host's MemTotal. Every
+reading is a median.
 """
 
 import datetime
@@ -108,10 +109,12 @@ def calibrate() -> tuple[HardwareProfile, dict]:
     free_bytes, total_bytes = torch.cuda.mem_get_info()
     measured = {
         "gpu_memory_bytes": Figure(value=total_bytes, source="measured", note=f"cudaMemGetInfo total; {stamp}"),
-        "hbm_bytes_per_s": Figure(value=hbm, source="measured", note=f"2 GiB device-to-device copy, read + written; {stamp}"),
+        "hbm_bytes_per_s": Figure(value=hbm, source="measured",
+                                  note=f"2 GiB device-to-device copy, read + written; {stamp}"),
         "bf16_flops_per_s": Figure(value=matmul, source="measured", note=f"8192^3 bf16 matmul, random data; {stamp}"),
         "h2d_bytes_per_s": Figure(value=h2d, source="measured",
-                                  note=f"slope of back-to-back pinned H2D copies 16 MiB..1 GiB on a side stream, fitted to relative error; {stamp}"),
+                                  note=f"slope of back-to-back pinned H2D copies 16 MiB..1 GiB on a side stream, "
+                                       f"fitted to relative error; {stamp}"),
         "copy_overhead_us": Figure(value=overhead_us, source="measured",
                                    note=f"intercept of the same line; {stamp}"),
     }
@@ -139,8 +142,8 @@ def restated_efficiency(base: HardwareProfile, measured_flops_per_s: float) -> F
     efficiency = base.compute_efficiency
     value = efficiency.value * base.bf16_flops_per_s.value / measured_flops_per_s
     return Figure(value=round(value, 4), source=efficiency.source,
-                  note=f"{efficiency.note}; restated against the measured bf16 rate (x {base.bf16_flops_per_s.value:.3g} "
-                       f"/ {measured_flops_per_s:.3g})")
+                  note=f"{efficiency.note}; restated against the measured bf16 rate "
+                       f"(x {base.bf16_flops_per_s.value:.3g} / {measured_flops_per_s:.3g})")
 
 
 def calibrated_yaml(profile: HardwareProfile) -> str:

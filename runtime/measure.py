@@ -116,7 +116,8 @@ def alias_module(module: nn.Module, layer_index: int) -> nn.Module:
     return clone
 
 
-def build_measure_model(config: dict, kinds: tuple[tuple[int, ...], ...], stack: str, device: str = "cuda") -> nn.Module:
+def build_measure_model(config: dict, kinds: tuple[tuple[int, ...], ...], stack: str,
+                        device: str = "cuda") -> nn.Module:
     """The model at full depth on the GPU with random bf16 weights for one layer per kind, aliases elsewhere."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -176,7 +177,8 @@ def _time_forward(model, stack: str, workload: Workload) -> tuple[list[float], f
         handle.remove()
     per_forward_layers = [sum(samples[i][r][0].elapsed_time(samples[i][r][1]) for i in range(len(layers)))
                           for r in range(NUM_TIMED)]
-    rest_ms = statistics.median(s.elapsed_time(e) - in_layers for (s, e), in_layers in zip(forwards, per_forward_layers))
+    rest_ms = statistics.median(s.elapsed_time(e) - in_layers
+                                for (s, e), in_layers in zip(forwards, per_forward_layers))
     layer_ms = [statistics.median(s.elapsed_time(e) for s, e in pairs) for pairs in samples]
     return layer_ms, max(0.0, rest_ms)
 
@@ -299,7 +301,7 @@ def measured_compute(
     shapes = {t.name: t.shape for t in checkpoint.tensors}
     on_local = estimate_compute(layout, geometry, workload, local, shapes)
     on_target = estimate_compute(layout, geometry, workload, target, shapes)
-    scaled = tuple(m * t / l for m, t, l in zip(layer_ms, on_target.layer_ms, on_local.layer_ms))
+    scaled = tuple(ms * there / here for ms, there, here in zip(layer_ms, on_target.layer_ms, on_local.layer_ms))
     scaled_head = head_ms * on_target.head_ms / on_local.head_ms if on_local.head_ms else head_ms
     return ComputeTimes(layer_ms=scaled, head_ms=scaled_head,
                         source=f"{source}; scaled from {local.name} to {target.name} by roofline ratio")

@@ -152,7 +152,8 @@ def serve_and_time(loaded, cuda_graph: bool, compile_backend: str | None = None,
         phases["chunk"] = torch.cuda.max_memory_reserved(device)
         del loop
     except torch.OutOfMemoryError:
-        held = f"; {format_bytes(torch.cuda.memory_reserved(device))} reserved ({', '.join(f'{k} {format_bytes(v)}' for k, v in phases.items())})"
+        by_phase = ", ".join(f"{name} {format_bytes(value)}" for name, value in phases.items())
+        held = f"; {format_bytes(torch.cuda.memory_reserved(device))} reserved ({by_phase})"
         raise out_of_memory(f"at {concurrency} sequences of {context} tokens{held}", plan) from None
     median_ms = statistics.median(step_ms)
     mode = "decode " + ("graphed" if cuda_graph else "eager") + (", compiled" if compile_backend else "")

@@ -90,7 +90,8 @@ def parser():
     result.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     result.add_argument("--nondeterministic", action="store_true", help="leave torch's default algorithms")
     result.add_argument("--compile", type=int, nargs="*", metavar="BATCH",
-                        help="also time both models compiled by Inductor, graphed, at these batches (all if none given)")
+                        help="also time both models compiled by Inductor, graphed, at these batches "
+                             "(all if none given)")
     result.add_argument("--sdpa-cudnn", action="store_true", help="let SDPA pick cuDNN attention (not reproducible)")
     return result
 
@@ -181,11 +182,12 @@ def report(rows, h2d: float, out, device_name: str) -> None:
     mode += "" if torch.backends.cuda.cudnn_sdp_enabled() else ", SDPA without cuDNN"
     header = (f"{datetime.date.today()} {device_name}, torch {torch.__version__} ({mode}), pinned H2D "
               f"{h2d / 1e9:.1f} GB/s, Qwen3-8B shape bf16, KV context {CONTEXT_TOKENS}, budget {BUDGET_SHARE:.0%} of "
-              f"layer bytes; plans from make --cuda-graph --measure with the calibrated profile; {STEPS_PER_GRAPH} step(s) "
-              "per replay unless said")
+              f"layer bytes; plans from make --cuda-graph --measure with the calibrated profile; "
+              f"{STEPS_PER_GRAPH} step(s) per replay unless said")
     lines = [header, "",
-             "| batch | offloaded (G, K, P, left to replay start) | resident graphed ms (eager) | floor ms | plan graphed ms | floor/plan | "
-             f"plan {MULTI_STEPS_PER_GRAPH} steps/replay ms | plan eager ms | graph speed-up | tokens/s graphed | predicted ms | error | "
+             "| batch | offloaded (G, K, P, left to replay start) | resident graphed ms (eager) | floor ms | "
+             f"plan graphed ms | floor/plan | plan {MULTI_STEPS_PER_GRAPH} steps/replay ms | plan eager ms | "
+             "graph speed-up | tokens/s graphed | predicted ms | error | "
              "warm-up + capture s | bitwise |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -202,8 +204,8 @@ def report(rows, h2d: float, out, device_name: str) -> None:
     compiled = [r for r in rows if "compiled" in r]
     if compiled:
         lines += ["", "torch.compile (Inductor) inside the graph; floor = max(compiled resident step, copy time):", "",
-                  "| batch | resident graphed ms | resident compiled ms | plan graphed ms | plan compiled ms | floor ms | "
-                  "floor/plan | compile s | plan = compiled resident | resident ids = eager |",
+                  "| batch | resident graphed ms | resident compiled ms | plan graphed ms | plan compiled ms | "
+                  "floor ms | floor/plan | compile s | plan = compiled resident | resident ids = eager |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for r in compiled:
             c = r["compiled"]

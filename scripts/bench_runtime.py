@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.cuda.reset_peak_memory_stats()
         reference[tokens] = timed(resident, inputs_for(tokens, vocab), NUM_STEPS)
         activation_bytes[tokens] = torch.cuda.max_memory_allocated() - baseline_bytes - resident_weights_bytes
-        log(f"resident {tokens} tokens: {reference[tokens][0]:.2f} ms, activations {activation_bytes[tokens] / 2**30:.2f} GiB")
+        log(f"resident {tokens} tokens: {reference[tokens][0]:.2f} ms, "
+            f"activations {activation_bytes[tokens] / 2**30:.2f} GiB")
     del resident
     free()
     from planner.checkpoint import load_checkpoint
@@ -131,7 +132,8 @@ def main(argv: list[str] | None = None) -> None:
                 and estimated.offload.prefetch_step == plan.offload.prefetch_step,
                 "weights_gpu_bytes": weights_bytes, "peak_gpu_bytes": peak_bytes,
                 "resident_activation_bytes": activation_bytes[tokens],
-                "stall_ms": stats.stall_ms / 2, "link_gb_per_s": stats.bytes_copied / stats.copy_ms / 1e6 if stats.copy_ms else 0,
+                "stall_ms": stats.stall_ms / 2,
+                "link_gb_per_s": stats.bytes_copied / stats.copy_ms / 1e6 if stats.copy_ms else 0,
                 "bitwise_equal": bool(torch.equal(logits, reference[tokens][1])),
             })
             log(json.dumps(rows[-1]))
@@ -144,7 +146,9 @@ def report(rows, h2d, out: Path, device_name: str) -> None:
               f"pinned H2D {h2d / 1e9:.1f} GB/s, Qwen3-8B shape bf16, prefill steps (1 x tokens); plans made with "
               f"the calibrated profile and measured layer times (make --measure)")
     lines = [header, "",
-             "| tokens | GPU share | offloaded/P | resident ms (predicted) | floor ms | plan ms | plan/floor | predicted ms | error | roofline-plan predicted ms | Accelerate ms | Accel/plan | weights GiB / budget GiB | peak GiB (resident's activations) | stall ms | link GB/s | bitwise |",
+             "| tokens | GPU share | offloaded/P | resident ms (predicted) | floor ms | plan ms | plan/floor | "
+             "predicted ms | error | roofline-plan predicted ms | Accelerate ms | Accel/plan | "
+             "weights GiB / budget GiB | peak GiB (resident's activations) | stall ms | link GB/s | bitwise |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         accelerate = f"{r['accelerate_ms']:.1f}" if r["accelerate_ms"] else "-"
@@ -152,11 +156,13 @@ def report(rows, h2d, out: Path, device_name: str) -> None:
         lines.append(
             f"| {r['tokens']} | {r['share']:.0%} | {r['offloaded']}/{r['prefetch']} | {r['resident_ms']:.1f} "
             f"({r['resident_predicted_ms']:.1f}) | "
-            f"{r['floor_ms']:.1f} | {r['plan_ms']:.1f} | {r['plan_ms'] / r['floor_ms']:.3f} | {r['predicted_ms']:.1f} | "
+            f"{r['floor_ms']:.1f} | {r['plan_ms']:.1f} | {r['plan_ms'] / r['floor_ms']:.3f} | "
+            f"{r['predicted_ms']:.1f} | "
             f"{(r['predicted_ms'] - r['plan_ms']) / r['plan_ms']:+.1%} | {r['estimated_plan_predicted_ms']:.1f}"
             f"{'' if r['estimated_plan_same_layers'] else ' (other layers)'} | "
             f"{accelerate} | {ratio} | {r['weights_gpu_bytes'] / 2**30:.2f} / {r['budget_bytes'] / 2**30:.2f} | "
-            f"{r['peak_gpu_bytes'] / 2**30:.2f} ({r['resident_activation_bytes'] / 2**30:.2f}) | {r['stall_ms']:.1f} | {r['link_gb_per_s']:.1f} | {r['bitwise_equal']} |")
+            f"{r['peak_gpu_bytes'] / 2**30:.2f} ({r['resident_activation_bytes'] / 2**30:.2f}) | "
+            f"{r['stall_ms']:.1f} | {r['link_gb_per_s']:.1f} | {r['bitwise_equal']} |")
     write_report(out, header, lines, rows)
 
 

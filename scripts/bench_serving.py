@@ -17,7 +17,7 @@ import argparse
 import copy
 import json
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, set before CUDA starts
@@ -47,7 +47,8 @@ POINTS = {
 
 def header_checkpoint(config: str, root: Path) -> Path:
     """A header-only checkpoint of ``config`` (names, dtypes and shapes; no weights) for planning."""
-    from planner.header_checkpoint import marker_kind, write_header_checkpoint
+    from planner.header_checkpoint import marker_kind
+    from runtime.header_checkpoint import write_header_checkpoint
 
     folder = root / Path(config).parent.name
     if marker_kind(folder) is None:
@@ -65,15 +66,17 @@ def make(checkpoint: Path, profile: Path, point: Point, concurrency: str, knobs=
     the weights), or the one-line reason why none fits."""
     from planner.make import make_plan
     from planner.plan import Inputs
+    from runtime.measure import measured_compute
 
     group_size, num_in_group, prefetch_step = knobs
     inputs = Inputs(
         model=str(checkpoint), revision=None, gpu=str(profile), budget=None if budget is None else f"{budget}B",
         trigger=None, tokens=1, sequences=1, context=point.context_tokens, params=(), stack=None,
         group_size=group_size, num_in_group=num_in_group, prefetch_step=prefetch_step, measure=MEASURE["on"],
-        measured_on="h100-sxm" if MEASURE["on"] else None, cuda_graph=True, concurrency=concurrency, gpu_memory=f"{point.gpu_memory_gib}GiB")
+        measured_on="h100-sxm" if MEASURE["on"] else None, cuda_graph=True, concurrency=concurrency,
+        gpu_memory=f"{point.gpu_memory_gib}GiB")
     try:
-        return make_plan(inputs).plan
+        return make_plan(inputs, measure=measured_compute if MEASURE["on"] else None).plan
     except OffloadPlanError as error:
         return str(error)
 
@@ -229,12 +232,15 @@ def table(rows: list[dict]) -> list[str]:
             continue
         measured, predicted = row["decode_tokens_per_s"], row["predicted_tokens_per_s"]
         lines.append(
-            f"| {row['point']} | {row['arm']} | {row['concurrency']} | {row['offloaded']} ({','.join(map(str, row['knobs']))}) | "
-            f"{measured:,.1f} | {predicted:,.1f} | {(predicted - measured) / measured:+.1%} | {row['decode_step_ms']:.2f} | "
-            f"{row['peak_gpu_bytes'] / 2**30:.2f} / {row['gpu_memory_bytes'] / 2**30:.0f} | {row['first_step_bitwise']} |")
+            f"| {row['point']} | {row['arm']} | {row['concurrency']} | "
+            f"{row['offloaded']} ({','.join(map(str, row['knobs']))}) | {measured:,.1f} | {predicted:,.1f} | "
+            f"{(predicted - measured) / measured:+.1%} | {row['decode_step_ms']:.2f} | "
+            f"{row['peak_gpu_bytes'] / 2**30:.2f} / {row['gpu_memory_bytes'] / 2**30:.0f} | "
+            f"{row['first_step_bitwise']} |")
     lines.append("")
     for point in dict.fromkeys(row["point"] for row in rows):
-        measured = {r["arm"]: r["decode_tokens_per_s"] for r in rows if r["point"] == point and "decode_tokens_per_s" in r}
+        measured = {r["arm"]: r["decode_tokens_per_s"] for r in rows
+                    if r["point"] == point and "decode_tokens_per_s" in r}
         if "pick" in measured:
             best = max(measured, key=measured.get)
             lines.append(f"{point}: regret {measured[best] / measured['pick']:.3f} (fastest: {best})")
@@ -247,7 +253,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "/tmp/bench-serving"))
     parser.add_argument("--root", type=Path, default=Path("/tmp/bench-serving-checkpoints"))
     parser.add_argument("--plan-only", action="store_true",
-                        help="make the plans from roofline estimates with the h100-sxm profile and stop (no GPU needed)")
+                        help="make the plans from roofline estimates with the h100-sxm profile and stop "
+                             "(no GPU needed)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("OFFLOAD_PLAN_CACHE", str(args.root / "cache"))

@@ -1,6 +1,6 @@
 """Write a header-only checkpoint from a config.json: real tensor names, dtypes and shapes, no weights.
 
-A thin wrapper around ``planner.header_checkpoint.write_header_checkpoint`` (installed with the package; the
+A thin wrapper around ``runtime.header_checkpoint.write_header_checkpoint`` (installed with the package; the
 command ``offload-plan header-checkpoint CONFIG OUT`` calls the same function). OUT must be new, empty, or a
 folder this tool wrote earlier: anything else is refused and left untouched. Needs torch and transformers.
 
@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 from planner.errors import OffloadPlanError
-from planner.header_checkpoint import DEFAULT_SHARD_BYTES, DTYPES, write_header_checkpoint
+from planner.header_checkpoint import DEFAULT_SHARD_BYTES, DTYPES
+from runtime.header_checkpoint import write_header_checkpoint
 
 
 def parser() -> argparse.ArgumentParser:

@@ -50,7 +50,7 @@ def main() -> None:
     for model in sorted({entry[0] for entry in PLANS}):
         write_checkpoint(model)
     for entry in PLANS:
-        subprocess.run([sys.executable, "-m", "planner.cli", *make_command(*entry)], cwd=REPO_ROOT, check=True)
+        subprocess.run([sys.executable, "-m", "offload_plan", *make_command(*entry)], cwd=REPO_ROOT, check=True)
 
 
 if __name__ == "__main__":

@@ -73,14 +73,18 @@ def _attention(config: dict, dtype: str = BF16) -> list:
     """Grouped-query attention: q/k/v/o projections (biases when attention_bias), Qwen3's q/k norms."""
     t, bias = _text(config), bool(config.get("attention_bias"))
     q, kv = t["heads"] * t["head_dim"], t["kv_heads"] * t["head_dim"]
-    specs = (_linear("self_attn.q_proj", q, t["hidden"], dtype, bias) + _linear("self_attn.k_proj", kv, t["hidden"], dtype, bias)
-             + _linear("self_attn.v_proj", kv, t["hidden"], dtype, bias) + _linear("self_attn.o_proj", t["hidden"], q, dtype, bias))
+    specs = (_linear("self_attn.q_proj", q, t["hidden"], dtype, bias)
+             + _linear("self_attn.k_proj", kv, t["hidden"], dtype, bias)
+             + _linear("self_attn.v_proj", kv, t["hidden"], dtype, bias)
+             + _linear("self_attn.o_proj", t["hidden"], q, dtype, bias))
     if config["model_type"] == "qwen3":
-        specs += [("self_attn.q_norm.weight", dtype, [t["head_dim"]]), ("self_attn.k_norm.weight", dtype, [t["head_dim"]])]
+        specs += [("self_attn.q_norm.weight", dtype, [t["head_dim"]]),
+                  ("self_attn.k_norm.weight", dtype, [t["head_dim"]])]
     return specs
 
 
-def _gated_mlp(prefix: str, intermediate: int, hidden: int, linear=_linear, names=("gate_proj", "up_proj", "down_proj")) -> list:
+def _gated_mlp(prefix: str, intermediate: int, hidden: int, linear=_linear,
+               names=("gate_proj", "up_proj", "down_proj")) -> list:
     gate, up, down = names
     return (linear(f"{prefix}.{gate}", intermediate, hidden) + linear(f"{prefix}.{up}", intermediate, hidden)
             + linear(f"{prefix}.{down}", hidden, intermediate))
@@ -97,7 +101,8 @@ def mixtral_layer(config: dict, index: int) -> list:
     hidden, experts = config["hidden_size"], config["num_local_experts"]
     specs = _norms(hidden) + _attention(config) + _linear("block_sparse_moe.gate", experts, hidden)
     for e in range(experts):
-        specs += _gated_mlp(f"block_sparse_moe.experts.{e}", config["intermediate_size"], hidden, names=("w1", "w3", "w2"))
+        specs += _gated_mlp(f"block_sparse_moe.experts.{e}", config["intermediate_size"], hidden,
+                            names=("w1", "w3", "w2"))
     return specs
 
 

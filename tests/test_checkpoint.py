@@ -7,6 +7,7 @@ from tests.conftest import make_checkpoint, nbytes_of, write_safetensors
 
 def test_write_safetensors_is_readable_by_the_safetensors_library(tmp_path):
     pytest.importorskip("torch")
+    pytest.importorskip("safetensors")
     from safetensors import safe_open
 
     tensors = {"a.weight": ("BF16", (3, 5)), "b.bias": ("F32", (7,)), "c": ("I64", (2, 2, 2)), "d": ("U8", (0,))}
@@ -90,7 +91,15 @@ def test_parse_bytes():
     assert parse_bytes("40GiB") == 40 * 2**30
     assert parse_bytes("80 GB") == 80 * 10**9
     assert parse_bytes("1.5KiB") == 1536
-    assert parse_bytes("123") == 123
-    for bad in ("", "GiB", "1e9", "-5GB", "5 parsecs"):
-        with pytest.raises(UsageError):
-            parse_bytes(bad)
+    assert parse_bytes("123B") == 123
+    assert parse_bytes("40G") == parse_bytes("40g") == parse_bytes("40GB") == parse_bytes("40gb") == 40 * 10**9
+    assert parse_bytes("40Gi") == parse_bytes("40gib") == 40 * 2**30
+    assert parse_bytes("1e3KB") == 10**6 and parse_bytes("2T") == 2 * 10**12
+    for bad, message in (("", "cannot read it as a size"), ("GiB", "cannot read"), ("5 parsecs", "cannot read"),
+                         ("nan", "cannot read"), ("inf GB", "cannot read"), ("-5GB", "negative"),
+                         ("1e400", "has no unit"), ("1e400GB", "too large"), ("2e18GiB", "too large"),
+                         ("40", "40 has no unit: did you mean 40GiB"),
+                         ("42949672960", "did you mean 42949672960B")):
+        with pytest.raises(UsageError, match=message) as raised:
+            parse_bytes(bad, "--budget")
+        assert "\n" not in str(raised.value) and str(raised.value).startswith("--budget ")

@@ -108,6 +108,11 @@ MAKE_CASES = {
                        ["--gpu", "bad.yaml"], PROFILE, ["bad.yaml"]),
     "profile-file-missing": (None, ["--gpu", "nope.yaml"], PROFILE, ["nope.yaml: cannot read profile"]),
     "unknown-gpu": (None, ["--gpu", "h999"], PROFILE, ["unknown GPU 'h999'", "h100-sxm"]),
+    "unknown-gpu-close": (None, ["--gpu", "h100"], PROFILE,
+                          ["unknown GPU 'h100'; did you mean h100-pcie or h100-sxm?"]),
+    "unknown-gpu-typo": (None, ["--gpu", "h100-sxn"], PROFILE, ["unknown GPU 'h100-sxn'; did you mean h100-sxm?"]),
+    "budget-no-unit": (None, ["--budget", "40"], USAGE, ["--budget 40 has no unit: did you mean 40GiB?"]),
+    "budget-overflow": (None, ["--budget", "1e400GB"], USAGE, ["--budget 1e400GB is too large"]),
     # safetensors headers
     "header-garbage-json": (lambda w: _corrupt_shard(w, struct.pack("<Q", 16) + b"{not json at all"),
                             [], MODEL, ["not valid JSON"]),
@@ -144,7 +149,7 @@ MAKE_CASES = {
     "budget-above-gpu": (None, ["--budget", "2GB"], USAGE, ["exceeds test-gpu's", "use --budget 858MiB or less"]),
     "budget-and-trigger": (None, ["--budget", "1GB", "--trigger", "0.5"], USAGE, ["not both"]),
     "trigger-not-share": (None, ["--trigger", "1.5"], USAGE, ["--trigger 1.5 is not a share"]),
-    "budget-unreadable": (None, ["--budget", "lots"], USAGE, ["cannot read 'lots' as a size"]),
+    "budget-unreadable": (None, ["--budget", "lots"], USAGE, ["--budget 'lots': cannot read it as a size"]),
     "params-match-nothing": (None, ["--params", "expert", "--budget", "100KB"], USAGE,
                              ["--params expert matches no param"]),
     "stack-unknown": (None, ["--stack", "model.blocks"], MODEL, ["--stack 'model.blocks' is not a layer stack"]),
@@ -154,7 +159,8 @@ MAKE_CASES = {
                           ["pinned knobs"]),
     "host-memory-too-small": (None, ["--budget", "300KB", "--host-memory", "10KB"], INFEASIBLE,
                               ["of host memory but --host-memory allows 10000 bytes", "raise --budget"]),
-    "host-memory-unreadable": (None, ["--host-memory", "lots"], USAGE, ["cannot read 'lots' as a size"]),
+    "host-memory-unreadable": (None, ["--host-memory", "lots"], USAGE,
+                               ["--host-memory 'lots': cannot read it as a size"]),
     "path-not-there-not-repo": (None, ["--model", "no/such/folder"], MODEL,
                                 ["'no/such/folder' is neither an existing path nor a Hugging Face repo id"]),
     "path-not-there-plain": (None, ["--model", "nosuchfolder"], MODEL, ["neither an existing path"]),
@@ -214,11 +220,11 @@ def test_budget_message_numbers_are_the_real_minimum(workdir, good_plan):
     # under 1 MiB: 256-byte pads for each tensor, then 512-byte allocator rounding (planner.placement)
     needed = -(-(weights + 256 * len(checkpoint.tensors)) // 512) * 512
     assert needed == 158208  # 39 tensors
-    ok = invoke(["make", "--model", "ckpt", "--gpu", TEST_GPU, "--budget", str(needed), "-o", "min.yaml"])
+    ok = invoke(["make", "--model", "ckpt", "--gpu", TEST_GPU, "--budget", f"{needed}B", "-o", "min.yaml"])
     assert ok.exit_code == 0, ok.stderr
     plan = yaml.safe_load((workdir / "min.yaml").read_text())
     assert plan["memory"]["gpu_bytes"] == needed and plan["offload"]["layers"] == [0, 1, 2, 3]
-    proc = run(["make", "--model", "ckpt", "--gpu", TEST_GPU, "--budget", str(needed - 1)], workdir, in_process=True)
+    proc = run(["make", "--model", "ckpt", "--gpu", TEST_GPU, "--budget", f"{needed - 1}B"], workdir, in_process=True)
     assert_one_line_error(proc.returncode, proc.stderr, proc.stdout,
                           (f"need {needed} bytes", f"the budget is {needed - 1} bytes"))
 
@@ -246,7 +252,9 @@ SHOW_CASES = {
     "missing-section": (_plan_edit(lambda d: d.pop("prediction")), ["plan keys differ", "'prediction'"]),
     "extra-section": (_plan_edit(lambda d: d.update(notes="hi")), ["plan keys differ", "'notes'"]),
     "missing-key": (_plan_edit(lambda d: d["memory"].pop("gpu_bytes")), ["memory: keys ['gpu_bytes']"]),
-    "schema-version": (_plan_edit(lambda d: d.update(schema_version=2)), ["schema_version 2 is not 1"]),
+    "schema-version": (_plan_edit(lambda d: d.update(schema_version=3)), ["schema_version 3 is not one of 1, 2"]),
+    "selected-above-bytes": (_plan_edit(lambda d: d["layers"][0].update(selected_bytes=d["layers"][0]["bytes"] + 1)),
+                             ["offloaded_bytes <= selected_bytes <= bytes"]),
     "int-as-string": (_plan_edit(lambda d: d["model"].update(num_layers="four")),
                       ["model.num_layers must be int, got 'four'"]),
     "float-as-string": (_plan_edit(lambda d: d["prediction"].update(step_ms="fast")),

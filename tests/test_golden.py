@@ -7,6 +7,7 @@ then review the diff of tests/golden/ like any other code change.
 import pytest
 import yaml
 
+from tests.conftest import DATA_DIR as TESTS_DATA
 from tests.conftest import check_golden, invoke, make_checkpoint
 
 MOE = {"num_experts": 4, "top_k": 2, "expert_intermediate": 32}
@@ -93,7 +94,7 @@ def test_plan_round_trips_through_show(workdir, test_gpu):
     assert json.loads(result.stdout) == yaml.safe_load(text)
     result = invoke(["show", "plan.yaml"])
     assert result.exit_code == 0, result.stderr
-    assert "Plan" in result.stderr and "compute |" in result.stderr
+    assert "Plan" in result.stdout and "compute |" in result.stdout and result.stderr == ""
 
 
 SCHEMA = {
@@ -106,12 +107,12 @@ SCHEMA = {
                  "h2d_bytes_per_s", "copy_overhead_us", "trigger", "reserve_bytes", "compute_efficiency",
                  "host_memory_bytes"],
     "workload": ["tokens_per_step", "sequences_per_step", "context_tokens", "compute_source", "cuda_graph"],
-    "offload": ["group_size", "num_in_group", "prefetch_step", "params", "layers"],
-    "memory": ["budget_bytes", "gpu_bytes", "resident_layer_bytes", "non_layer_bytes", "allocation_slack_bytes", "num_slots", "slot_bytes",
-               "host_pinned_bytes"],
+    "offload": ["group_size", "num_in_group", "prefetch_step", "params", "layers", "replay_start_copies"],
+    "memory": ["budget_bytes", "gpu_bytes", "resident_layer_bytes", "non_layer_bytes", "allocation_slack_bytes",
+               "num_slots", "slot_bytes", "host_pinned_bytes"],
     "prediction": ["step_ms", "resident_step_ms", "head_ms", "stall_ms", "link_floor_ms", "copy_bytes_per_step",
                    "link_busy_share"],
-    "layers": ["index", "bytes", "offloaded_bytes", "compute_ms", "copy_ms"],
+    "layers": ["index", "bytes", "selected_bytes", "offloaded_bytes", "compute_ms", "copy_ms"],
 }
 
 
@@ -120,7 +121,7 @@ def test_plan_schema_keys_are_pinned(workdir, test_gpu):
     from planner.plan import SCHEMA_VERSION
 
     plan = yaml.safe_load(_make(workdir, test_gpu, "dense-budget"))
-    assert SCHEMA_VERSION == 1 and plan["schema_version"] == 1
+    assert SCHEMA_VERSION == 2 and plan["schema_version"] == 2
     assert list(plan) == list(SCHEMA)  # top-level keys, in file order
     for section, keys in SCHEMA.items():
         if section == "schema_version":
@@ -129,3 +130,28 @@ def test_plan_schema_keys_are_pinned(workdir, test_gpu):
             assert all(list(row) == keys for row in plan["layers"])
         else:
             assert list(plan[section]) == keys, section
+
+
+def test_schema_1_plans_are_read_upgraded_and_checked_stale(workdir, test_gpu):
+    """A plan written at schema 1 reads as schema 2 (selected_bytes from its rounded copy times, within one
+    rounding step of the link) and check reports it stale, with the fix command."""
+    from planner.plan import read_plan
+
+    old_text = (workdir.parent / "schema-1.yaml")
+    old_text.write_text((TESTS_DATA / "schema-1-moe-experts.yaml").read_text())
+    assert yaml.safe_load(old_text.read_text())["schema_version"] == 1
+    current = yaml.safe_load(_make(workdir, test_gpu, "moe-experts"))
+    upgraded = read_plan(old_text)
+    assert upgraded.schema_version == 2 and upgraded.offload.replay_start_copies == 0
+    h2d_bytes_per_ms = current["hardware"]["h2d_bytes_per_s"] / 1e3
+    for row, now in zip(upgraded.layers, current["layers"]):
+        assert abs(row.selected_bytes - now["selected_bytes"]) <= h2d_bytes_per_ms * 1e-4, row.index
+    (workdir / "plan.yaml").write_text(old_text.read_text())
+    result = invoke(["check", "plan.yaml"])
+    assert result.exit_code == 8 and "out of date" in result.stderr and "+schema_version: 2" in result.stdout
+
+
+def test_selected_bytes_are_recorded_for_every_layer(workdir, test_gpu):
+    moe = yaml.safe_load(_make(workdir, test_gpu, "moe-experts"))
+    assert all(0 < row["selected_bytes"] < row["bytes"] for row in moe["layers"])  # the experts of each layer
+    assert all(row["offloaded_bytes"] in (0, row["selected_bytes"]) for row in moe["layers"])

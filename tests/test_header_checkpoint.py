@@ -12,8 +12,8 @@ import pytest
 
 from planner.checkpoint import load_checkpoint
 from planner.errors import ModelInputError, UsageError
-from planner.header_checkpoint import (HEADER_ONLY, MARKER_NAME, marker_kind, write_checkpoint_folder,
-                                       write_header_checkpoint)
+from planner.header_checkpoint import HEADER_ONLY, MARKER_NAME, marker_kind, write_checkpoint_folder
+from runtime.header_checkpoint import write_header_checkpoint
 from tests.conftest import ERROR_PREFIX, REPO_ROOT, cli_env
 
 TINY_LLAMA = {

@@ -76,7 +76,8 @@ def test_hub_repo_not_in_cache_offline(workdir, tmp_path_factory):
     (workdir / "out.yaml").write_text("keep me\n")
     env = cli_env(HF_HUB_CACHE=str(cache), HF_HOME=str(cache.parent))
     proc = run_cli(["make", "--model", "org/absent", "--gpu", TEST_GPU, "-o", "out.yaml"], cwd=workdir, env=env)
-    assert_one_line_error(proc.returncode, proc.stderr, proc.stdout, ("org/absent", "not in the local Hugging Face cache"))
+    assert_one_line_error(proc.returncode, proc.stderr, proc.stdout,
+                          ("org/absent", "not in the local Hugging Face cache"))
     assert proc.returncode == 2
     assert (workdir / "out.yaml").read_text() == "keep me\n"
     assert sorted(p.name for p in workdir.iterdir()) == ["out.yaml", "tests"]

@@ -169,8 +169,8 @@ def test_diff_of_two_budgets(dense, test_gpu):
     assert any("move to the GPU" in sentence for sentence in data["summary"])
 
     words = invoke(["diff", "plan.yaml", "fits.yaml"])
-    assert words.exit_code == 0 and words.stdout == ""
-    assert "faster" in words.stderr and "predicted step" in words.stderr and "G / K / P" in words.stderr
+    assert words.exit_code == 0 and words.stderr == ""
+    assert "faster" in words.stdout and "predicted step" in words.stdout and "G / K / P" in words.stdout
 
 
 def test_diff_of_identical_plans_says_nothing_moved(dense):
@@ -322,3 +322,29 @@ def test_grace_profiles_check_host_memory(workdir, test_gpu):
         TEST_GPU_FILE.read_text() + "host_memory_bytes:\n  value: 50000\n  source: assumed\n  note: a tiny host\n")
     result = invoke(["make", "--model", "ckpt", "--gpu", "small-host.yaml", "--budget", "500KB"])
     assert result.exit_code == 5 and "the small-host.yaml profile allows 50000 bytes" in result.stderr
+
+
+def test_export_rule_skips_layers_whose_row_selects_nothing():
+    """The engines skip a rule layer none of whose params match; the plan row's selected_bytes says which."""
+    import dataclasses
+
+    from planner.errors import PlanError
+    from planner.export import check_rule
+    from planner.plan import read_plan
+    from planner.schedule import offloaded_by_rule
+    from tests.conftest import GOLDEN_DIR
+
+    plan = read_plan(GOLDEN_DIR / "moe-experts.yaml")
+    offload = plan.offload
+    rule = offloaded_by_rule(plan.model.num_layers, offload.group_size, offload.num_in_group)
+    assert rule == offload.layers and rule
+    skipped = rule[-1]
+
+    def without_last(selected_bytes: int):
+        rows = tuple(dataclasses.replace(row, selected_bytes=selected_bytes, offloaded_bytes=0)
+                     if row.index == skipped else row for row in plan.layers)
+        return dataclasses.replace(plan, layers=rows, offload=dataclasses.replace(offload, layers=rule[:-1]))
+
+    check_rule(without_last(0))  # nothing selected there: the engines skip it as the plan did
+    with pytest.raises(PlanError, match="is not what the engines' rule gives"):
+        check_rule(without_last(plan.layers[skipped].selected_bytes))

@@ -154,7 +154,7 @@ def test_run_without_a_gpu_is_one_line(tmp_path, llama):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     plan_path = write_plan(plan_with(llama, 1, 1, 2), tmp_path / "plan.yaml")
-    result = subprocess.run([sys.executable, "-m", "planner.cli", "run", str(plan_path), "--bench"],
+    result = subprocess.run([sys.executable, "-m", "offload_plan", "run", str(plan_path), "--bench"],
                             capture_output=True, text=True)
     assert result.returncode == 7
     assert result.stderr.strip().count("\n") == 0 and "CUDA GPU" in result.stderr
@@ -177,7 +177,7 @@ def test_measure_and_calibrate_need_a_gpu(llama, tmp_path):
         pytest.skip("this machine has a GPU")
     for args in (["make", "-m", str(llama), "-g", "h100-sxm", "--measure"], ["calibrate"],
                  ["make", "-m", str(llama), "-g", "h100-sxm", "--measured-on", "h100-sxm"]):
-        result = subprocess.run([sys.executable, "-m", "planner.cli", *args], capture_output=True, text=True)
+        result = subprocess.run([sys.executable, "-m", "offload_plan", *args], capture_output=True, text=True)
         assert result.returncode in (6, 7), result.stderr
         assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
 
@@ -247,7 +247,8 @@ def test_calibrated_efficiency_keeps_the_fitted_layer_time():
     base = load_profile("h100-sxm")
     measured_rate = 779e12
     calibrated = base.__class__(**{**vars(base), "compute_efficiency": restated_efficiency(base, measured_rate),
-                                   "bf16_flops_per_s": base.bf16_flops_per_s.__class__(value=measured_rate, source="measured")})
+                                   "bf16_flops_per_s": base.bf16_flops_per_s.__class__(value=measured_rate,
+                                                                                       source="measured")})
     flops = 3.5e12
     # equal up to the 4 significant digits the profile keeps
     assert roofline_ms(flops, 0, False, calibrated) == pytest.approx(roofline_ms(flops, 0, False, base), rel=1e-4)
@@ -387,10 +388,10 @@ def test_cuda_graph_plans_need_a_decode_workload(llama):
     ok = run_cli(["make", "-m", str(llama), "-g", "h100-sxm", "--tokens", "8", "--sequences", "8", "--context", "64",
                   "--cuda-graph", "--budget", "1MB"], cwd=llama)
     assert ok.returncode == 0 and "cuda_graph: true" in ok.stdout and "--cuda-graph" in ok.stdout.splitlines()[1]
-    assert "replay_start_copies:" in ok.stdout  # written for graphed plans only (golden eager plans keep bytes)
+    assert "replay_start_copies:" in ok.stdout
     (llama / "graphed.yaml").write_text(ok.stdout)
     shown = run_cli(["show", "graphed.yaml"], cwd=llama)
-    assert shown.returncode == 0 and "CUDA-graph replays" in shown.stderr
+    assert shown.returncode == 0 and "CUDA-graph replays" in shown.stdout
 
 
 # Inductor compiles C++ on the CPU

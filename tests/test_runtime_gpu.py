@@ -79,7 +79,7 @@ def _cli(*args):
     import sys
 
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    return subprocess.run([sys.executable, "-m", "planner.cli", *args], capture_output=True, text=True, env=env)
+    return subprocess.run([sys.executable, "-m", "offload_plan", *args], capture_output=True, text=True, env=env)
 
 
 def test_cli_run_bench_and_prompt(llama, tmp_path):
@@ -138,7 +138,8 @@ def test_make_measure_records_source_and_scales_for_another_gpu(llama, tmp_path,
     here = _cli("make", "-m", str(llama), "-g", "h100-sxm", "--tokens", "64", "--measure", "--measured-on", "h100-sxm")
     assert here.returncode == 0, here.stderr
     plan = yaml.safe_load(here.stdout)
-    assert plan["workload"]["compute_source"].startswith("measured: ") and "scaled" not in plan["workload"]["compute_source"]
+    source = plan["workload"]["compute_source"]
+    assert source.startswith("measured: ") and "scaled" not in source
     there = _cli("make", "-m", str(llama), "-g", "gb200", "--tokens", "64", "--measure", "--measured-on", "h100-sxm")
     assert there.returncode == 0, there.stderr
     scaled = yaml.safe_load(there.stdout)

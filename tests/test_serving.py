@@ -105,7 +105,8 @@ def test_nothing_fits_is_one_line_naming_the_parts():
     assert "\n" not in message and "KV cache" in message and "--context" in message
 
 
-@pytest.mark.parametrize("text, low, high", [("64", 64, 64), ("8..512", 8, 512), ("auto", 1, 4096), (" AUTO ", 1, 4096)])
+@pytest.mark.parametrize("text, low, high",
+                         [("64", 64, 64), ("8..512", 8, 512), ("auto", 1, 4096), (" AUTO ", 1, 4096)])
 def test_parse_concurrency(text, low, high):
     assert parse_concurrency(text) == ConcurrencyRange(low=low, high=high)
 

@@ -290,7 +290,8 @@ def test_search_finds_the_brute_force_optimum(graphed):
         budget = fixed + sum(sizes) - rng.randint(1, sum(sizes) - max(sizes) - 1)
         h2d, overhead = 1e6, 5.0
         choice = search(layers=layers, fixed_bytes=fixed, compute=compute, h2d_bytes_per_s=h2d,
-                        copy_overhead_us=overhead, budget_bytes=budget, join_every_steps=STEPS_PER_GRAPH if graphed else 0)
+                        copy_overhead_us=overhead, budget_bytes=budget,
+                        join_every_steps=STEPS_PER_GRAPH if graphed else 0)
         assert choice.gpu_bytes <= budget
         best = None
         for g in range(1, num_layers + 1):

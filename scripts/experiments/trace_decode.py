@@ -3,7 +3,8 @@
     PYTHONPATH=. python3 scripts/experiments/trace_decode.py --out DIR [--batch 64] [--shape 5 3 2] [--steps 1 4]
         [--label NAME]                                                  # on a machine with a GPU
 
-Builds the model and plan of bench_replay_steps.py (runtime.benchmarking) (Qwen3-8B shape, random bf16 weights), prefills an eager loop,
+Builds the model and plan of bench_replay_steps.py (runtime.benchmarking) (Qwen3-8B shape, random bf16
+weights), prefills an eager loop,
 a graphed one (one step per replay, the wrapped copies split as the plan says) and, if the plan leaves some
 to the replay's start, a graphed one that joins them all at its end; times 24 steps of each, then traces a
 few steps of each and prints,

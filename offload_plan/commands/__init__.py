@@ -1,0 +1,1 @@
+"""One module per command; ``offload_plan.app`` registers them all."""

@@ -1,0 +1,80 @@
+"""``offload-plan make``: search the fastest plan that fits and write it.
+
+Its options are not written here: each comes from a field of planner.plan.Inputs (flag and help in the
+field's metadata), the one declaration that also gives the plan's inputs section and its regenerate command.
+"""
+
+import inspect
+import sys
+import typing
+from dataclasses import MISSING, fields
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from offload_plan import runtime_seam
+from offload_plan.console import say, warn
+from planner.plan import Inputs, render_plan, write_atomic
+
+
+def make(**values):
+    """Search the fastest offload plan that fits.
+
+    Example: offload-plan make -m org/model -g h100-sxm --budget 40GiB -o plan.yaml
+    """
+    from planner.make import make_plan, regenerate_command
+
+    output = values.pop("output")
+    inputs = Inputs(**{name: tuple(value or ()) if name == "params" else value for name, value in values.items()})
+    planned = make_plan(inputs, measure=runtime_seam.measured_compute if inputs.measure else None)
+    for warning in planned.warnings:
+        warn(warning)
+    text = render_plan(planned.plan, regenerate_command(inputs, str(output) if output else None))
+    if output is None:
+        sys.stdout.write(text)
+    else:
+        write_atomic(output, text)
+    _print_outcome(planned.plan, output)
+
+
+def _cli_type(annotation) -> object:
+    """The command-line type of an Inputs field: a tuple of strings is a repeatable option."""
+    if typing.get_origin(annotation) is tuple:
+        return Optional[list[str]]
+    return annotation
+
+
+def _parameter(spec) -> inspect.Parameter:
+    option = spec.metadata
+    names = [option["flag"], *([option["short"]] if option["short"] else [])]
+    default = None if spec.default == () else (... if spec.default is MISSING else spec.default)
+    annotation = Annotated[_cli_type(spec.type), typer.Option(*names, help=option["help"])]
+    return inspect.Parameter(spec.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
+
+
+def _signature() -> inspect.Signature:
+    """make's parameters: every Inputs field, then --output."""
+    parameters = [_parameter(spec) for spec in fields(Inputs)]
+    output = inspect.Parameter("output", inspect.Parameter.KEYWORD_ONLY, default=None,
+                               annotation=Annotated[Optional[Path], typer.Option(
+                                   "--output", "-o", help="Write the plan here (default: stdout).")])
+    return inspect.Signature([*parameters, output])
+
+
+make.__signature__ = _signature()
+make.__annotations__ = {p.name: p.annotation for p in make.__signature__.parameters.values()}
+
+
+def _print_outcome(plan, output) -> None:
+    """One line on stderr: what was offloaded, GPU bytes against the budget, the predicted step."""
+    from planner.units import format_bytes, format_ms
+
+    offload, prediction = plan.offload, plan.prediction
+    where = f"wrote {output}: " if output else ""
+    say(
+        f"{where}{len(offload.layers)}/{plan.model.num_layers} layers offloaded "
+        f"(G={offload.group_size} K={offload.num_in_group} P={offload.prefetch_step}), "
+        f"GPU {format_bytes(plan.memory.gpu_bytes)} of {format_bytes(plan.memory.budget_bytes)}, "
+        f"predicted step {format_ms(prediction.step_ms)} (all resident {format_ms(prediction.resident_step_ms)})"
+    )

@@ -1,0 +1,126 @@
+"""``offload-plan run``: load the model with a plan applied and run it on the local GPU."""
+
+import json
+import sys
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from offload_plan import runtime_seam
+from offload_plan.console import say, stderr, stdout, warn
+from offload_plan.options import JsonOption, PlanArgument
+from planner.errors import UsageError
+from planner.plan import read_plan
+
+
+def run(
+    plan: PlanArgument,
+    model: Annotated[Optional[str], typer.Option(
+        "--model", "-m",
+        help="Checkpoint to load (default: the plan's source).")] = None,
+    bench: Annotated[bool, typer.Option("--bench", help="Time the plan's workload against its prediction.")] = False,
+    prompt: Annotated[Optional[str], typer.Option(help="Generate from this prompt with the plan applied.")] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate with --prompt.")] = 64,
+    cuda_graph: Annotated[bool, typer.Option(
+        "--cuda-graph",
+        help="Replay decode steps from CUDA graphs, one per replay, offload copies captured inside.")] = False,
+    compile_steps: Annotated[bool, typer.Option(
+        "--compile",
+        help="Compile decode steps with torch.compile (Inductor), the offload hooks inside; with --cuda-graph the "
+             "compiled step is captured.")] = False,
+    json_output: JsonOption = False,
+):
+    """Load the model with the plan applied and run it on the local GPU.
+
+    Example: offload-plan run plan.yaml --bench
+    """
+    if bench == (prompt is not None):
+        raise UsageError("give exactly one of --bench or --prompt TEXT")
+    loaded_plan = read_plan(plan)
+    if bench and cuda_graph != loaded_plan.workload.cuda_graph:
+        made, running = ("graph replays", "eager steps")
+        if not loaded_plan.workload.cuda_graph:
+            made, running = running, made
+        warn(f"the plan predicts {made} and this runs {running}; for a like-for-like prediction make the plan "
+             f"{'with' if cuda_graph else 'without'} --cuda-graph")
+    from planner.checkpoint import resolve_local_source
+
+    model = model or resolve_local_source(loaded_plan.model.source, plan)  # run works from any directory
+    runtime_seam.require_cuda("offload-plan run")
+    memory_fraction = runtime_seam.cap_gpu_memory(loaded_plan.memory.gpu_memory_bytes)
+    compile_backend = "inductor" if compile_steps else None
+    if bench:
+        runtime_seam.check_decode_flags(loaded_plan, cuda_graph, compile_backend)  # before the minutes of loading
+    loaded = _load_with_progress(loaded_plan, model)
+    if prompt is not None:
+        text, tokens_per_s = runtime_seam.generate(loaded, prompt, runtime_seam.model_path_for(loaded_plan, model),
+                                                   max_new_tokens, cuda_graph, compile_backend)
+        sys.stdout.write(text + "\n")
+        say(f"{tokens_per_s:.2f} tokens/s with the plan applied")
+        return
+    if loaded_plan.serving is not None:
+        result = runtime_seam.run_serving_bench(loaded, cuda_graph, compile_backend, memory_fraction)
+        table = _serving_table
+    else:
+        result = runtime_seam.run_bench(loaded, cuda_graph=cuda_graph, compile_backend=compile_backend)
+        table = _bench_table
+    if json_output:
+        sys.stdout.write(json.dumps(result.as_dict(), indent=2) + "\n")
+    else:
+        stdout.print(table(result))
+
+
+def _serving_table(result) -> Table:
+    """A serving plan measured against predicted: decode tokens/s and step, a prefill chunk, peak memory."""
+    from planner.units import format_bytes, format_ms
+
+    table = Table(title=f"run --bench ({result.mode}, {result.concurrency} sequences at context "
+                        f"{result.context_tokens}): measured against predicted", title_justify="left")
+    for name in ("", "measured", "predicted", "measured / predicted"):
+        table.add_column(name, justify="right" if name else "left")
+    rows = (("decode tokens/s", result.decode_tokens_per_s, result.predicted_decode_tokens_per_s, "{:,.0f}".format),
+            ("decode step (per token)", result.decode_step_ms, result.predicted_decode_step_ms, format_ms),
+            (f"prefill chunk ({result.prefill_chunk_tokens} tokens)", result.prefill_chunk_ms,
+             result.predicted_prefill_chunk_ms, format_ms),
+            ("peak GPU memory", result.peak_gpu_bytes, result.predicted_total_gpu_bytes, format_bytes))
+    for label, measured, predicted, text in rows:
+        table.add_row(label, text(measured), text(predicted), f"{measured / predicted:.2f}")
+    cap = f"capped to {result.memory_fraction:.3f} of this GPU" if result.memory_fraction else "uncapped"
+    table.add_row("GPU memory of the plan", format_bytes(result.gpu_memory_bytes), cap, "")
+    return table
+
+
+def _load_with_progress(plan, model):
+    from rich.progress import Progress
+
+    with Progress(console=stderr, transient=True) as progress:
+        task = progress.add_task("packing offloaded layers", total=max(1, len(plan.offload.layers)))
+        return runtime_seam.load_with_plan(plan, model, progress=lambda layer: progress.advance(task))
+
+
+def _bench_table(result) -> Table:
+    """Measured against predicted: step, weights, peak memory, tokens/s, stall and link."""
+    from planner.units import format_bytes, format_ms
+
+    table = Table(title=f"run --bench ({result.mode}): measured against predicted", title_justify="left")
+    for name in ("", "measured", "predicted", "measured / predicted"):
+        table.add_column(name, justify="right" if name else "left")
+    table.add_row("step", format_ms(result.step_ms), format_ms(result.predicted_step_ms),
+                  f"{result.step_ms / result.predicted_step_ms:.2f}")
+    table.add_row("weights on GPU", format_bytes(result.weights_gpu_bytes), format_bytes(result.planned_gpu_bytes),
+                  f"{result.weights_gpu_bytes / max(1, result.planned_gpu_bytes):.3f}")
+    table.add_row("peak GPU (with activations)", format_bytes(result.peak_gpu_bytes),
+                  f"budget {format_bytes(result.budget_bytes)}", "")
+    table.add_row("tokens/s", f"{result.tokens_per_s:.1f}", "", "")
+    if result.stall_ms is not None:
+        table.add_row("stall per step", format_ms(result.stall_ms), "", "")
+        table.add_row("link", f"{result.copy_gb_per_s:.1f} GB/s",
+                      f"{format_bytes(result.bytes_copied_per_step)}/step", "")
+    else:
+        table.add_row("link", f"{result.bytes_copied_per_step / result.step_ms / 1e6:.1f} GB/s (bytes / step)",
+                      f"{format_bytes(result.bytes_copied_per_step)}/step", "")
+        table.add_row("graph warm-up, capture", f"{result.warmup_s:.2f} s, {result.capture_s:.2f} s", "", "")
+    if result.compile_s:
+        table.add_row("torch.compile (first step)", f"{result.compile_s:.1f} s", "", "")
+    return table

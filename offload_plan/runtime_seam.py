@@ -1,0 +1,109 @@
+"""The one door to the PyTorch runtime (``runtime/``): ``run``, ``calibrate`` and ``make --measure`` pass here.
+
+No other module outside ``runtime/`` imports it, and this one only inside its functions, so an install
+without the ``runtime`` extra (no torch, no transformers) still plans, shows, checks, diffs and exports; the
+commands that need the runtime say in one line how to install it.
+"""
+
+import importlib.util
+
+from planner.errors import RuntimeUnavailableError
+
+#: the packages the runtime imports, and the install line that brings them
+RUNTIME_PACKAGES = ("torch", "transformers", "safetensors")
+RUNTIME_INSTALL = "pip install 'offload-plan[runtime]'"
+
+
+def require_runtime(what: str) -> None:
+    """The runtime's packages are importable, else a one-line error naming ``what`` and the install line."""
+    missing = [name for name in RUNTIME_PACKAGES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise RuntimeUnavailableError(
+            f"{what} needs the runtime, and {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not "
+            f"installed: {RUNTIME_INSTALL} (planning, show, check, diff and export work without it)"
+        )
+
+
+def require_cuda(what: str) -> None:
+    """The runtime and a local CUDA GPU, else a one-line error naming ``what``."""
+    require_runtime(what)
+    from runtime.load import require_cuda as runtime_require_cuda
+
+    runtime_require_cuda(what)
+
+
+def measured_compute(checkpoint, layout, workload, profile, measured_on: str | None, graphed: bool):
+    """``make --measure``: per-layer times on the local GPU (planner.cost.ComputeTimes), scaled to ``profile``."""
+    require_runtime("make --measure")
+    from runtime.measure import measured_compute as measure
+
+    return measure(checkpoint, layout, workload, profile, measured_on, graphed)
+
+
+def calibrate():
+    """``calibrate``: (the measured profile, its YAML text, the H2D points behind it)."""
+    require_cuda("offload-plan calibrate")
+    from runtime.calibrate import calibrate as measure_gpu
+    from runtime.calibrate import calibrated_yaml
+
+    profile, details = measure_gpu()
+    return profile, calibrated_yaml(profile), details
+
+
+def check_decode_flags(plan, cuda_graph: bool, compile_backend: str | None) -> None:
+    """Refuse decode options the plan's workload cannot run, before the minutes of loading."""
+    from runtime.bench import check_decode_flags as check
+
+    check(plan, cuda_graph, compile_backend)
+
+
+def load_with_plan(plan, model: str | None, progress):
+    """Load the checkpoint with the plan applied (runtime.load.Loaded)."""
+    from runtime.load import load_with_plan as load
+
+    return load(plan, model, progress=progress)
+
+
+def model_path_for(plan, model: str | None) -> str:
+    """Where ``run`` loads from: --model, else the plan's source."""
+    from runtime.load import model_path_for as path_for
+
+    return path_for(plan, model)
+
+
+def generate(loaded, prompt: str, model_path: str, max_new_tokens: int, cuda_graph: bool, compile_backend):
+    """(generated text, tokens per second) with the plan applied."""
+    from runtime.bench import generate as run_generate
+
+    return run_generate(loaded, prompt, model_path, max_new_tokens, cuda_graph, compile_backend)
+
+
+def run_bench(loaded, *, cuda_graph: bool, compile_backend: str | None):
+    """The plan's workload timed against its prediction (runtime.bench.BenchResult)."""
+    from runtime.bench import run_bench as bench
+
+    return bench(loaded, cuda_graph=cuda_graph, compile_backend=compile_backend)
+
+
+def cap_gpu_memory(limit_bytes: int):
+    """Hold this process to the plan's GPU memory where the local GPU has more; the share set, or None."""
+    import torch
+
+    from runtime.serving import cap_gpu_memory as cap
+
+    return cap(limit_bytes, torch.device("cuda", torch.cuda.current_device()))
+
+
+def run_serving_bench(loaded, cuda_graph: bool, compile_backend: str | None, memory_fraction: float | None):
+    """``run --bench`` of a serving plan (runtime.serving.ServingBench)."""
+    from runtime.serving import run_serving_bench as bench
+
+    return bench(loaded, cuda_graph=cuda_graph, compile_backend=compile_backend, memory_fraction=memory_fraction)
+
+
+def write_header_checkpoint(config_path, out_dir, dtype: str | None):
+    """``header-checkpoint``: the model's tensor list from transformers, written as sparse shards."""
+    require_runtime("offload-plan header-checkpoint")
+    from runtime.header_checkpoint import write_header_checkpoint as write
+
+    return write(config_path, out_dir, dtype=dtype)

@@ -1,0 +1,57 @@
+"""Header-only checkpoints of a config.json's model: the tensor list comes from transformers (a model built on the
+meta device), the files from planner.header_checkpoint (sparse shards that declare every tensor and hold none).
+
+In the runtime because listing a model's tensors needs torch and transformers; ``offload-plan header-checkpoint``
+reaches it through offload_plan.runtime_seam.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from planner.errors import ModelInputError, RuntimeUnavailableError
+from planner.header_checkpoint import (
+    DEFAULT_SHARD_BYTES,
+    HeaderCheckpoint,
+    TensorSpec,
+    dtype_for,
+    owned_files,
+    read_config,
+    write_checkpoint_folder,
+)
+
+
+def write_header_checkpoint(config_path: str | Path, out_dir: str | Path, *, dtype: str | None = None,
+                            shard_bytes: int = DEFAULT_SHARD_BYTES) -> HeaderCheckpoint:
+    """Write a header-only checkpoint of ``config_path``'s model into ``out_dir`` (see the module docstring).
+
+    ``dtype`` is a config.json dtype name (bfloat16, float16, float32); default: the config's own.
+    """
+    config_path, out_dir = Path(config_path), Path(out_dir)
+    owned_files(out_dir)  # refuse someone else's folder before the slow part (transformers)
+    config = read_config(config_path)
+    safetensors_dtype = dtype_for(dtype or config.get("torch_dtype") or config.get("dtype") or "bfloat16")
+    specs = tensor_specs(config_path, safetensors_dtype)
+    return write_checkpoint_folder(config_path=config_path, specs=specs, out_dir=out_dir, shard_bytes=shard_bytes)
+
+
+def tensor_specs(config_path: Path, dtype: str) -> list[TensorSpec]:
+    """(name, dtype, shape) of every parameter the model has, as transformers names them in checkpoints."""
+    try:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError as error:
+        raise RuntimeUnavailableError(
+            f"building a header checkpoint needs torch and transformers ({error}); "
+            "install them with: pip install 'offload-plan[runtime]'") from None
+    try:
+        config = AutoConfig.from_pretrained(config_path.parent)
+    except (ValueError, KeyError, OSError) as error:
+        raise ModelInputError(f"{config_path}: transformers cannot build this config ({error})") from None
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    tied = getattr(config, "tie_word_embeddings", False)
+    # tied: checkpoints store the embedding only
+    specs = [(name, dtype, list(tensor.shape)) for name, tensor in model.state_dict().items()
+             if not (tied and name == "lm_head.weight")]
+    return sorted(specs)

@@ -1,0 +1,82 @@
+"""Model paths in plans, check on a fresh clone, and the hub without a network: each fails in one line or works.
+
+A plan records a local model path as given (relative to where make ran, or absolute); run resolves a relative
+one from the working directory, else from the plan's folder and its parents, so it works from anywhere.
+"""
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from planner.checkpoint import resolve_local_source
+from planner.errors import ModelInputError
+from tests.conftest import REPO_ROOT, assert_one_line_error, cli_env, invoke, make_checkpoint, run_cli
+
+
+@pytest.fixture
+def project(workdir, test_gpu) -> Path:
+    """A project folder with a checkpoint and a plan made from its root into plans/."""
+    make_checkpoint(workdir / "models" / "tiny", num_layers=4)
+    (workdir / "plans").mkdir()
+    result = invoke(["make", "-m", "models/tiny", "-g", test_gpu, "--budget", "200KiB", "-o", "plans/tiny.yaml"])
+    assert result.exit_code == 0, result.stderr
+    return workdir
+
+
+def test_relative_paths_are_recorded_as_given_and_absolute_ones_stay_absolute(project, test_gpu):
+    plan = yaml.safe_load((project / "plans" / "tiny.yaml").read_text())
+    assert plan["inputs"]["model"] == plan["model"]["source"] == "models/tiny"
+    absolute = str(project / "models" / "tiny")
+    result = invoke(["make", "-m", absolute, "-g", test_gpu, "--budget", "200KiB", "-o", "abs.yaml"])
+    assert result.exit_code == 0, result.stderr
+    assert yaml.safe_load((project / "abs.yaml").read_text())["model"]["source"] == absolute
+
+
+def test_a_relative_source_resolves_from_any_directory(project, monkeypatch):
+    plan_path = project / "plans" / "tiny.yaml"
+    monkeypatch.chdir(project / "plans")
+    assert resolve_local_source("models/tiny", Path("tiny.yaml")) == str(project / "models" / "tiny")
+    monkeypatch.chdir("/")
+    assert resolve_local_source("models/tiny", plan_path) == str(project / "models" / "tiny")
+    assert resolve_local_source("org/model", plan_path) == "org/model"  # a hub id
+    with pytest.raises(ModelInputError, match="pass --model PATH"):
+        resolve_local_source("./gone/tiny", plan_path)
+
+
+def test_run_from_another_directory_finds_the_checkpoint(project):
+    """run gets past the model path (the next thing it needs is a CUDA GPU, absent here)."""
+    elsewhere = run_cli(["run", str(project / "plans" / "tiny.yaml"), "--bench"], cwd="/")
+    line = assert_one_line_error(elsewhere.returncode, elsewhere.stderr, elsewhere.stdout)
+    assert "not under the working directory" not in line and elsewhere.returncode == 7, line
+
+
+def test_check_without_the_checkpoints_names_the_build_step_in_one_line(tmp_path):
+    """A fresh clone has plans/ but not .cache/checkpoints: one line naming scripts/real_checkpoints.py."""
+    (tmp_path / "plans").mkdir()
+    for plan in sorted((REPO_ROOT / "plans").glob("*.yaml"))[:3]:
+        (tmp_path / "plans" / plan.name).write_text(plan.read_text())
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "real_checkpoints.py").write_text("# stands in for the builder\n")
+    proc = run_cli(["check", *sorted(p.name for p in (tmp_path / "plans").iterdir())], tmp_path / "plans")
+    assert_one_line_error(proc.returncode, proc.stderr, proc.stdout, contains=("not here", "download or build"))
+    proc = run_cli(["check", *sorted(f"plans/{p.name}" for p in (tmp_path / "plans").iterdir())], tmp_path)
+    assert_one_line_error(proc.returncode, proc.stderr, proc.stdout,
+                          contains=("3 plan(s) name 2 checkpoint(s) that are not here (.cache/checkpoints/",
+                                    "build them first with python3 scripts/real_checkpoints.py"))
+    assert proc.stdout == ""
+
+
+@pytest.mark.parametrize("env", [{"HF_HUB_OFFLINE": "1"}, {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"}],
+                         ids=["offline", "unreachable"])
+def test_hub_without_network_fails_in_one_line_within_seconds(tmp_path, env):
+    started = time.monotonic()
+    proc = run_cli(["make", "-m", "some-org/some-model", "-g", "h100-sxm"], tmp_path,
+                   env=cli_env(HF_HOME=str(tmp_path / "hf"), **env))
+    elapsed_s = time.monotonic() - started
+    line = assert_one_line_error(proc.returncode, proc.stderr, proc.stdout, contains=("some-org/some-model",))
+    assert ("HF_HUB_OFFLINE is set" if env["HF_HUB_OFFLINE"] == "1" else "127.0.0.1 cannot be reached") in line
+    assert elapsed_s < 15, f"took {elapsed_s:.1f} s"
+    assert "Retry" not in proc.stderr and os.environ.get("HF_HUB_OFFLINE") != "0"
