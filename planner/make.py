@@ -26,6 +26,10 @@ from planner.simulate import join_every_steps_for
 from planner.units import format_bytes, parse_bytes
 
 
+#: the most layers a pinned knob may count (planner.checkpoint allows 100,000 layers)
+MAX_KNOB = 100_000
+
+
 @dataclass(frozen=True, kw_only=True)
 class Planned:
     """A plan with the objects it was computed from (for show and the runtime)."""
@@ -70,6 +74,7 @@ def make_plan(inputs: Inputs, compute_override: ComputeTimes | None = None) -> P
     if inputs.cuda_graph and inputs.tokens != inputs.sequences:
         raise UsageError("--cuda-graph plans decode steps, one new token per sequence: give --tokens equal to "
                          "--sequences (the batch), e.g. --tokens 64 --sequences 64 --context 1024")
+    _check_knobs(inputs)
     profile = load_profile(inputs.gpu)
     budget = budget_bytes_for(inputs, profile)
     checkpoint = load_checkpoint(inputs.model, inputs.revision)
@@ -104,6 +109,16 @@ def make_plan(inputs: Inputs, compute_override: ComputeTimes | None = None) -> P
     check_host_memory(choice.host_pinned_bytes, host_limit, inputs)
     plan = _assemble(inputs, checkpoint, layout, profile, workload, compute, layer_bytes, choice, budget, host_limit)
     return Planned(plan=plan, checkpoint=checkpoint, layout=layout, warnings=tuple(warnings))
+
+
+def _check_knobs(inputs: Inputs) -> None:
+    """Pinned G, K and P are counts of layers: 1 or more, and no more than a model has layers."""
+    knobs = {"--group-size": inputs.group_size, "--num-in-group": inputs.num_in_group,
+             "--prefetch-step": inputs.prefetch_step}
+    for flag, value in knobs.items():
+        if value is not None and not 1 <= value <= MAX_KNOB:
+            raise UsageError(f"{flag} {value} is not a number of layers; give 1 or more (at most {MAX_KNOB}), or leave "
+                             "it out to search it")
 
 
 def _compute_times(inputs: Inputs, checkpoint, layout, workload, profile) -> ComputeTimes:

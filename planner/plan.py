@@ -13,9 +13,17 @@ from typing import Any
 
 import yaml
 
-from planner.errors import PlanError
+from planner.errors import PlanError, printable
+from planner.untrusted import load_yaml, read_capped
 
 SCHEMA_VERSION = 1
+#: a plan of 100,000 layers is about 10 MB
+MAX_PLAN_BYTES = 16 * 2**20
+#: plausible bounds of any number in a plan: byte counts and counts fit in 2**62, rates (FLOP/s) stay under
+#: 1e21 and times under 1e15 ms; beyond these a plan was edited by hand or corrupted, and arithmetic on it
+#: (floats of huge ints, table formatting) would overflow
+MAX_PLAN_INT = 2**62
+MAX_PLAN_FLOAT = 1e21
 MS_DECIMALS = 4
 SHARE_DECIMALS = 4
 
@@ -92,6 +100,20 @@ class HardwareSection:
     #: host memory the plan's pinned bytes were checked against (--host-memory, else the profile's); None: unchecked
     host_memory_bytes: int | None = None
 
+    def __post_init__(self):
+        # The same rules as planner.profile.HardwareProfile: a plan read back must not divide by a zero rate.
+        for key in ("gpu_memory_bytes", "hbm_bytes_per_s", "bf16_flops_per_s", "h2d_bytes_per_s"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"hardware.{key} must be positive")
+        for key in ("fp8_flops_per_s", "host_memory_bytes"):
+            if getattr(self, key) is not None and not getattr(self, key) > 0:
+                raise ValueError(f"hardware.{key} must be positive (or null)")
+        for key in ("trigger", "compute_efficiency"):
+            if not 0 < getattr(self, key) <= 1:
+                raise ValueError(f"hardware.{key} must be a share in (0, 1]")
+        if not self.reserve_bytes < self.gpu_memory_bytes:
+            raise ValueError("hardware.reserve_bytes must be less than gpu_memory_bytes")
+
 
 @dataclass(frozen=True, kw_only=True)
 class WorkloadSection:
@@ -105,6 +127,13 @@ class WorkloadSection:
     #: steps are CUDA-graph replays of planner.simulate.STEPS_PER_GRAPH steps (one): copies that wrap past a
     #: replay's last step finish inside it
     cuda_graph: bool = False
+
+    def __post_init__(self):
+        if self.tokens_per_step < 1 or self.sequences_per_step < 1 or self.tokens_per_step % self.sequences_per_step:
+            raise ValueError("workload.tokens_per_step must be a positive multiple of sequences_per_step (>= 1)")
+        if self.cuda_graph and self.tokens_per_step != self.sequences_per_step:
+            raise ValueError("a workload.cuda_graph plan decodes one token per sequence: tokens_per_step must equal "
+                             "sequences_per_step")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -204,6 +233,8 @@ class Plan:
             raise ValueError("offload.layers names a layer beyond model.num_layers")
         if self.offload.replay_start_copies and not self.workload.cuda_graph:
             raise ValueError("offload.replay_start_copies applies to CUDA-graph plans (workload.cuda_graph) only")
+        if self.offload.layers and not 1 <= self.offload.num_in_group <= self.offload.group_size:
+            raise ValueError("offload.num_in_group must be between 1 and group_size when layers are offloaded")
 
 
 SECTIONS = {
@@ -285,20 +316,33 @@ def render_plan(plan: Plan, command: str) -> str:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename: never a partial file."""
+    """Write ``text`` to ``path`` through a temporary file and a rename: never a partial file.
+
+    Every problem with the destination (a folder, a missing or unwritable folder, a full disk) is one PlanError
+    line, and the file that was there before is left as it was.
+    """
     path = Path(path)
     directory = path.parent if str(path.parent) else Path(".")
+    shown = printable(path)
     if path.is_dir():
-        raise PlanError(f"{path} is a folder; give a file name for the plan, e.g. {path / 'plan.yaml'}")
+        raise PlanError(f"{shown} is a folder; give a file name for the plan, e.g. {printable(path / 'plan.yaml')}")
     if not directory.is_dir():
-        raise PlanError(f"output folder {directory} does not exist; create it first or choose another path")
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+        what = "is not a folder" if directory.exists() else "does not exist"
+        raise PlanError(f"output folder {printable(directory)} {what}; create it first or choose another path")
+    try:
+        handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    except OSError as error:
+        raise PlanError(f"cannot write in {printable(directory)} ({error.strerror}); check its permissions or choose "
+                        "another path") from None
     try:
         with os.fdopen(handle, "w") as stream:
             stream.write(text)
         os.replace(temporary, path)
-    except BaseException:
+    except BaseException as error:
         Path(temporary).unlink(missing_ok=True)
+        if isinstance(error, OSError):
+            raise PlanError(f"cannot write {shown} ({error.strerror}); check the path, its permissions and free "
+                            "space") from None
         raise
 
 
@@ -308,12 +352,8 @@ def write_atomic(path: Path, text: str) -> None:
 def read_plan(path: Path) -> Plan:
     """Load and validate a plan file; any problem is a one-line PlanError naming the field."""
     path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as error:
-        raise PlanError(f"{path}: cannot read plan ({error.strerror}); check the path") from None
-    except (yaml.YAMLError, UnicodeDecodeError) as error:
-        raise PlanError(f"{path}: not valid YAML ({str(error).splitlines()[0]}); regenerate it with make") from None
+    raw = read_capped(path, MAX_PLAN_BYTES, PlanError, "plan")
+    data = load_yaml(raw, str(path), PlanError, fix="regenerate it with make")
     return plan_from_dict(data, str(path))
 
 
@@ -325,7 +365,7 @@ def plan_from_dict(data: object, origin: str) -> Plan:
     if set(data) != expected:
         problems = sorted(set(data) ^ expected)
         raise PlanError(f"{origin}: plan keys differ from schema {SCHEMA_VERSION} at {problems}; regenerate it")
-    if data["schema_version"] != SCHEMA_VERSION:
+    if type(data["schema_version"]) is not int or data["schema_version"] != SCHEMA_VERSION:  # 1.0 and true are not 1
         raise PlanError(
             f"{origin}: schema_version {data['schema_version']!r} is not {SCHEMA_VERSION}; regenerate it"
         )
@@ -380,10 +420,13 @@ def _check_type(value: Any, annotation: Any, origin: str) -> Any:
         inner = int if "int" in text else str
         if not isinstance(value, list) or not all(_is(v, inner) for v in value):
             raise PlanError(f"{origin} must be a list of {inner.__name__}; regenerate the plan")
+        if inner is int and not all(_plausible(v) for v in value):
+            raise PlanError(f"{origin} must hold whole numbers from 0 to {MAX_PLAN_INT}; regenerate the plan")
         return tuple(value)
     if text.startswith("dict"):
-        if not isinstance(value, dict) or not all(isinstance(v, int) for v in value.values()):
-            raise PlanError(f"{origin} must be a mapping of names to integers; regenerate the plan")
+        if not isinstance(value, dict) or not all(isinstance(k, str) and _is(v, int) and _plausible(v)
+                                                  for k, v in value.items()):
+            raise PlanError(f"{origin} must be a mapping of names to whole numbers; regenerate the plan")
         return value
     base = next(t for t in _BASES if t is annotation or text.split("|")[0].strip() in (t.__name__, f"<class '{t.__name__}'>"))
     if base is bool:
@@ -392,7 +435,15 @@ def _check_type(value: Any, annotation: Any, origin: str) -> Any:
         return value
     if not _is(value, base):
         raise PlanError(f"{origin} must be {base.__name__}, got {value!r}; regenerate the plan")
+    if base in (int, float) and not _plausible(value):
+        raise PlanError(f"{origin} is {value!r}; plan numbers are finite, not negative and below "
+                        f"{MAX_PLAN_INT if base is int else MAX_PLAN_FLOAT:g}: regenerate the plan")
     return float(value) if base is float else value
+
+
+def _plausible(value: int | float) -> bool:
+    limit = MAX_PLAN_INT if isinstance(value, int) else MAX_PLAN_FLOAT
+    return 0 <= value <= limit  # False for NaN too
 
 
 def _is(value: Any, kind: type) -> bool:
