@@ -105,7 +105,7 @@ def _count_experts(layer: LayerInfo) -> int:
         if not is_expert_param(name):
             continue
         tail = f".{name}.".split(".experts.", 1)[1].split(".")[0]
-        if tail.isdigit():
+        if tail.isascii() and tail.isdigit():
             indices.add(int(tail))
         elif len(shape) == 3:
             return shape[0]

@@ -363,7 +363,7 @@ def plan_from_dict(data: object, origin: str) -> Plan:
         raise PlanError(f"{origin}: not a plan (expected a mapping); regenerate it with offload-plan make")
     expected = {"schema_version", "layers", *SECTIONS}
     if set(data) != expected:
-        problems = sorted(set(data) ^ expected)
+        problems = sorted(set(data) ^ expected, key=str)  # YAML keys may be numbers too
         raise PlanError(f"{origin}: plan keys differ from schema {SCHEMA_VERSION} at {problems}; regenerate it")
     if type(data["schema_version"]) is not int or data["schema_version"] != SCHEMA_VERSION:  # 1.0 and true are not 1
         raise PlanError(
@@ -397,7 +397,7 @@ def _section(cls, raw: object, origin: str):
     # Fields added after schema 1 carry defaults: a plan written before them still reads (check reports it stale).
     optional = {f.name for f in fields(cls) if f.default is not MISSING}
     if set(raw) - set(names) or set(names) - set(raw) - optional:
-        wrong = sorted((set(raw) - set(names)) | (set(names) - set(raw) - optional))
+        wrong = sorted((set(raw) - set(names)) | (set(names) - set(raw) - optional), key=str)
         raise PlanError(f"{origin}: keys {wrong} differ from the schema; regenerate the plan")
     values = {}
     for f in fields(cls):

@@ -131,7 +131,7 @@ def profile_from_dict(data: object, origin: str) -> HardwareProfile:
     if not isinstance(data, dict):
         raise ProfileError(f"{origin}: a profile is a YAML mapping of fields; see profiles/h100-sxm.yaml")
     known = {"name", "description", *_FIGURE_FIELDS}
-    unknown = sorted(set(data) - known)
+    unknown = sorted(set(data) - known, key=str)  # YAML keys may be numbers too
     if unknown:
         raise ProfileError(f"{origin}: unknown field(s) {unknown}; valid fields: {sorted(known)}")
     missing = sorted(k for k in known - set(data) if k not in _OPTIONAL_FIELDS)
@@ -151,7 +151,7 @@ def _figure(raw: object, key: str, origin: str) -> Figure | None:
         return None
     if not isinstance(raw, dict) or "value" not in raw or "source" not in raw:
         raise ProfileError(f"{origin}: field {key} must be a mapping with value, source and note")
-    extra = sorted(set(raw) - {"value", "source", "note"})
+    extra = sorted(set(raw) - {"value", "source", "note"}, key=str)
     if extra:
         raise ProfileError(f"{origin}: field {key} has unknown key(s) {extra}; use value, source and note")
     value = raw["value"]

@@ -24,6 +24,7 @@ import random
 import shutil
 import signal
 import struct
+import sys
 import tempfile
 import time
 import traceback
@@ -54,18 +55,43 @@ SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
 BASE_ARGS = ("make", "-m", "ckpt", "-g", "gpu.yaml")
 
 
+_COMMAND = None
+
+
 def invoke_cli(args: list[str]) -> tuple[int, str, str, BaseException | None]:
-    """Run the CLI in-process: (exit code, stdout, stderr, uncaught exception). The one place the app is imported."""
+    """Run the CLI in-process: (exit code, stdout, stderr, uncaught exception). The one place the app is imported.
+
+    typer's CliRunner.invoke rebuilds the click command from the function signatures on every call (about
+    half of a short case's time); a user's process builds it once, so the fuzzer builds it once too and runs
+    it inside the runner's stream isolation, as invoke does.
+    """
+    global _COMMAND
+    import typer
     from typer.testing import CliRunner
 
-    try:
-        from offload_plan.app import app  # the CLI's new home, once it lands
-    except ImportError:
-        from planner.cli import app
+    if _COMMAND is None:
+        try:
+            from offload_plan.app import app  # the CLI's new home, once it lands
+        except ImportError:
+            from planner.cli import app
+        _COMMAND = typer.main.get_command(app)
+    code, exception = 0, None
+    with CliRunner().isolation() as streams:
+        try:
+            _COMMAND.main(args=list(args), prog_name="offload-plan")
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+        except Exception as error:  # noqa: BLE001 (any other exception is what the fuzzer looks for)
+            code, exception = 1, error
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        stdout, stderr = (_text(stream) for stream in streams[:2])
+    return code, stdout, stderr, exception
 
-    result = CliRunner().invoke(app, args, catch_exceptions=True)
-    exception = result.exception if not isinstance(result.exception, SystemExit) else None
-    return result.exit_code, result.stdout, result.stderr, exception
+
+def _text(stream) -> str:
+    return stream.getvalue().decode("utf-8", "replace") if stream is not None else ""
 
 
 # ---- the base inputs ----------------------------------------------------------------------------------------
@@ -269,6 +295,8 @@ class Result:
     detail: str
     elapsed_ms: float
     index: int
+    #: the last line on stderr (the error line of a clean error)
+    message: str = ""
 
 
 def case_for(family: str, seed: int, index: int) -> Case:
@@ -304,20 +332,21 @@ def run_case(case: Case, root: Path, index: int = 0, time_limit_s: float = DEFAU
     try:
         code, stdout, stderr, exception = invoke_cli(case.args)
         signal.setitimer(signal.ITIMER_REAL, 0)
+        message = ([line for line in stderr.splitlines() if line.strip()] or [""])[-1]
         elapsed_ms = 1e3 * (time.perf_counter() - start)
         verdict, detail = _classify(case, code, stderr, exception, folder)
         if elapsed_ms > 1e3 * time_limit_s:
             verdict, detail = "hang", f"took {elapsed_ms / 1e3:.1f} s"
     except CaseTimeout:
         elapsed_ms = 1e3 * (time.perf_counter() - start)
-        verdict, detail = "hang", f"stopped after {time_limit_s:g} s"
+        verdict, detail, message = "hang", f"stopped after {time_limit_s:g} s", ""
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old_handler)
         os.chdir(previous)
         shutil.rmtree(folder, ignore_errors=True)
     return Result(family=case.family, mutation=case.mutation, verdict=verdict, detail=detail, elapsed_ms=elapsed_ms,
-                  index=index)
+                  index=index, message=message)
 
 
 def _classify(case: Case, code: int, stderr: str, exception: BaseException | None, folder: Path) -> tuple[str, str]:
@@ -350,11 +379,17 @@ def _where(exception: BaseException) -> str:
     return f"{type(exception).__name__} in {where}"
 
 
+def scratch_dir() -> str | None:
+    """Where case folders go: memory (/dev/shm) where there is one, since a disk's rmdir costs milliseconds."""
+    shm = Path("/dev/shm")
+    return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
+
+
 def run_campaign(seed: int, cases_per_family: dict[str, int], time_limit_s: float = DEFAULT_TIME_LIMIT_S,
                  progress=None) -> list[Result]:
     """Every case of every family under ``seed``; ``progress(result)`` is called after each."""
     results = []
-    with tempfile.TemporaryDirectory(prefix="offload-plan-fuzz-") as root:
+    with tempfile.TemporaryDirectory(prefix="offload-plan-fuzz-", dir=scratch_dir()) as root:
         for family, count in cases_per_family.items():
             for index in range(count):
                 result = run_case(case_for(family, seed, index), Path(root), index, time_limit_s)
@@ -429,7 +464,7 @@ def gen_headers(rng, base_: Base) -> Case:
     name = _pick_tensor(rng, tensors)
     kind = rng.choice(("dtype", "shape", "offsets", "overlap", "gap", "name", "duplicate", "unlisted", "deep",
                        "huge_int", "not_object", "metadata", "length", "truncate", "flip", "nan", "extra_key",
-                       "swap_dims", "utf8"))
+                       "swap_dims", "utf8", "layer_index"))
     invalid, raw, index = True, None, None
     entry = header[name]
     if kind == "dtype":
@@ -463,6 +498,13 @@ def gen_headers(rng, base_: Base) -> Case:
         header[new_name] = header.pop(name)
         index = {k if k != name else new_name: v for k, v in model.weight_map.items()}
         invalid = suffix not in (" ", "é", "x" * 3000)
+    elif kind == "layer_index":
+        layer_names = [n for n in tensors if n.startswith("model.layers.")]
+        old = ".".join(rng.choice(layer_names).split(".")[:3]) + "."
+        new = "model.layers." + rng.choice(("\u00b2", "\u0663", "01", "99999999999", "1e3", "-1", "9" * 40)) + "."
+        header = {(new + n[len(old):] if n.startswith(old) else n): e for n, e in header.items()}
+        index = {(new + n[len(old):] if n.startswith(old) else n): v for n, v in model.weight_map.items()}
+        invalid = False
     elif kind == "duplicate":
         text = json.dumps(header)
         first = json.dumps(name) + ": " + json.dumps(entry)
@@ -657,13 +699,19 @@ PLAN_COMMANDS = (["show", "plan.yaml"], ["show", "plan.yaml", "--json"], ["expor
                  ["diff", "plan.yaml", "graph-plan.yaml"], ["check", "plan.yaml"], ["show", "plan.yaml", "--no-layers"])
 
 
-def _plan_value(rng, current) -> tuple[object, bool]:
+#: optional plan fields that hold text when not null
+PLAN_OPTIONAL_TEXT = {"revision", "budget", "stack", "measured_on", "host_memory", "architecture"}
+
+
+def _plan_value(rng, current, key: str) -> tuple[object, bool]:
     """(new value, invalid) for one field of a plan."""
     choice = rng.random()
     if choice < 0.35:
         value = rng.choice(JUNK + (float("nan"), float("inf"), -float("inf")))
         if value is None:
             return value, None  # decided by the caller (optional fields may be null)
+        if current is None and key in PLAN_OPTIONAL_TEXT:
+            return value, not isinstance(value, str)
         same_type = type(value) is type(current) or (isinstance(current, float) and type(value) is int)
         plausible = not (isinstance(value, (int, float)) and not isinstance(value, bool)
                          and (value < 0 or abs(value) > 1e15 or value != value))
@@ -685,7 +733,7 @@ def gen_plans(rng, base_: Base) -> Case:
     invalid, raw = True, None
     if kind == "field":
         path = rng.choice(_plan_paths(plan))
-        value, invalid = _plan_value(rng, _get(plan, path))
+        value, invalid = _plan_value(rng, _get(plan, path), path[-1])
         if invalid is None:
             invalid = path[-1] not in PLAN_OPTIONAL
         _set(plan, path, value)
@@ -701,7 +749,9 @@ def gen_plans(rng, base_: Base) -> Case:
         invalid = path[-1] not in ("replay_start_copies", "measure", "measured_on", "cuda_graph", "host_memory",
                                    "host_memory_bytes")
     elif kind == "add":
-        _get(plan, rng.choice(_plan_paths(plan))[:-1])["surprise"] = 1
+        target = _get(plan, rng.choice(_plan_paths(plan))[:-1])
+        target["surprise"] = 1
+        target[rng.choice((5, 1.5, True, None))] = 1  # YAML keys need not be strings
     elif kind == "rows":
         rows = plan["layers"]
         change = rng.choice(("drop", "swap", "append", "index"))
@@ -798,8 +848,11 @@ def gen_profiles(rng, base_: Base) -> Case:
         invalid = key not in ("fp8_flops_per_s", "host_memory_bytes", "description")
     elif kind == "add":
         profile[rng.choice(("surprise", "name\n"))] = 1
+        profile[rng.choice((5, 1.5, True, None))] = 1  # YAML keys need not be strings
     elif kind == "figure_junk":
-        profile[rng.choice(PROFILE_FIGURES)] = rng.choice((5, "x", [], None, {"value": 1}, {"source": "assumed"}))
+        key = rng.choice(PROFILE_FIGURES)
+        profile[key] = rng.choice((5, "x", [], None, {"value": 1}, {"source": "assumed"}))
+        invalid = not (profile[key] is None and key in ("fp8_flops_per_s", "host_memory_bytes"))
     elif kind == "alias_bomb":
         levels = rng.choice((9, 12, 20))
         lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
