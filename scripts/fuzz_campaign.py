@@ -10,6 +10,7 @@ so ``tests.fuzz.case_for(family, seed, index)`` reproduces it. Exit status 1 whe
 
 import argparse
 import json
+import resource
 import statistics
 import sys
 import time
@@ -36,7 +37,11 @@ def main() -> int:
     parser.add_argument("--families", nargs="+", choices=FAMILIES, default=list(FAMILIES))
     parser.add_argument("--time-limit", type=float, default=1.0, help="seconds after which a case is a hang")
     parser.add_argument("--failures", type=Path, help="write every failing case here as JSON lines")
+    parser.add_argument("--memory-limit-gib", type=float, default=4.0,
+                        help="cap the heap, so a memory bomb is a MemoryError (a failing case), not the OOM killer")
     args = parser.parse_args()
+    limit_bytes = int(args.memory_limit_gib * 2**30)
+    resource.setrlimit(resource.RLIMIT_DATA, (limit_bytes, resource.getrlimit(resource.RLIMIT_DATA)[1]))
     counts = split_cases(args.cases, args.families)
     started = time.perf_counter()
     done = [0]
