@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from planner.errors import ModelInputError
+from planner.errors import ModelInputError, shown
 from planner.safetensors_header import TensorEntry, entries_from_header, read_entries
 from planner.untrusted import load_json, read_capped
 
@@ -151,7 +151,7 @@ def _read_weight_map(index_path: Path) -> dict[str, str]:
             raise ModelInputError(f"{index_path}: tensor name {name!r} is empty or holds control characters; "
                                   "download the index again")
         if not (isinstance(file, str) and file.isprintable() and _SHARD_NAME_RE.match(file)):
-            raise ModelInputError(f"{index_path}: weight_map puts {name!r} in {file!r}, which is not the name of a "
+            raise ModelInputError(f"{index_path}: weight_map puts {name!r} in {shown(file)}, which is not the name of a "
                                   ".safetensors shard beside the index; download the index again")
     return weight_map
 
@@ -204,7 +204,7 @@ def check_config(config: dict, origin: str) -> None:
     for key in CONFIG_SECTIONS:
         section = config.get(key)
         if section is not None and not isinstance(section, dict):
-            raise ModelInputError(f"{origin}: {key} is {section!r}, not an object; fix config.json")
+            raise ModelInputError(f"{origin}: {key} is {shown(section)}, not an object; fix config.json")
         if section is not None:
             sections.append((f"{key}.", section))
     for prefix, section in sections:
@@ -212,12 +212,12 @@ def check_config(config: dict, origin: str) -> None:
             value = section.get(key)
             if value is not None and not (isinstance(value, int) and not isinstance(value, bool)
                                           and low <= value <= high):
-                raise ModelInputError(f"{origin}: {prefix}{key} is {value!r}; it must be a whole number from {low} "
+                raise ModelInputError(f"{origin}: {prefix}{key} is {shown(value)}; it must be a whole number from {low} "
                                       f"to {high}: fix config.json")
     architectures = config.get("architectures")
     if architectures is not None and not (
             isinstance(architectures, list) and all(isinstance(a, str) and a.isprintable() for a in architectures)):
-        raise ModelInputError(f"{origin}: architectures is {architectures!r}; it must be a list of class names such "
+        raise ModelInputError(f"{origin}: architectures is {shown(architectures)}; it must be a list of class names such "
                               "as [\"LlamaForCausalLM\"]: fix config.json")
 
 

@@ -18,6 +18,16 @@ def printable(text: object) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
+def shown(value: object, max_chars: int = 80) -> str:
+    """``repr(value)`` for a message: printable, and cut in the middle when long (a 10,000-element list echoed
+    whole would bury the line's advice)."""
+    text = printable(repr(value))
+    if len(text) <= max_chars:
+        return text
+    half = (max_chars - 5) // 2
+    return f"{text[:half]} ... {text[-half:]}"
+
+
 class OffloadPlanError(Exception):
     """Base class: a problem the user can fix. The message is one line: what is wrong and how to fix it.
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from planner.errors import PlanError, printable
+from planner.errors import PlanError, printable, shown
 from planner.untrusted import load_yaml, read_capped
 
 SCHEMA_VERSION = 1
@@ -367,7 +367,7 @@ def plan_from_dict(data: object, origin: str) -> Plan:
         raise PlanError(f"{origin}: plan keys differ from schema {SCHEMA_VERSION} at {problems}; regenerate it")
     if type(data["schema_version"]) is not int or data["schema_version"] != SCHEMA_VERSION:  # 1.0 and true are not 1
         raise PlanError(
-            f"{origin}: schema_version {data['schema_version']!r} is not {SCHEMA_VERSION}; regenerate it"
+            f"{origin}: schema_version {shown(data['schema_version'])} is not {SCHEMA_VERSION}; regenerate it"
         )
     kwargs: dict = {"schema_version": SCHEMA_VERSION}
     for name, cls in SECTIONS.items():
@@ -431,10 +431,10 @@ def _check_type(value: Any, annotation: Any, origin: str) -> Any:
     base = next(t for t in _BASES if t is annotation or text.split("|")[0].strip() in (t.__name__, f"<class '{t.__name__}'>"))
     if base is bool:
         if not isinstance(value, bool):
-            raise PlanError(f"{origin} must be true or false, got {value!r}; regenerate the plan")
+            raise PlanError(f"{origin} must be true or false, got {shown(value)}; regenerate the plan")
         return value
     if not _is(value, base):
-        raise PlanError(f"{origin} must be {base.__name__}, got {value!r}; regenerate the plan")
+        raise PlanError(f"{origin} must be {base.__name__}, got {shown(value)}; regenerate the plan")
     if base in (int, float) and not _plausible(value):
         raise PlanError(f"{origin} is {value!r}; plan numbers are finite, not negative and below "
                         f"{MAX_PLAN_INT if base is int else MAX_PLAN_FLOAT:g}: regenerate the plan")

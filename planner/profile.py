@@ -9,7 +9,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 
-from planner.errors import ProfileError
+from planner.errors import ProfileError, shown
 from planner.untrusted import load_yaml, read_capped
 
 SOURCES = ("datasheet", "measured", "fitted", "assumed")
@@ -54,9 +54,9 @@ class Figure:
 
     def __post_init__(self):
         if self.source not in SOURCES:
-            raise ValueError(f"source must be one of {', '.join(SOURCES)}, not {self.source!r}")
+            raise ValueError(f"source must be one of {', '.join(SOURCES)}, not {shown(self.source)}")
         if isinstance(self.value, bool) or not isinstance(self.value, (int, float)) or not _finite(self.value):
-            raise ValueError(f"value must be a finite number, not {self.value!r}")
+            raise ValueError(f"value must be a finite number, not {shown(self.value)}")
         if self.value < 0:
             raise ValueError(f"value must not be negative, got {self.value}")
 
@@ -90,7 +90,7 @@ class HardwareProfile:
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name or not self.name.isprintable():
-            raise ValueError(f"name must be a non-empty string of printable characters, not {self.name!r}")
+            raise ValueError(f"name must be a non-empty string of printable characters, not {shown(self.name)}")
         if not isinstance(self.description, str):
             raise ValueError("description must be text")
         for key, highest in FIGURE_MAX.items():

@@ -10,7 +10,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from planner.errors import ModelInputError
+from planner.errors import ModelInputError, shown
 from planner.untrusted import load_json
 
 # Bits per element of every dtype the safetensors format defines (sub-byte types are packed).
@@ -152,15 +152,15 @@ def _entry(name: str, entry: object, file: str, origin: str) -> tuple[TensorEntr
     dtype = entry.get("dtype")
     if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
         raise ModelInputError(
-            f"{origin}: tensor {name!r} has unknown dtype {dtype!r}; known: {', '.join(sorted(DTYPE_BITS))}"
+            f"{origin}: tensor {name!r} has unknown dtype {shown(dtype)}; known: {', '.join(sorted(DTYPE_BITS))}"
         )
     shape = entry.get("shape")
     if not (isinstance(shape, list) and len(shape) <= MAX_DIMS and all(_is_count(d, MAX_DIM) for d in shape)):
-        raise ModelInputError(f"{origin}: tensor {name!r} has invalid shape {shape!r}; the header is corrupt")
+        raise ModelInputError(f"{origin}: tensor {name!r} has invalid shape {shown(shape)}; the header is corrupt")
     offsets = entry.get("data_offsets")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o, MAX_OFFSET) for o in offsets)
             and offsets[0] <= offsets[1]):
-        raise ModelInputError(f"{origin}: tensor {name!r} has invalid data_offsets {offsets!r} (two byte offsets, "
+        raise ModelInputError(f"{origin}: tensor {name!r} has invalid data_offsets {shown(offsets)} (two byte offsets, "
                               "start <= end); the header is corrupt")
     nbytes = tensor_nbytes(dtype, tuple(shape))
     if offsets[1] - offsets[0] != nbytes:
