@@ -78,6 +78,10 @@ def print_table(results, seed: int, wall_s: float) -> None:
     times = sorted(r.elapsed_ms for r in results)
     print(f"median {statistics.median(times):.1f} ms per case, p99 {times[int(0.99 * (len(times) - 1))]:.1f} ms, "
           f"slowest {times[-1]:.0f} ms")
+    medians = {f: statistics.median(r.elapsed_ms for r in results if r.family == f) for f in summary}
+    print("median ms by family: " + ", ".join(f"{FAMILY_TITLES[f]} {ms:.1f}" for f, ms in medians.items()))
+    slowest = sorted(results, key=lambda r: -r.elapsed_ms)[:5]
+    print("slowest: " + "; ".join(f"{r.family} #{r.index} {r.mutation} {r.elapsed_ms:.0f} ms" for r in slowest))
 
 
 if __name__ == "__main__":
