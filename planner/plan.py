@@ -131,9 +131,6 @@ class WorkloadSection:
     def __post_init__(self):
         if self.tokens_per_step < 1 or self.sequences_per_step < 1 or self.tokens_per_step % self.sequences_per_step:
             raise ValueError("workload.tokens_per_step must be a positive multiple of sequences_per_step (>= 1)")
-        if self.cuda_graph and self.tokens_per_step != self.sequences_per_step:
-            raise ValueError("a workload.cuda_graph plan decodes one token per sequence: tokens_per_step must equal "
-                             "sequences_per_step")
 
 
 @dataclass(frozen=True, kw_only=True)
