@@ -7,7 +7,6 @@ shard is there, else from HTTP range requests. Tensor data is never read.
 """
 
 import hashlib
-import json
 import os
 import re
 import socket
@@ -16,14 +15,31 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from planner.errors import ModelInputError
+from planner.errors import ModelInputError, shown
 from planner.safetensors_header import TensorEntry, entries_from_header, read_entries
+from planner.untrusted import load_json, read_capped
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 _REPO_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 #: seconds to wait for the hub's host before treating it as unreachable (instead of the client's minute of retries)
 HUB_CONNECT_TIMEOUT_S = 3.0
+#: a shard beside the index: a plain file name (no folder, no leading dot), printable, ending .safetensors
+_SHARD_NAME_RE = re.compile(r"^[^./\\][^/\\]*\.safetensors$")
+MAX_INDEX_BYTES = 64 * 2**20
+MAX_CONFIG_BYTES = 16 * 2**20
+#: config.json keys the planner reads as counts (planner.cost, planner.layout), with the range a real model's
+#: value lies in: wider than any model today, narrow enough that the arithmetic on them stays small and fast.
+#: Expert counts and top-k may be 0 (a dense model, or "not given").
+CONFIG_COUNTS = {
+    **dict.fromkeys(("hidden_size", "n_embd"), (1, 2**20)),
+    **dict.fromkeys(("num_attention_heads", "n_head", "num_key_value_heads", "head_dim"), (1, 2**16)),
+    **dict.fromkeys(("num_hidden_layers", "n_layer", "num_layers"), (1, 100_000)),
+    **dict.fromkeys(("num_local_experts", "n_routed_experts", "num_experts", "moe_num_experts"), (0, 2**20)),
+    **dict.fromkeys(("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k"), (0, 2**20)),
+}
+#: sub-configs of multimodal models that hold the language model's keys
+CONFIG_SECTIONS = ("text_config", "language_config")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,15 +165,18 @@ def _local_single(path: Path, source: str, config: dict | None) -> Checkpoint:
 
 
 def _read_weight_map(index_path: Path) -> dict[str, str]:
-    try:
-        index = json.loads(index_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ModelInputError(f"{index_path}: cannot read the index ({error}); download it again") from None
+    raw = read_capped(index_path, MAX_INDEX_BYTES, ModelInputError, "a checkpoint index")
+    index = load_json(raw, f"{index_path}: cannot read the index", ModelInputError, fix="download the index again")
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise ModelInputError(f"{index_path}: the index has no weight_map; download it again")
-    if not all(isinstance(v, str) and "/" not in v and v.endswith(".safetensors") for v in weight_map.values()):
-        raise ModelInputError(f"{index_path}: weight_map names files that are not .safetensors shards here")
+    for name, file in weight_map.items():
+        if not name or not name.isprintable():
+            raise ModelInputError(f"{index_path}: tensor name {name!r} is empty or holds control characters; "
+                                  "download the index again")
+        if not (isinstance(file, str) and file.isprintable() and _SHARD_NAME_RE.match(file)):
+            raise ModelInputError(f"{index_path}: weight_map puts {name!r} in {shown(file)}, which is not the name "
+                                  "of a .safetensors shard beside the index; download the index again")
     return weight_map
 
 
@@ -172,6 +191,14 @@ def _merge_shards(weight_map: dict[str, str], per_file: dict[str, list[TensorEnt
                     "the checkpoint is inconsistent"
                 )
             by_name[entry.name] = entry
+    unlisted = sorted(set(by_name) - set(weight_map))
+    if unlisted:
+        # Refused rather than planned: the index is what loaders read, so a tensor it does not list would be
+        # counted in the plan's bytes but never loaded (or the shards are from another version of the model).
+        raise ModelInputError(
+            f"{origin}: {len(unlisted)} tensor(s) in the shards are not in the index, e.g. {unlisted[0]!r} in "
+            f"{by_name[unlisted[0]].file}; the index and shards are from different versions: download them again"
+        )
     for name, file in weight_map.items():
         entry = by_name.get(name)
         if entry is None or entry.file != file:
@@ -186,13 +213,36 @@ def _read_config(folder: Path) -> dict | None:
     config_path = folder / "config.json"
     if not config_path.is_file():
         return None
-    try:
-        config = json.loads(config_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ModelInputError(f"{config_path}: not valid JSON ({error}); fix or remove it") from None
+    raw = read_capped(config_path, MAX_CONFIG_BYTES, ModelInputError, "config.json")
+    # NaN and Infinity are accepted in keys the planner does not read; the ones it reads are checked below.
+    config = load_json(raw, str(config_path), ModelInputError, allow_constants=True, fix="fix or remove it")
     if not isinstance(config, dict):
         raise ModelInputError(f"{config_path}: not a JSON object; fix or remove it")
+    check_config(config, str(config_path))
     return config
+
+
+def check_config(config: dict, origin: str) -> None:
+    """Every config.json key the planner reads has the type and range a real model's has (null: not given)."""
+    sections = [("", config)]
+    for key in CONFIG_SECTIONS:
+        section = config.get(key)
+        if section is not None and not isinstance(section, dict):
+            raise ModelInputError(f"{origin}: {key} is {shown(section)}, not an object; fix config.json")
+        if section is not None:
+            sections.append((f"{key}.", section))
+    for prefix, section in sections:
+        for key, (low, high) in CONFIG_COUNTS.items():
+            value = section.get(key)
+            if value is not None and not (isinstance(value, int) and not isinstance(value, bool)
+                                          and low <= value <= high):
+                raise ModelInputError(f"{origin}: {prefix}{key} is {shown(value)}; it must be a whole number from "
+                                      f"{low} to {high}: fix config.json")
+    architectures = config.get("architectures")
+    if architectures is not None and not (
+            isinstance(architectures, list) and all(isinstance(a, str) and a.isprintable() for a in architectures)):
+        raise ModelInputError(f"{origin}: architectures is {shown(architectures)}; it must be a list of class names "
+                              "such as [\"LlamaForCausalLM\"]: fix config.json")
 
 
 # ---- Hugging Face hub ---------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from planner.errors import ModelInputError
 from planner.layout import LayerInfo, ModelLayout
 from planner.profile import HardwareProfile
 
@@ -17,6 +18,9 @@ _FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
 _EXPERT_COUNT_KEYS = ("num_local_experts", "n_routed_experts", "num_experts", "moe_num_experts")
 _TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k")
 DEFAULT_TOP_K = 2
+#: far beyond any step or context today; beyond them a value is a typo, and the FLOP counts would mislead
+MAX_STEP_TOKENS = 2**24
+MAX_CONTEXT = 2**32
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,6 +37,9 @@ class Workload:
     def __post_init__(self):
         if self.tokens_per_step < 1 or self.sequences_per_step < 1 or self.context_tokens < 0:
             raise ValueError("tokens and sequences must be >= 1 and context >= 0")
+        if max(self.tokens_per_step, self.sequences_per_step) > MAX_STEP_TOKENS or self.context_tokens > MAX_CONTEXT:
+            raise ValueError(f"tokens and sequences must be at most {MAX_STEP_TOKENS} and context at most "
+                             f"{MAX_CONTEXT}")
         if self.tokens_per_step % self.sequences_per_step:
             raise ValueError("tokens per step must be a multiple of sequences per step")
 
@@ -71,6 +78,9 @@ def geometry_from_config(config: dict | None, layout: ModelLayout) -> ModelGeome
     top_k = next((text[k] for k in _TOP_K_KEYS if isinstance(text.get(k), int)), 0)
     if num_experts and not top_k:
         top_k = min(DEFAULT_TOP_K, num_experts)
+    if top_k > num_experts > 0:
+        raise ModelInputError(f"config.json routes each token to {top_k} experts but the model has {num_experts}; "
+                              "fix num_experts_per_tok (or the expert count) in config.json")
     return ModelGeometry(
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, num_experts=num_experts, top_k=top_k
     )
@@ -97,7 +107,7 @@ def _count_experts(layer: LayerInfo) -> int:
         if not is_expert_param(name):
             continue
         tail = f".{name}.".split(".experts.", 1)[1].split(".")[0]
-        if tail.isdigit():
+        if tail.isascii() and tail.isdigit():
             indices.add(int(tail))
         elif len(shape) == 3:
             return shape[0]

@@ -5,10 +5,39 @@ bug and keeps its traceback.
 """
 
 
+def printable(text: object) -> str:
+    """``text`` with every character that is not printable escaped (``\\n``, ``\\x1b``, ``\\ud800``).
+
+    Messages echo what the user gave (paths, tensor names, profile names): a newline there must not split
+    the one-line error, an escape sequence must not reach the terminal, and a lone surrogate (valid in JSON
+    escapes, not in UTF-8) must not crash the print.
+    """
+    text = str(text)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def shown(value: object, max_chars: int = 80) -> str:
+    """``repr(value)`` for a message: printable, and cut in the middle when long (a 10,000-element list echoed
+    whole would bury the line's advice)."""
+    text = printable(repr(value))
+    if len(text) <= max_chars:
+        return text
+    half = (max_chars - 5) // 2
+    return f"{text[:half]} ... {text[-half:]}"
+
+
 class OffloadPlanError(Exception):
-    """Base class: a problem the user can fix. The message is one line: what is wrong and how to fix it."""
+    """Base class: a problem the user can fix. The message is one line: what is wrong and how to fix it.
+
+    Whatever the message echoes, it is made printable here, so no raise site can break the one-line promise.
+    """
 
     exit_code = 1
+
+    def __init__(self, message: str = ""):
+        super().__init__(printable(message))
 
 
 class ModelInputError(OffloadPlanError):

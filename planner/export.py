@@ -35,6 +35,8 @@ from planner.simulate import join_every_steps_for, simulate
 from planner.units import format_bytes, format_ms
 
 ENGINES = ("vllm", "sglang")
+#: far above any tensor-parallel group (a node has 8 GPUs, an NVL72 rack 72); beyond it --tp is a typo
+MAX_TP_SIZE = 1024
 #: checkpoint name parts each engine fuses with others into one param: a segment naming one alone selects nothing
 FUSED_PARTS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
                "up_proj": "gate_up_proj", "w1": "experts.w13_weight", "w3": "experts.w13_weight",
@@ -88,8 +90,8 @@ def export_plan(plan: Plan, engine: str, *, tp_size: int = 1, exact: bool = Fals
     """Flags for ``engine``; raises PlanError when the engine cannot express the plan."""
     if engine not in ENGINES:
         raise UsageError(f"--to {engine!r} is not an engine offload-plan exports to; choose {' or '.join(ENGINES)}")
-    if tp_size < 1:
-        raise UsageError(f"--tp {tp_size}: the tensor-parallel size must be 1 or more")
+    if not 1 <= tp_size <= MAX_TP_SIZE:
+        raise UsageError(f"--tp {tp_size}: the tensor-parallel size must be from 1 to {MAX_TP_SIZE}")
     notes: list[str] = []
     warnings: list[str] = []
     flags = list(_tp_flags(engine, tp_size))

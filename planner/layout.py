@@ -5,6 +5,7 @@ A stack is a name prefix followed by a layer index: ``model.layers.N.``, ``trans
 experts inside a layer (``mlp.experts.7.``) stay inside their layer. No per-architecture tables.
 """
 
+import itertools
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -72,7 +73,8 @@ def _split(name: str) -> tuple[str, int, str] | None:
     """'model.layers.3.mlp.w' -> ('model.layers', 3, 'mlp.w'); None when the name has no index segment."""
     parts = name.split(".")
     for position, part in enumerate(parts[:-1]):
-        if part.isdigit() and position > 0:
+        # ASCII digits in canonical form only: int('²') fails, '٣' and '01' would alias other names' indices
+        if part.isascii() and part.isdigit() and (part == "0" or part[0] != "0") and position > 0:
             return ".".join(parts[:position]), int(part), ".".join(parts[position + 1 :])
     return None
 
@@ -144,7 +146,9 @@ def _layer_info(index: int, tensors: list[TensorEntry], stack: str) -> LayerInfo
 def _check_contiguous(layers: list[LayerInfo], stack: str) -> None:
     indices = [layer.index for layer in layers]
     if indices != list(range(len(indices))):
-        missing = sorted(set(range(max(indices) + 1)) - set(indices))
+        present = set(indices)
+        # The first few gaps, found lazily: an index of 10**12 must not build a range of 10**12 numbers.
+        missing = list(itertools.islice((i for i in range(max(indices)) if i not in present), 5))
         raise ModelInputError(
             f"stack {stack}: layer indices are not 0..{len(indices) - 1} (missing {missing[:5]}); "
             "a shard is probably missing from the index"

@@ -57,6 +57,8 @@ from planner.units import format_bytes, parse_bytes
 #: times layers on the local GPU for --measure: (checkpoint, layout, workload, profile, measured_on, graphed) ->
 #: ComputeTimes. The planner imports no runtime; the command line passes offload_plan.runtime_seam's.
 MeasureFunction = Callable[[Checkpoint, ModelLayout, Workload, HardwareProfile, "str | None", bool], ComputeTimes]
+#: the most layers a pinned knob may count (planner.checkpoint allows 100,000 layers)
+MAX_KNOB = 100_000
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -187,8 +189,19 @@ def _workload(tokens: int, sequences: int, context: int) -> Workload:
         raise UsageError(f"workload: {error}") from None
 
 
+def _check_knobs(inputs: Inputs) -> None:
+    """Pinned G, K and P are counts of layers: 1 or more, and no more than a model has layers."""
+    knobs = {"--group-size": inputs.group_size, "--num-in-group": inputs.num_in_group,
+             "--prefetch-step": inputs.prefetch_step}
+    for flag, value in knobs.items():
+        if value is not None and not 1 <= value <= MAX_KNOB:
+            raise UsageError(f"{flag} {value} is not a number of layers; give 1 or more (at most {MAX_KNOB}), or leave "
+                             "it out to search it")
+
+
 def _read_model(inputs: Inputs, measure: MeasureFunction | None = None) -> _Model:
     """Profile, checkpoint headers, layout, the bytes each layer would move, and the KV cache model."""
+    _check_knobs(inputs)
     profile = load_profile(inputs.gpu)
     checkpoint = load_checkpoint(inputs.model, inputs.revision)
     layout = build_layout(checkpoint, inputs.stack)

@@ -13,12 +13,20 @@ from typing import Any
 
 import yaml
 
-from planner.errors import PlanError
+from planner.errors import PlanError, printable, shown
 from planner.units import SIZE_HELP
+from planner.untrusted import load_yaml, read_capped
 
 SCHEMA_VERSION = 2
 #: versions read_plan accepts: older ones are upgraded on read (and check reports them stale)
 READABLE_SCHEMA_VERSIONS = (1, 2)
+#: a plan of 100,000 layers is about 10 MB
+MAX_PLAN_BYTES = 16 * 2**20
+#: plausible bounds of any number in a plan: byte counts and counts fit in 2**62, rates (FLOP/s) stay under
+#: 1e21 and times under 1e15 ms; beyond these a plan was edited by hand or corrupted, and arithmetic on it
+#: (floats of huge ints, table formatting) would overflow
+MAX_PLAN_INT = 2**62
+MAX_PLAN_FLOAT = 1e21
 MS_DECIMALS = 4
 SHARE_DECIMALS = 4
 
@@ -132,6 +140,20 @@ class HardwareSection:
     #: the profile's CUDA context figure; None: the planner's default (memory.cuda_context_bytes says what was used)
     cuda_context_bytes: int | None = None
 
+    def __post_init__(self):
+        # The same rules as planner.profile.HardwareProfile: a plan read back must not divide by a zero rate.
+        for key in ("gpu_memory_bytes", "hbm_bytes_per_s", "bf16_flops_per_s", "h2d_bytes_per_s"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"hardware.{key} must be positive")
+        for key in ("fp8_flops_per_s", "host_memory_bytes"):
+            if getattr(self, key) is not None and not getattr(self, key) > 0:
+                raise ValueError(f"hardware.{key} must be positive (or null)")
+        for key in ("trigger", "compute_efficiency"):
+            if not 0 < getattr(self, key) <= 1:
+                raise ValueError(f"hardware.{key} must be a share in (0, 1]")
+        if not self.reserve_bytes < self.gpu_memory_bytes:
+            raise ValueError("hardware.reserve_bytes must be less than gpu_memory_bytes")
+
 
 @dataclass(frozen=True, kw_only=True)
 class WorkloadSection:
@@ -151,6 +173,10 @@ class WorkloadSection:
     chunk_tokens: int = 2048
     #: KV cache element type (bf16, fp16, fp8, fp32)
     kv_dtype: str = "bf16"
+
+    def __post_init__(self):
+        if self.tokens_per_step < 1 or self.sequences_per_step < 1 or self.tokens_per_step % self.sequences_per_step:
+            raise ValueError("workload.tokens_per_step must be a positive multiple of sequences_per_step (>= 1)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -312,6 +338,8 @@ class Plan:
             raise ValueError("offload.layers names a layer beyond model.num_layers")
         if self.offload.replay_start_copies and not self.workload.cuda_graph:
             raise ValueError("offload.replay_start_copies applies to CUDA-graph plans (workload.cuda_graph) only")
+        if self.offload.layers and not 1 <= self.offload.num_in_group <= self.offload.group_size:
+            raise ValueError("offload.num_in_group must be between 1 and group_size when layers are offloaded")
 
 
 SECTIONS = {
@@ -397,20 +425,33 @@ def render_plan(plan: Plan, command: str) -> str:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename: never a partial file."""
+    """Write ``text`` to ``path`` through a temporary file and a rename: never a partial file.
+
+    Every problem with the destination (a folder, a missing or unwritable folder, a full disk) is one PlanError
+    line, and the file that was there before is left as it was.
+    """
     path = Path(path)
     directory = path.parent if str(path.parent) else Path(".")
+    shown = printable(path)
     if path.is_dir():
-        raise PlanError(f"{path} is a folder; give a file name for the plan, e.g. {path / 'plan.yaml'}")
+        raise PlanError(f"{shown} is a folder; give a file name for the plan, e.g. {printable(path / 'plan.yaml')}")
     if not directory.is_dir():
-        raise PlanError(f"output folder {directory} does not exist; create it first or choose another path")
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+        what = "is not a folder" if directory.exists() else "does not exist"
+        raise PlanError(f"output folder {printable(directory)} {what}; create it first or choose another path")
+    try:
+        handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    except OSError as error:
+        raise PlanError(f"cannot write in {printable(directory)} ({error.strerror}); check its permissions or choose "
+                        "another path") from None
     try:
         with os.fdopen(handle, "w") as stream:
             stream.write(text)
         os.replace(temporary, path)
-    except BaseException:
+    except BaseException as error:
         Path(temporary).unlink(missing_ok=True)
+        if isinstance(error, OSError):
+            raise PlanError(f"cannot write {shown} ({error.strerror}); check the path, its permissions and free "
+                            "space") from None
         raise
 
 
@@ -420,22 +461,33 @@ def write_atomic(path: Path, text: str) -> None:
 def read_plan(path: Path) -> Plan:
     """Load and validate a plan file; any problem is a one-line PlanError naming the field."""
     path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as error:
-        raise PlanError(f"{path}: cannot read plan ({error.strerror}); check the path") from None
-    except (yaml.YAMLError, UnicodeDecodeError) as error:
-        raise PlanError(f"{path}: not valid YAML ({str(error).splitlines()[0]}); regenerate it with make") from None
+    raw = read_capped(path, MAX_PLAN_BYTES, PlanError, "plan")
+    data = load_yaml(raw, str(path), PlanError, fix="regenerate it with make")
     return plan_from_dict(data, str(path))
 
 
 #: keys schema 1 plans may lack (added while it was current, with these values before them)
 _SCHEMA_1_DEFAULTS = {
-    "inputs": {"measure": False, "measured_on": None, "cuda_graph": False, "host_memory": None},
-    "hardware": {"host_memory_bytes": None},
-    "workload": {"cuda_graph": False},
+    "inputs": {"measure": False, "measured_on": None, "cuda_graph": False, "host_memory": None, "concurrency": None,
+               "chunk": 2048, "kv_dtype": "auto", "max_tpot_ms": None, "gpu_memory": None},
+    "hardware": {"host_memory_bytes": None, "cuda_context_bytes": None},
+    "workload": {"cuda_graph": False, "kv_dtype": "bf16"},
     "offload": {"replay_start_copies": 0},
+    # schema 1 planned the weights alone: the rest of the GPU is not known
+    "memory": {"kv_cache_bytes": None, "activation_bytes": None, "cuda_graph_pool_bytes": 0, "cuda_context_bytes": 0,
+               "total_gpu_bytes": None},
+    "prediction": {"decode_step_ms": None, "decode_tokens_per_s": None, "prefill_chunk_ms": None},
 }
+
+
+def _schema_1_derived(data: dict) -> dict:
+    """Schema 2 fields whose schema 1 value follows from others: section -> key -> value."""
+    workload, hardware = data.get("workload"), data.get("hardware")
+    if not isinstance(workload, dict) or not isinstance(hardware, dict):
+        return {}
+    return {"workload": {"concurrency": workload.get("sequences_per_step"),
+                         "chunk_tokens": workload.get("tokens_per_step")},
+            "memory": {"gpu_memory_bytes": hardware.get("gpu_memory_bytes")}}
 
 
 def plan_from_dict(data: object, origin: str) -> Plan:
@@ -444,12 +496,13 @@ def plan_from_dict(data: object, origin: str) -> Plan:
         raise PlanError(f"{origin}: not a plan (expected a mapping); regenerate it with offload-plan make")
     expected = {"schema_version", "layers", *SECTIONS}
     if set(data) - {"serving"} != expected:
-        problems = sorted((set(data) - {"serving"}) ^ expected)
+        problems = sorted((set(data) - {"serving"}) ^ expected, key=str)  # YAML keys may be numbers too
         raise PlanError(f"{origin}: plan keys differ from schema {SCHEMA_VERSION} at {problems}; regenerate it")
-    if data["schema_version"] not in READABLE_SCHEMA_VERSIONS:
-        raise PlanError(f"{origin}: schema_version {data['schema_version']!r} is not one of "
+    version = data["schema_version"]
+    if type(version) is not int or version not in READABLE_SCHEMA_VERSIONS:  # 1.0 and true are not 1
+        raise PlanError(f"{origin}: schema_version {shown(version)} is not one of "
                         f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))}; regenerate it with this offload-plan")
-    if data["schema_version"] == 1:
+    if version == 1:
         data = _upgraded_from_1(data, origin)
     kwargs: dict = {"schema_version": SCHEMA_VERSION}
     for name, cls in SECTIONS.items():
@@ -499,9 +552,10 @@ def _upgraded_from_1(data: dict, origin: str) -> dict:
     """A schema 1 plan in schema 2's terms: keys added during schema 1 take their earlier values, and each layer
     row's selected_bytes is what its copy_ms implies (schema 1 kept only that rounded time)."""
     upgraded = dict(data, schema_version=SCHEMA_VERSION)
+    derived = _schema_1_derived(data)
     for name, defaults in _SCHEMA_1_DEFAULTS.items():
         if isinstance(data[name], dict):
-            upgraded[name] = {**defaults, **data[name]}
+            upgraded[name] = {**defaults, **derived.get(name, {}), **data[name]}
     hardware, offload = upgraded["hardware"], upgraded["offload"]
     if not isinstance(data["layers"], list) or not isinstance(hardware, dict) or not isinstance(offload, dict):
         return upgraded  # the strict reader names what is wrong
@@ -525,7 +579,7 @@ def _section(cls, raw: object, origin: str):
         raise PlanError(f"{origin} must be a mapping; regenerate the plan")
     names = [f.name for f in fields(cls)]
     if set(raw) != set(names):
-        wrong = sorted(set(raw) ^ set(names))
+        wrong = sorted(set(raw) ^ set(names), key=str)
         raise PlanError(f"{origin}: keys {wrong} differ from the schema; regenerate the plan")
     values = {}
     for f in fields(cls):
@@ -547,20 +601,31 @@ def _check_type(value: Any, annotation: Any, origin: str) -> Any:
         inner = int if "int" in text else str
         if not isinstance(value, list) or not all(_is(v, inner) for v in value):
             raise PlanError(f"{origin} must be a list of {inner.__name__}; regenerate the plan")
+        if inner is int and not all(_plausible(v) for v in value):
+            raise PlanError(f"{origin} must hold whole numbers from 0 to {MAX_PLAN_INT}; regenerate the plan")
         return tuple(value)
     if text.startswith("dict"):
-        if not isinstance(value, dict) or not all(isinstance(v, int) for v in value.values()):
-            raise PlanError(f"{origin} must be a mapping of names to integers; regenerate the plan")
+        if not isinstance(value, dict) or not all(isinstance(k, str) and _is(v, int) and _plausible(v)
+                                                  for k, v in value.items()):
+            raise PlanError(f"{origin} must be a mapping of names to whole numbers; regenerate the plan")
         return value
     first = text.split("|")[0].strip()
     base = next(t for t in _BASES if t is annotation or first in (t.__name__, f"<class '{t.__name__}'>"))
     if base is bool:
         if not isinstance(value, bool):
-            raise PlanError(f"{origin} must be true or false, got {value!r}; regenerate the plan")
+            raise PlanError(f"{origin} must be true or false, got {shown(value)}; regenerate the plan")
         return value
     if not _is(value, base):
-        raise PlanError(f"{origin} must be {base.__name__}, got {value!r}; regenerate the plan")
+        raise PlanError(f"{origin} must be {base.__name__}, got {shown(value)}; regenerate the plan")
+    if base in (int, float) and not _plausible(value):
+        raise PlanError(f"{origin} is {value!r}; plan numbers are finite, not negative and below "
+                        f"{MAX_PLAN_INT if base is int else MAX_PLAN_FLOAT:g}: regenerate the plan")
     return float(value) if base is float else value
+
+
+def _plausible(value: int | float) -> bool:
+    limit = MAX_PLAN_INT if isinstance(value, int) else MAX_PLAN_FLOAT
+    return 0 <= value <= limit  # False for NaN too
 
 
 def _is(value: Any, kind: type) -> bool:

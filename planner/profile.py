@@ -9,9 +9,9 @@ import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-import yaml
 
-from planner.errors import ProfileError
+from planner.errors import ProfileError, shown
+from planner.untrusted import load_yaml, read_capped
 
 SOURCES = ("datasheet", "measured", "fitted", "assumed")
 PROFILE_SUFFIXES = (".yaml", ".yml")
@@ -26,6 +26,24 @@ def profiles_dir() -> Path:
     raise ProfileError("the built-in profiles folder is missing from this installation; reinstall offload-plan")
 
 
+#: plausible upper bounds of each figure, far above any chip today: a figure beyond is a typo (a unit off by
+#: 1e9) or a corrupt file, and the arithmetic on it would overflow or mislead
+FIGURE_MAX = {"gpu_memory_bytes": 2**50, "hbm_bytes_per_s": 1e16, "bf16_flops_per_s": 1e19,
+              "fp8_flops_per_s": 1e19, "h2d_bytes_per_s": 1e14, "copy_overhead_us": 1e6, "reserve_bytes": 2**50,
+              "host_memory_bytes": 2**60}
+#: figures that must be above zero (trigger and compute_efficiency are shares, checked as such): the planner
+#: divides by the rates, and zero memory holds nothing. A zero
+#: rate is refused, not read as "unknown": fp8_flops_per_s is null (or left out) on chips without fp8
+POSITIVE_FIGURES = ("gpu_memory_bytes", "hbm_bytes_per_s", "bf16_flops_per_s", "fp8_flops_per_s",
+                    "h2d_bytes_per_s", "host_memory_bytes")
+MAX_PROFILE_BYTES = 2**20
+
+
+def _finite(value: int | float) -> bool:
+    """math.isfinite without its OverflowError on integers beyond a float."""
+    return abs(value) <= 1e300 and math.isfinite(value)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Figure:
     """One number of a profile, with where it comes from."""
@@ -38,9 +56,9 @@ class Figure:
 
     def __post_init__(self):
         if self.source not in SOURCES:
-            raise ValueError(f"source must be one of {', '.join(SOURCES)}, not {self.source!r}")
-        if isinstance(self.value, bool) or not isinstance(self.value, (int, float)) or not math.isfinite(self.value):
-            raise ValueError(f"value must be a finite number, not {self.value!r}")
+            raise ValueError(f"source must be one of {', '.join(SOURCES)}, not {shown(self.source)}")
+        if isinstance(self.value, bool) or not isinstance(self.value, (int, float)) or not _finite(self.value):
+            raise ValueError(f"value must be a finite number, not {shown(self.value)}")
         if self.value < 0:
             raise ValueError(f"value must not be negative, got {self.value}")
 
@@ -76,11 +94,19 @@ class HardwareProfile:
     cuda_context_bytes: Figure | None = None
 
     def __post_init__(self):
-        if not self.name or not isinstance(self.name, str):
-            raise ValueError("name must be a non-empty string")
-        for key in ("gpu_memory_bytes", "hbm_bytes_per_s", "bf16_flops_per_s", "h2d_bytes_per_s"):
-            if getattr(self, key).value <= 0:
-                raise ValueError(f"{key} must be positive")
+        if not isinstance(self.name, str) or not self.name or not self.name.isprintable():
+            raise ValueError(f"name must be a non-empty string of printable characters, not {shown(self.name)}")
+        if not isinstance(self.description, str):
+            raise ValueError("description must be text")
+        for key, highest in FIGURE_MAX.items():
+            figure = getattr(self, key)
+            if figure is None:
+                continue
+            if key in POSITIVE_FIGURES and figure.value <= 0:
+                raise ValueError(f"{key} must be positive" + (" (null on chips without fp8)" if key.startswith("fp8")
+                                                             else ""))
+            if figure.value > highest:
+                raise ValueError(f"{key} is {figure.value:g}, beyond any GPU (at most {highest:g}): check its unit")
         for key in ("trigger", "compute_efficiency"):
             if not 0 < getattr(self, key).value <= 1:
                 raise ValueError(f"{key} must be a share in (0, 1], got {getattr(self, key).value}")
@@ -110,13 +136,13 @@ def profile_from_dict(data: object, origin: str) -> HardwareProfile:
     if not isinstance(data, dict):
         raise ProfileError(f"{origin}: a profile is a YAML mapping of fields; see profiles/h100-sxm.yaml")
     known = {"name", "description", *_FIGURE_FIELDS}
-    unknown = sorted(set(data) - known)
+    unknown = sorted(set(data) - known, key=str)  # YAML keys may be numbers too
     if unknown:
         raise ProfileError(f"{origin}: unknown field(s) {unknown}; valid fields: {sorted(known)}")
     missing = sorted(k for k in known - set(data) if k not in _OPTIONAL_FIELDS)
     if missing:
         raise ProfileError(f"{origin}: missing field(s) {missing}; see profiles/h100-sxm.yaml for the format")
-    kwargs = {"name": data["name"], "description": str(data.get("description", ""))}
+    kwargs = {"name": data["name"], "description": str(data.get("description") or "")}
     for key in _FIGURE_FIELDS:
         kwargs[key] = _figure(data.get(key), key, origin)
     try:
@@ -130,7 +156,7 @@ def _figure(raw: object, key: str, origin: str) -> Figure | None:
         return None
     if not isinstance(raw, dict) or "value" not in raw or "source" not in raw:
         raise ProfileError(f"{origin}: field {key} must be a mapping with value, source and note")
-    extra = sorted(set(raw) - {"value", "source", "note"})
+    extra = sorted(set(raw) - {"value", "source", "note"}, key=str)
     if extra:
         raise ProfileError(f"{origin}: field {key} has unknown key(s) {extra}; use value, source and note")
     value = raw["value"]
@@ -167,12 +193,8 @@ def load_profile(name_or_path: str) -> HardwareProfile:
                 f"unknown GPU {name_or_path!r}; {guess}choose one of {', '.join(names)}, "
                 "or pass a profile file (--gpu my-gpu.yaml)"
             )
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as error:
-        raise ProfileError(f"{path}: cannot read profile ({error.strerror}); check the path") from None
-    except (yaml.YAMLError, UnicodeDecodeError) as error:
-        raise ProfileError(f"{path}: not valid YAML ({str(error).splitlines()[0]}); fix the file") from None
+    raw = read_capped(path, MAX_PROFILE_BYTES, ProfileError, "profile")
+    data = load_yaml(raw, str(path), ProfileError, fix="fix the file")
     return profile_from_dict(data, str(path))
 
 

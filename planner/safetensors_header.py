@@ -5,13 +5,13 @@ only the first two parts, and check them against the file's size so a truncated 
 rather than at load time.
 """
 
-import json
 import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from planner.errors import ModelInputError
+from planner.errors import ModelInputError, shown
+from planner.untrusted import load_json
 
 # Bits per element of every dtype the safetensors format defines (sub-byte types are packed).
 DTYPE_BITS = {
@@ -58,8 +58,20 @@ def tensor_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
     return math.ceil(math.prod(shape) * DTYPE_BITS[dtype] / 8)
 
 
+#: no real tensor has more dimensions, or a dimension this large (its element count would not fit a file)
+MAX_DIMS = 16
+MAX_DIM = 2**53
+#: offsets are u64 in the format; Python files cannot seek past 2**63
+MAX_OFFSET = 2**63
+
+
 def read_header_json(path: Path) -> dict:
     """Return the parsed JSON header of one safetensors file, checking its framing against the file size."""
+    return _read_header(path)[0]
+
+
+def _read_header(path: Path) -> tuple[dict, int]:
+    """(parsed JSON header, bytes of tensor data the file holds after it)."""
     try:
         file_size_bytes = path.stat().st_size
         with path.open("rb") as handle:
@@ -83,71 +95,89 @@ def read_header_json(path: Path) -> dict:
             f"{path}: header says {header_bytes} bytes but the file ends after {len(raw)}; "
             "the file is truncated: download it again"
         )
-    header = _parse_json(raw, path)
-    _check_data_extent(header, path, file_size_bytes - HEADER_PREFIX_BYTES - header_bytes)
-    return header
-
-
-def _parse_json(raw: bytes, path: Path) -> dict:
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ModelInputError(
-            f"{path}: safetensors header is not valid JSON ({error}); the file is corrupt: download it again"
-        ) from None
+    header = load_json(raw, f"{path}: safetensors header", ModelInputError,
+                       fix="the file is corrupt: download it again")
     if not isinstance(header, dict):
         raise ModelInputError(f"{path}: safetensors header is not a JSON object; the file is corrupt")
-    return header
+    return header, file_size_bytes - HEADER_PREFIX_BYTES - header_bytes
 
 
-def _check_data_extent(header: dict, path: Path, data_bytes: int) -> None:
-    """The tensors' data offsets must lie inside the file: catches truncated shards without reading data."""
-    end_offset = 0
+def entries_from_header(header: dict, file: str, origin: str, data_bytes: int | None = None) -> list[TensorEntry]:
+    """Turn a parsed header into validated tensor entries; ``origin`` names the file in error messages.
+
+    Data offsets must tile the data area exactly, as the reference implementation requires: sorted by start,
+    the first begins at 0 and each begins where the previous ends. An overlap (two tensors sharing bytes) or a
+    gap (bytes no tensor owns) means a corrupt or hand-edited file, which the engines would refuse at load
+    time, so it is refused here, at planning time. ``data_bytes``: the bytes of tensor data the file holds
+    (None where only the header is known, as for headers read from the hub): the tensors must lie within them.
+    """
+    entries, spans = [], []
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
-            raise ModelInputError(f"{path}: tensor {name!r} has no valid data_offsets; the file is corrupt")
-        end_offset = max(end_offset, offsets[1])
-    if end_offset > data_bytes:
+        tensor, span = _entry(name, entry, file, origin)
+        entries.append(tensor)
+        spans.append((span, name))
+    _check_tiling(spans, origin)
+    end_offset = max((span[1] for span, _ in spans), default=0)
+    if data_bytes is not None and end_offset > data_bytes:
         raise ModelInputError(
-            f"{path}: header describes {end_offset} bytes of tensor data but the file holds {data_bytes}; "
+            f"{origin}: header describes {end_offset} bytes of tensor data but the file holds {data_bytes}; "
             "the file is truncated: download it again"
         )
-
-
-def entries_from_header(header: dict, file: str, origin: str) -> list[TensorEntry]:
-    """Turn a parsed header into validated tensor entries; ``origin`` names the file in error messages."""
-    entries = []
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        entries.append(_entry(name, entry, file, origin))
     return entries
 
 
-def _entry(name: str, entry: object, file: str, origin: str) -> TensorEntry:
+def _check_tiling(spans: list[tuple[tuple[int, int], str]], origin: str) -> None:
+    """Offsets sorted by start must run 0, end0 = start1, end1 = start2, ...: no overlap, no gap."""
+    expected_start, previous = 0, None
+    for (start, end), name in sorted(spans):
+        if start != expected_start:
+            what = "overlaps" if start < expected_start else "leaves a gap after"
+            after = f"tensor {previous!r}" if previous is not None else "the start of the data"
+            raise ModelInputError(
+                f"{origin}: tensor {name!r} starts at byte {start}, so it {what} {after} (which ends at "
+                f"{expected_start}); the header is corrupt: download the file again"
+            )
+        expected_start, previous = end, name
+
+
+def _entry(name: str, entry: object, file: str, origin: str) -> tuple[TensorEntry, tuple[int, int]]:
+    """One validated tensor and its (start, end) data offsets."""
+    if not name or not name.isprintable():
+        raise ModelInputError(f"{origin}: tensor name {name!r} is empty or holds control characters; the header "
+                              "is corrupt")
     if not isinstance(entry, dict):
         raise ModelInputError(f"{origin}: tensor {name!r} is not described by an object; the header is corrupt")
     dtype = entry.get("dtype")
-    if dtype not in DTYPE_BITS:
+    if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
         raise ModelInputError(
-            f"{origin}: tensor {name!r} has unknown dtype {dtype!r}; known: {', '.join(sorted(DTYPE_BITS))}"
+            f"{origin}: tensor {name!r} has unknown dtype {shown(dtype)}; known: {', '.join(sorted(DTYPE_BITS))}"
         )
     shape = entry.get("shape")
-    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
-        raise ModelInputError(f"{origin}: tensor {name!r} has invalid shape {shape!r}; the header is corrupt")
-    nbytes = tensor_nbytes(dtype, tuple(shape))
+    if not (isinstance(shape, list) and len(shape) <= MAX_DIMS and all(_is_count(d, MAX_DIM) for d in shape)):
+        raise ModelInputError(f"{origin}: tensor {name!r} has invalid shape {shown(shape)}; the header is corrupt")
     offsets = entry.get("data_offsets")
-    if isinstance(offsets, list) and len(offsets) == 2 and offsets[1] - offsets[0] != nbytes:
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o, MAX_OFFSET) for o in offsets)
+            and offsets[0] <= offsets[1]):
+        raise ModelInputError(f"{origin}: tensor {name!r} has invalid data_offsets {shown(offsets)} (two byte offsets, "
+                              "start <= end); the header is corrupt")
+    nbytes = tensor_nbytes(dtype, tuple(shape))
+    if offsets[1] - offsets[0] != nbytes:
         raise ModelInputError(
             f"{origin}: tensor {name!r} ({dtype} {shape}) needs {nbytes} bytes but its data_offsets span "
             f"{offsets[1] - offsets[0]}; the header is corrupt"
         )
-    return TensorEntry(name=name, dtype=dtype, shape=tuple(shape), nbytes=nbytes, file=file)
+    tensor = TensorEntry(name=name, dtype=dtype, shape=tuple(shape), nbytes=nbytes, file=file)
+    return tensor, (offsets[0], offsets[1])
+
+
+def _is_count(value: object, limit: int) -> bool:
+    """A JSON integer in [0, limit] (JSON's true and false are not counts)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= limit
 
 
 def read_entries(path: Path, file: str) -> list[TensorEntry]:
     """Read one local safetensors file's header into tensor entries."""
-    return entries_from_header(read_header_json(path), file, str(path))
+    header, data_bytes = _read_header(path)
+    return entries_from_header(header, file, str(path), data_bytes)

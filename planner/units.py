@@ -42,8 +42,10 @@ def parse_bytes(text: str, flag: str = "size") -> int:
 
 
 def format_bytes(num_bytes: float) -> str:
-    """Format a byte count for people, in binary units ('38.50 GiB')."""
-    value = float(num_bytes)
+    """Format a byte count for people, in binary units ('38.50 GiB'); any number formats, however large."""
+    value = _as_float(num_bytes)
+    if not math.isfinite(value):
+        return f"{value} B"
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(value) < 1024:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
@@ -52,9 +54,20 @@ def format_bytes(num_bytes: float) -> str:
 
 
 def format_ms(time_ms: float) -> str:
-    """Format a duration in milliseconds with sensible precision."""
+    """Format a duration in milliseconds with sensible precision; any number formats, however large."""
+    time_ms = _as_float(time_ms)
+    if not math.isfinite(time_ms):
+        return f"{time_ms} ms"
     if time_ms >= 100:
         return f"{time_ms:.1f} ms"
     if time_ms >= 1:
         return f"{time_ms:.2f} ms"
     return f"{time_ms * 1000:.0f} us"
+
+
+def _as_float(value: float) -> float:
+    """float(value), with integers beyond a float's range as infinity instead of an OverflowError."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf

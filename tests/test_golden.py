@@ -100,19 +100,29 @@ def test_plan_round_trips_through_show(workdir, test_gpu):
 SCHEMA = {
     "schema_version": None,
     "inputs": ["model", "revision", "gpu", "budget", "trigger", "tokens", "sequences", "context", "params", "stack",
-               "group_size", "num_in_group", "prefetch_step", "measure", "measured_on", "cuda_graph", "host_memory"],
+               "group_size", "num_in_group", "prefetch_step", "measure", "measured_on", "cuda_graph", "host_memory",
+               "concurrency", "chunk", "kv_dtype", "max_tpot_ms", "gpu_memory"],
     "model": ["source", "revision", "fingerprint", "architecture", "stack", "num_layers", "num_tensors",
               "total_bytes", "layer_bytes", "non_layer_bytes", "unused_layers", "unused_bytes", "dtype_bytes"],
     "hardware": ["profile", "gpu_memory_bytes", "hbm_bytes_per_s", "bf16_flops_per_s", "fp8_flops_per_s",
                  "h2d_bytes_per_s", "copy_overhead_us", "trigger", "reserve_bytes", "compute_efficiency",
-                 "host_memory_bytes"],
-    "workload": ["tokens_per_step", "sequences_per_step", "context_tokens", "compute_source", "cuda_graph"],
+                 "host_memory_bytes", "cuda_context_bytes"],
+    "workload": ["tokens_per_step", "sequences_per_step", "context_tokens", "compute_source", "cuda_graph",
+                 "concurrency", "chunk_tokens", "kv_dtype"],
     "offload": ["group_size", "num_in_group", "prefetch_step", "params", "layers", "replay_start_copies"],
     "memory": ["budget_bytes", "gpu_bytes", "resident_layer_bytes", "non_layer_bytes", "allocation_slack_bytes",
-               "num_slots", "slot_bytes", "host_pinned_bytes"],
+               "num_slots", "slot_bytes", "host_pinned_bytes", "gpu_memory_bytes", "kv_cache_bytes", "activation_bytes",
+               "cuda_graph_pool_bytes", "cuda_context_bytes", "total_gpu_bytes"],
     "prediction": ["step_ms", "resident_step_ms", "head_ms", "stall_ms", "link_floor_ms", "copy_bytes_per_step",
-                   "link_busy_share"],
+                   "link_busy_share", "decode_step_ms", "decode_tokens_per_s", "prefill_chunk_ms"],
     "layers": ["index", "bytes", "selected_bytes", "offloaded_bytes", "compute_ms", "copy_ms"],
+}
+#: a serving plan (make --concurrency) adds this section after the layers
+SERVING_SCHEMA = {
+    "serving": ["concurrency_low", "concurrency_high", "max_tpot_ms", "no_offload_concurrency", "no_offload_step_ms",
+                "no_offload_tokens_per_s", "points"],
+    "points": ["concurrency", "num_offloaded", "group_size", "num_in_group", "prefetch_step", "weights_gpu_bytes",
+               "kv_cache_bytes", "total_gpu_bytes", "step_ms", "tokens_per_s"],
 }
 
 
@@ -130,6 +140,18 @@ def test_plan_schema_keys_are_pinned(workdir, test_gpu):
             assert all(list(row) == keys for row in plan["layers"])
         else:
             assert list(plan[section]) == keys, section
+
+
+def test_serving_plan_schema_keys_are_pinned(workdir, test_gpu):
+    """A serving plan is the weights-only schema plus its serving section, keys pinned the same way."""
+    make_checkpoint(workdir / "ckpt", num_layers=4, num_shards=2)
+    result = invoke(["make", "--model", "ckpt", "--gpu", test_gpu, "--context", "256", "--concurrency", "auto",
+                     "--chunk", "64"])
+    assert result.exit_code == 0, result.stderr
+    plan = yaml.safe_load(result.stdout)
+    assert list(plan) == [*SCHEMA, "serving"]
+    assert list(plan["serving"]) == SERVING_SCHEMA["serving"]
+    assert plan["serving"]["points"] and all(list(row) == SERVING_SCHEMA["points"] for row in plan["serving"]["points"])
 
 
 def test_schema_1_plans_are_read_upgraded_and_checked_stale(workdir, test_gpu):

@@ -1,0 +1,177 @@
+"""Reading JSON and YAML that anyone may have written: bounded in size, depth and number width, no surprises.
+
+Every file offload-plan reads (safetensors headers, the index, config.json, plans, profiles) goes through
+here, so a hostile or broken file costs milliseconds and ends in one line naming the file:
+
+- a size cap per kind of file, checked before reading;
+- nesting deeper than MAX_DEPTH levels is refused (Python's parsers would recurse until RecursionError);
+- integers longer than MAX_INT_DIGITS digits are refused (int() of a 5,000-digit string raises ValueError);
+- duplicate keys are refused: JSON and YAML parsers silently keep the last one, so two tools reading the same
+  file could disagree about it;
+- YAML aliases (``*name``) are refused: a dozen nested aliases expand to billions of nodes (an "alias bomb"),
+  and plans and profiles are plain data that never need them;
+- JSON's NaN and Infinity words are refused unless the caller accepts them (config.json may hold them in
+  keys the planner never reads; the keys it reads are checked one by one).
+"""
+
+import json
+from pathlib import Path
+
+import yaml
+import yaml.composer
+import yaml.constructor
+import yaml.resolver
+
+from planner.errors import OffloadPlanError
+
+#: deeper than any file offload-plan reads (headers: 3, configs: 4-5, plans: 3)
+MAX_DEPTH = 32
+#: 2**64 has 20 digits; anything much longer is not a count or an offset
+MAX_INT_DIGITS = 30
+
+
+class _Refused(ValueError):
+    """A reason to refuse the document, turned into the caller's error class with its origin."""
+
+
+def read_capped(path: Path, max_bytes: int, error_class: type[OffloadPlanError], what: str) -> bytes:
+    """The bytes of ``path``, refusing files over ``max_bytes`` before reading them; OSError becomes one line."""
+    try:
+        size_bytes = path.stat().st_size
+        if size_bytes > max_bytes:
+            raise error_class(f"{path}: {size_bytes} bytes is too large for {what} (at most {max_bytes}); "
+                              "is this the right file?")
+        with path.open("rb") as stream:
+            return stream.read(max_bytes + 1)
+    except OSError as error:
+        raise error_class(f"{path}: cannot read {what} ({error.strerror or type(error).__name__}); check the path "
+                          "and permissions") from None
+
+
+# ---- JSON ---------------------------------------------------------------------------------------------------
+
+
+def _unique_object(pairs: list) -> dict:
+    keys = [key for key, _ in pairs]
+    if len(set(keys)) != len(keys):
+        duplicate = next(key for key in keys if keys.count(key) > 1)
+        raise _Refused(f"key {duplicate!r} appears twice")
+    return dict(pairs)
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise _Refused(f"a {len(text)}-digit integer")
+    return int(text)
+
+
+def _no_constant(word: str):
+    raise _Refused(f"{word} is not a JSON number")
+
+
+def _depth(value: object) -> int:
+    """Nesting depth of parsed JSON, without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        deepest = max(deepest, level)
+        if level > MAX_DEPTH:
+            break
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        stack.extend((child, level + 1) for child in children if isinstance(child, (dict, list)))
+    return deepest
+
+
+def load_json(raw: bytes, origin: str, error_class: type[OffloadPlanError], *, allow_constants: bool = False,
+              fix: str = "download it again") -> object:
+    """Parse untrusted JSON; any problem is one ``error_class`` line naming ``origin`` and ending with ``fix``."""
+    try:
+        text = raw.decode("utf-8")
+        value = json.loads(text, object_pairs_hook=_unique_object, parse_int=_bounded_int,
+                           parse_constant=None if allow_constants else _no_constant)
+    except UnicodeDecodeError as error:
+        reason = f"not UTF-8 at byte {error.start}"
+    except RecursionError:
+        reason = f"nested more than {MAX_DEPTH} levels deep"
+    except _Refused as error:
+        reason = str(error)
+    except json.JSONDecodeError as error:
+        reason = f"not valid JSON: {error.msg} at line {error.lineno} column {error.colno}"
+    else:
+        if _depth(value) <= MAX_DEPTH:
+            return value
+        reason = f"nested more than {MAX_DEPTH} levels deep"
+    raise error_class(f"{origin}: {reason}; {fix}")
+
+
+# ---- YAML ---------------------------------------------------------------------------------------------------
+
+
+class _Strict:
+    """PyYAML's safe loading without aliases, duplicate keys, unbounded nesting or unbounded integers."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise _Refused(f"line {event.start_mark.line + 1} uses an alias (*{event.anchor}); aliases are not "
+                           "allowed: write the value out")
+        self._depth = getattr(self, "_depth", 0) + 1
+        if self._depth > MAX_DEPTH:
+            raise _Refused(f"nested more than {MAX_DEPTH} levels deep")
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def construct_mapping(self, node, deep=False):
+        keys = [key.value for key, _ in node.value if isinstance(key, yaml.ScalarNode)]
+        if len(set(keys)) != len(keys):
+            duplicate = next(key for key in keys if keys.count(key) > 1)
+            raise _Refused(f"line {node.start_mark.line + 1}: key {duplicate!r} appears twice")
+        return super().construct_mapping(node, deep=deep)
+
+    def construct_yaml_int(self, node):
+        if len(node.value.replace("_", "").lstrip("+-")) > MAX_INT_DIGITS:
+            raise _Refused(f"line {node.start_mark.line + 1}: a {len(node.value)}-digit integer")
+        return super().construct_yaml_int(node)
+
+
+class _PureStrictLoader(_Strict, yaml.SafeLoader):
+    """The strict loader in pure Python."""
+
+
+try:
+    from yaml._yaml import CParser
+except ImportError:  # PyYAML built without libyaml
+    _StrictLoader = _PureStrictLoader
+else:
+    class _StrictLoader(_Strict, yaml.composer.Composer, CParser, yaml.constructor.SafeConstructor,
+                        yaml.resolver.Resolver):
+        """libyaml's scanner and parser (several times faster) under the strict Python composer."""
+
+        def __init__(self, stream):
+            CParser.__init__(self, stream)
+            yaml.composer.Composer.__init__(self)
+            yaml.constructor.SafeConstructor.__init__(self)
+            yaml.resolver.Resolver.__init__(self)
+
+for _loader in {_StrictLoader, _PureStrictLoader}:
+    _loader.add_constructor("tag:yaml.org,2002:int", _Strict.construct_yaml_int)
+
+
+def load_yaml(raw: bytes, origin: str, error_class: type[OffloadPlanError], fix: str) -> object:
+    """Parse untrusted YAML (plans, profiles); any problem is one ``error_class`` line naming ``origin``."""
+    try:
+        return yaml.load(raw.decode("utf-8"), Loader=_StrictLoader)  # noqa: S506 (SafeConstructor, strict)
+    except UnicodeDecodeError as error:
+        reason = f"not valid YAML: not UTF-8 at byte {error.start}"
+    except _Refused as error:
+        reason = str(error)
+    except yaml.YAMLError as error:
+        reason = f"not valid YAML: {str(error).splitlines()[0]}"
+        mark = getattr(error, "problem_mark", None)
+        if mark is not None:
+            reason += f" (line {mark.line + 1})"
+    except (RecursionError, ValueError, OverflowError) as error:  # PyYAML's own int and float constructors
+        reason = f"cannot read a value ({type(error).__name__})"
+    raise error_class(f"{origin}: {reason}; {fix}")
