@@ -27,8 +27,9 @@ from planner.errors import ModelInputError
 from planner.safetensors_header import HEADER_PREFIX_BYTES, read_header_json
 from runtime.engine import PackedParam, view_as_param
 
-#: bytes of one staging buffer; the ring holds one per reader thread plus one, so reads overlap uploads
-STAGING_BYTES = 64 << 20
+#: bytes of one staging buffer; the ring holds one per reader thread plus one, so reads overlap uploads (large
+#: enough for full-speed NVMe reads, small enough that the ring stays a few hundred MB of host memory)
+STAGING_BYTES = 32 << 20
 #: reader threads: enough to keep an NVMe queue busy, few enough not to thrash a 2-core CI box
 NUM_READERS = min(8, max(2, os.cpu_count() or 2))
 #: converted groups read or converting at once (conversions run one at a time; one more is read meanwhile)
