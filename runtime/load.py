@@ -162,19 +162,27 @@ class Placement:
     host: torch.Tensor | None
     #: canonical param name (model.named_parameters) -> its destination
     destinations: dict[str, Destination]
+    #: the host allocation is page-locked (place_plan pins it, or pin_host later)
+    host_pinned: bool = False
+
+    def pin_host(self, backend) -> None:
+        """Page-lock the host allocation (the streaming loader does this while it reads resident params)."""
+        if self.host is not None and not self.host_pinned:
+            backend.pin(self.host)
+            self.host_pinned = True
 
     def release(self, backend) -> None:
         """Undo the allocations after a failed load: unpin, then drop the memory."""
-        if self.host is not None:
+        if self.host_pinned:
             backend.unpin(self.host)
         self.host = self.arena = None
         self.slots, self.destinations = [], {}
 
 
-def place_plan(model: nn.Module, plan: Plan, backend) -> Placement:
+def place_plan(model: nn.Module, plan: Plan, backend, pin: bool = True) -> Placement:
     """Allocate the arenas the plan describes and give every param its place; params are not touched, so
-    this works on a model whose params are on the meta device. The host allocation is page-locked before
-    anything is read into it, so a memlock limit fails here, in a second, not after the reads."""
+    this works on a model whose params are on the meta device. With ``pin`` the host allocation is
+    page-locked here; without, the caller pins it (Placement.pin_host) before it is used for copies."""
     layers = layer_stack(model, plan)
     check_selection(plan, layers)
     offloaded = plan.offload.layers
@@ -191,7 +199,7 @@ def place_plan(model: nn.Module, plan: Plan, backend) -> Placement:
     num_slots = PrefetchSchedule(len(offloaded), plan.offload.prefetch_step).num_slots if offloaded else 0
     arena = alloc_device_or_fail(backend, resident_bytes + num_slots * align_up(slot_bytes))
     slots = [arena[resident_bytes + k * align_up(slot_bytes):][:slot_bytes] for k in range(num_slots)]
-    host = pinned_host_or_fail(backend, host_offsets([packed_bytes(layout) for layout in layouts])[-1]) \
+    host = host_allocation_or_fail(host_offsets([packed_bytes(layout) for layout in layouts])[-1]) \
         if offloaded else None
     on_device = backend.device.type != "cpu"
     destinations = {name: Destination(buffer=arena, item=item, on_device=on_device)
@@ -201,8 +209,11 @@ def place_plan(model: nn.Module, plan: Plan, backend) -> Placement:
         layer_host = host[offsets[position]:offsets[position + 1]]
         for name, item in zip(offloaded_names[position], layout):
             destinations[name] = Destination(buffer=layer_host, item=item, on_device=False)
-    return Placement(layers=layers, layouts=layouts, arena=arena, slots=slots, host=host,
-                     destinations=destinations)
+    placement = Placement(layers=layers, layouts=layouts, arena=arena, slots=slots, host=host,
+                          destinations=destinations)
+    if pin:
+        placement.pin_host(backend)
+    return placement
 
 
 def alloc_device_or_fail(backend, num_bytes: int) -> torch.Tensor:
@@ -217,8 +228,8 @@ def alloc_device_or_fail(backend, num_bytes: int) -> torch.Tensor:
         ) from None
 
 
-def pinned_host_or_fail(backend, num_bytes: int) -> torch.Tensor:
-    """The host allocation for offloaded params, page-locked at its exact size, or a one-line error."""
+def host_allocation_or_fail(num_bytes: int) -> torch.Tensor:
+    """The host allocation for offloaded params (pinned later, at its exact size), or a one-line error."""
     try:
         host = torch.empty(num_bytes, dtype=torch.uint8)
     except RuntimeError:  # torch's CPU allocator raises a bare RuntimeError when malloc fails
@@ -226,7 +237,6 @@ def pinned_host_or_fail(backend, num_bytes: int) -> torch.Tensor:
             f"cannot allocate {num_bytes} bytes ({format_bytes(num_bytes)}) of host memory for the offloaded "
             "layers; free host memory or make a plan with a larger --budget"
         ) from None
-    backend.pin(host)
     return host
 
 
@@ -280,9 +290,12 @@ def stream_model(folder: Path, plan: Plan, backend, on_bytes=None,
     work = plan_reads(model, sources)
     if check is not None:
         check(loading_working_set_bytes(work))
-    placement = place_plan(model, plan, backend)
+    placement = place_plan(model, plan, backend, pin=False)
     try:
-        stream_weights(model, work, placement.destinations, backend, on_bytes)
+        # Page-locking tens of GB takes seconds: it runs while the resident params are read, and the reads
+        # into the host allocation wait for it (a memlock refusal still stops the load within seconds).
+        stream_weights(model, work, placement.destinations, backend, on_bytes,
+                       pin_host=lambda: placement.pin_host(backend))
         return model, finish_placement(model, plan, placement, backend)
     except BaseException:
         placement.release(backend)

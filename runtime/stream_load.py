@@ -375,13 +375,15 @@ def _quiet_transformers():
 
 
 def stream_weights(model: nn.Module, work: LoadWork, destinations: dict[str, Destination], backend,
-                   on_bytes=None, num_readers: int = NUM_READERS) -> None:
+                   on_bytes=None, num_readers: int = NUM_READERS, pin_host=None) -> None:
     """Fill every destination from the files: direct tensors by reader threads, converted groups too, with
     their conversions one at a time. Returns when every byte is in place (uploads synchronized); every
-    param then points at its destination."""
+    param then points at its destination. ``pin_host()``, if given, runs in its own thread while the
+    device-bound tensors are read; reads into host destinations wait for it."""
     dtypes = {name: p.dtype for name, p in model.named_parameters()}
     owners = param_owners(model)
     _check_destinations(work, destinations)
+    host_ready = HostReady(pin_host)
     needs_ring = any(d.on_device for d in destinations.values())
     ring = StagingRing(backend, num_readers + 1, STAGING_BYTES) if needs_ring else None
     reader = Reader(backend, ring, on_bytes)
@@ -389,9 +391,16 @@ def stream_weights(model: nn.Module, work: LoadWork, destinations: dict[str, Des
     in_flight = threading.Semaphore(CONVERSIONS_IN_FLIGHT)
     filled = {name for _, name in work.direct}
 
+    def load_direct(source, name):
+        if not destinations[name].on_device:
+            host_ready.wait()
+        reader.to_destination(source, destinations[name], dtypes[name])
+
     def load_group(group):
         with in_flight:  # bounds the host working set (load.loading_working_set_bytes)
             for name, tensor in convert_group(model, reader, group, work.weight_mapping, lock).items():
+                if not destinations[name].on_device:
+                    host_ready.wait()
                 reader.place_tensor(tensor, destinations[name])
                 filled.add(name)
                 with lock:  # drop transformers' host copy now
@@ -399,11 +408,12 @@ def stream_weights(model: nn.Module, work: LoadWork, destinations: dict[str, Des
 
     try:
         with ThreadPoolExecutor(max_workers=num_readers, thread_name_prefix="offload-plan-read") as pool:
-            futures = [pool.submit(reader.to_destination, source, destinations[name], dtypes[name])
-                       for source, name in _largest_first(work.direct)]
+            ordered = sorted(work.direct, key=lambda pair: (not destinations[pair[1]].on_device, -pair[0].num_bytes))
+            futures = [pool.submit(load_direct, source, name) for source, name in ordered]
             futures += [pool.submit(load_group, group) for group in work.converted]
             _wait_all(futures)
     finally:
+        host_ready.join()
         if ring is not None:
             ring.close()
         reader.close()
@@ -427,9 +437,40 @@ def _check_destinations(work: LoadWork, destinations: dict[str, Destination]) ->
                                   "regenerate the plan with offload-plan make")
 
 
-def _largest_first(direct):
-    """Big tensors first: the pool's last seconds are small reads, not one long tail."""
-    return sorted(direct, key=lambda pair: -pair[0].num_bytes)
+class HostReady:
+    """Runs the host allocation's page-locking in a thread of its own; reads into it wait for it (device-
+    bound reads go first, so the two overlap), and its failure fails them."""
+
+    def __init__(self, pin_host):
+        self._done = threading.Event()
+        self._error = None
+        self._thread = None
+        if pin_host is None:
+            self._done.set()
+            return
+
+        def run():
+            try:
+                pin_host()
+            except BaseException as error:  # handed to the readers, raised in the caller's thread
+                self._error = error
+            finally:
+                self._done.set()
+
+        self._thread = threading.Thread(target=run, name="offload-plan-pin", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+
+    def join(self) -> None:
+        """Before the allocations may be released: never unpin while the pin is running."""
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None:
+            raise self._error
 
 
 def _wait_all(futures) -> None:

@@ -316,3 +316,61 @@ def test_a_hub_repo_in_the_cache_loads_from_its_snapshot(checkpoints, tmp_path, 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert local_weights("org/tiny", COMMIT) == snapshot
+
+
+class _SlowPinGpu(CpuStandIn):
+    """A 'GPU' (resident bytes go through the staging ring) whose page-locking of the host arena lasts until
+    the first staging upload has landed, logging the order of events."""
+
+    def __init__(self):
+        super().__init__()
+        import threading
+
+        self.device = torch.device("meta")  # not "cpu": the loader stages resident bytes
+        self.events = []
+        self.uploaded = threading.Event()
+
+    def alloc_device(self, num_bytes):
+        return torch.empty(num_bytes, dtype=torch.uint8)
+
+    def pin(self, tensor):
+        if tensor.numel() <= 9 * 4096:  # the staging ring: at once
+            return super().pin(tensor)
+        self.events.append("pin-start")
+        assert self.uploaded.wait(30), "resident reads did not proceed while the host arena was being pinned"
+        self.events.append("pin-end")
+        return super().pin(tensor)
+
+    def upload(self, destination, source):
+        self.events.append("upload")
+        self.uploaded.set()
+        return super().upload(destination, source)
+
+
+def test_pinning_overlaps_resident_reads_and_host_reads_wait_for_it(checkpoints, monkeypatch):
+    """Page-locking tens of GB takes seconds: resident tensors are read meanwhile, offloaded ones after."""
+    import runtime.stream_load as stream_load
+    from runtime.load import stream_model
+
+    folder = checkpoints("llama")
+    backend = _SlowPinGpu()
+    monkeypatch.setattr(stream_load, "STAGING_BYTES", 4096)  # a ring of 9 x 4 KiB
+    monkeypatch.setattr(stream_load, "NUM_READERS", 8)
+    read_exact = stream_load.read_exact
+
+    def logged_read(fd, offset, target, path):
+        backend.events.append(("read", target.numel()))
+        return read_exact(fd, offset, target, path)
+
+    monkeypatch.setattr(stream_load, "read_exact", logged_read)
+    plan = plan_with(folder, 3, 2, 1)  # 4 of 7 layers offloaded
+    model, engine = stream_model(folder, plan, backend)
+    events = backend.events
+    assert events.index("upload") < events.index("pin-end")  # resident reads ran while pinning
+    after_pin = events[events.index("pin-end"):]
+    before_pin = events[:events.index("pin-end")]
+    # every read before the pin ended went through the ring (at most 4 KiB each); the offloaded params'
+    # reads straight into the host arena came after
+    assert all(e[1] <= 4096 for e in before_pin if isinstance(e, tuple))
+    assert any(isinstance(e, tuple) and e[1] > 4096 for e in after_pin)
+    assert list(backend.pinned.values()) == [engine._host_allocation.numel()]  # the ring was unpinned
