@@ -374,3 +374,22 @@ def test_pinning_overlaps_resident_reads_and_host_reads_wait_for_it(checkpoints,
     assert all(e[1] <= 4096 for e in before_pin if isinstance(e, tuple))
     assert any(isinstance(e, tuple) and e[1] > 4096 for e in after_pin)
     assert list(backend.pinned.values()) == [engine._host_allocation.numel()]  # the ring was unpinned
+
+
+def test_the_cli_progress_bar_counts_bytes_from_reader_threads(checkpoints):
+    """run's bar (planner.cli._load_with_progress) takes the loader's byte counts, from several threads."""
+    from planner.cli import _load_with_progress
+    from runtime.load import stream_model
+
+    folder = checkpoints("llama")
+    plan = plan_with(folder, 3, 2, 1)
+    counted = []
+
+    def load(plan, model, progress):
+        def on_bytes(num_bytes):
+            counted.append(num_bytes)
+            progress(num_bytes)
+        return stream_model(folder, plan, CpuStandIn(), on_bytes=on_bytes)
+
+    model, _ = _load_with_progress(plan, None, load)
+    assert sum(counted) == plan.model.total_bytes
