@@ -191,6 +191,8 @@ class LoadWork:
     #: sources converted together into one or more params (e.g. every expert's gate and up projections)
     converted: list[list[SourceTensor]]
     weight_mapping: list
+    #: (source, buffer name): persistent buffers the checkpoint holds (small; loaded as from_pretrained does)
+    buffers: tuple = ()
 
 
 def plan_reads(model: nn.Module, sources: dict[str, SourceTensor]) -> LoadWork:
@@ -204,18 +206,22 @@ def plan_reads(model: nn.Module, sources: dict[str, SourceTensor]) -> LoadWork:
     meta_state = model.state_dict()
     canonical = {name: name for name, _ in model.named_parameters()}
     canonical.update(_tied_aliases(model))
-    direct, groups = [], {}
+    buffer_names = {name for name, _ in model.named_buffers()}
+    direct, groups, buffers = [], {}, []
     for name in sorted(sources):
         target, pattern = rename_source_key(name, renamings, converters, model.base_model_prefix, meta_state)
         if target not in meta_state and name in meta_state:
             target, pattern = name, None
+        if target in buffer_names and pattern is None:
+            buffers.append((sources[name], target))
+            continue
         if target not in meta_state or target not in canonical:
-            continue  # unexpected key (or a persistent buffer): from_pretrained ignores it too
+            continue  # a key the model does not have: from_pretrained ignores it too
         if pattern is None:
             direct.append((sources[name], canonical[target]))
         else:
             groups.setdefault(target, []).append(sources[name])
-    return LoadWork(direct=direct, converted=list(groups.values()), weight_mapping=mapping)
+    return LoadWork(direct=direct, converted=list(groups.values()), weight_mapping=mapping, buffers=tuple(buffers))
 
 
 def _tied_aliases(model: nn.Module) -> dict[str, str]:
@@ -387,6 +393,8 @@ def stream_weights(model: nn.Module, work: LoadWork, destinations: dict[str, Des
     needs_ring = any(d.on_device for d in destinations.values())
     ring = StagingRing(backend, num_readers + 1, STAGING_BYTES) if needs_ring else None
     reader = Reader(backend, ring, on_bytes)
+    for source, name in work.buffers:
+        _load_buffer(model, name, reader.read_tensor(source))
     lock = threading.Lock()
     in_flight = threading.Semaphore(CONVERSIONS_IN_FLIGHT)
     filled = {name for _, name in work.direct}
@@ -424,6 +432,17 @@ def stream_weights(model: nn.Module, work: LoadWork, destinations: dict[str, Des
                               f"{missing[0]}); it does not match its config.json")
     for name, destination in destinations.items():
         set_param(owners[name], view_as_param(destination.buffer, destination.item))
+
+
+def _load_buffer(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """A persistent buffer from the checkpoint, in the buffer's dtype (from_pretrained replaces it too)."""
+    module_name, _, attribute = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    current = module._buffers[attribute]
+    if tuple(tensor.shape) != tuple(current.shape):
+        raise ModelInputError(f"the checkpoint's {name} has shape {list(tensor.shape)} but the model expects "
+                              f"{list(current.shape)}; the checkpoint does not match its config.json")
+    module._buffers[attribute] = tensor.to(current.dtype)
 
 
 def _check_destinations(work: LoadWork, destinations: dict[str, Destination]) -> None:

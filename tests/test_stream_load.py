@@ -393,3 +393,22 @@ def test_the_cli_progress_bar_counts_bytes_from_reader_threads(checkpoints):
 
     model, _ = _load_with_progress(plan, None, load)
     assert sum(counted) == plan.model.total_bytes
+
+
+def test_a_persistent_buffer_in_the_checkpoint_is_loaded_like_from_pretrained(checkpoints, tmp_path):
+    from safetensors.torch import save_file
+
+    from runtime.stream_load import _load_buffer, build_skeleton, checkpoint_files, plan_reads, read_sources
+
+    folder = checkpoints("llama")
+    files = checkpoint_files(folder)
+    model = build_skeleton(folder, files)
+    model.model.register_buffer("scale", torch.zeros(4))  # persistent: it is in the state dict
+    extra = tmp_path / "extra.safetensors"
+    save_file({"model.scale": torch.arange(4, dtype=torch.float64)}, str(extra))
+    work = plan_reads(model, {**read_sources(files), **read_sources([extra])})
+    assert [(source.name, name) for source, name in work.buffers] == [("model.scale", "model.scale")]
+    _load_buffer(model, "model.scale", torch.arange(4, dtype=torch.float64))
+    assert model.model.scale.dtype == torch.float32 and model.model.scale.tolist() == [0, 1, 2, 3]
+    with pytest.raises(ModelInputError, match="shape"):
+        _load_buffer(model, "model.scale", torch.zeros(5))
