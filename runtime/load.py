@@ -1,9 +1,10 @@
-"""Load a checkpoint with its plan applied: check it matches, check memory, build, place every weight once.
+"""Load a checkpoint with its plan applied: check it matches, check memory, place every weight once.
 
-transformers builds and loads the model on the CPU (it knows each architecture's checkpoint-name
-conversions, e.g. per-expert tensors fused into one). Then the offloaded layers' selected params are packed
-into pinned host memory and pointed at GPU slots, and everything else moves to the GPU, layer by layer, so
-host memory holds the checkpoint once.
+``run`` streams (stream_model): the model is built on the meta device, the plan gives every param a place
+in the GPU arena or in the page-locked host arena (place_plan), and runtime.stream_load reads each tensor from
+the safetensors files straight there. Host memory holds what the plan pins plus a bounded working set, never
+the whole checkpoint. apply_plan does the same placement for a model already loaded on the CPU (tests and
+benchmark scripts build their all-resident references that way).
 """
 
 import os
