@@ -392,7 +392,8 @@ def run(args) -> dict:
         plans = [(budget, make_plan_file(checkpoint, budget, work / f"plan-{budget}.yaml"))
                  for budget in (TINY_BUDGETS if args.tiny else BIG_BUDGETS)]
         for budget, plan in plans:  # hot first: the cache still holds the files just written
-            results["runs"].append(measure_load(args, checkpoint, budget, plan, work, logits_path, config, "hot", files))
+            results["runs"].append(measure_load(args, checkpoint, budget, plan, work, logits_path, config, "hot",
+                                                files))
         for budget, plan in plans:
             results["runs"].append(measure_load(args, checkpoint, budget, plan, work, logits_path, config, "cold",
                                                 files))
