@@ -411,3 +411,20 @@ def test_a_persistent_buffer_in_the_checkpoint_is_loaded_like_from_pretrained(ch
     assert model.model.scale.dtype == torch.float32 and model.model.scale.tolist() == [0, 1, 2, 3]
     with pytest.raises(ModelInputError, match="shape"):
         _load_buffer(model, "model.scale", torch.zeros(5))
+
+
+def test_tensors_stored_in_another_dtype_are_cast_as_from_pretrained_casts_them(checkpoints, tmp_path):
+    """fp32 files under a config that says bfloat16: from_pretrained(dtype="auto") builds bf16 params and casts
+    each tensor; the streamed loader casts the same way (read, then .to), to the same bits. (Only a resident
+    plan loads such a checkpoint: plans count the files' bytes, and check_selection refuses offloaded layers
+    whose params hold fewer.)"""
+    import json
+
+    folder = _copy_checkpoint(checkpoints("llama"), tmp_path / "ckpt")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    reference = build_model(str(folder), None)
+    assert next(reference.parameters()).dtype == torch.bfloat16
+    model, _ = stream_on_cpu(folder, _resident_plan(folder))
+    assert next(model.parameters()).dtype == torch.bfloat16
+    assert torch.equal(_logits(model)[0], _logits(reference)[0])
