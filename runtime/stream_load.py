@@ -389,12 +389,10 @@ def stream_weights(model: nn.Module, work: LoadWork, destinations: dict[str, Des
     dtypes = {name: p.dtype for name, p in model.named_parameters()}
     owners = param_owners(model)
     _check_destinations(work, destinations)
-    host_ready = HostReady(pin_host)
     needs_ring = any(d.on_device for d in destinations.values())
     ring = StagingRing(backend, num_readers + 1, STAGING_BYTES) if needs_ring else None
+    host_ready = HostReady(pin_host)  # after the ring: a ring refused leaves no pin thread running
     reader = Reader(backend, ring, on_bytes)
-    for source, name in work.buffers:
-        _load_buffer(model, name, reader.read_tensor(source))
     lock = threading.Lock()
     in_flight = threading.Semaphore(CONVERSIONS_IN_FLIGHT)
     filled = {name for _, name in work.direct}
@@ -415,6 +413,8 @@ def stream_weights(model: nn.Module, work: LoadWork, destinations: dict[str, Des
                     set_param(owners[name], view_as_param(destinations[name].buffer, destinations[name].item))
 
     try:
+        for source, name in work.buffers:
+            _load_buffer(model, name, reader.read_tensor(source))
         with ThreadPoolExecutor(max_workers=num_readers, thread_name_prefix="offload-plan-read") as pool:
             ordered = sorted(work.direct, key=lambda pair: (not destinations[pair[1]].on_device, -pair[0].num_bytes))
             futures = [pool.submit(load_direct, source, name) for source, name in ordered]

@@ -428,3 +428,16 @@ def test_tensors_stored_in_another_dtype_are_cast_as_from_pretrained_casts_them(
     model, _ = stream_on_cpu(folder, _resident_plan(folder))
     assert next(model.parameters()).dtype == torch.bfloat16
     assert torch.equal(_logits(model)[0], _logits(reference)[0])
+
+
+def test_a_refused_staging_ring_starts_nothing_and_leaves_nothing_pinned(checkpoints, monkeypatch):
+    """On a GPU the staging ring is pinned first: refused, the host arena's pin never starts."""
+    import threading
+
+    folder = checkpoints("llama")
+    backend = _PinRefused()
+    monkeypatch.setattr(backend, "device", torch.device("meta"))  # resident bytes take the staging path
+    monkeypatch.setattr(backend, "alloc_device", lambda n: torch.empty(n, dtype=torch.uint8))
+    with pytest.raises(RuntimeUnavailableError, match="memlock"):
+        stream_on_cpu(folder, plan_with(folder, 3, 2, 1), backend=backend)
+    assert backend.pinned == {} and not any(t.name == "offload-plan-pin" for t in threading.enumerate())
