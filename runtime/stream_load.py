@@ -129,6 +129,10 @@ def build_skeleton(folder: Path, files: list[Path]) -> nn.Module:
 
     config_folder = folder if folder.is_dir() else folder.parent
     config = AutoConfig.from_pretrained(config_folder)
+    if getattr(config, "quantization_config", None):
+        raise ModelInputError(f"{folder}: config.json has a quantization_config; run's loader places bf16/fp16/fp32 "
+                              "weights as stored and does not apply transformers' quantizers: use an unquantized "
+                              "checkpoint")
     dtype = _auto_dtype(config, files)
     with params_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)

@@ -441,3 +441,17 @@ def test_a_refused_staging_ring_starts_nothing_and_leaves_nothing_pinned(checkpo
     with pytest.raises(RuntimeUnavailableError, match="memlock"):
         stream_on_cpu(folder, plan_with(folder, 3, 2, 1), backend=backend)
     assert backend.pinned == {} and not any(t.name == "offload-plan-pin" for t in threading.enumerate())
+
+
+def test_a_quantized_checkpoint_is_refused_in_one_line(checkpoints, tmp_path):
+    """Its tensors would be placed as stored, without transformers' quantizer: refused, not run wrongly."""
+    import json
+
+    folder = _copy_checkpoint(checkpoints("llama"), tmp_path / "ckpt")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (folder / "config.json").write_text(json.dumps(config))
+    backend = CpuStandIn()
+    with pytest.raises(ModelInputError, match="quantization_config") as error:
+        stream_on_cpu(folder, plan_with(checkpoints("llama"), 3, 2, 1), backend=backend)
+    assert "\n" not in str(error.value) and backend.pinned == {}
