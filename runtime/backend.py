@@ -8,9 +8,25 @@ slot without waiting for its copy. So CI tests the schedule both ways without a 
 each operation, for tests that check the order itself.
 """
 
+import resource
+import threading
 from dataclasses import dataclass, field
 
 import torch
+
+from planner.errors import RuntimeUnavailableError
+from planner.units import format_bytes
+
+
+def pin_error(num_bytes: int, cuda_error: int) -> RuntimeUnavailableError:
+    """One line for a page-locking failure, naming the memlock limit (the usual cause in containers)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    limit = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft} bytes ({format_bytes(soft)})"
+    return RuntimeUnavailableError(
+        f"cannot page-lock {num_bytes} bytes ({format_bytes(num_bytes)}) of host memory for the offloaded layers "
+        f"(cudaHostRegister: CUDA error {cuda_error}); the memlock limit is {limit}: raise it (ulimit -l unlimited, "
+        "docker --ulimit memlock=-1) or make a plan with a larger --budget, which pins less"
+    )
 
 
 @dataclass
@@ -47,6 +63,8 @@ class CpuStandIn:
     _num_captures: int = 0
     #: (log index, destination, source) of copies issued and not yet landed, in copy-stream order
     _pending: list[tuple] = field(default_factory=list)
+    #: data pointer -> bytes of the host allocations pinned and not yet unpinned (a failed load leaves none)
+    pinned: dict[int, int] = field(default_factory=dict)
 
     def new_event(self, name: str, timing: bool = False) -> CpuEvent:
         return CpuEvent(name)
@@ -112,9 +130,18 @@ class CpuStandIn:
         self._land_copies(before=len(self.log))
 
     def pin(self, tensor: torch.Tensor) -> torch.Tensor:
+        assert tensor.numel() > 0, "page-locking an empty allocation fails on CUDA"
+        self.pinned[tensor.data_ptr()] = tensor.numel() * tensor.element_size()
         return tensor
 
     def unpin(self, tensor: torch.Tensor) -> None:
+        self.pinned.pop(tensor.data_ptr(), None)
+
+    def upload(self, destination: torch.Tensor, source: torch.Tensor):
+        """A loading copy from a staging buffer; on the stand-in it lands at once."""
+        destination.copy_(source)
+
+    def wait_upload(self, pending) -> None:
         pass
 
     def alloc_device(self, num_bytes: int) -> torch.Tensor:
@@ -131,6 +158,8 @@ class CudaBackend:
         self.device = device
         self.copy_stream = torch.cuda.Stream(device=device)
         self.log = None
+        #: each loading thread's own stream (uploads from several readers overlap)
+        self._threads = threading.local()
 
     def new_event(self, name: str, timing: bool = False) -> torch.cuda.Event:
         return torch.cuda.Event(enable_timing=timing)
@@ -161,16 +190,33 @@ class CudaBackend:
         torch's pinned allocator rounds each allocation up to a power of two (vLLM issue 56410: ~1.9x host
         memory); registering our own allocation costs exactly its bytes.
         """
-        cudart = torch.cuda.cudart()
-        error = cudart.cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0)
-        if int(error) != 0:
-            raise RuntimeError(f"cudaHostRegister failed with CUDA error {int(error)}")
+        num_bytes = tensor.numel() * tensor.element_size()
+        assert num_bytes > 0, "cudaHostRegister fails on an empty allocation"
+        error = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), num_bytes, 0))
+        if error != 0:
+            raise pin_error(num_bytes, error)
         return tensor
 
     def unpin(self, tensor: torch.Tensor) -> None:
         """Undo ``pin`` before the memory is freed."""
         torch.cuda.synchronize(self.device)
         torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
+
+    def upload(self, destination: torch.Tensor, source: torch.Tensor):
+        """Copy a pinned staging buffer to the device on this thread's loading stream; returns the event that
+        says the staging buffer may be written again."""
+        stream = getattr(self._threads, "stream", None)
+        if stream is None:
+            stream = self._threads.stream = torch.cuda.Stream(device=self.device)
+        with torch.cuda.stream(stream):
+            destination.copy_(source, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        return done
+
+    def wait_upload(self, pending) -> None:
+        if pending is not None:
+            pending.synchronize()
 
     def alloc_device(self, num_bytes: int) -> torch.Tensor:
         return torch.empty(num_bytes, dtype=torch.uint8, device=self.device)

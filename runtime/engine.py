@@ -75,6 +75,14 @@ def offloaded_layouts(layers: list[nn.Module], offloaded: tuple[int, ...], param
     return [pack_layout(layers[i], params) for i in offloaded]
 
 
+def host_offsets(layer_bytes: list[int]) -> list[int]:
+    """Start of each offloaded layer's packed bytes in the host allocation, and (last) its total bytes."""
+    offsets = [0]
+    for num_bytes in layer_bytes:
+        offsets.append(offsets[-1] + align_up(num_bytes))
+    return offsets
+
+
 def view_as_param(buffer: torch.Tensor, item: PackedParam) -> torch.Tensor:
     return buffer[item.offset_bytes : item.offset_bytes + item.num_bytes].view(item.dtype).view(item.shape)
 
@@ -118,10 +126,12 @@ class OffloadEngine:
         params: tuple[str, ...],
         backend,
         slots: list[torch.Tensor],
-        on_layer_packed=None,
+        host: torch.Tensor | None,
         replay_start_copies: int = 0,
     ):
         """``slots``: one uint8 device buffer per slot, each at least as long as the largest packed layer;
+        ``host``: the page-locked uint8 allocation already holding every offloaded layer's packed params at
+        ``host_offsets`` (None when nothing is offloaded); the engine unpins it when it is collected or closed;
         ``replay_start_copies``: in graph mode, how many of the copies wrapping past a replay the next replay
         issues as it begins (PrefetchSchedule.replay_boundary; the plan's offload.replay_start_copies)."""
         self.backend = backend
@@ -144,7 +154,7 @@ class OffloadEngine:
         self._hooks = []
         self.key = next(_ENGINE_KEYS)
         _ENGINES[self.key] = self
-        self.host_buffers = self._pack_host(layers, on_layer_packed)
+        self.host_buffers = self._adopt_host(host)
         assert len(slots) == self.schedule.num_slots and all(s.numel() >= self.slot_bytes for s in slots)
         self.slots = slots
         self._point_params_at_slots(layers)
@@ -164,31 +174,19 @@ class OffloadEngine:
         """Bytes of pinned host memory holding offloaded params."""
         return sum(self.layer_bytes)
 
-    def _pack_host(self, layers, on_layer_packed) -> list[torch.Tensor]:
-        """Copy each offloaded layer's selected params into one host allocation, then page-lock it.
-
-        Each param's original storage is released as soon as its bytes are copied, and the buffer is pinned
-        only after it is full, so loading never holds the offloaded params twice.
-        """
-        offsets = [0]
-        for num_bytes in self.layer_bytes:
-            offsets.append(offsets[-1] + align_up(num_bytes))
-        host = torch.empty(offsets[-1], dtype=torch.uint8)
-        buffers = [host[offsets[k] : offsets[k] + n] for k, n in enumerate(self.layer_bytes)]
-        for position, layer_index in enumerate(self.offloaded):
-            named = dict(layers[layer_index].named_parameters())
-            for item in self.layouts[position]:
-                param = named[item.name]
-                view_as_param(buffers[position], item).copy_(param.data)
-                param.data = torch.empty(0, dtype=param.dtype)  # release the loaded copy now
-            if on_layer_packed is not None:
-                on_layer_packed(layer_index)
-        self.backend.pin(host)
+    def _adopt_host(self, host: torch.Tensor | None) -> list[torch.Tensor]:
+        """Views of each offloaded layer's packed bytes in ``host``; unpinned before the memory can be freed."""
         self._host_allocation = host
-        # Unpin before the memory can be freed: a freed range that stays registered could be handed to a
-        # later allocation, and copies from it would read the old pages.
+        if host is None:
+            assert not self.offloaded, "offloaded layers need a host allocation"
+            self._unpin = lambda: None
+            return []
+        offsets = host_offsets(self.layer_bytes)
+        assert host.numel() >= offsets[-1]
+        # A freed range that stays registered could be handed to a later allocation, and copies from it
+        # would read the old pages: unpin first.
         self._unpin = weakref.finalize(self, backend_unpin, self.backend, host)
-        return buffers
+        return [host[offsets[k]:offsets[k] + n] for k, n in enumerate(self.layer_bytes)]
 
     def _point_params_at_slots(self, layers) -> None:
         for position, layer_index in enumerate(self.offloaded):

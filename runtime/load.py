@@ -1,9 +1,10 @@
-"""Load a checkpoint with its plan applied: check it matches, check memory, build, place every weight once.
+"""Load a checkpoint with its plan applied: check it matches, check memory, place every weight once.
 
-transformers builds and loads the model on the CPU (it knows each architecture's checkpoint-name
-conversions, e.g. per-expert tensors fused into one). Then the offloaded layers' selected params are packed
-into pinned host memory and pointed at GPU slots, and everything else moves to the GPU, layer by layer, so
-host memory holds the checkpoint once.
+``run`` streams (stream_model): the model is built on the meta device, the plan gives every param a place
+in the GPU arena or in the page-locked host arena (place_plan), and runtime.stream_load reads each tensor from
+the safetensors files straight there. Host memory holds what the plan pins plus a bounded working set, never
+the whole checkpoint. apply_plan does the same placement for a model already loaded on the CPU (tests and
+benchmark scripts build their all-resident references that way).
 """
 
 import os
@@ -14,13 +15,18 @@ import torch
 from torch import nn
 
 from planner.checkpoint import load_checkpoint
-from planner.errors import PlanError, RuntimeUnavailableError
+from planner.errors import ModelInputError, PlanError, RuntimeUnavailableError
 from planner.plan import Plan
 from planner.units import format_bytes
 from runtime.backend import CpuStandIn, CudaBackend
 from planner.placement import align_up
 from planner.schedule import PrefetchSchedule
-from runtime.engine import OffloadEngine, PackedParam, offloaded_layouts, pack_layout, packed_bytes, view_as_param
+from runtime.engine import (OffloadEngine, PackedParam, host_offsets, offloaded_layouts, pack_layout, packed_bytes,
+                            view_as_param)
+from runtime.stream_load import (
+    CONVERSIONS_IN_FLIGHT, NUM_READERS, STAGING_BYTES, Destination, LoadWork, build_skeleton,
+    checkpoint_files, param_owners, plan_reads, read_sources, set_param, stream_weights,
+)
 
 # Headroom on the GPU beyond the plan's weights: CUDA context, slot alignment, the first activations.
 GPU_HEADROOM_BYTES = 1 << 30
@@ -62,8 +68,9 @@ def check_fingerprint(plan: Plan, model: str) -> None:
         )
 
 
-def check_memory(plan: Plan, device: torch.device) -> None:
-    """Fail before allocating when the GPU or the host cannot hold what the plan needs."""
+def check_memory(plan: Plan, device: torch.device, working_set_bytes: int) -> None:
+    """Fail before allocating when the GPU cannot hold the plan's total, or the host what the plan pins plus
+    the loader's bounded working set (staging ring, converted tensors): never the whole checkpoint."""
     free_bytes, _ = torch.cuda.mem_get_info(device)
     needed = plan.memory.gpu_bytes + GPU_HEADROOM_BYTES
     if free_bytes < needed:
@@ -72,13 +79,26 @@ def check_memory(plan: Plan, device: torch.device) -> None:
             f"{torch.cuda.get_device_name(device)} has {free_bytes} bytes ({format_bytes(free_bytes)}) free; "
             "make a plan with a smaller --budget"
         )
-    available = host_available_bytes()
-    if available is not None and available < plan.model.total_bytes:
+    check_host_memory(plan, working_set_bytes, host_available_bytes())
+
+
+def check_host_memory(plan: Plan, working_set_bytes: int, available_bytes: int | None) -> None:
+    """The host must hold the plan's pinned bytes plus the loading working set."""
+    pinned = plan.memory.host_pinned_bytes
+    needed = pinned + working_set_bytes
+    if available_bytes is not None and available_bytes < needed:
         raise RuntimeUnavailableError(
-            f"loading needs {plan.model.total_bytes} bytes ({format_bytes(plan.model.total_bytes)}) of host memory "
-            f"(the plan pins {format_bytes(plan.memory.host_pinned_bytes)} of it) but {available} bytes "
-            f"({format_bytes(available)}) are available"
+            f"loading needs {needed} bytes ({format_bytes(needed)}) of host memory: {format_bytes(pinned)} the plan "
+            f"pins plus {format_bytes(working_set_bytes)} of loading buffers, but {available_bytes} bytes "
+            f"({format_bytes(available_bytes)}) are available; make a plan with a larger --budget (pins less)"
         )
+
+
+def loading_working_set_bytes(work: LoadWork) -> int:
+    """Host bytes the loader holds besides the pinned arena: the staging ring, and the converted groups in
+    flight (each read, then converted: twice its bytes)."""
+    largest_group = max((sum(s.num_bytes for s in group) for group in work.converted), default=0)
+    return (NUM_READERS + 1) * STAGING_BYTES + CONVERSIONS_IN_FLIGHT * 2 * largest_group
 
 
 def host_available_bytes() -> int | None:
@@ -132,38 +152,122 @@ def check_selection(plan: Plan, layers: list[nn.Module]) -> None:
             )
 
 
-def apply_plan(model: nn.Module, plan: Plan, backend, on_layer_packed=None) -> OffloadEngine:
-    """Offload the plan's layers and place everything else, with the slots, in one device arena.
+@dataclass
+class Placement:
+    """Where every param of a model goes under a plan: the device arena (resident params, then the slots) and
+    the page-locked host allocation (offloaded params, packed layer by layer)."""
 
-    One allocation means one allocator rounding (planner.placement): the plan's memory.gpu_bytes bounds it.
-    """
+    layers: list[nn.Module]
+    layouts: list[list[PackedParam]]
+    arena: torch.Tensor
+    slots: list[torch.Tensor]
+    #: None when the plan offloads nothing: nothing is pinned
+    host: torch.Tensor | None
+    #: canonical param name (model.named_parameters) -> its destination
+    destinations: dict[str, Destination]
+    #: the host allocation is page-locked (place_plan pins it, or pin_host later)
+    host_pinned: bool = False
+
+    def pin_host(self, backend) -> None:
+        """Page-lock the host allocation (the streaming loader does this while it reads resident params)."""
+        if self.host is not None and not self.host_pinned:
+            backend.pin(self.host)
+            self.host_pinned = True
+
+    def release(self, backend) -> None:
+        """Undo the allocations after a failed load: unpin, then drop the memory."""
+        if self.host_pinned:
+            backend.unpin(self.host)
+        self.host = self.arena = None
+        self.slots, self.destinations = [], {}
+
+
+def place_plan(model: nn.Module, plan: Plan, backend, pin: bool = True) -> Placement:
+    """Allocate the arenas the plan describes and give every param its place; params are not touched, so
+    this works on a model whose params are on the meta device. With ``pin`` the host allocation is
+    page-locked here; without, the caller pins it (Placement.pin_host) before it is used for copies."""
     layers = layer_stack(model, plan)
     check_selection(plan, layers)
     offloaded = plan.offload.layers
     layouts = offloaded_layouts(layers, offloaded, plan.offload.params)
-    moving = set()
+    names = {id(p): name for name, p in model.named_parameters()}
+    offloaded_names = []
     for index, layout in zip(offloaded, layouts):
         named = dict(layers[index].named_parameters())
-        moving.update(id(named[item.name]) for item in layout)
-    resident = [p for p in model.parameters() if id(p) not in moving]
-    resident_layout, resident_bytes = _arena_layout(resident)
+        offloaded_names.append([names[id(named[item.name])] for item in layout])
+    moving = {name for group in offloaded_names for name in group}
+    resident = [(name, p) for name, p in model.named_parameters() if name not in moving]
+    resident_layout, resident_bytes = _arena_layout([p for _, p in resident])
     slot_bytes = max((packed_bytes(layout) for layout in layouts), default=0)
     num_slots = PrefetchSchedule(len(offloaded), plan.offload.prefetch_step).num_slots if offloaded else 0
-    arena = backend.alloc_device(resident_bytes + num_slots * align_up(slot_bytes))
+    arena = alloc_device_or_fail(backend, resident_bytes + num_slots * align_up(slot_bytes))
     slots = [arena[resident_bytes + k * align_up(slot_bytes):][:slot_bytes] for k in range(num_slots)]
-    engine = OffloadEngine(layers=layers, offloaded=offloaded, prefetch_step=plan.offload.prefetch_step,
-                           params=plan.offload.params, backend=backend, slots=slots,
-                           on_layer_packed=on_layer_packed, replay_start_copies=plan.offload.replay_start_copies)
-    for param, item in zip(resident, resident_layout):
-        view = view_as_param(arena, item)
-        view.copy_(param.data)
-        param.data = view  # the loaded copy is released here, one param at a time
+    host = host_allocation_or_fail(host_offsets([packed_bytes(layout) for layout in layouts])[-1]) \
+        if offloaded else None
+    on_device = backend.device.type != "cpu"
+    destinations = {name: Destination(buffer=arena, item=item, on_device=on_device)
+                    for (name, _), item in zip(resident, resident_layout)}
+    offsets = host_offsets([packed_bytes(layout) for layout in layouts])
+    for position, layout in enumerate(layouts):
+        layer_host = host[offsets[position]:offsets[position + 1]]
+        for name, item in zip(offloaded_names[position], layout):
+            destinations[name] = Destination(buffer=layer_host, item=item, on_device=False)
+    placement = Placement(layers=layers, layouts=layouts, arena=arena, slots=slots, host=host,
+                          destinations=destinations)
+    if pin:
+        placement.pin_host(backend)
+    return placement
+
+
+def alloc_device_or_fail(backend, num_bytes: int) -> torch.Tensor:
+    """The device arena, or a one-line error when the GPU cannot hold it (another process took memory since
+    the check, or the allocator is fragmented)."""
+    try:
+        return backend.alloc_device(num_bytes)
+    except torch.OutOfMemoryError:
+        raise RuntimeUnavailableError(
+            f"the GPU ran out of memory allocating the plan's {num_bytes} bytes ({format_bytes(num_bytes)}) of "
+            "weights and slots; free GPU memory (other processes?) or make a plan with a smaller --budget"
+        ) from None
+
+
+def host_allocation_or_fail(num_bytes: int) -> torch.Tensor:
+    """The host allocation for offloaded params (pinned later, at its exact size), or a one-line error."""
+    try:
+        host = torch.empty(num_bytes, dtype=torch.uint8)
+    except RuntimeError:  # torch's CPU allocator raises a bare RuntimeError when malloc fails
+        raise RuntimeUnavailableError(
+            f"cannot allocate {num_bytes} bytes ({format_bytes(num_bytes)}) of host memory for the offloaded "
+            "layers; free host memory or make a plan with a larger --budget"
+        ) from None
+    return host
+
+
+def finish_placement(model: nn.Module, plan: Plan, placement: Placement, backend) -> OffloadEngine:
+    """With every param in its destination: buffers to the device, the engine over the offloaded layers."""
     for module in model.modules():
         for name, buffer in module.named_buffers(recurse=False):
             if buffer.device != backend.device:
                 module._buffers[name] = buffer.to(backend.device)
-    engine.arena = arena
+    engine = OffloadEngine(layers=placement.layers, offloaded=plan.offload.layers,
+                           prefetch_step=max(1, plan.offload.prefetch_step), params=plan.offload.params,
+                           backend=backend, slots=placement.slots, host=placement.host,
+                           replay_start_copies=plan.offload.replay_start_copies)
+    engine.arena = placement.arena
     return engine
+
+
+def apply_plan(model: nn.Module, plan: Plan, backend) -> OffloadEngine:
+    """Apply a plan to a model already loaded on the CPU (tests and benchmark scripts compare against it):
+    each param is copied to its place and released, one at a time. ``run`` streams from the files instead
+    (stream_model)."""
+    placement = place_plan(model, plan, backend)
+    owners = param_owners(model)
+    for name, destination in placement.destinations.items():
+        view = view_as_param(destination.buffer, destination.item)
+        view.copy_(model.get_parameter(name).data)
+        set_param(owners[name], view)  # the loaded copy is released here
+    return finish_placement(model, plan, placement, backend)
 
 
 def _arena_layout(params: list[nn.Parameter]) -> tuple[list[PackedParam], int]:
@@ -176,22 +280,78 @@ def _arena_layout(params: list[nn.Parameter]) -> tuple[list[PackedParam], int]:
     return layout, offset
 
 
+def stream_model(folder: Path, plan: Plan, backend, on_bytes=None,
+                 check=None) -> tuple[nn.Module, OffloadEngine]:
+    """Build the model on the meta device and read each tensor from the files to where the plan puts it.
+
+    ``check(working_set_bytes)`` runs before anything is allocated. On any failure the arenas are released
+    (host memory unpinned) before the error propagates.
+    """
+    files = checkpoint_files(folder)
+    sources = read_sources(files)
+    model = build_skeleton(folder, files)
+    work = plan_reads(model, sources)
+    if check is not None:
+        check(loading_working_set_bytes(work))
+    placement = place_plan(model, plan, backend, pin=False)
+    try:
+        # Page-locking tens of GB takes seconds: it runs while the resident params are read, and the reads
+        # into the host allocation wait for it (a memlock refusal still stops the load within seconds).
+        stream_weights(model, work, placement.destinations, backend, on_bytes,
+                       pin_host=lambda: placement.pin_host(backend))
+        return model, finish_placement(model, plan, placement, backend)
+    except BaseException:
+        placement.release(backend)
+        raise
+
+
 def load_with_plan(plan: Plan, model: str | None = None, progress=None) -> Loaded:
-    """Everything `run` needs: checks, the model built and placed as the plan says, on the local GPU."""
+    """Everything `run` needs: checks, then the model streamed from its files to where the plan puts it, on
+    the local GPU. ``progress(num_bytes)`` is called from reader threads as bytes land."""
     device = require_cuda()
     path = model_path_for(plan, model)
+    folder = local_weights(path, plan.model.revision)
     check_fingerprint(plan, path)
-    check_memory(plan, device)
-    built = build_model(path, plan.model.revision)
     backend = CudaBackend(device)
     baseline_bytes = torch.cuda.memory_allocated(device)
-    engine = apply_plan(built, plan, backend, on_layer_packed=progress)
+    built, engine = stream_model(folder, plan, backend, on_bytes=progress,
+                                 check=lambda working_set: check_memory(plan, device, working_set))
     torch.cuda.synchronize(device)
     weights_bytes = torch.cuda.memory_allocated(device) - baseline_bytes
     return Loaded(model=built, engine=engine, plan=plan, weights_gpu_bytes=weights_bytes)
+
+
+def local_weights(model: str, revision: str | None) -> Path:
+    """The local folder holding the weights: the path given, or the hub repo's snapshot in the local Hugging
+    Face cache. Tensor data is only ever read from local files: a repo not in the cache is a one-line error
+    saying how to fetch it."""
+    path = Path(model).expanduser()
+    if path.exists():
+        return path
+    from huggingface_hub import snapshot_download
+    from huggingface_hub import errors as hub_errors
+
+    try:
+        folder = Path(snapshot_download(model, revision=revision, local_files_only=True,
+                                        allow_patterns=["*.json", "*.safetensors"]))
+    except (hub_errors.LocalEntryNotFoundError, OSError, ValueError):
+        folder = None
+    if folder is None or not list(folder.glob("*.safetensors")):
+        revision_flag = f" --revision {revision}" if revision else ""
+        raise ModelInputError(
+            f"the weights of {model} are not in the local Hugging Face cache; fetch them with "
+            f"`hf download {model}{revision_flag}` (older hubs: `huggingface-cli download {model}{revision_flag}`), "
+            "or pass a local folder with --model"
+        )
+    return folder
 
 
 def apply_plan_on_cpu(model: nn.Module, plan: Plan, lazy_copies: bool = False) -> OffloadEngine:
     """The CPU stand-in (tests only): same schedule, executed in issue order, copies landing at once or (with
     ``lazy_copies``) only when awaited."""
     return apply_plan(model, plan, CpuStandIn(lazy_copies=lazy_copies))
+
+
+def stream_on_cpu(folder: Path, plan: Plan, lazy_copies: bool = False, backend=None) -> tuple[nn.Module, OffloadEngine]:
+    """``run``'s loader on the CPU stand-in (tests only): the model streamed from its files."""
+    return stream_model(Path(folder), plan, backend or CpuStandIn(lazy_copies=lazy_copies))

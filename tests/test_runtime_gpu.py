@@ -3,6 +3,8 @@
 Skipped without a GPU (CI); run on the device: PYTHONPATH=. python3 -m pytest tests/test_runtime_gpu.py
 """
 
+import os
+
 import pytest
 import torch
 
@@ -283,3 +285,82 @@ def test_cli_run_bench_of_a_serving_plan(llama, tmp_path, monkeypatch):
     assert result["prefill_chunk_ms"] > 0 and result["prefill_chunk_tokens"] == 256
     assert 0 < result["memory_fraction"] < 12 * 2**30 / torch.cuda.get_device_properties(0).total_memory
     assert result["peak_gpu_bytes"] <= 12 * 2**30
+
+
+# ---- run's streaming loader (issue 14) ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("checkpoint, shape, params", [("llama", (1, 1, 2), ()), ("llama", (3, 2, 1), ()),
+                                                       ("llama_bf16", (7, 5, 2), ()), ("moe", (3, 2, 1), ()),
+                                                       ("moe", (1, 1, 2), ("experts",))])
+def test_streamed_load_bitwise_equal_on_gpu(checkpoint, shape, params, request):
+    """load_with_plan reads the files straight to the pinned and GPU arenas (staging ring, reader threads):
+    logits equal to the all-resident model's, the GPU peak during the load within the plan's total."""
+    from runtime.load import load_with_plan
+
+    folder = request.getfixturevalue(checkpoint)
+    plan = plan_with(folder, *shape, params=params)
+    reference = _run(build_model(str(folder), None).cuda(), 1)[0]
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    baseline = torch.cuda.memory_allocated()
+    loaded = load_with_plan(plan, str(folder))
+    assert torch.cuda.max_memory_allocated() - baseline <= plan.memory.gpu_bytes
+    assert loaded.engine._host_allocation.is_pinned()
+    assert all(p.device.type == "cuda" for p in loaded.model.parameters())
+    assert all(torch.equal(out, reference) for out in _run(loaded.model, 4))
+
+
+def test_a_plan_offloading_nothing_runs_resident_on_gpu(llama, tmp_path):
+    """cudaHostRegister fails on an empty allocation: a resident plan must pin nothing (it crashed `run`)."""
+    from planner.make import make_plan
+    from planner.plan import Inputs
+    from runtime.load import load_with_plan
+    from tests.runtime_models import write_plan
+
+    inputs = Inputs(model=str(llama), revision=None, gpu="h100-sxm", budget="10GiB", trigger=None, tokens=16,
+                    sequences=1, context=0, params=(), stack=None, group_size=None, num_in_group=None,
+                    prefetch_step=None, cuda_graph=False)
+    plan = make_plan(inputs).plan
+    assert plan.offload.layers == ()
+    loaded = load_with_plan(plan, str(llama))
+    assert loaded.engine._host_allocation is None and loaded.engine._hooks == []
+    reference = _run(build_model(str(llama), None).cuda(), 1)[0]
+    assert torch.equal(_run(loaded.model, 1)[0], reference)
+    bench = _cli("run", str(write_plan(plan, tmp_path / "resident.yaml")), "--bench", "--json")
+    assert bench.returncode == 0, bench.stderr
+
+
+def test_gpu_out_of_memory_during_load_is_one_line_and_frees_everything(llama):
+    """Another process takes the GPU between the check and the load: the arena's allocation fails, the error
+    is one line, and nothing stays allocated or pinned."""
+    from planner.errors import RuntimeUnavailableError
+    from runtime.load import stream_model
+
+    plan = plan_with(llama, 3, 2, 1)
+    torch.cuda.empty_cache()
+    baseline = torch.cuda.memory_allocated()
+    free_bytes, _ = torch.cuda.mem_get_info()
+    blocker = torch.empty(free_bytes - (64 << 20), dtype=torch.uint8, device="cuda")  # leaves 64 MiB
+    try:
+        with pytest.raises(RuntimeUnavailableError, match="ran out of memory") as error:
+            stream_model(llama, plan, CudaBackend(torch.device("cuda")))
+        assert "\n" not in str(error.value)
+    finally:
+        del blocker
+    assert torch.cuda.memory_allocated() == baseline
+
+
+def test_cli_run_refuses_a_truncated_shard_in_one_line(llama, tmp_path):
+    import shutil
+
+    from tests.runtime_models import write_plan
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(llama, folder)
+    plan_path = write_plan(plan_with(folder, 3, 2, 1), tmp_path / "plan.yaml")
+    shard = max(folder.glob("*.safetensors"), key=lambda path: path.stat().st_size)
+    os.truncate(shard, shard.stat().st_size // 2)
+    result = _cli("run", str(plan_path), "--model", str(folder), "--bench")
+    assert result.returncode == 2, result.stderr
+    assert "truncated" in result.stderr and len(result.stderr.strip().splitlines()) == 1

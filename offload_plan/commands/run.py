@@ -92,11 +92,13 @@ def _serving_table(result) -> Table:
 
 
 def _load_with_progress(plan, model):
-    from rich.progress import Progress
+    """Load with a bar in GB and GB/s on stderr (advanced from the loader's reader threads)."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn, TransferSpeedColumn
 
-    with Progress(console=stderr, transient=True) as progress:
-        task = progress.add_task("packing offloaded layers", total=max(1, len(plan.offload.layers)))
-        return runtime_seam.load_with_plan(plan, model, progress=lambda layer: progress.advance(task))
+    columns = (TextColumn("loading"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=stderr, transient=True) as progress:
+        task = progress.add_task("loading", total=max(1, plan.model.total_bytes))
+        return runtime_seam.load_with_plan(plan, model, progress=lambda num_bytes: progress.advance(task, num_bytes))
 
 
 def _bench_table(result) -> Table:

@@ -1,0 +1,457 @@
+"""run's loader on the CPU stand-in: the model streamed from its safetensors files equals from_pretrained's bit
+for bit for every family the tests build, a plan offloading nothing pins nothing, and faults are one line."""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from planner.errors import ModelInputError, PlanError, RuntimeUnavailableError
+from runtime.backend import CpuStandIn, pin_error
+from runtime.load import build_model, check_fingerprint, check_host_memory, local_weights, stream_on_cpu
+from tests.runtime_models import plan_with, save_tiny_llama, save_tiny_moe
+
+transformers = pytest.importorskip("transformers")
+
+
+def _save_family(folder: Path, family: str) -> Path:
+    """A sharded checkpoint of one family, random weights everywhere (norms too)."""
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2)
+    configs = {
+        "llama-tied": ("LlamaConfig", dict(tie_word_embeddings=True)),
+        "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
+        "qwen3-moe": ("Qwen3MoeConfig", dict(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                                             head_dim=16)),
+        "qwen2": ("Qwen2Config", {}),
+        "mistral": ("MistralConfig", {}),
+    }
+    config_name, extra = configs[family]
+    config = getattr(transformers, config_name)(**common, **extra)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.1)
+    model.save_pretrained(folder, max_shard_size="100KB")
+    return folder
+
+
+FAMILIES = ["llama", "llama-bf16", "moe", "llama-tied", "mixtral", "qwen3-moe", "qwen2", "mistral"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Family name -> checkpoint folder, written once per module."""
+    made = {}
+
+    def get(family: str) -> Path:
+        if family not in made:
+            folder = tmp_path_factory.mktemp(family)
+            if family == "llama":
+                made[family] = save_tiny_llama(folder)
+            elif family == "llama-bf16":
+                made[family] = save_tiny_llama(folder, dtype=torch.bfloat16)
+            elif family == "moe":
+                made[family] = save_tiny_moe(folder)
+            else:
+                made[family] = _save_family(folder / family, family)
+        return made[family]
+
+    return get
+
+
+def _ids():
+    return torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(1))
+
+
+def _logits(model, calls=1):
+    with torch.inference_mode():
+        return [model(_ids()).logits for _ in range(calls)]
+
+
+def _num_layers(folder: Path) -> int:
+    import json
+
+    return json.loads((folder / "config.json").read_text())["num_hidden_layers"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_streamed_model_equals_from_pretrained_bit_for_bit(checkpoints, family):
+    """Every family, offloading everything (one slot) and part of the stack (two slots), and with only the
+    experts offloaded where there are experts: logits equal to from_pretrained's all-resident model."""
+    folder = checkpoints(family)
+    reference = _logits(build_model(str(folder), None))[0]
+    num_layers = _num_layers(folder)
+    plans = [plan_with(folder, 1, 1, 1), plan_with(folder, num_layers, 3, 2)]
+    if "moe" in family or family == "mixtral":
+        plans.append(plan_with(folder, 1, 1, 2, params=("experts",)))
+    for plan in plans:
+        assert plan.offload.layers
+        model, engine = stream_on_cpu(folder, plan, lazy_copies=True)
+        assert all(p.device.type == "cpu" for p in model.parameters())
+        assert all(torch.equal(out, reference) for out in _logits(model, 3)), plan.offload
+        assert engine.host_bytes == sum(engine.layer_bytes) and engine.backend.pinned  # the host arena is pinned
+
+
+def test_streamed_state_equals_from_pretrained_state(checkpoints):
+    """Not only the logits: every param and buffer, by name (MoE: experts fused by transformers' converters)."""
+    folder = checkpoints("qwen3-moe")
+    reference = build_model(str(folder), None).state_dict()
+    model, engine = stream_on_cpu(folder, plan_with(folder, 4, 3, 2, params=("experts",)))
+    engine.remove_hooks()
+    engine.backend.synchronize()
+    streamed = model.state_dict()
+    assert streamed.keys() == reference.keys()
+    offloaded = {f"model.layers.{i}." for i in engine.offloaded}
+    for name, tensor in reference.items():
+        if any(name.startswith(prefix) and "experts" in name for prefix in offloaded):
+            continue  # offloaded params point at a shared slot: checked through the logits above
+        assert torch.equal(streamed[name], tensor), name
+
+
+def _resident_plan(folder: Path):
+    """A plan the search makes when everything fits: nothing offloaded."""
+    from planner.make import make_plan
+    from planner.plan import Inputs
+
+    inputs = Inputs(model=str(folder), revision=None, gpu="h100-sxm", budget="1GiB", trigger=None, tokens=16,
+                    sequences=1, context=0, params=(), stack=None, group_size=None, num_in_group=None,
+                    prefetch_step=None, cuda_graph=False)
+    return make_plan(inputs).plan
+
+
+def test_a_plan_offloading_nothing_runs_resident_without_pinning_or_hooks(checkpoints):
+    """The planner writes such a plan whenever everything fits; cudaHostRegister fails on an empty allocation,
+    so the stand-in refuses to pin one (CpuStandIn.pin asserts)."""
+    folder = checkpoints("llama")
+    plan = _resident_plan(folder)
+    assert plan.offload.layers == ()
+    backend = CpuStandIn()
+    model, engine = stream_on_cpu(folder, plan, backend=backend)
+    assert backend.pinned == {} and engine._host_allocation is None and engine._hooks == []
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
+    assert torch.equal(_logits(model)[0], _logits(build_model(str(folder), None))[0])
+    assert engine.slots == [] and engine.copy_bytes_per_step == 0
+    engine.close()
+
+
+def test_progress_counts_every_byte_once(checkpoints):
+    from planner.checkpoint import load_checkpoint
+    from runtime.load import stream_model
+
+    folder = checkpoints("moe")
+    seen = []
+    stream_model(folder, plan_with(folder, 3, 2, 1), CpuStandIn(), on_bytes=seen.append)
+    assert sum(seen) == load_checkpoint(str(folder)).total_bytes
+
+
+def test_reads_use_no_mmap(checkpoints, monkeypatch):
+    """Mapped file pages count in the process's RSS: the loader reads with preadv only."""
+    import mmap
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the loader must not mmap the checkpoint")
+
+    monkeypatch.setattr(mmap, "mmap", refuse)
+    folder = checkpoints("llama")
+    stream_on_cpu(folder, plan_with(folder, 3, 2, 1))
+
+
+# ---- faults: one line, nothing left pinned -------------------------------------------------------------------
+
+
+def _copy_checkpoint(folder: Path, target: Path) -> Path:
+    import shutil
+
+    shutil.copytree(folder, target)
+    return target
+
+
+def _largest_shard(folder: Path) -> Path:
+    return max(folder.glob("*.safetensors"), key=lambda path: path.stat().st_size)
+
+
+def test_a_shard_truncated_before_loading_is_refused_before_allocating(checkpoints, tmp_path):
+    folder = _copy_checkpoint(checkpoints("llama"), tmp_path / "ckpt")
+    plan = plan_with(folder, 3, 2, 1)
+    shard = _largest_shard(folder)
+    os.truncate(shard, shard.stat().st_size - 1000)
+    backend = CpuStandIn()
+    with pytest.raises(ModelInputError, match="truncated") as error:
+        stream_on_cpu(folder, plan, backend=backend)
+    assert "\n" not in str(error.value) and backend.pinned == {}
+
+
+def test_a_shard_truncated_while_loading_is_one_line_and_unpins(checkpoints, tmp_path, monkeypatch):
+    """The headers were fine when read; the file is cut before its bytes are: a short read, reported as such,
+    and the host arena and the staging ring are unpinned."""
+    import runtime.load as load
+
+    folder = _copy_checkpoint(checkpoints("llama"), tmp_path / "ckpt")
+    plan = plan_with(folder, 3, 2, 1)
+    read_sources = load.read_sources
+
+    def read_then_truncate(files):
+        sources = read_sources(files)
+        for path in files:
+            os.truncate(path, 4096)
+        return sources
+
+    monkeypatch.setattr(load, "read_sources", read_then_truncate)
+    backend = CpuStandIn()
+    with pytest.raises(ModelInputError, match="ended .* bytes early") as error:
+        stream_on_cpu(folder, plan, backend=backend)
+    assert "\n" not in str(error.value) and backend.pinned == {}
+
+
+def test_a_shard_replaced_with_other_shapes_is_refused(checkpoints, tmp_path):
+    """A shard replaced after make: the fingerprint check refuses it, and the loader too if it slips past."""
+    from runtime.load import stream_model
+
+    folder = _copy_checkpoint(checkpoints("llama"), tmp_path / "ckpt")
+    plan = plan_with(folder, 3, 2, 1)
+    other = save_tiny_llama(tmp_path / "wider", hidden=32)
+    for shard in folder.glob("*.safetensors"):
+        shard.unlink()
+    for path in other.iterdir():
+        if path.name != "config.json":
+            (folder / path.name).write_bytes(path.read_bytes())
+    with pytest.raises(PlanError, match="fingerprint"):
+        check_fingerprint(plan, str(folder))
+    backend = CpuStandIn()
+    with pytest.raises(ModelInputError, match="shape") as error:
+        stream_model(folder, plan, backend)
+    assert "\n" not in str(error.value) and backend.pinned == {}
+
+
+class _PinRefused(CpuStandIn):
+    """A host whose memlock limit refuses page-locking (cudaHostRegister's error 2, out of memory)."""
+
+    def pin(self, tensor):
+        raise pin_error(tensor.numel(), 2)
+
+
+def test_memory_that_cannot_be_pinned_is_one_line(checkpoints):
+    folder = checkpoints("llama")
+    backend = _PinRefused()
+    with pytest.raises(RuntimeUnavailableError, match="memlock limit is") as error:
+        stream_on_cpu(folder, plan_with(folder, 3, 2, 1), backend=backend)
+    assert "\n" not in str(error.value) and "ulimit -l" in str(error.value) and backend.pinned == {}
+
+
+class _GpuFull(CpuStandIn):
+    def alloc_device(self, num_bytes):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate ...")
+
+
+def test_out_of_device_memory_during_load_is_one_line(checkpoints):
+    folder = checkpoints("llama")
+    backend = _GpuFull()
+    with pytest.raises(RuntimeUnavailableError, match="ran out of memory") as error:
+        stream_on_cpu(folder, plan_with(folder, 3, 2, 1), backend=backend)
+    assert "\n" not in str(error.value) and backend.pinned == {}
+
+
+class _FailsAfterPinning(CpuStandIn):
+    """Out of device memory on the staging copies, after the host arena was pinned."""
+
+    def upload(self, destination, source):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+
+def test_a_failure_after_pinning_unpins_everything(checkpoints, monkeypatch):
+    import runtime.load as load
+
+    folder = checkpoints("llama")
+    backend = _FailsAfterPinning()
+    monkeypatch.setattr(backend, "device", torch.device("meta"))  # resident bytes take the staging path
+    monkeypatch.setattr(backend, "alloc_device", lambda n: torch.empty(n, dtype=torch.uint8))
+    pins = []
+    pin = CpuStandIn.pin
+    monkeypatch.setattr(CpuStandIn, "pin", lambda self, t: pins.append(t.numel()) or pin(self, t))
+    with pytest.raises(torch.OutOfMemoryError):
+        load.stream_on_cpu(folder, plan_with(folder, 3, 2, 1), backend=backend)
+    assert len(pins) == 2 and backend.pinned == {}  # the host arena and the staging ring, both undone
+
+
+def test_host_memory_check_counts_pinned_bytes_and_working_set_not_the_checkpoint(checkpoints):
+    from runtime.load import loading_working_set_bytes
+    from runtime.stream_load import (NUM_READERS, STAGING_BYTES, build_skeleton, checkpoint_files, plan_reads,
+                                     read_sources)
+
+    folder = checkpoints("moe")
+    plan = plan_with(folder, 1, 1, 2)
+    files = checkpoint_files(folder)
+    work = plan_reads(build_skeleton(folder, files), read_sources(files))
+    working_set = loading_working_set_bytes(work)
+    largest_group = max(sum(s.num_bytes for s in group) for group in work.converted)
+    assert working_set == (NUM_READERS + 1) * STAGING_BYTES + 2 * 2 * largest_group
+    needed = plan.memory.host_pinned_bytes + working_set
+    check_host_memory(plan, working_set, needed)
+    with pytest.raises(RuntimeUnavailableError) as error:
+        check_host_memory(plan, working_set, needed - 1)
+    message = str(error.value)
+    assert f"loading needs {needed} bytes" in message and f"but {needed - 1} bytes" in message
+
+
+def test_a_hub_repo_not_in_the_cache_says_how_to_fetch_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelInputError) as error:
+        local_weights("offload-plan-tests/never-cached", "main")
+    message = str(error.value)
+    assert "\n" not in message
+    assert "`hf download offload-plan-tests/never-cached --revision main`" in message
+    assert "huggingface-cli download" in message
+
+
+def test_a_hub_repo_in_the_cache_loads_from_its_snapshot(checkpoints, tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    from tests.test_hub import COMMIT, _cache_repo
+
+    cache = tmp_path / "hub"
+    snapshot = _cache_repo(cache, "org/tiny", checkpoints("llama"), blobs=True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert local_weights("org/tiny", COMMIT) == snapshot
+
+
+class _SlowPinGpu(CpuStandIn):
+    """A 'GPU' (resident bytes go through the staging ring) whose page-locking of the host arena lasts until
+    the first staging upload has landed, logging the order of events."""
+
+    def __init__(self):
+        super().__init__()
+        import threading
+
+        self.device = torch.device("meta")  # not "cpu": the loader stages resident bytes
+        self.events = []
+        self.uploaded = threading.Event()
+
+    def alloc_device(self, num_bytes):
+        return torch.empty(num_bytes, dtype=torch.uint8)
+
+    def pin(self, tensor):
+        if tensor.numel() <= 9 * 4096:  # the staging ring: at once
+            return super().pin(tensor)
+        self.events.append("pin-start")
+        assert self.uploaded.wait(30), "resident reads did not proceed while the host arena was being pinned"
+        self.events.append("pin-end")
+        return super().pin(tensor)
+
+    def upload(self, destination, source):
+        self.events.append("upload")
+        self.uploaded.set()
+        return super().upload(destination, source)
+
+
+def test_pinning_overlaps_resident_reads_and_host_reads_wait_for_it(checkpoints, monkeypatch):
+    """Page-locking tens of GB takes seconds: resident tensors are read meanwhile, offloaded ones after."""
+    import runtime.stream_load as stream_load
+    from runtime.load import stream_model
+
+    folder = checkpoints("llama")
+    backend = _SlowPinGpu()
+    monkeypatch.setattr(stream_load, "STAGING_BYTES", 4096)  # a ring of at most 9 x 4 KiB
+    read_exact = stream_load.read_exact
+
+    def logged_read(fd, offset, target, path):
+        backend.events.append(("read", target.numel()))
+        return read_exact(fd, offset, target, path)
+
+    monkeypatch.setattr(stream_load, "read_exact", logged_read)
+    plan = plan_with(folder, 3, 2, 1)  # 4 of 7 layers offloaded
+    model, engine = stream_model(folder, plan, backend)
+    events = backend.events
+    assert events.index("upload") < events.index("pin-end")  # resident reads ran while pinning
+    after_pin = events[events.index("pin-end"):]
+    before_pin = events[:events.index("pin-end")]
+    # every read before the pin ended went through the ring (at most 4 KiB each); the offloaded params'
+    # reads straight into the host arena came after
+    assert all(e[1] <= 4096 for e in before_pin if isinstance(e, tuple))
+    assert any(isinstance(e, tuple) and e[1] > 4096 for e in after_pin)
+    assert list(backend.pinned.values()) == [engine._host_allocation.numel()]  # the ring was unpinned
+
+
+def test_the_cli_progress_bar_counts_bytes_from_reader_threads(checkpoints):
+    """run's bar (planner.cli._load_with_progress) takes the loader's byte counts, from several threads."""
+    from planner.cli import _load_with_progress
+    from runtime.load import stream_model
+
+    folder = checkpoints("llama")
+    plan = plan_with(folder, 3, 2, 1)
+    counted = []
+
+    def load(plan, model, progress):
+        def on_bytes(num_bytes):
+            counted.append(num_bytes)
+            progress(num_bytes)
+        return stream_model(folder, plan, CpuStandIn(), on_bytes=on_bytes)
+
+    model, _ = _load_with_progress(plan, None, load)
+    assert sum(counted) == plan.model.total_bytes
+
+
+def test_a_persistent_buffer_in_the_checkpoint_is_loaded_like_from_pretrained(checkpoints, tmp_path):
+    from safetensors.torch import save_file
+
+    from runtime.stream_load import _load_buffer, build_skeleton, checkpoint_files, plan_reads, read_sources
+
+    folder = checkpoints("llama")
+    files = checkpoint_files(folder)
+    model = build_skeleton(folder, files)
+    model.model.register_buffer("scale", torch.zeros(4))  # persistent: it is in the state dict
+    extra = tmp_path / "extra.safetensors"
+    save_file({"model.scale": torch.arange(4, dtype=torch.float64)}, str(extra))
+    work = plan_reads(model, {**read_sources(files), **read_sources([extra])})
+    assert [(source.name, name) for source, name in work.buffers] == [("model.scale", "model.scale")]
+    _load_buffer(model, "model.scale", torch.arange(4, dtype=torch.float64))
+    assert model.model.scale.dtype == torch.float32 and model.model.scale.tolist() == [0, 1, 2, 3]
+    with pytest.raises(ModelInputError, match="shape"):
+        _load_buffer(model, "model.scale", torch.zeros(5))
+
+
+def test_tensors_stored_in_another_dtype_are_cast_as_from_pretrained_casts_them(checkpoints, tmp_path):
+    """fp32 files under a config that says bfloat16: from_pretrained(dtype="auto") builds bf16 params and casts
+    each tensor; the streamed loader casts the same way (read, then .to), to the same bits. (Only a resident
+    plan loads such a checkpoint: plans count the files' bytes, and check_selection refuses offloaded layers
+    whose params hold fewer.)"""
+    import json
+
+    folder = _copy_checkpoint(checkpoints("llama"), tmp_path / "ckpt")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    reference = build_model(str(folder), None)
+    assert next(reference.parameters()).dtype == torch.bfloat16
+    model, _ = stream_on_cpu(folder, _resident_plan(folder))
+    assert next(model.parameters()).dtype == torch.bfloat16
+    assert torch.equal(_logits(model)[0], _logits(reference)[0])
+
+
+def test_a_refused_staging_ring_starts_nothing_and_leaves_nothing_pinned(checkpoints, monkeypatch):
+    """On a GPU the staging ring is pinned first: refused, the host arena's pin never starts."""
+    import threading
+
+    folder = checkpoints("llama")
+    backend = _PinRefused()
+    monkeypatch.setattr(backend, "device", torch.device("meta"))  # resident bytes take the staging path
+    monkeypatch.setattr(backend, "alloc_device", lambda n: torch.empty(n, dtype=torch.uint8))
+    with pytest.raises(RuntimeUnavailableError, match="memlock"):
+        stream_on_cpu(folder, plan_with(folder, 3, 2, 1), backend=backend)
+    assert backend.pinned == {} and not any(t.name == "offload-plan-pin" for t in threading.enumerate())
+
+
+def test_a_quantized_checkpoint_is_refused_in_one_line(checkpoints, tmp_path):
+    """Its tensors would be placed as stored, without transformers' quantizer: refused, not run wrongly."""
+    import json
+
+    folder = _copy_checkpoint(checkpoints("llama"), tmp_path / "ckpt")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (folder / "config.json").write_text(json.dumps(config))
+    backend = CpuStandIn()
+    with pytest.raises(ModelInputError, match="quantization_config") as error:
+        stream_on_cpu(folder, plan_with(checkpoints("llama"), 3, 2, 1), backend=backend)
+    assert "\n" not in str(error.value) and backend.pinned == {}
