@@ -140,10 +140,12 @@ class _Model:
         options = {"experts_implementation": "batched_mm"} if static_cache_tokens is not None else {}
         return estimate_activations(self.activation_shape, step, **options).planned_bytes
 
-    def compute(self, workload: Workload) -> ComputeTimes:
-        """Layer times for ``workload``: measured with --measure, else the roofline estimate."""
+    def compute(self, workload: Workload, graphed: bool | None = None) -> ComputeTimes:
+        """Layer times for ``workload``: measured with --measure, else the roofline estimate. ``graphed``: steps
+        replayed from CUDA graphs (default: the plan's --cuda-graph; a prefill chunk runs eagerly)."""
+        graphed = self.inputs.cuda_graph if graphed is None else graphed
         return _compute_times(self.inputs, self.checkpoint, self.layout, workload, self.profile, self.kv,
-                              self.measure)
+                              self.measure, graphed)
 
 
 def make_plan(inputs: Inputs, compute_override: ComputeTimes | None = None,
@@ -230,13 +232,13 @@ def _read_model(inputs: Inputs, measure: MeasureFunction | None = None) -> _Mode
 
 
 def _compute_times(inputs: Inputs, checkpoint, layout, workload, profile, kv: KvCacheModel | None,
-                   measure: MeasureFunction | None) -> ComputeTimes:
+                   measure: MeasureFunction | None, graphed: bool) -> ComputeTimes:
     """Measured by the caller's ``measure`` with --measure, else the roofline estimate (pure)."""
     if inputs.measure:
         if measure is None:
             raise UsageError("--measure times layers on the local GPU, which needs the runtime: run it as "
                              "offload-plan make --measure (with offload-plan[runtime] installed), or drop --measure")
-        measured = measure(checkpoint, layout, workload, profile, inputs.measured_on, inputs.cuda_graph)
+        measured = measure(checkpoint, layout, workload, profile, inputs.measured_on, graphed)
         return _as_recorded(measured, len(layout.layers))
     if inputs.measured_on is not None:
         raise UsageError("--measured-on only applies with --measure")
@@ -502,8 +504,9 @@ def _assemble(model: _Model, workload: Workload, compute: ComputeTimes, choice: 
             link_busy_share=simulation.copy_busy_ms / simulation.step_ms if simulation.step_ms else 0.0,
             decode_step_ms=simulation.step_ms if decode else None,
             decode_tokens_per_s=1e3 * workload.sequences_per_step / simulation.step_ms if decode else None,
-            prefill_chunk_ms=_prefill_chunk_ms(model, choice, chunk_tokens) if serving is not None or not decode
-            else None,
+            # a weights-only plan's prefill step is its chunk; a serving plan's chunk has its own layer times
+            prefill_chunk_ms=_prefill_chunk_ms(model, choice, chunk_tokens) if serving is not None
+            else (None if decode else simulation.step_ms),
         ),
         layers=rows,
         serving=serving,
@@ -519,7 +522,7 @@ def _kv_dtype_name(model: _Model) -> str:
 
 def _prefill_chunk_ms(model: _Model, choice: Choice, chunk_tokens: int) -> float:
     """One prefill chunk of a new sequence with the plan's placement, steps back to back (eager)."""
-    compute = model.compute(_workload(chunk_tokens, 1, 0))
+    compute = model.compute(_workload(chunk_tokens, 1, 0), graphed=False)  # a chunk is never replayed
     copy_ms = tuple(copy_ms_of(model.layer_bytes.selected[i], model.profile.h2d_bytes_per_s.value,
                                model.profile.copy_overhead_us.value) for i in choice.offloaded)
     return simulate(layer_ms=compute.layer_ms, head_ms=compute.head_ms, offloaded=choice.offloaded,

@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 GIB = 1 << 30
 #: the cgroup allows what the plan pins plus this (the target is pinned + 2 GiB of RSS)
@@ -61,8 +60,7 @@ def write_checkpoint(folder: Path, config: dict, shard_bytes: int, device: str) 
     import torch
     from safetensors.torch import save_file
 
-    sys.path.insert(0, str(REPO / "scripts"))
-    from header_checkpoint import tensor_specs
+    from runtime.header_checkpoint import tensor_specs
 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -341,7 +339,7 @@ def make_plan_file(checkpoint: Path, budget: str, out: Path) -> dict:
     import yaml
 
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-m", "planner.cli", "make", "-m", str(checkpoint), "-g", "h100-sxm",
+    proc = subprocess.run([sys.executable, "-m", "offload_plan", "make", "-m", str(checkpoint), "-g", "h100-sxm",
                            "--budget", budget, "-o", str(out)], capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"bench_load: make at {budget} failed: {proc.stderr.strip()}")

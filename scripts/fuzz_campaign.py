@@ -16,9 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from tests.fuzz import FAILURES, FAMILIES, FAMILY_TITLES, failure_summary, run_campaign  # noqa: E402
+from tests.fuzz import FAILURES, FAMILIES, FAMILY_TITLES, failure_summary, run_campaign
 
 #: the issue's campaign: 10,500 cases in these proportions
 SHARES = {"headers": 2200, "index": 1500, "config": 1500, "plans": 2600, "profiles": 1200, "flags": 1500}

@@ -75,10 +75,7 @@ def invoke_cli(args: list[str]) -> tuple[int, str, str, BaseException | None]:
     from typer.testing import CliRunner
 
     if _COMMAND is None:
-        try:
-            from offload_plan.app import app  # the CLI's new home, once it lands
-        except ImportError:
-            from planner.cli import app
+        from offload_plan.app import app
         _COMMAND = typer.main.get_command(app)
     code, exception = 0, None
     with CliRunner().isolation() as streams:

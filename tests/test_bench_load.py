@@ -2,13 +2,11 @@
 a confined child load compared bit for bit with from_pretrained, the table."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-bench_load = pytest.importorskip("bench_load")
+bench_load = pytest.importorskip("scripts.bench_load")
 
 
 def test_tiny_bench_loads_equal_logits_and_reports(tmp_path, capsys):

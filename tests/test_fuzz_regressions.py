@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.fuzz import BASE_ARGS, GUARD_NAME, SHARDS, Case, _framed, _header_of, base, run_case
+from tests.fuzz import BASE_ARGS, GUARD_NAME, SHARDS, VERSION_LINE, Case, _framed, _header_of, base, run_case
 
 MODEL, PROFILE, PLAN, USAGE = 2, 3, 4, 6
 SHARD = f"ckpt/{SHARDS[0]}"
@@ -170,11 +170,11 @@ CASES = {
     # export, search, units.format_bytes; layer indices out of range accepted
     "plan-alias-bomb": (_plan(raw=(ALIAS_BOMB + base().plan_text).encode()), PLAN, "aliases are not allowed"),
     "plan-deep": (_plan(raw=(base().plan_text + "x: " + DEEP + "\n").encode()), PLAN, "nested more than"),
-    "plan-huge-int": (_plan(raw=base().plan_text.replace("schema_version: 1", f"schema_version: {HUGE}").encode()),
+    "plan-huge-int": (_plan(raw=base().plan_text.replace(VERSION_LINE, f"schema_version: {HUGE}").encode()),
                       PLAN, "digit integer"),
     "plan-too-large": (_plan(raw=(base().plan_text + "#" + "x" * (17 * 2**20)).encode()), PLAN, "too large"),
     "plan-duplicate-key": (_plan(raw=base().plan_text.replace(
-        "schema_version: 1", "schema_version: 1\nschema_version: 1").encode()), PLAN, "appears twice"),
+        VERSION_LINE, f"{VERSION_LINE}\n{VERSION_LINE}").encode()), PLAN, "appears twice"),
     "plan-number-keys": (_plan(lambda p: p["memory"].update({5: 1, "x": 2})), PLAN, "differ from the schema"),
     "plan-schema-version-float": (_plan(lambda p: p.update(schema_version=1.0)), PLAN, "schema_version 1.0"),
     "plan-negative-layer": (_plan(lambda p: p["offload"].update(layers=[-1, *p["offload"]["layers"]])), PLAN,

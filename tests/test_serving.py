@@ -126,3 +126,26 @@ def test_largest_fitting_is_exact():
 def test_candidates_of_a_range_stay_inside_it():
     assert candidate_concurrencies(ConcurrencyRange(low=10, high=100), 300, 50) == (10, 12, 16, 24, 32, 48, 50, 64, 96)
     assert candidate_concurrencies(ConcurrencyRange(low=64, high=64), 300, 50) == (64,)
+
+
+def test_make_measures_decode_graphed_and_the_prefill_chunk_eagerly(tmp_path):
+    """With --measure --cuda-graph the decode steps are timed as graph replays and the prefill chunk eagerly,
+    as they run (timing the chunk as a graphed one-token step made the H100 predict 12 ms for a 74 ms chunk)."""
+    from planner.cost import ComputeTimes
+    from planner.make import make_plan
+    from planner.plan import Inputs
+    from tests.conftest import TEST_GPU_FILE, make_checkpoint
+
+    make_checkpoint(tmp_path / "ckpt", num_layers=4, num_shards=2)
+    calls = []
+
+    def measure(checkpoint, layout, workload, profile, measured_on, graphed):
+        calls.append((workload.tokens_per_step, workload.sequences_per_step, graphed))
+        return ComputeTimes(layer_ms=(1.0,) * len(layout.layers), head_ms=0.5, source="measured: test")
+
+    inputs = Inputs(model=str(tmp_path / "ckpt"), gpu=str(TEST_GPU_FILE), context=256, concurrency="auto", chunk=64,
+                    measure=True, cuda_graph=True)
+    plan = make_plan(inputs, measure=measure).plan
+    assert (64, 1, False) in calls
+    assert all(graphed for tokens, sequences, graphed in calls if (tokens, sequences) != (64, 1))
+    assert plan.prediction.prefill_chunk_ms == pytest.approx(4 * 1.0 + 0.5)

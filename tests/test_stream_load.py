@@ -375,9 +375,11 @@ def test_pinning_overlaps_resident_reads_and_host_reads_wait_for_it(checkpoints,
     assert list(backend.pinned.values()) == [engine._host_allocation.numel()]  # the ring was unpinned
 
 
-def test_the_cli_progress_bar_counts_bytes_from_reader_threads(checkpoints):
-    """run's bar (planner.cli._load_with_progress) takes the loader's byte counts, from several threads."""
-    from planner.cli import _load_with_progress
+def test_the_cli_progress_bar_counts_bytes_from_reader_threads(checkpoints, monkeypatch):
+    """run's bar (offload_plan.commands.run._load_with_progress) takes the loader's byte counts, from several
+    threads."""
+    from offload_plan import runtime_seam
+    from offload_plan.commands.run import _load_with_progress
     from runtime.load import stream_model
 
     folder = checkpoints("llama")
@@ -390,7 +392,8 @@ def test_the_cli_progress_bar_counts_bytes_from_reader_threads(checkpoints):
             progress(num_bytes)
         return stream_model(folder, plan, CpuStandIn(), on_bytes=on_bytes)
 
-    model, _ = _load_with_progress(plan, None, load)
+    monkeypatch.setattr(runtime_seam, "load_with_plan", load)
+    model, _ = _load_with_progress(plan, None)
     assert sum(counted) == plan.model.total_bytes
 
 
