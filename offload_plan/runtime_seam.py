@@ -107,3 +107,11 @@ def write_header_checkpoint(config_path, out_dir, dtype: str | None):
     from runtime.header_checkpoint import write_header_checkpoint as write
 
     return write(config_path, out_dir, dtype=dtype)
+
+
+def measured_activation_bytes(checkpoint, layout, workload, graphed: bool) -> int:
+    """``make --measure`` of a serving plan: a step's activation peak on the local GPU, in bytes."""
+    require_cuda("make --measure")
+    from runtime.measure import measured_activation_bytes as measure
+
+    return measure(checkpoint, layout, workload, graphed).activation_bytes

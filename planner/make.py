@@ -57,6 +57,8 @@ from planner.units import format_bytes, parse_bytes
 #: times layers on the local GPU for --measure: (checkpoint, layout, workload, profile, measured_on, graphed) ->
 #: ComputeTimes. The planner imports no runtime; the command line passes offload_plan.runtime_seam's.
 MeasureFunction = Callable[[Checkpoint, ModelLayout, Workload, HardwareProfile, "str | None", bool], ComputeTimes]
+#: measures a step's activation peak on the local GPU for --measure: (checkpoint, layout, workload, graphed) -> bytes
+MeasureActivations = Callable[[Checkpoint, ModelLayout, Workload, bool], int]
 #: the most layers a pinned knob may count (planner.checkpoint allows 100,000 layers)
 MAX_KNOB = 100_000
 
@@ -110,6 +112,8 @@ class _Model:
     warnings: list[str]
     #: the caller's timing function for --measure (None: not given)
     measure: MeasureFunction | None = None
+    #: the caller's activation measurement for --measure (None: not given; the estimate stands)
+    measure_activations: MeasureActivations | None = None
 
     @functools.cached_property
     def searcher(self) -> Searcher:
@@ -133,12 +137,21 @@ class _Model:
     def activations(self, workload: Workload, static_cache_tokens: int | None = None) -> int:
         """Peak activation bytes of a step of ``workload`` as the runtime runs it: a decode step over a static
         cache of ``static_cache_tokens`` (MoE experts through batched_mm, graph-capturable), else a prefill."""
+        if self.measured_activations:
+            return self.measure_activations(self.checkpoint, self.layout, workload, False)
         tokens_per_sequence = workload.tokens_per_step // workload.sequences_per_step
         step = StepShape(num_sequences=workload.sequences_per_step, tokens_per_sequence=tokens_per_sequence,
                          context_tokens=workload.context_tokens, static_cache_tokens=static_cache_tokens)
         # run's decode loop routes MoE experts through batched_mm (graph-capturable); a prefill keeps the default
         options = {"experts_implementation": "batched_mm"} if static_cache_tokens is not None else {}
         return estimate_activations(self.activation_shape, step, **options).planned_bytes
+
+    @property
+    def measured_activations(self) -> bool:
+        """A serving plan with --measure measures its activation peaks on the local GPU (a weights-only plan keeps
+        the estimate, so check can replan it from its recorded rows without a GPU)."""
+        inputs = self.inputs
+        return inputs.measure and inputs.concurrency is not None and self.measure_activations is not None
 
     def compute(self, workload: Workload, graphed: bool | None = None) -> ComputeTimes:
         """Layer times for ``workload``: measured with --measure, else the roofline estimate. ``graphed``: steps
@@ -149,18 +162,20 @@ class _Model:
 
 
 def make_plan(inputs: Inputs, compute_override: ComputeTimes | None = None,
-              measure: MeasureFunction | None = None) -> Planned:
+              measure: MeasureFunction | None = None,
+              measure_activations: MeasureActivations | None = None) -> Planned:
     """Read the checkpoint and profile named by ``inputs`` and search the fastest plan that fits: for the
     weights alone within a budget, or (``inputs.concurrency``) for a serving target on the whole GPU.
 
     Compute times: ``compute_override`` when given (check passes a --measure plan's recorded times; not for a
     serving plan, whose search times every concurrency), else ``measure`` for --measure (the caller's, which
-    reaches the GPU), else the roofline estimate.
+    reaches the GPU), else the roofline estimate. A serving plan with --measure also measures its activation
+    peaks with ``measure_activations`` where given (else estimates them).
     """
     if inputs.cuda_graph and inputs.concurrency is None and inputs.tokens != inputs.sequences:
         raise UsageError("--cuda-graph plans decode steps, one new token per sequence: give --tokens equal to "
                          "--sequences (the batch), e.g. --tokens 64 --sequences 64 --context 1024")
-    model = _read_model(inputs, measure)
+    model = _read_model(inputs, measure, measure_activations)
     if inputs.concurrency is not None:
         return make_serving_plan(model)
     workload = _workload(inputs.tokens, inputs.sequences, inputs.context)
@@ -201,7 +216,8 @@ def _check_knobs(inputs: Inputs) -> None:
                              "it out to search it")
 
 
-def _read_model(inputs: Inputs, measure: MeasureFunction | None = None) -> _Model:
+def _read_model(inputs: Inputs, measure: MeasureFunction | None = None,
+                measure_activations: MeasureActivations | None = None) -> _Model:
     """Profile, checkpoint headers, layout, the bytes each layer would move, and the KV cache model."""
     _check_knobs(inputs)
     profile = load_profile(inputs.gpu)
@@ -228,7 +244,8 @@ def _read_model(inputs: Inputs, measure: MeasureFunction | None = None) -> _Mode
         kv = shape = None
         warnings.append(f"{error}; the plan leaves the KV cache, activations and GPU total out")
     return _Model(inputs=inputs, profile=profile, checkpoint=checkpoint, layout=layout, layer_bytes=layer_bytes,
-                  kv=kv, activation_shape=shape, warnings=warnings, measure=measure)
+                  kv=kv, activation_shape=shape, warnings=warnings, measure=measure,
+                  measure_activations=measure_activations)
 
 
 def _compute_times(inputs: Inputs, checkpoint, layout, workload, profile, kv: KvCacheModel | None,

@@ -226,7 +226,8 @@ class MemorySection:
     gpu_memory_bytes: int = 0
     #: KV cache of the workload's sequences at their context (None: the architecture's cache is not modelled)
     kv_cache_bytes: int | None = None
-    #: peak activations of a step (serving: of a prefill chunk or an eager decode step, whichever is larger)
+    #: peak activations of a step (serving: of a prefill chunk or an eager decode step, whichever is larger),
+    #: estimated from the shapes, or measured on the local GPU for a serving plan made with --measure
     activation_bytes: int | None = None
     #: a captured decode step's intermediates, held by its CUDA graph's pool (0 when not graphed)
     cuda_graph_pool_bytes: int = 0

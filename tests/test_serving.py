@@ -1,5 +1,7 @@
 """The serving search: concurrency and weight placement chosen together, against hand-worked cases and brute force."""
 
+import math
+
 import pytest
 
 from planner.cost import ComputeTimes
@@ -149,3 +151,29 @@ def test_make_measures_decode_graphed_and_the_prefill_chunk_eagerly(tmp_path):
     assert (64, 1, False) in calls
     assert all(graphed for tokens, sequences, graphed in calls if (tokens, sequences) != (64, 1))
     assert plan.prediction.prefill_chunk_ms == pytest.approx(4 * 1.0 + 0.5)
+
+
+def test_make_measure_replaces_a_serving_plans_activation_estimate(tmp_path):
+    """A serving plan made with --measure plans the activation peaks measured on the GPU (the caller's function),
+    the graph pool from the measured decode step; without the function it keeps the estimate."""
+    from planner.cost import ComputeTimes
+    from planner.make import make_plan
+    from planner.plan import Inputs
+    from planner.serving import GRAPH_POOL_FACTOR
+    from tests.conftest import TEST_GPU_FILE, make_checkpoint
+
+    make_checkpoint(tmp_path / "ckpt", num_layers=4, num_shards=2)
+
+    def measure(checkpoint, layout, workload, profile, measured_on, graphed):
+        return ComputeTimes(layer_ms=(1.0,) * len(layout.layers), head_ms=0.5, source="measured: test")
+
+    def activations(checkpoint, layout, workload, graphed):
+        assert not graphed
+        return 1000 if workload.tokens_per_step == 64 and workload.sequences_per_step == 1 else 3000
+
+    inputs = Inputs(model=str(tmp_path / "ckpt"), gpu=str(TEST_GPU_FILE), context=256, concurrency="8", chunk=64,
+                    measure=True, cuda_graph=True)
+    measured = make_plan(inputs, measure=measure, measure_activations=activations).plan.memory
+    assert measured.activation_bytes == 1000 and measured.cuda_graph_pool_bytes == math.ceil(GRAPH_POOL_FACTOR * 3000)
+    estimated = make_plan(inputs, measure=measure).plan.memory
+    assert estimated.activation_bytes != 1000 and estimated.cuda_graph_pool_bytes != measured.cuda_graph_pool_bytes

@@ -27,7 +27,8 @@ def make(**values):
 
     output = values.pop("output")
     inputs = Inputs(**{name: tuple(value or ()) if name == "params" else value for name, value in values.items()})
-    planned = make_plan(inputs, measure=runtime_seam.measured_compute if inputs.measure else None)
+    planned = make_plan(inputs, measure=runtime_seam.measured_compute if inputs.measure else None,
+                        measure_activations=runtime_seam.measured_activation_bytes if inputs.measure else None)
     for warning in planned.warnings:
         warn(warning)
     text = render_plan(planned.plan, regenerate_command(inputs, str(output) if output else None))
