@@ -8,10 +8,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 
 from planner.checkpoint import Checkpoint, load_checkpoint
-from planner.cost import ComputeTimes, Workload, estimate_compute, geometry_from_config
-from planner.errors import InfeasibleError, ModelInputError, PlanError, UsageError
+from planner.cost import MAX_STEP_TOKENS, ComputeTimes, Workload, estimate_compute, geometry_from_config
+from planner.errors import InfeasibleError, ModelInputError, PlanError, UsageError, shown
 from planner.activations import ActivationShape, StepShape, activation_shape, estimate_activations
-from planner.kv_cache import KvCacheModel, kv_cache_model
+from planner.kv_cache import KV_DTYPES, KvCacheModel, kv_cache_model
 from planner.layout import ModelLayout, build_layout
 from planner.plan import (
     MS_DECIMALS,
@@ -179,6 +179,10 @@ def make_plan(inputs: Inputs, compute_override: ComputeTimes | None = None,
     if inputs.concurrency is not None:
         return make_serving_plan(model)
     workload = _workload(inputs.tokens, inputs.sequences, inputs.context)
+    ignored = [flag for flag, given in (("--chunk", inputs.chunk != 2048), ("--max-tpot-ms", inputs.max_tpot_ms))
+               if given]
+    if ignored:
+        model.warnings.append(f"{' and '.join(ignored)} apply to serving plans (--concurrency): ignored here")
     budget = budget_bytes_for(inputs, model.profile)
     compute = model.compute(workload) if compute_override is None else _as_recorded(compute_override,
                                                                                    len(model.layout.layers))
@@ -207,13 +211,34 @@ def _workload(tokens: int, sequences: int, context: int) -> Workload:
 
 
 def _check_knobs(inputs: Inputs) -> None:
-    """Pinned G, K and P are counts of layers: 1 or more, and no more than a model has layers."""
+    """Pinned G, K and P are counts of layers: 1 or more, and no more than a model has layers; the serving
+    inputs are checked whether or not a serving plan uses them."""
     knobs = {"--group-size": inputs.group_size, "--num-in-group": inputs.num_in_group,
              "--prefetch-step": inputs.prefetch_step}
     for flag, value in knobs.items():
         if value is not None and not 1 <= value <= MAX_KNOB:
             raise UsageError(f"{flag} {value} is not a number of layers; give 1 or more (at most {MAX_KNOB}), or leave "
                              "it out to search it")
+    _check_serving_inputs(inputs)
+
+
+def _check_serving_inputs(inputs: Inputs) -> None:
+    """--concurrency, --chunk, --kv-dtype, --max-tpot-ms and --gpu-memory: in range, one line each if not."""
+    if inputs.concurrency is not None:
+        try:
+            parse_concurrency(inputs.concurrency)
+        except ValueError as error:
+            raise UsageError(str(error)) from None
+    if not 1 <= inputs.chunk <= MAX_STEP_TOKENS:
+        raise UsageError(f"--chunk {inputs.chunk}: a prefill chunk holds 1 to {MAX_STEP_TOKENS} tokens, "
+                         "e.g. --chunk 2048")
+    if inputs.kv_dtype not in KV_DTYPES:
+        raise UsageError(f"--kv-dtype {shown(inputs.kv_dtype)} is not a KV cache type; choose one of "
+                         f"{', '.join(KV_DTYPES)}")
+    if inputs.max_tpot_ms is not None and not (math.isfinite(inputs.max_tpot_ms) and inputs.max_tpot_ms > 0):
+        raise UsageError(f"--max-tpot-ms {inputs.max_tpot_ms:g} is not a time; give milliseconds above 0, e.g. 50")
+    if inputs.gpu_memory is not None:
+        parse_bytes(inputs.gpu_memory, "--gpu-memory")
 
 
 def _read_model(inputs: Inputs, measure: MeasureFunction | None = None,
@@ -343,12 +368,7 @@ def make_serving_plan(model: _Model) -> Planned:
     if inputs.context < 1:
         raise UsageError("a serving plan needs --context, the longest sequence in tokens (prompt and output), "
                          "e.g. --context 4096")
-    if inputs.chunk < 1:
-        raise UsageError(f"--chunk {inputs.chunk}: a prefill chunk holds at least one token, e.g. --chunk 2048")
-    try:
-        wanted = parse_concurrency(inputs.concurrency)
-    except ValueError as error:
-        raise UsageError(str(error)) from None
+    wanted = parse_concurrency(inputs.concurrency)  # checked by _check_serving_inputs
     gpu_memory = gpu_memory_bytes_for(inputs, model.profile)
     budget = parse_bytes(inputs.budget, "--budget") if inputs.budget is not None else None
 

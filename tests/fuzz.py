@@ -696,14 +696,18 @@ def _set(data, path, value):
 
 #: plan fields that may be null (Optional in the schema)
 PLAN_OPTIONAL = {"revision", "budget", "trigger", "stack", "group_size", "num_in_group", "prefetch_step",
-                 "measured_on", "host_memory", "architecture", "fp8_flops_per_s", "host_memory_bytes"}
+                 "measured_on", "host_memory", "architecture", "fp8_flops_per_s", "host_memory_bytes",
+                 # serving plans and the whole-GPU accounting: null where a plan has no such figure
+                 "concurrency", "max_tpot_ms", "gpu_memory", "cuda_context_bytes", "kv_cache_bytes",
+                 "activation_bytes", "total_gpu_bytes", "decode_step_ms", "decode_tokens_per_s", "prefill_chunk_ms"}
 PLAN_COMMANDS = (["show", "plan.yaml"], ["show", "plan.yaml", "--json"], ["export", "plan.yaml", "--to", "vllm"],
                  ["export", "plan.yaml", "--to", "sglang"], ["export", "plan.yaml", "--to", "vllm", "--tp", "2"],
                  ["diff", "plan.yaml", "graph-plan.yaml"], ["check", "plan.yaml"], ["show", "plan.yaml", "--no-layers"])
 
 
 #: optional plan fields that hold text when not null
-PLAN_OPTIONAL_TEXT = {"revision", "budget", "stack", "measured_on", "host_memory", "architecture"}
+PLAN_OPTIONAL_TEXT = {"revision", "budget", "stack", "measured_on", "host_memory", "architecture", "concurrency",
+                      "gpu_memory"}
 
 
 def _plan_value(rng, current, key: str) -> tuple[object, bool]:
@@ -907,6 +911,12 @@ MAKE_FLAGS = {
     "--host-memory": (("1GiB", "1", "x", "-1GiB", "1e400"), ("x", "-1GiB", "1e400")),
     "--revision": (("main",), ("main",)),
     "--measured-on": (("h100-sxm",), ("h100-sxm",)),
+    "--concurrency": (("auto", "8", "1..64", "0", "64..8", "x", "1..", "5000", "1.5", ""),
+                      ("0", "64..8", "x", "1..", "5000", "1.5", "")),
+    "--chunk": (("2048", "64", "0", "-1", "9" * 30, "x"), ("0", "-1", "9" * 30, "x")),
+    "--kv-dtype": (("auto", "bf16", "fp8", "int3", "", "a\nb"), ("int3", "", "a\nb")),
+    "--max-tpot-ms": (("50", "0", "-1", "nan", "inf", "x", "1e400"), ("0", "-1", "nan", "inf", "x", "1e400")),
+    "--gpu-memory": (("24GiB", "0GiB", "1e400GiB", "40", "x", "-1GiB"), ("0GiB", "1e400GiB", "40", "x", "-1GiB")),
 }
 OUTPUTS = ((GUARD_NAME, False), ("missing/plan.yaml", True), ("ckpt", True), ("out.yaml/plan.yaml", True),
            ("ckpt/config.json/x.yaml", True), ("", True), ("plan\n.yaml", False))
