@@ -33,6 +33,28 @@ PLANS = (
 )
 
 
+#: serving plans (make --concurrency auto --cuda-graph): (model, GPU profile, --context, --params segments)
+SERVING_PLANS = (
+    ("qwen3-32b", "gh200", 8192, ()),
+    ("llama-3.1-70b", "h100-sxm", 8192, ()),
+    ("gpt-oss-120b", "gh200", 16384, ("experts",)),
+)
+
+
+def serving_plan_path(model: str, gpu: str, context: int) -> str:
+    """plans/MODEL-GPU-serve-CONTEXT.yaml, relative to the repository root."""
+    return f"plans/{model}-{gpu}-serve-{context}.yaml"
+
+
+def serving_command(model: str, gpu: str, context: int, params: tuple[str, ...]) -> list[str]:
+    """The make invocation for one serving entry: the concurrency searched, decode replayed from CUDA graphs."""
+    words = ["make", "--model", f".cache/checkpoints/{model}", "--gpu", gpu, "--context", str(context),
+             "--concurrency", "auto", "--cuda-graph"]
+    for segment in params:
+        words += ["--params", segment]
+    return words + ["-o", serving_plan_path(model, gpu, context)]
+
+
 def plan_path(model: str, gpu: str, budget: str) -> str:
     """plans/MODEL-GPU-BUDGET.yaml, relative to the repository root."""
     return f"plans/{model}-{gpu}-{budget.lower()}.yaml"
@@ -47,10 +69,11 @@ def make_command(model: str, gpu: str, budget: str, params: tuple[str, ...]) -> 
 
 
 def main() -> None:
-    for model in sorted({entry[0] for entry in PLANS}):
+    for model in sorted({entry[0] for entry in PLANS + SERVING_PLANS}):
         write_checkpoint(model)
-    for entry in PLANS:
-        subprocess.run([sys.executable, "-m", "offload_plan", *make_command(*entry)], cwd=REPO_ROOT, check=True)
+    commands = [make_command(*entry) for entry in PLANS] + [serving_command(*entry) for entry in SERVING_PLANS]
+    for command in commands:
+        subprocess.run([sys.executable, "-m", "offload_plan", *command], cwd=REPO_ROOT, check=True)
 
 
 if __name__ == "__main__":

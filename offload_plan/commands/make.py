@@ -73,6 +73,13 @@ def _print_outcome(plan, output) -> None:
 
     offload, prediction = plan.offload, plan.prediction
     where = f"wrote {output}: " if output else ""
+    if plan.serving is not None:
+        workload, memory = plan.workload, plan.memory
+        say(f"{where}{workload.concurrency} sequences of up to {workload.context_tokens} tokens, "
+            f"{prediction.decode_tokens_per_s:,.0f} decode tokens/s ({format_ms(prediction.decode_step_ms)} per token), "
+            f"{len(offload.layers)}/{plan.model.num_layers} layers offloaded, GPU {format_bytes(memory.total_gpu_bytes)} "
+            f"of {format_bytes(memory.gpu_memory_bytes)}; offload-plan show for the trade")
+        return
     say(
         f"{where}{len(offload.layers)}/{plan.model.num_layers} layers offloaded "
         f"(G={offload.group_size} K={offload.num_in_group} P={offload.prefetch_step}), "
