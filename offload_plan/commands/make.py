@@ -76,9 +76,10 @@ def _print_outcome(plan, output) -> None:
     if plan.serving is not None:
         workload, memory = plan.workload, plan.memory
         say(f"{where}{workload.concurrency} sequences of up to {workload.context_tokens} tokens, "
-            f"{prediction.decode_tokens_per_s:,.0f} decode tokens/s ({format_ms(prediction.decode_step_ms)} per token), "
-            f"{len(offload.layers)}/{plan.model.num_layers} layers offloaded, GPU {format_bytes(memory.total_gpu_bytes)} "
-            f"of {format_bytes(memory.gpu_memory_bytes)}; offload-plan show for the trade")
+            f"{prediction.decode_tokens_per_s:,.0f} decode tokens/s "
+            f"({format_ms(prediction.decode_step_ms)} per token), {len(offload.layers)}/{plan.model.num_layers} "
+            f"layers offloaded, GPU {format_bytes(memory.total_gpu_bytes)} of {format_bytes(memory.gpu_memory_bytes)}; "
+            "offload-plan show for the trade")
         return
     say(
         f"{where}{len(offload.layers)}/{plan.model.num_layers} layers offloaded "
