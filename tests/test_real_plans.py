@@ -87,8 +87,24 @@ def test_deepseek_v3_does_not_fit_one_gh200s_host_memory(tmp_path):
 
 def test_plans_folder_matches_the_table():
     listed = {make_plans.plan_path(model, gpu, budget) for model, gpu, budget, _ in make_plans.PLANS}
+    listed |= {make_plans.serving_plan_path(model, gpu, context) for model, gpu, context, _ in make_plans.SERVING_PLANS}
     present = {f"plans/{p.name}" for p in PLANS_DIR.glob("*.yaml")}
     assert listed == present
+
+
+@pytest.mark.parametrize("entry", make_plans.SERVING_PLANS, ids=lambda e: make_plans.serving_plan_path(*e[:3]))
+def test_each_serving_plan_header_regenerates_it(entry):
+    """The serving plans' headers are make_plans' commands, and each chose its concurrency (the search ran)."""
+    model, gpu, context, params = entry
+    path = make_plans.serving_plan_path(model, gpu, context)
+    text = (REPO_ROOT / path).read_text()
+    words = shlex.split(text.splitlines()[1].lstrip("#"))
+    assert words[:2] == ["offload-plan", "make"] and words[-2:] == ["-o", path]
+    assert {"--concurrency", "auto", "--context", str(context), "--cuda-graph", gpu} <= set(words)
+    plan = yaml.safe_load(text)
+    assert plan["inputs"]["concurrency"] == "auto" and plan["workload"]["context_tokens"] == context
+    assert len(plan["serving"]["points"]) > 1
+    assert plan["memory"]["total_gpu_bytes"] <= plan["memory"]["gpu_memory_bytes"]
 
 
 @pytest.mark.parametrize("entry", make_plans.PLANS, ids=lambda e: make_plans.plan_path(*e[:3]))
