@@ -526,23 +526,7 @@ def plan_from_dict(data: object, origin: str) -> Plan:
 
 def _serving_section(raw: object, origin: str) -> ServingSection:
     """The serving section: flat fields, and its points as rows."""
-    if not isinstance(raw, dict) or not isinstance(raw.get("points"), list):
-        raise PlanError(f"{origin} must be a mapping with a list of points; regenerate the plan")
-    points = tuple(_section(ServingRow, row, f"{origin}.points[{i}]") for i, row in enumerate(raw["points"]))
-    section = _section(_ServingFields, {k: v for k, v in raw.items() if k != "points"}, origin)
-    return ServingSection(**vars(section), points=points)
-
-
-@dataclass(frozen=True, kw_only=True)
-class _ServingFields:
-    """ServingSection without its rows, for reading."""
-
-    concurrency_low: int
-    concurrency_high: int
-    max_tpot_ms: float | None
-    no_offload_concurrency: int | None
-    no_offload_step_ms: float | None
-    no_offload_tokens_per_s: float | None
+    return _section(ServingSection, raw, origin, rows={"points": ServingRow})
 
 
 _TYPES = {int: (int,), float: (int, float), str: (str,), bool: (bool,)}
@@ -575,7 +559,8 @@ def _selected_bytes_of_1(row: dict, hardware: dict, by_params: bool) -> int:
     return min(row["bytes"], max(0, round(link_ms * hardware["h2d_bytes_per_s"] / 1e3)))
 
 
-def _section(cls, raw: object, origin: str):
+def _section(cls, raw: object, origin: str, rows: dict[str, type] | None = None):
+    """One section (or row) checked against its dataclass; ``rows``: fields that hold a list of rows of a class."""
     if not isinstance(raw, dict):
         raise PlanError(f"{origin} must be a mapping; regenerate the plan")
     names = [f.name for f in fields(cls)]
@@ -584,11 +569,20 @@ def _section(cls, raw: object, origin: str):
         raise PlanError(f"{origin}: keys {wrong} differ from the schema; regenerate the plan")
     values = {}
     for f in fields(cls):
-        values[f.name] = _check_type(raw[f.name], f.type, f"{origin}.{f.name}")
+        if rows and f.name in rows:
+            values[f.name] = _rows(rows[f.name], raw[f.name], f"{origin}.{f.name}")
+        else:
+            values[f.name] = _check_type(raw[f.name], f.type, f"{origin}.{f.name}")
     try:
         return cls(**values)
     except ValueError as error:
         raise PlanError(f"{origin}: {error}; regenerate the plan") from None
+
+
+def _rows(cls, raw: object, origin: str) -> tuple:
+    if not isinstance(raw, list):
+        raise PlanError(f"{origin} must be a list of rows; regenerate the plan")
+    return tuple(_section(cls, row, f"{origin}[{i}]") for i, row in enumerate(raw))
 
 
 def _check_type(value: Any, annotation: Any, origin: str) -> Any:
