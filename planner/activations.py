@@ -176,14 +176,17 @@ def activation_shape(config: dict | None) -> ActivationShape:
     moe_inter = number("moe_intermediate_size", number("intermediate_size")) if num_experts else 0
     shared = text.get("shared_expert_intermediate_size") or moe_inter * (text.get("n_shared_experts") or 0)
     dtype = text.get("torch_dtype") or text.get("dtype") or "bfloat16"
-    return ActivationShape(
-        hidden_size=hidden, intermediate_size=number("intermediate_size"), num_heads=num_heads,
-        num_kv_heads=num_heads if latent else number("num_key_value_heads", num_heads), qk_head_dim=qk_dim,
-        v_head_dim=v_dim, vocab_size=number("vocab_size"), num_experts=num_experts,
-        top_k=next((text[k] for k in _TOP_K_KEYS if isinstance(text.get(k), int)), 2 if num_experts else 0),
-        moe_intermediate_size=moe_inter, shared_intermediate_size=shared, latent_attention=latent,
-        activation_bytes=_DTYPE_BYTES.get(dtype, 2) if isinstance(dtype, str) else 2,
-    )
+    try:
+        return ActivationShape(
+            hidden_size=hidden, intermediate_size=number("intermediate_size"), num_heads=num_heads,
+            num_kv_heads=num_heads if latent else number("num_key_value_heads", num_heads), qk_head_dim=qk_dim,
+            v_head_dim=v_dim, vocab_size=number("vocab_size"), num_experts=num_experts,
+            top_k=next((text[k] for k in _TOP_K_KEYS if isinstance(text.get(k), int)), 2 if num_experts else 0),
+            moe_intermediate_size=moe_inter, shared_intermediate_size=shared, latent_attention=latent,
+            activation_bytes=_DTYPE_BYTES.get(dtype, 2) if isinstance(dtype, str) else 2,
+        )
+    except ValueError as error:  # values each in range, but not together (top-k above the experts)
+        raise ModelInputError(f"activation estimate of {name}: {error}; fix config.json") from None
 
 
 def _step_wide(shape: ActivationShape, step: StepShape) -> dict[str, int]:

@@ -179,7 +179,8 @@ class _Config:
     def __init__(self, config: dict):
         self.values = text_config(config)
         top_architectures = config.get("architectures") or []
-        self.model_type = self.values.get("model_type") or config.get("model_type")
+        self.model_type = (self.values.get("model_type") or config.get("model_type")
+                           or _model_type_of(top_architectures))
         self.name = self.model_type or (top_architectures[0] if top_architectures else "unknown architecture")
 
     def missing(self, what: str) -> ModelInputError:
@@ -206,6 +207,17 @@ class _Config:
     def activation_dtype(self) -> str:
         name = self.values.get("torch_dtype") or self.values.get("dtype")
         return _CONFIG_DTYPES.get(name, DEFAULT_ACTIVATION_DTYPE) if isinstance(name, str) else DEFAULT_ACTIVATION_DTYPE
+
+
+def _model_type_of(architectures: object) -> str | None:
+    """A config without model_type: the family its architecture class names (LlamaForCausalLM -> llama)."""
+    if not isinstance(architectures, list) or not architectures or not isinstance(architectures[0], str):
+        return None
+    stem = architectures[0]
+    for suffix in ("ForCausalLM", "ForConditionalGeneration", "Model"):
+        stem = stem.removesuffix(suffix)
+    by_plain_name = {name.replace("_", ""): name for name in SUPPORTED_MODEL_TYPES}
+    return by_plain_name.get(stem.lower())
 
 
 def _attention_shape(cfg: _Config) -> tuple[int, int]:

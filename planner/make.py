@@ -354,7 +354,9 @@ def _weights_plan_other_bytes(model: _Model, workload: Workload) -> OtherBytes |
     if model.kv is None:
         return None
     tokens_per_sequence = workload.tokens_per_step // workload.sequences_per_step
-    decode = workload.context_tokens > 0
+    # a decode plan (one token per sequence after a context) runs over run's static cache; any other step is a
+    # prefill (a chunk after a context included) over a cache that grows to hold it
+    decode = workload.context_tokens > 0 and tokens_per_sequence == 1
     cache_tokens = workload.context_tokens + (DECODE_ROOM_TOKENS if decode else tokens_per_sequence)
     step_bytes = model.activations(workload, static_cache_tokens=cache_tokens if decode else None)
     kv_bytes = model.kv.cache_bytes(num_sequences=workload.sequences_per_step, context_tokens=cache_tokens,

@@ -143,9 +143,9 @@ def _tensors(num_layers: int, hidden: int, moe: int) -> dict:
 def _config(num_layers: int, hidden: int, moe: int) -> dict:
     config = {"architectures": ["Qwen3MoeForCausalLM" if moe else "LlamaForCausalLM"], "hidden_size": hidden,
               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": hidden // 4,
-              "num_hidden_layers": num_layers, "vocab_size": 32}
+              "num_hidden_layers": num_layers, "vocab_size": 32, "intermediate_size": 2 * hidden}
     if moe:
-        config.update(num_experts=moe, num_experts_per_tok=2)
+        config.update(num_experts=moe, num_experts_per_tok=2, moe_intermediate_size=hidden)
     return config
 
 
@@ -190,6 +190,9 @@ class Base:
     #: plan made from the MoE model with --params experts --cuda-graph
     graph_plan_text: str
     graph_plan: dict = field(default_factory=dict)
+    #: a serving plan of the dense model (make --concurrency auto): its serving section and whole-GPU lines
+    serving_plan_text: str = ""
+    serving_plan: dict = field(default_factory=dict)
     _files: dict = field(default_factory=dict)
 
     def files(self, moe: bool = False) -> dict[str, bytes]:
@@ -203,9 +206,15 @@ class Base:
             self._files[moe] = files
         return self._files[moe]
 
-    def plan_copy(self, graph: bool) -> dict:
-        """A fresh copy of the parsed plan (a JSON round trip: much faster than parsing the YAML again)."""
-        return json.loads(json.dumps(self.graph_plan if graph else self.plan))
+    def plan_copy(self, which: str) -> dict:
+        """A fresh copy of a parsed base plan, "plain", "graph" or "serving" (a JSON round trip: much faster
+        than parsing the YAML again)."""
+        plans = {"plain": self.plan, "graph": self.graph_plan, "serving": self.serving_plan}
+        return json.loads(json.dumps(plans[which]))
+
+    def plan_text_of(self, which: str) -> str:
+        """The YAML text of a base plan (see plan_copy)."""
+        return {"plain": self.plan_text, "graph": self.graph_plan_text, "serving": self.serving_plan_text}[which]
 
 
 _BASE: Base | None = None
@@ -246,8 +255,11 @@ def _build_base() -> Base:
         graph_args = [*BASE_ARGS, "--budget", f"{graph_budget}B", "--params", "experts", "--cuda-graph",
                       "--tokens", "8", "--sequences", "8"]
         graph_text = _make_plan(partial, Path(folder), graph_args, True)
-    partial.plan_text, partial.graph_plan_text = plan_text, graph_text
+        serving_args = [*BASE_ARGS, "--context", "64", "--concurrency", "auto", "--chunk", "64"]
+        serving_text = _make_plan(partial, Path(folder), serving_args, False)
+    partial.plan_text, partial.graph_plan_text, partial.serving_plan_text = plan_text, graph_text, serving_text
     partial.plan, partial.graph_plan = yaml.safe_load(plan_text), yaml.safe_load(graph_text)
+    partial.serving_plan = yaml.safe_load(serving_text)
     partial._files.clear()
     assert partial.plan["offload"]["layers"], "the base plan must offload layers, so plan mutations reach the schedule"
     return partial
@@ -677,6 +689,8 @@ def _plan_paths(plan: dict) -> list[tuple]:
     for section, body in plan.items():
         if isinstance(body, dict):
             paths += [(section, key) for key in body]
+            paths += [(section, key, i, name) for key, rows in body.items() if isinstance(rows, list)
+                      for i, row in enumerate(rows) if isinstance(row, dict) for name in row]
         elif isinstance(body, list):
             paths += [(section, i, key) for i, row in enumerate(body) for key in row]
         else:
@@ -732,9 +746,11 @@ def _plan_value(rng, current, key: str) -> tuple[object, bool]:
 
 def gen_plans(rng, base_: Base) -> Case:
     """Mutate a plan (fields, layer lists, YAML structure) and read it with show, export, diff or check."""
-    use_graph = rng.random() < 0.25
-    text = base_.graph_plan_text if use_graph else base_.plan_text
-    plan = base_.plan_copy(use_graph)
+    draw = rng.random()
+    which = "graph" if draw < 0.25 else ("serving" if draw < 0.45 else "plain")
+    use_graph = which == "graph"
+    text = base_.plan_text_of(which)
+    plan = base_.plan_copy(which)
     kind = rng.choice(("field", "field", "field", "field", "offload_layers", "delete", "add", "rows", "alias_bomb",
                        "deep", "huge_int", "big_file", "tag", "duplicate", "utf8", "not_mapping", "alias", "schema"))
     invalid, raw = True, None

@@ -66,7 +66,7 @@ def _json_file(path: str, edit=None, raw: bytes | None = None, moe: bool = False
 
 def _plan(edit=None, raw: bytes | None = None, command: tuple = ("show", "plan.yaml")):
     def build():
-        plan = base().plan_copy(False)
+        plan = base().plan_copy("plain")
         if edit is not None:
             edit(plan)
         text = raw if raw is not None else yaml.safe_dump(plan, sort_keys=False).encode()

@@ -272,3 +272,11 @@ def test_state_layers_do_not_grow(family):
     assert long - short == 1000 * planned.bytes_per_token("auto")
     assert "fixed state (conv bf16 + recurrent fp32), fp8:" in planned.describe("fp8")
     assert planned.fixed_bytes_per_sequence("fp8") == planned.fixed_bytes_per_sequence("bf16") > 0
+
+
+def test_a_config_without_model_type_is_known_by_its_architecture():
+    """Older or hand-written configs name only the class: LlamaForCausalLM is the llama family."""
+    config = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "hidden_size": 64}
+    model = kv_cache_model(config)
+    assert model.architecture == "llama" and model.bytes_per_token("bf16") == 2 * 2 * 2 * 16 * 2

@@ -177,3 +177,33 @@ def test_make_measure_replaces_a_serving_plans_activation_estimate(tmp_path):
     assert measured.activation_bytes == 1000 and measured.cuda_graph_pool_bytes == math.ceil(GRAPH_POOL_FACTOR * 3000)
     estimated = make_plan(inputs, measure=measure).plan.memory
     assert estimated.activation_bytes != 1000 and estimated.cuda_graph_pool_bytes != measured.cuda_graph_pool_bytes
+
+
+def test_a_chunk_after_a_context_is_planned_as_a_prefill(tmp_path):
+    """--context N --tokens T --sequences 1 is a chunk after a context (a growing cache), not a decode step over
+    run's static cache; the fuzzer found it refused by the activation model (a traceback)."""
+    from planner.make import make_plan
+    from planner.plan import Inputs
+    from tests.conftest import TEST_GPU_FILE, make_checkpoint
+
+    make_checkpoint(tmp_path / "ckpt", num_layers=4, num_shards=2)
+    plan = make_plan(Inputs(model=str(tmp_path / "ckpt"), gpu=str(TEST_GPU_FILE), tokens=128, context=100)).plan
+    assert plan.memory.activation_bytes > 0 and plan.prediction.decode_step_ms is None
+
+
+def test_expert_counts_that_disagree_with_top_k_are_one_line(tmp_path):
+    """num_local_experts below top-k (another expert-count key says more): one ModelInputError line, not the
+    activation model's ValueError the fuzzer found."""
+    import json
+
+    from planner.errors import ModelInputError
+    from planner.make import make_plan
+    from planner.plan import Inputs
+    from tests.conftest import TEST_GPU_FILE, make_checkpoint
+
+    make_checkpoint(tmp_path / "ckpt", num_layers=4, moe={"num_experts": 4, "top_k": 2, "expert_intermediate": 32})
+    config_path = tmp_path / "ckpt" / "config.json"
+    config_path.write_text(json.dumps(json.loads(config_path.read_text()) | {"num_local_experts": 1}))
+    with pytest.raises(ModelInputError) as raised:
+        make_plan(Inputs(model=str(tmp_path / "ckpt"), gpu=str(TEST_GPU_FILE), budget="10MB"))
+    assert "\n" not in str(raised.value) and "config.json" in str(raised.value)
