@@ -719,6 +719,15 @@ PLAN_COMMANDS = (["show", "plan.yaml"], ["show", "plan.yaml", "--json"], ["expor
                  ["diff", "plan.yaml", "graph-plan.yaml"], ["check", "plan.yaml"], ["show", "plan.yaml", "--no-layers"])
 
 
+#: fields of the serving section (and its rows) that may be null, where a field of that name elsewhere may not
+SERVING_OPTIONAL = {"step_ms", "max_tpot_ms", "no_offload_concurrency", "no_offload_step_ms",
+                    "no_offload_tokens_per_s"}
+
+
+def _may_be_null(path: tuple) -> bool:
+    return path[-1] in PLAN_OPTIONAL or (path[0] == "serving" and path[-1] in SERVING_OPTIONAL)
+
+
 #: optional plan fields that hold text when not null
 PLAN_OPTIONAL_TEXT = {"revision", "budget", "stack", "measured_on", "host_memory", "architecture", "concurrency",
                       "gpu_memory"}
@@ -758,7 +767,7 @@ def gen_plans(rng, base_: Base) -> Case:
         path = rng.choice(_plan_paths(plan))
         value, invalid = _plan_value(rng, _get(plan, path), path[-1])
         if invalid is None:
-            invalid = path[-1] not in PLAN_OPTIONAL
+            invalid = not _may_be_null(path)
         _set(plan, path, value)
         kind = f"field:{'.'.join(str(p) if not isinstance(p, int) else '[]' for p in path)}"
     elif kind == "offload_layers":
