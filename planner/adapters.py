@@ -31,8 +31,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from planner.checkpoint import (_REPO_ID_RE, Checkpoint, _commit_of, _hub_small_file, _hub_unreachable,
-                                _offline_error)
+from planner.checkpoint import _REPO_ID_RE, Checkpoint, _commit_of, _hub_small_file, _hub_unreachable
 from planner.errors import ModelInputError, UsageError, shown
 from planner.layout import ModelLayout
 from planner.safetensors_header import TensorEntry, entries_from_header, read_entries
@@ -134,7 +133,12 @@ def load_adapter(name: str, source: str, checkpoint: Checkpoint, layout: ModelLa
 def _hub_adapter(repo_id: str) -> tuple[Path, list[TensorEntry], str | None]:
     """Config through the hub cache (or a download), the header from the cache or a range request."""
     offline = _hub_unreachable()
-    config_path = _hub_small_file(repo_id, CONFIG_NAME, None, required=True, offline=offline)
+    config_path = _hub_small_file(repo_id, CONFIG_NAME, None, required=False, offline=offline)
+    if config_path is None:
+        where = f"is not in the local Hugging Face cache and the hub is not used ({offline})" if offline \
+            else "is not in that hub repository"
+        raise ModelInputError(f"adapter {repo_id}: {CONFIG_NAME} {where}; give a local PEFT adapter folder, or go "
+                              "online once to cache it")
     commit = _commit_of(config_path)
     from huggingface_hub import try_to_load_from_cache
 
@@ -142,7 +146,8 @@ def _hub_adapter(repo_id: str) -> tuple[Path, list[TensorEntry], str | None]:
     if isinstance(cached, str):
         return config_path, read_entries(Path(cached), WEIGHTS_NAME), commit
     if offline:
-        raise _offline_error(repo_id, WEIGHTS_NAME, offline)
+        raise ModelInputError(f"adapter {repo_id}: {WEIGHTS_NAME} is not in the local Hugging Face cache and the hub "
+                              f"is not used ({offline}); give a local PEFT adapter folder, or go online once")
     return config_path, _remote_header(repo_id, commit), commit
 
 
@@ -228,8 +233,8 @@ def _adapter(name: str, source: str, revision: str | None, config: dict, entries
         raise ModelInputError(f"{origin}: {WEIGHTS_NAME} holds no tensors; save the adapter again")
     layer_bytes = [0] * len(layout.layers)
     for module, pair in sorted(pairs.items()):
-        _check_pair(module, pair, base, fields, origin)
         index = _layer_of(module, layout, origin)
+        _check_pair(module, pair, base, fields, origin)
         if index is not None:
             layer_bytes[index] += pair["A"].nbytes + pair["B"].nbytes
     modules = tuple(sorted({module.rsplit(".", 1)[-1] for module in pairs}))

@@ -469,7 +469,7 @@ def plan_to_dict(plan: Plan) -> dict:
         out[name] = {key: _plain(value) for key, value in section.items()}
     # written only when given, so plans without adapters keep their bytes
     for key in OPTIONAL_INPUTS:
-        if out["inputs"][key] == OPTIONAL_INPUTS[key]:
+        if out["inputs"][key] == _plain(OPTIONAL_INPUTS[key]):
             del out["inputs"][key]
     out["layers"] = [{key: _plain(value) for key, value in asdict(row).items()} for row in plan.layers]
     if plan.serving is not None:
