@@ -87,7 +87,7 @@ class Adapter:
 def parse_adapter_option(text: str) -> tuple[str, str]:
     """``NAME=PATH`` of --adapter: a plain name (letters, digits, ``_.-``) and a folder or hub id."""
     name, equals, path = str(text).partition("=")
-    if not equals or not path or not _NAME_RE.match(name):
+    if not equals or not path or not _NAME_RE.fullmatch(name):
         raise UsageError(f"--adapter {shown(text)}: give NAME=PATH, a name of letters, digits, '_', '.' or '-' "
                          "(at most 64) and a PEFT adapter folder or hub id, e.g. --adapter sql=./adapters/sql")
     return name, path
@@ -120,8 +120,14 @@ def load_adapter(name: str, source: str, checkpoint: Checkpoint, layout: ModelLa
                 raise ModelInputError(f"adapter {name}: {source} has no {needed.name}; give a PEFT adapter folder "
                                       "(save_pretrained writes both files)")
         entries = read_entries(weights_path, WEIGHTS_NAME)
-    elif _REPO_ID_RE.match(source) and not source.startswith((".", "/")):
-        config_path, entries, revision = _hub_adapter(source)
+    elif _REPO_ID_RE.fullmatch(source) and not source.startswith((".", "/")):
+        from huggingface_hub.errors import HFValidationError
+
+        try:
+            config_path, entries, revision = _hub_adapter(source)
+        except HFValidationError as error:
+            raise ModelInputError(f"adapter {name}: {source!r} is not a valid hub repo id ({error}); check it, or "
+                                  "give a local folder as ./PATH") from None
     else:
         raise ModelInputError(f"adapter {name}: {source!r} is neither an existing folder nor a hub repo id "
                               "(org/name); check the path")
@@ -221,7 +227,7 @@ def _adapter(name: str, source: str, revision: str | None, config: dict, entries
     base = {t.name: t for t in checkpoint.tensors}
     pairs: dict[str, dict[str, TensorEntry]] = {}
     for entry in entries:
-        match = _TENSOR_RE.match(entry.name)
+        match = _TENSOR_RE.fullmatch(entry.name)
         if match is None:
             raise ModelInputError(f"{origin}: tensor {entry.name!r} is not a LoRA weight "
                                   "(base_model.model.<module>.lora_A.weight or lora_B.weight); save the adapter again")

@@ -311,6 +311,7 @@ def test_bad_adapter_is_one_line(base, workdir, test_gpu, case):
     (["--adapter", "a=ad/a", "--adapter", "a=ad/b"], "twice"),
     (["--adapter", "a=./missing/folder"], "neither an existing folder"),
     (["--adapter", "a=org/not-cached"], "not in the local Hugging Face cache"),
+    (["--adapter", "a=org/x..y"], "not a valid hub repo id"),
     (["--adapter", "a=ckpt/config.json"], "not a folder"),
     (["--adapter-slots", "2"], "--adapter-slots applies"),
     (["--adapter", "a=ad/a", "--adapter-slots", "2"], "--adapter-slots 2"),
