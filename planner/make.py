@@ -249,11 +249,16 @@ def _adapter_words(other: OtherBytes) -> str:
 
 
 def _adapter_warnings(adapters: tuple[Adapter, ...], inputs: Inputs) -> list[str]:
-    """An adapter whose config names another base model than --model is planned, but said."""
-    return [f"adapter {a.name} was trained on {a.base_model}, not {inputs.model}: planned against {inputs.model}'s "
-            "params (their names and shapes match)" for a in adapters
-            if a.base_model is not None and a.base_model not in (inputs.model, inputs.model.rstrip("/"))
-            and not inputs.model.rstrip("/").endswith("/" + a.base_model.rsplit("/", 1)[-1])]
+    """Adapters whose config names another base model than --model are planned, but said (in one line)."""
+    model = inputs.model.rstrip("/")
+    others = [a for a in adapters if a.base_model is not None and a.base_model.rstrip("/") != model
+              and not model.endswith("/" + a.base_model.rstrip("/").rsplit("/", 1)[-1])]
+    if not others:
+        return []
+    names = ", ".join(f"{a.name} ({a.base_model})" for a in others[:4]) + (
+        f" and {len(others) - 4} more" if len(others) > 4 else "")
+    return [f"adapter(s) {names} name another base model than {inputs.model}; planned against its params, whose "
+            "names and shapes they match"]
 
 
 def _check_knobs(inputs: Inputs) -> None:
