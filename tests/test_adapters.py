@@ -353,3 +353,10 @@ def test_hub_adapter_is_read_from_the_cache_offline(base, workdir, tmp_path_fact
     (cache / "models--org--lora" / "snapshots" / COMMIT / "adapter_model.safetensors").unlink()
     proc = run_cli([*args, "--adapter", "b=org/lora"], cwd=workdir, env=env)
     assert_one_line_error(proc.returncode, proc.stderr, contains=("adapter_model.safetensors", "local Hugging Face"))
+
+
+def test_run_says_it_does_not_serve_the_adapters(base, test_gpu):
+    """The runtime half is not built: run warns before anything else (here it then stops: no CUDA GPU)."""
+    _make(test_gpu, "--budget", "300KB", *ADAPTERS)
+    result = invoke(["run", "plan.yaml", "--bench"])
+    assert "3 LoRA adapter(s) are not served by run yet" in result.stderr
