@@ -98,17 +98,30 @@ def load_adapters(options: tuple[str, ...], checkpoint: Checkpoint, layout: Mode
     if len(options) > MAX_ADAPTERS:
         raise UsageError(f"{len(options)} adapters: at most {MAX_ADAPTERS} are planned")
     adapters, seen = [], set()
+    suffixes = linear_suffixes(checkpoint) if options else frozenset()
     for option in options:
         name, path = parse_adapter_option(option)
         if name in seen:
             raise UsageError(f"--adapter {name} is given twice; give each adapter its own name")
         seen.add(name)
-        adapters.append(load_adapter(name, path, checkpoint, layout))
+        adapters.append(load_adapter(name, path, checkpoint, layout, suffixes))
     return tuple(adapters)
 
 
-def load_adapter(name: str, source: str, checkpoint: Checkpoint, layout: ModelLayout) -> Adapter:
-    """Read one adapter (local folder or hub id) and validate it against the base model."""
+def linear_suffixes(checkpoint: Checkpoint) -> frozenset[str]:
+    """Every dotted suffix of the base's linear (2-D) weights' module names: what a target_modules entry may be."""
+    suffixes = set()
+    for tensor in checkpoint.tensors:
+        if tensor.name.endswith(".weight") and len(tensor.shape) == 2:
+            parts = tensor.name.removesuffix(".weight").split(".")
+            suffixes.update(".".join(parts[i:]) for i in range(len(parts)))
+    return frozenset(suffixes)
+
+
+def load_adapter(name: str, source: str, checkpoint: Checkpoint, layout: ModelLayout,
+                 suffixes: frozenset[str] | None = None) -> Adapter:
+    """Read one adapter (local folder or hub id) and validate it against the base model (``suffixes``: the base's
+    linear_suffixes, computed once for many adapters)."""
     path = Path(source).expanduser()
     if path.exists():
         if not path.is_dir():
@@ -133,7 +146,8 @@ def load_adapter(name: str, source: str, checkpoint: Checkpoint, layout: ModelLa
                               "(org/name); check the path")
     origin = f"adapter {name} ({source})"
     config = _read_config(config_path, origin)
-    return _adapter(name, source, revision, config, entries, checkpoint, layout, origin)
+    suffixes = linear_suffixes(checkpoint) if suffixes is None else suffixes
+    return _adapter(name, source, revision, config, entries, checkpoint, layout, origin, suffixes)
 
 
 def _hub_adapter(repo_id: str) -> tuple[Path, list[TensorEntry], str | None]:
@@ -222,7 +236,7 @@ def _config_fields(config: dict, origin: str) -> _ConfigFields:
 
 
 def _adapter(name: str, source: str, revision: str | None, config: dict, entries: list[TensorEntry],
-             checkpoint: Checkpoint, layout: ModelLayout, origin: str) -> Adapter:
+             checkpoint: Checkpoint, layout: ModelLayout, origin: str, suffixes: frozenset[str]) -> Adapter:
     fields = _config_fields(config, origin)
     base = {t.name: t for t in checkpoint.tensors}
     pairs: dict[str, dict[str, TensorEntry]] = {}
@@ -243,16 +257,30 @@ def _adapter(name: str, source: str, revision: str | None, config: dict, entries
         _check_pair(module, pair, base, fields, origin)
         if index is not None:
             layer_bytes[index] += pair["A"].nbytes + pair["B"].nbytes
-    modules = tuple(sorted({module.rsplit(".", 1)[-1] for module in pairs}))
     if fields.target_modules is not None:
-        stray = [m for m in modules if m not in fields.target_modules]
-        if stray:
-            raise ModelInputError(f"{origin}: the weights adapt {stray[0]}, which target_modules "
-                                  f"{list(fields.target_modules)} does not name; the config and weights disagree")
+        _check_targets(fields.target_modules, sorted(pairs), suffixes, origin)
+    modules = tuple(sorted({module.rsplit(".", 1)[-1] for module in pairs}))
     return Adapter(name=name, source=source, revision=revision, rank=fields.rank, alpha=fields.alpha,
                    target_modules=modules, base_model=fields.base_model, num_tensors=len(entries),
                    total_bytes=sum(e.nbytes for e in entries), layer_bytes=tuple(layer_bytes),
                    fingerprint=_fingerprint(entries, fields))
+
+
+def _targets(module: str, target: str) -> bool:
+    """PEFT's matching of a target_modules entry: the module's name, or a dotted suffix of it."""
+    return module == target or module.endswith("." + target)
+
+
+def _check_targets(targets: tuple[str, ...], modules: list[str], suffixes: frozenset[str], origin: str) -> None:
+    """Every adapted module is one target_modules names, and every target names a linear weight of the base."""
+    stray = [m for m in modules if not any(_targets(m, t) for t in targets)]
+    if stray:
+        raise ModelInputError(f"{origin}: the weights adapt {stray[0]}, which target_modules {list(targets)} does "
+                              "not name; the config and weights disagree")
+    for target in targets:
+        if target not in suffixes:
+            raise ModelInputError(f"{origin}: target module {target!r} matches no linear weight of the base "
+                                  "checkpoint: the adapter is for another model")
 
 
 def _check_pair(module: str, pair: dict[str, TensorEntry], base: dict[str, TensorEntry], fields: _ConfigFields,

@@ -290,6 +290,8 @@ BAD = {
     "lora_A without lora_B": (_lone_a, "no lora_B"),
     "integer weights": (_int_weights, "I32"),
     "module not in target_modules": (_untargeted, "target_modules"),
+    "target the base lacks": (lambda f, b: make_adapter(f, b.tensors, config={"target_modules": ["q_proj", "v_proj",
+                                                                                              "wq"]}), "'wq'"),
     "rank not a count": (lambda f, b: make_adapter(f, b.tensors, config={"r": "8"}), "r is '8'"),
     "rank_pattern": (lambda f, b: make_adapter(f, b.tensors, config={"rank_pattern": {"q_proj": 4}}), "rank_pattern"),
     "not lora": (lambda f, b: make_adapter(f, b.tensors, config={"peft_type": "IA3"}), "IA3"),
@@ -360,3 +362,10 @@ def test_run_says_it_does_not_serve_the_adapters(base, test_gpu):
     _make(test_gpu, "--budget", "300KB", *ADAPTERS)
     result = invoke(["run", "plan.yaml", "--bench"])
     assert "3 LoRA adapter(s) are not served by run yet" in result.stderr
+
+
+def test_target_modules_may_name_dotted_suffixes(base, workdir, test_gpu):
+    """PEFT matches a target by its name or a dotted suffix (self_attn.q_proj), as the planner does."""
+    make_adapter(workdir / "ad" / "d", base.tensors, config={"target_modules": ["self_attn.q_proj", "v_proj"]})
+    plan = _make(test_gpu, "--budget", "300KB", "--adapter", "d=ad/d", output=None)
+    assert plan["adapters"]["items"][0]["target_modules"] == ["q_proj", "v_proj"]
