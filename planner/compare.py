@@ -34,9 +34,34 @@ def compare_plans(old: Plan, new: Plan) -> dict:
         "prediction": {name: _number(getattr(old.prediction, name), getattr(new.prediction, name))
                        for name in PREDICTION_FIELDS},
     }
+    data["adapters"] = compare_adapters(old, new)
     step = data["prediction"]["step_ms"]
     step["speedup"] = round(step["old"] / step["new"], 4) if step["new"] else None
     return data
+
+
+ADAPTER_FIELDS = ("num_slots", "slot_bytes", "gpu_bytes", "host_pinned_bytes", "max_rank", "blocking_wait_ms",
+                  "pipelined_first_wait_ms", "pipelined_last_wait_ms")
+
+
+def compare_adapters(old: Plan, new: Plan) -> dict:
+    """Adapters added, removed and changed (by name: another source, rank or tensors), and the slot and wait
+    figures; numbers are 0 for a plan without adapters."""
+    before = {row.name: row for row in old.adapters.items} if old.adapters else {}
+    after = {row.name: row for row in new.adapters.items} if new.adapters else {}
+    changed = {name: _changed(asdict(before[name]), asdict(after[name]))
+               for name in sorted(set(before) & set(after)) if before[name] != after[name]}
+
+    def figure(plan: Plan, name: str):
+        return getattr(plan.adapters, name) if plan.adapters else 0
+
+    return {"added": sorted(set(after) - set(before)), "removed": sorted(set(before) - set(after)),
+            "changed": {name: {k: _plain_pair(v) for k, v in diff.items()} for name, diff in changed.items()},
+            **{name: _number(figure(old, name), figure(new, name)) for name in ADAPTER_FIELDS}}
+
+
+def _plain_pair(pair: dict) -> dict:
+    return {side: list(value) if isinstance(value, tuple) else value for side, value in pair.items()}
 
 
 def _model_identity(plan: Plan) -> dict:
@@ -86,7 +111,27 @@ def summary_sentences(data: dict) -> list[str]:
         if data[section]["changed"]:
             sentences.append(f"{section.capitalize()} changed: {_pairs(data[section]['changed'])}.")
     sentences += [_layers_sentence(data), _knobs_sentence(data), _memory_sentence(data), _step_sentence(data)]
-    return sentences
+    adapters = _adapters_sentence(data["adapters"])
+    return sentences + ([adapters] if adapters else [])
+
+
+def _adapters_sentence(adapters: dict) -> str | None:
+    """Adapters added, removed or changed, and their slots and waits; None when neither plan has any."""
+    slots = adapters["num_slots"]
+    if not slots["old"] and not slots["new"]:
+        return None
+    parts = [f"{words} {', '.join(adapters[key])}" for key, words in
+             (("added", "adapters added:"), ("removed", "adapters removed:")) if adapters[key]]
+    parts += [f"adapter {name} changed ({', '.join(diff)})" for name, diff in adapters["changed"].items()]
+    blocking, pipelined = adapters["blocking_wait_ms"], adapters["pipelined_first_wait_ms"]
+    parts.append(f"{slots['old']} -> {slots['new']} adapter slot(s) of "
+                 f"{format_bytes(adapters['slot_bytes']['old'])} -> {format_bytes(adapters['slot_bytes']['new'])}; "
+                 f"pinned adapters {_bytes_change(adapters['host_pinned_bytes'])}")
+    parts.append(f"a batch of missing adapters waits {format_ms(blocking['old'])} -> {format_ms(blocking['new'])} "
+                 f"blocking, its first request {format_ms(pipelined['old'])} -> {format_ms(pipelined['new'])} "
+                 "pipelined")
+    text = "; ".join(parts)
+    return text[0].upper() + text[1:] + "."
 
 
 def _identity_sentence(data: dict) -> str:

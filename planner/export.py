@@ -17,6 +17,13 @@ SGLang's OffloaderV2 and its model code):
   into qkv_proj, gate/up_proj into gate_up_proj, per-expert tensors (experts.E.w1/w3) into one
   experts.w13_weight per layer.
 
+LoRA adapters (plans made with --adapter): vLLM takes ``--enable-lora --max-loras N`` (adapters in one batch, its
+GPU slots), ``--max-cpu-loras M`` (adapters kept in CPU memory, at least N), ``--max-lora-rank R`` (one of
+VLLM_LORA_RANKS) and ``--lora-modules NAME=PATH ...``; SGLang takes ``--enable-lora --lora-paths NAME=PATH ...``,
+``--max-loras-per-batch N`` (GPU slots) and ``--max-loaded-loras M`` (adapters in CPU memory, at least N); its
+``--enable-lora-overlap-loading`` copies adapters behind compute, the plan's pipelined case (vLLM's
+``vllm/config/lora.py`` LoRAConfig; SGLang's docs, advanced_features/lora).
+
 With tensor parallelism each rank holds 1/TP of every layer and copies its share over its own link, so the
 prediction is re-simulated with per-rank copies and per-rank compute (1/TP each; all-reduces not modelled).
 Both engines capture decode in CUDA graphs of one step each and join the wrapped copies at every step's end;
@@ -106,6 +113,8 @@ def export_plan(plan: Plan, engine: str, *, tp_size: int = 1, exact: bool = Fals
         notes.append("the plan offloads nothing: serve without offload flags")
     if plan.serving is not None:
         flags += _serving_flags(plan, engine, tp_size, notes)
+    if plan.adapters is not None:
+        flags += adapter_flags(plan, engine, notes)
     if tp_size > 1:
         notes.append(_tp_note(plan, tp_size))
     if plan.workload.cuda_graph and plan.offload.layers:
@@ -228,6 +237,41 @@ def _check_segment(segment: str) -> None:
         raise PlanError(f"--params {segment!r}: the engines fuse {fused[0]} into {FUSED_PARTS[fused[0]]} with its "
                         "siblings, so their matching cannot select it alone: select the enclosing module "
                         "(e.g. 'self_attn', 'mlp' or 'experts') and make the plan again")
+
+
+#: the ranks vLLM's --max-lora-rank accepts (LoRAConfig's MaxLoRARanks)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def adapter_flags(plan: Plan, engine: str, notes: list) -> list[str]:
+    """The engine's LoRA settings for the plan's adapters: slots, the host pool (every adapter) and the modules."""
+    adapters = plan.adapters
+    modules = [f"{row.name}={row.source}" for row in adapters.items]
+    slots, pool = str(adapters.num_slots), str(len(adapters.items))
+    if engine == "vllm":
+        rank = next((r for r in VLLM_LORA_RANKS if r >= adapters.max_rank), None)
+        if rank is None:
+            raise PlanError(f"the adapters' rank {adapters.max_rank} is above the {VLLM_LORA_RANKS[-1]} vLLM's "
+                            "--max-lora-rank accepts; serve them with SGLang, or use adapters of a lower rank")
+        flags = ["--enable-lora", "--max-loras", slots, "--max-cpu-loras", pool, "--max-lora-rank", str(rank),
+                 "--lora-modules", *modules]
+        if rank != adapters.max_rank:
+            notes.append(f"--max-lora-rank {rank}: vLLM accepts {', '.join(map(str, VLLM_LORA_RANKS))}, so the "
+                         f"adapters' rank {adapters.max_rank} is rounded up; vLLM sizes every slot at that rank for "
+                         "every module it supports, more than the plan's slot of the largest adapter")
+    else:
+        flags = ["--enable-lora", "--lora-paths", *modules, "--max-loras-per-batch", slots, "--max-loaded-loras", pool]
+    notes.append(
+        f"adapters: {adapters.num_slots} GPU slot(s) of {format_bytes(adapters.slot_bytes)} and all "
+        f"{len(adapters.items)} adapter(s) in host memory ({format_bytes(adapters.host_pinned_bytes)}); relative paths "
+        "are read from the folder the engine starts in. A batch missing "
+        f"{adapters.num_missing} adapter(s) waits {format_ms(adapters.blocking_wait_ms)} when loading blocks"
+        + (" (vLLM loads a batch's adapters before it runs it)" if engine == "vllm" else
+           f"; with --enable-lora-overlap-loading (SGLang builds with asynchronous loading) its first request "
+           f"starts after {format_ms(adapters.pipelined_first_wait_ms)} and the last after "
+           f"{format_ms(adapters.pipelined_last_wait_ms)}")
+    )
+    return flags
 
 
 #: --kv-cache-dtype values for the plan's KV dtype; bf16 and fp16 are the model's own: "auto"

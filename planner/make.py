@@ -7,6 +7,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 
+from planner.adapters import (MAX_ADAPTERS, Adapter, adapter_waits, default_slots, load_adapters,
+                              missing_per_batch, slot_bytes_of)
 from planner.checkpoint import Checkpoint, load_checkpoint
 from planner.cost import MAX_STEP_TOKENS, ComputeTimes, Workload, estimate_compute, geometry_from_config
 from planner.errors import InfeasibleError, ModelInputError, PlanError, UsageError, shown
@@ -16,6 +18,8 @@ from planner.layout import ModelLayout, build_layout
 from planner.plan import (
     MS_DECIMALS,
     SCHEMA_VERSION,
+    AdapterRow,
+    AdaptersSection,
     HardwareSection,
     Inputs,
     LayerRow,
@@ -114,6 +118,17 @@ class _Model:
     measure: MeasureFunction | None = None
     #: the caller's activation measurement for --measure (None: not given; the estimate stands)
     measure_activations: MeasureActivations | None = None
+    #: --adapter's LoRA adapters, in the order given (empty: none)
+    adapters: tuple[Adapter, ...] = ()
+
+    def adapter_slots(self, num_sequences: int, free_bytes: int | None = None) -> int:
+        """GPU slots for the adapters: --adapter-slots, else one per sequence of a batch (at most one per adapter)
+        within ``free_bytes`` when given; 0 without adapters."""
+        if not self.adapters:
+            return 0
+        if self.inputs.adapter_slots is not None:
+            return self.inputs.adapter_slots
+        return default_slots(self.adapters, num_sequences, 2**62 if free_bytes is None else free_bytes)
 
     @functools.cached_property
     def searcher(self) -> Searcher:
@@ -188,18 +203,26 @@ def make_plan(inputs: Inputs, compute_override: ComputeTimes | None = None,
                                                                                    len(model.layout.layers))
     choice = model.search(compute, budget)
     host_limit = host_memory_bytes_for(inputs, model.profile)
-    check_host_memory(choice.host_pinned_bytes, host_limit, inputs)
+    check_host_memory(choice.host_pinned_bytes + _adapter_host_bytes(model), host_limit, inputs)
     other = _weights_plan_other_bytes(model, workload)
     gpu_memory = gpu_memory_bytes_for(inputs, model.profile)
+    # adapters take the GPU memory the budget leaves (beside the KV cache and activations where those are known)
+    free = gpu_memory - choice.gpu_bytes - other.total_bytes if other is not None else gpu_memory - budget
+    num_slots = model.adapter_slots(workload.sequences_per_step, free)
+    _check_adapter_slots(model, num_slots, free, other is None)
+    if other is not None:
+        other = replace(other, adapter_bytes=num_slots * slot_bytes_of(model.adapters))
     if other is not None and choice.gpu_bytes + other.total_bytes > gpu_memory:
         raise InfeasibleError(
             f"the weights ({format_bytes(choice.gpu_bytes)}) with the KV cache ({format_bytes(other.kv_cache_bytes)}) "
-            f"and activations ({format_bytes(other.activation_bytes + other.cuda_graph_pool_bytes)}) of "
+            f"{_adapter_words(other)}and activations "
+            f"({format_bytes(other.activation_bytes + other.cuda_graph_pool_bytes)}) of "
             f"{workload.sequences_per_step} sequence(s) at context {workload.context_tokens} and the CUDA context need "
             f"{format_bytes(choice.gpu_bytes + other.total_bytes)}, more than the {format_bytes(gpu_memory)} of GPU "
             "memory; lower --budget, or give --concurrency to let the planner divide the GPU"
         )
-    plan = _assemble(model, workload, compute, choice, budget, host_limit, gpu_memory, other, serving=None)
+    plan = _assemble(model, workload, compute, choice, budget, host_limit, gpu_memory, other, serving=None,
+                     num_adapter_slots=num_slots)
     return Planned(plan=plan, checkpoint=model.checkpoint, layout=model.layout, warnings=tuple(model.warnings))
 
 
@@ -208,6 +231,53 @@ def _workload(tokens: int, sequences: int, context: int) -> Workload:
         return Workload(tokens_per_step=tokens, sequences_per_step=sequences, context_tokens=context)
     except ValueError as error:
         raise UsageError(f"workload: {error}") from None
+
+
+def _check_adapter_inputs(inputs: Inputs) -> None:
+    """--adapter-slots counts slots of the adapters given: 1 to their number."""
+    slots = inputs.adapter_slots
+    if slots is None:
+        return
+    if not inputs.adapters:
+        raise UsageError("--adapter-slots applies to adapters: give them with --adapter NAME=PATH, or drop it")
+    if not 1 <= slots <= min(len(inputs.adapters), MAX_ADAPTERS):
+        raise UsageError(f"--adapter-slots {slots}: give from 1 to the {len(inputs.adapters)} adapter(s) given "
+                         "(more slots than adapters hold nothing)")
+
+
+def _check_adapter_slots(model: _Model, num_slots: int, free_bytes: int, unchecked: bool) -> None:
+    """The adapters' slots must fit the GPU memory the weights leave (the caller checks it with the KV cache)."""
+    need = num_slots * slot_bytes_of(model.adapters)
+    if need and need > free_bytes:
+        what = "the budget and the KV cache, activations and CUDA context leave" if not unchecked \
+            else "the budget leaves"
+        raise InfeasibleError(
+            f"{num_slots} adapter slot(s) of {format_bytes(slot_bytes_of(model.adapters))} need {format_bytes(need)}, "
+            f"more than the {format_bytes(max(0, free_bytes))} of GPU memory {what}; give fewer --adapter-slots or a "
+            "smaller --budget"
+        )
+
+
+def _adapter_host_bytes(model: _Model) -> int:
+    """Every adapter is pinned in host memory (the slots hold copies)."""
+    return sum(adapter.total_bytes for adapter in model.adapters)
+
+
+def _adapter_words(other: OtherBytes) -> str:
+    return f"the adapter slots ({format_bytes(other.adapter_bytes)}) " if other.adapter_bytes else ""
+
+
+def _adapter_warnings(adapters: tuple[Adapter, ...], inputs: Inputs) -> list[str]:
+    """Adapters whose config names another base model than --model are planned, but said (in one line)."""
+    model = inputs.model.rstrip("/")
+    others = [a for a in adapters if a.base_model is not None and a.base_model.rstrip("/") != model
+              and not model.endswith("/" + a.base_model.rstrip("/").rsplit("/", 1)[-1])]
+    if not others:
+        return []
+    names = ", ".join(f"{a.name} ({a.base_model})" for a in others[:4]) + (
+        f" and {len(others) - 4} more" if len(others) > 4 else "")
+    return [f"adapter(s) {names} name another base model than {inputs.model}; planned against its params, whose "
+            "names and shapes they match"]
 
 
 def _check_knobs(inputs: Inputs) -> None:
@@ -243,8 +313,9 @@ def _check_serving_inputs(inputs: Inputs) -> None:
 
 def _read_model(inputs: Inputs, measure: MeasureFunction | None = None,
                 measure_activations: MeasureActivations | None = None) -> _Model:
-    """Profile, checkpoint headers, layout, the bytes each layer would move, and the KV cache model."""
+    """Profile, checkpoint headers, layout, the bytes each layer would move, the KV cache model and adapters."""
     _check_knobs(inputs)
+    _check_adapter_inputs(inputs)
     profile = load_profile(inputs.gpu)
     checkpoint = load_checkpoint(inputs.model, inputs.revision)
     layout = build_layout(checkpoint, inputs.stack)
@@ -268,9 +339,11 @@ def _read_model(inputs: Inputs, measure: MeasureFunction | None = None,
             raise
         kv = shape = None
         warnings.append(f"{error}; the plan leaves the KV cache, activations and GPU total out")
+    adapters = load_adapters(inputs.adapters, checkpoint, layout)
+    warnings += _adapter_warnings(adapters, inputs)
     return _Model(inputs=inputs, profile=profile, checkpoint=checkpoint, layout=layout, layer_bytes=layer_bytes,
                   kv=kv, activation_shape=shape, warnings=warnings, measure=measure,
-                  measure_activations=measure_activations)
+                  measure_activations=measure_activations, adapters=adapters)
 
 
 def _compute_times(inputs: Inputs, checkpoint, layout, workload, profile, kv: KvCacheModel | None,
@@ -338,7 +411,9 @@ def serving_other_bytes(model: _Model, concurrency: int) -> OtherBytes:
                                      static_cache_tokens=cache_tokens)
     chunk_bytes = model.activations(_workload(inputs.chunk, 1, 0))
     kv_bytes = model.kv.cache_bytes(num_sequences=concurrency, context_tokens=cache_tokens, kv_dtype=inputs.kv_dtype)
-    return _other_bytes(model, kv_bytes, decode_bytes, chunk_bytes, inputs.cuda_graph)
+    other = _other_bytes(model, kv_bytes, decode_bytes, chunk_bytes, inputs.cuda_graph)
+    # the adapters' slots are GPU memory at every concurrency: one per sequence by default, so they grow with it
+    return replace(other, adapter_bytes=model.adapter_slots(concurrency) * slot_bytes_of(model.adapters))
 
 
 def _other_bytes(model: _Model, kv_bytes: int, decode_bytes: int, chunk_bytes: int, graphed: bool) -> OtherBytes:
@@ -391,9 +466,10 @@ def make_serving_plan(model: _Model) -> Planned:
     best = found.best
     workload = decode(best.concurrency)
     host_limit = host_memory_bytes_for(inputs, model.profile)
-    check_host_memory(best.choice.host_pinned_bytes, host_limit, inputs)
+    check_host_memory(best.choice.host_pinned_bytes + _adapter_host_bytes(model), host_limit, inputs)
     plan = _assemble(model, workload, model.compute(workload), best.choice, best.weights_budget_bytes, host_limit,
-                     gpu_memory, best.other, serving=_serving_section(found, wanted, inputs.max_tpot_ms))
+                     gpu_memory, best.other, serving=_serving_section(found, wanted, inputs.max_tpot_ms),
+                     num_adapter_slots=model.adapter_slots(best.concurrency))
     return Planned(plan=plan, checkpoint=model.checkpoint, layout=model.layout, warnings=tuple(model.warnings))
 
 
@@ -470,7 +546,7 @@ def check_host_memory(pinned_bytes: int, host_limit: int | None, inputs: Inputs)
 
 def _assemble(model: _Model, workload: Workload, compute: ComputeTimes, choice: Choice, budget: int,
               host_limit: int | None, gpu_memory: int, other: OtherBytes | None,
-              serving: ServingSection | None) -> Plan:
+              serving: ServingSection | None, num_adapter_slots: int = 0) -> Plan:
     inputs, profile, layout, layer_bytes = model.inputs, model.profile, model.layout, model.layer_bytes
     h2d = profile.h2d_bytes_per_s.value
     overhead_us = profile.copy_overhead_us.value
@@ -549,7 +625,30 @@ def _assemble(model: _Model, workload: Workload, compute: ComputeTimes, choice: 
         ),
         layers=rows,
         serving=serving,
+        adapters=_adapters_section(model, num_adapter_slots, workload, simulation) if model.adapters else None,
     )
+
+
+def _adapters_section(model: _Model, num_slots: int, workload: Workload, simulation) -> AdaptersSection:
+    """The adapters' slots, pool and waits on the plan's link (planner.adapters models the waits)."""
+    adapters, profile = model.adapters, model.profile
+    h2d, overhead_us = profile.h2d_bytes_per_s.value, profile.copy_overhead_us.value
+    slot_bytes = slot_bytes_of(adapters)
+    step_ms = simulation.step_ms
+    waits = adapter_waits(
+        slot_bytes=slot_bytes, h2d_bytes_per_s=h2d, copy_overhead_us=overhead_us, step_ms=step_ms,
+        num_missing=missing_per_batch(num_slots, workload.sequences_per_step, len(adapters)),
+        link_busy_share=simulation.copy_busy_ms / step_ms if step_ms else 0.0)
+    rows = tuple(AdapterRow(name=a.name, source=a.source, revision=a.revision, fingerprint=a.fingerprint, rank=a.rank,
+                            alpha=a.alpha, target_modules=a.target_modules, num_tensors=a.num_tensors,
+                            bytes=a.total_bytes, copy_ms=copy_ms_of(a.total_bytes, h2d, overhead_us))
+                 for a in sorted(adapters, key=lambda a: a.name))
+    return AdaptersSection(
+        num_slots=num_slots, slot_bytes=slot_bytes, gpu_bytes=num_slots * slot_bytes,
+        host_pinned_bytes=sum(a.total_bytes for a in adapters), max_rank=max(a.rank for a in adapters),
+        num_missing=waits.num_missing, copy_ms=waits.copy_ms, shared_copy_ms=waits.shared_copy_ms,
+        blocking_wait_ms=waits.blocking_wait_ms, pipelined_first_wait_ms=waits.pipelined_first_wait_ms,
+        pipelined_last_wait_ms=waits.pipelined_last_wait_ms, pipelined_step_ms=waits.pipelined_step_ms, items=rows)
 
 
 def _kv_dtype_name(model: _Model) -> str:

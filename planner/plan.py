@@ -91,6 +91,10 @@ class Inputs:
     gpu_memory: str | None = field(default=None, metadata=option(
         "--gpu-memory", f"GPU memory the whole plan must fit, e.g. 24GiB ({SIZE_HELP}; default: the profile's; run "
                         "caps itself to it)."))
+    adapters: tuple[str, ...] = field(default=(), metadata=option(
+        "--adapter", "A LoRA adapter served beside the model: NAME=PATH, a PEFT folder or hub id (repeat)."))
+    adapter_slots: int | None = field(default=None, metadata=option(
+        "--adapter-slots", "GPU slots for adapters (default: as many as a batch can use, within GPU memory)."))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -233,7 +237,8 @@ class MemorySection:
     cuda_graph_pool_bytes: int = 0
     #: CUDA context, library workspaces and allocator rounding beyond the tensors
     cuda_context_bytes: int = 0
-    #: weights + KV cache + activations + graph pool + context (None when the KV cache is not modelled)
+    #: weights + KV cache + activations + graph pool + context + adapter slots (None when the KV cache is not
+    #: modelled)
     total_gpu_bytes: int | None = None
 
 
@@ -313,6 +318,67 @@ class ServingSection:
 
 
 @dataclass(frozen=True, kw_only=True)
+class AdapterRow:
+    """One LoRA adapter of the plan."""
+
+    name: str
+    #: the folder or hub id as given
+    source: str
+    #: hub commit the files were read at; null for local folders
+    revision: str | None
+    #: sha256 over the tensors' names, dtypes and shapes and the config's rank and alpha
+    fingerprint: str
+    rank: int
+    alpha: float
+    #: adapted module names (last name segments)
+    target_modules: tuple[str, ...]
+    num_tensors: int
+    bytes: int
+    #: copy time of this adapter over the whole link
+    copy_ms: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdaptersSection:
+    """LoRA adapters served beside the model (make --adapter): GPU slots, the pinned pool, and the wait of a
+    batch whose adapters are not loaded, blocking against pipelined (planner.adapters says how it is modelled)."""
+
+    #: adapters kept on the GPU at once (the engines' max-loras per batch)
+    num_slots: int
+    #: one slot holds the largest adapter
+    slot_bytes: int
+    #: num_slots x slot_bytes, counted in memory.total_gpu_bytes
+    gpu_bytes: int
+    #: every adapter, pinned in host memory (slots hold copies)
+    host_pinned_bytes: int
+    max_rank: int
+    #: adapters a new batch misses: min(slots, sequences, adapters)
+    num_missing: int
+    #: one slot-sized adapter over the whole link
+    copy_ms: float
+    #: one adapter over the link's share left by the running steps' weight copies
+    shared_copy_ms: float
+    #: blocking (copy all, then compute): every request waits this; the compute stream idles as long
+    blocking_wait_ms: float
+    #: pipelined (each request starts when its adapter lands): the first request's wait, compute idle as long
+    pipelined_first_wait_ms: float
+    #: pipelined: the last request's wait
+    pipelined_last_wait_ms: float
+    #: pipelined: a step while adapters load (longer than the plan's only where the weights give up link time)
+    pipelined_step_ms: float
+    #: rows by name
+    items: tuple[AdapterRow, ...]
+
+    def __post_init__(self):
+        if not self.items or not 1 <= self.num_slots:
+            raise ValueError("adapters needs at least one adapter and one slot")
+        if self.gpu_bytes != self.num_slots * self.slot_bytes:
+            raise ValueError("adapters.gpu_bytes must be num_slots x slot_bytes")
+        if [row.name for row in self.items] != sorted({row.name for row in self.items}):
+            raise ValueError("adapters.items must have distinct names, sorted")
+
+
+@dataclass(frozen=True, kw_only=True)
 class Plan:
     """A whole plan file."""
 
@@ -327,6 +393,8 @@ class Plan:
     layers: tuple[LayerRow, ...]
     #: serving plans only (make --concurrency): the concurrency search
     serving: ServingSection | None = None
+    #: plans with adapters only (make --adapter): their slots and waits
+    adapters: AdaptersSection | None = None
 
     def __post_init__(self):
         if any(not 0 <= row.offloaded_bytes <= row.selected_bytes <= row.bytes for row in self.layers):
@@ -341,7 +409,16 @@ class Plan:
             raise ValueError("offload.replay_start_copies applies to CUDA-graph plans (workload.cuda_graph) only")
         if self.offload.layers and not 1 <= self.offload.num_in_group <= self.offload.group_size:
             raise ValueError("offload.num_in_group must be between 1 and group_size when layers are offloaded")
+        if bool(self.inputs.adapters) != (self.adapters is not None):
+            raise ValueError("inputs.adapters and the adapters section come together")
+        if self.adapters is not None and len(self.adapters.items) != len(self.inputs.adapters):
+            raise ValueError("the adapters section needs one item per inputs.adapters entry")
 
+
+#: Inputs keys a plan holds only when they are given (their defaults otherwise)
+OPTIONAL_INPUTS = {"adapters": (), "adapter_slots": None}
+#: top-level sections a plan holds only when they apply
+OPTIONAL_SECTIONS = ("serving", "adapters")
 
 SECTIONS = {
     "inputs": Inputs,
@@ -391,11 +468,19 @@ def plan_to_dict(plan: Plan) -> dict:
     for name in SECTIONS:
         section = asdict(getattr(plan, name))
         out[name] = {key: _plain(value) for key, value in section.items()}
+    # written only when given, so plans without adapters keep their bytes
+    for key in OPTIONAL_INPUTS:
+        if out["inputs"][key] == _plain(OPTIONAL_INPUTS[key]):
+            del out["inputs"][key]
     out["layers"] = [{key: _plain(value) for key, value in asdict(row).items()} for row in plan.layers]
     if plan.serving is not None:
         out["serving"] = {key: _plain(value) for key, value in asdict(plan.serving).items() if key != "points"}
         out["serving"]["points"] = [{key: _plain(value) for key, value in asdict(row).items()}
                                     for row in plan.serving.points]
+    if plan.adapters is not None:
+        out["adapters"] = {key: _plain(value) for key, value in asdict(plan.adapters).items() if key != "items"}
+        out["adapters"]["items"] = [{key: _plain(value) for key, value in asdict(row).items()}
+                                    for row in plan.adapters.items]
     return out
 
 
@@ -417,6 +502,8 @@ def render_plan(plan: Plan, command: str) -> str:
     data["layers"] = [_FlowRow(row) for row in data["layers"]]
     if "serving" in data:
         data["serving"]["points"] = [_FlowRow(row) for row in data["serving"]["points"]]
+    if "adapters" in data:
+        data["adapters"]["items"] = [_FlowRow(row) for row in data["adapters"]["items"]]
     body = yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=120, allow_unicode=False)
     header = (
         "# Offload plan written by offload-plan. Do not edit by hand; regenerate with:\n"
@@ -496,8 +583,8 @@ def plan_from_dict(data: object, origin: str) -> Plan:
     if not isinstance(data, dict):
         raise PlanError(f"{origin}: not a plan (expected a mapping); regenerate it with offload-plan make")
     expected = {"schema_version", "layers", *SECTIONS}
-    if set(data) - {"serving"} != expected:
-        problems = sorted((set(data) - {"serving"}) ^ expected, key=str)  # YAML keys may be numbers too
+    if set(data) - set(OPTIONAL_SECTIONS) != expected:
+        problems = sorted((set(data) - set(OPTIONAL_SECTIONS)) ^ expected, key=str)  # YAML keys may be numbers too
         raise PlanError(f"{origin}: plan keys differ from schema {SCHEMA_VERSION} at {problems}; regenerate it")
     version = data["schema_version"]
     if type(version) is not int or version not in READABLE_SCHEMA_VERSIONS:  # 1.0 and true are not 1
@@ -506,6 +593,9 @@ def plan_from_dict(data: object, origin: str) -> Plan:
     if version == 1:
         data = _upgraded_from_1(data, origin)
     kwargs: dict = {"schema_version": SCHEMA_VERSION}
+    if isinstance(data["inputs"], dict):
+        data = dict(data, inputs={**{key: list(value) if isinstance(value, tuple) else value
+                                     for key, value in OPTIONAL_INPUTS.items()}, **data["inputs"]})
     for name, cls in SECTIONS.items():
         kwargs[name] = _section(cls, data[name], f"{origin}: {name}")
     rows = data["layers"]
@@ -514,6 +604,8 @@ def plan_from_dict(data: object, origin: str) -> Plan:
     kwargs["layers"] = tuple(_section(LayerRow, row, f"{origin}: layers[{i}]") for i, row in enumerate(rows))
     if data.get("serving") is not None:
         kwargs["serving"] = _serving_section(data["serving"], f"{origin}: serving")
+    if data.get("adapters") is not None:
+        kwargs["adapters"] = _adapters_section(data["adapters"], f"{origin}: adapters")
     misplaced = [i for i, row in enumerate(kwargs["layers"]) if row.index != i]
     if misplaced:
         raise PlanError(f"{origin}: layers[{misplaced[0]}] has index {kwargs['layers'][misplaced[0]].index}; rows must "
@@ -527,6 +619,11 @@ def plan_from_dict(data: object, origin: str) -> Plan:
 def _serving_section(raw: object, origin: str) -> ServingSection:
     """The serving section: flat fields, and its points as rows."""
     return _section(ServingSection, raw, origin, rows={"points": ServingRow})
+
+
+def _adapters_section(raw: object, origin: str) -> AdaptersSection:
+    """The adapters section: flat fields, and its items as rows."""
+    return _section(AdaptersSection, raw, origin, rows={"items": AdapterRow})
 
 
 _TYPES = {int: (int,), float: (int, float), str: (str,), bool: (bool,)}

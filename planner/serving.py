@@ -47,11 +47,14 @@ class OtherBytes:
     cuda_graph_pool_bytes: int
     #: CUDA context, library workspaces and allocator rounding: memory the process holds beyond tensors
     cuda_context_bytes: int
+    #: LoRA adapters' GPU slots (planner.adapters; 0 without adapters)
+    adapter_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
         """All of it."""
-        return self.kv_cache_bytes + self.activation_bytes + self.cuda_graph_pool_bytes + self.cuda_context_bytes
+        return (self.kv_cache_bytes + self.activation_bytes + self.cuda_graph_pool_bytes + self.cuda_context_bytes
+                + self.adapter_bytes)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 scripts/fuzz_campaign.py --seed 16 --cases 10500
 
-Cases are split over the six families of tests/fuzz.py in the issue's proportions. Prints, per family, the
+Cases are split over the seven families of tests/fuzz.py in the issue's proportions. Prints, per family, the
 cases, the failing ones and what failed (verdict and where, with counts), then the median ms per case. With
 --failures FILE every failing case is written there as JSON lines (family, index, mutation, verdict, detail),
 so ``tests.fuzz.case_for(family, seed, index)`` reproduces it. Exit status 1 when any case failed.
@@ -19,7 +19,8 @@ from pathlib import Path
 from tests.fuzz import FAILURES, FAMILIES, FAMILY_TITLES, failure_summary, run_campaign
 
 #: the issue's campaign: 10,500 cases in these proportions
-SHARES = {"headers": 2200, "index": 1500, "config": 1500, "plans": 2600, "profiles": 1200, "flags": 1500}
+SHARES = {"headers": 2200, "index": 1500, "config": 1500, "plans": 2600, "profiles": 1200, "flags": 1500,
+          "adapters": 1500}
 
 
 def split_cases(total: int, families: list[str]) -> dict[str, int]:

@@ -188,6 +188,38 @@ def make_checkpoint(folder, num_layers: int = 4, hidden: int = 64, intermediate:
     return WrittenCheckpoint(path=folder, tensors=specs, weight_map=weight_map)
 
 
+def lora_tensors(base: dict, rank: int, modules=("q_proj", "v_proj"), layers=None, dtype: str = "BF16") -> dict:
+    """name -> (dtype, shape) of a PEFT LoRA adapter of ``base`` (name -> (dtype, shape)): lora_A (r, in) and
+    lora_B (out, r) for every layer weight whose module ends with one of ``modules``."""
+    specs = {}
+    for name, (_, shape) in base.items():
+        module = name.removesuffix(".weight")
+        parts = module.split(".")
+        if len(parts) < 4 or parts[1] != "layers" or parts[-1] not in modules:
+            continue
+        if layers is not None and int(parts[2]) not in layers:
+            continue
+        out_features, in_features = shape
+        specs[f"base_model.model.{module}.lora_A.weight"] = (dtype, (rank, in_features))
+        specs[f"base_model.model.{module}.lora_B.weight"] = (dtype, (out_features, rank))
+    return dict(sorted(specs.items()))
+
+
+def make_adapter(folder, base: dict, rank: int = 8, modules=("q_proj", "v_proj"), layers=None,
+                 config: dict | None = None, tensors: dict | None = None) -> dict:
+    """Write a PEFT adapter folder (adapter_config.json and adapter_model.safetensors) for ``base``'s tensors;
+    ``config`` overrides config keys, ``tensors`` replaces the tensor list. Returns the tensors written."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    specs = tensors if tensors is not None else lora_tensors(base, rank, modules, layers)
+    write_safetensors(folder / "adapter_model.safetensors", specs)
+    cfg = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(modules),
+           "base_model_name_or_path": "ckpt", "task_type": "CAUSAL_LM"}
+    cfg.update(config or {})
+    (folder / "adapter_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return specs
+
+
 # ---- running the CLI ----------------------------------------------------------------------------------------
 
 

@@ -13,8 +13,8 @@ import pytest
 from tests.fuzz import FAILURES, case_for, run_case, scratch_dir
 
 SEED = 2026
-#: cases per family: 3,000 in all, about a minute on a busy 2-core machine
-SLICE = {"headers": 600, "index": 400, "config": 450, "plans": 700, "profiles": 400, "flags": 450}
+#: cases per family: 3,450 in all, about a minute on a busy 2-core machine
+SLICE = {"headers": 600, "index": 400, "config": 450, "plans": 700, "profiles": 400, "flags": 450, "adapters": 450}
 #: generous: a loaded CI machine must not turn a slow case into a "hang"; every refusal takes milliseconds
 TIME_LIMIT_S = 5.0
 
@@ -31,7 +31,7 @@ def _describe(failures: list) -> str:
                      for r in failures[:20])
 
 
-@pytest.mark.parametrize("family", ["headers", "index", "config", "plans", "profiles", "flags"])
+@pytest.mark.parametrize("family", ["headers", "index", "config", "plans", "profiles", "flags", "adapters"])
 def test_fuzz_slice_has_no_failures(family):
     failures = _failures(family)
     assert not failures, f"{len(failures)} failing case(s) under seed {SEED}:\n{_describe(failures)}"

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from tests.conftest import DATA_DIR as TESTS_DATA
-from tests.conftest import check_golden, invoke, make_checkpoint
+from tests.conftest import check_golden, invoke, make_adapter, make_checkpoint
 
 MOE = {"num_experts": 4, "top_k": 2, "expert_intermediate": 32}
 
@@ -152,6 +152,31 @@ def test_serving_plan_schema_keys_are_pinned(workdir, test_gpu):
     assert list(plan) == [*SCHEMA, "serving"]
     assert list(plan["serving"]) == SERVING_SCHEMA["serving"]
     assert plan["serving"]["points"] and all(list(row) == SERVING_SCHEMA["points"] for row in plan["serving"]["points"])
+
+
+#: a plan with adapters (make --adapter) adds these inputs keys (only then) and this section after the layers
+ADAPTERS_SCHEMA = {
+    "inputs": ["adapters", "adapter_slots"],
+    "adapters": ["num_slots", "slot_bytes", "gpu_bytes", "host_pinned_bytes", "max_rank", "num_missing", "copy_ms",
+                 "shared_copy_ms", "blocking_wait_ms", "pipelined_first_wait_ms", "pipelined_last_wait_ms",
+                 "pipelined_step_ms", "items"],
+    "items": ["name", "source", "revision", "fingerprint", "rank", "alpha", "target_modules", "num_tensors", "bytes",
+              "copy_ms"],
+}
+
+
+def test_adapters_plan_schema_keys_are_pinned(workdir, test_gpu):
+    """Adapters add their inputs keys and a section after the serving one, keys pinned the same way."""
+    checkpoint = make_checkpoint(workdir / "ckpt", num_layers=4, num_shards=2)
+    make_adapter(workdir / "ad" / "a", checkpoint.tensors)
+    result = invoke(["make", "--model", "ckpt", "--gpu", test_gpu, "--context", "256", "--concurrency", "4",
+                     "--chunk", "64", "--adapter", "a=ad/a", "--adapter-slots", "1"])
+    assert result.exit_code == 0, result.stderr
+    plan = yaml.safe_load(result.stdout)
+    assert list(plan) == [*SCHEMA, "serving", "adapters"]
+    assert list(plan["inputs"]) == [*SCHEMA["inputs"], *ADAPTERS_SCHEMA["inputs"]]
+    assert list(plan["adapters"]) == ADAPTERS_SCHEMA["adapters"]
+    assert [list(row) for row in plan["adapters"]["items"]] == [ADAPTERS_SCHEMA["items"]]
 
 
 def test_schema_1_plans_are_read_upgraded_and_checked_stale(workdir, test_gpu):

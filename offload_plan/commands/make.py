@@ -26,7 +26,8 @@ def make(**values):
     from planner.make import make_plan, regenerate_command
 
     output = values.pop("output")
-    inputs = Inputs(**{name: tuple(value or ()) if name == "params" else value for name, value in values.items()})
+    repeated = {spec.name for spec in fields(Inputs) if typing.get_origin(spec.type) is tuple}
+    inputs = Inputs(**{name: tuple(value or ()) if name in repeated else value for name, value in values.items()})
     planned = make_plan(inputs, measure=runtime_seam.measured_compute if inputs.measure else None,
                         measure_activations=runtime_seam.measured_activation_bytes if inputs.measure else None)
     for warning in planned.warnings:

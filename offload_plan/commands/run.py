@@ -44,6 +44,9 @@ def run(
             made, running = running, made
         warn(f"the plan predicts {made} and this runs {running}; for a like-for-like prediction make the plan "
              f"{'with' if cuda_graph else 'without'} --cuda-graph")
+    if loaded_plan.adapters is not None:
+        warn(f"the plan's {len(loaded_plan.adapters.items)} LoRA adapter(s) are not served by run yet: it runs the "
+             "base model alone (the adapters' waits are predictions only)")
     from planner.checkpoint import resolve_local_source
 
     model = model or resolve_local_source(loaded_plan.model.source, plan)  # run works from any directory
