@@ -147,9 +147,17 @@ def recorded_compute(plan: Plan) -> ComputeTimes:
 
 
 def fit_problems(plan: Plan, profile: HardwareProfile) -> tuple[Problem, ...]:
-    """The plan's weights or budget above what the profile now allows for weights (memory less reserve)."""
-    limit = profile.weight_limit_bytes
+    """The plan's weights or budget above what the profile now allows for weights (memory less reserve); a
+    serving plan, whose weights take what the rest of the GPU leaves, against the profile's whole memory."""
     memory = plan.memory
+    if plan.serving is not None:
+        if memory.total_gpu_bytes <= memory.gpu_memory_bytes <= profile.gpu_memory_bytes.value:
+            return ()
+        message = (f"no longer fits {profile.name}: the plan puts {format_bytes(memory.total_gpu_bytes)} on a GPU "
+                   f"of {format_bytes(profile.gpu_memory_bytes.value)} (planned for "
+                   f"{format_bytes(memory.gpu_memory_bytes)}); regenerate it with make")
+        return (Problem(kind="fit", message=message, error_class=InfeasibleError),)
+    limit = profile.weight_limit_bytes
     if memory.gpu_bytes <= limit and memory.budget_bytes <= limit:
         return ()
     message = (

@@ -207,3 +207,20 @@ def test_expert_counts_that_disagree_with_top_k_are_one_line(tmp_path):
     with pytest.raises(ModelInputError) as raised:
         make_plan(Inputs(model=str(tmp_path / "ckpt"), gpu=str(TEST_GPU_FILE), budget="10MB"))
     assert "\n" not in str(raised.value) and "config.json" in str(raised.value)
+
+
+def test_check_passes_a_serving_plan_whose_weights_take_most_of_the_gpu(tmp_path, monkeypatch):
+    """A serving plan at one sequence gives the weights nearly all the GPU, more than a weights-only budget may
+    take (memory less reserve): check holds it to the whole GPU instead, and passes it as make wrote it."""
+    from tests.conftest import TEST_GPU, invoke, make_checkpoint
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tests" / "data").mkdir(parents=True)
+    from tests.conftest import TEST_GPU_FILE
+    (tmp_path / TEST_GPU).write_text(TEST_GPU_FILE.read_text())
+    make_checkpoint(tmp_path / "ckpt", num_layers=4, num_shards=2)
+    made = invoke(["make", "--model", "ckpt", "--gpu", TEST_GPU, "--context", "64", "--concurrency", "1",
+                   "-o", "s.yaml"])
+    assert made.exit_code == 0, made.stderr
+    checked = invoke(["check", "s.yaml"])
+    assert checked.exit_code == 0, checked.stderr + checked.stdout
