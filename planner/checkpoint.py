@@ -78,11 +78,25 @@ def load_checkpoint(model: str, revision: str | None = None) -> Checkpoint:
         if revision is not None:
             raise ModelInputError(f"--revision applies to hub repo ids, but {model!r} is a local path; drop it")
         return _load_local(path, _display_path(path))
-    if _REPO_ID_RE.match(model) and not model.startswith((".", "/")):
+    if _REPO_ID_RE.fullmatch(model) and not model.startswith((".", "/")):
+        _check_repo_id(model)
         return _load_hub(model, revision)
     raise ModelInputError(
         f"{model!r} is neither an existing path nor a Hugging Face repo id (org/name); check the spelling"
     )
+
+
+def _check_repo_id(repo_id: str) -> None:
+    """The hub's own rules for a repo id (no '..', '--', leading or trailing '.' or '-'), in one line."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as error:
+        reason = str(error).splitlines()[0] if str(error).strip() else "not a repo id"
+        raise ModelInputError(f"{shown(repo_id)} is not a valid Hugging Face repo id ({shown(reason)}); check it, "
+                              "or give a local folder as ./PATH") from None
 
 
 def _display_path(path: Path) -> str:
@@ -102,7 +116,7 @@ def resolve_local_source(source: str, plan_path: Path) -> str:
     for folder in Path(plan_path).resolve().parents:
         if (folder / source).exists():
             return str(folder / source)
-    if _REPO_ID_RE.match(source) and not source.startswith("."):
+    if _REPO_ID_RE.fullmatch(source) and not source.startswith("."):
         return source
     raise ModelInputError(
         f"the plan's checkpoint {source!r} is not under the working directory nor under {plan_path}'s folder or "

@@ -2,6 +2,7 @@
 
 import shutil
 
+import pytest
 import yaml
 
 from tests.conftest import TEST_GPU, assert_one_line_error, cli_env, invoke, make_checkpoint, run_cli
@@ -92,3 +93,15 @@ def test_hub_shard_missing_from_cache_offline(workdir, tmp_path_factory):
     env = cli_env(HF_HUB_CACHE=str(cache), HF_HOME=str(cache.parent))
     proc = run_cli(["make", "--model", "org/partial", "--gpu", TEST_GPU], cwd=workdir, env=env)
     assert_one_line_error(proc.returncode, proc.stderr, proc.stdout, ("org/partial", "model-00002-of-00002"))
+
+
+@pytest.mark.parametrize("model", ["org/x..y", "org--x/y", "org/name\n"])
+def test_a_malformed_repo_id_is_one_line(model, tmp_path, monkeypatch):
+    """The hub's own id rules are checked before any request (org/x..y once reached huggingface_hub and came
+    back as the "this is a bug" line); a trailing newline is not an id at all."""
+    from tests.conftest import invoke
+
+    monkeypatch.chdir(tmp_path)
+    result = invoke(["make", "--model", model, "--gpu", "h100-sxm", "--budget", "10GiB"])
+    assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "repo id" in result.stderr
