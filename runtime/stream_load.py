@@ -327,13 +327,16 @@ class Reader:
             return
         for start in range(0, source.num_bytes, self.ring.buffer_bytes):
             length = min(self.ring.buffer_bytes, source.num_bytes - start)
-            staging = self.ring.take()[:length]
+            buffer = self.ring.take()
+            staging = buffer[:length]
             pending = None
             try:
                 read_exact(fd, source.offset_bytes + start, staging, source.path)
                 pending = self.backend.upload(target[start:start + length], staging)
             finally:
-                self.ring.give_back(staging, pending)
+                # the whole buffer goes back: given back as the slice, a tensor's short last piece shrank the
+                # ring's buffer for good, and a later full piece into it was cut short (seen under load)
+                self.ring.give_back(buffer, pending)
             self.on_bytes(length)
 
     def read_tensor(self, source: SourceTensor) -> torch.Tensor:
