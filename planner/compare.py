@@ -35,6 +35,7 @@ def compare_plans(old: Plan, new: Plan) -> dict:
                        for name in PREDICTION_FIELDS},
     }
     data["adapters"] = compare_adapters(old, new)
+    data["serving"] = compare_serving(old, new)
     step = data["prediction"]["step_ms"]
     step["speedup"] = round(step["old"] / step["new"], 4) if step["new"] else None
     return data
@@ -42,6 +43,21 @@ def compare_plans(old: Plan, new: Plan) -> dict:
 
 ADAPTER_FIELDS = ("num_slots", "slot_bytes", "gpu_bytes", "host_pinned_bytes", "max_rank", "blocking_wait_ms",
                   "pipelined_first_wait_ms", "pipelined_last_wait_ms")
+
+
+#: the whole-GPU figures a serving comparison turns on: (section, field)
+SERVING_FIGURES = (("prediction", "decode_tokens_per_s"), ("memory", "kv_cache_bytes"),
+                   ("memory", "total_gpu_bytes"))
+
+
+def compare_serving(old: Plan, new: Plan) -> dict:
+    """Decode tokens/s, KV cache and GPU total as {old, new, change}, where both plans have them."""
+    out = {}
+    for section, name in SERVING_FIGURES:
+        before, after = getattr(getattr(old, section), name), getattr(getattr(new, section), name)
+        if before is not None and after is not None:
+            out[name] = _number(before, after)
+    return out
 
 
 def compare_adapters(old: Plan, new: Plan) -> dict:
@@ -111,6 +127,8 @@ def summary_sentences(data: dict) -> list[str]:
         if data[section]["changed"]:
             sentences.append(f"{section.capitalize()} changed: {_pairs(data[section]['changed'])}.")
     sentences += [_layers_sentence(data), _knobs_sentence(data), _memory_sentence(data), _step_sentence(data)]
+    serving = _serving_sentence(data["serving"])
+    sentences += [serving] if serving else []
     adapters = _adapters_sentence(data["adapters"])
     return sentences + ([adapters] if adapters else [])
 
@@ -184,6 +202,18 @@ def _memory_sentence(data: dict) -> str:
     return (f"GPU weights {_bytes_change(memory['gpu_bytes'])}; budget {_bytes_change(memory['budget_bytes'])}; "
             f"pinned host memory {_bytes_change(memory['host_pinned_bytes'])}; "
             f"{memory['num_slots']['old']} -> {memory['num_slots']['new']} prefetch slot(s).")
+
+
+def _serving_sentence(serving: dict) -> str | None:
+    """Decode tokens/s (a faster step at fewer sequences can serve fewer tokens), KV cache, GPU total."""
+    if "decode_tokens_per_s" not in serving:
+        return None
+    tokens = serving["decode_tokens_per_s"]
+    share = 100 * tokens["change"] / tokens["old"] if tokens["old"] else 0.0
+    parts = [f"decode {tokens['old']:,.0f} -> {tokens['new']:,.0f} tokens/s ({share:+.1f}%)"]
+    parts += [f"{label} {_bytes_change(serving[key])}" for key, label in
+              (("kv_cache_bytes", "KV cache"), ("total_gpu_bytes", "GPU total")) if key in serving]
+    return "Serving: " + "; ".join(parts) + "."
 
 
 def _bytes_change(pair: dict) -> str:

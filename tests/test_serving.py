@@ -224,3 +224,25 @@ def test_check_passes_a_serving_plan_whose_weights_take_most_of_the_gpu(tmp_path
     assert made.exit_code == 0, made.stderr
     checked = invoke(["check", "s.yaml"])
     assert checked.exit_code == 0, checked.stderr + checked.stdout
+
+
+def test_diff_of_two_serving_plans_says_the_tokens_per_s_and_memory(tmp_path):
+    """A faster step at fewer sequences can serve fewer tokens: diff says both."""
+    from planner.compare import compare_plans, summary_sentences
+    from planner.make import make_plan
+    from planner.plan import Inputs
+    from tests.conftest import TEST_GPU_FILE, make_checkpoint
+
+    make_checkpoint(tmp_path / "ckpt", num_layers=4, num_shards=2)
+
+    def plan(concurrency: str):
+        return make_plan(Inputs(model=str(tmp_path / "ckpt"), gpu=str(TEST_GPU_FILE), context=256,
+                                concurrency=concurrency)).plan
+
+    many, few = plan("16"), plan("2")
+    data = compare_plans(many, few)
+    tokens = data["serving"]["decode_tokens_per_s"]
+    assert tokens["old"] == pytest.approx(many.prediction.decode_tokens_per_s) and tokens["change"] < 0
+    assert data["serving"]["kv_cache_bytes"]["change"] < 0
+    sentence = next(s for s in summary_sentences(data) if s.startswith("Serving:"))
+    assert "tokens/s" in sentence and "KV cache" in sentence
