@@ -192,7 +192,7 @@ class Searcher:
         weights, so the plans within the budget are exactly those with at most this many weight bytes."""
         return bisect.bisect_right(range(max(budget_bytes, 0) + 1), budget_bytes, key=self.gpu_bytes) - 1
 
-    def first_depth(self, offloaded_set: "_OffloadSet") -> int | None:
+    def _first_depth(self, offloaded_set: "_OffloadSet") -> int | None:
         """The shallowest depth tried for a set: 1, or the pinned one; None when the set is too small for it."""
         depth = 1 if self.space.prefetch_step is None else self.space.prefetch_step
         return depth if depth <= offloaded_set.num_offloaded - 1 else None
@@ -200,7 +200,7 @@ class Searcher:
     def _least_plan(self) -> int | None:
         """GPU bytes of the smallest plan there is: the resident one or a set at its first depth."""
         weights = [s.base_weight_bytes + depth * s.slot_bytes
-                   for s in self.sets if (depth := self.first_depth(s)) is not None]
+                   for s in self.sets if (depth := self._first_depth(s)) is not None]
         least = [self.gpu_bytes(min(weights))] if weights else []
         if self.space == SearchSpace():
             least.append(self._resident_bytes)
@@ -344,7 +344,7 @@ class _Run:
                 if pinned > top or base + pinned * slot > limit:
                     continue
                 bound = self._link_bound(offloaded_set, first)
-            if deepest != first and bound > resident_ms:  # else the deepest's bound, never below, is no less
+            if deepest != first and bound > resident_ms:  # a bound at resident_ms is the least: no need to look
                 copy_ms = offloaded_set.copy_ms
                 if 2 * deepest > top + 1:  # else the same sum as at the first depth
                     copied_ms = sum(copy_ms[:top + 1 - deepest] + copy_ms[deepest:])  # _copied_ms, inlined
