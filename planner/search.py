@@ -15,6 +15,7 @@ depths or whole sets that the walk would skip one by one are skipped at once.
 
 import bisect
 import itertools
+import math
 import operator
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -23,7 +24,8 @@ from planner.cost import ComputeTimes
 from planner.errors import InfeasibleError
 from planner.placement import allocation_slack_bytes
 from planner.schedule import PrefetchSchedule
-from planner.simulate import Simulation, fastest_boundary_step_ms, resident_runs, simulate_fastest_boundary
+from planner import simulate as simulate_module
+from planner.simulate import Simulation, fastest_boundary_step_ms, simulate_fastest_boundary
 from planner.units import format_bytes
 
 # Step times closer than this are equal for choosing between plans (0.1 us).
@@ -190,7 +192,7 @@ class Searcher:
         weights, so the plans within the budget are exactly those with at most this many weight bytes."""
         return bisect.bisect_right(range(max(budget_bytes, 0) + 1), budget_bytes, key=self.gpu_bytes) - 1
 
-    def first_depth(self, offloaded_set: "_OffloadSet") -> int | None:
+    def _first_depth(self, offloaded_set: "_OffloadSet") -> int | None:
         """The shallowest depth tried for a set: 1, or the pinned one; None when the set is too small for it."""
         depth = 1 if self.space.prefetch_step is None else self.space.prefetch_step
         return depth if depth <= offloaded_set.num_offloaded - 1 else None
@@ -198,7 +200,7 @@ class Searcher:
     def _least_plan(self) -> int | None:
         """GPU bytes of the smallest plan there is: the resident one or a set at its first depth."""
         weights = [s.base_weight_bytes + depth * s.slot_bytes
-                   for s in self.sets if (depth := self.first_depth(s)) is not None]
+                   for s in self.sets if (depth := self._first_depth(s)) is not None]
         least = [self.gpu_bytes(min(weights))] if weights else []
         if self.space == SearchSpace():
             least.append(self._resident_bytes)
@@ -342,7 +344,7 @@ class _Run:
                 if pinned > top or base + pinned * slot > limit:
                     continue
                 bound = self._link_bound(offloaded_set, first)
-            if deepest != first and bound > resident_ms:  # else the deepest's bound, never below, is no less
+            if deepest != first and bound > resident_ms:  # a bound at resident_ms is the least: no need to look
                 copy_ms = offloaded_set.copy_ms
                 if 2 * deepest > top + 1:  # else the same sum as at the first depth
                     copied_ms = sum(copy_ms[:top + 1 - deepest] + copy_ms[deepest:])  # _copied_ms, inlined
@@ -359,6 +361,9 @@ class _Run:
             if self.best_key is not None and self._key_floor(offloaded_set, depth) >= self.best_key:
                 depth = self._next_depth(offloaded_set, depth, deepest)
                 continue  # cannot beat the best even at its link bound: skip the simulation
+            if depth == 1 and self.best_key is not None and self._one_slot_loses(offloaded_set):
+                depth += 1
+                continue  # the simulation would neither win nor reach the floor: what the walk does next
             if runs is None:
                 runs = self._runs(offloaded_set)
             _, step_ms = fastest_boundary_step_ms(**runs, prefetch_step=depth,
@@ -371,6 +376,26 @@ class _Run:
                 break  # at the floor: more depth only costs memory
             depth += 1
         return won
+
+    def _one_slot_loses(self, offloaded_set: _OffloadSet) -> bool:
+        """Whether simulating the set through one slot would show a step that loses to the best and stays above
+        the link bound (so the walk would go on to depth 2), from a bound instead of the simulation.
+
+        Through one slot everything is in series: each copy waits for the previous offloaded layer to finish
+        and each offloaded layer for its copy, so from the start of a measured step to the end of the last
+        offloaded layer NUM_MEASURED_STEPS steps later, the chain holds every copy and every offloaded layer's
+        compute of those steps but the first copy: step >= sum(copy + compute) - first copy / NUM_MEASURED_STEPS,
+        eager or graphed (joins and deferred copies only delay). The simulation's floats stray from the exact
+        times by far less than a billionth, the margin taken here.
+        """
+        layer_ms = self.compute.layer_ms
+        chain_ms = math.fsum(offloaded_set.copy_ms) + math.fsum(layer_ms[i] for i in offloaded_set.offloaded)
+        bound_ms = (chain_ms - offloaded_set.copy_ms[0] / simulate_module.NUM_MEASURED_STEPS) * (1 - 1e-9)
+        if bound_ms <= self._link_bound(offloaded_set, 1) + 1e-9:
+            return False
+        floor = choice_key(bound_ms, self._copy_bytes(offloaded_set, 1), self._gpu_bytes(offloaded_set, 1), 1,
+                           offloaded_set.group_size, offloaded_set.num_in_group)
+        return floor >= self.best_key
 
     def _next_depth(self, offloaded_set: _OffloadSet, depth: int, deepest: int) -> int:
         """After a skipped depth, the next depth whose key floor may be below the (unchanged) best key.
@@ -398,11 +423,8 @@ class _Run:
 
     def _runs(self, offloaded_set: _OffloadSet) -> dict:
         """fastest_boundary_step_ms's arguments for this set and these compute times."""
-        layer_ms, offloaded = self.compute.layer_ms, offloaded_set.offloaded
-        segments, tail = resident_runs(layer_ms, offloaded)
-        return dict(head_ms=self.compute.head_ms, segments=segments, tail=tail,
-                    durations=tuple(layer_ms[i] for i in offloaded),
-                    copy_ms=offloaded_set.copy_ms)
+        return dict(layer_ms=self.compute.layer_ms, head_ms=self.compute.head_ms,
+                    offloaded=offloaded_set.offloaded, copy_ms=offloaded_set.copy_ms)
 
     def _copied_ms(self, offloaded_set: _OffloadSet, depth: int) -> float:
         """Copy time per step: the sum over copied_positions(), in their order, so the same float."""

@@ -12,6 +12,7 @@ the last ``replay_start_copies`` of them, which the next replay issues as it beg
 """
 
 import functools
+import math
 import operator
 from dataclasses import dataclass
 
@@ -165,13 +166,12 @@ def simulate_fastest_boundary(*, prefetch_step: int, offloaded: tuple[int, ...],
                               **times) -> tuple[int, Simulation]:
     """(replay_start_copies, simulation): under CUDA graphs, the split of the wrapped copies between a
     replay's end and the next one's start that gives the fastest step (the fewest left to the start on a
-    tie); eagerly nothing is split. ``times``: simulate's layer_ms, head_ms and copy_ms."""
-    wrapped, _ = PrefetchSchedule(len(offloaded), prefetch_step).replay_boundary(0)
-    num_wrapped = len(wrapped) if join_every_steps else 0
-    runs = [(simulate(prefetch_step=prefetch_step, offloaded=offloaded, join_every_steps=join_every_steps,
-                      replay_start_copies=count, **times), count) for count in range(num_wrapped + 1)]
-    simulation, count = min(runs, key=lambda run: (round(run[0].step_ms, 6), run[1]))
-    return count, simulation
+    tie); eagerly nothing is split. ``times``: simulate's layer_ms, head_ms and copy_ms. The split is chosen
+    by fastest_boundary_step_ms (the same step times, bit for bit), and only its run is simulated with a trace."""
+    count, _ = fastest_boundary_step_ms(prefetch_step=prefetch_step, offloaded=offloaded,
+                                        join_every_steps=join_every_steps, **times)
+    return count, simulate(prefetch_step=prefetch_step, offloaded=offloaded, join_every_steps=join_every_steps,
+                           replay_start_copies=count, **times)
 
 
 def simulated_step_ms(*, layer_ms: tuple[float, ...], head_ms: float, offloaded: tuple[int, ...],
@@ -180,99 +180,106 @@ def simulated_step_ms(*, layer_ms: tuple[float, ...], head_ms: float, offloaded:
     """``simulate(...).step_ms`` bit for bit, several times faster: the search compares thousands of plans by
     their step time alone, so this keeps no trace. Same arguments as simulate."""
     assert join_every_steps >= 0 and NUM_MEASURED_STEPS % max(1, join_every_steps) == 0
-    segments, tail = resident_runs(layer_ms, offloaded)
     table = copy_table(len(offloaded), prefetch_step, replay_start_copies if join_every_steps else 0)
-    return fast_step_ms(head_ms=head_ms, segments=segments, tail=tail,
-                        durations=tuple(layer_ms[i] for i in offloaded), copy_ms=copy_ms, table=table,
+    return fast_step_ms(layer_ms=layer_ms, head_ms=head_ms, offloaded=offloaded, copy_ms=copy_ms, table=table,
                         join_every_steps=join_every_steps)
 
 
-def fastest_boundary_step_ms(*, head_ms: float, segments, tail, durations, copy_ms, prefetch_step: int,
-                             join_every_steps: int) -> tuple[int, float]:
-    """simulate_fastest_boundary's (replay_start_copies, step_ms), bit for bit, from resident_runs' pieces."""
-    num_offloaded = len(durations)
-    wrapped = copy_table(num_offloaded, prefetch_step, 0).joined
+def fastest_boundary_step_ms(*, prefetch_step: int, offloaded: tuple[int, ...], join_every_steps: int,
+                             **times) -> tuple[int, float]:
+    """simulate_fastest_boundary's (replay_start_copies, step_ms), bit for bit, with fast_step_ms."""
+    wrapped = copy_table(len(offloaded), prefetch_step, 0).joined
     runs = []
-    for count in range(len(wrapped) + 1 if join_every_steps else 1):
-        table = copy_table(num_offloaded, prefetch_step, count)
-        runs.append((fast_step_ms(head_ms=head_ms, segments=segments, tail=tail, durations=durations,
-                                  copy_ms=copy_ms, table=table, join_every_steps=join_every_steps), count))
+    for count in range(len(wrapped), -1, -1) if join_every_steps else (0,):
+        if count == 0 and runs and _joining_all_loses(runs, offloaded, prefetch_step, join_every_steps, **times):
+            continue
+        table = copy_table(len(offloaded), prefetch_step, count)
+        runs.append((fast_step_ms(offloaded=offloaded, table=table, join_every_steps=join_every_steps, **times),
+                     count))
     step_ms, count = min(runs, key=lambda run: (round(run[0], 6), run[1]))
     return count, step_ms
 
 
-def resident_runs(layer_ms: tuple[float, ...], offloaded: tuple[int, ...]) -> tuple[tuple[tuple[float, ...], ...],
-                                                                                    tuple[float, ...]]:
-    """(segments, tail): the compute times of the resident layers before each offloaded layer, and after the last."""
-    segments, start = [], 0
-    for layer in offloaded:
-        segments.append(layer_ms[start:layer])
-        start = layer + 1
-    return tuple(segments), layer_ms[start:]
+def _joining_all_loses(runs, offloaded: tuple[int, ...], prefetch_step: int, join_every_steps: int, *,
+                       layer_ms: tuple[float, ...], head_ms: float, copy_ms: tuple[float, ...]) -> bool:
+    """Whether joining every wrapped copy (replay_start_copies 0) surely gives a step slower, at 6 decimals,
+    than one of ``runs``, so that simulate_fastest_boundary would not choose it.
+
+    Replays of one step that join every wrapped copy leave the link idle as each begins: its first copy
+    (position S) replaces position 0 in their slot, so it waits for that layer to finish, and every copy a
+    replay issues ends within it. So each step takes at least head + the layers up to the first offloaded
+    one + all the step's copies. The simulation's floats stray from the exact times by far less than the
+    billionth taken as margin.
+    """
+    if join_every_steps != 1:
+        return False
+    per_step = copy_table(len(offloaded), prefetch_step, 0).per_step
+    idle_ms = head_ms + math.fsum(layer_ms[:offloaded[0] + 1])
+    bound_ms = (idle_ms + math.fsum(copy_ms[k] for k in per_step)) * (1 - 1e-9)
+    return round(bound_ms, 6) > min(round(step_ms, 6) for step_ms, _ in runs)
 
 
 @dataclass(frozen=True)
 class CopyTable:
-    """The copy stream's order for one schedule, as flat tables (fast_step_ms's input)."""
+    """The copy stream's order for one schedule, as flat tables (fast_step_ms's input). Positions alone in
+    their slot are never copied and never read before a copy, so only the copied positions have entries."""
 
     num_slots: int
-    #: per position: whether it is re-copied every step
-    copied: tuple[bool, ...]
-    #: the positions copied each step, in stream order
+    #: the positions copied each step, in stream order (ascending)
     per_step: tuple[int, ...]
-    #: per position: its index in per_step (-1 when never copied)
-    index: tuple[int, ...]
-    #: entries of per_step preloaded before step 0 (the first ones, below num_slots)
-    num_preloaded: int
-    #: per position: steps back to its slot's previous reader, and that reader's position
+    #: per copied position, in per_step order: steps back to its slot's previous reader, and that reader's
+    #: index in per_step (a reader shares its slot, so it is copied too)
     reader_steps_back: tuple[int, ...]
-    reader: tuple[int, ...]
-    #: wrapped positions joined at the end of a replay, and per position whether it is left to the next replay
-    joined: tuple[int, ...]
+    reader_index: tuple[int, ...]
+    #: per copied position: whether a replay leaves its wrapped copy to the next replay's start
     deferred: tuple[bool, ...]
+    #: the indexes in per_step of the wrapped copies joined at the end of a replay
+    joined: tuple[int, ...]
+    #: copies preloaded before step 0: the first ones of per_step, those below num_slots
+    num_preloaded: int
 
 
 @functools.lru_cache(maxsize=16384)
 def copy_table(num_offloaded: int, prefetch_step: int, replay_start_copies: int) -> CopyTable:
     """The CopyTable of PrefetchSchedule(num_offloaded, prefetch_step), with the replay boundary split."""
     schedule = PrefetchSchedule(num_offloaded, prefetch_step)
-    copied = tuple(schedule.needs_copy(k) for k in range(num_offloaded))
-    per_step = tuple(k for k in range(num_offloaded) if copied[k])
-    index = [-1] * num_offloaded
-    for i, k in enumerate(per_step):
-        index[k] = i
-    readers = [schedule.previous_reader(k) for k in range(num_offloaded)]
+    per_step = tuple(schedule.copied_positions())
+    index = {position: i for i, position in enumerate(per_step)}
+    readers = [schedule.previous_reader(position) for position in per_step]
     joined, deferred = schedule.replay_boundary(replay_start_copies)
     return CopyTable(
         num_slots=schedule.num_slots,
-        copied=copied,
         per_step=per_step,
-        index=tuple(index),
-        num_preloaded=sum(1 for k in per_step if k < schedule.num_slots),
         reader_steps_back=tuple(back for back, _ in readers),
-        reader=tuple(reader for _, reader in readers),
-        joined=joined,
-        deferred=tuple(k in deferred for k in range(num_offloaded)),
+        reader_index=tuple(index[reader] for _, reader in readers),
+        deferred=tuple(position in deferred for position in per_step),
+        joined=tuple(index[position] for position in joined),
+        num_preloaded=sum(1 for position in per_step if position < schedule.num_slots),
     )
 
 
-def fast_step_ms(*, head_ms: float, segments, tail, durations, copy_ms, table: CopyTable,
-                 join_every_steps: int) -> float:
+def fast_step_ms(*, layer_ms: tuple[float, ...], head_ms: float, offloaded: tuple[int, ...],
+                 copy_ms: tuple[float, ...], table: CopyTable, join_every_steps: int) -> float:
     """The steady-state step of simulate(), computed with the same floating-point operations in the same order
-    (so the same bits): the compute stream adds each layer's time to the clock in turn (functools.reduce over
-    the resident runs), an offloaded layer first waits for its copy, and the copy stream runs in order as far
-    as the layer waiting needs it. ``table`` must be built with the run's replay_start_copies."""
+    (so the same bits) and nothing else: the compute stream adds each layer's time to the clock in turn
+    (functools.reduce over the layers between two copied ones, offloaded layers alone in their slot included:
+    they never wait), a copied layer first waits for its copy, and the copy stream runs in order as far as the
+    layer waiting needs it. ``table`` must be built with the run's replay_start_copies."""
     add, reduce = operator.add, functools.reduce
-    per_step, steps_back, reader, deferred = table.per_step, table.reader_steps_back, table.reader, table.deferred
-    per_step_count, preloaded = len(per_step), table.num_preloaded
-    # One row per wait of the compute stream: (resident layers before it, the offloaded layer's time or None
-    # for the replay's join, the copy's number counted from the step's first copy or -1, preloaded in step 0).
-    rows = [(segment, duration, index if copied else -1, k < table.num_slots)
-            for k, (segment, duration, index, copied) in enumerate(zip(segments, durations, table.index, table.copied))]
-    rows.append((tail, None, -1, False))
-    rows_joined = rows + [((), None, per_step_count + table.index[k], False) for k in table.joined]
+    per_step, steps_back, reader_index = table.per_step, table.reader_steps_back, table.reader_index
+    deferred, per_step_count, preloaded = table.deferred, len(per_step), table.num_preloaded
+    # One row per wait of the compute stream: (layer times before the wait, the copied layer's time or None
+    # for the replay's join, the copy's index counted from the step's first copy, preloaded in step 0).
+    rows, start = [], 0
+    for i, position in enumerate(per_step):
+        layer = offloaded[position]
+        rows.append((layer_ms[start:layer], layer_ms[layer], i, position < table.num_slots))
+        start = layer + 1
+    rows.append((layer_ms[start:], None, -1, False))
+    rows_joined = rows + [((), None, per_step_count + i, False) for i in table.joined]
+    copies = [copy_ms[position] for position in per_step]
     ends: list[float] = []  # end of each copy, in stream order, from the first after the preload
-    compute_end: list[list[float]] = []
+    compute_end: list[list[float]] = []  # per step, per copied position: when its layer ends
     step_starts: list[float] = []
     stream_free = now = 0.0
     num_done = 0  # len(ends)
@@ -290,13 +297,12 @@ def fast_step_ms(*, head_ms: float, segments, tail, durations, copy_ms, table: C
             if index >= 0 and (step or not preloaded_at_start):
                 number = first + index
                 while num_done <= number:  # the copy stream, in order, up to this copy
-                    position = per_step[at]
-                    ready = compute_end[copy_step - steps_back[position]][reader[position]]
-                    if deferred[position] and copy_step % join_every_steps == 0:
+                    ready = compute_end[copy_step - steps_back[at]][reader_index[at]]
+                    if deferred[at] and copy_step % join_every_steps == 0:
                         ready = max(ready, step_starts[copy_step])  # issued when the replay begins
                     if ready > stream_free:
                         stream_free = ready
-                    stream_free += copy_ms[position]
+                    stream_free += copies[at]
                     ends.append(stream_free)
                     num_done += 1
                     at += 1

@@ -11,7 +11,7 @@ and a 300-layer small model under ``--workdir``, then times on this machine's CP
   of two and their midpoints up to 512), each with B's compute times and the GPU memory left after B's KV
   cache as its budget; infeasible budgets are skipped.
 
-    PYTHONPATH=. python3 scripts/bench_search.py              # the table (a minute or two before the speed-up)
+    PYTHONPATH=. python3 scripts/bench_search.py              # the table (a minute; before Searcher, hours)
     PYTHONPATH=. python3 scripts/bench_search.py --profile sweep-small300-graph   # cProfile of one row, stderr
 
 The table goes to stdout (wall seconds of the row's work, and the CPU seconds of the whole row, which also

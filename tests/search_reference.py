@@ -1,7 +1,8 @@
-"""The search as it was before planner.search.Searcher (commit 2be4948), kept verbatim as the reference the
-fast search must agree with, choice for choice: it enumerates every (G, K) set with offloaded_by_rule,
-bounds each with per-position generator sums, and simulates every candidate with simulate(). Slow (its cost
-grows as the fourth power of the layer count when nearly everything fits); only for tests.
+"""The search as it was before planner.search.Searcher (commit 2be4948), kept verbatim (with the
+simulate_fastest_boundary of then) as the reference the fast search must agree with, choice for choice: it
+enumerates every (G, K) set with offloaded_by_rule, bounds each with per-position generator sums, and
+simulates every candidate and every split of its wrapped copies with simulate(). Slow (its cost grows as the
+fourth power of the layer count when nearly everything fits); only for tests.
 """
 
 import bisect
@@ -19,7 +20,7 @@ from planner.search import (
     gpu_bytes_of,
     minimum_gpu_bytes,
 )
-from planner.simulate import simulate_fastest_boundary
+from planner.simulate import simulate
 from planner.units import format_bytes
 
 
@@ -166,3 +167,14 @@ def _evaluate(layers, fixed_bytes, compute, copy_ms, offloaded, group_size, num_
         host_pinned_bytes=sum(layers.selected[i] for i in offloaded),
         copy_bytes=_copy_bytes(layers, offloaded, depth),
     )
+
+
+def simulate_fastest_boundary(*, prefetch_step: int, offloaded: tuple[int, ...], join_every_steps: int,
+                              **times):
+    """planner.simulate.simulate_fastest_boundary as it was: every split simulated with a trace."""
+    wrapped, _ = PrefetchSchedule(len(offloaded), prefetch_step).replay_boundary(0)
+    num_wrapped = len(wrapped) if join_every_steps else 0
+    runs = [(simulate(prefetch_step=prefetch_step, offloaded=offloaded, join_every_steps=join_every_steps,
+                      replay_start_copies=count, **times), count) for count in range(num_wrapped + 1)]
+    simulation, count = min(runs, key=lambda run: (round(run[0].step_ms, 6), run[1]))
+    return count, simulation

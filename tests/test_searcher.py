@@ -106,6 +106,24 @@ def test_fast_step_is_simulates_step_to_the_bit(monkeypatch, warm_steps):
         assert simulated_step_ms(**case) == simulate(**case).step_ms, case
 
 
+def test_one_slot_chain_bound_holds():
+    """Searcher skips one-slot simulations by the chain bound (planner.search._Run._one_slot_loses): every
+    simulated step through one slot is at least sum(copy + offloaded compute) - first copy / measured steps."""
+    rng = random.Random(11)
+    for _ in range(400):
+        num_layers = rng.randint(2, 12)
+        offloaded = tuple(sorted(rng.sample(range(num_layers), rng.randint(2, num_layers))))
+        layer_ms = tuple(rng.uniform(0, 5) if rng.random() < 0.7 else 0.0 for _ in range(num_layers))
+        copy_ms = tuple(rng.uniform(0.01, 8) for _ in offloaded)
+        bound = sum(copy_ms) + sum(layer_ms[i] for i in offloaded) - copy_ms[0] / simulate_module.NUM_MEASURED_STEPS
+        for join_every_steps in (0, 1):
+            for count in range(2 if join_every_steps else 1):
+                step_ms = simulate(layer_ms=layer_ms, head_ms=rng.uniform(0, 2), offloaded=offloaded,
+                                   copy_ms=copy_ms, prefetch_step=1, join_every_steps=join_every_steps,
+                                   replay_start_copies=count).step_ms
+                assert step_ms >= bound * (1 - 1e-12), (offloaded, join_every_steps, count)
+
+
 def _serving_sweep(num_layers: int, num_searches: int):
     """A 300-layer model of 22 MB layers over a 55 GB/s link, and what a serving make asks for: per
     concurrency, its compute times and the memory its KV cache leaves, from all resident to nearly the least."""
