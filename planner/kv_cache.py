@@ -120,14 +120,17 @@ class KvCacheModel:
             raise ModelInputError(f"unknown KV cache dtype {kv_dtype!r}: choose one of {', '.join(KV_DTYPES)}")
         return KV_DTYPE_BYTES[kv_dtype]
 
-    def cache_bytes(self, *, num_sequences: int, context_tokens: int, kv_dtype: str) -> int:
-        """Bytes of the cache for ``num_sequences`` sequences of ``context_tokens`` tokens each."""
+    def cache_bytes(self, *, num_sequences: int, context_tokens: int, kv_dtype: str,
+                    layer_index: int | None = None) -> int:
+        """Bytes of the cache for ``num_sequences`` sequences of ``context_tokens`` tokens each; of one decoder
+        layer's entries with ``layer_index`` (what a step reads and writes there), else of every layer."""
         if num_sequences < 0 or context_tokens < 0:
             raise ValueError("num_sequences and context_tokens must be >= 0")
         element = self.element_bytes(kv_dtype)
         activation = KV_DTYPE_BYTES[self.activation_dtype]
         per_sequence = sum(layer.held_tokens(context_tokens) * layer.elements_per_token * element
-                           + layer.state_bytes(activation) for layer in self.layers)
+                           + layer.state_bytes(activation) for layer in self.layers
+                           if layer_index is None or layer.layer_index == layer_index)
         return num_sequences * per_sequence
 
     def bytes_per_token(self, kv_dtype: str) -> int:

@@ -375,12 +375,9 @@ def _as_recorded(compute: ComputeTimes, num_layers: int) -> ComputeTimes:
 def kv_step_bytes(kv: KvCacheModel, layer_index: int, workload: Workload, *, kv_dtype: str) -> float:
     """KV cache bytes one layer reads and writes in a step of ``workload``: each sequence's held tokens."""
     tokens_per_sequence = workload.tokens_per_step // workload.sequences_per_step
-    context = workload.context_tokens + tokens_per_sequence
-    element = kv.element_bytes(kv_dtype)
-    per_sequence = sum(entry.held_tokens(context) * entry.elements_per_token * element
-                       + entry.state_bytes(kv.element_bytes("auto"))
-                       for entry in kv.layers if entry.layer_index == layer_index)
-    return workload.sequences_per_step * per_sequence
+    return kv.cache_bytes(num_sequences=workload.sequences_per_step,
+                          context_tokens=workload.context_tokens + tokens_per_sequence, kv_dtype=kv_dtype,
+                          layer_index=layer_index)
 
 
 def gpu_memory_bytes_for(inputs: Inputs, profile: HardwareProfile) -> int:
