@@ -358,10 +358,15 @@ def main() -> None:
         child_main(json.loads(args.child))
         return
     results = run(args)
+    save_results(args, results)
+    print_table(results)
+
+
+def save_results(args, results: dict) -> None:
+    """Writes what has been measured so far, so a run stopped at the device's time limit keeps its rows."""
     out = Path(os.environ["OUT"]) if os.environ.get("OUT") else args.out_dir
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_load.json").write_text(json.dumps(results, indent=2) + "\n")
-    print_table(results)
 
 
 def run(args) -> dict:
@@ -392,9 +397,11 @@ def run(args) -> dict:
         for budget, plan in plans:  # hot first: the cache still holds the files just written
             results["runs"].append(measure_load(args, checkpoint, budget, plan, work, logits_path, config, "hot",
                                                 files))
+            save_results(args, results)
         for budget, plan in plans:
             results["runs"].append(measure_load(args, checkpoint, budget, plan, work, logits_path, config, "cold",
                                                 files))
+            save_results(args, results)
     finally:
         if not args.keep:
             shutil.rmtree(checkpoint, ignore_errors=True)
