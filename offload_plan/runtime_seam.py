@@ -101,6 +101,14 @@ def run_serving_bench(loaded, cuda_graph: bool, compile_backend: str | None, mem
     return bench(loaded, cuda_graph=cuda_graph, compile_backend=compile_backend, memory_fraction=memory_fraction)
 
 
+def run_adapter_bench(loaded, plan_path):
+    """``run --bench`` of a plan with adapters (runtime.adapter_bench.AdapterBench)."""
+    from runtime.adapter_bench import run_adapter_bench as bench
+
+    result, _ = bench(loaded, plan_path)
+    return result
+
+
 def write_header_checkpoint(config_path, out_dir, dtype: str | None):
     """``header-checkpoint``: the model's tensor list from transformers, written as sparse shards."""
     require_runtime("offload-plan header-checkpoint")

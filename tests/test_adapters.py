@@ -357,11 +357,12 @@ def test_hub_adapter_is_read_from_the_cache_offline(base, workdir, tmp_path_fact
     assert_one_line_error(proc.returncode, proc.stderr, contains=("adapter_model.safetensors", "local Hugging Face"))
 
 
-def test_run_says_it_does_not_serve_the_adapters(base, test_gpu):
-    """The runtime half is not built: run warns before anything else (here it then stops: no CUDA GPU)."""
+def test_run_prompt_says_it_runs_the_base_model_alone(base, test_gpu):
+    """--bench serves the adapters; --prompt warns before anything else (here it then stops: no CUDA GPU)."""
     _make(test_gpu, "--budget", "300KB", *ADAPTERS)
-    result = invoke(["run", "plan.yaml", "--bench"])
-    assert "3 LoRA adapter(s) are not served by run yet" in result.stderr
+    result = invoke(["run", "plan.yaml", "--prompt", "hello"])
+    assert "--prompt runs the base model without the plan's 3 LoRA adapter(s)" in result.stderr
+    assert "adapter" not in invoke(["run", "plan.yaml", "--bench"]).stderr.lower()
 
 
 def test_target_modules_may_name_dotted_suffixes(base, workdir, test_gpu):

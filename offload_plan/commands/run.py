@@ -44,9 +44,9 @@ def run(
             made, running = running, made
         warn(f"the plan predicts {made} and this runs {running}; for a like-for-like prediction make the plan "
              f"{'with' if cuda_graph else 'without'} --cuda-graph")
-    if loaded_plan.adapters is not None:
-        warn(f"the plan's {len(loaded_plan.adapters.items)} LoRA adapter(s) are not served by run yet: it runs the "
-             "base model alone (the adapters' waits are predictions only)")
+    if loaded_plan.adapters is not None and prompt is not None:
+        warn(f"--prompt runs the base model without the plan's {len(loaded_plan.adapters.items)} LoRA adapter(s); "
+             "--bench serves them")
     from planner.checkpoint import resolve_local_source
 
     model = model or resolve_local_source(loaded_plan.model.source, plan)  # run works from any directory
@@ -62,7 +62,10 @@ def run(
         sys.stdout.write(text + "\n")
         say(f"{tokens_per_s:.2f} tokens/s with the plan applied")
         return
-    if loaded_plan.serving is not None:
+    if loaded_plan.adapters is not None:
+        result = runtime_seam.run_adapter_bench(loaded, plan)
+        table = _adapter_table
+    elif loaded_plan.serving is not None:
         result = runtime_seam.run_serving_bench(loaded, cuda_graph, compile_backend, memory_fraction)
         table = _serving_table
     else:
@@ -91,6 +94,25 @@ def _serving_table(result) -> Table:
         table.add_row(label, text(measured), text(predicted), f"{measured / predicted:.2f}")
     cap = f"capped to {result.memory_fraction:.3f} of this GPU" if result.memory_fraction else "uncapped"
     table.add_row("GPU memory of the plan", format_bytes(result.gpu_memory_bytes), cap, "")
+    return table
+
+
+def _adapter_table(result) -> Table:
+    """The adapter stream served blocking and pipelined: measured (predicted) per mode."""
+    table = Table(title=f"run --bench: {result.num_batches} batches of {result.requests_per_batch} requests over "
+                        f"{result.num_adapters} adapters, {result.num_slots} GPU slots, {result.prompt_tokens}-token "
+                        "prompts; measured (predicted), ms", title_justify="left")
+    for name in ("mode", "copies", "total", "compute alone", "first request starts", "TTFT mean", "TTFT max",
+                 "compute idle"):
+        table.add_column(name, justify="left" if name == "mode" else "right")
+    for mode in result.modes:
+        table.add_row(mode.mode, str(mode.num_copies), f"{mode.total_ms:.1f} ({mode.predicted_total_ms:.1f})",
+                      f"{mode.compute_ms:.1f}", f"{mode.first_start_ms:.2f} ({mode.predicted_first_start_ms:.2f})",
+                      f"{mode.ttft_mean_ms:.1f} ({mode.predicted_ttft_mean_ms:.1f})",
+                      f"{mode.ttft_max_ms:.1f} ({mode.predicted_ttft_max_ms:.1f})",
+                      f"{mode.compute_idle_ms:.1f} ({mode.predicted_compute_idle_ms:.1f})")
+    table.caption = (f"one adapter copy: {result.measured_copy_ms:.2f} ms measured, {result.planned_copy_ms:.2f} ms "
+                     "planned")
     return table
 
 

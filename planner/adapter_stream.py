@@ -1,0 +1,273 @@
+"""A stream of requests, each naming a LoRA adapter, served from a few GPU slots: which adapter is copied into
+which slot and when, which requests run in one forward, and the times that follow.
+
+The runtime (runtime.adapters) executes the schedule made here, and ``simulate`` predicts the same schedule
+from the plan's copy times and the forwards' compute times, so measured and predicted are the same events.
+
+Requests come in batches; batch b arrives when batch b-1 has finished (a saturated server), and no copy for a
+batch starts before it arrives. Two ways to serve a batch:
+
+- blocking (a batch waits for all its adapters): the batch is cut into waves of at most ``num_slots`` adapters;
+  each wave's missing adapters are copied, then the wave runs as one forward whose rows mix its adapters.
+- pipelined (each request starts when its own adapter has landed): the batch's requests run one forward per
+  adapter, in the order they arrived; copies go in that order, the copy for the next forward issued before the
+  current forward (one ahead), so a forward's offloaded-weight copies, on the same link, queue behind at most
+  one adapter copy and neither kind starves the other.
+
+A slot is reused for the least recently used adapter that the batch's remaining requests do not need; the copy
+into it waits for the last forward that read the slot.
+"""
+
+from dataclasses import dataclass
+
+BLOCKING = "blocking"
+PIPELINED = "pipelined"
+MODES = (BLOCKING, PIPELINED)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Load:
+    """One adapter copied from the pinned pool into a GPU slot, on the copy stream."""
+
+    adapter: str
+    slot: int
+    #: the batch it is for: the copy starts no earlier than the batch's arrival
+    batch: int
+    #: the last forward that read the slot's previous adapter (the copy waits for it); None for a free slot
+    after_forward: int | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Forward:
+    """One forward over some requests; each adapter's requests are consecutive rows."""
+
+    batch: int
+    #: request indices (stream order), grouped by adapter
+    requests: tuple[int, ...]
+    #: each request's adapter and slot
+    adapters: tuple[str, ...]
+    slots: tuple[int, ...]
+    #: loads (indices into StreamSchedule.loads) issued on the copy stream just before this forward
+    issue_loads: tuple[int, ...]
+    #: loads this forward waits for
+    waits: tuple[int, ...]
+
+    def row_groups(self) -> list[tuple[int, int, str, int]]:
+        """(first row, end row, adapter, slot) of each adapter's consecutive rows."""
+        groups, start = [], 0
+        for row in range(1, len(self.requests) + 1):
+            if row == len(self.requests) or self.adapters[row] != self.adapters[start]:
+                groups.append((start, row, self.adapters[start], self.slots[start]))
+                start = row
+        return groups
+
+
+@dataclass(frozen=True, kw_only=True)
+class StreamSchedule:
+    """Every load and forward of a request stream, in the order they are issued."""
+
+    mode: str
+    num_slots: int
+    #: adapter of each request, stream order
+    request_adapters: tuple[str, ...]
+    #: batch of each request
+    request_batches: tuple[int, ...]
+    loads: tuple[Load, ...]
+    forwards: tuple[Forward, ...]
+
+    def last_forward_of_batch(self) -> dict[int, int]:
+        """Batch -> index of its last forward (its end is the next batch's arrival)."""
+        return {forward.batch: index for index, forward in enumerate(self.forwards)}
+
+
+class _Slots:
+    """Which adapter each slot holds, the last forward that read it, and least-recent use."""
+
+    def __init__(self, num_slots: int):
+        self.adapter_of: list[str | None] = [None] * num_slots
+        self.last_forward: list[int | None] = [None] * num_slots
+        self.last_use: list[int] = [-1] * num_slots
+        self._clock = 0
+
+    def slot_of(self, adapter: str) -> int | None:
+        return self.adapter_of.index(adapter) if adapter in self.adapter_of else None
+
+    def victim(self, keep: set[str]) -> int:
+        """A free slot, else the least recently used one whose adapter is not in ``keep`` (else any LRU)."""
+        if None in self.adapter_of:
+            return self.adapter_of.index(None)
+        candidates = [s for s, a in enumerate(self.adapter_of) if a not in keep] or list(range(len(self.adapter_of)))
+        return min(candidates, key=lambda s: self.last_use[s])
+
+    def use(self, slot: int, forward: int) -> None:
+        self._clock += 1
+        self.last_use[slot], self.last_forward[slot] = self._clock, forward
+
+
+def schedule_stream(batches: list[list[str]], num_slots: int, mode: str) -> StreamSchedule:
+    """The schedule of ``batches`` (each a list of the adapter each request names) served from ``num_slots``."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}")
+    if num_slots < 1:
+        raise ValueError("num_slots must be at least 1")
+    builder = _Builder(num_slots)
+    first_request = 0
+    for batch, adapters in enumerate(batches):
+        requests = list(range(first_request, first_request + len(adapters)))
+        if mode == BLOCKING:
+            builder.blocking_batch(batch, requests, adapters)
+        else:
+            builder.pipelined_batch(batch, requests, adapters)
+        first_request += len(adapters)
+    return StreamSchedule(mode=mode, num_slots=num_slots,
+                          request_adapters=tuple(a for batch in batches for a in batch),
+                          request_batches=tuple(b for b, batch in enumerate(batches) for _ in batch),
+                          loads=tuple(builder.loads), forwards=tuple(builder.forwards))
+
+
+class _Builder:
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+        self.slots = _Slots(num_slots)
+        self.loads: list[Load] = []
+        self.forwards: list[Forward] = []
+
+    def _place(self, adapter: str, batch: int, keep: set[str]) -> tuple[int, int | None]:
+        """The adapter's slot, and the index of the load that brings it there (None: already there)."""
+        slot = self.slots.slot_of(adapter)
+        if slot is not None:
+            return slot, None
+        slot = self.slots.victim(keep)
+        self.loads.append(Load(adapter=adapter, slot=slot, batch=batch, after_forward=self.slots.last_forward[slot]))
+        self.slots.adapter_of[slot] = adapter
+        return slot, len(self.loads) - 1
+
+    def blocking_batch(self, batch: int, requests: list[int], adapters: list[str]) -> None:
+        for wave in _waves(list(zip(requests, adapters)), self.num_slots):
+            order = list(dict.fromkeys(a for _, a in wave))  # the wave's adapters in need order
+            placed = {adapter: self._place(adapter, batch, set(order)) for adapter in order}
+            rows = [(r, a) for adapter in order for r, a in wave if a == adapter]
+            new_loads = tuple(load for _, load in placed.values() if load is not None)
+            self._forward(batch, rows, {a: slot for a, (slot, _) in placed.items()}, new_loads, new_loads)
+
+    def pipelined_batch(self, batch: int, requests: list[int], adapters: list[str]) -> None:
+        order = list(dict.fromkeys(adapters))
+        groups = [[(r, a) for r, a in zip(requests, adapters) if a == adapter] for adapter in order]
+        placed: list[tuple[int, int | None]] = []
+        issued: set[int] = set()
+
+        def keep(index: int) -> set[str]:
+            """Adapters a copy for group ``index`` must not evict: its own and the later groups', and the one
+            before it (read by the forward it is issued beside)."""
+            return set(order[max(0, index - 1):])
+
+        def place(index: int) -> None:
+            if len(placed) <= index:
+                placed.append(self._place(order[index], batch, keep(index)))
+
+        for index in range(len(groups)):
+            place(index)
+            issue = [placed[index][1]] if placed[index][1] is not None and placed[index][1] not in issued else []
+            if index + 1 < len(groups):  # one ahead, unless its slot is read by this very forward
+                slot_next = self.slots.slot_of(order[index + 1])
+                frees_here = slot_next is None and self.slots.victim(keep(index + 1)) == placed[index][0]
+                if not frees_here:
+                    place(index + 1)
+                    if placed[index + 1][1] is not None:
+                        issue.append(placed[index + 1][1])
+            issued.update(issue)
+            slot, load = placed[index]
+            self._forward(batch, groups[index], {order[index]: slot}, tuple(issue),
+                          (load,) if load is not None else ())
+
+    def _forward(self, batch: int, rows: list[tuple[int, str]], slot_of: dict[str, int], issue: tuple[int, ...],
+                 waits: tuple[int, ...]) -> None:
+        index = len(self.forwards)
+        self.forwards.append(Forward(batch=batch, requests=tuple(r for r, _ in rows),
+                                     adapters=tuple(a for _, a in rows), slots=tuple(slot_of[a] for _, a in rows),
+                                     issue_loads=issue, waits=waits))
+        for adapter in dict.fromkeys(a for _, a in rows):
+            self.slots.use(slot_of[adapter], index)
+
+
+def _waves(requests: list[tuple[int, str]], num_slots: int) -> list[list[tuple[int, str]]]:
+    """Consecutive runs of requests needing at most ``num_slots`` distinct adapters."""
+    waves, current, names = [], [], set()
+    for request, adapter in requests:
+        if adapter not in names and len(names) == num_slots:
+            waves.append(current)
+            current, names = [], set()
+        current.append((request, adapter))
+        names.add(adapter)
+    return waves + [current] if current else waves
+
+
+# ---- prediction ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class StreamTimes:
+    """Times of a served stream, in ms from its start (predicted by ``simulate`` or measured by the runtime)."""
+
+    #: when each forward starts computing and ends
+    forward_start_ms: tuple[float, ...]
+    forward_end_ms: tuple[float, ...]
+    #: each request's time to its first token, from its batch's arrival
+    ttft_ms: tuple[float, ...]
+    total_ms: float
+    #: time the compute stream sat idle (waiting for adapters)
+    compute_idle_ms: float
+    #: the first request of each batch: from the batch's arrival to the start of its first forward
+    first_start_ms: tuple[float, ...]
+
+
+def simulate(schedule: StreamSchedule, *, copy_ms: dict[str, float], compute_ms: list[float],
+             weights_link_ms: list[float] | None = None) -> StreamTimes:
+    """Predicted times of ``schedule``: copies in issue order on one link (the adapter's ``copy_ms``), each
+    forward's ``compute_ms`` on the compute stream, and, with offloaded weights, each forward's
+    ``weights_link_ms`` of copies queued on the same link after the copies issued before it (the forward ends
+    when both its compute and its weights' copies are done)."""
+    link_free = compute_free = 0.0
+    load_end: dict[int, float] = {}
+    starts, ends = [], []
+    arrival = {0: 0.0}
+    last_of_batch = schedule.last_forward_of_batch()
+    for index, forward in enumerate(schedule.forwards):
+        for load_index in forward.issue_loads:
+            load = schedule.loads[load_index]
+            ready = max(link_free, arrival[load.batch],
+                        ends[load.after_forward] if load.after_forward is not None else 0.0)
+            link_free = load_end[load_index] = ready + copy_ms[load.adapter]
+        start = max([compute_free, arrival[forward.batch]] + [load_end[i] for i in forward.waits])
+        end = start + compute_ms[index]
+        if weights_link_ms is not None:
+            link_free = max(link_free, start) + weights_link_ms[index]
+            end = max(end, link_free)
+        starts.append(start)
+        ends.append(end)
+        compute_free = end
+        if last_of_batch[forward.batch] == index:
+            arrival[forward.batch + 1] = end
+    return _times(schedule, starts, ends, arrival)
+
+
+def _times(schedule: StreamSchedule, starts: list[float], ends: list[float], arrival: dict[int, float]) -> StreamTimes:
+    """Per-request and whole-stream figures from each forward's start and end."""
+    end_of_request = {r: ends[i] for i, f in enumerate(schedule.forwards) for r in f.requests}
+    ttft = tuple(end_of_request[r] - arrival[b] for r, b in enumerate(schedule.request_batches))
+    first_forward = {}
+    for index, forward in enumerate(schedule.forwards):
+        first_forward.setdefault(forward.batch, index)
+    busy_ms = sum(e - s for s, e in zip(starts, ends))
+    total_ms = ends[-1] if ends else 0.0
+    return StreamTimes(forward_start_ms=tuple(starts), forward_end_ms=tuple(ends), ttft_ms=ttft, total_ms=total_ms,
+                       compute_idle_ms=total_ms - busy_ms,
+                       first_start_ms=tuple(starts[i] - arrival[b] for b, i in sorted(first_forward.items())))
+
+
+def times_from_events(schedule: StreamSchedule, starts: list[float], ends: list[float]) -> StreamTimes:
+    """Measured times: each forward's start and end in ms from the stream's start (the runtime's events)."""
+    arrival = {0: 0.0}
+    for batch, index in schedule.last_forward_of_batch().items():
+        arrival[batch + 1] = ends[index]
+    return _times(schedule, starts, ends, arrival)

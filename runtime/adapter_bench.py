@@ -1,0 +1,158 @@
+"""``run --bench`` of a plan with adapters: a request stream, each request naming an adapter, served blocking
+and pipelined from the plan's GPU slots, measured against planner.adapter_stream's prediction of the same
+schedule."""
+
+import random
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from planner.adapter_stream import MODES, StreamSchedule, StreamTimes, schedule_stream, simulate
+from runtime.adapters import AdapterPool, LoraHooks, ServedStream, load_pool, serve_stream
+from runtime.bench import random_ids
+from runtime.load import Loaded
+
+#: batches in the benchmark's stream (each arrives when the last has finished)
+NUM_BATCHES = 4
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModeResult:
+    """One way of serving the stream: measured and predicted figures, ms."""
+
+    mode: str
+    total_ms: float
+    predicted_total_ms: float
+    #: compute alone (the same forwards with the adapters already in their slots)
+    compute_ms: float
+    #: the stream's adapter bytes over the link rate measured here
+    link_ms: float
+    #: mean over batches: from a batch's arrival to the start of its first forward
+    first_start_ms: float
+    predicted_first_start_ms: float
+    ttft_mean_ms: float
+    predicted_ttft_mean_ms: float
+    ttft_max_ms: float
+    predicted_ttft_max_ms: float
+    compute_idle_ms: float
+    predicted_compute_idle_ms: float
+    ttft_ms: tuple[float, ...]
+    num_copies: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdapterBench:
+    num_adapters: int
+    num_slots: int
+    requests_per_batch: int
+    num_batches: int
+    prompt_tokens: int
+    slot_bytes: int
+    #: one adapter's copy, pinned to a slot, measured (median of a few)
+    measured_copy_ms: float
+    planned_copy_ms: float
+    modes: tuple[ModeResult, ...]
+
+    def as_dict(self) -> dict:
+        """Plain data for --json."""
+        return asdict(self)
+
+
+def stream_batches(names: list[str], requests_per_batch: int, num_batches: int, seed: int = 0) -> list[list[str]]:
+    """Batches of requests over distinct adapters (as many as a batch has requests, fewer if fewer exist),
+    drawn at random from ``names``."""
+    rng = random.Random(seed)
+    per_batch = min(requests_per_batch, len(names))
+    batches = []
+    for _ in range(num_batches):
+        chosen = rng.sample(names, per_batch)
+        batches.append([chosen[k % per_batch] for k in range(requests_per_batch)])
+    return batches
+
+
+def measure_copy_ms(pool: AdapterPool, adapter: str, num_copies: int = 5) -> float:
+    """Median time of copying ``adapter`` into slot 0 on the copy stream, alone on the link."""
+    backend = pool.backend
+    times = []
+    for _ in range(num_copies):
+        start, done = backend.new_event("copy-start", timing=True), backend.new_event("copy-done", timing=True)
+        backend.record_on_copy(start)
+        pool.copy(adapter, 0, done)
+        backend.synchronize()
+        times.append(backend.elapsed_ms(start, done))
+    return statistics.median(times)
+
+
+def weights_link_ms(loaded: Loaded, num_forwards: int) -> list[float] | None:
+    """Each forward's offloaded-weight copies on the link at the plan's rate (None when nothing is offloaded)."""
+    bytes_per_step = loaded.engine.copy_bytes_per_step
+    if not bytes_per_step:
+        return None
+    rate = loaded.plan.hardware.h2d_bytes_per_s
+    return [bytes_per_step / rate * 1e3] * num_forwards
+
+
+def run_mode(loaded: Loaded, pool: AdapterPool, hooks: LoraHooks, schedule: StreamSchedule, prompts: torch.Tensor,
+             copy_ms: dict[str, float], link_ms_per_copy: float) -> tuple[ModeResult, ServedStream]:
+    """Warm up, time the forwards alone, then the stream with its copies; predicted from the forwards' times."""
+    with torch.inference_mode():
+        serve_stream(loaded.model, pool, hooks, schedule, prompts)  # warm-up: kernels, allocator
+        alone = serve_stream(loaded.model, pool, hooks, schedule, prompts, copies=False).times
+        served = serve_stream(loaded.model, pool, hooks, schedule, prompts)
+    compute_ms = [e - s for s, e in zip(alone.forward_start_ms, alone.forward_end_ms)]
+    predicted = simulate(schedule, copy_ms=copy_ms, compute_ms=compute_ms,
+                         weights_link_ms=weights_link_ms(loaded, len(schedule.forwards)))
+    return _mode_result(schedule, served.times, predicted, sum(compute_ms), link_ms_per_copy), served
+
+
+def _mode_result(schedule: StreamSchedule, measured: StreamTimes, predicted: StreamTimes, compute_ms: float,
+                 link_ms_per_copy: float) -> ModeResult:
+    return ModeResult(
+        mode=schedule.mode, total_ms=measured.total_ms, predicted_total_ms=predicted.total_ms, compute_ms=compute_ms,
+        link_ms=len(schedule.loads) * link_ms_per_copy,
+        first_start_ms=statistics.mean(measured.first_start_ms),
+        predicted_first_start_ms=statistics.mean(predicted.first_start_ms),
+        ttft_mean_ms=statistics.mean(measured.ttft_ms), predicted_ttft_mean_ms=statistics.mean(predicted.ttft_ms),
+        ttft_max_ms=max(measured.ttft_ms), predicted_ttft_max_ms=max(predicted.ttft_ms),
+        compute_idle_ms=measured.compute_idle_ms, predicted_compute_idle_ms=predicted.compute_idle_ms,
+        ttft_ms=measured.ttft_ms, num_copies=len(schedule.loads))
+
+
+@dataclass
+class StreamOutputs:
+    """The stream's prompts and, per mode, its schedule and what was served (for checks against PEFT)."""
+
+    prompts: torch.Tensor
+    served: dict[str, tuple[StreamSchedule, ServedStream]]
+
+
+def run_adapter_bench(loaded: Loaded, plan_path: Path | None = None, *, requests_per_batch: int | None = None,
+                      num_batches: int = NUM_BATCHES, pool_and_hooks=None) -> tuple[AdapterBench, StreamOutputs]:
+    """Serve the same stream blocking and pipelined. Batches have twice as many requests as slots (each a
+    different adapter, where there are enough), so every batch needs more adapters than fit at once."""
+    plan = loaded.plan
+    pool, hooks = pool_and_hooks or load_pool(loaded.model, plan, loaded.engine.backend, plan_path)
+    names = sorted(pool.layouts)
+    per_batch = requests_per_batch or 2 * plan.adapters.num_slots
+    batches = stream_batches(names, per_batch, num_batches)
+    prompt_tokens = plan.workload.tokens_per_step // plan.workload.sequences_per_step
+    num_requests = sum(len(batch) for batch in batches)
+    prompts = random_ids(loaded.model, (num_requests, prompt_tokens), loaded.engine.backend.device)
+    copy_ms = {row.name: row.copy_ms for row in plan.adapters.items}
+    measured_copy = measure_copy_ms(pool, names[0])
+    link_ms_per_copy = measured_copy * plan.adapters.slot_bytes / pool.layouts[names[0]].num_bytes
+    results, outputs = [], StreamOutputs(prompts=prompts, served={})
+    for mode in MODES:
+        schedule = schedule_stream(batches, plan.adapters.num_slots, mode)
+        result, served = run_mode(loaded, pool, hooks, schedule, prompts, copy_ms, link_ms_per_copy)
+        results.append(result)
+        outputs.served[mode] = (schedule, served)
+    bench = AdapterBench(num_adapters=len(names), num_slots=plan.adapters.num_slots, requests_per_batch=per_batch,
+                         num_batches=num_batches, prompt_tokens=prompt_tokens, slot_bytes=plan.adapters.slot_bytes,
+                         measured_copy_ms=measured_copy, planned_copy_ms=plan.adapters.copy_ms, modes=tuple(results))
+    if pool_and_hooks is None:
+        hooks.remove()
+        pool.close()
+    return bench, outputs
