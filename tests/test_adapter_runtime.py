@@ -93,3 +93,25 @@ def test_an_adapter_for_another_model_is_one_line(base_and_adapters, tmp_path):
     folders = save_random_adapters(other, tmp_path, ["x"], rank=4)
     with pytest.raises(ModelInputError, match="do not fit"):
         AdapterPool(copy.deepcopy(base), list(folders.items()), 1, CpuStandIn())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", [BLOCKING, PIPELINED])
+def test_stream_on_the_gpu_equals_peft(base_and_adapters, mode):
+    """The same stream on the GPU: copies on the copy stream, forwards waiting on their events."""
+    from runtime.backend import CudaBackend
+
+    base, folders = base_and_adapters
+    model = copy.deepcopy(base).cuda()
+    pool = AdapterPool(model, list(folders.items()), 2, CudaBackend(torch.device("cuda")))
+    hooks = LoraHooks(model, {pair.module for layout in pool.layouts.values() for pair in layout.pairs})
+    schedule = schedule_stream(BATCHES, 2, mode)
+    prompts = torch.randint(0, 128, (len(schedule.request_adapters), 6)).cuda()
+    with torch.inference_mode():
+        served = serve_stream(model, pool, hooks, schedule, prompts)
+    reference = peft_reference(copy.deepcopy(base).cuda(), folders)
+    for forward in schedule.forwards:
+        expected = peft_logits(reference, prompts[list(forward.requests)], list(forward.adapters))
+        assert torch.equal(torch.stack([served.logits[r] for r in forward.requests]), expected), forward
+    assert served.times.total_ms > 0 and all(t > 0 for t in served.times.ttft_ms)
+    pool.close()
