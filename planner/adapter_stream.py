@@ -7,12 +7,15 @@ from the plan's copy times and the forwards' compute times, so measured and pred
 Requests come in batches; batch b arrives when batch b-1 has finished (a saturated server), and no copy for a
 batch starts before it arrives. Two ways to serve a batch:
 
-- blocking (a batch waits for all its adapters): the batch is cut into waves of at most ``num_slots`` adapters;
-  each wave's missing adapters are copied, then the wave runs as one forward whose rows mix its adapters.
-- pipelined (each request starts when its own adapter has landed): the batch's requests run one forward per
-  adapter, in the order they arrived; copies go in that order, the copy for the next forward issued before the
-  current forward (one ahead), so a forward's offloaded-weight copies, on the same link, queue behind at most
-  one adapter copy and neither kind starves the other.
+- blocking (a batch waits for all its adapters): the batch is cut into waves of at most ``num_slots`` adapters
+  (consecutive requests, first come first served); each wave's missing adapters are copied, then the wave runs
+  as one forward whose rows mix its adapters.
+- pipelined (a request starts as soon as its own adapter has landed): the same waves, each run as two forwards:
+  the lead (the requests of the wave's first adapter) waits for that one copy only; the rest of the wave, rows
+  mixing its other adapters, waits for theirs, which land while the lead computes. The copies are issued in
+  need order before the lead, so the compute stream idles for one copy per wave at most (none where the
+  previous wave's forwards cover it), and a forward's offloaded-weight copies, on the same link, queue behind
+  at most one wave of adapter copies: neither kind starves the other.
 
 A slot is reused for the least recently used adapter that the batch's remaining requests do not need; the copy
 into it waits for the last forward that read the slot.
@@ -151,34 +154,16 @@ class _Builder:
             self._forward(batch, rows, {a: slot for a, (slot, _) in placed.items()}, new_loads, new_loads)
 
     def pipelined_batch(self, batch: int, requests: list[int], adapters: list[str]) -> None:
-        order = list(dict.fromkeys(adapters))
-        groups = [[(r, a) for r, a in zip(requests, adapters) if a == adapter] for adapter in order]
-        placed: list[tuple[int, int | None]] = []
-        issued: set[int] = set()
-
-        def keep(index: int) -> set[str]:
-            """Adapters a copy for group ``index`` must not evict: its own and the later groups', and the one
-            before it (read by the forward it is issued beside)."""
-            return set(order[max(0, index - 1):])
-
-        def place(index: int) -> None:
-            if len(placed) <= index:
-                placed.append(self._place(order[index], batch, keep(index)))
-
-        for index in range(len(groups)):
-            place(index)
-            issue = [placed[index][1]] if placed[index][1] is not None and placed[index][1] not in issued else []
-            if index + 1 < len(groups):  # one ahead, unless its slot is read by this very forward
-                slot_next = self.slots.slot_of(order[index + 1])
-                frees_here = slot_next is None and self.slots.victim(keep(index + 1)) == placed[index][0]
-                if not frees_here:
-                    place(index + 1)
-                    if placed[index + 1][1] is not None:
-                        issue.append(placed[index + 1][1])
-            issued.update(issue)
-            slot, load = placed[index]
-            self._forward(batch, groups[index], {order[index]: slot}, tuple(issue),
-                          (load,) if load is not None else ())
+        for wave in _waves(list(zip(requests, adapters)), self.num_slots):
+            order = list(dict.fromkeys(a for _, a in wave))
+            placed = {adapter: self._place(adapter, batch, set(order)) for adapter in order}
+            slot_of = {a: slot for a, (slot, _) in placed.items()}
+            issue = tuple(load for _, load in placed.values() if load is not None)
+            lead = [(r, a) for r, a in wave if a == order[0]]
+            rest = [(r, a) for adapter in order[1:] for r, a in wave if a == adapter]
+            self._forward(batch, lead, slot_of, issue, _loads_of(placed, order[:1]))
+            if rest:
+                self._forward(batch, rest, slot_of, (), _loads_of(placed, order[1:]))
 
     def _forward(self, batch: int, rows: list[tuple[int, str]], slot_of: dict[str, int], issue: tuple[int, ...],
                  waits: tuple[int, ...]) -> None:
@@ -188,6 +173,11 @@ class _Builder:
                                      issue_loads=issue, waits=waits))
         for adapter in dict.fromkeys(a for _, a in rows):
             self.slots.use(slot_of[adapter], index)
+
+
+def _loads_of(placed: dict[str, tuple[int, int | None]], adapters: list[str]) -> tuple[int, ...]:
+    """The loads that bring ``adapters`` to their slots (none for those already there)."""
+    return tuple(placed[a][1] for a in adapters if placed[a][1] is not None)
 
 
 def _waves(requests: list[tuple[int, str]], num_slots: int) -> list[list[tuple[int, str]]]:
@@ -222,11 +212,13 @@ class StreamTimes:
 
 
 def simulate(schedule: StreamSchedule, *, copy_ms: dict[str, float], compute_ms: list[float],
-             weights_link_ms: list[float] | None = None) -> StreamTimes:
+             weights_link_ms: list[float] | None = None, wrapped_link_ms: float = 0.0) -> StreamTimes:
     """Predicted times of ``schedule``: copies in issue order on one link (the adapter's ``copy_ms``), each
     forward's ``compute_ms`` on the compute stream, and, with offloaded weights, each forward's
-    ``weights_link_ms`` of copies queued on the same link after the copies issued before it (the forward ends
-    when both its compute and its weights' copies are done)."""
+    ``weights_link_ms`` of copies on the same link. Of those, ``wrapped_link_ms`` (the first offloaded layers,
+    prefetched while the forward before ends) go on the link at the end of the forward before, ahead of any
+    adapter copy issued after it; the rest queue after the copies issued before the forward. A forward ends
+    when both its compute and its own weights' copies are done."""
     link_free = compute_free = 0.0
     load_end: dict[int, float] = {}
     starts, ends = [], []
@@ -241,8 +233,10 @@ def simulate(schedule: StreamSchedule, *, copy_ms: dict[str, float], compute_ms:
         start = max([compute_free, arrival[forward.batch]] + [load_end[i] for i in forward.waits])
         end = start + compute_ms[index]
         if weights_link_ms is not None:
-            link_free = max(link_free, start) + weights_link_ms[index]
+            own_ms = weights_link_ms[index] - (wrapped_link_ms if index else 0.0)  # the first has none wrapped
+            link_free = max(link_free, start) + own_ms
             end = max(end, link_free)
+            link_free += wrapped_link_ms  # the next forward's first layers, issued as this one ends
         starts.append(start)
         ends.append(end)
         compute_free = end

@@ -85,13 +85,16 @@ def measure_copy_ms(pool: AdapterPool, adapter: str, num_copies: int = 5) -> flo
     return statistics.median(times)
 
 
-def weights_link_ms(loaded: Loaded, num_forwards: int) -> list[float] | None:
-    """Each forward's offloaded-weight copies on the link at the plan's rate (None when nothing is offloaded)."""
-    bytes_per_step = loaded.engine.copy_bytes_per_step
-    if not bytes_per_step:
-        return None
-    rate = loaded.plan.hardware.h2d_bytes_per_s
-    return [bytes_per_step / rate * 1e3] * num_forwards
+def weights_link_ms(loaded: Loaded, num_forwards: int) -> tuple[list[float] | None, float]:
+    """Each forward's offloaded-weight copies on the link at the plan's rate (None when nothing is offloaded),
+    and the part of them wrapped to the forward before (the first layers, copied as it ends)."""
+    engine = loaded.engine
+    if not engine.copy_bytes_per_step:
+        return None, 0.0
+    ms_per_byte = 1e3 / loaded.plan.hardware.h2d_bytes_per_s
+    wrapped = [*engine.joined_positions, *engine.deferred_positions]
+    return ([engine.copy_bytes_per_step * ms_per_byte] * num_forwards,
+            sum(engine.layer_bytes[p] for p in wrapped) * ms_per_byte)
 
 
 def run_mode(loaded: Loaded, pool: AdapterPool, hooks: LoraHooks, schedule: StreamSchedule, prompts: torch.Tensor,
@@ -102,8 +105,9 @@ def run_mode(loaded: Loaded, pool: AdapterPool, hooks: LoraHooks, schedule: Stre
         alone = serve_stream(loaded.model, pool, hooks, schedule, prompts, copies=False).times
         served = serve_stream(loaded.model, pool, hooks, schedule, prompts)
     compute_ms = [e - s for s, e in zip(alone.forward_start_ms, alone.forward_end_ms)]
-    predicted = simulate(schedule, copy_ms=copy_ms, compute_ms=compute_ms,
-                         weights_link_ms=weights_link_ms(loaded, len(schedule.forwards)))
+    link_ms, wrapped_ms = weights_link_ms(loaded, len(schedule.forwards))
+    predicted = simulate(schedule, copy_ms=copy_ms, compute_ms=compute_ms, weights_link_ms=link_ms,
+                         wrapped_link_ms=wrapped_ms)
     return _mode_result(schedule, served.times, predicted, sum(compute_ms), link_ms_per_copy), served
 
 

@@ -5,7 +5,8 @@ on every linear layer (saved with PEFT), makes two plans with `offload-plan make
 --tokens 512` (all resident, and half the layers offloaded: G=2 K=1), and for each serves a stream of 4 batches
 of 8 requests over 8 adapters, blocking and pipelined (runtime.adapter_bench, as `run --bench` does). Each
 request's last-token logits are compared with PEFT's (the base model on the GPU, every adapter loaded with
-autocast_adapter_dtype=False; PEFT's mixed-batch forward for the blocking waves' mixed rows).
+autocast_adapter_dtype=False, over the project's all-resident model: from_pretrained on the CPU, moved to
+the GPU whole; PEFT's mixed-batch forward for the rows that mix adapters).
 
     PYTHONPATH=. python3 scripts/bench_adapters.py            # on the H100; PEFT must be importable
     PYTHONPATH=. python3 scripts/bench_adapters.py --tiny     # the same logic on a tiny model, CPU is enough
@@ -95,6 +96,7 @@ def run_plan(label: str, plan_path: Path, checkpoint: Path, reference, device: s
 
     from planner.plan import read_plan
     from runtime.adapter_bench import run_adapter_bench
+    from runtime.adapters import load_pool
 
     plan = read_plan(plan_path)
     if device == "cuda":
@@ -106,15 +108,45 @@ def run_plan(label: str, plan_path: Path, checkpoint: Path, reference, device: s
 
         model, engine = stream_on_cpu(checkpoint, plan)
         loaded = Loaded(model=model, engine=engine, plan=plan, weights_gpu_bytes=0)
-    bench, outputs = run_adapter_bench(loaded, plan_path, requests_per_batch=REQUESTS_PER_BATCH)
+    pool, hooks = load_pool(loaded.model, plan, loaded.engine.backend, plan_path)
+    bench, outputs = run_adapter_bench(loaded, plan_path, requests_per_batch=REQUESTS_PER_BATCH,
+                                       pool_and_hooks=(pool, hooks))
     checks = compare_with_peft(reference, outputs)
+    forward_ms = forward_costs(loaded.model, pool, hooks, outputs.prompts) if device == "cuda" else {}
+    hooks.remove()
+    pool.close()
     row = {"label": label, "num_offloaded": len(plan.offload.layers), "bench": asdict(bench), "peft": checks,
+           "forward_ms": forward_ms,
            "planned_pipelined_first_wait_ms": plan.adapters.pipelined_first_wait_ms,
            "planned_blocking_wait_ms": plan.adapters.blocking_wait_ms}
     del loaded, outputs
     if device == "cuda":
         torch.cuda.empty_cache()
     return row
+
+
+def forward_costs(model, pool, hooks, prompts) -> dict:
+    """Median ms of one forward of 1 and of 4 requests, without adapters and with (one adapter per request):
+    what the LoRA layers add, and how much a one-request forward costs beside a batched one."""
+    import statistics
+
+    import torch
+
+    from runtime.bench import time_calls
+
+    names = sorted(pool.layouts)
+    costs = {}
+    for rows in (1, 4):
+        ids = prompts[:rows]
+        lora = [(r, r + 1, pool.views(names[r], r), pool.layouts[names[r]].scaling) for r in range(rows)]
+        for label, groups in (("base", []), ("lora", lora)):
+            hooks.groups = groups
+            with torch.inference_mode():
+                step = lambda: model(input_ids=ids, use_cache=False, logits_to_keep=1)  # noqa: E731
+                time_calls(step, 3)
+                costs[f"{rows} requests, {label}"] = statistics.median(time_calls(step, 10))
+    hooks.groups = []
+    return costs
 
 
 def print_table(results: dict) -> None:
@@ -137,6 +169,8 @@ def print_table(results: dict) -> None:
                 f"{mode['ttft_max_ms']:.1f} ({mode['predicted_ttft_max_ms']:.1f})",
                 f"{mode['compute_idle_ms']:.1f} ({mode['predicted_compute_idle_ms']:.1f})",
                 "bitwise" if peft["bitwise_equal"] else f"max diff {peft['max_abs_diff']:.3g}")))
+        if row["forward_ms"]:
+            print("  forward alone: " + ", ".join(f"{k} {v:.1f} ms" for k, v in row["forward_ms"].items()))
         print(f"  one adapter copy: measured {bench['measured_copy_ms']:.2f} ms, planned "
               f"{bench['planned_copy_ms']:.2f} ms ({bench['slot_bytes'] / 1e6:.0f} MB)")
 
@@ -158,7 +192,11 @@ def main() -> None:
     base = build_base(TINY if args.tiny else QWEN3_8B, work / "checkpoint", device)
     folders = save_random_adapters(base, work / "adapters", [f"lora{k:02d}" for k in range(NUM_ADAPTERS)], rank=rank)
     log(f"checkpoint and {NUM_ADAPTERS} adapters written in {time.perf_counter() - start:.1f} s")
-    reference = peft_reference(base, folders)
+    del base  # the reference is the project's all-resident model (its rotary tables computed on the CPU, as
+    # the loader computes them): from_pretrained on the CPU, moved to the device whole, wrapped by PEFT
+    from runtime.load import build_model
+
+    reference = peft_reference(build_model(str(work / "checkpoint"), None).to(device), folders)
     results = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "rank": rank,
                "prompt_tokens": tokens, "plans": []}
     for label, half in (("resident", False), ("half offloaded", True)):

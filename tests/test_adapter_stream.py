@@ -17,13 +17,22 @@ def test_blocking_cuts_a_batch_into_waves_of_slots_and_mixes_adapters():
     assert [f.waits for f in schedule.forwards] == [(0, 1), (2,), (3,)]
 
 
-def test_pipelined_runs_one_forward_per_adapter_and_issues_one_copy_ahead():
-    schedule = schedule_stream([["a", "b", "c"]], 2, PIPELINED)
-    assert [f.adapters for f in schedule.forwards] == [("a",), ("b",), ("c",)]
-    assert [f.waits for f in schedule.forwards] == [(0,), (1,), (2,)]
-    # c evicts a (read by forward 0): issued before forward 1, after forward 0 was issued
-    assert [f.issue_loads for f in schedule.forwards] == [(0, 1), (2,), ()]
-    assert schedule.loads[2].after_forward == 0 and schedule.loads[2].slot == 0
+def test_pipelined_runs_each_wave_as_a_lead_and_the_rest_mixed():
+    schedule = schedule_stream([["a", "b", "c", "b"], ["d"]], 3, PIPELINED)
+    assert [f.requests for f in schedule.forwards] == [(0,), (1, 3, 2), (4,)]
+    assert [f.adapters for f in schedule.forwards] == [("a",), ("b", "b", "c"), ("d",)]
+    assert [f.issue_loads for f in schedule.forwards] == [(0, 1, 2), (), (3,)]
+    assert [f.waits for f in schedule.forwards] == [(0,), (1, 2), (3,)]
+    # d evicts a, the least recently used (read by forward 0)
+    assert (schedule.loads[3].slot, schedule.loads[3].after_forward) == (0, 0)
+
+
+def test_pipelined_lead_covers_the_rest_of_its_wave():
+    """copies 10 ms; the lead computes 30 ms, the rest 50: the rest's copies land under the lead."""
+    schedule = schedule_stream([["a", "b", "c", "b"]], 4, PIPELINED)
+    times = simulate(schedule, copy_ms=dict.fromkeys("abc", 10.0), compute_ms=[30.0, 50.0])
+    assert times.forward_start_ms == (10.0, 40.0) and times.compute_idle_ms == 10.0
+    assert times.ttft_ms == (40.0, 90.0, 90.0, 90.0) and times.first_start_ms == (10.0,)
 
 
 def test_pipelined_never_issues_a_copy_before_the_forward_that_frees_its_slot():
@@ -62,11 +71,22 @@ def test_a_batch_arrives_when_the_last_one_ends():
 
 
 def test_offloaded_weights_queue_behind_an_adapter_copy():
-    """A forward whose weights need 50 ms of link, compute 20 ms: the adapter copy before it delays it."""
+    """A forward whose weights need 50 ms of link, compute 20 ms: the adapter copies before it delay it."""
     schedule = schedule_stream([["a", "b"]], 2, PIPELINED)
     times = simulate(schedule, copy_ms={"a": 10.0, "b": 10.0}, compute_ms=[20.0, 20.0], weights_link_ms=[50.0, 50.0])
     # a 0-10, b 10-20, forward 0 starts 10, its weights 20-70; forward 1 starts 70, weights 70-120
     assert times.forward_end_ms == (70.0, 120.0)
+
+
+def test_wrapped_weight_copies_go_before_the_next_batchs_adapter():
+    """The next forward's first layers (15 of its 50 ms of link) are copied as the forward before ends, ahead of
+    the next batch's adapter copy."""
+    schedule = schedule_stream([["a"], ["b"]], 1, PIPELINED)
+    times = simulate(schedule, copy_ms={"a": 10.0, "b": 10.0}, compute_ms=[20.0, 20.0], weights_link_ms=[50.0, 50.0],
+                     wrapped_link_ms=15.0)
+    # a 0-10; forward 0 from 10, its weights 10-60, then 15 wrapped to 75; b 75-85; forward 1 from 85, its
+    # remaining 35 of weights 85-120
+    assert times.forward_start_ms == (10.0, 85.0) and times.forward_end_ms == (60.0, 120.0)
 
 
 def test_measured_times_use_the_same_figures():

@@ -305,7 +305,10 @@ def test_streamed_load_bitwise_equal_on_gpu(checkpoint, shape, params, request):
     torch.cuda.reset_peak_memory_stats()
     baseline = torch.cuda.memory_allocated()
     loaded = load_with_plan(plan, str(folder))
-    assert torch.cuda.max_memory_allocated() - baseline <= plan.memory.gpu_bytes
+    # the plan counts the checkpoint's weights; the model's computed buffers (rotary tables) come on top, each
+    # in a block of the caching allocator (512 bytes at least)
+    buffer_bytes = sum(-(-b.numel() * b.element_size() // 512) * 512 for b in loaded.model.buffers())
+    assert torch.cuda.max_memory_allocated() - baseline <= plan.memory.gpu_bytes + buffer_bytes
     assert loaded.engine._host_allocation.is_pinned()
     assert all(p.device.type == "cuda" for p in loaded.model.parameters())
     assert all(torch.equal(out, reference) for out in _run(loaded.model, 4))
