@@ -4,7 +4,7 @@ schedule."""
 
 import random
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -16,6 +16,8 @@ from runtime.load import Loaded
 
 #: batches in the benchmark's stream (each arrives when the last has finished)
 NUM_BATCHES = 4
+#: timed rounds per mode (each: the forwards alone, then the stream with its copies)
+NUM_ROUNDS = 3
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,6 +42,9 @@ class ModeResult:
     predicted_compute_idle_ms: float
     ttft_ms: tuple[float, ...]
     num_copies: int
+    #: every round's total and compute alone, for spread
+    total_ms_all: tuple[float, ...] = ()
+    compute_ms_all: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,17 +103,28 @@ def weights_link_ms(loaded: Loaded, num_forwards: int) -> tuple[list[float] | No
 
 
 def run_mode(loaded: Loaded, pool: AdapterPool, hooks: LoraHooks, schedule: StreamSchedule, prompts: torch.Tensor,
-             copy_ms: dict[str, float], link_ms_per_copy: float) -> tuple[ModeResult, ServedStream]:
-    """Warm up, time the forwards alone, then the stream with its copies; predicted from the forwards' times."""
+             copy_ms: dict[str, float], link_ms_per_copy: float,
+             num_rounds: int = NUM_ROUNDS) -> tuple[ModeResult, ServedStream]:
+    """Warm up, then ``num_rounds`` of (the forwards alone, the stream with its copies), interleaved so drift
+    hits both alike. Reported: the served round of median total; predicted from each forward's median time
+    alone."""
     with torch.inference_mode():
         serve_stream(loaded.model, pool, hooks, schedule, prompts)  # warm-up: kernels, allocator
-        alone = serve_stream(loaded.model, pool, hooks, schedule, prompts, copies=False).times
-        served = serve_stream(loaded.model, pool, hooks, schedule, prompts)
-    compute_ms = [e - s for s, e in zip(alone.forward_start_ms, alone.forward_end_ms)]
+        alone, served = [], []
+        for _ in range(num_rounds):
+            alone.append(serve_stream(loaded.model, pool, hooks, schedule, prompts, copies=False).times)
+            served.append(serve_stream(loaded.model, pool, hooks, schedule, prompts))
+    compute_ms = [statistics.median(t.forward_end_ms[k] - t.forward_start_ms[k] for t in alone)
+                  for k in range(len(schedule.forwards))]
     link_ms, wrapped_ms = weights_link_ms(loaded, len(schedule.forwards))
     predicted = simulate(schedule, copy_ms=copy_ms, compute_ms=compute_ms, weights_link_ms=link_ms,
                          wrapped_link_ms=wrapped_ms)
-    return _mode_result(schedule, served.times, predicted, sum(compute_ms), link_ms_per_copy), served
+    totals = [run.times.total_ms for run in served]
+    middle = served[totals.index(statistics.median_low(totals))]
+    result = _mode_result(schedule, middle.times, predicted, sum(compute_ms), link_ms_per_copy)
+    return replace(result, total_ms_all=tuple(totals),
+                   compute_ms_all=tuple(sum(e - s for s, e in zip(t.forward_start_ms, t.forward_end_ms))
+                                        for t in alone)), middle
 
 
 def _mode_result(schedule: StreamSchedule, measured: StreamTimes, predicted: StreamTimes, compute_ms: float,
