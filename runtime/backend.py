@@ -8,6 +8,7 @@ slot without waiting for its copy. So CI tests the schedule both ways without a 
 each operation, for tests that check the order itself.
 """
 
+import mmap
 import resource
 import threading
 from dataclasses import dataclass, field
@@ -27,6 +28,13 @@ def pin_error(num_bytes: int, cuda_error: int) -> RuntimeUnavailableError:
         f"(cudaHostRegister: CUDA error {cuda_error}); the memlock limit is {limit}: raise it (ulimit -l unlimited, "
         "docker --ulimit memlock=-1) or make a plan with a larger --budget, which pins less"
     )
+
+
+def _pages_overlap(start: int, num_bytes: int, other_start: int, other_bytes: int) -> bool:
+    """Whether two byte ranges touch a common page."""
+    first, last = start // mmap.PAGESIZE, (start + num_bytes - 1) // mmap.PAGESIZE
+    other_first, other_last = other_start // mmap.PAGESIZE, (other_start + other_bytes - 1) // mmap.PAGESIZE
+    return first <= other_last and other_first <= last
 
 
 @dataclass
@@ -130,12 +138,22 @@ class CpuStandIn:
         self._land_copies(before=len(self.log))
 
     def pin(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Records the range; refuses what cudaHostRegister refuses: an empty range, or one overlapping a range
+        already registered. The driver pins whole pages, so a range sharing a page with a registered one
+        counts as overlapping here (stricter than needed, never looser)."""
         assert tensor.numel() > 0, "page-locking an empty allocation fails on CUDA"
-        self.pinned[tensor.data_ptr()] = tensor.numel() * tensor.element_size()
+        start, num_bytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+        for other_start, other_bytes in self.pinned.items():
+            assert not _pages_overlap(start, num_bytes, other_start, other_bytes), (
+                f"page-locking [{start:#x}, +{num_bytes}) overlaps the registered [{other_start:#x}, "
+                f"+{other_bytes}): cudaHostRegister refuses it")
+        self.pinned[start] = num_bytes
         return tensor
 
     def unpin(self, tensor: torch.Tensor) -> None:
-        self.pinned.pop(tensor.data_ptr(), None)
+        """cudaHostUnregister takes the start of a registered range: anything else is an error on CUDA."""
+        assert tensor.data_ptr() in self.pinned, f"unpinning {tensor.data_ptr():#x}, which is not registered"
+        del self.pinned[tensor.data_ptr()]
 
     def upload(self, destination: torch.Tensor, source: torch.Tensor):
         """A loading copy from a staging buffer; on the stand-in it lands at once."""

@@ -13,6 +13,7 @@ a layer's kernels across its wait or its copies, and Inductor re-inplaces it, so
 """
 
 import itertools
+import mmap
 import weakref
 from dataclasses import dataclass, field
 
@@ -20,8 +21,12 @@ import torch
 from torch import nn
 
 from planner.layout import param_selected
-from planner.placement import align_up
+from planner.placement import ALIGN_BYTES, align_up
 from planner.schedule import PrefetchSchedule
+
+#: each offloaded layer's bytes start on a page of their own in the host allocation: layers are page-locked
+#: one by one (cudaHostRegister pins whole pages and refuses a range overlapping one already registered)
+HOST_PIECE_ALIGN_BYTES = max(ALIGN_BYTES, mmap.PAGESIZE)
 
 
 @dataclass(frozen=True)
@@ -48,9 +53,10 @@ class OffloadStats:
     _copy_events: list = field(default_factory=list)
 
 
-def backend_unpin(backend, host: torch.Tensor) -> None:
+def backend_unpin(backend, pieces: list[torch.Tensor]) -> None:
     """Finalizer body: must not reference the engine, or the engine would never be collected."""
-    backend.unpin(host)
+    for piece in pieces:
+        backend.unpin(piece)
 
 
 def pack_layout(layer: nn.Module, segments: tuple[str, ...]) -> list[PackedParam]:
@@ -76,11 +82,24 @@ def offloaded_layouts(layers: list[nn.Module], offloaded: tuple[int, ...], param
 
 
 def host_offsets(layer_bytes: list[int]) -> list[int]:
-    """Start of each offloaded layer's packed bytes in the host allocation, and (last) its total bytes."""
+    """Start of each offloaded layer's packed bytes in the host allocation, and (last) its total bytes: each
+    layer on pages of its own (HOST_PIECE_ALIGN_BYTES), so each can be page-locked apart."""
     offsets = [0]
     for num_bytes in layer_bytes:
-        offsets.append(offsets[-1] + align_up(num_bytes))
+        offsets.append(offsets[-1] + align_up(num_bytes, HOST_PIECE_ALIGN_BYTES))
     return offsets
+
+
+def host_pieces(host: torch.Tensor, layer_bytes: list[int]) -> list[torch.Tensor]:
+    """Each offloaded layer's packed bytes in ``host`` (a page-aligned allocation laid out by host_offsets):
+    what one copy reads, and what is page-locked as one piece. Disjoint, none sharing a page."""
+    offsets = host_offsets(layer_bytes)
+    return [host[offsets[k]:offsets[k] + num_bytes] for k, num_bytes in enumerate(layer_bytes)]
+
+
+def pinnable(pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The pieces that are page-locked: all but empty ones (cudaHostRegister fails on an empty range)."""
+    return [piece for piece in pieces if piece.numel() > 0]
 
 
 def view_as_param(buffer: torch.Tensor, item: PackedParam) -> torch.Tensor:
@@ -130,8 +149,9 @@ class OffloadEngine:
         replay_start_copies: int = 0,
     ):
         """``slots``: one uint8 device buffer per slot, each at least as long as the largest packed layer;
-        ``host``: the page-locked uint8 allocation already holding every offloaded layer's packed params at
-        ``host_offsets`` (None when nothing is offloaded); the engine unpins it when it is collected or closed;
+        ``host``: the uint8 allocation already holding every offloaded layer's packed params at
+        ``host_offsets``, each layer's piece page-locked (None when nothing is offloaded); the engine unpins
+        the pieces when it is collected or closed;
         ``replay_start_copies``: in graph mode, how many of the copies wrapping past a replay the next replay
         issues as it begins (PrefetchSchedule.replay_boundary; the plan's offload.replay_start_copies)."""
         self.backend = backend
@@ -181,12 +201,12 @@ class OffloadEngine:
             assert not self.offloaded, "offloaded layers need a host allocation"
             self._unpin = lambda: None
             return []
-        offsets = host_offsets(self.layer_bytes)
-        assert host.numel() >= offsets[-1]
+        assert host.numel() >= host_offsets(self.layer_bytes)[-1]
+        pieces = host_pieces(host, self.layer_bytes)
         # A freed range that stays registered could be handed to a later allocation, and copies from it
         # would read the old pages: unpin first.
-        self._unpin = weakref.finalize(self, backend_unpin, self.backend, host)
-        return [host[offsets[k]:offsets[k] + n] for k, n in enumerate(self.layer_bytes)]
+        self._unpin = weakref.finalize(self, backend_unpin, self.backend, pinnable(pieces))
+        return pieces
 
     def _point_params_at_slots(self, layers) -> None:
         for position, layer_index in enumerate(self.offloaded):

@@ -8,7 +8,7 @@ benchmark scripts build their all-resident references that way).
 """
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -21,10 +21,10 @@ from planner.units import format_bytes
 from runtime.backend import CpuStandIn, CudaBackend
 from planner.placement import align_up
 from planner.schedule import PrefetchSchedule
-from runtime.engine import (OffloadEngine, PackedParam, host_offsets, offloaded_layouts, pack_layout, packed_bytes,
-                            view_as_param)
+from runtime.engine import (HOST_PIECE_ALIGN_BYTES, OffloadEngine, PackedParam, host_offsets, host_pieces,
+                            offloaded_layouts, pack_layout, packed_bytes, view_as_param)
 from runtime.stream_load import (
-    CONVERSIONS_IN_FLIGHT, NUM_READERS, STAGING_BYTES, Destination, LoadWork, build_skeleton,
+    CONVERSIONS_IN_FLIGHT, NUM_READERS, STAGING_BYTES, Destination, LoadPhases, LoadWork, build_skeleton,
     checkpoint_files, param_owners, plan_reads, read_sources, set_param, stream_weights,
 )
 
@@ -41,6 +41,8 @@ class Loaded:
     plan: Plan
     #: GPU bytes held by weights and slots after loading (torch.cuda.memory_allocated)
     weights_gpu_bytes: int
+    #: where the streamed load's time went (reads, page-locking), for benchmarks
+    load_phases: LoadPhases | None = None
 
 
 def require_cuda(what: str = "offload-plan run") -> torch.device:
@@ -155,7 +157,8 @@ def check_selection(plan: Plan, layers: list[nn.Module]) -> None:
 @dataclass
 class Placement:
     """Where every param of a model goes under a plan: the device arena (resident params, then the slots) and
-    the page-locked host allocation (offloaded params, packed layer by layer)."""
+    the host allocation (offloaded params, packed layer by layer), page-locked in pieces, one per offloaded
+    layer."""
 
     layers: list[nn.Module]
     layouts: list[list[PackedParam]]
@@ -165,27 +168,50 @@ class Placement:
     host: torch.Tensor | None
     #: canonical param name (model.named_parameters) -> its destination
     destinations: dict[str, Destination]
-    #: the host allocation is page-locked (place_plan pins it, or pin_host later)
-    host_pinned: bool = False
+    #: each offloaded layer's packed bytes in ``host`` (engine.host_pieces), in offloaded order: the ranges
+    #: page-locked one by one, and exactly what the engine copies per layer
+    pieces: list[torch.Tensor] = field(default_factory=list)
+    #: positions of the pieces page-locked and not unpinned since, in the order they were pinned
+    pinned_pieces: list[int] = field(default_factory=list)
+
+    @property
+    def host_pinned(self) -> bool:
+        """Every piece with bytes is page-locked (an empty one cannot be)."""
+        return all(k in self.pinned_pieces for k, piece in enumerate(self.pieces) if piece.numel() > 0)
+
+    def pin_piece(self, backend, position: int) -> None:
+        """Page-lock one offloaded layer's piece (the streaming loader calls this once its bytes are all in
+        place, from its pin thread); a refusal names the plan's total, which the memlock limit is against."""
+        piece = self.pieces[position]
+        if piece.numel() == 0:
+            return
+        try:
+            backend.pin(piece)
+        except RuntimeUnavailableError as error:
+            total_bytes = sum(p.numel() for p in self.pieces)
+            raise RuntimeUnavailableError(f"{error} (the plan pins {total_bytes} bytes, {format_bytes(total_bytes)}, "
+                                          f"in {len(self.pieces)} layers; this was layer {position + 1})") from None
+        self.pinned_pieces.append(position)
 
     def pin_host(self, backend) -> None:
-        """Page-lock the host allocation (the streaming loader does this while it reads resident params)."""
-        if self.host is not None and not self.host_pinned:
-            backend.pin(self.host)
-            self.host_pinned = True
+        """Page-lock every piece not yet page-locked."""
+        for position in range(len(self.pieces)):
+            if position not in self.pinned_pieces:
+                self.pin_piece(backend, position)
 
     def release(self, backend) -> None:
-        """Undo the allocations after a failed load: unpin, then drop the memory."""
-        if self.host_pinned:
-            backend.unpin(self.host)
+        """Undo the allocations after a failed load: unpin the pieces pinned, then drop the memory."""
+        while self.pinned_pieces:
+            backend.unpin(self.pieces[self.pinned_pieces.pop()])
         self.host = self.arena = None
-        self.slots, self.destinations = [], {}
+        self.slots, self.destinations, self.pieces = [], {}, []
 
 
 def place_plan(model: nn.Module, plan: Plan, backend, pin: bool = True) -> Placement:
     """Allocate the arenas the plan describes and give every param its place; params are not touched, so
     this works on a model whose params are on the meta device. With ``pin`` the host allocation is
-    page-locked here; without, the caller pins it (Placement.pin_host) before it is used for copies."""
+    page-locked here; without, the caller pins it, piece by piece (Placement.pin_piece), before it is used for
+    copies."""
     layers = layer_stack(model, plan)
     check_selection(plan, layers)
     offloaded = plan.offload.layers
@@ -202,20 +228,23 @@ def place_plan(model: nn.Module, plan: Plan, backend, pin: bool = True) -> Place
     num_slots = PrefetchSchedule(len(offloaded), plan.offload.prefetch_step).num_slots if offloaded else 0
     arena = alloc_device_or_fail(backend, resident_bytes + num_slots * align_up(slot_bytes))
     slots = [arena[resident_bytes + k * align_up(slot_bytes):][:slot_bytes] for k in range(num_slots)]
-    host = host_allocation_or_fail(host_offsets([packed_bytes(layout) for layout in layouts])[-1]) \
-        if offloaded else None
+    layer_bytes = [packed_bytes(layout) for layout in layouts]
+    host = host_allocation_or_fail(host_offsets(layer_bytes)[-1]) if offloaded else None
+    pieces = host_pieces(host, layer_bytes) if offloaded else []
     on_device = backend.device.type != "cpu"
     destinations = {name: Destination(buffer=arena, item=item, on_device=on_device)
                     for (name, _), item in zip(resident, resident_layout)}
-    offsets = host_offsets([packed_bytes(layout) for layout in layouts])
     for position, layout in enumerate(layouts):
-        layer_host = host[offsets[position]:offsets[position + 1]]
         for name, item in zip(offloaded_names[position], layout):
-            destinations[name] = Destination(buffer=layer_host, item=item, on_device=False)
+            destinations[name] = Destination(buffer=pieces[position], item=item, on_device=False, piece=position)
     placement = Placement(layers=layers, layouts=layouts, arena=arena, slots=slots, host=host,
-                          destinations=destinations)
+                          destinations=destinations, pieces=pieces)
     if pin:
-        placement.pin_host(backend)
+        try:
+            placement.pin_host(backend)
+        except BaseException:  # a refusal part way: the pieces pinned before it are undone
+            placement.release(backend)
+            raise
     return placement
 
 
@@ -232,15 +261,18 @@ def alloc_device_or_fail(backend, num_bytes: int) -> torch.Tensor:
 
 
 def host_allocation_or_fail(num_bytes: int) -> torch.Tensor:
-    """The host allocation for offloaded params (pinned later, at its exact size), or a one-line error."""
+    """The host allocation for offloaded params (pinned later, piece by piece), or a one-line error. It starts
+    on a page boundary and ``num_bytes`` (host_offsets' total) is whole pages, so no piece shares a page with
+    another or with any other allocation (torch's allocator aligns to 64 bytes only: one page more is taken)."""
     try:
-        host = torch.empty(num_bytes, dtype=torch.uint8)
+        allocation = torch.empty(num_bytes + HOST_PIECE_ALIGN_BYTES, dtype=torch.uint8)
     except RuntimeError:  # torch's CPU allocator raises a bare RuntimeError when malloc fails
         raise RuntimeUnavailableError(
             f"cannot allocate {num_bytes} bytes ({format_bytes(num_bytes)}) of host memory for the offloaded "
             "layers; free host memory or make a plan with a larger --budget"
         ) from None
-    return host
+    skip_bytes = -allocation.data_ptr() % HOST_PIECE_ALIGN_BYTES
+    return allocation[skip_bytes:skip_bytes + num_bytes]
 
 
 def finish_placement(model: nn.Module, plan: Plan, placement: Placement, backend) -> OffloadEngine:
@@ -280,12 +312,13 @@ def _arena_layout(params: list[nn.Parameter]) -> tuple[list[PackedParam], int]:
     return layout, offset
 
 
-def stream_model(folder: Path, plan: Plan, backend, on_bytes=None,
-                 check=None) -> tuple[nn.Module, OffloadEngine]:
+def stream_model(folder: Path, plan: Plan, backend, on_bytes=None, check=None,
+                 phases: LoadPhases | None = None) -> tuple[nn.Module, OffloadEngine]:
     """Build the model on the meta device and read each tensor from the files to where the plan puts it.
 
     ``check(working_set_bytes)`` runs before anything is allocated. On any failure the arenas are released
-    (host memory unpinned) before the error propagates.
+    (every piece pinned so far unpinned) before the error propagates. ``phases`` receives stream_weights'
+    timing record.
     """
     files = checkpoint_files(folder)
     sources = read_sources(files)
@@ -295,10 +328,11 @@ def stream_model(folder: Path, plan: Plan, backend, on_bytes=None,
         check(loading_working_set_bytes(work))
     placement = place_plan(model, plan, backend, pin=False)
     try:
-        # Page-locking tens of GB takes seconds: it runs while the resident params are read, and the reads
-        # into the host allocation wait for it (a memlock refusal still stops the load within seconds).
+        # Page-locking tens of GB takes seconds: each layer's piece is registered once its bytes are read
+        # (its pages already faulted in by the reads), while the later layers are read.
         stream_weights(model, work, placement.destinations, backend, on_bytes,
-                       pin_host=lambda: placement.pin_host(backend))
+                       pin_piece=lambda position: placement.pin_piece(backend, position), phases=phases)
+        assert placement.host_pinned, "stream_weights returned with a host piece not page-locked"
         return model, finish_placement(model, plan, placement, backend)
     except BaseException:
         placement.release(backend)
@@ -314,11 +348,12 @@ def load_with_plan(plan: Plan, model: str | None = None, progress=None) -> Loade
     check_fingerprint(plan, path)
     backend = CudaBackend(device)
     baseline_bytes = torch.cuda.memory_allocated(device)
+    phases = LoadPhases()
     built, engine = stream_model(folder, plan, backend, on_bytes=progress,
-                                 check=lambda working_set: check_memory(plan, device, working_set))
+                                 check=lambda working_set: check_memory(plan, device, working_set), phases=phases)
     torch.cuda.synchronize(device)
     weights_bytes = torch.cuda.memory_allocated(device) - baseline_bytes
-    return Loaded(model=built, engine=engine, plan=plan, weights_gpu_bytes=weights_bytes)
+    return Loaded(model=built, engine=engine, plan=plan, weights_gpu_bytes=weights_bytes, load_phases=phases)
 
 
 def local_weights(model: str, revision: str | None) -> Path:
@@ -352,6 +387,7 @@ def apply_plan_on_cpu(model: nn.Module, plan: Plan, lazy_copies: bool = False) -
     return apply_plan(model, plan, CpuStandIn(lazy_copies=lazy_copies))
 
 
-def stream_on_cpu(folder: Path, plan: Plan, lazy_copies: bool = False, backend=None) -> tuple[nn.Module, OffloadEngine]:
+def stream_on_cpu(folder: Path, plan: Plan, lazy_copies: bool = False, backend=None,
+                  phases: LoadPhases | None = None) -> tuple[nn.Module, OffloadEngine]:
     """``run``'s loader on the CPU stand-in (tests only): the model streamed from its files."""
-    return stream_model(Path(folder), plan, backend or CpuStandIn(lazy_copies=lazy_copies))
+    return stream_model(Path(folder), plan, backend or CpuStandIn(lazy_copies=lazy_copies), phases=phases)

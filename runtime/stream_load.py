@@ -4,18 +4,25 @@ The model's skeleton is built with its parameters on the meta device (buffers, e
 computed as transformers computes them). transformers' own conversion mapping (``get_model_conversion_mapping``
 and ``rename_source_key``, the functions ``from_pretrained`` uses) says which model param each checkpoint
 tensor becomes. A tensor that is only renamed is read once, with ``os.preadv``, into its destination:
-offloaded params into the (already page-locked) host arena at their packed offsets, resident ones through a
-ring of pinned staging buffers into the device arena. Tensors that transformers converts (per-expert tensors
-fused into one, split projections) are read into host memory one target at a time, converted by
-transformers' own ``convert_and_load_state_dict_in_model`` and copied to their destination, so the host's
-working set stays bounded by the ring plus a few converted params.
+offloaded params into the host arena at their packed offsets, resident ones through a ring of pinned staging
+buffers into the device arena. Tensors that transformers converts (per-expert tensors fused into one, split
+projections) are read into host memory one target at a time, converted by transformers' own
+``convert_and_load_state_dict_in_model`` and copied to their destination, so the host's working set stays
+bounded by the ring plus a few converted params.
+
+The host arena is page-locked piece by piece, one piece per offloaded layer, each once all its bytes are in
+place: the readers fault its pages in while they read (in parallel), and a pin thread registers each filled
+piece while the later pieces are read. Registering pages already populated is much cheaper than having one
+thread fault in and zero the whole arena before any read into it may start.
 
 Reads use preadv, not mmap: mapped pages of the files would count in the process's resident set.
 """
 
 import contextlib
 import os
+import queue
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,6 +76,9 @@ class Destination:
     item: PackedParam
     #: the buffer is device memory: bytes go through a pinned staging buffer
     on_device: bool
+    #: the host piece (offloaded position) the buffer is, page-locked once all its params are in place; None
+    #: for resident params
+    piece: int | None = None
 
 
 def checkpoint_files(folder: Path) -> list[Path]:
@@ -197,6 +207,8 @@ class LoadWork:
     weight_mapping: list
     #: (source, buffer name): persistent buffers the checkpoint holds (small; loaded as from_pretrained does)
     buffers: tuple = ()
+    #: the canonical name of a param each converted group produces (its layer orders the group's read)
+    converted_targets: tuple = ()
 
 
 def plan_reads(model: nn.Module, sources: dict[str, SourceTensor]) -> LoadWork:
@@ -225,7 +237,8 @@ def plan_reads(model: nn.Module, sources: dict[str, SourceTensor]) -> LoadWork:
             direct.append((sources[name], canonical[target]))
         else:
             groups.setdefault(target, []).append(sources[name])
-    return LoadWork(direct=direct, converted=list(groups.values()), weight_mapping=mapping, buffers=tuple(buffers))
+    return LoadWork(direct=direct, converted=list(groups.values()), weight_mapping=mapping, buffers=tuple(buffers),
+                    converted_targets=tuple(canonical[target] for target in groups))
 
 
 def _tied_aliases(model: nn.Module) -> dict[str, str]:
@@ -387,58 +400,108 @@ def _quiet_transformers():
             hf_logging.enable_progress_bar()
 
 
+@dataclass
+class LoadPhases:
+    """Where a streamed load's time went: seconds from the start of stream_weights until each phase ended
+    (None: not reached, or nothing of that kind in this plan)."""
+
+    #: the last resident param (device-bound) was read and its upload issued (uploads are synchronized by
+    #: streamed_s)
+    device_reads_done_s: float | None = None
+    #: the last offloaded param (host-bound) landed in the host arena
+    host_reads_done_s: float | None = None
+    #: the last host piece was page-locked
+    last_pin_done_s: float | None = None
+    #: seconds the pin thread spent inside page-locking calls
+    pin_busy_s: float = 0.0
+    num_pieces_pinned: int = 0
+    #: stream_weights returned: every byte in place, uploads synchronized, every piece page-locked
+    streamed_s: float | None = None
+
+
 def stream_weights(model: nn.Module, work: LoadWork, destinations: dict[str, Destination], backend,
-                   on_bytes=None, num_readers: int = NUM_READERS, pin_host=None) -> None:
+                   on_bytes=None, num_readers: int = NUM_READERS, pin_piece=None,
+                   phases: LoadPhases | None = None) -> None:
     """Fill every destination from the files: direct tensors by reader threads, converted groups too, with
-    their conversions one at a time. Returns when every byte is in place (uploads synchronized); every
-    param then points at its destination. ``pin_host()``, if given, runs in its own thread while the
-    device-bound tensors are read; reads into host destinations wait for it."""
+    their conversions one at a time. Returns when every byte is in place (uploads synchronized) and, with
+    ``pin_piece``, every host piece page-locked; every param then points at its destination.
+
+    ``pin_piece(k)`` page-locks host piece k (Destination.piece); it runs in a thread of its own as soon as
+    all of piece k's params have landed, while later pieces are read. A failure of it stops the readers.
+    ``phases``, if given, receives the times at which the reads and the pins ended."""
+    phases = phases if phases is not None else LoadPhases()
+    start_s = time.perf_counter()
     dtypes = {name: p.dtype for name, p in model.named_parameters()}
     owners = param_owners(model)
     _check_destinations(work, destinations)
     needs_ring = any(d.on_device for d in destinations.values())
     ring = StagingRing(backend, num_readers + 1, STAGING_BYTES) if needs_ring else None
-    host_ready = HostReady(pin_host)  # after the ring: a ring refused leaves no pin thread running
+    has_pieces = any(d.piece is not None for d in destinations.values())
+    # after the ring: a ring refused leaves no pin thread running
+    pinner = PiecePinner(pin_piece if has_pieces else None, phases, start_s)
+    landings = Landings(destinations, pinner, phases, start_s)
     reader = Reader(backend, ring, on_bytes)
     lock = threading.Lock()
     in_flight = threading.Semaphore(CONVERSIONS_IN_FLIGHT)
     filled = {name for _, name in work.direct}
 
     def load_direct(source, name):
-        if not destinations[name].on_device:
-            host_ready.wait()
+        pinner.check()  # a refused page-lock stops the reads still queued
         reader.to_destination(source, destinations[name], dtypes[name])
+        landings.landed(name)
 
     def load_group(group):
+        pinner.check()
         with in_flight:  # bounds the host working set (load.loading_working_set_bytes)
             for name, tensor in convert_group(model, reader, group, work.weight_mapping, lock).items():
-                if not destinations[name].on_device:
-                    host_ready.wait()
                 reader.place_tensor(tensor, destinations[name])
                 filled.add(name)
                 with lock:  # drop transformers' host copy now
                     set_param(owners[name], view_as_param(destinations[name].buffer, destinations[name].item))
+                landings.landed(name)
 
     try:
         for source, name in work.buffers:
             _load_buffer(model, name, reader.read_tensor(source))
         with ThreadPoolExecutor(max_workers=num_readers, thread_name_prefix="offload-plan-read") as pool:
-            ordered = sorted(work.direct, key=lambda pair: (not destinations[pair[1]].on_device, -pair[0].num_bytes))
-            futures = [pool.submit(load_direct, source, name) for source, name in ordered]
-            futures += [pool.submit(load_group, group) for group in work.converted]
+            futures = [pool.submit(load_direct, *task) if kind == "direct" else pool.submit(load_group, task)
+                       for kind, task in read_order(work, destinations)]
             _wait_all(futures)
+        backend.synchronize()
+        _check_filled(destinations, filled)
+        pinner.finish()  # the last pieces' page-locking; raises a refusal
     finally:
-        host_ready.join()
+        pinner.stop()  # never unpin (release) while a pin is running
         if ring is not None:
             ring.close()
         reader.close()
-    backend.synchronize()
+    assert pin_piece is None or landings.all_handed(), "a host piece was never handed to the pin thread"
+    for name, destination in destinations.items():
+        set_param(owners[name], view_as_param(destination.buffer, destination.item))
+    phases.streamed_s = time.perf_counter() - start_s
+
+
+def read_order(work: LoadWork, destinations: dict[str, Destination]) -> list[tuple[str, object]]:
+    """("direct", (source, name)) and ("group", sources) in the order they are read: device-bound first, then
+    host piece by piece in layer order, largest first within each. Pieces fill one after another, so each can
+    be page-locked while the later ones are read."""
+    def piece_of(name: str) -> int:
+        destination = destinations.get(name)
+        return -1 if destination is None or destination.piece is None else destination.piece
+
+    tasks = [((piece_of(name), -source.num_bytes), ("direct", (source, name))) for source, name in work.direct]
+    targets = work.converted_targets or ("",) * len(work.converted)
+    tasks += [((piece_of(target), -sum(s.num_bytes for s in group)), ("group", group))
+              for group, target in zip(work.converted, targets)]
+    return [task for _, task in sorted(tasks, key=lambda pair: pair[0])]
+
+
+def _check_filled(destinations: dict[str, Destination], filled: set[str]) -> None:
+    """Every param must have had a tensor in the checkpoint."""
     missing = sorted(set(destinations) - filled)
     if missing:
         raise ModelInputError(f"the checkpoint has no tensor for {len(missing)} of the model's params (first: "
                               f"{missing[0]}); it does not match its config.json")
-    for name, destination in destinations.items():
-        set_param(owners[name], view_as_param(destination.buffer, destination.item))
 
 
 def _load_buffer(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
@@ -463,40 +526,95 @@ def _check_destinations(work: LoadWork, destinations: dict[str, Destination]) ->
                                   "regenerate the plan with offload-plan make")
 
 
-class HostReady:
-    """Runs the host allocation's page-locking in a thread of its own; reads into it wait for it (device-
-    bound reads go first, so the two overlap), and its failure fails them."""
+class Landings:
+    """Counts params into their places: a host piece goes to the pin thread when its last param has landed,
+    and the phase record keeps the time of the last device-bound and host-bound landing."""
 
-    def __init__(self, pin_host):
-        self._done = threading.Event()
-        self._error = None
+    def __init__(self, destinations: dict[str, Destination], pinner, phases: LoadPhases, start_s: float):
+        self._destinations = destinations
+        self._pinner = pinner
+        self._phases = phases
+        self._start_s = start_s
+        #: piece -> names of its params not landed yet; a piece leaves when handed to the pin thread
+        self._waiting: dict[int, set[str]] = {}
+        for name, destination in destinations.items():
+            if destination.piece is not None:
+                self._waiting.setdefault(destination.piece, set()).add(name)
+        self._lock = threading.Lock()
+
+    def landed(self, name: str) -> None:
+        """``name``'s bytes are all in place (called from reader threads)."""
+        piece = self._destinations[name].piece
+        elapsed_s = time.perf_counter() - self._start_s
+        with self._lock:
+            field = "device_reads_done_s" if piece is None else "host_reads_done_s"
+            setattr(self._phases, field, max(elapsed_s, getattr(self._phases, field) or 0.0))
+            waiting = self._waiting.get(piece)
+            if waiting is None:
+                return
+            waiting.discard(name)
+            if not waiting:
+                del self._waiting[piece]
+                self._pinner.submit(piece)
+
+    def all_handed(self) -> bool:
+        return not self._waiting
+
+
+class PiecePinner:
+    """Page-locks host pieces in a thread of its own, in the order they fill. Its failure (a memlock refusal)
+    is raised to the readers by check(), so the load stops within the reads in flight, and by finish()."""
+
+    def __init__(self, pin_piece, phases: LoadPhases, start_s: float):
+        self._pin_piece = pin_piece
+        self._phases = phases
+        self._start_s = start_s
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        self._stopping = False
         self._thread = None
-        if pin_host is None:
-            self._done.set()
-            return
+        if pin_piece is not None:
+            self._thread = threading.Thread(target=self._run, name="offload-plan-pin", daemon=True)
+            self._thread.start()
 
-        def run():
+    def submit(self, piece: int) -> None:
+        if self._thread is not None:
+            self._queue.put(piece)
+
+    def _run(self) -> None:
+        while (piece := self._queue.get()) is not None:
+            if self._error is not None or self._stopping:
+                continue  # after a failure (ours or a reader's), nothing more gets pinned
+            began_s = time.perf_counter()
             try:
-                pin_host()
+                self._pin_piece(piece)
             except BaseException as error:  # handed to the readers, raised in the caller's thread
                 self._error = error
-            finally:
-                self._done.set()
+                continue
+            ended_s = time.perf_counter()
+            self._phases.pin_busy_s += ended_s - began_s
+            self._phases.num_pieces_pinned += 1
+            self._phases.last_pin_done_s = ended_s - self._start_s
 
-        self._thread = threading.Thread(target=run, name="offload-plan-pin", daemon=True)
-        self._thread.start()
-
-    def wait(self) -> None:
-        self._done.wait()
+    def check(self) -> None:
         if self._error is not None:
             raise self._error
 
-    def join(self) -> None:
-        """Before the allocations may be released: never unpin while the pin is running."""
+    def finish(self) -> None:
+        """After the reads: wait for the pieces queued, then raise a failure."""
+        self._join()
+        self.check()
+
+    def stop(self) -> None:
+        """Skip the pieces not yet pinned and wait for the one being pinned (the caller releases after)."""
+        self._stopping = True
+        self._join()
+
+    def _join(self) -> None:
         if self._thread is not None:
+            self._queue.put(None)
             self._thread.join()
-        if self._error is not None:
-            raise self._error
+            self._thread = None
 
 
 def _wait_all(futures) -> None:

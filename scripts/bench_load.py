@@ -18,6 +18,7 @@ A short table is printed last; results go to $OUT/bench_load.json when OUT is se
 """
 
 import argparse
+import dataclasses
 import json
 import mmap
 import os
@@ -305,13 +306,15 @@ def child_main(spec: dict) -> None:
         start = time.perf_counter()
         loaded = load_with_plan(plan, spec["model"])
         load_s = time.perf_counter() - start
-        model, engine = loaded.model, loaded.engine
+        model, engine, phases = loaded.model, loaded.engine, loaded.load_phases
         gpu_peak = torch.cuda.max_memory_allocated()
     else:
         from runtime.load import stream_on_cpu
+        from runtime.stream_load import LoadPhases
 
+        phases = LoadPhases()
         start = time.perf_counter()
-        model, engine = stream_on_cpu(Path(spec["model"]), plan)
+        model, engine = stream_on_cpu(Path(spec["model"]), plan, phases=phases)
         load_s, gpu_peak = time.perf_counter() - start, None
     hwm_after_load = vm_hwm_bytes()
     logits = _logits(model, ids)
@@ -320,6 +323,8 @@ def child_main(spec: dict) -> None:
         "load_s": load_s, "vm_hwm_load_bytes": hwm_after_load, "vm_hwm_before_load_bytes": start_rss,
         "vm_hwm_end_bytes": vm_hwm_bytes(), "gpu_peak_load_bytes": gpu_peak, "pinned_bytes": engine.host_bytes,
         "logits_equal": bool(torch.equal(logits, reference)),
+        # seconds from the start of streaming until reads and page-locking ended (where the load time goes)
+        "load_phases": dataclasses.asdict(phases) if phases is not None else None,
     }))
 
 
@@ -449,9 +454,19 @@ def measure_load(args, checkpoint: Path, budget: str, plan: dict, work: Path, lo
     finally:
         if cgroup is not None:
             cgroup.remove()
-    log(f"{budget} {cache}: {row.get('load_s', 0):.1f} s, equal={row.get('logits_equal')}"
+    log(f"{budget} {cache}: {row.get('load_s', 0):.1f} s, equal={row.get('logits_equal')}{_phases_text(row)}"
         + ("" if row["ok"] else f", FAILED: {row['error']}"))
     return row
+
+
+def _phases_text(row: dict) -> str:
+    """The load's phases for the log line: when device-bound and host-bound reads and the last pin ended."""
+    phases = row.get("load_phases")
+    if not phases:
+        return ""
+    names = (("device reads", "device_reads_done_s"), ("host reads", "host_reads_done_s"),
+             ("last pin", "last_pin_done_s"), ("pinning busy", "pin_busy_s"))
+    return "".join(f", {label} {phases[key]:.2f} s" for label, key in names if phases.get(key) is not None)
 
 
 def print_table(results: dict) -> None:

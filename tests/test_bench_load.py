@@ -29,6 +29,9 @@ def test_tiny_bench_loads_equal_logits_and_reports(tmp_path, capsys):
     assert row["ok"], row
     assert row["logits_equal"] and row["pinned_bytes"] >= plan["memory"]["host_pinned_bytes"]
     assert row["vm_hwm_load_bytes"] > 0 and "fadvise" in row["evicted_by"]
+    phases = row["load_phases"]  # where the load's time went, for the H100 run
+    assert phases["num_pieces_pinned"] == len(plan["offload"]["layers"])
+    assert phases["host_reads_done_s"] <= phases["last_pin_done_s"] <= phases["streamed_s"]
     results["runs"].append(row)
     results["disk_read_method"] = "test"
     bench_load.print_table(results)

@@ -77,6 +77,11 @@ def _num_layers(folder: Path) -> int:
     return json.loads((folder / "config.json").read_text())["num_hidden_layers"]
 
 
+def _pieces(engine) -> dict[int, int]:
+    """The engine's per-layer host pieces as CpuStandIn.pinned records them (start -> bytes)."""
+    return {piece.data_ptr(): piece.numel() for piece in engine.host_buffers if piece.numel() > 0}
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_streamed_model_equals_from_pretrained_bit_for_bit(checkpoints, family):
     """Every family, offloading everything (one slot) and part of the stack (two slots), and with only the
@@ -92,7 +97,8 @@ def test_streamed_model_equals_from_pretrained_bit_for_bit(checkpoints, family):
         model, engine = stream_on_cpu(folder, plan, lazy_copies=True)
         assert all(p.device.type == "cpu" for p in model.parameters())
         assert all(torch.equal(out, reference) for out in _logits(model, 3)), plan.offload
-        assert engine.host_bytes == sum(engine.layer_bytes) and engine.backend.pinned  # the host arena is pinned
+        assert engine.host_bytes == sum(engine.layer_bytes)
+        assert engine.backend.pinned == _pieces(engine)  # every layer's piece pinned, nothing else
 
 
 def test_streamed_state_equals_from_pretrained_state(checkpoints):
@@ -273,7 +279,7 @@ def test_a_failure_after_pinning_unpins_everything(checkpoints, monkeypatch):
     monkeypatch.setattr(CpuStandIn, "pin", lambda self, t: pins.append(t.numel()) or pin(self, t))
     with pytest.raises(torch.OutOfMemoryError):
         load.stream_on_cpu(folder, plan_with(folder, 3, 2, 1), backend=backend)
-    assert len(pins) == 2 and backend.pinned == {}  # the host arena and the staging ring, both undone
+    assert pins and backend.pinned == {}  # the staging ring (and any piece pinned meanwhile), all undone
 
 
 def test_host_memory_check_counts_pinned_bytes_and_working_set_not_the_checkpoint(checkpoints):
@@ -319,60 +325,89 @@ def test_a_hub_repo_in_the_cache_loads_from_its_snapshot(checkpoints, tmp_path, 
 
 
 class _SlowPinGpu(CpuStandIn):
-    """A 'GPU' (resident bytes go through the staging ring) whose page-locking of the host arena lasts until
-    the first staging upload has landed, logging the order of events."""
+    """A 'GPU' (resident bytes go through the staging ring) whose page-locking of the first host piece lasts
+    until a read into another piece has finished."""
 
     def __init__(self):
         super().__init__()
         import threading
 
         self.device = torch.device("meta")  # not "cpu": the loader stages resident bytes
-        self.events = []
-        self.uploaded = threading.Event()
+        self.ring = None
+        #: start address of each read into host memory (not the ring), as it finishes
+        self.host_reads = []
+        self.read_landed = threading.Condition()
+        self.num_pieces_pinned = 0
 
     def alloc_device(self, num_bytes):
         return torch.empty(num_bytes, dtype=torch.uint8)
 
     def pin(self, tensor):
-        if tensor.numel() <= 9 * 4096:  # the staging ring: at once
+        if self.ring is None:  # the staging ring, pinned first: at once
+            self.ring = range(tensor.data_ptr(), tensor.data_ptr() + tensor.numel())
             return super().pin(tensor)
-        self.events.append("pin-start")
-        assert self.uploaded.wait(30), "resident reads did not proceed while the host arena was being pinned"
-        self.events.append("pin-end")
+        if self.num_pieces_pinned == 0:
+            piece = range(tensor.data_ptr(), tensor.data_ptr() + tensor.numel())
+            with self.read_landed:
+                assert self.read_landed.wait_for(lambda: any(a not in piece for a in self.host_reads), 30), (
+                    "reads into the other pieces waited for the first piece's page-locking")
+        self.num_pieces_pinned += 1
         return super().pin(tensor)
 
-    def upload(self, destination, source):
-        self.events.append("upload")
-        self.uploaded.set()
-        return super().upload(destination, source)
+    def log_read(self, target):
+        if target.data_ptr() not in self.ring:
+            with self.read_landed:
+                self.host_reads.append(target.data_ptr())
+                self.read_landed.notify_all()
 
 
-def test_pinning_overlaps_resident_reads_and_host_reads_wait_for_it(checkpoints, monkeypatch):
-    """Page-locking tens of GB takes seconds: resident tensors are read meanwhile, offloaded ones after."""
+def test_host_reads_do_not_wait_for_page_locking(checkpoints, monkeypatch):
+    """Page-locking tens of GB takes seconds: while the first layer's piece is being page-locked, the later
+    layers' bytes are read into unpinned host memory."""
     import runtime.stream_load as stream_load
     from runtime.load import stream_model
 
     folder = checkpoints("llama")
     backend = _SlowPinGpu()
-    monkeypatch.setattr(stream_load, "STAGING_BYTES", 4096)  # a ring of at most 9 x 4 KiB
+    monkeypatch.setattr(stream_load, "STAGING_BYTES", 4096)  # a ring of 4 KiB buffers
     read_exact = stream_load.read_exact
 
     def logged_read(fd, offset, target, path):
-        backend.events.append(("read", target.numel()))
-        return read_exact(fd, offset, target, path)
+        read_exact(fd, offset, target, path)
+        backend.log_read(target)
 
     monkeypatch.setattr(stream_load, "read_exact", logged_read)
-    plan = plan_with(folder, 3, 2, 1)  # 4 of 7 layers offloaded
-    model, engine = stream_model(folder, plan, backend)
-    events = backend.events
-    assert events.index("upload") < events.index("pin-end")  # resident reads ran while pinning
-    after_pin = events[events.index("pin-end"):]
-    before_pin = events[:events.index("pin-end")]
-    # every read before the pin ended went through the ring (at most 4 KiB each); the offloaded params'
-    # reads straight into the host arena came after
-    assert all(e[1] <= 4096 for e in before_pin if isinstance(e, tuple))
-    assert any(isinstance(e, tuple) and e[1] > 4096 for e in after_pin)
-    assert list(backend.pinned.values()) == [engine._host_allocation.numel()]  # the ring was unpinned
+    model, engine = stream_model(folder, plan_with(folder, 3, 2, 1), backend)  # 4 of 7 layers offloaded
+    assert backend.num_pieces_pinned == 4 and backend.pinned == _pieces(engine)  # the ring was unpinned
+
+
+def test_reads_go_device_bound_first_then_piece_by_piece_largest_first(checkpoints):
+    """So each piece fills early and is page-locked while the later ones are read; converted groups (fused
+    experts) are ordered with their layer's piece."""
+    from runtime.stream_load import build_skeleton, checkpoint_files, plan_reads, read_order, read_sources
+
+    folder = checkpoints("qwen3-moe")
+    files = checkpoint_files(folder)
+    model = build_skeleton(folder, files)
+    work = plan_reads(model, read_sources(files))
+    placement = _placement(folder, plan_with(folder, 4, 3, 2), CpuStandIn())
+    destinations = placement.destinations
+
+    def key(task):
+        kind, payload = task
+        if kind == "direct":
+            source, name = payload
+            piece = destinations[name].piece
+            return (-1 if piece is None else piece, -source.num_bytes)
+        target = work.converted_targets[next(k for k, g in enumerate(work.converted) if g is payload)]
+        piece = destinations[target].piece
+        return (-1 if piece is None else piece, -sum(s.num_bytes for s in payload))
+
+    order = [key(task) for task in read_order(work, destinations)]
+    assert order == sorted(order) and len(order) == len(work.direct) + len(work.converted)
+    assert {piece for piece, _ in order} == {-1, 0, 1, 2}  # device-bound, then the 3 offloaded layers
+    grouped = [task for task in read_order(work, destinations) if task[0] == "group"]
+    assert any(key(task)[0] >= 0 for task in grouped)  # fused experts of offloaded layers among their piece
 
 
 def test_the_cli_progress_bar_counts_bytes_from_reader_threads(checkpoints, monkeypatch):
@@ -479,3 +514,223 @@ def test_a_short_last_piece_does_not_shrink_the_staging_ring(tmp_path):
         item = PackedParam(f"t{offset}", offset, size, torch.uint8, (size,))
         reader.to_destination(source, Destination(buffer=device, item=item, on_device=True), torch.uint8)
     assert torch.equal(device, data)
+
+
+# ---- the host arena, page-locked piece by piece -------------------------------------------------------------
+
+
+def _placement(folder: Path, plan, backend):
+    """place_plan over the checkpoint's meta skeleton, nothing pinned yet."""
+    from runtime.load import place_plan
+    from runtime.stream_load import build_skeleton, checkpoint_files
+
+    return place_plan(build_skeleton(folder, checkpoint_files(folder)), plan, backend, pin=False)
+
+
+def test_host_pieces_are_the_layer_spans_page_aligned_and_disjoint(checkpoints):
+    """A piece is exactly what the engine copies for one layer; each starts on a page and none shares a page
+    with another (cudaHostRegister pins whole pages and refuses overlapping ranges)."""
+    import mmap
+
+    from runtime.engine import host_offsets, packed_bytes
+
+    folder = checkpoints("qwen3-moe")
+    placement = _placement(folder, plan_with(folder, 4, 3, 2), CpuStandIn())
+    layer_bytes = [packed_bytes(layout) for layout in placement.layouts]
+    offsets = host_offsets(layer_bytes)
+    base = placement.host.data_ptr()
+    assert base % mmap.PAGESIZE == 0 and placement.host.numel() == offsets[-1]
+    assert [(p.data_ptr() - base, p.numel()) for p in placement.pieces] == list(zip(offsets, layer_bytes))
+    assert all(p.numel() > 0 for p in placement.pieces) and len(placement.pieces) == 3
+    for piece, following in zip(placement.pieces, placement.pieces[1:]):
+        assert (piece.data_ptr() + piece.numel() - 1) // mmap.PAGESIZE < following.data_ptr() // mmap.PAGESIZE
+    for destination in placement.destinations.values():  # every offloaded param lies in its layer's piece
+        if destination.piece is not None:
+            assert destination.buffer is placement.pieces[destination.piece]
+            assert destination.item.offset_bytes + destination.item.num_bytes <= destination.buffer.numel()
+
+
+class _SnapshotPins(CpuStandIn):
+    """Keeps a copy of each range's bytes as they are when it is page-locked, and the order of events."""
+
+    def __init__(self):
+        super().__init__()
+        self.at_pin = {}
+        self.events = []
+
+    def pin(self, tensor):
+        self.at_pin[tensor.data_ptr()] = tensor.clone()
+        self.events.append("pin")
+        return super().pin(tensor)
+
+
+def _slow_reads(monkeypatch, backend, delay_s=0.003):
+    """Every read takes a little longer and is logged, so a piece pinned before its bytes land is caught."""
+    import time
+
+    import runtime.stream_load as stream_load
+
+    read_exact = stream_load.read_exact
+
+    def slow_read(fd, offset, target, path):
+        time.sleep(delay_s)
+        read_exact(fd, offset, target, path)
+        backend.events.append("read")
+
+    monkeypatch.setattr(stream_load, "read_exact", slow_read)
+
+
+@pytest.mark.parametrize("family, shape, params", [("llama", (3, 2, 1), ()), ("qwen3-moe", (4, 3, 2), ()),
+                                                   ("qwen3-moe", (1, 1, 2), ("experts",)),
+                                                   ("mixtral", (2, 1, 1), ())])
+def test_each_piece_is_pinned_once_all_its_bytes_are_in_place(checkpoints, monkeypatch, family, shape, params):
+    """Direct tensors and converted groups (fused experts) alike: at its page-locking a piece already holds
+    its final bytes (reads are slowed down, so a piece pinned early would not)."""
+    folder = checkpoints(family)
+    backend = _SnapshotPins()
+    _slow_reads(monkeypatch, backend)
+    model, engine = stream_on_cpu(folder, plan_with(folder, *shape, params=params), backend=backend)
+    assert backend.pinned == _pieces(engine) and len(engine.host_buffers) >= 2
+    for piece in engine.host_buffers:
+        assert torch.equal(backend.at_pin[piece.data_ptr()], piece), "a piece was pinned before its bytes landed"
+    reference = _logits(build_model(str(folder), None))[0]
+    assert torch.equal(_logits(model)[0], reference)
+
+
+class _RefusesPiece(CpuStandIn):
+    """Page-locking succeeds for the first ``num_allowed`` pieces, then the memlock limit refuses."""
+
+    def __init__(self, num_allowed):
+        super().__init__()
+        self.num_allowed = num_allowed
+        self.events = []
+
+    def pin(self, tensor):
+        if self.num_allowed == 0:
+            self.events.append("refused")
+            raise pin_error(tensor.numel(), 2)
+        self.num_allowed -= 1
+        self.events.append("pin")
+        return super().pin(tensor)
+
+
+def test_a_refused_piece_unpins_the_pieces_pinned_and_stops_the_reads(checkpoints, monkeypatch):
+    import threading
+
+    from runtime.stream_load import NUM_READERS
+
+    folder = checkpoints("llama")
+    backend = _RefusesPiece(num_allowed=1)
+    _slow_reads(monkeypatch, backend)
+    with pytest.raises(RuntimeUnavailableError, match="memlock limit is") as error:
+        stream_on_cpu(folder, plan_with(folder, 1, 1, 1), backend=backend)  # all 7 layers offloaded
+    message = str(error.value)
+    assert "\n" not in message and "ulimit -l" in message and "in 7 layers; this was layer 2" in message
+    assert backend.pinned == {} and backend.events.count("pin") == 1  # the first piece, pinned then unpinned
+    after_refusal = backend.events[backend.events.index("refused"):]
+    assert after_refusal.count("read") <= 2 * NUM_READERS  # the reads running finished; ~40 queued never ran
+    assert not any(t.name == "offload-plan-pin" for t in threading.enumerate())
+
+
+def test_apply_plan_refused_part_way_unpins_the_pieces_pinned(checkpoints):
+    """The non-streaming path pins every piece up front: a refusal at the third leaves none pinned."""
+    from runtime.load import apply_plan
+
+    folder = checkpoints("llama")
+    backend = _RefusesPiece(num_allowed=2)
+    with pytest.raises(RuntimeUnavailableError, match="memlock limit is") as error:
+        apply_plan(build_model(str(folder), None), plan_with(folder, 3, 2, 1), backend)
+    assert "\n" not in str(error.value) and backend.events == ["pin", "pin", "refused"] and backend.pinned == {}
+
+
+def test_a_read_failing_after_pieces_were_pinned_unpins_them_all(checkpoints, monkeypatch):
+    """The release undoes every piece pinned so far, not only the first or the arena's start: a read into the
+    last layer's piece waits until two pieces are pinned, then fails."""
+    import threading
+
+    import runtime.load as load
+    import runtime.stream_load as stream_load
+
+    folder = checkpoints("llama")
+    two_pinned = threading.Event()
+
+    class PinsTwo(CpuStandIn):
+        def pin(self, tensor):
+            super().pin(tensor)
+            if len(self.pinned) == 2:
+                two_pinned.set()
+            return tensor
+
+    backend = PinsTwo()
+    arenas = []
+    allocate = load.host_allocation_or_fail
+    monkeypatch.setattr(load, "host_allocation_or_fail", lambda n: arenas.append(allocate(n)) or arenas[-1])
+    read_exact = stream_load.read_exact
+
+    def fail_in_last_piece(fd, offset, target, path):
+        host = arenas[0]
+        if target.data_ptr() >= host.data_ptr() + host.numel() * 6 // 7:  # 7 layers of equal size
+            assert two_pinned.wait(30), "the first pieces were not pinned while the last one was read"
+            raise ModelInputError("the disk went away")
+        return read_exact(fd, offset, target, path)
+
+    monkeypatch.setattr(stream_load, "read_exact", fail_in_last_piece)
+    with pytest.raises(ModelInputError, match="went away"):
+        stream_on_cpu(folder, plan_with(folder, 1, 1, 1), backend=backend)  # all 7 layers offloaded
+    assert two_pinned.is_set() and backend.pinned == {}
+
+
+def test_placement_release_and_engine_close_unpin_every_piece(checkpoints):
+    from runtime.load import apply_plan_on_cpu
+
+    folder = checkpoints("llama")
+    backend = CpuStandIn()
+    placement = _placement(folder, plan_with(folder, 3, 2, 1), backend)
+    placement.pin_host(backend)
+    assert len(backend.pinned) == 4 and placement.host_pinned
+    placement.release(backend)
+    assert backend.pinned == {} and placement.pinned_pieces == []
+    engine = apply_plan_on_cpu(build_model(str(folder), None), plan_with(folder, 3, 2, 1))
+    assert engine.backend.pinned == _pieces(engine) and len(engine.backend.pinned) == 4  # place_plan(pin=True)
+    engine.close()
+    assert engine.backend.pinned == {}
+    model, engine = stream_on_cpu(folder, plan_with(folder, 3, 2, 1))
+    engine.close()
+    assert engine.backend.pinned == {}
+
+
+def test_the_stand_in_refuses_what_cuda_host_register_refuses():
+    """Pinning a range twice, a range sharing a page with a registered one, or unpinning what is not
+    registered fail on CUDA; the stand-in asserts, so a loader that does any of these fails in CI."""
+    import mmap
+
+    backend = CpuStandIn()
+    allocation = torch.empty(4 * mmap.PAGESIZE, dtype=torch.uint8)
+    base = -allocation.data_ptr() % mmap.PAGESIZE
+    first, second = allocation[base:base + 100], allocation[base + 200:base + 300]
+    backend.pin(first)
+    with pytest.raises(AssertionError, match="overlaps"):
+        backend.pin(first)
+    with pytest.raises(AssertionError, match="overlaps"):
+        backend.pin(second)  # disjoint bytes, same page
+    backend.pin(allocation[base + mmap.PAGESIZE:base + mmap.PAGESIZE + 1])  # the next page: fine
+    with pytest.raises(AssertionError, match="not registered"):
+        backend.unpin(second)
+    backend.unpin(first)
+    with pytest.raises(AssertionError, match="not registered"):
+        backend.unpin(first)
+
+
+def test_the_phase_record_says_when_reads_and_pins_ended(checkpoints):
+    from runtime.stream_load import LoadPhases
+
+    folder = checkpoints("llama")
+    phases = LoadPhases()
+    stream_on_cpu(folder, plan_with(folder, 3, 2, 1), phases=phases)
+    assert phases.num_pieces_pinned == 4 and phases.pin_busy_s >= 0
+    assert 0 < phases.device_reads_done_s <= phases.streamed_s
+    assert 0 < phases.host_reads_done_s <= phases.last_pin_done_s <= phases.streamed_s
+    resident = LoadPhases()
+    stream_on_cpu(folder, _resident_plan(folder), phases=resident)
+    assert resident.host_reads_done_s is None and resident.last_pin_done_s is None
+    assert resident.num_pieces_pinned == 0 and resident.device_reads_done_s <= resident.streamed_s
