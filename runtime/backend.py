@@ -175,6 +175,8 @@ class CudaBackend:
     def __init__(self, device: torch.device):
         self.device = device
         self.copy_stream = torch.cuda.Stream(device=device)
+        #: data pointer -> bytes of the host ranges registered (cudaHostRegister succeeded) and not unregistered
+        self.pinned: dict[int, int] = {}
         self.log = None
         #: each loading thread's own stream (uploads from several readers overlap)
         self._threads = threading.local()
@@ -213,12 +215,14 @@ class CudaBackend:
         error = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), num_bytes, 0))
         if error != 0:
             raise pin_error(num_bytes, error)
+        self.pinned[tensor.data_ptr()] = num_bytes
         return tensor
 
     def unpin(self, tensor: torch.Tensor) -> None:
         """Undo ``pin`` before the memory is freed."""
         torch.cuda.synchronize(self.device)
         torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
+        self.pinned.pop(tensor.data_ptr(), None)
 
     def upload(self, destination: torch.Tensor, source: torch.Tensor):
         """Copy a pinned staging buffer to the device on this thread's loading stream; returns the event that

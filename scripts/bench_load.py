@@ -120,17 +120,38 @@ def drop_caches(files: list[Path]) -> str:
     return ", ".join(how)
 
 
-def disk_read_bytes_per_s(path: Path, limit_bytes: int) -> tuple[float, str]:
-    """Cold sequential read rate of ``path`` (up to ``limit_bytes``): O_DIRECT where the filesystem allows it,
-    else a buffered read right after evicting the file from the cache."""
-    chunk = 64 << 20
+def disk_read_bytes_per_s(files: list[Path], limit_bytes: int, num_threads: int) -> tuple[float, str]:
+    """Cold read rate of the disk, read as the loader reads it: ``num_threads`` threads at once, each through
+    its own files (up to ``limit_bytes`` in all), O_DIRECT where the filesystem allows it (the cache is
+    bypassed, so the files stay cached for the hot runs), else buffered right after evicting them. A single
+    thread under-reads an NVMe queue: on one lent host it read 0.98 GB/s where the loader's threads read
+    1.66."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    per_file = limit_bytes // len(files)
+    modes = set()
+
+    def read(path: Path) -> int:
+        done, how = _read_cold(path, per_file)
+        modes.add(how)
+        return done
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=num_threads) as pool:
+        total = sum(pool.map(read, files))
+    return total / (time.perf_counter() - start), " + ".join(sorted(modes))
+
+
+def _read_cold(path: Path, limit_bytes: int) -> tuple[int, str]:
+    """Read up to ``limit_bytes`` of ``path`` bypassing (or after evicting) the page cache."""
+    chunk = 16 << 20
     buffer = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT needs
     try:
         fd, how = os.open(path, os.O_RDONLY | os.O_DIRECT), "O_DIRECT"
     except OSError:
         drop_caches([path])
         fd, how = os.open(path, os.O_RDONLY), "buffered after eviction"
-    done, start = 0, time.perf_counter()
+    done = 0
     try:
         while done < limit_bytes:
             try:
@@ -139,14 +160,13 @@ def disk_read_bytes_per_s(path: Path, limit_bytes: int) -> tuple[float, str]:
                 os.close(fd)
                 drop_caches([path])
                 fd, how = os.open(path, os.O_RDONLY), "buffered after eviction"
-                done, start = 0, time.perf_counter()
                 continue
             if count <= 0:
                 break
             done += count
     finally:
         os.close(fd)
-    return done / (time.perf_counter() - start), how
+    return done, how
 
 
 def memcpy_bytes_per_s(num_bytes: int) -> float:
@@ -416,8 +436,9 @@ def run(args) -> dict:
 def measure_rates(results: dict, files: list[Path], tiny: bool) -> None:
     """The disk's cold read rate (O_DIRECT bypasses the cache, so the other files stay cached for the hot
     runs) and the host memcpy rate."""
-    largest = max(files, key=lambda path: path.stat().st_size)
-    rate, how = disk_read_bytes_per_s(largest, 4 * 10**9)
+    from runtime.stream_load import NUM_READERS
+
+    rate, how = disk_read_bytes_per_s(files, (64 << 20) if tiny else 8 * 10**9, NUM_READERS)
     results["disk_read_bytes_per_s"], results["disk_read_method"] = rate, how
     results["memcpy_bytes_per_s"] = memcpy_bytes_per_s((16 << 20) if tiny else 2 * GIB)
     log(f"disk {rate / 1e9:.2f} GB/s ({how}), memcpy {results['memcpy_bytes_per_s'] / 1e9:.1f} GB/s")
