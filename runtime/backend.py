@@ -117,6 +117,10 @@ class CpuStandIn:
         self.log.append(("copy-wait", event.name))
 
     def copy(self, destination: torch.Tensor, source: torch.Tensor, done: CpuEvent, label: str) -> None:
+        if self.capture_start is not None:
+            # torch asks about the source's storage start (Tensor.is_pinned) and capture refuses an unpinned one
+            assert source.untyped_storage().data_ptr() in self.pinned, (
+                f"{label}: the source's storage does not begin at a pinned range; CUDA graph capture refuses it")
         if self.lazy_copies:
             self._pending.append((len(self.log), destination, source))
         else:

@@ -94,7 +94,17 @@ def host_pieces(host: torch.Tensor, layer_bytes: list[int]) -> list[torch.Tensor
     """Each offloaded layer's packed bytes in ``host`` (a page-aligned allocation laid out by host_offsets):
     what one copy reads, and what is page-locked as one piece. Disjoint, none sharing a page."""
     offsets = host_offsets(layer_bytes)
-    return [host[offsets[k]:offsets[k] + num_bytes] for k, num_bytes in enumerate(layer_bytes)]
+    return [_own_storage(host, offsets[k], num_bytes) for k, num_bytes in enumerate(layer_bytes)]
+
+
+def _own_storage(host: torch.Tensor, offset_bytes: int, num_bytes: int) -> torch.Tensor:
+    """``host[offset:offset + num_bytes]`` as a tensor whose storage begins there (it keeps ``host`` alive).
+    torch asks whether a CPU tensor is pinned about its storage's first byte (Tensor.is_pinned, and CUDA graph
+    capture refuses a copy from an unpinned one): a plain view's storage begins at the allocation's start,
+    which no piece's registration covers."""
+    if num_bytes == 0:
+        return host[offset_bytes:offset_bytes]
+    return torch.frombuffer(host.numpy(), dtype=torch.uint8, count=num_bytes, offset=offset_bytes)
 
 
 def pinnable(pieces: list[torch.Tensor]) -> list[torch.Tensor]:
