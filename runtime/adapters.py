@@ -23,6 +23,7 @@ from planner.adapters import CONFIG_NAME, WEIGHTS_NAME, _config_fields, _read_co
 from planner.errors import ModelInputError
 from planner.placement import align_up
 from runtime.engine import PackedParam, view_as_param
+from runtime.load import cached_snapshot
 from runtime.stream_load import FileHandles, SourceTensor, read_exact, read_sources
 
 _PEFT_PREFIX = "base_model.model."
@@ -55,15 +56,11 @@ def adapter_folder(source: str, revision: str | None = None) -> Path:
     path = Path(source).expanduser()
     if path.exists():
         return path
-    from huggingface_hub import snapshot_download
-    from huggingface_hub import errors as hub_errors
-
-    try:
-        return Path(snapshot_download(source, revision=revision, local_files_only=True,
-                                      allow_patterns=[CONFIG_NAME, WEIGHTS_NAME]))
-    except (hub_errors.LocalEntryNotFoundError, OSError, ValueError):
+    folder = cached_snapshot(source, revision, [CONFIG_NAME, WEIGHTS_NAME])
+    if folder is None or not (folder / WEIGHTS_NAME).is_file():
         raise ModelInputError(f"adapter {source}: not a local folder and not in the local Hugging Face cache; "
-                              f"fetch it with `hf download {source}` or give a local folder") from None
+                              f"fetch it with `hf download {source}` or give a local folder")
+    return folder
 
 
 def adapter_scaling(config: dict, origin: str) -> float:

@@ -363,14 +363,7 @@ def local_weights(model: str, revision: str | None) -> Path:
     path = Path(model).expanduser()
     if path.exists():
         return path
-    from huggingface_hub import snapshot_download
-    from huggingface_hub import errors as hub_errors
-
-    try:
-        folder = Path(snapshot_download(model, revision=revision, local_files_only=True,
-                                        allow_patterns=["*.json", "*.safetensors"]))
-    except (hub_errors.LocalEntryNotFoundError, OSError, ValueError):
-        folder = None
+    folder = cached_snapshot(model, revision, ["*.json", "*.safetensors"])
     if folder is None or not list(folder.glob("*.safetensors")):
         revision_flag = f" --revision {revision}" if revision else ""
         raise ModelInputError(
@@ -379,6 +372,18 @@ def local_weights(model: str, revision: str | None) -> Path:
             "or pass a local folder with --model"
         )
     return folder
+
+
+def cached_snapshot(repo_id: str, revision: str | None, allow_patterns: list[str]) -> Path | None:
+    """The repo's snapshot folder in the local Hugging Face cache (never the network), or None."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub import errors as hub_errors
+
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, local_files_only=True,
+                                      allow_patterns=allow_patterns))
+    except (hub_errors.LocalEntryNotFoundError, OSError, ValueError):
+        return None
 
 
 def apply_plan_on_cpu(model: nn.Module, plan: Plan, lazy_copies: bool = False) -> OffloadEngine:

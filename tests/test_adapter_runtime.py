@@ -116,3 +116,14 @@ def test_stream_on_the_gpu_equals_peft(base_and_adapters, mode):
         assert torch.equal(torch.stack([served.logits[r] for r in forward.requests]), expected), forward
     assert served.times.total_ms > 0 and all(t > 0 for t in served.times.ttft_ms)
     pool.close()
+
+
+def test_an_adapter_neither_local_nor_cached_is_one_line(monkeypatch, tmp_path):
+    from runtime.adapters import adapter_folder
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(ModelInputError, match="hf download org/sql-lora") as error:
+        adapter_folder("org/sql-lora")
+    assert "\n" not in str(error.value)
+    assert adapter_folder(str(tmp_path)) == tmp_path  # a local folder comes back as it is
