@@ -82,6 +82,40 @@ def check_memory(plan: Plan, device: torch.device, working_set_bytes: int) -> No
             "make a plan with a smaller --budget"
         )
     check_host_memory(plan, working_set_bytes, host_available_bytes())
+    check_memlock(plan.memory.host_pinned_bytes + (NUM_READERS + 1) * STAGING_BYTES, memlock_limit_bytes())
+
+
+def check_memlock(pinned_bytes: int, limit_bytes: int | None) -> None:
+    """Fail before reading anything when the memlock limit is below what will be page-locked: the layers are
+    pinned as they land, so cudaHostRegister would refuse only after the resident reads (seconds, cold)."""
+    if limit_bytes is not None and limit_bytes < pinned_bytes:
+        raise RuntimeUnavailableError(
+            f"loading page-locks {pinned_bytes} bytes ({format_bytes(pinned_bytes)}) of host memory but the memlock "
+            f"limit is {limit_bytes} bytes ({format_bytes(limit_bytes)}): raise it (ulimit -l unlimited, docker "
+            "--ulimit memlock=-1) or make a plan with a larger --budget, which pins less"
+        )
+
+
+def memlock_limit_bytes() -> int | None:
+    """The soft RLIMIT_MEMLOCK that applies to this process, or None where none does: unlimited, or the process
+    holds CAP_IPC_LOCK (root usually does), which lets it lock past the limit."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft == resource.RLIM_INFINITY or _has_ipc_lock():
+        return None
+    return soft
+
+
+def _has_ipc_lock() -> bool:
+    """CAP_IPC_LOCK (capability 14) in the effective set, from /proc/self/status."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("CapEff:"):
+                return bool(int(line.split()[1], 16) >> 14 & 1)
+    except (OSError, ValueError):
+        pass
+    return False
 
 
 def check_host_memory(plan: Plan, working_set_bytes: int, available_bytes: int | None) -> None:

@@ -734,3 +734,15 @@ def test_the_phase_record_says_when_reads_and_pins_ended(checkpoints):
     stream_on_cpu(folder, _resident_plan(folder), phases=resident)
     assert resident.host_reads_done_s is None and resident.last_pin_done_s is None
     assert resident.num_pieces_pinned == 0 and resident.device_reads_done_s <= resident.streamed_s
+
+
+def test_a_memlock_limit_below_the_pinned_bytes_fails_before_loading():
+    """Layers are pinned as they land, so a refusal by cudaHostRegister would come late: run checks first."""
+    from planner.errors import RuntimeUnavailableError
+    from runtime.load import check_memlock
+
+    check_memlock(10 << 30, None)  # unlimited, or CAP_IPC_LOCK
+    check_memlock(10 << 30, 10 << 30)
+    with pytest.raises(RuntimeUnavailableError, match=r"memlock limit is 65536 bytes .*ulimit -l unlimited") as error:
+        check_memlock(10 << 30, 65536)
+    assert "\n" not in str(error.value)
