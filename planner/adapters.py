@@ -193,6 +193,17 @@ def _read_config(path: Path, origin: str) -> dict:
     return config
 
 
+def read_adapter_config(folder: Path, origin: str) -> dict:
+    """An adapter folder's adapter_config.json (size-capped, one-line errors)."""
+    return _read_config(folder / CONFIG_NAME, origin)
+
+
+def lora_scaling(config: dict, origin: str) -> float:
+    """PEFT's scaling of an adapter's output: lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora."""
+    fields = _config_fields(config, origin)
+    return fields.alpha / (fields.rank ** 0.5 if config.get("use_rslora") else fields.rank)
+
+
 @dataclass(frozen=True, kw_only=True)
 class _ConfigFields:
     rank: int

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from planner.adapter_stream import StreamSchedule, StreamTimes, times_from_events
-from planner.adapters import CONFIG_NAME, WEIGHTS_NAME, _config_fields, _read_config, parse_adapter_option
+from planner.adapters import CONFIG_NAME, WEIGHTS_NAME, lora_scaling, parse_adapter_option, read_adapter_config
 from planner.errors import ModelInputError
 from planner.placement import align_up
 from runtime.engine import PackedParam, view_as_param
@@ -61,12 +61,6 @@ def adapter_folder(source: str, revision: str | None = None) -> Path:
         raise ModelInputError(f"adapter {source}: not a local folder and not in the local Hugging Face cache; "
                               f"fetch it with `hf download {source}` or give a local folder")
     return folder
-
-
-def adapter_scaling(config: dict, origin: str) -> float:
-    """PEFT's scaling: lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora."""
-    fields = _config_fields(config, origin)
-    return fields.alpha / (math.sqrt(fields.rank) if config.get("use_rslora") else fields.rank)
 
 
 def read_pairs(folder: Path, origin: str, model: nn.Module) -> list[tuple[str, SourceTensor, SourceTensor]]:
@@ -114,7 +108,7 @@ class AdapterPool:
         offset = 0
         for name, folder in adapters:
             origin = f"adapter {name} ({folder})"
-            scaling = adapter_scaling(_read_config(folder / CONFIG_NAME, origin), origin)
+            scaling = lora_scaling(read_adapter_config(folder, origin), origin)
             pairs, start = [], offset
             for module, a, b in read_pairs(folder, origin, model):
                 pair = _packed(module, a, b, offset - start, self.dtype)

@@ -93,3 +93,11 @@ def test_measured_times_use_the_same_figures():
     schedule = schedule_stream([["a", "b"], ["a"]], 1, BLOCKING)
     times = times_from_events(schedule, [3.0, 10.0, 20.0], [8.0, 15.0, 26.0])
     assert times.ttft_ms == (8.0, 15.0, 11.0) and times.compute_idle_ms == pytest.approx(26.0 - 16.0)
+
+
+def test_lora_scaling_is_peft_s():
+    from planner.adapters import lora_scaling
+
+    config = {"peft_type": "LORA", "r": 16, "lora_alpha": 32, "target_modules": ["q_proj"]}
+    assert lora_scaling(config, "x") == 2.0
+    assert lora_scaling({**config, "use_rslora": True}, "x") == 8.0
