@@ -103,7 +103,7 @@ def weights_link_ms(loaded: Loaded, num_forwards: int) -> tuple[list[float] | No
 
 
 def run_mode(loaded: Loaded, pool: AdapterPool, hooks: LoraHooks, schedule: StreamSchedule, prompts: torch.Tensor,
-             copy_ms: dict[str, float], link_ms_per_copy: float,
+             copy_ms: dict[str, float], link_ms_per_byte: float,
              num_rounds: int = NUM_ROUNDS) -> tuple[ModeResult, ServedStream]:
     """Warm up, then ``num_rounds`` of (the forwards alone, the stream with its copies), interleaved so drift
     hits both alike. Reported: the served round of median total; predicted from each forward's median time
@@ -116,22 +116,23 @@ def run_mode(loaded: Loaded, pool: AdapterPool, hooks: LoraHooks, schedule: Stre
             served.append(serve_stream(loaded.model, pool, hooks, schedule, prompts))
     compute_ms = [statistics.median(t.forward_end_ms[k] - t.forward_start_ms[k] for t in alone)
                   for k in range(len(schedule.forwards))]
-    link_ms, wrapped_ms = weights_link_ms(loaded, len(schedule.forwards))
-    predicted = simulate(schedule, copy_ms=copy_ms, compute_ms=compute_ms, weights_link_ms=link_ms,
+    weights_ms, wrapped_ms = weights_link_ms(loaded, len(schedule.forwards))
+    predicted = simulate(schedule, copy_ms=copy_ms, compute_ms=compute_ms, weights_link_ms=weights_ms,
                          wrapped_link_ms=wrapped_ms)
     totals = [run.times.total_ms for run in served]
     middle = served[totals.index(statistics.median_low(totals))]
-    result = _mode_result(schedule, middle.times, predicted, sum(compute_ms), link_ms_per_copy)
+    link_ms = sum(pool.layouts[load.adapter].num_bytes for load in schedule.loads) * link_ms_per_byte
+    result = _mode_result(schedule, middle.times, predicted, sum(compute_ms), link_ms)
     return replace(result, total_ms_all=tuple(totals),
                    compute_ms_all=tuple(sum(e - s for s, e in zip(t.forward_start_ms, t.forward_end_ms))
                                         for t in alone)), middle
 
 
 def _mode_result(schedule: StreamSchedule, measured: StreamTimes, predicted: StreamTimes, compute_ms: float,
-                 link_ms_per_copy: float) -> ModeResult:
+                 link_ms: float) -> ModeResult:
     return ModeResult(
         mode=schedule.mode, total_ms=measured.total_ms, predicted_total_ms=predicted.total_ms, compute_ms=compute_ms,
-        link_ms=len(schedule.loads) * link_ms_per_copy,
+        link_ms=link_ms,
         first_start_ms=statistics.mean(measured.first_start_ms),
         predicted_first_start_ms=statistics.mean(predicted.first_start_ms),
         ttft_mean_ms=statistics.mean(measured.ttft_ms), predicted_ttft_mean_ms=statistics.mean(predicted.ttft_ms),
@@ -162,11 +163,11 @@ def run_adapter_bench(loaded: Loaded, plan_path: Path | None = None, *, requests
     prompts = random_ids(loaded.model, (num_requests, prompt_tokens), loaded.engine.backend.device)
     copy_ms = {row.name: row.copy_ms for row in plan.adapters.items}
     measured_copy = measure_copy_ms(pool, names[0])
-    link_ms_per_copy = measured_copy * plan.adapters.slot_bytes / pool.layouts[names[0]].num_bytes
+    link_ms_per_byte = measured_copy / pool.layouts[names[0]].num_bytes
     results, outputs = [], StreamOutputs(prompts=prompts, served={})
     for mode in MODES:
         schedule = schedule_stream(batches, plan.adapters.num_slots, mode)
-        result, served = run_mode(loaded, pool, hooks, schedule, prompts, copy_ms, link_ms_per_copy)
+        result, served = run_mode(loaded, pool, hooks, schedule, prompts, copy_ms, link_ms_per_byte)
         results.append(result)
         outputs.served[mode] = (schedule, served)
     bench = AdapterBench(num_adapters=len(names), num_slots=plan.adapters.num_slots, requests_per_batch=per_batch,

@@ -23,7 +23,7 @@ from planner.adapters import CONFIG_NAME, WEIGHTS_NAME, lora_scaling, parse_adap
 from planner.errors import ModelInputError
 from planner.placement import align_up
 from runtime.engine import PackedParam, view_as_param
-from runtime.load import cached_snapshot
+from runtime.load import alloc_device_or_fail, cached_snapshot, host_allocation_or_fail
 from runtime.stream_load import FileHandles, SourceTensor, read_exact, read_sources
 
 _PEFT_PREFIX = "base_model.model."
@@ -90,8 +90,7 @@ def read_pairs(folder: Path, origin: str, model: nn.Module) -> list[tuple[str, S
 
 def _packed(module: str, a: SourceTensor, b: SourceTensor, offset_bytes: int, dtype: torch.dtype) -> LoraPair:
     """A then B, each at an aligned offset, in ``dtype``."""
-    size = torch.empty((), dtype=dtype).element_size()
-    a_bytes, b_bytes = size * math.prod(a.shape), size * math.prod(b.shape)
+    a_bytes, b_bytes = dtype.itemsize * math.prod(a.shape), dtype.itemsize * math.prod(b.shape)
     b_offset = align_up(offset_bytes + a_bytes)
     return LoraPair(module=module, a=PackedParam(f"{module}.lora_A", offset_bytes, a_bytes, dtype, a.shape),
                     b=PackedParam(f"{module}.lora_B", b_offset, b_bytes, dtype, b.shape))
@@ -118,10 +117,12 @@ class AdapterPool:
             self.layouts[name] = AdapterLayout(name=name, scaling=scaling, offset_bytes=start,
                                                num_bytes=offset - start, pairs=tuple(pairs))
         self.slot_bytes = max(layout.num_bytes for layout in self.layouts.values())
-        self.host = torch.empty(offset, dtype=torch.uint8)
+        # the slots first: a GPU that cannot hold them is one line, with nothing read or pinned yet
+        self.slots = alloc_device_or_fail(backend, num_slots * self.slot_bytes, "adapter slots",
+                                          "make the plan with fewer --adapter-slots")
+        self.host = host_allocation_or_fail(offset, "the LoRA adapters", "serve fewer adapters")
         self._read_all(reads)
         backend.pin(self.host)  # after the reads: registering pages already written costs no page faults
-        self.slots = backend.alloc_device(num_slots * self.slot_bytes)
         self.num_slots = num_slots
         self._views: dict[tuple[str, int], dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
 

@@ -282,28 +282,30 @@ def place_plan(model: nn.Module, plan: Plan, backend, pin: bool = True) -> Place
     return placement
 
 
-def alloc_device_or_fail(backend, num_bytes: int) -> torch.Tensor:
-    """The device arena, or a one-line error when the GPU cannot hold it (another process took memory since
+def alloc_device_or_fail(backend, num_bytes: int, what: str = "weights and slots",
+                         fix: str = "make a plan with a smaller --budget") -> torch.Tensor:
+    """A device buffer, or a one-line error when the GPU cannot hold it (another process took memory since
     the check, or the allocator is fragmented)."""
     try:
         return backend.alloc_device(num_bytes)
     except torch.OutOfMemoryError:
         raise RuntimeUnavailableError(
             f"the GPU ran out of memory allocating the plan's {num_bytes} bytes ({format_bytes(num_bytes)}) of "
-            "weights and slots; free GPU memory (other processes?) or make a plan with a smaller --budget"
+            f"{what}; free GPU memory (other processes?) or {fix}"
         ) from None
 
 
-def host_allocation_or_fail(num_bytes: int) -> torch.Tensor:
-    """The host allocation for offloaded params (pinned later, piece by piece), or a one-line error. It starts
+def host_allocation_or_fail(num_bytes: int, what: str = "the offloaded layers",
+                            fix: str = "make a plan with a larger --budget") -> torch.Tensor:
+    """A host allocation to be pinned (the offloaded layers, piece by piece), or a one-line error. It starts
     on a page boundary and ``num_bytes`` (host_offsets' total) is whole pages, so no piece shares a page with
     another or with any other allocation (torch's allocator aligns to 64 bytes only: one page more is taken)."""
     try:
         allocation = torch.empty(num_bytes + HOST_PIECE_ALIGN_BYTES, dtype=torch.uint8)
     except RuntimeError:  # torch's CPU allocator raises a bare RuntimeError when malloc fails
         raise RuntimeUnavailableError(
-            f"cannot allocate {num_bytes} bytes ({format_bytes(num_bytes)}) of host memory for the offloaded "
-            "layers; free host memory or make a plan with a larger --budget"
+            f"cannot allocate {num_bytes} bytes ({format_bytes(num_bytes)}) of host memory for {what}; free host "
+            f"memory or {fix}"
         ) from None
     skip_bytes = -allocation.data_ptr() % HOST_PIECE_ALIGN_BYTES
     return allocation[skip_bytes:skip_bytes + num_bytes]

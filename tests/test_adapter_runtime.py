@@ -127,3 +127,18 @@ def test_an_adapter_neither_local_nor_cached_is_one_line(monkeypatch, tmp_path):
         adapter_folder("org/sql-lora")
     assert "\n" not in str(error.value)
     assert adapter_folder(str(tmp_path)) == tmp_path  # a local folder comes back as it is
+
+
+def test_slots_the_gpu_cannot_hold_are_one_line_with_nothing_pinned(base_and_adapters):
+    """The slots are allocated before anything is read or pinned: their failure leaves the host untouched."""
+    from planner.errors import RuntimeUnavailableError
+
+    class NoRoom(CpuStandIn):
+        def alloc_device(self, num_bytes):
+            raise torch.OutOfMemoryError("CUDA out of memory")
+
+    base, folders = base_and_adapters
+    backend = NoRoom()
+    with pytest.raises(RuntimeUnavailableError, match="of adapter slots; .*fewer --adapter-slots") as error:
+        AdapterPool(copy.deepcopy(base), list(folders.items()), 2, backend)
+    assert "\n" not in str(error.value) and not backend.pinned
