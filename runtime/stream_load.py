@@ -21,6 +21,7 @@ Reads use preadv, not mmap: mapped pages of the files would count in the process
 import contextlib
 import os
 import queue
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -209,6 +210,10 @@ class LoadWork:
     buffers: tuple = ()
     #: the canonical name of a param each converted group produces (its layer orders the group's read)
     converted_targets: tuple = ()
+    #: (source, canonical param name, byte offset in the param): tensors that transformers would stack or
+    #: concatenate into a fused param (the hub's one tensor per expert), each a contiguous range of that param,
+    #: read straight into place with no host copy
+    sliced: tuple = ()
 
 
 def plan_reads(model: nn.Module, sources: dict[str, SourceTensor]) -> LoadWork:
@@ -223,7 +228,7 @@ def plan_reads(model: nn.Module, sources: dict[str, SourceTensor]) -> LoadWork:
     canonical = {name: name for name, _ in model.named_parameters()}
     canonical.update(_tied_aliases(model))
     buffer_names = {name for name, _ in model.named_buffers()}
-    direct, groups, buffers = [], {}, []
+    direct, groups, patterns, buffers = [], {}, {}, []
     for name in sorted(sources):
         target, pattern = rename_source_key(name, renamings, converters, model.base_model_prefix, meta_state)
         if target not in meta_state and name in meta_state:
@@ -237,8 +242,68 @@ def plan_reads(model: nn.Module, sources: dict[str, SourceTensor]) -> LoadWork:
             direct.append((sources[name], canonical[target]))
         else:
             groups.setdefault(target, []).append(sources[name])
-    return LoadWork(direct=direct, converted=list(groups.values()), weight_mapping=mapping, buffers=tuple(buffers),
-                    converted_targets=tuple(canonical[target] for target in groups))
+            patterns[name] = pattern
+    sliced, converted = [], {}
+    for target, group in groups.items():
+        meta = meta_state[target]
+        offsets = fused_offsets(group, patterns, _converter_of(patterns[group[0].name], converters),
+                                tuple(meta.shape), meta.element_size())
+        if offsets is None:
+            converted[target] = group
+        else:
+            sliced += [(source, canonical[target], offsets[source.name]) for source in group]
+    return LoadWork(direct=direct, converted=list(converted.values()), weight_mapping=mapping,
+                    buffers=tuple(buffers), converted_targets=tuple(canonical[target] for target in converted),
+                    sliced=tuple(sliced))
+
+
+def _converter_of(pattern: str, converters: list):
+    return next((c for c in converters if pattern in c.source_patterns), None)
+
+
+def fused_offsets(group: list[SourceTensor], patterns: dict[str, str], converter, target_shape: tuple[int, ...],
+                  element_bytes: int) -> dict[str, int] | None:
+    """Where each per-expert tensor of ``group`` lies in the fused param, as a byte offset, when transformers'
+    conversion is a stack over experts (``MergeModulelist(dim=0)``), optionally followed by a concatenation of
+    the stacked projections along dim 1 (``Concatenate(dim=1)``, gate then up): expert ``e`` of source pattern
+    ``j`` (of P) is then the contiguous range starting at element ``(e * P + j) * numel``. None for any other
+    conversion, or a group that does not tile the param exactly (transformers converts it then)."""
+    operations = [(type(op).__name__, getattr(op, "dim", None)) for op in getattr(converter, "operations", ())]
+    if operations not in ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)]):
+        return None
+    source_patterns = list(converter.source_patterns)
+    shapes = {source.shape for source in group}
+    if len(shapes) != 1 or (len(operations) == 1 and len(source_patterns) != 1):
+        return None
+    (shape,) = shapes
+    numel = _numel(shape)
+    located = {}
+    for source in group:
+        expert = _expert_index(source.name, patterns[source.name])
+        if expert is None:
+            return None
+        located[source.name] = (expert * len(source_patterns) + source_patterns.index(patterns[source.name]))
+    num_experts, leftover = divmod(len(group), len(source_patterns))
+    expected = (num_experts, len(source_patterns) * shape[0], *shape[1:]) if shape else None
+    if leftover or expected != target_shape or sorted(located.values()) != list(range(len(group))):
+        return None
+    return {name: index * numel * element_bytes for name, index in located.items()}
+
+
+def _expert_index(name: str, pattern: str) -> int | None:
+    """The number that stands for ``*`` in ``pattern`` within ``name`` (the expert's index), or None."""
+    head, star, tail = pattern.partition("*")
+    if not star:
+        return None
+    match = re.search(re.escape(head) + r"(\d+)" + re.escape(tail) + "$", name)
+    return int(match.group(1)) if match else None
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
 
 
 def _tied_aliases(model: nn.Module) -> dict[str, str]:
@@ -443,12 +508,20 @@ def stream_weights(model: nn.Module, work: LoadWork, destinations: dict[str, Des
     reader = Reader(backend, ring, on_bytes)
     lock = threading.Lock()
     in_flight = threading.Semaphore(CONVERSIONS_IN_FLIGHT)
-    filled = {name for _, name in work.direct}
+    filled = {name for _, name in work.direct} | {name for _, name, _ in work.sliced}
+    slices_left = SliceCounter(work.sliced)
 
     def load_direct(source, name):
         pinner.check()  # a refused page-lock stops the reads still queued
         reader.to_destination(source, destinations[name], dtypes[name])
         landings.landed(name)
+
+    def load_slice(source, name, offset_bytes):
+        pinner.check()
+        reader.to_destination(source, slice_destination(destinations[name], source, offset_bytes, dtypes[name]),
+                              dtypes[name])
+        if slices_left.landed(name):
+            landings.landed(name)
 
     def load_group(group):
         pinner.check()
@@ -464,7 +537,8 @@ def stream_weights(model: nn.Module, work: LoadWork, destinations: dict[str, Des
         for source, name in work.buffers:
             _load_buffer(model, name, reader.read_tensor(source))
         with ThreadPoolExecutor(max_workers=num_readers, thread_name_prefix="offload-plan-read") as pool:
-            futures = [pool.submit(load_direct, *task) if kind == "direct" else pool.submit(load_group, task)
+            loaders = {"direct": load_direct, "slice": load_slice}
+            futures = [pool.submit(loaders[kind], *task) if kind in loaders else pool.submit(load_group, task)
                        for kind, task in read_order(work, destinations)]
             _wait_all(futures)
         backend.synchronize()
@@ -481,6 +555,32 @@ def stream_weights(model: nn.Module, work: LoadWork, destinations: dict[str, Des
     phases.streamed_s = time.perf_counter() - start_s
 
 
+class SliceCounter:
+    """Counts the slices of each fused param still to land (reader threads call ``landed``)."""
+
+    def __init__(self, sliced):
+        self._left: dict[str, int] = {}
+        for _, name, _ in sliced:
+            self._left[name] = self._left.get(name, 0) + 1
+        self._lock = threading.Lock()
+
+    def landed(self, name: str) -> bool:
+        """One slice of ``name`` is in place; True when it was the last."""
+        with self._lock:
+            self._left[name] -= 1
+            return self._left[name] == 0
+
+
+def slice_destination(destination: Destination, source: SourceTensor, offset_bytes: int,
+                      param_dtype: torch.dtype) -> Destination:
+    """The part of a fused param's destination that one per-expert tensor fills."""
+    num_bytes = _numel(source.shape) * param_dtype.itemsize
+    item = PackedParam(destination.item.name, destination.item.offset_bytes + offset_bytes, num_bytes, param_dtype,
+                       source.shape)
+    return Destination(buffer=destination.buffer, item=item, on_device=destination.on_device,
+                       piece=destination.piece)
+
+
 def read_order(work: LoadWork, destinations: dict[str, Destination]) -> list[tuple[str, object]]:
     """("direct", (source, name)) and ("group", sources) in the order they are read: device-bound first, then
     host piece by piece in layer order, largest first within each. Pieces fill one after another, so each can
@@ -490,6 +590,8 @@ def read_order(work: LoadWork, destinations: dict[str, Destination]) -> list[tup
         return -1 if destination is None or destination.piece is None else destination.piece
 
     tasks = [((piece_of(name), -source.num_bytes), ("direct", (source, name))) for source, name in work.direct]
+    tasks += [((piece_of(name), -source.num_bytes), ("slice", (source, name, offset)))
+              for source, name, offset in work.sliced]
     targets = work.converted_targets or ("",) * len(work.converted)
     tasks += [((piece_of(target), -sum(s.num_bytes for s in group)), ("group", group))
               for group, target in zip(work.converted, targets)]

@@ -292,8 +292,9 @@ def test_host_memory_check_counts_pinned_bytes_and_working_set_not_the_checkpoin
     files = checkpoint_files(folder)
     work = plan_reads(build_skeleton(folder, files), read_sources(files))
     working_set = loading_working_set_bytes(work)
-    largest_group = max(sum(s.num_bytes for s in group) for group in work.converted)
-    assert working_set == (NUM_READERS + 1) * STAGING_BYTES + 2 * 2 * largest_group
+    # the hub's per-expert tensors are read straight into the fused params: no conversion holds host memory
+    assert not work.converted and work.sliced
+    assert working_set == (NUM_READERS + 1) * STAGING_BYTES
     needed = plan.memory.host_pinned_bytes + working_set
     check_host_memory(plan, working_set, needed)
     with pytest.raises(RuntimeUnavailableError) as error:
@@ -382,8 +383,8 @@ def test_host_reads_do_not_wait_for_page_locking(checkpoints, monkeypatch):
 
 
 def test_reads_go_device_bound_first_then_piece_by_piece_largest_first(checkpoints):
-    """So each piece fills early and is page-locked while the later ones are read; converted groups (fused
-    experts) are ordered with their layer's piece."""
+    """So each piece fills early and is page-locked while the later ones are read; per-expert tensors (read
+    into their fused params) are ordered with their layer's piece."""
     from runtime.stream_load import build_skeleton, checkpoint_files, plan_reads, read_order, read_sources
 
     folder = checkpoints("qwen3-moe")
@@ -395,8 +396,8 @@ def test_reads_go_device_bound_first_then_piece_by_piece_largest_first(checkpoin
 
     def key(task):
         kind, payload = task
-        if kind == "direct":
-            source, name = payload
+        if kind in ("direct", "slice"):
+            source, name = payload[:2]
             piece = destinations[name].piece
             return (-1 if piece is None else piece, -source.num_bytes)
         target = work.converted_targets[next(k for k, g in enumerate(work.converted) if g is payload)]
@@ -404,10 +405,10 @@ def test_reads_go_device_bound_first_then_piece_by_piece_largest_first(checkpoin
         return (-1 if piece is None else piece, -sum(s.num_bytes for s in payload))
 
     order = [key(task) for task in read_order(work, destinations)]
-    assert order == sorted(order) and len(order) == len(work.direct) + len(work.converted)
+    assert order == sorted(order) and len(order) == len(work.direct) + len(work.converted) + len(work.sliced)
     assert {piece for piece, _ in order} == {-1, 0, 1, 2}  # device-bound, then the 3 offloaded layers
-    grouped = [task for task in read_order(work, destinations) if task[0] == "group"]
-    assert any(key(task)[0] >= 0 for task in grouped)  # fused experts of offloaded layers among their piece
+    sliced = [task for task in read_order(work, destinations) if task[0] == "slice"]
+    assert any(key(task)[0] >= 0 for task in sliced)  # per-expert tensors of offloaded layers among their piece
 
 
 def test_the_cli_progress_bar_counts_bytes_from_reader_threads(checkpoints, monkeypatch):
@@ -748,3 +749,60 @@ def test_a_memlock_limit_below_the_pinned_bytes_fails_before_loading():
     with pytest.raises(RuntimeUnavailableError, match=r"memlock limit is 65536 bytes .*ulimit -l unlimited") as error:
         check_memlock(10 << 30, 65536)
     assert "\n" not in str(error.value)
+
+
+def test_per_expert_tensors_land_in_the_fused_params_in_expert_order(tmp_path):
+    """Twelve experts (names sort 0, 1, 10, 11, 2, ...): each per-expert tensor is read into its range of the
+    fused param, gate before up, and the state equals from_pretrained's, param by param."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from runtime.stream_load import build_skeleton, checkpoint_files, plan_reads, read_sources
+    from tests.runtime_models import _save
+
+    config = Qwen3MoeConfig(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                            num_experts=12, num_experts_per_tok=2)
+    folder = _save(AutoModelForCausalLM.from_config(config), tmp_path / "moe12", seed=3)
+    files = checkpoint_files(folder)
+    work = plan_reads(build_skeleton(folder, files), read_sources(files))
+    assert not work.converted and len(work.sliced) == 2 * 12 * 3
+    reference = build_model(str(folder), None).state_dict()
+    model, engine = stream_on_cpu(folder, _resident_plan(folder))
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, reference[name]), name
+    engine.close()
+
+
+def test_a_group_that_does_not_tile_its_param_is_converted_by_transformers(checkpoints, monkeypatch):
+    """A missing expert, or a conversion other than stack-then-concatenate, leaves the group to transformers'
+    converter; that path still loads bit for bit."""
+    import runtime.stream_load as stream_load
+    from runtime.stream_load import SourceTensor, fused_offsets
+
+    class Merge:
+        dim = 0
+
+    Merge.__name__ = "MergeModulelist"
+
+    class Converter:
+        source_patterns = ["mlp.experts.*.down_proj.weight"]
+        operations = [Merge()]
+
+    def source(expert):
+        name = f"model.layers.0.mlp.experts.{expert}.down_proj.weight"
+        return SourceTensor(name=name, path=Path("x"), offset_bytes=0, num_bytes=32, dtype=torch.bfloat16,
+                            shape=(4, 4))
+
+    group = [source(e) for e in range(3)]
+    patterns = {source(e).name: Converter.source_patterns[0] for e in range(4)}
+    assert fused_offsets(group, patterns, Converter, (3, 4, 4), 2) == {s.name: 32 * e for e, s in enumerate(group)}
+    assert fused_offsets(group[:2] + [source(3)], patterns, Converter, (3, 4, 4), 2) is None  # expert 2 missing
+    assert fused_offsets(group, patterns, Converter, (4, 4, 4), 2) is None  # does not fill the param
+    Converter.operations = [Merge(), Merge()]
+    assert fused_offsets(group, patterns, Converter, (3, 4, 4), 2) is None
+
+    monkeypatch.setattr(stream_load, "fused_offsets", lambda *args: None)
+    folder = checkpoints("qwen3-moe")
+    reference = _logits(build_model(str(folder), None))[0]
+    model, engine = stream_on_cpu(folder, plan_with(folder, 4, 3, 2, params=("experts",)), lazy_copies=True)
+    assert all(torch.equal(out, reference) for out in _logits(model, 3))
