@@ -17,9 +17,10 @@ a layer the peak falls in one of these phases, and the estimate is the largest o
   their product alive together.
 - ``moe``: router logits and float32 probabilities, the routing indices, the output accumulator, and the
   experts' work as the model's experts implementation does it: transformers 5's default ``grouped_mm`` sorts
-  the (token, expert) pairs and runs them all at once; ``eager`` loops over experts (bounded by every token
-  picking one); ``batched_mm`` (the runtime's graph-capturable path, runtime.graph) gathers every pair's
-  expert weights.
+  the (token, expert) pairs and runs them all at once (what the runtime runs, decode and prefill alike:
+  PLANNED_EXPERTS_IMPLEMENTATION); ``eager`` loops over experts (bounded by every token picking one);
+  ``batched_mm`` gathers every pair's expert weights (the runtime's fallback for captured decode where
+  grouped_mm has no native kernel: runtime.experts_impl).
 - ``logits``: after the base model has returned (its step-wide tensors freed), the LM head on the last
   token of each sequence (``logits_to_keep=1``), in the activation dtype: transformers computes no float32
   copy unless it computes a loss. Engines upcast the sampled logits to float32; pass
@@ -42,6 +43,10 @@ _EXPERT_COUNT_KEYS = ("num_local_experts", "n_routed_experts", "num_experts", "m
 _TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k")
 _UNMODELLED = ("qwen3_next", "jamba", "falcon_h1", "mamba", "mamba2", "zamba", "zamba2", "nemotron_h", "lfm2")
 EXPERT_IMPLEMENTATIONS = ("grouped_mm", "eager", "batched_mm")
+#: what the runtime runs a MoE model's experts through, per phase, and so what plans set memory aside for:
+#: grouped_mm is capturable (no host synchronisation) and holds only the pairs' activations, where batched_mm
+#: gathers every pair's weights (a 2048-token chunk of Qwen3-30B-A3B: 144 GiB)
+PLANNED_EXPERTS_IMPLEMENTATION = {"decode": "grouped_mm", "prefill": "grouped_mm"}
 FP32 = 4
 INDEX = 8  # int64 indices
 #: small scratch allocations of the step's kernels beyond the terms above: on the H100 (torch 2.11) the peak of a

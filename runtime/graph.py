@@ -23,6 +23,7 @@ from planner.errors import UsageError
 # length (masked), so step time grows with it: measuring, planning and running use the same room.
 from planner.serving import DECODE_ROOM_TOKENS
 from planner.simulate import STEPS_PER_GRAPH
+from runtime.experts_impl import DECODE, PREFILL, has_experts, use_phase
 
 NUM_WARMUP_CALLS = 2
 #: prefill at most this many tokens per forward (batch x chunk), to bound activation memory
@@ -66,21 +67,6 @@ def compile_forward(model, backend: str):
     return torch.compile(model.forward, backend=backend, dynamic=False, fullgraph=True)
 
 
-def use_capturable_experts(model) -> bool:
-    """Route MoE experts through transformers' 'batched_mm' (device-side gather), True if the model has experts.
-
-    The default 'eager' experts loop asks the host which experts were hit (a synchronisation no graph can
-    capture). Eager and graphed decode both use batched_mm, so their outputs stay bitwise comparable.
-    """
-    if not any(name.rsplit(".", 1)[-1] == "experts" for name, _ in model.named_modules()):
-        return False
-    if not hasattr(model, "set_experts_implementation"):
-        raise UsageError("decoding a MoE model over a static cache needs transformers' set_experts_implementation "
-                         "(transformers >= 5); upgrade transformers")
-    model.set_experts_implementation("batched_mm")
-    return True
-
-
 _WARM_UP_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
@@ -104,7 +90,8 @@ class DecodeLoop:
 
         self.model, self.engine, self.device = model, engine, device
         self.forward = model if compile_backend is None else compile_forward(model, compile_backend)
-        use_capturable_experts(model)
+        #: a MoE model's experts run decode's implementation in the steps and prefill's in the prefill
+        self.moe = has_experts(model)
         self.cache = StaticCache(config=model.config, max_cache_len=max_cache_tokens)
         self._allocate_cache(batch)
         self.steps_per_call = steps_per_call
@@ -125,6 +112,7 @@ class DecodeLoop:
     def prefill(self, prompt_ids: torch.Tensor) -> None:
         """Fill the cache with ``prompt_ids`` [batch, tokens] in chunks; the next ids are the last argmax."""
         chunk = max(1, PREFILL_CHUNK_TOKENS // prompt_ids.shape[0])
+        self._use_phase(PREFILL)
         with torch.inference_mode():
             for start in range(0, prompt_ids.shape[1], chunk):
                 output = self.model(input_ids=prompt_ids[:, start:start + chunk], past_key_values=self.cache,
@@ -189,8 +177,13 @@ class DecodeLoop:
         self.step_logits[index].copy_(logits)
         self.ids.copy_(logits.argmax(-1, keepdim=True))
 
+    def _use_phase(self, phase: str) -> None:
+        if self.moe:
+            use_phase(self.model, phase, self.device)
+
     def _steps(self) -> None:
         """The body of one call (what a replay runs)."""
+        self._use_phase(DECODE)
         for index in range(self.steps_per_call):
             self._step(index, join=index == self.steps_per_call - 1)
 

@@ -19,6 +19,7 @@ from planner.errors import ModelInputError, PlanError, RuntimeUnavailableError
 from planner.plan import Plan
 from planner.units import format_bytes
 from runtime.backend import CpuStandIn, CudaBackend
+from runtime.experts_impl import PREFILL, use_phase
 from planner.placement import align_up
 from planner.schedule import PrefetchSchedule
 from runtime.engine import (HOST_PIECE_ALIGN_BYTES, OffloadEngine, PackedParam, host_offsets, host_pieces,
@@ -60,14 +61,37 @@ def model_path_for(plan: Plan, model: str | None) -> str:
     return model if model is not None else plan.model.source
 
 
-def check_fingerprint(plan: Plan, model: str) -> None:
-    """The checkpoint's tensor names, dtypes and shapes must be the ones the plan was made for."""
+def check_fingerprint(plan: Plan, model: str):
+    """The checkpoint's tensor names, dtypes and shapes must be the ones the plan was made for; returns the
+    checkpoint's headers and config (planner.checkpoint.Checkpoint)."""
     checkpoint = load_checkpoint(model, plan.model.revision if not Path(model).exists() else None)
     if checkpoint.fingerprint() != plan.model.fingerprint:
         raise PlanError(
             f"plan was made for a checkpoint with fingerprint {plan.model.fingerprint[:19]}..., but {model} has "
             f"{checkpoint.fingerprint()[:19]}...: regenerate the plan for this checkpoint with offload-plan make"
         )
+    return checkpoint
+
+
+def check_experts_implementation(plan: Plan, config: dict | None, device: torch.device) -> None:
+    """A MoE plan whose steps would run a fallback experts implementation (no native grouped_mm on this stack)
+    that needs more activation memory than the plan set aside is refused here, before any weight is read."""
+    from planner.activations import activation_shape
+    from runtime.experts_impl import check_fallback_fits
+    from runtime.graph import cache_tokens_for
+
+    workload = plan.workload
+    if config is None or plan.memory.activation_bytes is None:
+        return
+    try:
+        if not activation_shape(config).num_experts:
+            return
+    except (ModelInputError, ValueError):
+        return  # make planned it without this model; the plan's own activation line stands
+    static_cache_tokens = cache_tokens_for(workload.context_tokens) if workload.cuda_graph else None
+    check_fallback_fits(config, device, activation_bytes=plan.memory.activation_bytes,
+                        num_sequences=workload.concurrency, context_tokens=workload.context_tokens,
+                        chunk_tokens=workload.chunk_tokens, static_cache_tokens=static_cache_tokens)
 
 
 def check_memory(plan: Plan, device: torch.device, working_set_bytes: int) -> None:
@@ -359,6 +383,8 @@ def stream_model(folder: Path, plan: Plan, backend, on_bytes=None, check=None,
     files = checkpoint_files(folder)
     sources = read_sources(files)
     model = build_skeleton(folder, files)
+    # forwards outside a decode loop are prefills (a decode loop switches its own steps)
+    use_phase(model, PREFILL, getattr(backend, "device", torch.device("cpu")))
     work = plan_reads(model, sources)
     if check is not None:
         check(loading_working_set_bytes(work))
@@ -381,7 +407,8 @@ def load_with_plan(plan: Plan, model: str | None = None, progress=None) -> Loade
     device = require_cuda()
     path = model_path_for(plan, model)
     folder = local_weights(path, plan.model.revision)
-    check_fingerprint(plan, path)
+    checkpoint = check_fingerprint(plan, path)
+    check_experts_implementation(plan, checkpoint.config, device)
     backend = CudaBackend(device)
     baseline_bytes = torch.cuda.memory_allocated(device)
     phases = LoadPhases()

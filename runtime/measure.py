@@ -27,6 +27,7 @@ from planner.cost import ComputeTimes, Workload, estimate_compute, geometry_from
 from planner.errors import UsageError
 from planner.layout import ModelLayout, config_num_layers, layer_kinds
 from planner.profile import HardwareProfile, load_profile
+from runtime.experts_impl import PREFILL, use_phase
 
 NUM_WARMUP = 2
 NUM_TIMED = 5
@@ -73,7 +74,7 @@ def _cache_key(config: dict, layout: ModelLayout, workload: Workload, graphed: b
     identity = {
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
         "config": config, "layers": [[list(p[:3]) for p in layer.params] for layer in layout.layers],
-        "workload": vars(workload), "method": "full-depth aliases v3", "graphed": graphed,
+        "workload": vars(workload), "method": "full-depth aliases v4", "graphed": graphed,
     }
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -142,6 +143,7 @@ def build_measure_model(config: dict, kinds: tuple[tuple[int, ...], ...], stack:
     language.num_hidden_layers = num_layers
     if layer_types:
         language.layer_types = layer_types
+    use_phase(model, PREFILL, torch.device(device))  # as run's loader leaves it; decode loops switch their steps
     torch.cuda.empty_cache()
     return model.eval()
 
@@ -417,14 +419,15 @@ def measured_activation_bytes(checkpoint: Checkpoint, layout: ModelLayout, workl
     """The activation peak of the plan's workload on the local GPU (cached like the layer times).
 
     A workload of one token per sequence is a decode step (DecodeLoop, as ``run`` serves it: MoE experts
-    through batched_mm); any other is a prefill chunk of ``tokens_per_step`` tokens per sequence.
+    through runtime.experts_impl's decode choice); any other is a prefill chunk of ``tokens_per_step`` tokens per
+    sequence.
     """
     from runtime.load import require_cuda
 
     require_cuda("make --measure")
     if checkpoint.config is None:
         raise UsageError("--measure builds layers from config.json, and this checkpoint has none")
-    identity = [_cache_key(checkpoint.config, layout, workload, graphed), "activation peak v1"]
+    identity = [_cache_key(checkpoint.config, layout, workload, graphed), "activation peak v2"]
     key = hashlib.sha256(json.dumps(identity).encode()).hexdigest()
     cache = _load_cache()
     if key not in cache:

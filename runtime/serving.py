@@ -12,6 +12,7 @@ import torch
 
 from planner.errors import RuntimeUnavailableError
 from planner.units import format_bytes
+from runtime.experts_impl import PREFILL, use_phase
 
 NUM_WARMUP_STEPS = 3
 NUM_TIMED_STEPS = 10
@@ -103,6 +104,7 @@ def time_prefill_chunk(loaded, chunk_tokens: int, device: torch.device) -> float
     from runtime.bench import forward_step, random_ids, time_steps
 
     ids = random_ids(loaded.model, (1, chunk_tokens), device, seed=1)
+    use_phase(loaded.model, PREFILL, device)  # the decode loop left its own implementation set
     with torch.inference_mode():
         forward_step(loaded.model, ids)
         return statistics.median(time_steps(loaded.model, ids, NUM_TIMED_CHUNKS))

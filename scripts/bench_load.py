@@ -13,6 +13,7 @@ rate, pinned bytes / memcpy rate), peak RSS <= pinned bytes + 2 GiB.
 
     PYTHONPATH=. python3 scripts/bench_load.py                 # on the H100 host, as root; ~6-8 minutes
     PYTHONPATH=. python3 scripts/bench_load.py --tiny          # the same logic on a tiny model, CPU is enough
+    PYTHONPATH=. python3 scripts/bench_load.py --moe           # a 31.2 GB Qwen3-MoE in the hub's per-expert format
 
 A short table is printed last; results go to $OUT/bench_load.json when OUT is set (else --out-dir).
 """
@@ -46,6 +47,20 @@ TINY_CONFIG = dict(BIG_CONFIG, hidden_size=64, intermediate_size=256, num_hidden
                    num_key_value_heads=2, head_dim=16, vocab_size=512)
 BIG_BUDGETS = ("30GiB", "20GiB", "10GiB")
 TINY_BUDGETS = ("700KB", "500KB", "300KB")
+#: --moe: Qwen3-30B-A3B's shape with 24 of its 48 layers, written as the hub ships it (one tensor per expert:
+#: model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight), 31.2 GB in bf16; transformers fuses the experts
+#: of each layer while loading, and so must run's loader, within the same host-memory bound
+MOE_CONFIG = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
+                  intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=24, num_attention_heads=32,
+                  num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                  vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                  tie_word_embeddings=False, torch_dtype="bfloat16", decoder_sparse_step=1, mlp_only_layers=[])
+TINY_MOE_CONFIG = dict(MOE_CONFIG, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                       num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       num_experts=12, num_experts_per_tok=2, vocab_size=512)
+#: (label, budget, --params): one budget offloads the routed experts only
+MOE_RUNS = (("20GiB", "20GiB", ()), ("10GiB", "10GiB", ()), ("10GiB-experts", "10GiB", ("experts",)))
+TINY_MOE_RUNS = (("650KB", "650KB", ()), ("500KB", "500KB", ()), ("450KB-experts", "450KB", ("experts",)))
 
 
 def log(message: str) -> None:
@@ -65,7 +80,7 @@ def write_checkpoint(folder: Path, config: dict, shard_bytes: int, device: str) 
 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    specs = tensor_specs(folder / "config.json", "BF16")
+    specs = hub_expert_specs(tensor_specs(folder / "config.json", "BF16"))
     shards, current, size = [], [], 0
     for name, _, shape in specs:
         num_bytes = 2 * _numel(shape)
@@ -88,6 +103,26 @@ def write_checkpoint(folder: Path, config: dict, shard_bytes: int, device: str) 
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return total
+
+
+def hub_expert_specs(specs: list) -> list:
+    """The specs with each fused expert param (transformers' in-memory layout) split into the per-expert
+    tensors the hub's releases ship: gate_up_proj [E, 2I, H] -> experts.E.gate_proj / up_proj [I, H], and
+    down_proj [E, H, I] -> experts.E.down_proj [H, I]. Dense specs pass through."""
+    split = []
+    for name, dtype, shape in specs:
+        prefix, _, leaf = name.rpartition(".")
+        if not prefix.endswith("mlp.experts") or leaf not in ("gate_up_proj", "down_proj"):
+            split.append((name, dtype, shape))
+            continue
+        num_experts, rows, cols = shape
+        for expert in range(num_experts):
+            if leaf == "gate_up_proj":
+                split.append((f"{prefix}.{expert}.gate_proj.weight", dtype, [rows // 2, cols]))
+                split.append((f"{prefix}.{expert}.up_proj.weight", dtype, [rows // 2, cols]))
+            else:
+                split.append((f"{prefix}.{expert}.down_proj.weight", dtype, [rows, cols]))
+    return sorted(split)
 
 
 def _numel(shape) -> int:
@@ -359,13 +394,14 @@ def _logits(model, ids):
 # ---- the run -----------------------------------------------------------------------------------------------
 
 
-def make_plan_file(checkpoint: Path, budget: str, out: Path) -> dict:
-    """`offload-plan make` at one budget; returns the plan as data."""
+def make_plan_file(checkpoint: Path, budget: str, out: Path, params: tuple = ()) -> dict:
+    """`offload-plan make` at one budget (``params``: --params segments); returns the plan as data."""
     import yaml
 
     env = {**os.environ, "PYTHONPATH": str(REPO)}
+    flags = [arg for segment in params for arg in ("--params", segment)]
     proc = subprocess.run([sys.executable, "-m", "offload_plan", "make", "-m", str(checkpoint), "-g", "h100-sxm",
-                           "--budget", budget, "-o", str(out)], capture_output=True, text=True, env=env)
+                           "--budget", budget, *flags, "-o", str(out)], capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"bench_load: make at {budget} failed: {proc.stderr.strip()}")
     return yaml.safe_load(out.read_text())
@@ -377,6 +413,8 @@ def main() -> None:
     parser.add_argument("--out-dir", type=Path, default=Path("/tmp/bench_load"))
     parser.add_argument("--no-cgroup", action="store_true", help="measure without confining the children")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoint afterwards")
+    parser.add_argument("--moe", action="store_true",
+                        help="a Qwen3-MoE checkpoint in the hub's per-expert format (31.2 GB) instead of the dense one")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -398,7 +436,7 @@ def run(args) -> dict:
     import torch
 
     cuda = torch.cuda.is_available()
-    config = TINY_CONFIG if args.tiny else BIG_CONFIG
+    config, runs = workload_of(args)
     work = args.out_dir
     checkpoint = work / "checkpoint"
     shutil.rmtree(checkpoint, ignore_errors=True)
@@ -408,7 +446,7 @@ def run(args) -> dict:
     log(f"wrote {total_bytes / 1e9:.2f} GB in {write_s:.1f} s")
     files = sorted(checkpoint.glob("*.safetensors"))
     results = {"device": torch.cuda.get_device_name() if cuda else "cpu", "checkpoint_bytes": total_bytes,
-               "write_s": write_s, "tiny": args.tiny, "config": config, "runs": []}
+               "write_s": write_s, "tiny": args.tiny, "moe": args.moe, "config": config, "runs": []}
     try:
         measure_rates(results, files, args.tiny)
         logits_path = work / "reference_logits.pt"
@@ -417,8 +455,8 @@ def run(args) -> dict:
         if not reference["ok"]:
             raise SystemExit(f"bench_load: the all-resident reference failed: {reference['error']}")
         log("reference logits from from_pretrained, all resident")
-        plans = [(budget, make_plan_file(checkpoint, budget, work / f"plan-{budget}.yaml"))
-                 for budget in (TINY_BUDGETS if args.tiny else BIG_BUDGETS)]
+        plans = [(label, make_plan_file(checkpoint, budget, work / f"plan-{label}.yaml", params))
+                 for label, budget, params in runs]
         for budget, plan in plans:  # hot first: the cache still holds the files just written
             results["runs"].append(measure_load(args, checkpoint, budget, plan, work, logits_path, config, "hot",
                                                 files))
@@ -431,6 +469,14 @@ def run(args) -> dict:
         if not args.keep:
             shutil.rmtree(checkpoint, ignore_errors=True)
     return results
+
+
+def workload_of(args) -> tuple[dict, tuple]:
+    """The config to write and the (label, budget, params) of each plan to load."""
+    if args.moe:
+        return (TINY_MOE_CONFIG, TINY_MOE_RUNS) if args.tiny else (MOE_CONFIG, MOE_RUNS)
+    budgets = TINY_BUDGETS if args.tiny else BIG_BUDGETS
+    return (TINY_CONFIG if args.tiny else BIG_CONFIG), tuple((budget, budget, ()) for budget in budgets)
 
 
 def measure_rates(results: dict, files: list[Path], tiny: bool) -> None:

@@ -11,6 +11,7 @@ cache. Regret = the fastest measured tokens/s over the pick's. Weights are rando
 shared by every arm); plans are made from header-only checkpoints with the calibrated profile.
 
     PYTHONPATH=. python3 scripts/bench_serving.py --points 8b-24g-4k 8b-24g-16k      # on a machine with a GPU
+    PYTHONPATH=. python3 scripts/bench_serving.py --points 30b-a3b-24g-4k v2-lite-16g-4k   # the MoE points
 """
 
 import argparse
@@ -42,6 +43,10 @@ POINTS = {
     "8b-24g-16k": Point("examples/qwen3-8b/config.json", 24, 16384),
     "14b-16g-4k": Point("examples/qwen3-14b/config.json", 16, 4096),
     "14b-24g-4k": Point("examples/qwen3-14b/config.json", 24, 4096),
+    # MoE: 128 experts top-8 (61 GB in bf16), and MLA with 2 shared + 64 routed experts (31 GB) where 16 GiB
+    # forces offloading
+    "30b-a3b-24g-4k": Point("examples/qwen3-30b-a3b/config.json", 24, 4096),
+    "v2-lite-16g-4k": Point("examples/deepseek-v2-lite/config.json", 16, 4096),
 }
 
 

@@ -94,6 +94,64 @@ def test_prefill_chunk_peak(qwen3_8b_two_layers, context_tokens):
     assert 1.0 <= ratio <= BOUND, estimate.describe()
 
 
+#: MoE shapes cut to two layers (DeepSeek-V2-Lite's first is dense, its second MoE with shared experts and MLA)
+MOE_SHAPES = ("qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v2-lite")
+
+
+@pytest.fixture(scope="module", params=MOE_SHAPES)
+def moe_two_layers(request):
+    """A MoE model of a public shape, two layers, bf16 on the GPU, its experts as run's loader leaves them."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from runtime.experts_impl import PREFILL, use_phase
+
+    config = json.loads((REPO_ROOT / "examples" / request.param / "config.json").read_text())
+    config["num_hidden_layers"] = 2
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.bfloat16).eval()
+    use_phase(model, PREFILL, torch.device("cuda"))
+    yield request.param, config, model
+    del model
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("num_sequences", [1, 16, 64])
+def test_moe_decode_step_peak(moe_two_layers, num_sequences):
+    """Captured decode, experts through the implementation run's decode loop picks (runtime.experts_impl)."""
+    from runtime.experts_impl import DECODE, implementation_for
+    from runtime.graph import cache_tokens_for
+    from runtime.measure import decode_activation_peak
+
+    name, config, model = moe_two_layers
+    torch.cuda.empty_cache()
+    measured = decode_activation_peak(model, num_sequences=num_sequences, context_tokens=CONTEXT_TOKENS,
+                                      graphed=True)
+    implementation = implementation_for(DECODE, torch.device("cuda"))
+    estimate = decode_activations(config, num_sequences=num_sequences, context_tokens=CONTEXT_TOKENS,
+                                  static_cache_tokens=cache_tokens_for(CONTEXT_TOKENS),
+                                  expand_kv_heads=_expands_kv_heads(), experts_implementation=implementation)
+    ratio = _record(f"{name} decode B={num_sequences} {implementation}", estimate, measured)
+    assert 1.0 <= ratio <= BOUND, estimate.describe()
+
+
+def test_moe_prefill_chunk_peak(moe_two_layers):
+    """A 2048-token chunk: the allocation that ran a serving plan out of memory through batched_mm."""
+    from runtime.experts_impl import PREFILL, implementation_for
+    from runtime.graph import cache_tokens_for
+    from runtime.measure import prefill_activation_peak
+
+    name, config, model = moe_two_layers
+    torch.cuda.empty_cache()
+    measured = prefill_activation_peak(model, chunk_tokens=CHUNK_TOKENS, context_tokens=0)
+    implementation = implementation_for(PREFILL, torch.device("cuda"))
+    estimate = prefill_activations(config, chunk_tokens=CHUNK_TOKENS, context_tokens=0,
+                                   static_cache_tokens=cache_tokens_for(CHUNK_TOKENS),
+                                   expand_kv_heads=_expands_kv_heads(), experts_implementation=implementation)
+    ratio = _record(f"{name} prefill {CHUNK_TOKENS} {implementation}", estimate, measured)
+    assert 1.0 <= ratio <= BOUND, estimate.describe()
+
+
 def test_cuda_context_and_table(qwen3_8b_two_layers):
     """Memory the process holds outside the allocator (CUDA context, module images, library handles); then the
     table of every case above."""

@@ -55,3 +55,25 @@ def _memory_cgroup_usable() -> bool:
     if (root / "cgroup.subtree_control").exists():
         return "memory" in (root / "cgroup.subtree_control").read_text().split()
     return os.access(root / "memory", os.W_OK)
+
+
+def test_tiny_moe_bench_writes_the_hubs_per_expert_tensors_and_loads_them_equal(tmp_path):
+    """--moe: the checkpoint ships one tensor per expert (as releases do, not transformers' fused params), and
+    a plan offloading only the experts loads it bit for bit, with no conversion buffers."""
+    from runtime.stream_load import read_sources
+
+    config = bench_load.TINY_MOE_CONFIG
+    checkpoint = tmp_path / "checkpoint"
+    bench_load.write_checkpoint(checkpoint, config, 64 << 10, "cpu")
+    names = set(read_sources(sorted(checkpoint.glob("*.safetensors"))))
+    assert "model.layers.3.mlp.experts.11.down_proj.weight" in names
+    assert not any(name.endswith(("gate_up_proj", "experts.down_proj")) for name in names)
+    logits = tmp_path / "reference.pt"
+    assert bench_load.run_child({"mode": "reference", "model": str(checkpoint), "logits": str(logits),
+                                 "vocab": config["vocab_size"]}, None, 300)["ok"]
+    label, budget, params = bench_load.TINY_MOE_RUNS[-1]
+    plan = bench_load.make_plan_file(checkpoint, budget, tmp_path / f"plan-{label}.yaml", params)
+    assert plan["offload"]["layers"] and plan["offload"]["params"] == ["experts"]
+    args = type("Args", (), {"no_cgroup": True})()
+    row = bench_load.measure_load(args, checkpoint, label, plan, tmp_path, logits, config, "hot", [])
+    assert row["ok"] and row["logits_equal"], row

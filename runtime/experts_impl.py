@@ -1,0 +1,99 @@
+"""Which of transformers' experts implementations a MoE model runs, for decode steps and for prefill chunks.
+
+transformers 5 computes a MoE layer's routed experts through a named implementation, looked up at every
+forward from ``config._experts_implementation`` (``transformers/integrations/moe.py``):
+
+- ``grouped_mm`` sorts the (token, expert) pairs by expert and runs one grouped GEMM per projection over the
+  fused weights; the group offsets come from ``torch.histc`` on the GPU, so no host synchronisation and a CUDA
+  graph can capture it. Its memory is the pairs' activations only. Without torch's grouped GEMM kernel for
+  the device it falls back to a loop that reads the offsets on the host (``offs.tolist()``): not capturable.
+- ``batched_mm`` gathers every pair's expert weights and runs one bmm: capturable, but the gather is
+  pairs x 3 x I x H elements. A 2048-token chunk of a 128-expert top-8 model gathers over 16,000 experts'
+  weights (tens of GiB): on the H100 a serving plan's prefill chunk ran out of memory so.
+- ``eager`` loops over the experts hit, asking the host which were: not capturable; one expert's tokens at a
+  time.
+
+The planner plans ``PLANNED_EXPERTS_IMPLEMENTATION`` (grouped_mm for both phases). The runtime runs that
+where the stack has it natively, and otherwise the fallback of each phase (batched_mm for captured decode,
+eager for prefill): ``check_fallback_fits`` holds the fallback's activation estimate to what the plan set
+aside before any weight is read.
+"""
+
+import torch
+
+from planner.activations import PLANNED_EXPERTS_IMPLEMENTATION, decode_activations, prefill_activations
+from planner.errors import UsageError
+from planner.units import format_bytes
+
+DECODE, PREFILL = "decode", "prefill"
+#: what each phase runs where grouped_mm has no native kernel: decode must stay capturable, prefill small
+FALLBACK = {DECODE: "batched_mm", PREFILL: "eager"}
+
+
+def has_experts(model) -> bool:
+    """Whether the model has routed experts (a module named ``experts``)."""
+    return any(name.rsplit(".", 1)[-1] == "experts" for name, _ in model.named_modules())
+
+
+def grouped_mm_native(device: torch.device) -> bool:
+    """Whether transformers' grouped_mm runs torch's grouped GEMM kernel on ``device`` (not its host loop)."""
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    except ImportError:
+        return False
+    if "grouped_mm" not in ALL_EXPERTS_FUNCTIONS:
+        return False
+    has_kernel = hasattr(torch.nn.functional, "grouped_mm") or hasattr(torch, "_grouped_mm")
+    if not has_kernel:
+        return False
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 0)
+    # torch's CPU kernel wants 16-byte aligned operands up to 2.10; transformers falls back to its loop there
+    return _torch_at_least(2, 11)
+
+
+def _torch_at_least(major: int, minor: int) -> bool:
+    parts = torch.__version__.split("+")[0].split(".")
+    return (int(parts[0]), int(parts[1])) >= (major, minor)
+
+
+def implementation_for(phase: str, device: torch.device) -> str:
+    """The experts implementation ``phase`` ("decode" or "prefill") runs on ``device``."""
+    planned = PLANNED_EXPERTS_IMPLEMENTATION[phase]
+    if planned == "grouped_mm" and not grouped_mm_native(device):
+        return FALLBACK[phase]
+    return planned
+
+
+def use_phase(model, phase: str, device: torch.device) -> str | None:
+    """Switch a MoE model to ``phase``'s implementation (a no-op when it already runs it); None for a dense
+    model. The choice is read at each forward, and a CUDA graph keeps the kernels of its capture."""
+    if not has_experts(model):
+        return None
+    if not hasattr(model, "set_experts_implementation"):
+        raise UsageError("this MoE model's experts have no selectable implementation (transformers >= 5 "
+                         "set_experts_implementation); upgrade transformers")
+    name = implementation_for(phase, device)
+    if getattr(model.config, "_experts_implementation", None) != name:
+        model.set_experts_implementation(name)
+    return name
+
+
+def check_fallback_fits(config: dict, device: torch.device, *, activation_bytes: int, num_sequences: int,
+                        context_tokens: int, chunk_tokens: int, static_cache_tokens: int | None) -> None:
+    """Refuse, in one line and before loading, a plan whose steps would run a fallback implementation that needs
+    more activation memory than the plan set aside (``activation_bytes``)."""
+    for phase in (DECODE, PREFILL):
+        name = implementation_for(phase, device)
+        if name == PLANNED_EXPERTS_IMPLEMENTATION[phase]:
+            continue
+        if phase == DECODE:
+            peak = decode_activations(config, num_sequences=num_sequences, context_tokens=context_tokens,
+                                      static_cache_tokens=static_cache_tokens, experts_implementation=name)
+        else:
+            peak = prefill_activations(config, chunk_tokens=chunk_tokens, experts_implementation=name)
+        if peak.planned_bytes > activation_bytes:
+            raise UsageError(
+                f"this torch/transformers/GPU has no native grouped_mm for MoE experts, and {phase} through {name} "
+                f"needs {format_bytes(peak.planned_bytes)} of activations where the plan set aside "
+                f"{format_bytes(activation_bytes)}: use torch >= 2.9 on an sm80+ GPU, or plan a smaller step")
