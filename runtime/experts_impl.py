@@ -35,8 +35,10 @@ def has_experts(model) -> bool:
     return any(name.rsplit(".", 1)[-1] == "experts" for name, _ in model.named_modules())
 
 
-def grouped_mm_native(device: torch.device) -> bool:
-    """Whether transformers' grouped_mm runs torch's grouped GEMM kernel on ``device`` (not its host loop)."""
+def grouped_mm_native(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether transformers' grouped_mm runs torch's grouped GEMM kernel on ``device`` for weights of ``dtype``
+    (not a loop that reads the group offsets on the host). On CUDA torch's grouped GEMM is bf16 only: an fp32
+    model's captured decode through it did not equal its eager steps on the H100."""
     try:
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
     except ImportError:
@@ -47,7 +49,7 @@ def grouped_mm_native(device: torch.device) -> bool:
     if not has_kernel:
         return False
     if device.type == "cuda":
-        return torch.cuda.get_device_capability(device) >= (8, 0)
+        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (8, 0)
     # torch's CPU kernel wants 16-byte aligned operands up to 2.10; transformers falls back to its loop there
     return _torch_at_least(2, 11)
 
@@ -57,10 +59,10 @@ def _torch_at_least(major: int, minor: int) -> bool:
     return (int(parts[0]), int(parts[1])) >= (major, minor)
 
 
-def implementation_for(phase: str, device: torch.device) -> str:
-    """The experts implementation ``phase`` ("decode" or "prefill") runs on ``device``."""
+def implementation_for(phase: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
+    """The experts implementation ``phase`` ("decode" or "prefill") runs on ``device`` for weights of ``dtype``."""
     planned = PLANNED_EXPERTS_IMPLEMENTATION[phase]
-    if planned == "grouped_mm" and not grouped_mm_native(device):
+    if planned == "grouped_mm" and not grouped_mm_native(device, dtype):
         return FALLBACK[phase]
     return planned
 
@@ -73,10 +75,19 @@ def use_phase(model, phase: str, device: torch.device) -> str | None:
     if not hasattr(model, "set_experts_implementation"):
         raise UsageError("this MoE model's experts have no selectable implementation (transformers >= 5 "
                          "set_experts_implementation); upgrade transformers")
-    name = implementation_for(phase, device)
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.bfloat16)
+    name = implementation_for(phase, device, dtype)
     if getattr(model.config, "_experts_implementation", None) != name:
         model.set_experts_implementation(name)
     return name
+
+
+def config_dtype(config: dict) -> torch.dtype:
+    """The weights' dtype a checkpoint's config.json names (from_pretrained's dtype="auto"), bf16 if none."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    name = config.get("dtype") or config.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    return dtype if isinstance(dtype, torch.dtype) else torch.bfloat16
 
 
 def check_fallback_fits(config: dict, device: torch.device, *, activation_bytes: int, num_sequences: int,
@@ -84,7 +95,7 @@ def check_fallback_fits(config: dict, device: torch.device, *, activation_bytes:
     """Refuse, in one line and before loading, a plan whose steps would run a fallback implementation that needs
     more activation memory than the plan set aside (``activation_bytes``)."""
     for phase in (DECODE, PREFILL):
-        name = implementation_for(phase, device)
+        name = implementation_for(phase, device, config_dtype(config))
         if name == PLANNED_EXPERTS_IMPLEMENTATION[phase]:
             continue
         if phase == DECODE:
@@ -96,4 +107,5 @@ def check_fallback_fits(config: dict, device: torch.device, *, activation_bytes:
             raise UsageError(
                 f"this torch/transformers/GPU has no native grouped_mm for MoE experts, and {phase} through {name} "
                 f"needs {format_bytes(peak.planned_bytes)} of activations where the plan set aside "
-                f"{format_bytes(activation_bytes)}: use torch >= 2.9 on an sm80+ GPU, or plan a smaller step")
+                f"{format_bytes(activation_bytes)}: use bf16 weights and torch >= 2.9 on an sm80+ GPU, or plan a "
+                "smaller step")

@@ -148,9 +148,18 @@ class DecodeLoop:
         were carved out of freed activation blocks, and the rest of those blocks could then neither be returned
         nor taken by a graph's pool (on the H100 a planned 24 GiB serving process ran out of memory so)."""
         text = self.model.config.get_text_config()
+        dtype = next(p.dtype for p in self.model.parameters() if p.is_floating_point())
+        if getattr(text, "kv_lora_rank", None):
+            # multi-head latent attention (transformers >= 5.2, DeepSeek-V2/V3) caches one head of the compressed
+            # latent as its "keys" and the shared rope key as its "values": two widths, which
+            # early_initialization (one width for both) cannot allocate
+            keys = torch.zeros(batch, 1, 0, text.kv_lora_rank, dtype=dtype, device=self.device)
+            values = torch.zeros(batch, 1, 0, text.qk_rope_head_dim, dtype=dtype, device=self.device)
+            for layer in self.cache.layers:
+                layer.lazy_initialization(keys, values)
+            return
         num_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        dtype = next(p.dtype for p in self.model.parameters() if p.is_floating_point())
         self.cache.early_initialization(batch, num_heads, head_dim, dtype, self.device)
 
     def _release_cached(self) -> None:

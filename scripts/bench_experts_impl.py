@@ -50,7 +50,10 @@ def decode_arm(model, implementation: str, batch: int) -> dict:
     from runtime.measure import decode_activation_peak
 
     original = experts_impl.implementation_for
-    experts_impl.implementation_for = lambda phase, device: implementation
+    # decode steps only: the prefill that fills the cache keeps the runtime's choice (batched_mm would gather
+    # every prompt token's expert weights there)
+    experts_impl.implementation_for = lambda phase, device, dtype=None: (
+        implementation if phase == "decode" else original(phase, device, dtype))
     try:
         torch.cuda.empty_cache()
         peak = decode_activation_peak(model, num_sequences=batch, context_tokens=CONTEXT_TOKENS, graphed=True)

@@ -16,19 +16,19 @@ CPU = torch.device("cpu")
 
 
 def test_the_planned_implementation_runs_where_grouped_mm_is_native(monkeypatch):
-    monkeypatch.setattr(experts_impl, "grouped_mm_native", lambda device: True)
+    monkeypatch.setattr(experts_impl, "grouped_mm_native", lambda device, dtype: True)
     assert all(experts_impl.implementation_for(phase, CPU) == PLANNED_EXPERTS_IMPLEMENTATION[phase]
                for phase in ("decode", "prefill"))
 
 
 def test_without_grouped_mm_decode_stays_capturable_and_prefill_small(monkeypatch):
-    monkeypatch.setattr(experts_impl, "grouped_mm_native", lambda device: False)
+    monkeypatch.setattr(experts_impl, "grouped_mm_native", lambda device, dtype: False)
     assert experts_impl.implementation_for("decode", CPU) == "batched_mm"  # no host synchronisation
     assert experts_impl.implementation_for("prefill", CPU) == "eager"  # never gathers a chunk's weights
 
 
 def test_a_fallback_needing_more_than_the_plan_set_aside_is_refused_in_one_line(monkeypatch):
-    monkeypatch.setattr(experts_impl, "grouped_mm_native", lambda device: False)
+    monkeypatch.setattr(experts_impl, "grouped_mm_native", lambda device, dtype: False)
     options = dict(num_sequences=32, context_tokens=4096, chunk_tokens=2048, static_cache_tokens=4160)
     planned = max(decode_activations(CONFIG, num_sequences=32, context_tokens=4096, static_cache_tokens=4160),
                   prefill_activations(CONFIG, chunk_tokens=2048), key=lambda peak: peak.planned_bytes)
@@ -44,7 +44,7 @@ def test_a_fallback_needing_more_than_the_plan_set_aside_is_refused_in_one_line(
 
 
 def test_native_grouped_mm_needs_nothing_checked(monkeypatch):
-    monkeypatch.setattr(experts_impl, "grouped_mm_native", lambda device: True)
+    monkeypatch.setattr(experts_impl, "grouped_mm_native", lambda device, dtype: True)
     experts_impl.check_fallback_fits(CONFIG, CPU, activation_bytes=1, num_sequences=32, context_tokens=4096,
                                      chunk_tokens=2048, static_cache_tokens=4160)
 
@@ -55,7 +55,7 @@ def test_a_decode_loop_runs_decodes_implementation_and_prefills_through_prefills
 
     from runtime.graph import DecodeLoop
 
-    monkeypatch.setattr(experts_impl, "grouped_mm_native", lambda device: False)
+    monkeypatch.setattr(experts_impl, "grouped_mm_native", lambda device, dtype: False)
     config = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                             num_experts=4, num_experts_per_tok=2)
@@ -66,3 +66,17 @@ def test_a_decode_loop_runs_decodes_implementation_and_prefills_through_prefills
     loop.step()
     assert model.config._experts_implementation == "batched_mm"
     assert experts_impl.use_phase(model, "prefill", CPU) == "eager"
+
+
+def test_grouped_mm_on_cuda_is_native_for_bf16_only(monkeypatch):
+    """torch's CUDA grouped GEMM takes bf16: an fp32 model decodes through batched_mm, capturable and exact."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cuda = torch.device("cuda")
+    if not (hasattr(torch.nn.functional, "grouped_mm") or hasattr(torch, "_grouped_mm")):
+        pytest.skip("this torch has no grouped GEMM at all")
+    assert experts_impl.grouped_mm_native(cuda, torch.bfloat16)
+    assert not experts_impl.grouped_mm_native(cuda, torch.float32)
+    assert experts_impl.implementation_for("decode", cuda, torch.float32) == "batched_mm"
+    assert experts_impl.config_dtype({"torch_dtype": "float32"}) == torch.float32
+    assert experts_impl.config_dtype({"text_config": {"dtype": "float16"}}) == torch.float16
+    assert experts_impl.config_dtype({}) == torch.bfloat16
