@@ -47,6 +47,16 @@ EXPERT_IMPLEMENTATIONS = ("grouped_mm", "eager", "batched_mm")
 #: grouped_mm is capturable (no host synchronisation) and holds only the pairs' activations, where batched_mm
 #: gathers every pair's weights (a 2048-token chunk of Qwen3-30B-A3B: 144 GiB)
 PLANNED_EXPERTS_IMPLEMENTATION = {"decode": "grouped_mm", "prefill": "grouped_mm"}
+#: where grouped_mm has no native kernel (on CUDA torch's grouped GEMM takes bf16 only): decode stays
+#: capturable through batched_mm, prefill stays small through eager
+EXPERTS_FALLBACK = {"decode": "batched_mm", "prefill": "eager"}
+
+
+def planned_experts_implementation(phase: str, dtype: str) -> str:
+    """The experts implementation a ``phase`` ("decode" or "prefill") step of weights of ``dtype`` runs."""
+    if dtype == "bfloat16":
+        return PLANNED_EXPERTS_IMPLEMENTATION[phase]
+    return EXPERTS_FALLBACK[phase]
 FP32 = 4
 INDEX = 8  # int64 indices
 #: small scratch allocations of the step's kernels beyond the terms above: on the H100 (torch 2.11) the peak of a
@@ -76,6 +86,10 @@ class ActivationShape:
     shared_intermediate_size: int = 0
     #: multi-head latent attention decompresses every cached latent into per-head K and V each step
     latent_attention: bool = False
+    #: MLA: the rope part of qk_head_dim (the keys assembled per head are nope + rope wide)
+    qk_rope_head_dim: int = 0
+    #: the weights' dtype name ("bfloat16", ...): which experts implementation runs depends on it
+    dtype: str = "bfloat16"
     #: bytes per activation element
     activation_bytes: int = 2
 
@@ -188,7 +202,9 @@ def activation_shape(config: dict | None) -> ActivationShape:
             v_head_dim=v_dim, vocab_size=number("vocab_size"), num_experts=num_experts,
             top_k=next((text[k] for k in _TOP_K_KEYS if isinstance(text.get(k), int)), 2 if num_experts else 0),
             moe_intermediate_size=moe_inter, shared_intermediate_size=shared, latent_attention=latent,
+            qk_rope_head_dim=number("qk_rope_head_dim") if latent else 0,
             activation_bytes=_DTYPE_BYTES.get(dtype, 2) if isinstance(dtype, str) else 2,
+            dtype=dtype if isinstance(dtype, str) and dtype in _DTYPE_BYTES else "bfloat16",
         )
     except ValueError as error:  # values each in range, but not together (top-k above the experts)
         raise ModelInputError(f"activation estimate of {name}: {error}; fix config.json") from None
@@ -235,7 +251,18 @@ def _attention_phase(shape: ActivationShape, step: StepShape, expand_kv_heads: b
              "attention output and its transposed copy": 2 * out,
              "SDPA log-sum-exp": seqs * shape.num_heads * _round_up(step.tokens_per_sequence, _LSE_BLOCK) * FP32}
     grouped = shape.num_kv_heads < shape.num_heads
-    if shape.latent_attention or (grouped and expand_kv_heads and step.masked):
+    if shape.latent_attention:
+        # transformers (DeepseekV2Attention.expand_kv) runs kv_b_proj over every cached latent, giving per head
+        # nope + v, then assembles keys of nope + rope beside it: both alive into SDPA (measured on the H100)
+        nope = shape.qk_head_dim - shape.qk_rope_head_dim
+        terms["latent expanded to every head (kv_b_proj output, assembled keys)"] = (
+            seqs * step.attended_tokens * shape.num_heads * (nope + shape.v_head_dim + shape.qk_head_dim) * a)
+        if shape.qk_head_dim != shape.v_head_dim:
+            # no fused SDPA kernel took key and value widths that differ: the math kernel keeps the scores and
+            # their softmax (a 2048-token chunk of DeepSeek-V2-Lite peaked 21 MiB above the estimate without them)
+            terms["attention scores and probabilities (key and value widths differ)"] = (
+                2 * seqs * shape.num_heads * step.tokens_per_sequence * step.attended_tokens * a)
+    elif grouped and expand_kv_heads and step.masked:
         terms["K/V repeated to every head"] = seqs * step.attended_tokens * per_token_all_heads
     if step.masked:
         terms["additive mask"] = tokens * step.attended_tokens * a

@@ -13,7 +13,7 @@ from planner.checkpoint import Checkpoint, load_checkpoint
 from planner.cost import MAX_STEP_TOKENS, ComputeTimes, Workload, estimate_compute, geometry_from_config
 from planner.errors import InfeasibleError, ModelInputError, PlanError, UsageError, shown
 from planner.activations import (
-    PLANNED_EXPERTS_IMPLEMENTATION, ActivationShape, StepShape, activation_shape, estimate_activations,
+    ActivationShape, StepShape, activation_shape, estimate_activations, planned_experts_implementation,
 )
 from planner.kv_cache import KV_DTYPES, KvCacheModel, kv_cache_model
 from planner.layout import ModelLayout, build_layout
@@ -153,14 +153,14 @@ class _Model:
 
     def activations(self, workload: Workload, static_cache_tokens: int | None = None) -> int:
         """Peak activation bytes of a step of ``workload`` as the runtime runs it: a decode step over a static
-        cache of ``static_cache_tokens``, else a prefill (MoE experts as PLANNED_EXPERTS_IMPLEMENTATION says)."""
+        cache of ``static_cache_tokens``, else a prefill (MoE experts as planned_experts_implementation says)."""
         if self.measured_activations:
             return self.measure_activations(self.checkpoint, self.layout, workload, False)
         tokens_per_sequence = workload.tokens_per_step // workload.sequences_per_step
         step = StepShape(num_sequences=workload.sequences_per_step, tokens_per_sequence=tokens_per_sequence,
                          context_tokens=workload.context_tokens, static_cache_tokens=static_cache_tokens)
         phase = "decode" if static_cache_tokens is not None else "prefill"
-        implementation = PLANNED_EXPERTS_IMPLEMENTATION[phase]
+        implementation = planned_experts_implementation(phase, self.activation_shape.dtype)
         return estimate_activations(self.activation_shape, step, experts_implementation=implementation).planned_bytes
 
     @property

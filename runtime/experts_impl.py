@@ -13,21 +13,22 @@ forward from ``config._experts_implementation`` (``transformers/integrations/moe
 - ``eager`` loops over the experts hit, asking the host which were: not capturable; one expert's tokens at a
   time.
 
-The planner plans ``PLANNED_EXPERTS_IMPLEMENTATION`` (grouped_mm for both phases). The runtime runs that
-where the stack has it natively, and otherwise the fallback of each phase (batched_mm for captured decode,
-eager for prefill): ``check_fallback_fits`` holds the fallback's activation estimate to what the plan set
-aside before any weight is read.
+The planner plans grouped_mm for both phases of bf16 weights (torch's CUDA grouped GEMM takes bf16 only) and
+each phase's fallback otherwise (planner.activations.planned_experts_implementation): batched_mm for captured
+decode, eager for prefill. The runtime runs the planned one, or the fallback where this stack has no native
+grouped_mm: ``check_fallback_fits`` then holds the fallback's activation estimate to what the plan set aside,
+before any weight is read.
 """
 
 import torch
 
-from planner.activations import PLANNED_EXPERTS_IMPLEMENTATION, decode_activations, prefill_activations
+from planner.activations import (
+    EXPERTS_FALLBACK, decode_activations, planned_experts_implementation, prefill_activations,
+)
 from planner.errors import UsageError
 from planner.units import format_bytes
 
 DECODE, PREFILL = "decode", "prefill"
-#: what each phase runs where grouped_mm has no native kernel: decode must stay capturable, prefill small
-FALLBACK = {DECODE: "batched_mm", PREFILL: "eager"}
 
 
 def has_experts(model) -> bool:
@@ -60,10 +61,12 @@ def _torch_at_least(major: int, minor: int) -> bool:
 
 
 def implementation_for(phase: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
-    """The experts implementation ``phase`` ("decode" or "prefill") runs on ``device`` for weights of ``dtype``."""
-    planned = PLANNED_EXPERTS_IMPLEMENTATION[phase]
+    """The experts implementation ``phase`` ("decode" or "prefill") runs on ``device`` for weights of ``dtype``:
+    the planned one (planner.activations.planned_experts_implementation), or its fallback where grouped_mm has
+    no native kernel here."""
+    planned = planned_experts_implementation(phase, str(dtype).removeprefix("torch."))
     if planned == "grouped_mm" and not grouped_mm_native(device, dtype):
-        return FALLBACK[phase]
+        return EXPERTS_FALLBACK[phase]
     return planned
 
 
@@ -95,8 +98,9 @@ def check_fallback_fits(config: dict, device: torch.device, *, activation_bytes:
     """Refuse, in one line and before loading, a plan whose steps would run a fallback implementation that needs
     more activation memory than the plan set aside (``activation_bytes``)."""
     for phase in (DECODE, PREFILL):
-        name = implementation_for(phase, device, config_dtype(config))
-        if name == PLANNED_EXPERTS_IMPLEMENTATION[phase]:
+        dtype = config_dtype(config)
+        name = implementation_for(phase, device, dtype)
+        if name == planned_experts_implementation(phase, str(dtype).removeprefix("torch.")):
             continue
         if phase == DECODE:
             peak = decode_activations(config, num_sequences=num_sequences, context_tokens=context_tokens,
