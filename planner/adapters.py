@@ -36,7 +36,7 @@ from planner.errors import ModelInputError, UsageError, shown
 from planner.layout import ModelLayout
 from planner.safetensors_header import TensorEntry, entries_from_header, read_entries
 from planner.search import copy_ms_of
-from planner.untrusted import load_json, read_capped
+from planner.untrusted import checked_path, load_json, read_capped
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -122,7 +122,7 @@ def load_adapter(name: str, source: str, checkpoint: Checkpoint, layout: ModelLa
                  suffixes: frozenset[str] | None = None) -> Adapter:
     """Read one adapter (local folder or hub id) and validate it against the base model (``suffixes``: the base's
     linear_suffixes, computed once for many adapters)."""
-    path = Path(source).expanduser()
+    path = checked_path(Path(source).expanduser(), ModelInputError, f"adapter {name}:")
     if path.exists():
         if not path.is_dir():
             raise ModelInputError(f"adapter {name}: {source} is not a folder; give the PEFT folder that holds "

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from planner.errors import ModelInputError, shown
 from planner.safetensors_header import TensorEntry, entries_from_header, read_entries
-from planner.untrusted import load_json, read_capped
+from planner.untrusted import checked_path, load_json, read_capped
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -73,7 +73,7 @@ class Checkpoint:
 
 def load_checkpoint(model: str, revision: str | None = None) -> Checkpoint:
     """Read a checkpoint's tensor list from a local path or a Hugging Face repo id."""
-    path = Path(model).expanduser()
+    path = checked_path(Path(model).expanduser(), ModelInputError, "--model")
     if path.exists():
         if revision is not None:
             raise ModelInputError(f"--revision applies to hub repo ids, but {model!r} is a local path; drop it")
@@ -111,7 +111,8 @@ def resolve_local_source(source: str, plan_path: Path) -> str:
 
     Absolute paths and hub ids come back as they are; a relative path found nowhere is a one-line error.
     """
-    if Path(source).expanduser().is_absolute() or Path(source).exists():
+    if checked_path(Path(source).expanduser(), ModelInputError, "the plan's checkpoint").is_absolute() \
+            or Path(source).exists():
         return source
     for folder in Path(plan_path).resolve().parents:
         if (folder / source).exists():
