@@ -324,10 +324,12 @@ def _layer_of(module: str, layout: ModelLayout, origin: str) -> int | None:
     if not module.startswith(prefix):
         return None
     index_text = module[len(prefix):].split(".", 1)[0]
-    index = int(index_text) if index_text.isdigit() else -1
+    # ASCII digits only ("²".isdigit() too, and int() refuses it), and few of them (int() of 5,000 digits raises)
+    plain = index_text.isascii() and index_text.isdigit() and len(index_text) <= 9
+    index = int(index_text) if plain else -1
     if not 0 <= index < len(layout.layers):
-        raise ModelInputError(f"{origin}: adapts {module}, in layer {index_text} of {layout.stack}, which the base "
-                              f"model runs {len(layout.layers)} of; the adapter is for another model")
+        raise ModelInputError(f"{origin}: adapts {shown(module)}, in layer {shown(index_text)} of {layout.stack}, "
+                              f"which the base model runs {len(layout.layers)} of; the adapter is for another model")
     return index
 
 
