@@ -209,7 +209,8 @@ def activation_shape(config: dict | None) -> ActivationShape:
     else:
         qk_dim = v_dim = number("head_dim", hidden // num_heads)
     moe_inter = number("moe_intermediate_size", number("intermediate_size")) if num_experts else 0
-    shared = count("shared_expert_intermediate_size") or moe_inter * count("n_shared_experts")
+    shared_width, num_shared = count("shared_expert_intermediate_size"), count("n_shared_experts")  # both checked
+    shared = shared_width or moe_inter * num_shared
     dtype = text.get("torch_dtype") or text.get("dtype") or "bfloat16"
     try:
         return ActivationShape(

@@ -226,7 +226,7 @@ def _merge_shards(weight_map: dict[str, str], per_file: dict[str, list[TensorEnt
 
 def _read_config(folder: Path) -> dict | None:
     config_path = folder / "config.json"
-    if not config_path.is_file():
+    if not config_path.exists() and not config_path.is_symlink():  # a FIFO or folder there is refused, not skipped
         return None
     raw = read_capped(config_path, MAX_CONFIG_BYTES, ModelInputError, "config.json")
     # NaN and Infinity are accepted in keys the planner does not read; the ones it reads are checked below.

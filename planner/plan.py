@@ -732,6 +732,8 @@ def _serving_rules(plan: Plan) -> str | None:
         return f"workload.concurrency {workload.concurrency} is outside serving's {wanted.low}..{wanted.high}"
     if workload.tokens_per_step != workload.sequences_per_step:
         return "workload.tokens_per_step differs from sequences_per_step in a serving plan (a decode step)"
+    if workload.context_tokens < 1:
+        return "workload.context_tokens 0: a serving plan serves sequences of --context tokens, at least 1"
     if workload.chunk_tokens != plan.inputs.chunk:
         return f"workload.chunk_tokens {workload.chunk_tokens} differs from inputs.chunk {plan.inputs.chunk}"
     if serving.max_tpot_ms != plan.inputs.max_tpot_ms:

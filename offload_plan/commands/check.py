@@ -10,6 +10,7 @@ import typer
 from rich.text import Text
 
 from offload_plan.console import say, stderr
+from planner.errors import shown
 from offload_plan.options import JsonOption, PlanFiles
 
 
@@ -79,7 +80,9 @@ def _finish(results) -> None:
     if not failing:
         say(f"{len(results)} plan(s) up to date")
         return
-    listed = "; ".join(f"{r.path} ({', '.join(p.kind for p in r.problems)})" for r in failing)
+    # each path cut to a readable length: the FAIL lines above give them whole
+    listed = "; ".join(f"{shown(str(r.path), 60)} ({', '.join(p.kind for p in r.problems)})" for r in failing[:5])
+    listed += f" and {len(failing) - 5} more" if len(failing) > 5 else ""
     raise failing[0].problems[0].error_class(
         f"{len(failing)} of {len(results)} plan(s) fail check: {listed}; run the fix command shown for each, "
         "or offload-plan check --update PLAN..."

@@ -1,9 +1,9 @@
 """A seeded fuzzer of offload-plan's input boundaries, run in-process through the CLI as a user would.
 
-Seven families mutate one input each: a shard's safetensors header, the index JSON, config.json, a plan YAML,
-a profile YAML, the command-line flags, and a LoRA adapter (its config, its header, its flags and a plan's
-adapters section). Every case writes a fresh working directory (a tiny checkpoint,
-a profile, a plan and a guarded output file), runs one CLI command in-process and is classified:
+Each family (a module of this package) mutates one kind of input. Every case writes a fresh working directory (a
+tiny checkpoint, a profile, a plan, a guarded output file, and any special files it asks for: FIFOs, folders,
+links to devices), runs one CLI command in-process (and, for the round trip, the commands that read what it
+wrote) and is classified:
 
 - ``error``: a clean one-line ``offload-plan: error: ...`` on stderr and a non-zero exit (good);
 - ``accepted``: exit 0 on input that may be valid (good);
@@ -11,7 +11,9 @@ a profile, a plan and a guarded output file), runs one CLI command in-process an
 - ``hang``: the case ran past the per-case time limit;
 - ``clobbered``: a failed command changed the guarded output file or left a temporary file beside it;
 - ``accepted-invalid``: exit 0 on input the mutation made invalid;
-- ``multi-line``: an error that is not exactly one ``offload-plan: error:`` line.
+- ``multi-line``: an error that is not exactly one ``offload-plan: error:`` line;
+- ``long-line``: an error line longer than MAX_ERROR_CHARS (a message must stay readable);
+- ``round-trip``: a plan the first command wrote that a reading command (show, check, diff, export) refused.
 
 The generator is the project's own (``random.Random(seed)``): no dependency, and a case is reproduced by its
 seed and index alone (``case_for(family, seed, index)``). tests/test_fuzz.py runs a bounded slice in CI;
@@ -42,7 +44,10 @@ VERSION_LINE = f"schema_version: {SCHEMA_VERSION}"
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.pop("OFFLOAD_PLAN_DEBUG", None)
 
-VERDICTS = ("error", "accepted", "traceback", "hang", "clobbered", "accepted-invalid", "multi-line")
+VERDICTS = ("error", "accepted", "traceback", "hang", "clobbered", "accepted-invalid", "multi-line", "long-line",
+            "round-trip")
+#: an error line longer than this (about 300 characters, with room for a long path echoed in part) fails
+MAX_ERROR_CHARS = 320
 FAILURES = VERDICTS[2:]
 #: a case running longer than this is a hang (the targets are refused in well under a second)
 DEFAULT_TIME_LIMIT_S = 1.0
@@ -294,6 +299,32 @@ class Case:
     #: relative path -> bytes written over the base files (None: delete the file)
     files: dict = field(default_factory=dict)
     moe: bool = False
+    #: relative path -> one of SPECIAL_KINDS, made before the command runs (files cannot hold a FIFO)
+    special: dict = field(default_factory=dict)
+    #: commands run after the first one succeeds, each of which must succeed too (the round trip)
+    then: tuple = ()
+
+
+#: what a special path can be: a FIFO (opening it for reading waits for a writer), a folder, or a link to a device
+SPECIAL_KINDS = ("fifo", "folder", "dev-null", "dev-zero", "dev-urandom", "link-to-fifo")
+
+
+def make_special(path: Path, kind: str) -> None:
+    """Create ``path`` as a special file of ``kind`` (replacing whatever the base files put there)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "folder":
+        path.mkdir()
+    elif kind == "link-to-fifo":
+        os.mkfifo(path.with_name(path.name + ".fifo"))
+        path.symlink_to(path.name + ".fifo")
+    else:
+        path.symlink_to("/dev/" + kind.removeprefix("dev-"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -330,9 +361,12 @@ def run_case(case: Case, root: Path, index: int = 0, time_limit_s: float = DEFAU
         if data is not None:
             (folder / relative).parent.mkdir(parents=True, exist_ok=True)
             (folder / relative).write_bytes(data)
+    for relative, kind in case.special.items():
+        make_special(folder / relative, kind)
     previous = os.getcwd()
     os.chdir(folder)
     old_handler = signal.signal(signal.SIGALRM, _on_alarm)
+    time_limit_s *= 1 + len(case.then)  # each command of a round trip gets the limit
     signal.setitimer(signal.ITIMER_REAL, time_limit_s)
     start = time.perf_counter()
     try:
@@ -341,6 +375,9 @@ def run_case(case: Case, root: Path, index: int = 0, time_limit_s: float = DEFAU
         message = ([line for line in stderr.splitlines() if line.strip()] or [""])[-1]
         elapsed_ms = 1e3 * (time.perf_counter() - start)
         verdict, detail = _classify(case, code, stderr, exception, folder)
+        if verdict == "accepted" and case.then:
+            verdict, detail = _round_trip(case.then)
+            elapsed_ms = 1e3 * (time.perf_counter() - start)
         if elapsed_ms > 1e3 * time_limit_s:
             verdict, detail = "hang", f"took {elapsed_ms / 1e3:.1f} s"
     except CaseTimeout:
@@ -353,6 +390,19 @@ def run_case(case: Case, root: Path, index: int = 0, time_limit_s: float = DEFAU
         shutil.rmtree(folder, ignore_errors=True)
     return Result(family=case.family, mutation=case.mutation, verdict=verdict, detail=detail, elapsed_ms=elapsed_ms,
                   index=index, message=message)
+
+
+def _round_trip(commands: tuple) -> tuple[str, str]:
+    """Run each reading command of the round trip: all must succeed on the plan the first command wrote."""
+    for command in commands:
+        code, _, stderr, exception = invoke_cli(list(command))
+        if exception is not None:
+            return "traceback", _where(exception)
+        if code != 0:
+            last = ([line for line in stderr.splitlines() if line.strip()] or ["(nothing on stderr)"])[-1]
+            verdict = "traceback" if BUG_MARKER in last else "round-trip"
+            return verdict, f"{' '.join(command[:1] + command[2:])}: {last[:140]}"
+    return "accepted", ""
 
 
 def _classify(case: Case, code: int, stderr: str, exception: BaseException | None, folder: Path) -> tuple[str, str]:
@@ -373,6 +423,8 @@ def _classify(case: Case, code: int, stderr: str, exception: BaseException | Non
     if len(errors) != 1 or not errors[0].startswith(ERROR_PREFIX):
         first = errors[0] if errors else "(nothing on stderr)"
         return "multi-line", f"{len(errors)} lines: {first[:120]}"
+    if len(errors[0]) > MAX_ERROR_CHARS:
+        return "long-line", f"{len(errors[0])} chars: {errors[0][len(ERROR_PREFIX):][:60]}"
     return "error", ""
 
 
