@@ -135,7 +135,7 @@ def _load_local(path: Path, source: str) -> Checkpoint:
         folder, index_path = path, _find_index(path)
         if index_path is None:
             single = path / SINGLE_NAME
-            if not single.is_file():
+            if not single.exists():
                 raise ModelInputError(
                     f"{path}: no {INDEX_NAME} and no {SINGLE_NAME}; point --model at a folder that has "
                     "one of them, or at a .safetensors file"
@@ -144,7 +144,7 @@ def _load_local(path: Path, source: str) -> Checkpoint:
     weight_map = _read_weight_map(index_path)
     files = sorted(set(weight_map.values()))
     for name in files:
-        if not (folder / name).is_file():
+        if not (folder / name).exists():  # a FIFO or folder there is refused by the reader, not called missing
             raise ModelInputError(
                 f"{folder}: shard {name} listed in {index_path.name} is missing; download it "
                 "(for planning, its header is enough)"
@@ -158,7 +158,7 @@ def _load_local(path: Path, source: str) -> Checkpoint:
 
 
 def _find_index(folder: Path) -> Path | None:
-    if (folder / INDEX_NAME).is_file():
+    if (folder / INDEX_NAME).exists():
         return folder / INDEX_NAME
     candidates = sorted(folder.glob("*.safetensors.index.json"))
     if len(candidates) > 1:

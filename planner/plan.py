@@ -595,7 +595,8 @@ def plan_from_dict(data: object, origin: str) -> Plan:
     expected = {"schema_version", "layers", *SECTIONS}
     if set(data) - set(OPTIONAL_SECTIONS) != expected:
         problems = sorted((set(data) - set(OPTIONAL_SECTIONS)) ^ expected, key=str)  # YAML keys may be numbers too
-        raise PlanError(f"{origin}: plan keys differ from schema {SCHEMA_VERSION} at {problems}; regenerate it")
+        raise PlanError(f"{origin}: plan keys differ from schema {SCHEMA_VERSION} at {shown(problems, 120)}; "
+                        "regenerate it")
     version = data["schema_version"]
     if type(version) is not int or version not in READABLE_SCHEMA_VERSIONS:  # 1.0 and true are not 1
         raise PlanError(f"{origin}: schema_version {shown(version)} is not one of "
@@ -858,7 +859,7 @@ def _section(cls, raw: object, origin: str, rows: dict[str, type] | None = None)
     names = [f.name for f in fields(cls)]
     if set(raw) != set(names):
         wrong = sorted(set(raw) ^ set(names), key=str)
-        raise PlanError(f"{origin}: keys {wrong} differ from the schema; regenerate the plan")
+        raise PlanError(f"{origin}: keys {shown(wrong, 120)} differ from the schema; regenerate the plan")
     values = {}
     for f in fields(cls):
         if rows and f.name in rows:
