@@ -148,7 +148,8 @@ def profile_from_dict(data: object, origin: str) -> HardwareProfile:
     known = {"name", "description", *_FIGURE_FIELDS}
     unknown = sorted(set(data) - known, key=str)  # YAML keys may be numbers too
     if unknown:
-        raise ProfileError(f"{origin}: unknown field(s) {shown(unknown, 60)}; valid fields: {', '.join(sorted(known))}")
+        raise ProfileError(f"{origin}: unknown field(s) {shown(unknown, 60)}; the fields are those of "
+                           "profiles/h100-sxm.yaml (fp8_flops_per_s, host_memory_bytes, cuda_context_bytes optional)")
     missing = sorted(k for k in known - set(data) if k not in _OPTIONAL_FIELDS)
     if missing:
         raise ProfileError(f"{origin}: missing field(s) {missing}; see profiles/h100-sxm.yaml for the format")
