@@ -328,7 +328,7 @@ def _layer_of(module: str, layout: ModelLayout, origin: str) -> int | None:
     plain = index_text.isascii() and index_text.isdigit() and len(index_text) <= 9
     index = int(index_text) if plain else -1
     if not 0 <= index < len(layout.layers):
-        raise ModelInputError(f"{origin}: adapts {shown(module)}, in layer {shown(index_text)} of {layout.stack}, "
+        raise ModelInputError(f"{origin}: adapts {module[:160]}, in layer {index_text[:12]} of {layout.stack}, "
                               f"which the base model runs {len(layout.layers)} of; the adapter is for another model")
     return index
 
