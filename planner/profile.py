@@ -34,7 +34,7 @@ FIGURE_MAX = {"gpu_memory_bytes": 2**50, "hbm_bytes_per_s": 1e16, "bf16_flops_pe
 #: plausible lower bounds of the rates and shares, far below any chip: a rate of 1e-300 is a typo, and the
 #: planner's times (bytes / rate) would overflow to infinity
 FIGURE_MIN = {"hbm_bytes_per_s": 1e6, "bf16_flops_per_s": 1e6, "fp8_flops_per_s": 1e6, "h2d_bytes_per_s": 1e6,
-              "compute_efficiency": 1e-3, "gpu_memory_bytes": 2**20}
+              "compute_efficiency": 1e-3}
 #: figures that must be above zero (trigger and compute_efficiency are shares, checked as such): the planner
 #: divides by the rates, and zero memory holds nothing. A zero
 #: rate is refused, not read as "unknown": fp8_flops_per_s is null (or left out) on chips without fp8
