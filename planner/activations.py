@@ -35,12 +35,14 @@ bounds them. Linear-attention and state-space layers are not modelled.
 from dataclasses import dataclass
 
 from planner.cost import text_config
-from planner.errors import ModelInputError
+from planner.errors import ModelInputError, printable, shown
 from planner.units import format_bytes
 
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 _EXPERT_COUNT_KEYS = ("num_local_experts", "n_routed_experts", "num_experts", "moe_num_experts")
 _TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k")
+#: far above any model's shared-expert width or count: beyond it the arithmetic on it only overflows
+MAX_CONFIG_COUNT = 2**31
 _UNMODELLED = ("qwen3_next", "jamba", "falcon_h1", "mamba", "mamba2", "zamba", "zamba2", "nemotron_h", "lfm2")
 EXPERT_IMPLEMENTATIONS = ("grouped_mm", "eager", "batched_mm")
 #: what the runtime runs a MoE model's experts through, per phase, and so what plans set memory aside for:
@@ -167,9 +169,13 @@ class ActivationPeak:
 def activation_shape(config: dict | None) -> ActivationShape:
     """Tensor dims of one step from config.json (the language model's part of multimodal ones)."""
     text = text_config(config)
-    name = text.get("model_type") or (config or {}).get("model_type") or "this architecture"
     if not text:
         raise ModelInputError("activation estimate: the checkpoint has no config.json; it is estimated from it")
+    model_type = text.get("model_type") or (config or {}).get("model_type")
+    if model_type is not None and not isinstance(model_type, str):  # a list or number would reach set lookups
+        raise ModelInputError(f"activation estimate: config.json's model_type is {shown(model_type)}; expected a "
+                              "string such as llama")
+    name = printable(model_type or "this architecture")
     if text.get("model_type") in _UNMODELLED:
         raise ModelInputError(f"activation estimate of {name}: linear-attention/state-space layers are not "
                               "modelled; measure them with make --measure")
@@ -179,8 +185,18 @@ def activation_shape(config: dict | None) -> ActivationShape:
         if value is None:
             raise ModelInputError(f"activation estimate of {name}: config.json has no {key}")
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ModelInputError(f"activation estimate of {name}: config.json's {key} is {value!r}; "
+            raise ModelInputError(f"activation estimate of {name}: config.json's {key} is {shown(value)}; "
                                   "expected a positive integer")
+        return value
+
+    def count(key: str) -> int:
+        """An optional size or count: absent or null is 0; a string, float or negative number is refused."""
+        value = text.get(key)
+        if value is None:
+            return 0
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_CONFIG_COUNT:
+            raise ModelInputError(f"activation estimate of {name}: config.json's {key} is {shown(value)}; "
+                                  f"expected an integer from 0 to {MAX_CONFIG_COUNT}")
         return value
 
     hidden = number("hidden_size")
@@ -193,7 +209,8 @@ def activation_shape(config: dict | None) -> ActivationShape:
     else:
         qk_dim = v_dim = number("head_dim", hidden // num_heads)
     moe_inter = number("moe_intermediate_size", number("intermediate_size")) if num_experts else 0
-    shared = text.get("shared_expert_intermediate_size") or moe_inter * (text.get("n_shared_experts") or 0)
+    shared_width, num_shared = count("shared_expert_intermediate_size"), count("n_shared_experts")  # both checked
+    shared = shared_width or moe_inter * num_shared
     dtype = text.get("torch_dtype") or text.get("dtype") or "bfloat16"
     try:
         return ActivationShape(

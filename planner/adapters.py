@@ -36,7 +36,7 @@ from planner.errors import ModelInputError, UsageError, shown
 from planner.layout import ModelLayout
 from planner.safetensors_header import TensorEntry, entries_from_header, read_entries
 from planner.search import copy_ms_of
-from planner.untrusted import load_json, read_capped
+from planner.untrusted import checked_path, load_json, read_capped
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -122,7 +122,7 @@ def load_adapter(name: str, source: str, checkpoint: Checkpoint, layout: ModelLa
                  suffixes: frozenset[str] | None = None) -> Adapter:
     """Read one adapter (local folder or hub id) and validate it against the base model (``suffixes``: the base's
     linear_suffixes, computed once for many adapters)."""
-    path = Path(source).expanduser()
+    path = checked_path(Path(source).expanduser(), ModelInputError, f"adapter {name}:")
     if path.exists():
         if not path.is_dir():
             raise ModelInputError(f"adapter {name}: {source} is not a folder; give the PEFT folder that holds "
@@ -324,10 +324,12 @@ def _layer_of(module: str, layout: ModelLayout, origin: str) -> int | None:
     if not module.startswith(prefix):
         return None
     index_text = module[len(prefix):].split(".", 1)[0]
-    index = int(index_text) if index_text.isdigit() else -1
+    # ASCII digits only ("²".isdigit() too, and int() refuses it), and few of them (int() of 5,000 digits raises)
+    plain = index_text.isascii() and index_text.isdigit() and len(index_text) <= 9
+    index = int(index_text) if plain else -1
     if not 0 <= index < len(layout.layers):
-        raise ModelInputError(f"{origin}: adapts {module}, in layer {index_text} of {layout.stack}, which the base "
-                              f"model runs {len(layout.layers)} of; the adapter is for another model")
+        raise ModelInputError(f"{origin}: adapts {module[:160]}, in layer {index_text[:12]} of {layout.stack}, "
+                              f"which the base model runs {len(layout.layers)} of; the adapter is for another model")
     return index
 
 

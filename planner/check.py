@@ -64,8 +64,8 @@ def check_plan(path: Path) -> CheckResult:
     """Check one plan file against its checkpoint, its profile and what make writes from its inputs now."""
     display = os.path.relpath(path)
     try:
+        plan = read_plan(path)  # first: a FIFO or folder is refused before anything reads it
         text = Path(path).read_text()
-        plan = read_plan(path)
     except (OSError, UnicodeDecodeError, PlanError) as error:
         message = str(error) if isinstance(error, PlanError) else f"{display}: cannot read ({error})"
         return _failed(display, Problem(kind="invalid", message=message, error_class=PlanError), None)

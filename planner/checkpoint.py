@@ -17,7 +17,7 @@ from pathlib import Path
 
 from planner.errors import ModelInputError, shown
 from planner.safetensors_header import TensorEntry, entries_from_header, read_entries
-from planner.untrusted import load_json, read_capped
+from planner.untrusted import checked_path, load_json, read_capped
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -73,7 +73,7 @@ class Checkpoint:
 
 def load_checkpoint(model: str, revision: str | None = None) -> Checkpoint:
     """Read a checkpoint's tensor list from a local path or a Hugging Face repo id."""
-    path = Path(model).expanduser()
+    path = checked_path(Path(model).expanduser(), ModelInputError, "--model")
     if path.exists():
         if revision is not None:
             raise ModelInputError(f"--revision applies to hub repo ids, but {model!r} is a local path; drop it")
@@ -111,7 +111,8 @@ def resolve_local_source(source: str, plan_path: Path) -> str:
 
     Absolute paths and hub ids come back as they are; a relative path found nowhere is a one-line error.
     """
-    if Path(source).expanduser().is_absolute() or Path(source).exists():
+    if checked_path(Path(source).expanduser(), ModelInputError, "the plan's checkpoint").is_absolute() \
+            or Path(source).exists():
         return source
     for folder in Path(plan_path).resolve().parents:
         if (folder / source).exists():
@@ -134,7 +135,7 @@ def _load_local(path: Path, source: str) -> Checkpoint:
         folder, index_path = path, _find_index(path)
         if index_path is None:
             single = path / SINGLE_NAME
-            if not single.is_file():
+            if not single.exists():
                 raise ModelInputError(
                     f"{path}: no {INDEX_NAME} and no {SINGLE_NAME}; point --model at a folder that has "
                     "one of them, or at a .safetensors file"
@@ -143,7 +144,7 @@ def _load_local(path: Path, source: str) -> Checkpoint:
     weight_map = _read_weight_map(index_path)
     files = sorted(set(weight_map.values()))
     for name in files:
-        if not (folder / name).is_file():
+        if not (folder / name).exists():  # a FIFO or folder there is refused by the reader, not called missing
             raise ModelInputError(
                 f"{folder}: shard {name} listed in {index_path.name} is missing; download it "
                 "(for planning, its header is enough)"
@@ -157,7 +158,7 @@ def _load_local(path: Path, source: str) -> Checkpoint:
 
 
 def _find_index(folder: Path) -> Path | None:
-    if (folder / INDEX_NAME).is_file():
+    if (folder / INDEX_NAME).exists():
         return folder / INDEX_NAME
     candidates = sorted(folder.glob("*.safetensors.index.json"))
     if len(candidates) > 1:
@@ -225,7 +226,7 @@ def _merge_shards(weight_map: dict[str, str], per_file: dict[str, list[TensorEnt
 
 def _read_config(folder: Path) -> dict | None:
     config_path = folder / "config.json"
-    if not config_path.is_file():
+    if not config_path.exists() and not config_path.is_symlink():  # a FIFO or folder there is refused, not skipped
         return None
     raw = read_capped(config_path, MAX_CONFIG_BYTES, ModelInputError, "config.json")
     # NaN and Infinity are accepted in keys the planner does not read; the ones it reads are checked below.

@@ -193,6 +193,9 @@ def nearest_divisor(plan: Plan, prefetch_step: int) -> int:
     num_offloaded = len(plan.offload.layers)
     fitting = [d for d in range(1, num_offloaded + 1)
                if num_offloaded % d == 0 and _gpu_bytes(plan, d) <= plan.memory.budget_bytes]
+    if not fitting:  # a plan whose weights already exceed its budget (make never writes one; the reader refuses it)
+        raise PlanError(f"no divisor of the {num_offloaded} offloaded layers fits the plan's budget; regenerate the "
+                        "plan with make")
     return min(fitting, key=lambda d: (abs(d - prefetch_step), d))
 
 

@@ -24,7 +24,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from planner.checkpoint import MAX_CONFIG_BYTES
 from planner.errors import ModelInputError, UsageError
+from planner.untrusted import checked_path, load_json, read_capped
 
 #: written into every folder this module makes: what kind of checkpoint, and the files written there
 MARKER_NAME = ".offload-plan-checkpoint"
@@ -56,12 +58,11 @@ class HeaderCheckpoint:
 
 def read_config(config_path: Path) -> dict:
     """config.json as a dict, or one line saying why it cannot be read."""
-    try:
-        config = json.loads(config_path.read_text())
-    except FileNotFoundError:
-        raise ModelInputError(f"{config_path}: no such file; give the model's config.json") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ModelInputError(f"{config_path}: not a readable JSON config.json ({error})") from None
+    if not checked_path(config_path, ModelInputError, "config").exists():
+        raise ModelInputError(f"{config_path}: no such file; give the model's config.json")
+    raw = read_capped(config_path, MAX_CONFIG_BYTES, ModelInputError, "config.json")
+    config = load_json(raw, f"{config_path}: not a readable JSON config.json", ModelInputError, allow_constants=True,
+                       fix="give the model's config.json")
     if not isinstance(config, dict):
         raise ModelInputError(f"{config_path}: config.json must hold a JSON object")
     return config
@@ -124,6 +125,7 @@ def owned_files(out_dir: Path) -> list[str] | None:
     Refuses, in one line, anything else: a file, or a non-empty folder without this module's marker, or a
     marked folder holding files the marker does not list (someone else's since).
     """
+    checked_path(out_dir, UsageError, "output folder")
     if not out_dir.exists() and not out_dir.is_symlink():
         return None
     if out_dir.is_symlink() or not out_dir.is_dir():

@@ -22,7 +22,7 @@ wrong guess here would silently oversubscribe the GPU.
 from dataclasses import dataclass
 
 from planner.cost import text_config
-from planner.errors import ModelInputError
+from planner.errors import ModelInputError, printable, shown
 from planner.units import format_bytes
 
 #: bytes per element of the cache dtypes ``--kv-dtype`` takes ("auto" is the checkpoint's activation dtype)
@@ -182,9 +182,13 @@ class _Config:
     def __init__(self, config: dict):
         self.values = text_config(config)
         top_architectures = config.get("architectures") or []
-        self.model_type = (self.values.get("model_type") or config.get("model_type")
-                           or _model_type_of(top_architectures))
-        self.name = self.model_type or (top_architectures[0] if top_architectures else "unknown architecture")
+        model_type = self.values.get("model_type") or config.get("model_type")
+        if model_type is not None and not isinstance(model_type, str):  # a list is unhashable in family lookups
+            raise ModelInputError(f"KV cache: config.json's model_type is {shown(model_type)}; expected a string "
+                                  "such as llama")
+        self.model_type = model_type or _model_type_of(top_architectures)
+        first = top_architectures[0] if isinstance(top_architectures, list) and top_architectures else None
+        self.name = printable(self.model_type or first or "unknown architecture")
 
     def missing(self, what: str) -> ModelInputError:
         return ModelInputError(f"KV cache of {self.name}: config.json has no {what}; add it to plan its KV cache")

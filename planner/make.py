@@ -9,8 +9,9 @@ from dataclasses import dataclass, fields, replace
 
 from planner.adapters import (MAX_ADAPTERS, Adapter, adapter_waits, default_slots, load_adapters,
                               missing_per_batch, slot_bytes_of)
+from planner.bounds import BOUNDS, MAX_KNOB, MAX_TPOT_MS, within
 from planner.checkpoint import Checkpoint, load_checkpoint
-from planner.cost import MAX_STEP_TOKENS, ComputeTimes, Workload, estimate_compute, geometry_from_config
+from planner.cost import ComputeTimes, Workload, estimate_compute, geometry_from_config
 from planner.errors import InfeasibleError, ModelInputError, PlanError, UsageError, shown
 from planner.activations import (
     ActivationShape, StepShape, activation_shape, estimate_activations, planned_experts_implementation,
@@ -66,7 +67,6 @@ MeasureFunction = Callable[[Checkpoint, ModelLayout, Workload, HardwareProfile, 
 #: measures a step's activation peak on the local GPU for --measure: (checkpoint, layout, workload, graphed) -> bytes
 MeasureActivations = Callable[[Checkpoint, ModelLayout, Workload, bool], int]
 #: the most layers a pinned knob may count (planner.checkpoint allows 100,000 layers)
-MAX_KNOB = 100_000
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -288,7 +288,7 @@ def _check_knobs(inputs: Inputs) -> None:
     knobs = {"--group-size": inputs.group_size, "--num-in-group": inputs.num_in_group,
              "--prefetch-step": inputs.prefetch_step}
     for flag, value in knobs.items():
-        if value is not None and not 1 <= value <= MAX_KNOB:
+        if value is not None and not within(flag.strip("-").replace("-", "_"), value):
             raise UsageError(f"{flag} {value} is not a number of layers; give 1 or more (at most {MAX_KNOB}), or leave "
                              "it out to search it")
     _check_serving_inputs(inputs)
@@ -301,14 +301,19 @@ def _check_serving_inputs(inputs: Inputs) -> None:
             parse_concurrency(inputs.concurrency)
         except ValueError as error:
             raise UsageError(str(error)) from None
-    if not 1 <= inputs.chunk <= MAX_STEP_TOKENS:
-        raise UsageError(f"--chunk {inputs.chunk}: a prefill chunk holds 1 to {MAX_STEP_TOKENS} tokens, "
+    if not within("chunk", inputs.chunk):
+        raise UsageError(f"--chunk {inputs.chunk}: a prefill chunk holds 1 to {BOUNDS['chunk'][1]} tokens, "
                          "e.g. --chunk 2048")
     if inputs.kv_dtype not in KV_DTYPES:
         raise UsageError(f"--kv-dtype {shown(inputs.kv_dtype)} is not a KV cache type; choose one of "
                          f"{', '.join(KV_DTYPES)}")
-    if inputs.max_tpot_ms is not None and not (math.isfinite(inputs.max_tpot_ms) and inputs.max_tpot_ms > 0):
-        raise UsageError(f"--max-tpot-ms {inputs.max_tpot_ms:g} is not a time; give milliseconds above 0, e.g. 50")
+    if inputs.max_tpot_ms is not None and not (math.isfinite(inputs.max_tpot_ms)
+                                               and 0 < inputs.max_tpot_ms <= MAX_TPOT_MS):
+        raise UsageError(f"--max-tpot-ms {inputs.max_tpot_ms:g} is not a time; give milliseconds above 0 and at most "
+                         f"{MAX_TPOT_MS:g}, e.g. 50")
+    # --tokens and --sequences are checked with --concurrency too (which plans its own steps): a value refused
+    # without it must not be accepted, and then silently ignored, with it
+    _workload(inputs.tokens, inputs.sequences, inputs.context)
     if inputs.gpu_memory is not None:
         parse_bytes(inputs.gpu_memory, "--gpu-memory")
 
@@ -527,7 +532,11 @@ def _layout_warnings(layout: ModelLayout) -> list[str]:
 def host_memory_bytes_for(inputs: Inputs, profile: HardwareProfile) -> int | None:
     """--host-memory, else the profile's host memory figure, else None (not checked)."""
     if inputs.host_memory is not None:
-        return parse_bytes(inputs.host_memory, "--host-memory")
+        host_bytes = parse_bytes(inputs.host_memory, "--host-memory")
+        if host_bytes <= 0:
+            raise UsageError(f"--host-memory {shown(inputs.host_memory)} holds nothing; give the host memory the "
+                             "offloaded params may be pinned in, e.g. 480GB, or leave it out")
+        return host_bytes
     return None if profile.host_memory_bytes is None else int(profile.host_memory_bytes.value)
 
 

@@ -14,8 +14,9 @@ from typing import Any
 import yaml
 
 from planner.errors import PlanError, printable, shown
+from planner.profile import FIGURE_MAX, FIGURE_MIN
 from planner.units import SIZE_HELP
-from planner.untrusted import load_yaml, read_capped
+from planner.untrusted import checked_path, load_yaml, read_capped
 
 SCHEMA_VERSION = 2
 #: versions read_plan accepts: older ones are upgraded on read (and check reports them stale)
@@ -28,6 +29,8 @@ MAX_PLAN_BYTES = 16 * 2**20
 MAX_PLAN_INT = 2**62
 MAX_PLAN_FLOAT = 1e21
 MS_DECIMALS = 4
+#: a serving row's num_offloaded where no placement fits beside that concurrency's cache (its one negative number)
+NOTHING_FITS = -1
 SHARE_DECIMALS = 4
 
 
@@ -145,10 +148,17 @@ class HardwareSection:
     cuda_context_bytes: int | None = None
 
     def __post_init__(self):
-        # The same rules as planner.profile.HardwareProfile: a plan read back must not divide by a zero rate.
+        # The same rules as planner.profile.HardwareProfile, from its tables: a plan read back must not divide by
+        # a zero rate, nor by a denormal one (times overflow to infinity)
         for key in ("gpu_memory_bytes", "hbm_bytes_per_s", "bf16_flops_per_s", "h2d_bytes_per_s"):
             if not getattr(self, key) > 0:
                 raise ValueError(f"hardware.{key} must be positive")
+        for key, lowest in FIGURE_MIN.items():
+            if getattr(self, key) is not None and 0 < getattr(self, key) < lowest:
+                raise ValueError(f"hardware.{key} {getattr(self, key):g} is below any GPU (at least {lowest:g})")
+        for key, highest in FIGURE_MAX.items():
+            if getattr(self, key) is not None and getattr(self, key) > highest:
+                raise ValueError(f"hardware.{key} {getattr(self, key):g} is beyond any GPU (at most {highest:g})")
         for key in ("fp8_flops_per_s", "host_memory_bytes"):
             if getattr(self, key) is not None and not getattr(self, key) > 0:
                 raise ValueError(f"hardware.{key} must be positive (or null)")
@@ -286,7 +296,7 @@ class ServingRow:
 
     concurrency: int
     #: layers offloaded (0: all resident; -1: no placement fits beside this many sequences' cache)
-    num_offloaded: int
+    num_offloaded: int = field(metadata={"lowest": NOTHING_FITS})
     group_size: int
     num_in_group: int
     prefetch_step: int
@@ -518,7 +528,7 @@ def write_atomic(path: Path, text: str) -> None:
     Every problem with the destination (a folder, a missing or unwritable folder, a full disk) is one PlanError
     line, and the file that was there before is left as it was.
     """
-    path = Path(path)
+    path = checked_path(path, PlanError, "output")
     directory = path.parent if str(path.parent) else Path(".")
     shown = printable(path)
     if path.is_dir():
@@ -585,7 +595,8 @@ def plan_from_dict(data: object, origin: str) -> Plan:
     expected = {"schema_version", "layers", *SECTIONS}
     if set(data) - set(OPTIONAL_SECTIONS) != expected:
         problems = sorted((set(data) - set(OPTIONAL_SECTIONS)) ^ expected, key=str)  # YAML keys may be numbers too
-        raise PlanError(f"{origin}: plan keys differ from schema {SCHEMA_VERSION} at {problems}; regenerate it")
+        raise PlanError(f"{origin}: plan keys differ from schema {SCHEMA_VERSION} at {shown(problems, 120)}; "
+                        "regenerate it")
     version = data["schema_version"]
     if type(version) is not int or version not in READABLE_SCHEMA_VERSIONS:  # 1.0 and true are not 1
         raise PlanError(f"{origin}: schema_version {shown(version)} is not one of "
@@ -611,9 +622,194 @@ def plan_from_dict(data: object, origin: str) -> Plan:
         raise PlanError(f"{origin}: layers[{misplaced[0]}] has index {kwargs['layers'][misplaced[0]].index}; rows must "
                         "be numbered 0, 1, 2, ... in order: regenerate the plan")
     try:
-        return Plan(**kwargs)
+        plan = Plan(**kwargs)
     except ValueError as error:
         raise PlanError(f"{origin}: {error}; regenerate the plan") from None
+    broken = first_broken_rule(plan)
+    if broken is not None:
+        raise PlanError(f"{origin}: {broken}; a plan make could not have written: regenerate it with make")
+    return plan
+
+
+# ---- whole-plan rules ---------------------------------------------------------------------------------------
+# Each field's type and range is checked as it is read; these are the rules across fields that make follows
+# when it writes a plan, with make's own bounds (planner.bounds). Each returns the first broken rule as
+# "field value: why", or None.
+
+
+def first_broken_rule(plan: Plan) -> str | None:
+    """The first rule across fields that ``plan`` breaks ("field value: why"), None when it keeps them all."""
+    for rules in (_input_rules, _workload_rules, _memory_rules, _serving_rules, _adapter_rules):
+        broken = rules(plan)
+        if broken is not None:
+            return broken
+    return None
+
+
+def _outside(key: str, field_name: str, value: int) -> str | None:
+    from planner.bounds import BOUNDS
+
+    low, high = BOUNDS[key]
+    return None if low <= value <= high else f"{field_name} {value} is outside {low}..{high}"
+
+
+def _input_rules(plan: Plan) -> str | None:
+    """inputs: every flag within the bounds make checks it against."""
+    from planner.bounds import INPUT_KV_DTYPES, MAX_TPOT_MS
+
+    inputs = plan.inputs
+    for key in ("tokens", "sequences", "context", "chunk", "group_size", "num_in_group", "prefetch_step",
+                "adapter_slots"):
+        value = getattr(inputs, key)
+        broken = None if value is None else _outside(key, f"inputs.{key}", value)
+        if broken:
+            return broken
+    if inputs.kv_dtype not in INPUT_KV_DTYPES:
+        return f"inputs.kv_dtype {shown(inputs.kv_dtype)} is not one of {', '.join(INPUT_KV_DTYPES)}"
+    if inputs.max_tpot_ms is not None and not 0 < inputs.max_tpot_ms <= MAX_TPOT_MS:
+        return f"inputs.max_tpot_ms {inputs.max_tpot_ms:g} is not in (0, {MAX_TPOT_MS:g}]"
+    if (inputs.concurrency is None) != (plan.serving is None):
+        return "inputs.concurrency and the serving section come together"
+    return None
+
+
+def _workload_rules(plan: Plan) -> str | None:
+    """workload: the step make planned from the inputs (a serving plan: a decode step of its concurrency)."""
+    from planner.bounds import PLAN_KV_DTYPES
+
+    workload, inputs = plan.workload, plan.inputs
+    for key, field_name in (("tokens", "tokens_per_step"), ("sequences", "sequences_per_step"),
+                            ("context", "context_tokens"), ("chunk", "chunk_tokens"), ("sequences", "concurrency")):
+        broken = _outside(key, f"workload.{field_name}", getattr(workload, field_name))
+        if broken:
+            return broken
+    if workload.concurrency != workload.sequences_per_step:
+        return f"workload.concurrency {workload.concurrency} differs from sequences_per_step"
+    if workload.kv_dtype not in PLAN_KV_DTYPES:
+        return f"workload.kv_dtype {shown(workload.kv_dtype)} is not one of {', '.join(PLAN_KV_DTYPES)}"
+    if inputs.kv_dtype != "auto" and workload.kv_dtype != inputs.kv_dtype:
+        return f"workload.kv_dtype {workload.kv_dtype} differs from inputs.kv_dtype {inputs.kv_dtype}"
+    if workload.context_tokens != inputs.context:
+        return f"workload.context_tokens {workload.context_tokens} differs from inputs.context {inputs.context}"
+    if plan.serving is None and workload.chunk_tokens != workload.tokens_per_step:
+        return f"workload.chunk_tokens {workload.chunk_tokens} differs from tokens_per_step (not a serving plan)"
+    return None
+
+
+def _memory_rules(plan: Plan) -> str | None:
+    """memory and prediction: the figures make computes together are there together."""
+    memory, prediction = plan.memory, plan.prediction
+    whole_gpu = (memory.kv_cache_bytes, memory.activation_bytes, memory.total_gpu_bytes)
+    if len({value is None for value in whole_gpu}) > 1:
+        return "memory.kv_cache_bytes, activation_bytes and total_gpu_bytes are all null or all numbers"
+    if memory.gpu_bytes > memory.budget_bytes:
+        return f"memory.gpu_bytes {memory.gpu_bytes} exceeds budget_bytes {memory.budget_bytes}"
+    if (prediction.decode_step_ms is None) != (prediction.decode_tokens_per_s is None):
+        return "prediction.decode_step_ms and decode_tokens_per_s are both null or both numbers"
+    if plan.serving is not None:
+        needed = {"memory.kv_cache_bytes": memory.kv_cache_bytes, "prediction.decode_step_ms":
+                  prediction.decode_step_ms, "prediction.prefill_chunk_ms": prediction.prefill_chunk_ms}
+        missing = [name for name, value in needed.items() if value is None]
+        if missing:
+            return f"{missing[0]} is null in a serving plan"
+    return None
+
+
+def _serving_rules(plan: Plan) -> str | None:
+    """serving: the range --concurrency asked for, the chosen concurrency inside it, rows make can write."""
+    from planner.serving import parse_concurrency
+
+    serving, workload = plan.serving, plan.workload
+    if serving is None:
+        return None
+    try:
+        wanted = parse_concurrency(plan.inputs.concurrency)
+    except ValueError:
+        return f"inputs.concurrency {shown(plan.inputs.concurrency)} is not a concurrency make accepts"
+    if (serving.concurrency_low, serving.concurrency_high) != (wanted.low, wanted.high):
+        return (f"serving.concurrency_low..high {serving.concurrency_low}..{serving.concurrency_high} is not "
+                f"inputs.concurrency's {wanted.low}..{wanted.high}")
+    if not serving.concurrency_low <= workload.concurrency <= serving.concurrency_high:
+        return f"workload.concurrency {workload.concurrency} is outside serving's {wanted.low}..{wanted.high}"
+    if workload.tokens_per_step != workload.sequences_per_step:
+        return "workload.tokens_per_step differs from sequences_per_step in a serving plan (a decode step)"
+    if workload.context_tokens < 1:
+        return "workload.context_tokens 0: a serving plan serves sequences of --context tokens, at least 1"
+    if workload.chunk_tokens != plan.inputs.chunk:
+        return f"workload.chunk_tokens {workload.chunk_tokens} differs from inputs.chunk {plan.inputs.chunk}"
+    if serving.max_tpot_ms != plan.inputs.max_tpot_ms:
+        return f"serving.max_tpot_ms {serving.max_tpot_ms} differs from inputs.max_tpot_ms {plan.inputs.max_tpot_ms}"
+    alternative = (serving.no_offload_concurrency, serving.no_offload_step_ms, serving.no_offload_tokens_per_s)
+    if len({value is None for value in alternative}) > 1:
+        return "serving.no_offload_concurrency, _step_ms and _tokens_per_s are all null or all numbers"
+    if serving.no_offload_concurrency is not None and not wanted.low <= serving.no_offload_concurrency <= wanted.high:
+        return f"serving.no_offload_concurrency {serving.no_offload_concurrency} is outside {wanted.low}..{wanted.high}"
+    return _serving_row_rules(plan)
+
+
+def _serving_row_rules(plan: Plan) -> str | None:
+    serving = plan.serving
+    concurrencies = [row.concurrency for row in serving.points]
+    if not concurrencies or concurrencies != sorted(set(concurrencies)):
+        return "serving.points must be rows of distinct concurrencies, ascending"
+    for i, row in enumerate(serving.points):
+        where = f"serving.points[{i}]"
+        if not serving.concurrency_low <= row.concurrency <= serving.concurrency_high:
+            return f"{where}.concurrency {row.concurrency} is outside the serving range"
+        if not NOTHING_FITS <= row.num_offloaded <= plan.model.num_layers:
+            return f"{where}.num_offloaded {row.num_offloaded} is not from -1 to the {plan.model.num_layers} layers"
+        nothing = row.num_offloaded == NOTHING_FITS
+        if nothing != (row.step_ms is None):
+            return f"{where}.step_ms is null exactly where num_offloaded is -1 (nothing fits)"
+        if nothing and (row.group_size, row.num_in_group, row.prefetch_step, row.weights_gpu_bytes) != (0, 0, 0, 0):
+            return f"{where}: a row where nothing fits has no placement (group_size ... weights_gpu_bytes 0)"
+    return None
+
+
+def _adapter_rules(plan: Plan) -> str | None:
+    """adapters: names as make accepts them, matching inputs.adapters; ranks, slots and pool as make sizes them."""
+    from planner.adapters import parse_adapter_option
+    from planner.errors import UsageError
+
+    section = plan.adapters
+    if section is None:
+        return None
+    given = {}
+    for option in plan.inputs.adapters:
+        try:
+            name, source = parse_adapter_option(option)
+        except UsageError:
+            return f"inputs.adapters entry {shown(option)} is not NAME=PATH as make accepts it"
+        given[name] = source
+    if len(given) != len(plan.inputs.adapters):
+        return "inputs.adapters names an adapter twice"
+    for i, row in enumerate(section.items):
+        if given.get(row.name) != row.source:
+            return f"adapters.items[{i}] {shown(row.name)}={shown(row.source)} is not in inputs.adapters"
+        broken = _outside("rank", f"adapters.items[{i}].rank", row.rank)
+        if broken:
+            return broken
+        if not 0 < row.alpha:
+            return f"adapters.items[{i}].alpha {row.alpha} must be above 0"
+    return _adapter_pool_rules(plan)
+
+
+def _adapter_pool_rules(plan: Plan) -> str | None:
+    section, items = plan.adapters, plan.adapters.items
+    largest_rank, largest_bytes = max(row.rank for row in items), max(row.bytes for row in items)
+    if section.max_rank != largest_rank:
+        return f"adapters.max_rank {section.max_rank} is not the largest adapter's rank {largest_rank}"
+    if not 1 <= section.num_slots <= len(items):
+        return f"adapters.num_slots {section.num_slots} is not from 1 to the {len(items)} adapter(s)"
+    if plan.inputs.adapter_slots is not None and section.num_slots != plan.inputs.adapter_slots:
+        return f"adapters.num_slots {section.num_slots} differs from inputs.adapter_slots {plan.inputs.adapter_slots}"
+    if section.slot_bytes != largest_bytes:
+        return f"adapters.slot_bytes {section.slot_bytes} is not the largest adapter's {largest_bytes} bytes"
+    if section.host_pinned_bytes != sum(row.bytes for row in items):
+        return f"adapters.host_pinned_bytes {section.host_pinned_bytes} is not the sum of the adapters' bytes"
+    if section.num_missing > section.num_slots:
+        return f"adapters.num_missing {section.num_missing} exceeds num_slots {section.num_slots}"
+    return None
 
 
 def _serving_section(raw: object, origin: str) -> ServingSection:
@@ -663,13 +859,13 @@ def _section(cls, raw: object, origin: str, rows: dict[str, type] | None = None)
     names = [f.name for f in fields(cls)]
     if set(raw) != set(names):
         wrong = sorted(set(raw) ^ set(names), key=str)
-        raise PlanError(f"{origin}: keys {wrong} differ from the schema; regenerate the plan")
+        raise PlanError(f"{origin}: keys {shown(wrong, 120)} differ from the schema; regenerate the plan")
     values = {}
     for f in fields(cls):
         if rows and f.name in rows:
             values[f.name] = _rows(rows[f.name], raw[f.name], f"{origin}.{f.name}")
         else:
-            values[f.name] = _check_type(raw[f.name], f.type, f"{origin}.{f.name}")
+            values[f.name] = _check_type(raw[f.name], f.type, f"{origin}.{f.name}", f.metadata.get("lowest", 0))
     try:
         return cls(**values)
     except ValueError as error:
@@ -682,7 +878,7 @@ def _rows(cls, raw: object, origin: str) -> tuple:
     return tuple(_section(cls, row, f"{origin}[{i}]") for i, row in enumerate(raw))
 
 
-def _check_type(value: Any, annotation: Any, origin: str) -> Any:
+def _check_type(value: Any, annotation: Any, origin: str, lowest: int = 0) -> Any:
     """Check one field against its annotation (int, float, str, optional, tuples and str->int dicts)."""
     text = str(annotation)
     if value is None:
@@ -709,15 +905,15 @@ def _check_type(value: Any, annotation: Any, origin: str) -> Any:
         return value
     if not _is(value, base):
         raise PlanError(f"{origin} must be {base.__name__}, got {shown(value)}; regenerate the plan")
-    if base in (int, float) and not _plausible(value):
+    if base in (int, float) and not _plausible(value, lowest):
         raise PlanError(f"{origin} is {value!r}; plan numbers are finite, not negative and below "
                         f"{MAX_PLAN_INT if base is int else MAX_PLAN_FLOAT:g}: regenerate the plan")
     return float(value) if base is float else value
 
 
-def _plausible(value: int | float) -> bool:
+def _plausible(value: int | float, lowest: int = 0) -> bool:
     limit = MAX_PLAN_INT if isinstance(value, int) else MAX_PLAN_FLOAT
-    return 0 <= value <= limit  # False for NaN too
+    return lowest <= value <= limit  # False for NaN too
 
 
 def _is(value: Any, kind: type) -> bool:

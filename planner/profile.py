@@ -11,7 +11,7 @@ from pathlib import Path
 
 
 from planner.errors import ProfileError, shown
-from planner.untrusted import load_yaml, read_capped
+from planner.untrusted import checked_path, load_yaml, read_capped
 
 SOURCES = ("datasheet", "measured", "fitted", "assumed")
 PROFILE_SUFFIXES = (".yaml", ".yml")
@@ -31,6 +31,10 @@ def profiles_dir() -> Path:
 FIGURE_MAX = {"gpu_memory_bytes": 2**50, "hbm_bytes_per_s": 1e16, "bf16_flops_per_s": 1e19,
               "fp8_flops_per_s": 1e19, "h2d_bytes_per_s": 1e14, "copy_overhead_us": 1e6, "reserve_bytes": 2**50,
               "host_memory_bytes": 2**60}
+#: plausible lower bounds of the rates and shares, far below any chip: a rate of 1e-300 is a typo, and the
+#: planner's times (bytes / rate) would overflow to infinity
+FIGURE_MIN = {"hbm_bytes_per_s": 1e6, "bf16_flops_per_s": 1e6, "fp8_flops_per_s": 1e6, "h2d_bytes_per_s": 1e6,
+              "compute_efficiency": 1e-3}
 #: figures that must be above zero (trigger and compute_efficiency are shares, checked as such): the planner
 #: divides by the rates, and zero memory holds nothing. A zero
 #: rate is refused, not read as "unknown": fp8_flops_per_s is null (or left out) on chips without fp8
@@ -107,9 +111,15 @@ class HardwareProfile:
                                                              else ""))
             if figure.value > highest:
                 raise ValueError(f"{key} is {figure.value:g}, beyond any GPU (at most {highest:g}): check its unit")
+            if key in FIGURE_MIN and 0 < figure.value < FIGURE_MIN[key]:
+                raise ValueError(f"{key} is {figure.value:g}, below any GPU (at least {FIGURE_MIN[key]:g}): check its "
+                                 "unit")
         for key in ("trigger", "compute_efficiency"):
             if not 0 < getattr(self, key).value <= 1:
                 raise ValueError(f"{key} must be a share in (0, 1], got {getattr(self, key).value}")
+        if self.compute_efficiency.value < FIGURE_MIN["compute_efficiency"]:
+            raise ValueError(f"compute_efficiency {self.compute_efficiency.value:g} is below any GPU (at least "
+                             f"{FIGURE_MIN['compute_efficiency']:g})")
         if self.reserve_bytes.value >= self.gpu_memory_bytes.value:
             raise ValueError("reserve_bytes must be less than gpu_memory_bytes")
 
@@ -138,7 +148,8 @@ def profile_from_dict(data: object, origin: str) -> HardwareProfile:
     known = {"name", "description", *_FIGURE_FIELDS}
     unknown = sorted(set(data) - known, key=str)  # YAML keys may be numbers too
     if unknown:
-        raise ProfileError(f"{origin}: unknown field(s) {unknown}; valid fields: {sorted(known)}")
+        raise ProfileError(f"{origin}: unknown field(s) {shown(unknown, 60)}; the fields are those of "
+                           "profiles/h100-sxm.yaml (fp8_flops_per_s, host_memory_bytes, cuda_context_bytes optional)")
     missing = sorted(k for k in known - set(data) if k not in _OPTIONAL_FIELDS)
     if missing:
         raise ProfileError(f"{origin}: missing field(s) {missing}; see profiles/h100-sxm.yaml for the format")
@@ -183,7 +194,7 @@ def _close_names(name: str, names: list[str]) -> list[str]:
 
 def load_profile(name_or_path: str) -> HardwareProfile:
     """A built-in profile by name (``gb200``), or the user's own YAML file by path."""
-    path = Path(name_or_path)
+    path = checked_path(name_or_path, ProfileError, "--gpu")
     if path.suffix not in PROFILE_SUFFIXES:
         path = profiles_dir() / f"{name_or_path.lower()}.yaml"
         if not path.is_file():

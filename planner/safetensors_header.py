@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from planner.errors import ModelInputError, shown
-from planner.untrusted import load_json
+from planner.untrusted import load_json, open_regular
 
 # Bits per element of every dtype the safetensors format defines (sub-byte types are packed).
 DTYPE_BITS = {
@@ -72,9 +72,9 @@ def read_header_json(path: Path) -> dict:
 
 def _read_header(path: Path) -> tuple[dict, int]:
     """(parsed JSON header, bytes of tensor data the file holds after it)."""
+    handle, file_size_bytes = open_regular(path, ModelInputError, "a safetensors file")
     try:
-        file_size_bytes = path.stat().st_size
-        with path.open("rb") as handle:
+        with handle:
             prefix = handle.read(HEADER_PREFIX_BYTES)
             if len(prefix) < HEADER_PREFIX_BYTES:
                 raise ModelInputError(

@@ -15,14 +15,17 @@ here, so a hostile or broken file costs milliseconds and ends in one line naming
 """
 
 import json
+import os
+import stat
 from pathlib import Path
+from typing import BinaryIO
 
 import yaml
 import yaml.composer
 import yaml.constructor
 import yaml.resolver
 
-from planner.errors import OffloadPlanError
+from planner.errors import OffloadPlanError, printable, shown
 
 #: deeper than any file offload-plan reads (headers: 3, configs: 4-5, plans: 3)
 MAX_DEPTH = 32
@@ -34,18 +37,67 @@ class _Refused(ValueError):
     """A reason to refuse the document, turned into the caller's error class with its origin."""
 
 
-def read_capped(path: Path, max_bytes: int, error_class: type[OffloadPlanError], what: str) -> bytes:
-    """The bytes of ``path``, refusing files over ``max_bytes`` before reading them; OSError becomes one line."""
+#: the longest path and path component Linux accepts (PATH_MAX, NAME_MAX); longer ones fail with ENAMETOOLONG
+MAX_PATH_BYTES = 4096
+MAX_NAME_BYTES = 255
+
+
+def checked_path(path: Path | str, error_class: type[OffloadPlanError], what: str) -> Path:
+    """``path`` if the file system could hold it, else one line: a name longer than the file system allows
+    (ENAMETOOLONG) makes every later exists(), is_dir() and open() raise, at whichever call meets it first."""
+    text = os.fsencode(str(path))
+    longest = max((len(part) for part in text.split(b"/")), default=0)
+    if len(text) >= MAX_PATH_BYTES or longest > MAX_NAME_BYTES:
+        raise error_class(f"{what} {shown(str(path))} is longer than the file system allows (a name of at most "
+                          f"{MAX_NAME_BYTES} bytes, a path under {MAX_PATH_BYTES}); check the path")
+    return Path(path)
+
+
+def _kind_of(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISFIFO(mode):
+        return "a pipe (FIFO)"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "a device file" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a special file"
+
+
+def open_regular(path: Path, error_class: type[OffloadPlanError], what: str) -> tuple[BinaryIO, int]:
+    """``path`` opened for reading, with its size, only if it is a regular file; anything else is one line.
+
+    The one way offload-plan opens an input. The open itself is non-blocking, so a FIFO (whose open waits for a
+    writer, forever) or a device is seen by fstat on the descriptor, before any read, and refused: reads of a
+    regular file end, at its size, and every caller caps the bytes it reads.
+    """
+    path = checked_path(path, error_class, what)
     try:
-        size_bytes = path.stat().st_size
-        if size_bytes > max_bytes:
-            raise error_class(f"{path}: {size_bytes} bytes is too large for {what} (at most {max_bytes}); "
-                              "is this the right file?")
-        with path.open("rb") as stream:
-            return stream.read(max_bytes + 1)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as error:
-        raise error_class(f"{path}: cannot read {what} ({error.strerror or type(error).__name__}); check the path "
-                          "and permissions") from None
+        raise error_class(f"{printable(path)}: cannot read {what} ({error.strerror or type(error).__name__}); "
+                          "check the path and permissions") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        raise error_class(f"{printable(path)}: {what} must be a regular file, not {_kind_of(info.st_mode)}; give "
+                          "the path of a file")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb"), info.st_size
+
+
+def read_capped(path: Path, max_bytes: int, error_class: type[OffloadPlanError], what: str) -> bytes:
+    """The bytes of regular file ``path``, refusing files over ``max_bytes`` before reading them; OSError becomes
+    one line."""
+    stream, size_bytes = open_regular(Path(path), error_class, what)
+    with stream:
+        if size_bytes > max_bytes:
+            raise error_class(f"{printable(path)}: {size_bytes} bytes is too large for {what} (at most {max_bytes}); "
+                              "is this the right file?")
+        try:
+            return stream.read(max_bytes + 1)
+        except OSError as error:
+            raise error_class(f"{printable(path)}: cannot read {what} ({error.strerror or type(error).__name__}); "
+                              "check the path and permissions") from None
 
 
 # ---- JSON ---------------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import typer
 from rich.text import Text
 
 from offload_plan.console import say, stderr
+from planner.errors import printable
 from offload_plan.options import JsonOption, PlanFiles
 
 
@@ -73,13 +74,21 @@ def _print_result(result, updated: bool) -> None:
         say(f"  recorded command: {result.fix_command}\n  (change what fails, then run it)")
 
 
+def _cut(path: str, max_chars: int = 60) -> str:
+    """A path for the summary line: printable, and cut in the middle when long."""
+    text = printable(path)
+    return text if len(text) <= max_chars else f"{text[:28]} ... {text[-28:]}"
+
+
 def _finish(results) -> None:
     """One summary line; the first failing plan's error sets the exit code."""
     failing = [r for r in results if not r.ok]
     if not failing:
         say(f"{len(results)} plan(s) up to date")
         return
-    listed = "; ".join(f"{r.path} ({', '.join(p.kind for p in r.problems)})" for r in failing)
+    # each path cut to a readable length: the FAIL lines above give them whole
+    listed = "; ".join(f"{_cut(str(r.path))} ({', '.join(p.kind for p in r.problems)})" for r in failing[:5])
+    listed += f" and {len(failing) - 5} more" if len(failing) > 5 else ""
     raise failing[0].problems[0].error_class(
         f"{len(failing)} of {len(results)} plan(s) fail check: {listed}; run the fix command shown for each, "
         "or offload-plan check --update PLAN..."

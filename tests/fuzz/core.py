@@ -1,0 +1,499 @@
+"""A seeded fuzzer of offload-plan's input boundaries, run in-process through the CLI as a user would.
+
+Each family (a module of this package) mutates one kind of input. Every case writes a fresh working directory (a
+tiny checkpoint, a profile, a plan, a guarded output file, and any special files it asks for: FIFOs, folders,
+links to devices), runs one CLI command in-process (and, for the round trip, the commands that read what it
+wrote) and is classified:
+
+- ``error``: a clean one-line ``offload-plan: error: ...`` on stderr and a non-zero exit (good);
+- ``accepted``: exit 0 on input that may be valid (good);
+- ``traceback``: any exception that is not an OffloadPlanError, or the CLI's last-resort "this is a bug" line;
+- ``hang``: the case ran past the per-case time limit;
+- ``clobbered``: a failed command changed the guarded output file or left a temporary file beside it;
+- ``accepted-invalid``: exit 0 on input the mutation made invalid;
+- ``multi-line``: an error that is not exactly one ``offload-plan: error:`` line;
+- ``long-line``: an error line longer than MAX_ERROR_CHARS (a message must stay readable);
+- ``round-trip``: a plan the first command wrote that a reading command (show, check, diff, export) refused.
+
+The generator is the project's own (``random.Random(seed)``): no dependency, and a case is reproduced by its
+seed and index alone (``case_for(family, seed, index)``). tests/test_fuzz.py runs a bounded slice in CI;
+scripts/fuzz_campaign.py runs the full campaign and prints the table.
+"""
+
+import json
+import math
+import os
+import shutil
+import signal
+import struct
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from planner.plan import SCHEMA_VERSION
+
+#: the plan's version line, where the text mutations hook in
+VERSION_LINE = f"schema_version: {SCHEMA_VERSION}"
+
+# Never the network: a mutated --model or plan source must not turn into a hub download.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.pop("OFFLOAD_PLAN_DEBUG", None)
+
+VERDICTS = ("error", "accepted", "traceback", "hang", "clobbered", "accepted-invalid", "multi-line", "long-line",
+            "round-trip")
+#: an error line longer than this (about 300 characters, with room for a long path echoed in part) fails
+MAX_ERROR_CHARS = 320
+FAILURES = VERDICTS[2:]
+#: a case running longer than this is a hang (the targets are refused in well under a second)
+DEFAULT_TIME_LIMIT_S = 1.0
+ERROR_PREFIX = "offload-plan: error:"
+WARNING_PREFIX = "offload-plan: warning:"
+BUG_MARKER = "OFFLOAD_PLAN_DEBUG"
+#: lines of check's per-plan report, before its one error line
+CHECK_REPORT_PREFIXES = ("FAIL ", "  fix: ", "  (or offload-plan check", "  recorded command: ", "  (change what")
+GUARD_NAME = "out.yaml"
+GUARD_TEXT = "# a good file that a failed command must leave alone\n"
+SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+BASE_ARGS = ("make", "-m", "ckpt", "-g", "gpu.yaml")
+
+
+_COMMAND = None
+
+
+def invoke_cli(args: list[str]) -> tuple[int, str, str, BaseException | None]:
+    """Run the CLI in-process: (exit code, stdout, stderr, uncaught exception). The one place the app is imported.
+
+    typer's CliRunner.invoke rebuilds the click command from the function signatures on every call (about
+    half of a short case's time); a user's process builds it once, so the fuzzer builds it once too and runs
+    it inside the runner's stream isolation, as invoke does.
+    """
+    global _COMMAND
+    import typer
+    from typer.testing import CliRunner
+
+    if _COMMAND is None:
+        from offload_plan.app import app
+        _COMMAND = typer.main.get_command(app)
+    code, exception = 0, None
+    with CliRunner().isolation() as streams:
+        try:
+            _COMMAND.main(args=list(args), prog_name="offload-plan")
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+        except Exception as error:  # noqa: BLE001 (any other exception is what the fuzzer looks for)
+            code, exception = 1, error
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        stdout, stderr = (_text(stream) for stream in streams[:2])
+    return code, stdout, stderr, exception
+
+
+def _text(stream) -> str:
+    return stream.getvalue().decode("utf-8", "replace") if stream is not None else ""
+
+
+# ---- the base inputs ----------------------------------------------------------------------------------------
+
+
+def _safetensors(tensors: dict, extra_data_bytes: int = 0) -> bytes:
+    """A whole safetensors file (zero data) for name -> (dtype, shape), in order."""
+    return _framed(_header_of(tensors), sum(_nbytes(*spec) for spec in tensors.values()) + extra_data_bytes)
+
+
+def _nbytes(dtype: str, shape) -> int:
+    return math.prod(shape) * {"BF16": 2, "F16": 2, "F32": 4}[dtype]
+
+
+def _header_of(tensors: dict) -> dict:
+    header, offset = {}, 0
+    for name, (dtype, shape) in tensors.items():
+        size = _nbytes(dtype, shape)
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    return header
+
+
+def _framed(header: dict | bytes, data_bytes: int) -> bytes:
+    raw = header if isinstance(header, bytes) else json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw + bytes(max(0, data_bytes))
+
+
+def _tensors(num_layers: int, hidden: int, moe: int) -> dict:
+    specs = {"model.embed_tokens.weight": ("BF16", (32, hidden)), "model.norm.weight": ("BF16", (hidden,)),
+             "lm_head.weight": ("BF16", (32, hidden))}
+    for i in range(num_layers):
+        p = f"model.layers.{i}."
+        specs[p + "input_layernorm.weight"] = ("BF16", (hidden,))
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            specs[p + f"self_attn.{proj}.weight"] = ("BF16", (hidden, hidden))
+        for e in range(moe):
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                specs[p + f"mlp.experts.{e}.{proj}.weight"] = ("BF16", (hidden, hidden))
+        if not moe:
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                specs[p + f"mlp.{proj}.weight"] = ("BF16", (2 * hidden, hidden))
+    return dict(sorted(specs.items()))
+
+
+def _config(num_layers: int, hidden: int, moe: int) -> dict:
+    config = {"architectures": ["Qwen3MoeForCausalLM" if moe else "LlamaForCausalLM"], "hidden_size": hidden,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": hidden // 4,
+              "num_hidden_layers": num_layers, "vocab_size": 32, "intermediate_size": 2 * hidden}
+    if moe:
+        config.update(num_experts=moe, num_experts_per_tok=2, moe_intermediate_size=hidden)
+    return config
+
+
+@dataclass
+class Model:
+    """One tiny checkpoint as files (relative path -> bytes) and its parts for mutation."""
+
+    tensors: dict
+    #: shard name -> the tensors it holds, in file order
+    shards: dict
+    weight_map: dict
+    config: dict
+
+    def files(self) -> dict[str, bytes]:
+        out = {f"ckpt/{name}": _safetensors(tensors) for name, tensors in self.shards.items()}
+        out["ckpt/model.safetensors.index.json"] = json.dumps({"metadata": {}, "weight_map": self.weight_map}).encode()
+        out["ckpt/config.json"] = json.dumps(self.config).encode()
+        return out
+
+
+def build_model(moe: int) -> Model:
+    """A 6-layer llama-style (or MoE with ``moe`` experts) checkpoint in two shards."""
+    tensors = _tensors(6, 16, moe)
+    names = list(tensors)
+    half = len(names) // 2
+    shards = {SHARDS[0]: {n: tensors[n] for n in names[:half]}, SHARDS[1]: {n: tensors[n] for n in names[half:]}}
+    weight_map = {n: shard for shard, part in shards.items() for n in part}
+    return Model(tensors=tensors, shards=shards, weight_map=dict(sorted(weight_map.items())),
+                 config=_config(6, 16, moe))
+
+
+@dataclass
+class Base:
+    """Everything a case starts from: two models, the test profile, a plan made from them, the budget used."""
+
+    dense: Model
+    moe: Model
+    profile: dict
+    budget: str
+    plan_text: str
+    plan: dict
+    #: plan made from the MoE model with --params experts --cuda-graph
+    graph_plan_text: str
+    graph_plan: dict = field(default_factory=dict)
+    #: a serving plan of the dense model (make --concurrency auto): its serving section and whole-GPU lines
+    serving_plan_text: str = ""
+    serving_plan: dict = field(default_factory=dict)
+    _files: dict = field(default_factory=dict)
+
+    def files(self, moe: bool = False) -> dict[str, bytes]:
+        """Relative path -> bytes of every base file (built once per model)."""
+        if moe not in self._files:
+            files = (self.moe if moe else self.dense).files()
+            files["gpu.yaml"] = _yaml(self.profile).encode()
+            files["plan.yaml"] = self.plan_text.encode()
+            files["graph-plan.yaml"] = self.graph_plan_text.encode()
+            files[GUARD_NAME] = GUARD_TEXT.encode()
+            self._files[moe] = files
+        return self._files[moe]
+
+    def plan_copy(self, which: str) -> dict:
+        """A fresh copy of a parsed base plan, "plain", "graph" or "serving" (a JSON round trip: much faster
+        than parsing the YAML again)."""
+        plans = {"plain": self.plan, "graph": self.graph_plan, "serving": self.serving_plan}
+        return json.loads(json.dumps(plans[which]))
+
+    def plan_text_of(self, which: str) -> str:
+        """The YAML text of a base plan (see plan_copy)."""
+        return {"plain": self.plan_text, "graph": self.graph_plan_text, "serving": self.serving_plan_text}[which]
+
+
+_BASE: Base | None = None
+
+
+def base() -> Base:
+    """The base inputs, built once per process (the plans by the CLI itself, so they are what make writes)."""
+    global _BASE
+    if _BASE is None:
+        _BASE = _build_base()
+    return _BASE
+
+
+def _warm_imports() -> None:
+    """Import what commands import lazily (runtime and torch for run and calibrate) before any case is timed: a
+    first import takes seconds and would read as a hang (and, interrupted, leave a half-imported module)."""
+    for module in ("planner.make", "planner.check", "planner.export", "planner.report", "planner.compare",
+                   "runtime.load", "runtime.bench", "runtime.calibrate"):
+        try:
+            __import__(module)
+        except Exception:  # noqa: BLE001 (no torch here: those commands then fail fast and cleanly)
+            pass
+
+
+def _build_base() -> Base:
+    _warm_imports()
+    profile = yaml.safe_load((Path(__file__).resolve().parents[1] / "data" / "test-gpu.yaml").read_text())
+    dense, moe = build_model(0), build_model(4)
+    layer_bytes = sum(_nbytes(*s) for n, s in dense.tensors.items() if n.startswith("model.layers.0."))
+    other = sum(_nbytes(*s) for n, s in dense.tensors.items() if not n.startswith("model.layers."))
+    budget = f"{other + 3 * layer_bytes + 4096}B"  # room for three of six layers (plus slack): some offloaded
+    partial = Base(dense=dense, moe=moe, profile=profile, budget=budget, plan_text="", plan={}, graph_plan_text="")
+    with tempfile.TemporaryDirectory(prefix="fuzz-base-") as folder:
+        plan_text = _make_plan(partial, Path(folder), [*BASE_ARGS, "--budget", budget], False)
+        experts = sum(_nbytes(*s) for n, s in moe.tensors.items() if n.startswith("model.layers.0.mlp.experts."))
+        total = sum(_nbytes(*s) for s in moe.tensors.values())
+        graph_budget = total - 3 * experts + 256 * len(moe.tensors) + 4096
+        graph_args = [*BASE_ARGS, "--budget", f"{graph_budget}B", "--params", "experts", "--cuda-graph",
+                      "--tokens", "8", "--sequences", "8"]
+        graph_text = _make_plan(partial, Path(folder), graph_args, True)
+        serving_args = [*BASE_ARGS, "--context", "64", "--concurrency", "auto", "--chunk", "64"]
+        serving_text = _make_plan(partial, Path(folder), serving_args, False)
+    partial.plan_text, partial.graph_plan_text, partial.serving_plan_text = plan_text, graph_text, serving_text
+    partial.plan, partial.graph_plan = yaml.safe_load(plan_text), yaml.safe_load(graph_text)
+    partial.serving_plan = yaml.safe_load(serving_text)
+    partial._files.clear()
+    assert partial.plan["offload"]["layers"], "the base plan must offload layers, so plan mutations reach the schedule"
+    return partial
+
+
+def _make_plan(partial: Base, folder: Path, args: list[str], moe: bool) -> str:
+    for relative, data in partial.files(moe).items():
+        if relative.endswith(".yaml") and "plan" in relative:
+            continue
+        (folder / relative).parent.mkdir(parents=True, exist_ok=True)
+        (folder / relative).write_bytes(data)
+    previous = os.getcwd()
+    os.chdir(folder)
+    try:
+        code, stdout, stderr, exception = invoke_cli(args)
+    finally:
+        os.chdir(previous)
+    assert code == 0 and exception is None, f"the base plan could not be made: {stderr} {exception!r}"
+    return stdout
+
+
+# ---- cases --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Case:
+    """One mutated input and the command that reads it."""
+
+    family: str
+    #: the mutation's name, for the table and for reproducing it
+    mutation: str
+    args: list[str]
+    #: True when the mutation made the input invalid: accepting it is a failure
+    invalid: bool
+    #: relative path -> bytes written over the base files (None: delete the file)
+    files: dict = field(default_factory=dict)
+    moe: bool = False
+    #: relative path -> one of SPECIAL_KINDS, made before the command runs (files cannot hold a FIFO)
+    special: dict = field(default_factory=dict)
+    #: commands run after the first one succeeds, each of which must succeed too (the round trip)
+    then: tuple = ()
+
+
+#: what a special path can be: a FIFO (opening it for reading waits for a writer), a folder, or a link to a device
+SPECIAL_KINDS = ("fifo", "folder", "dev-null", "dev-zero", "dev-urandom", "link-to-fifo")
+
+
+def make_special(path: Path, kind: str) -> None:
+    """Create ``path`` as a special file of ``kind`` (replacing whatever the base files put there)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "folder":
+        path.mkdir()
+    elif kind == "link-to-fifo":
+        os.mkfifo(path.with_name(path.name + ".fifo"))
+        path.symlink_to(path.name + ".fifo")
+    else:
+        path.symlink_to("/dev/" + kind.removeprefix("dev-"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Result:
+    """What one case did."""
+
+    family: str
+    mutation: str
+    verdict: str
+    #: for failures: where and what (exception type and the planner frame, or the offending stderr)
+    detail: str
+    elapsed_ms: float
+    index: int
+    #: the last line on stderr (the error line of a clean error)
+    message: str = ""
+
+
+# ---- running and classifying --------------------------------------------------------------------------------
+
+
+class CaseTimeout(BaseException):
+    """Raised by the timer inside a case that runs past its limit (a BaseException: no handler swallows it)."""
+
+
+def _on_alarm(signum, frame):
+    raise CaseTimeout()
+
+
+def run_case(case: Case, root: Path, index: int = 0, time_limit_s: float = DEFAULT_TIME_LIMIT_S) -> Result:
+    """Write the case's files into a fresh folder under ``root``, run its command there, classify the outcome."""
+    folder = Path(tempfile.mkdtemp(prefix=f"{case.family}-", dir=root))
+    files = base().files(case.moe) | case.files
+    for relative, data in files.items():
+        if data is not None:
+            (folder / relative).parent.mkdir(parents=True, exist_ok=True)
+            (folder / relative).write_bytes(data)
+    for relative, kind in case.special.items():
+        make_special(folder / relative, kind)
+    previous = os.getcwd()
+    os.chdir(folder)
+    old_handler = signal.signal(signal.SIGALRM, _on_alarm)
+    time_limit_s *= 1 + len(case.then)  # each command of a round trip gets the limit
+    signal.setitimer(signal.ITIMER_REAL, time_limit_s)
+    start = time.perf_counter()
+    try:
+        code, stdout, stderr, exception = invoke_cli(case.args)
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        message = ([line for line in stderr.splitlines() if line.strip()] or [""])[-1]
+        elapsed_ms = 1e3 * (time.perf_counter() - start)
+        verdict, detail = _classify(case, code, stderr, exception, folder)
+        if verdict == "accepted" and case.then:
+            verdict, detail = _round_trip(case.then)
+            elapsed_ms = 1e3 * (time.perf_counter() - start)
+        if elapsed_ms > 1e3 * time_limit_s:
+            verdict, detail = "hang", f"took {elapsed_ms / 1e3:.1f} s"
+    except CaseTimeout:
+        elapsed_ms = 1e3 * (time.perf_counter() - start)
+        verdict, detail, message = "hang", f"stopped after {time_limit_s:g} s", ""
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old_handler)
+        os.chdir(previous)
+        shutil.rmtree(folder, ignore_errors=True)
+    return Result(family=case.family, mutation=case.mutation, verdict=verdict, detail=detail, elapsed_ms=elapsed_ms,
+                  index=index, message=message)
+
+
+def _round_trip(commands: tuple) -> tuple[str, str]:
+    """Run each reading command of the round trip: all must succeed on the plan the first command wrote."""
+    for command in commands:
+        code, _, stderr, exception = invoke_cli(list(command))
+        if exception is not None:
+            return "traceback", _where(exception)
+        if code != 0:
+            last = ([line for line in stderr.splitlines() if line.strip()] or ["(nothing on stderr)"])[-1]
+            verdict = "traceback" if BUG_MARKER in last else "round-trip"
+            return verdict, f"{' '.join(command[:1] + command[2:])}: {last[:140]}"
+    return "accepted", ""
+
+
+def _classify(case: Case, code: int, stderr: str, exception: BaseException | None, folder: Path) -> tuple[str, str]:
+    if exception is not None:
+        return "traceback", _where(exception)
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    if code == 0:
+        return ("accepted-invalid", f"accepted: {case.mutation}") if case.invalid else ("accepted", "")
+    guard = folder / GUARD_NAME
+    leftovers = [p.name for p in folder.iterdir() if p.name.endswith(".tmp")]
+    if not guard.is_file() or guard.read_text() != GUARD_TEXT or leftovers:
+        return "clobbered", f"{GUARD_NAME} changed or temporary files left: {leftovers}"
+    errors = [line for line in lines if not line.startswith(WARNING_PREFIX)]
+    if case.args[:1] == ["check"]:  # check's report: a FAIL line per plan and its fix, then the one error line
+        errors = [line for line in errors if not line.startswith(CHECK_REPORT_PREFIXES)]
+    if len(errors) == 1 and BUG_MARKER in errors[0]:
+        return "traceback", errors[0][:160]
+    if len(errors) != 1 or not errors[0].startswith(ERROR_PREFIX):
+        first = errors[0] if errors else "(nothing on stderr)"
+        return "multi-line", f"{len(errors)} lines: {first[:120]}"
+    if len(errors[0]) > MAX_ERROR_CHARS:
+        return "long-line", f"{len(errors[0])} chars: {errors[0][len(ERROR_PREFIX):][:60]}"
+    return "error", ""
+
+
+def _where(exception: BaseException) -> str:
+    """'TypeError in planner/safetensors_header.py:_entry': the innermost project frame of the exception."""
+    frames = traceback.extract_tb(exception.__traceback__)
+    project = [f for f in frames if "/planner/" in f.filename or "/offload_plan/" in f.filename]
+    frame = (project or frames or [None])[-1]
+    where = f"{Path(frame.filename).parent.name}/{Path(frame.filename).name}:{frame.name}" if frame else "?"
+    return f"{type(exception).__name__} in {where}"
+
+
+def scratch_dir() -> str | None:
+    """Where case folders go: memory (/dev/shm) where there is one, since a disk's rmdir costs milliseconds."""
+    shm = Path("/dev/shm")
+    return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
+
+
+def failure_summary(results: list[Result]) -> dict[str, dict[str, int]]:
+    """family -> failure description -> count (a description is the verdict and where it happened)."""
+    summary: dict[str, dict[str, int]] = {family: {} for family in dict.fromkeys(r.family for r in results)}
+    for result in results:
+        if result.verdict in FAILURES:
+            key = f"{result.verdict}: {result.detail}"
+            summary[result.family][key] = summary[result.family].get(key, 0) + 1
+    return summary
+
+
+# ---- mutation families --------------------------------------------------------------------------------------
+# Each generator returns a Case. ``invalid`` is True only where the input must be refused; where a mutation may
+# or may not leave a valid input (a flipped byte, a changed number in range) it is False and either a clean
+# error or acceptance passes.
+
+#: values of the wrong type or out of any plausible range for a number
+JUNK = (None, True, False, -1, -7.5, 2**64, 10**30, 1e300, "x", "", "12", [], {}, [1, 2], {"a": 1})
+#: text that must never reach a message unescaped
+NASTY_TEXT = ("\n", "\r\n", "\x1b[2J", "\x00", "\u202e", "\t", "\x7f", "\ud800")
+DEEP_LEVELS = (200, 1_000, 10_000, 100_000)
+HUGE_INT = "1" + "0" * 5000
+
+
+def _deep(levels: int) -> str:
+    return "[" * levels + "]" * levels
+
+
+def _json(value) -> bytes:
+    """JSON the way a buggy writer would: lone surrogates kept, NaN and Infinity as bare words."""
+    return json.dumps(value, ensure_ascii=True).encode()
+
+
+def _yaml(data) -> str:
+    """YAML as a user would write it (block style, keys in order), through libyaml when present: fast."""
+    return yaml.dump(data, Dumper=getattr(yaml, "CSafeDumper", yaml.SafeDumper), sort_keys=False)
+
+
+def _raw_splice(document: bytes, old: bytes, new: bytes) -> bytes:
+    assert old in document, (old, document[:200])
+    return document.replace(old, new, 1)
+
+
+def _pick_tensor(rng, tensors: dict) -> str:
+    return rng.choice(sorted(tensors))
+
+
+def _make_case(family: str, mutation: str, invalid: bool, files: dict, rng, *, moe: bool = False,
+               extra: tuple = ()) -> Case:
+    args = [*BASE_ARGS, "--budget", base().budget, "-o", GUARD_NAME, *extra]
+    if rng.random() < 0.2:
+        args += ["--tokens", "8", "--sequences", "8", "--cuda-graph"]
+    return Case(family=family, mutation=mutation, args=args, invalid=invalid, files=files, moe=moe)
+
+
