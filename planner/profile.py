@@ -138,7 +138,7 @@ def profile_from_dict(data: object, origin: str) -> HardwareProfile:
     known = {"name", "description", *_FIGURE_FIELDS}
     unknown = sorted(set(data) - known, key=str)  # YAML keys may be numbers too
     if unknown:
-        raise ProfileError(f"{origin}: unknown field(s) {unknown}; valid fields: {sorted(known)}")
+        raise ProfileError(f"{origin}: unknown field(s) {unknown}; valid fields: {', '.join(sorted(known))}")
     missing = sorted(k for k in known - set(data) if k not in _OPTIONAL_FIELDS)
     if missing:
         raise ProfileError(f"{origin}: missing field(s) {missing}; see profiles/h100-sxm.yaml for the format")
