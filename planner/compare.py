@@ -8,7 +8,7 @@ and whether the model, hardware or workload changed. ``compare_plans`` gives pla
 from dataclasses import asdict
 
 from planner.plan import Plan
-from planner.units import format_bytes, format_ms
+from planner.units import format_bytes, format_ms, format_rate
 
 MEMORY_FIELDS = ("budget_bytes", "gpu_bytes", "host_pinned_bytes", "num_slots", "slot_bytes")
 PREDICTION_FIELDS = ("step_ms", "resident_step_ms", "stall_ms", "link_floor_ms", "copy_bytes_per_step")
@@ -210,7 +210,7 @@ def _serving_sentence(serving: dict) -> str | None:
         return None
     tokens = serving["decode_tokens_per_s"]
     share = 100 * tokens["change"] / tokens["old"] if tokens["old"] else 0.0
-    parts = [f"decode {tokens['old']:,.0f} -> {tokens['new']:,.0f} tokens/s ({share:+.1f}%)"]
+    parts = [f"decode {format_rate(tokens['old'])} -> {format_rate(tokens['new'])} tokens/s ({share:+.1f}%)"]
     parts += [f"{label} {_bytes_change(serving[key])}" for key, label in
               (("kv_cache_bytes", "KV cache"), ("total_gpu_bytes", "GPU total")) if key in serving]
     return "Serving: " + "; ".join(parts) + "."

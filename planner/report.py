@@ -7,7 +7,7 @@ from rich.text import Text
 from planner.plan import Plan
 from planner.schedule import PrefetchSchedule
 from planner.simulate import STEPS_PER_GRAPH, Simulation, join_every_steps_for, simulate
-from planner.units import format_bytes, format_ms
+from planner.units import format_bytes, format_ms, format_rate
 
 TIMELINE_COLUMNS = 96
 NUM_STALLS_LISTED = 8
@@ -54,7 +54,7 @@ def verdict(plan: Plan) -> str:
                 f"{where} {placement}: {format_ms(prediction.step_ms)} predicted, x{_slowdown(plan):.2f} the "
                 "all-resident step.")
     text = (f"Serves {workload.concurrency} sequences of up to {workload.context_tokens} tokens on {where} "
-            f"{placement}: {prediction.decode_tokens_per_s:,.0f} decode tokens/s, "
+            f"{placement}: {format_rate(prediction.decode_tokens_per_s)} decode tokens/s, "
             f"{format_ms(prediction.decode_step_ms)} per token; a {workload.chunk_tokens}-token prefill chunk takes "
             f"{format_ms(prediction.prefill_chunk_ms)}.")
     return text + " " + _against_no_offload(plan)
@@ -68,7 +68,8 @@ def _against_no_offload(plan: Plan) -> str:
         return "Offloading would not serve more tokens/s here."
     ratio = plan.prediction.decode_tokens_per_s / serving.no_offload_tokens_per_s
     return (f"Offloading nothing fits at most {serving.no_offload_concurrency} sequences for "
-            f"{serving.no_offload_tokens_per_s:,.0f} tokens/s ({format_ms(serving.no_offload_step_ms)} per token): "
+            f"{format_rate(serving.no_offload_tokens_per_s)} tokens/s "
+            f"({format_ms(serving.no_offload_step_ms)} per token): "
             f"this plan gives x{ratio:.2f} the tokens/s.")
 
 
@@ -95,7 +96,7 @@ def serving_chart(plan: Plan, bar_columns: int = 40) -> Table:
             mark = "x"
         table.add_row(
             f"{mark} {point.concurrency}",
-            f"{point.tokens_per_s:,.0f}" if fits else "-",
+            format_rate(point.tokens_per_s) if fits else "-",
             Text(bar, style="cyan" if mark == ">" else "green" if mark == "=" else ""),
             format_ms(point.step_ms) if fits else "does not fit",
             f"{point.num_offloaded}/{plan.model.num_layers}" if fits else "-",
