@@ -1,5 +1,6 @@
 """``show``: explain a plan to a person with rich tables and a one-step copy/compute timeline."""
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
@@ -32,7 +33,7 @@ def show_plan(plan: Plan, console: Console, *, layer_table: bool = True) -> None
     console.print(Text(verdict(plan), style="bold"))
     console.print(_summary(plan))
     if plan.serving is not None:
-        console.print(serving_chart(plan))
+        console.print(serving_chart(plan, chart_bar_columns(console.width)))
     if plan.adapters is not None:
         console.print(adapters_table(plan))
     console.print(_memory(plan))
@@ -78,14 +79,29 @@ def _slowdown(plan: Plan) -> float:
     return prediction.step_ms / prediction.resident_step_ms if prediction.resident_step_ms else 1.0
 
 
-def serving_chart(plan: Plan, bar_columns: int = 40) -> Table:
+#: the serving chart's columns other than its bar, with their padding (six columns of 9 or 10 characters:
+#: "sequences", "582.75 MiB"); measured on the checked-in serving plans (65-66), one spare: an 80-column terminal
+#: leaves the bar 13
+CHART_TEXT_COLUMNS = 67
+CHART_MIN_BAR_COLUMNS, CHART_MAX_BAR_COLUMNS = 8, 40
+
+
+def chart_bar_columns(console_columns: int) -> int:
+    """The bar's width for a console this wide: the text columns keep theirs (issue 26: at 80 columns the headers
+    collapsed to "sequenc…"), the bar takes what is left."""
+    return max(CHART_MIN_BAR_COLUMNS, min(CHART_MAX_BAR_COLUMNS, console_columns - CHART_TEXT_COLUMNS))
+
+
+def serving_chart(plan: Plan, bar_columns: int = CHART_MAX_BAR_COLUMNS) -> Table:
     """Tokens/s against concurrency, one row per concurrency searched, with the best placement at each."""
     points = plan.serving.points
     top = max((p.tokens_per_s for p in points), default=0.0) or 1.0
     title = "Decode tokens/s by concurrency (the best placement at each; > the plan, = offloads nothing)"
     if plan.serving.max_tpot_ms is not None:
         title += f"; x: over --max-tpot-ms {plan.serving.max_tpot_ms:g}"
-    table = Table(title=title, title_justify="left")
+    # no vertical rules and no edge padding: the six text columns and a bar fit 80 columns
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False,
+                  padding=(0, 1, 0, 0))
     for name in ("sequences", "tokens/s", "", "per token", "offloaded", "KV cache", "GPU total"):
         table.add_column(name, justify="left" if name == "" else "right")
     for point in points:
