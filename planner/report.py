@@ -41,6 +41,7 @@ def show_plan(plan: Plan, console: Console, *, layer_table: bool = True) -> None
         console.print(_layer_table(plan, simulation))
     console.print(_timeline(plan, simulation, max(20, min(TIMELINE_COLUMNS, console.width - 12))))
     console.print(_stalls(plan, simulation))
+    console.print(provenance_table(plan))
 
 
 def verdict(plan: Plan) -> str:
@@ -146,6 +147,65 @@ def adapters_table(plan: Plan) -> Table:
     return table
 
 
+#: the hardware figures a prediction rests on, as (plan.hardware field, label, how to show its value)
+PROVENANCE_FIGURES = (
+    ("gpu_memory_bytes", "GPU memory", format_bytes),
+    ("hbm_bytes_per_s", "HBM bandwidth", lambda value: f"{format_rate(value / 1e12)} TB/s"),
+    ("bf16_flops_per_s", "bf16 rate", lambda value: f"{format_rate(value / 1e12)} TFLOP/s"),
+    ("fp8_flops_per_s", "fp8 rate", lambda value: f"{format_rate(value / 1e12)} TFLOP/s"),
+    ("compute_efficiency", "compute efficiency", format_rate),
+    ("h2d_bytes_per_s", "host link (H2D)", lambda value: f"{value / 1e9:.1f} GB/s"),
+    ("copy_overhead_us", "per-copy overhead", lambda value: f"{format_rate(value)} us"),
+    ("reserve_bytes", "reserve", format_bytes),
+    ("host_memory_bytes", "host memory", format_bytes),
+)
+
+
+def provenance_table(plan: Plan) -> Table:
+    """Where each hardware figure the prediction rests on comes from (datasheet, measured, fitted, assumed), with
+    the profile's note: a GB200's link figure is GB300's, shared by two GPUs. The plan records the values; the
+    sources are read from its profile, and a figure the profile no longer gives is said to be the plan's own."""
+    from planner.errors import ProfileError
+    from planner.profile import load_profile
+
+    try:
+        profile = load_profile(plan.inputs.gpu)
+    except ProfileError:
+        profile = None
+    table = Table(title=f"Hardware figures of {plan.hardware.profile} (d = datasheet, m = measured, f = fitted, "
+                        "a = assumed)", title_justify="left")
+    for name in ("figure", "value", "", "source"):
+        table.add_column(name, overflow="fold")
+    for key, label, shown in PROVENANCE_FIGURES:
+        value = getattr(plan.hardware, key)
+        if value is None:
+            continue
+        figure = getattr(profile, key, None) if profile is not None else None
+        if figure is None or figure.value != value:
+            table.add_row(label, shown(value), "?", "the plan's own figure: its profile "
+                          + ("cannot be read here" if profile is None else "now gives another"))
+            continue
+        table.add_row(label, shown(value), figure.source[0], figure.note or figure.source)
+    return table
+
+
+def _link_source(plan: Plan) -> str:
+    """' (assumed: ...)' after the link figure when its profile does not have it from a datasheet or a measurement:
+    the figure most predictions rest on should not pass for a measured one."""
+    from planner.errors import ProfileError
+    from planner.profile import load_profile
+
+    try:
+        figure = load_profile(plan.inputs.gpu).h2d_bytes_per_s
+    except ProfileError:
+        return " (source unknown: the plan's profile cannot be read here)"
+    if figure.value != plan.hardware.h2d_bytes_per_s:
+        return " (the plan's own figure: its profile now gives another)"
+    if figure.source in ("datasheet", "measured"):
+        return ""
+    return f" ({figure.source}: see Hardware figures below)"
+
+
 def _summary(plan: Plan) -> Table:
     model, offload, prediction = plan.model, plan.offload, plan.prediction
     table = Table(title="Plan", show_header=False, title_justify="left")
@@ -156,7 +216,7 @@ def _summary(plan: Plan) -> Table:
                             f"{format_bytes(model.non_layer_bytes)} outside the stack; "
                             f"{format_bytes(model.unused_bytes)} unused")
     table.add_row("hardware", f"{plan.hardware.profile}: {format_bytes(plan.hardware.gpu_memory_bytes)}, "
-                              f"link {plan.hardware.h2d_bytes_per_s / 1e9:.1f} GB/s")
+                              f"link {plan.hardware.h2d_bytes_per_s / 1e9:.1f} GB/s{_link_source(plan)}")
     table.add_row("workload", f"{plan.workload.tokens_per_step} tokens/step in {plan.workload.sequences_per_step} "
                               f"sequence(s), context {plan.workload.context_tokens}; {plan.workload.compute_source}"
                               + (f"; CUDA-graph replays of {_replay_steps()} ({_replay_boundary(plan)})"
