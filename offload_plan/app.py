@@ -21,7 +21,7 @@ except ImportError:  # older typer runs on click itself
 from offload_plan import __version__
 from offload_plan.commands import calibrate, check, diff, export, header_checkpoint, make, profiles, run, show
 from offload_plan.console import printable, say
-from planner.errors import OffloadPlanError
+from planner.errors import OffloadPlanError, brief
 
 PROG_NAME = "offload-plan"
 USAGE_EXIT_CODE = 2
@@ -94,8 +94,9 @@ class OffloadPlanGroup(TyperGroup):
             if _debugging():
                 raise
             error_line(
-                f"{_command_of(args, self)} failed unexpectedly ({type(error).__name__}: {error}) with input "
-                f"{' '.join(args)!r}; this is a bug, rerun with {DEBUG_VARIABLE}=1 and report it with the traceback"
+                f"{_command_of(args, self)} failed unexpectedly ({type(error).__name__}: {brief(error, 80)}) with "
+                f"input {brief(repr(' '.join(args)), 60)}; this is a bug, rerun with {DEBUG_VARIABLE}=1 and report it "
+                "with the traceback"
             )
             return BUG_EXIT_CODE
 

@@ -7,9 +7,11 @@ times it records (no GPU, no torch): check covers what the planner does with the
 failure keeps the error class whose exit code the CLI returns, and the command that fixes the plan.
 """
 
+import contextlib
 import difflib
 import os
 import shlex
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,15 +71,43 @@ def check_plan(path: Path) -> CheckResult:
     except (OSError, UnicodeDecodeError, PlanError) as error:
         message = str(error) if isinstance(error, PlanError) else f"{display}: cannot read ({error})"
         return _failed(display, Problem(kind="invalid", message=message, error_class=PlanError), None)
-    command = regenerate_command(plan.inputs, recorded_output(text, display))
+    # the header's command is part of the bytes compared: regenerate with the -o it records, whatever this copy is
+    # called (a plan copied to another name is the same plan); the fix command writes this file
+    header = regenerate_command(plan.inputs, recorded_output(text, display))
+    command = regenerate_command(plan.inputs, display)
     try:
-        profile = load_profile(plan.inputs.gpu)
+        with _where_make_ran(plan.inputs.model, path):
+            profile = load_profile(plan.inputs.gpu)
+            return _compare(display, text, plan, profile, header, command)
     except ProfileError as error:
         return _failed(display, Problem(kind="profile", message=str(error), error_class=ProfileError), command)
-    try:
-        return _compare(display, text, plan, profile, command)
     except ModelInputError as error:
         return _failed(display, Problem(kind="model", message=str(error), error_class=ModelInputError), command)
+
+
+@contextlib.contextmanager
+def _where_make_ran(model: str, plan_path: Path) -> Iterator[None]:
+    """Run the regeneration in the folder a relative model path resolves from: the working directory, else the
+    plan's folder or the parent make ran in, so check passes from any directory. Relative profile and adapter
+    paths were given in that same folder. Hub ids and absolute paths change nothing."""
+    folder = _make_folder(model, plan_path)
+    if folder is None:
+        yield
+        return
+    previous = os.getcwd()
+    os.chdir(folder)
+    try:
+        yield
+    finally:
+        os.chdir(previous)
+
+
+def _make_folder(model: str, plan_path: Path) -> Path | None:
+    """The plan's folder or the parent where a relative ``model`` exists, when the working directory has none
+    (planner.checkpoint.resolve_local_source's rule, which run uses); None otherwise."""
+    if Path(model).expanduser().is_absolute() or Path(model).exists():
+        return None
+    return next((parent for parent in Path(plan_path).resolve().parents if (parent / model).exists()), None)
 
 
 #: where this repository's checked-in plans get their header-only checkpoints (plans/README.md): a fresh clone
@@ -93,7 +123,8 @@ def missing_checkpoints(paths: list[Path]) -> list[str]:
             source = read_plan(path).inputs.model
         except PlanError:
             continue  # check_plan reports it
-        if source.startswith((".", "/")) and not Path(source).expanduser().exists() and source not in missing:
+        if (source.startswith((".", "/")) and not Path(source).expanduser().exists()
+                and _make_folder(source, path) is None and source not in missing):
             missing.append(source)
     return missing
 
@@ -103,7 +134,8 @@ def missing_checkpoints_error(missing: list[str], num_plans: int) -> ModelInputE
     builders = {script for prefix, script in CHECKPOINT_BUILDERS.items()
                 if all(source.startswith(prefix) for source in missing) and Path(script).is_file()}
     how = (f"build them first with python3 {builders.pop()}" if builders
-           else "download or build them first (relative paths are taken from the folder check runs in)")
+           else "download or build them first (a relative path is taken from the working directory, else the plan's "
+           "folder or a parent)")
     shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
     return ModelInputError(f"the {num_plans} plan(s) name {len(missing)} checkpoint(s) that are not here ({shown}): "
                            f"{how}, then check again")
@@ -113,13 +145,15 @@ def _failed(display: str, problem: Problem, command: str | None) -> CheckResult:
     return CheckResult(path=display, problems=(problem,), diff="", fix_command=command, regenerated=None)
 
 
-def _compare(display: str, text: str, plan: Plan, profile: HardwareProfile, command: str) -> CheckResult:
-    """Regenerate the plan and collect every difference; a checkpoint that cannot be read raises."""
+def _compare(display: str, text: str, plan: Plan, profile: HardwareProfile, header: str,
+             command: str) -> CheckResult:
+    """Regenerate the plan (``header`` its recorded command) and collect every difference; ``command`` rewrites
+    this file. A checkpoint that cannot be read raises."""
     problems = list(fit_problems(plan, profile))
     regenerated = None
     try:
         planned = make_plan(plan.inputs, compute_override=recorded_compute(plan) if plan.inputs.measure else None)
-        regenerated = render_plan(planned.plan, command)
+        regenerated = render_plan(planned.plan, header)
         fingerprint = planned.checkpoint.fingerprint()
     except ModelInputError:
         raise
@@ -170,17 +204,16 @@ def fit_problems(plan: Plan, profile: HardwareProfile) -> tuple[Problem, ...]:
 
 
 def recorded_output(text: str, display: str) -> str:
-    """The -o of the plan's header command when it names this file, else the file's path as checked.
+    """The -o of the plan's header command, else the file's path as checked.
 
-    The header is part of the bytes compared, so a plan regenerates with the same output name it was made
-    with; a plan moved or written to stdout is regenerated with the path it has now.
+    The header is part of the bytes compared, so a plan regenerates with the output name it was made with,
+    even when copied or moved to another name (issue 26: a copy failed check); a plan written to stdout is
+    regenerated with the path it has now.
     """
     lines = text.splitlines()
     words = _split_command(lines[1].lstrip("#").strip()) if len(lines) > 1 else []
     if "-o" in words[:-1]:
-        recorded = words[words.index("-o") + 1]
-        if os.path.normpath(recorded) == os.path.normpath(display):
-            return recorded
+        return words[words.index("-o") + 1]
     return display
 
 

@@ -8,7 +8,7 @@ and whether the model, hardware or workload changed. ``compare_plans`` gives pla
 from dataclasses import asdict
 
 from planner.plan import Plan
-from planner.units import format_bytes, format_ms
+from planner.units import format_bytes, format_ms, format_rate
 
 MEMORY_FIELDS = ("budget_bytes", "gpu_bytes", "host_pinned_bytes", "num_slots", "slot_bytes")
 PREDICTION_FIELDS = ("step_ms", "resident_step_ms", "stall_ms", "link_floor_ms", "copy_bytes_per_step")
@@ -170,7 +170,49 @@ def _identity_sentence(data: dict) -> str:
 
 
 def _pairs(changed: dict) -> str:
-    return ", ".join(f"{key} {value['old']} -> {value['new']}" for key, value in changed.items())
+    return ", ".join(f"{key} {shown_value(key, value['old'])} -> {shown_value(key, value['new'])}"
+                     for key, value in changed.items())
+
+
+#: names whose value counts tokens or sequences (inputs and workload), for their unit
+TOKEN_NAMES = ("tokens", "context", "chunk")
+SEQUENCE_NAMES = ("sequences", "concurrency", "adapter_slots")
+
+
+def shown_value(name: str, value: object) -> str:
+    """A changed field's value for a sentence, with its unit from its name (``*_bytes``, ``*_ms``, ...):
+    "none" for None, never a raw float (issue 26: "budget 40GiB -> None", "0.30000000000000004")."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(str(item) for item in value) or "none"
+    if not isinstance(value, (int, float)):
+        return str(value)
+    return _number_with_unit(name, value)
+
+
+def _number_with_unit(name: str, value: float) -> str:
+    if name.endswith("_bytes_per_s"):
+        return f"{format_rate(value / 1e9)} GB/s"
+    if name.endswith("_flops_per_s"):
+        return f"{format_rate(value / 1e12)} TFLOP/s"
+    if name.endswith("_bytes"):
+        return format_bytes(value)
+    if name.endswith("_ms"):
+        return format_ms(value)
+    if name.endswith("_us"):
+        return f"{format_rate(value)} us"
+    if name == "trigger":
+        return f"{format_rate(100 * value)}% of GPU memory"
+    if name.endswith("_tokens") or name.startswith("tokens") or name in TOKEN_NAMES:
+        return f"{value:,} tokens" if isinstance(value, int) else f"{format_rate(value)} tokens"
+    if name.startswith("sequences") or name in SEQUENCE_NAMES:
+        return f"{value:,} sequences" if isinstance(value, int) else f"{format_rate(value)} sequences"
+    if name.endswith("_s"):
+        return f"{format_rate(value)} s"
+    return f"{value:,}" if isinstance(value, int) else format_rate(value)  # a ratio (compute_efficiency)
 
 
 def _layers_sentence(data: dict) -> str:
@@ -210,7 +252,7 @@ def _serving_sentence(serving: dict) -> str | None:
         return None
     tokens = serving["decode_tokens_per_s"]
     share = 100 * tokens["change"] / tokens["old"] if tokens["old"] else 0.0
-    parts = [f"decode {tokens['old']:,.0f} -> {tokens['new']:,.0f} tokens/s ({share:+.1f}%)"]
+    parts = [f"decode {format_rate(tokens['old'])} -> {format_rate(tokens['new'])} tokens/s ({share:+.1f}%)"]
     parts += [f"{label} {_bytes_change(serving[key])}" for key, label in
               (("kv_cache_bytes", "KV cache"), ("total_gpu_bytes", "GPU total")) if key in serving]
     return "Serving: " + "; ".join(parts) + "."

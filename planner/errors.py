@@ -28,6 +28,15 @@ def shown(value: object, max_chars: int = 80) -> str:
     return f"{text[:half]} ... {text[-half:]}"
 
 
+def brief(error: object, max_chars: int = 160) -> str:
+    """The first line of ``error``'s text (a library's message, echoed in ours), cut to ``max_chars``: some
+    libraries list every choice they know (transformers names ~200 config classes), which would bury the
+    line's advice and break the ~300-character promise of every error line."""
+    lines = str(error).strip().splitlines()
+    text = printable(lines[0] if lines else type(error).__name__)
+    return text if len(text) <= max_chars else text[:max_chars - 4] + " ..."
+
+
 class OffloadPlanError(Exception):
     """Base class: a problem the user can fix. The message is one line: what is wrong and how to fix it.
 

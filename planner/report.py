@@ -1,5 +1,6 @@
 """``show``: explain a plan to a person with rich tables and a one-step copy/compute timeline."""
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
@@ -7,7 +8,7 @@ from rich.text import Text
 from planner.plan import Plan
 from planner.schedule import PrefetchSchedule
 from planner.simulate import STEPS_PER_GRAPH, Simulation, join_every_steps_for, simulate
-from planner.units import format_bytes, format_ms
+from planner.units import format_bytes, format_ms, format_rate
 
 TIMELINE_COLUMNS = 96
 NUM_STALLS_LISTED = 8
@@ -32,7 +33,7 @@ def show_plan(plan: Plan, console: Console, *, layer_table: bool = True) -> None
     console.print(Text(verdict(plan), style="bold"))
     console.print(_summary(plan))
     if plan.serving is not None:
-        console.print(serving_chart(plan))
+        console.print(serving_chart(plan, chart_bar_columns(console.width)))
     if plan.adapters is not None:
         console.print(adapters_table(plan))
     console.print(_memory(plan))
@@ -40,6 +41,7 @@ def show_plan(plan: Plan, console: Console, *, layer_table: bool = True) -> None
         console.print(_layer_table(plan, simulation))
     console.print(_timeline(plan, simulation, max(20, min(TIMELINE_COLUMNS, console.width - 12))))
     console.print(_stalls(plan, simulation))
+    console.print(provenance_table(plan))
 
 
 def verdict(plan: Plan) -> str:
@@ -54,7 +56,7 @@ def verdict(plan: Plan) -> str:
                 f"{where} {placement}: {format_ms(prediction.step_ms)} predicted, x{_slowdown(plan):.2f} the "
                 "all-resident step.")
     text = (f"Serves {workload.concurrency} sequences of up to {workload.context_tokens} tokens on {where} "
-            f"{placement}: {prediction.decode_tokens_per_s:,.0f} decode tokens/s, "
+            f"{placement}: {format_rate(prediction.decode_tokens_per_s)} decode tokens/s, "
             f"{format_ms(prediction.decode_step_ms)} per token; a {workload.chunk_tokens}-token prefill chunk takes "
             f"{format_ms(prediction.prefill_chunk_ms)}.")
     return text + " " + _against_no_offload(plan)
@@ -68,7 +70,8 @@ def _against_no_offload(plan: Plan) -> str:
         return "Offloading would not serve more tokens/s here."
     ratio = plan.prediction.decode_tokens_per_s / serving.no_offload_tokens_per_s
     return (f"Offloading nothing fits at most {serving.no_offload_concurrency} sequences for "
-            f"{serving.no_offload_tokens_per_s:,.0f} tokens/s ({format_ms(serving.no_offload_step_ms)} per token): "
+            f"{format_rate(serving.no_offload_tokens_per_s)} tokens/s "
+            f"({format_ms(serving.no_offload_step_ms)} per token): "
             f"this plan gives x{ratio:.2f} the tokens/s.")
 
 
@@ -77,14 +80,29 @@ def _slowdown(plan: Plan) -> float:
     return prediction.step_ms / prediction.resident_step_ms if prediction.resident_step_ms else 1.0
 
 
-def serving_chart(plan: Plan, bar_columns: int = 40) -> Table:
+#: the serving chart's columns other than its bar, with their padding (six columns of 9 or 10 characters:
+#: "sequences", "582.75 MiB"); measured on the checked-in serving plans (65-66), one spare: an 80-column terminal
+#: leaves the bar 13
+CHART_TEXT_COLUMNS = 67
+CHART_MIN_BAR_COLUMNS, CHART_MAX_BAR_COLUMNS = 8, 40
+
+
+def chart_bar_columns(console_columns: int) -> int:
+    """The bar's width for a console this wide: the text columns keep theirs (issue 26: at 80 columns the headers
+    collapsed to "sequenc…"), the bar takes what is left."""
+    return max(CHART_MIN_BAR_COLUMNS, min(CHART_MAX_BAR_COLUMNS, console_columns - CHART_TEXT_COLUMNS))
+
+
+def serving_chart(plan: Plan, bar_columns: int = CHART_MAX_BAR_COLUMNS) -> Table:
     """Tokens/s against concurrency, one row per concurrency searched, with the best placement at each."""
     points = plan.serving.points
     top = max((p.tokens_per_s for p in points), default=0.0) or 1.0
     title = "Decode tokens/s by concurrency (the best placement at each; > the plan, = offloads nothing)"
     if plan.serving.max_tpot_ms is not None:
         title += f"; x: over --max-tpot-ms {plan.serving.max_tpot_ms:g}"
-    table = Table(title=title, title_justify="left")
+    # no vertical rules and no edge padding: the six text columns and a bar fit 80 columns
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False,
+                  padding=(0, 1, 0, 0))
     for name in ("sequences", "tokens/s", "", "per token", "offloaded", "KV cache", "GPU total"):
         table.add_column(name, justify="left" if name == "" else "right")
     for point in points:
@@ -95,7 +113,7 @@ def serving_chart(plan: Plan, bar_columns: int = 40) -> Table:
             mark = "x"
         table.add_row(
             f"{mark} {point.concurrency}",
-            f"{point.tokens_per_s:,.0f}" if fits else "-",
+            format_rate(point.tokens_per_s) if fits else "-",
             Text(bar, style="cyan" if mark == ">" else "green" if mark == "=" else ""),
             format_ms(point.step_ms) if fits else "does not fit",
             f"{point.num_offloaded}/{plan.model.num_layers}" if fits else "-",
@@ -129,6 +147,65 @@ def adapters_table(plan: Plan) -> Table:
     return table
 
 
+#: the hardware figures a prediction rests on, as (plan.hardware field, label, how to show its value)
+PROVENANCE_FIGURES = (
+    ("gpu_memory_bytes", "GPU memory", format_bytes),
+    ("hbm_bytes_per_s", "HBM bandwidth", lambda value: f"{format_rate(value / 1e12)} TB/s"),
+    ("bf16_flops_per_s", "bf16 rate", lambda value: f"{format_rate(value / 1e12)} TFLOP/s"),
+    ("fp8_flops_per_s", "fp8 rate", lambda value: f"{format_rate(value / 1e12)} TFLOP/s"),
+    ("compute_efficiency", "compute efficiency", format_rate),
+    ("h2d_bytes_per_s", "host link (H2D)", lambda value: f"{value / 1e9:.1f} GB/s"),
+    ("copy_overhead_us", "per-copy overhead", lambda value: f"{format_rate(value)} us"),
+    ("reserve_bytes", "reserve", format_bytes),
+    ("host_memory_bytes", "host memory", format_bytes),
+)
+
+
+def provenance_table(plan: Plan) -> Table:
+    """Where each hardware figure the prediction rests on comes from (datasheet, measured, fitted, assumed), with
+    the profile's note: a GB200's link figure is GB300's, shared by two GPUs. The plan records the values; the
+    sources are read from its profile, and a figure the profile no longer gives is said to be the plan's own."""
+    from planner.errors import ProfileError
+    from planner.profile import load_profile
+
+    try:
+        profile = load_profile(plan.inputs.gpu)
+    except ProfileError:
+        profile = None
+    table = Table(title=f"Hardware figures of {plan.hardware.profile} (d = datasheet, m = measured, f = fitted, "
+                        "a = assumed)", title_justify="left")
+    for name in ("figure", "value", "", "source"):
+        table.add_column(name, overflow="fold")
+    for key, label, shown in PROVENANCE_FIGURES:
+        value = getattr(plan.hardware, key)
+        if value is None:
+            continue
+        figure = getattr(profile, key, None) if profile is not None else None
+        if figure is None or figure.value != value:
+            table.add_row(label, shown(value), "?", "the plan's own figure: its profile "
+                          + ("cannot be read here" if profile is None else "now gives another"))
+            continue
+        table.add_row(label, shown(value), figure.source[0], figure.note or figure.source)
+    return table
+
+
+def _link_source(plan: Plan) -> str:
+    """' (assumed: ...)' after the link figure when its profile does not have it from a datasheet or a measurement:
+    the figure most predictions rest on should not pass for a measured one."""
+    from planner.errors import ProfileError
+    from planner.profile import load_profile
+
+    try:
+        figure = load_profile(plan.inputs.gpu).h2d_bytes_per_s
+    except ProfileError:
+        return " (source unknown: the plan's profile cannot be read here)"
+    if figure.value != plan.hardware.h2d_bytes_per_s:
+        return " (the plan's own figure: its profile now gives another)"
+    if figure.source in ("datasheet", "measured"):
+        return ""
+    return f" ({figure.source}: see Hardware figures below)"
+
+
 def _summary(plan: Plan) -> Table:
     model, offload, prediction = plan.model, plan.offload, plan.prediction
     table = Table(title="Plan", show_header=False, title_justify="left")
@@ -139,7 +216,7 @@ def _summary(plan: Plan) -> Table:
                             f"{format_bytes(model.non_layer_bytes)} outside the stack; "
                             f"{format_bytes(model.unused_bytes)} unused")
     table.add_row("hardware", f"{plan.hardware.profile}: {format_bytes(plan.hardware.gpu_memory_bytes)}, "
-                              f"link {plan.hardware.h2d_bytes_per_s / 1e9:.1f} GB/s")
+                              f"link {plan.hardware.h2d_bytes_per_s / 1e9:.1f} GB/s{_link_source(plan)}")
     table.add_row("workload", f"{plan.workload.tokens_per_step} tokens/step in {plan.workload.sequences_per_step} "
                               f"sequence(s), context {plan.workload.context_tokens}; {plan.workload.compute_source}"
                               + (f"; CUDA-graph replays of {_replay_steps()} ({_replay_boundary(plan)})"

@@ -65,6 +65,21 @@ def format_ms(time_ms: float) -> str:
     return f"{time_ms * 1000:.0f} us"
 
 
+def format_rate(value: float) -> str:
+    """A rate (tokens/s, GB/s) with three significant digits, whole from 100 up: 0.578, 12.3, 933, 1,867
+    ("1 tokens/s" for 0.578 read as a whole token per second)."""
+    value = _as_float(value)
+    if not math.isfinite(value) or value == 0:
+        return f"{value:g}"
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    decimals = 2 - math.floor(math.log10(abs(value)))
+    text = f"{value:.{decimals}f}"
+    if abs(float(text)) >= 10 ** (3 - decimals):  # 9.996 rounds up to 10.00: one digit fewer after the point
+        text = f"{value:.{max(decimals - 1, 0)}f}"
+    return text
+
+
 def _as_float(value: float) -> float:
     """float(value), with integers beyond a float's range as infinity instead of an OverflowError."""
     try:

@@ -14,6 +14,8 @@ hooks enter it as an opaque op (runtime.engine.layer_boundary), and a CUDA graph
 kernels, copies and waits alike. The prefill stays uncompiled: its shapes differ from the step's.
 """
 
+import functools
+import inspect
 import time
 
 import torch
@@ -28,6 +30,19 @@ from runtime.experts_impl import DECODE, PREFILL, has_experts, use_phase
 NUM_WARMUP_CALLS = 2
 #: prefill at most this many tokens per forward (batch x chunk), to bound activation memory
 PREFILL_CHUNK_TOKENS = 16384
+
+
+def cache_argument(model: torch.nn.Module, cache) -> dict:
+    """The keyword that hands ``cache`` to ``model``'s forward: ``cache`` where the forward names it
+    (transformers 5.2x renamed ``past_key_values``, which warns of its removal in 5.40), else
+    ``past_key_values`` (older releases, e.g. 5.17 on the H100)."""
+    return {_cache_keyword(type(model)): cache}
+
+
+@functools.cache
+def _cache_keyword(model_class: type) -> str:
+    # once per class: decode steps call this every step, and a signature costs tens of microseconds
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 def cache_tokens_for(context_tokens: int) -> int:
@@ -115,8 +130,8 @@ class DecodeLoop:
         self._use_phase(PREFILL)
         with torch.inference_mode():
             for start in range(0, prompt_ids.shape[1], chunk):
-                output = self.model(input_ids=prompt_ids[:, start:start + chunk], past_key_values=self.cache,
-                                    use_cache=True, logits_to_keep=1)
+                output = self.model(input_ids=prompt_ids[:, start:start + chunk], use_cache=True, logits_to_keep=1,
+                                    **cache_argument(self.model, self.cache))
             self._check_static_cache()
             logits = output.logits[:, -1, :]
             self.prefill_logits = logits.clone()
@@ -180,7 +195,8 @@ class DecodeLoop:
         self.step_ids[:, index : index + 1].copy_(self.ids)
         if self.engine is not None:
             self.engine.start_step(first=index == 0, last=join)
-        logits = self.forward(input_ids=self.ids, past_key_values=self.cache, use_cache=True).logits[:, -1, :]
+        output = self.forward(input_ids=self.ids, use_cache=True, **cache_argument(self.model, self.cache))
+        logits = output.logits[:, -1, :]
         if self.engine is not None:
             self.engine.finish_step(join)
         self.step_logits[index].copy_(logits)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from planner.errors import ModelInputError, RuntimeUnavailableError
+from planner.errors import ModelInputError, RuntimeUnavailableError, brief
 from planner.header_checkpoint import (
     DEFAULT_SHARD_BYTES,
     HeaderCheckpoint,
@@ -47,9 +47,16 @@ def tensor_specs(config_path: Path, dtype: str) -> list[TensorSpec]:
     try:
         config = AutoConfig.from_pretrained(config_path.parent)
     except (ValueError, KeyError, OSError) as error:
-        raise ModelInputError(f"{config_path}: transformers cannot build this config ({error})") from None
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        raise ModelInputError(f"{config_path}: transformers cannot build this config ({brief(error)})") from None
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except (ValueError, KeyError) as error:  # no causal-LM class for this config (T5, BERT, ...): its message
+        # lists every config class transformers knows, so the line names the model type instead
+        raise ModelInputError(
+            f"{config_path}: transformers has no causal language model for model_type "
+            f"{getattr(config, 'model_type', '?')!r} ({type(config).__name__}, {type(error).__name__}); "
+            "header-checkpoint builds decoder-only causal LMs: give such a model's config.json") from None
     tied = getattr(config, "tie_word_embeddings", False)
     # tied: checkpoints store the embedding only
     specs = [(name, dtype, list(tensor.shape)) for name, tensor in model.state_dict().items()

@@ -28,6 +28,7 @@ from planner.errors import UsageError
 from planner.layout import ModelLayout, config_num_layers, layer_kinds
 from planner.profile import HardwareProfile, load_profile
 from runtime.experts_impl import PREFILL, use_phase
+from runtime.graph import cache_argument
 
 NUM_WARMUP = 2
 NUM_TIMED = 5
@@ -169,7 +170,7 @@ def _time_forward(model, stack: str, workload: Workload) -> tuple[list[float], f
                 forwards.clear()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            model(input_ids=step_ids, past_key_values=cache, use_cache=cache is not None, logits_to_keep=1)
+            model(input_ids=step_ids, use_cache=cache is not None, logits_to_keep=1, **cache_argument(model, cache))
             end.record()
             forwards.append((start, end))
             if cache is not None:
@@ -243,7 +244,7 @@ def _prefill(model, vocab: int, workload: Workload):
     cache = DynamicCache(config=model.config)
     ids = torch.randint(0, vocab, (workload.sequences_per_step, workload.context_tokens), device="cuda")
     with torch.inference_mode():
-        model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(input_ids=ids, use_cache=True, logits_to_keep=1, **cache_argument(model, cache))
     return cache
 
 
@@ -402,7 +403,7 @@ def prefill_activation_peak(model: nn.Module, *, chunk_tokens: int, context_toke
     ids = torch.randint(0, vocab, (1, context_tokens + chunk_tokens), device=device)
 
     def forward(chunk):
-        return model(input_ids=chunk, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return model(input_ids=chunk, use_cache=True, logits_to_keep=1, **cache_argument(model, cache))
 
     with torch.inference_mode():
         forward(ids[:, context_tokens:])  # allocates the cache, warms up kernels

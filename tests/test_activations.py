@@ -174,6 +174,7 @@ def _tiny_model(model_type: str):
 def _measure(model, *, sequences: int, tokens: int, context: int, static: bool, tmp_path) -> tuple[int, int]:
     """Peak bytes of one forward of ``tokens`` new tokens per sequence after ``context`` cached ones."""
     from transformers import DynamicCache, StaticCache
+    from runtime.graph import cache_argument
 
     ids = torch.randint(0, VOCAB, (sequences, context + tokens), generator=torch.Generator().manual_seed(0))
 
@@ -181,14 +182,14 @@ def _measure(model, *, sequences: int, tokens: int, context: int, static: bool, 
         with torch.inference_mode():
             if static:
                 cache = StaticCache(config=model.config, max_cache_len=context + tokens + 16)
-                model(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)  # allocates the cache
+                model(input_ids=ids[:, :1], use_cache=True, **cache_argument(model, cache))  # allocates the cache
                 cache.reset()
             else:
                 cache = DynamicCache(config=model.config)
             if context:
-                model(input_ids=ids[:, :context], past_key_values=cache, use_cache=True, logits_to_keep=1)
+                model(input_ids=ids[:, :context], use_cache=True, **cache_argument(model, cache), logits_to_keep=1)
             with torch.profiler.record_function(STEP):
-                model(input_ids=ids[:, context:], past_key_values=cache, use_cache=True, logits_to_keep=1)
+                model(input_ids=ids[:, context:], use_cache=True, **cache_argument(model, cache), logits_to_keep=1)
 
     return _peak_cpu_bytes(run, tmp_path / "trace.json")
 

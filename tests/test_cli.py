@@ -14,13 +14,15 @@ from tests.conftest import REPO_ROOT, assert_one_line_error, cli_env, invoke, ru
 USAGE, BUG = 2, 70
 
 
+# The fragments are the project's framing ("COMMAND: ... (see offload-plan COMMAND -h)") and the words the user
+# typed; click's own wording ("Missing option", "No such option") changes between releases and is not asserted.
 @pytest.mark.parametrize("args, fragments", [
-    (["make"], ["make: Missing option '--model'", "offload-plan make -h"]),
-    (["make", "-m", "x", "-g", "h100-sxm", "--tokens", "many"], ["make: Invalid value for '--tokens'"]),
-    (["show"], ["show: Missing argument"]),
-    (["export", "plan.yaml", "--to", "vllm", "--colour"], ["export: No such option: --colour"]),
-    (["bogus"], ["No such command 'bogus'", "offload-plan -h"]),
-    (["--bogus"], ["No such option: --bogus"]),
+    (["make"], ["make: ", "--model", "(see offload-plan make -h)"]),
+    (["make", "-m", "x", "-g", "h100-sxm", "--tokens", "many"], ["make: ", "--tokens", "(see offload-plan make -h)"]),
+    (["show"], ["show: ", "(see offload-plan show -h)"]),
+    (["export", "plan.yaml", "--to", "vllm", "--colour"], ["export: ", "--colour", "(see offload-plan export -h)"]),
+    (["bogus"], ["bogus", "(see offload-plan -h)"]),
+    (["--bogus"], ["--bogus", "(see offload-plan -h)"]),
 ])
 def test_usage_errors_are_one_line_naming_the_command(tmp_path, args, fragments):
     proc = run_cli(args, tmp_path)
@@ -91,7 +93,9 @@ def test_version_and_short_help(tmp_path):
     assert __version__ != "unknown"
     for args in (["-h"], ["make", "-h"], ["check", "-h"]):
         result = invoke(args)
-        assert result.exit_code == 0 and "Usage: offload-plan" in result.stdout, args
+        # the project's help text (the command's docstring example, the app's one-line help), not click's frame
+        expected = "Example:" if len(args) > 1 else "Plan, explain and apply"
+        assert result.exit_code == 0 and expected in result.stdout, args
 
 
 def test_human_reports_go_to_stdout_and_progress_to_stderr(workdir, test_gpu):

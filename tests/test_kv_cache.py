@@ -243,6 +243,8 @@ def test_cache_bytes_match_transformers(family, config_source, num_sequences, pr
 
     ``raw``: the config.json an older checkpoint writes (the planner derives layer types); ``saved``: what
     transformers' own ``save_pretrained`` writes now (with layer_types and every default spelled out)."""
+    from runtime.graph import cache_argument
+
     model_type, model, _ = family
     config = dict(TINY_CONFIGS[model_type], model_type=model_type)
     if config_source == "saved":
@@ -254,7 +256,7 @@ def test_cache_bytes_match_transformers(family, config_source, num_sequences, pr
         cache = out.past_key_values
         for context in (prompt, prompt + 1):
             if context > prompt:
-                model(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
+                model(input_ids=ids[:, :1], use_cache=True, **cache_argument(model, cache))
             held = sum(t.numel() * t.element_size() for _, _, t in _cache_tensors(cache))
             expected = planned.cache_bytes(num_sequences=num_sequences, context_tokens=context, kv_dtype="auto")
             assert held + _transformers_difference(planned, cache, num_sequences, context) == expected, (

@@ -80,3 +80,25 @@ def test_hub_without_network_fails_in_one_line_within_seconds(tmp_path, env):
     assert ("HF_HUB_OFFLINE is set" if env["HF_HUB_OFFLINE"] == "1" else "127.0.0.1 cannot be reached") in line
     assert elapsed_s < 15, f"took {elapsed_s:.1f} s"
     assert "Retry" not in proc.stderr and os.environ.get("HF_HUB_OFFLINE") != "0"
+
+
+def test_a_copied_plan_passes_check(project):
+    """The header records make's -o; a copy under another name is the same plan (issue 26: it failed)."""
+    plan = project / "plans" / "tiny.yaml"
+    (project / "plans" / "copy.yaml").write_text(plan.read_text())
+    (project / "elsewhere.yaml").write_text(plan.read_text())
+    for path in ("plans/copy.yaml", "elsewhere.yaml"):
+        result = invoke(["check", path])
+        assert result.exit_code == 0, (path, result.stderr, result.stdout)
+
+
+def test_check_resolves_a_relative_model_from_the_plan_folder(project):
+    """make ran in the project root with -m models/tiny; check passes from plans/ and from /."""
+    for cwd, path in ((project / "plans", "tiny.yaml"), (Path("/"), str(project / "plans" / "tiny.yaml"))):
+        proc = run_cli(["check", path], cwd)
+        assert proc.returncode == 0, (cwd, proc.stderr)
+    assert Path.cwd() == project  # check went back to the working directory
+    edited = (project / "plans" / "tiny.yaml").read_text() + "# edited by hand\n"
+    (project / "plans" / "edited.yaml").write_text(edited)
+    proc = run_cli(["check", "edited.yaml"], project / "plans")
+    assert proc.returncode != 0 and "fix: offload-plan make" in proc.stderr and "-o edited.yaml" in proc.stderr

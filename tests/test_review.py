@@ -140,12 +140,14 @@ def test_check_fails_on_a_file_that_is_not_a_plan(workdir, text):
 
 
 def test_check_several_plans_exits_with_the_first_failure(dense, workdir):
-    shutil.copy("plan.yaml", "stale.yaml")  # its header names plan.yaml: regenerated with -o stale.yaml
+    shutil.copy("plan.yaml", "copy.yaml")  # its header names plan.yaml: a copy is the same plan, and passes
+    (workdir / "stale.yaml").write_text((workdir / "plan.yaml").read_text() + "# edited by hand\n")
     (workdir / "bad.yaml").write_text("nonsense\n")
-    result = _check("plan.yaml", "stale.yaml", "bad.yaml")
+    result = _check("plan.yaml", "copy.yaml", "stale.yaml", "bad.yaml")
     last = _assert_failed(result, STALE)
-    assert "2 of 3 plan(s) fail check: stale.yaml (stale); bad.yaml (invalid)" in last
-    assert "+#   offload-plan make --model ckpt" in result.stdout and "-o stale.yaml" in result.stdout
+    assert "2 of 4 plan(s) fail check: stale.yaml (stale); bad.yaml (invalid)" in last
+    assert "-# edited by hand" in result.stdout and "fix: offload-plan make --model ckpt" in result.stderr
+    assert "-o stale.yaml" in result.stderr  # the fix writes the file checked
 
 
 # ---- diff ---------------------------------------------------------------------------------------------------

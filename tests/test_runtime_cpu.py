@@ -201,6 +201,7 @@ def test_measure_model_aliases_equal_a_model_of_copied_layers(save, tmp_path):
     import json
 
     from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+    from runtime.graph import cache_argument
 
     from runtime.measure import build_measure_model
 
@@ -221,7 +222,7 @@ def test_measure_model_aliases_equal_a_model_of_copied_layers(save, tmp_path):
     ids = _input_ids()
     with torch.inference_mode():
         caches = [DynamicCache(config=m.config) for m in (aliased, reference)]
-        out, expected = (m(input_ids=ids, past_key_values=c, use_cache=True).logits
+        out, expected = (m(input_ids=ids, use_cache=True, **cache_argument(m, c)).logits
                          for m, c in zip((aliased, reference), caches))
     assert torch.equal(out, expected) and fired == [3]
     assert [caches[0].get_seq_length(i) for i in range(7)] == [ids.shape[1]] * 7

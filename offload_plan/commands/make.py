@@ -70,14 +70,14 @@ make.__annotations__ = {p.name: p.annotation for p in make.__signature__.paramet
 
 def _print_outcome(plan, output) -> None:
     """One line on stderr: what was offloaded, GPU bytes against the budget, the predicted step."""
-    from planner.units import format_bytes, format_ms
+    from planner.units import format_bytes, format_ms, format_rate
 
     offload, prediction = plan.offload, plan.prediction
     where = f"wrote {output}: " if output else ""
     if plan.serving is not None:
         workload, memory = plan.workload, plan.memory
         say(f"{where}{workload.concurrency} sequences of up to {workload.context_tokens} tokens, "
-            f"{prediction.decode_tokens_per_s:,.0f} decode tokens/s "
+            f"{format_rate(prediction.decode_tokens_per_s)} decode tokens/s "
             f"({format_ms(prediction.decode_step_ms)} per token), {len(offload.layers)}/{plan.model.num_layers} "
             f"layers offloaded, GPU {format_bytes(memory.total_gpu_bytes)} of {format_bytes(memory.gpu_memory_bytes)}; "
             "offload-plan show for the trade")

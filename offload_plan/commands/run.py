@@ -14,6 +14,12 @@ from planner.errors import UsageError
 from planner.plan import read_plan
 
 
+def graphed_steps(flag: Optional[bool], plan) -> bool:
+    """Whether decode steps replay CUDA graphs: ``--cuda-graph``/``--eager`` when given, else as the plan was made
+    (a plan made graphed predicts graph replays; on the H100 eager steps ran at 0.49 of its floor, graphed at 1.0)."""
+    return plan.workload.cuda_graph if flag is None else flag
+
+
 def run(
     plan: PlanArgument,
     model: Annotated[Optional[str], typer.Option(
@@ -22,9 +28,10 @@ def run(
     bench: Annotated[bool, typer.Option("--bench", help="Time the plan's workload against its prediction.")] = False,
     prompt: Annotated[Optional[str], typer.Option(help="Generate from this prompt with the plan applied.")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate with --prompt.")] = 64,
-    cuda_graph: Annotated[bool, typer.Option(
-        "--cuda-graph",
-        help="Replay decode steps from CUDA graphs, one per replay, offload copies captured inside.")] = False,
+    cuda_graph: Annotated[Optional[bool], typer.Option(
+        "--cuda-graph/--eager",
+        help="Replay decode steps from CUDA graphs, offload copies captured inside (--cuda-graph), or run them "
+             "eagerly (--eager); default: as the plan was made (its workload.cuda_graph).")] = None,
     compile_steps: Annotated[bool, typer.Option(
         "--compile",
         help="Compile decode steps with torch.compile (Inductor), the offload hooks inside; with --cuda-graph the "
@@ -38,6 +45,7 @@ def run(
     if bench == (prompt is not None):
         raise UsageError("give exactly one of --bench or --prompt TEXT")
     loaded_plan = read_plan(plan)
+    cuda_graph = graphed_steps(cuda_graph, loaded_plan)
     if bench and cuda_graph != loaded_plan.workload.cuda_graph:
         made, running = ("graph replays", "eager steps")
         if not loaded_plan.workload.cuda_graph:
@@ -60,7 +68,10 @@ def run(
         text, tokens_per_s = runtime_seam.generate(loaded, prompt, runtime_seam.model_path_for(loaded_plan, model),
                                                    max_new_tokens, cuda_graph, compile_backend)
         sys.stdout.write(text + "\n")
-        say(f"{tokens_per_s:.2f} tokens/s with the plan applied")
+        from planner.units import format_rate
+
+        say(f"{format_rate(tokens_per_s)} tokens/s with the plan applied "
+            f"({'CUDA graph replays' if cuda_graph else 'eager steps'})")
         return
     if loaded_plan.adapters is not None:
         result = runtime_seam.run_adapter_bench(loaded, plan)
@@ -79,13 +90,13 @@ def run(
 
 def _serving_table(result) -> Table:
     """A serving plan measured against predicted: decode tokens/s and step, a prefill chunk, peak memory."""
-    from planner.units import format_bytes, format_ms
+    from planner.units import format_bytes, format_ms, format_rate
 
     table = Table(title=f"run --bench ({result.mode}, {result.concurrency} sequences at context "
                         f"{result.context_tokens}): measured against predicted", title_justify="left")
     for name in ("", "measured", "predicted", "measured / predicted"):
         table.add_column(name, justify="right" if name else "left")
-    rows = (("decode tokens/s", result.decode_tokens_per_s, result.predicted_decode_tokens_per_s, "{:,.0f}".format),
+    rows = (("decode tokens/s", result.decode_tokens_per_s, result.predicted_decode_tokens_per_s, format_rate),
             ("decode step (per token)", result.decode_step_ms, result.predicted_decode_step_ms, format_ms),
             (f"prefill chunk ({result.prefill_chunk_tokens} tokens)", result.prefill_chunk_ms,
              result.predicted_prefill_chunk_ms, format_ms),
@@ -128,7 +139,7 @@ def _load_with_progress(plan, model):
 
 def _bench_table(result) -> Table:
     """Measured against predicted: step, weights, peak memory, tokens/s, stall and link."""
-    from planner.units import format_bytes, format_ms
+    from planner.units import format_bytes, format_ms, format_rate
 
     table = Table(title=f"run --bench ({result.mode}): measured against predicted", title_justify="left")
     for name in ("", "measured", "predicted", "measured / predicted"):
@@ -139,7 +150,7 @@ def _bench_table(result) -> Table:
                   f"{result.weights_gpu_bytes / max(1, result.planned_gpu_bytes):.3f}")
     table.add_row("peak GPU (with activations)", format_bytes(result.peak_gpu_bytes),
                   f"budget {format_bytes(result.budget_bytes)}", "")
-    table.add_row("tokens/s", f"{result.tokens_per_s:.1f}", "", "")
+    table.add_row("tokens/s", format_rate(result.tokens_per_s), "", "")
     if result.stall_ms is not None:
         table.add_row("stall per step", format_ms(result.stall_ms), "", "")
         table.add_row("link", f"{result.copy_gb_per_s:.1f} GB/s",
