@@ -39,8 +39,9 @@ DEFAULT_TOP_K = 2
 #: memory mapped into the device's address space are slower than a copy-engine copy. On an H100 a gather from
 #: mapped pinned memory ran 36-39 GB/s where copy-engine copies ran 50-53 GB/s; the runtime's bench measures it.
 ROUTED_FETCH_EFFICIENCY = 0.72
-#: the fused experts params of transformers 5's experts interface, which the runtime route-fetches
-ROUTED_EXPERTS_PREFIX = "mlp.experts."
+#: the MoE block modules whose experts transformers 5 holds as the fused params of its experts interface, which
+#: the runtime route-fetches (Mixtral's block_sparse_moe is renamed to mlp on load)
+ROUTED_EXPERT_MODULES = ("mlp", "block_sparse_moe")
 #: expert-bytes savings closer than this share are a tie (the lower expert id, the lower layer wins)
 SAVING_DECIMALS = 12
 
@@ -136,21 +137,25 @@ def count_experts(layer: LayerInfo) -> int:
 
 
 def _unroutable_reason(layers: list[LayerInfo], num_experts: int) -> str | None:
-    """Why the runtime cannot route-fetch these experts: it gathers rows of the fused ``mlp.experts.*`` params of
-    transformers 5's experts interface (gate_up_proj [E, 2I, H], down_proj [E, H, I], biases), one row per
-    expert, so every expert param must be one of those with E leading rows, in a dtype it computes with."""
+    """Why the runtime cannot route-fetch these experts. It gathers rows of the fused params of transformers 5's
+    experts interface (``mlp.experts.gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I], biases): a checkpoint
+    holds them fused (E leading rows), or one expert at a time under ``mlp.experts.N.`` (or Mixtral's
+    ``block_sparse_moe.experts.N.``), which transformers 5 fuses on load. Quantized experts (MXFP4 blocks, FP8
+    block scales) are not gathered: their scales are no experts-interface params."""
     for layer in layers:
         for name, dtype, shape, _ in layer.params:
             if not is_expert_param(name):
                 continue
             where = f"layer {layer.index}'s {name}"
-            if not name.startswith(ROUTED_EXPERTS_PREFIX) or name.count(".") != 2:
-                return (f"{where}: experts stored one by one or outside mlp.experts, not as the fused "
-                        f"{ROUTED_EXPERTS_PREFIX}* params of transformers 5")
-            if not shape or shape[0] != num_experts:
+            module, _, tail = name.partition(".experts.")
+            if module not in ROUTED_EXPERT_MODULES:
+                return f"{where} lies outside mlp.experts, the MoE block of transformers 5's experts interface"
+            if dtype in ("U8", "I8") or "scale" in tail.rsplit(".", 1)[-1] or tail.endswith("_blocks"):
+                return (f"{where} is quantized ({dtype} with block scales), which the routed gather of the fused "
+                        "experts does not move")
+            first = tail.split(".")[0]
+            if not (first.isascii() and first.isdigit()) and (not shape or shape[0] != num_experts):
                 return f"{where} has shape {list(shape)}, not one row per expert ({num_experts})"
-            if dtype in ("U8", "I8") or name.endswith(("_blocks", "_scales")):
-                return f"{where} is packed {dtype} (MXFP4-style blocks), which the routed gather does not compute with"
     return None
 
 

@@ -78,7 +78,8 @@ def _print_outcome(plan, output) -> None:
         workload, memory = plan.workload, plan.memory
         say(f"{where}{workload.concurrency} sequences of up to {workload.context_tokens} tokens, "
             f"{prediction.decode_tokens_per_s:,.0f} decode tokens/s "
-            f"({format_ms(prediction.decode_step_ms)} per token), {_moved(plan)}, GPU {format_bytes(memory.total_gpu_bytes)} of {format_bytes(memory.gpu_memory_bytes)}; "
+            f"({format_ms(prediction.decode_step_ms)} per token), {_moved(plan)}, "
+            f"GPU {format_bytes(memory.total_gpu_bytes)} of {format_bytes(memory.gpu_memory_bytes)}; "
             "offload-plan show for the trade")
         return
     say(
