@@ -304,3 +304,25 @@ def test_trace_without_prompts_is_one_line(tmp_path):
     (tmp_path / "empty.txt").write_text("\n\n")
     result = run_cli(["trace", "--model", "x", "--prompts", "empty.txt"], cwd=tmp_path)
     assert_one_line_error(result.returncode, result.stderr, contains=("no prompt",))
+
+
+def test_diff_and_export_of_routed_and_whole_layer_plans(qwen3_30b, tmp_path):
+    from planner.compare import compare_plans, summary_sentences
+    from planner.errors import PlanError
+    from planner.export import export_plan
+
+    routed = make_plan(serving_inputs(qwen3_30b, "1", gpu_memory="24GiB")).plan
+    whole = make_plan(serving_inputs(qwen3_30b, "64")).plan
+    data = compare_plans(whole, routed)
+    assert data["experts"]["regime"] == {"old": "whole_layer", "new": "routed"}
+    assert data["experts"]["num_resident"]["new"] == routed.experts.points[0].num_resident
+    sentence = next(s for s in summary_sentences(data) if s.startswith("Experts:"))
+    assert "whole_layer -> routed" in sentence and "hit rate" in sentence
+    dense = make_checkpoint(tmp_path / "dense")
+    dense_plan = make_plan(Inputs(model=str(dense.path), gpu="h100-sxm", budget="1MiB")).plan
+    assert "experts" not in compare_plans(dense_plan, dense_plan)
+    with pytest.raises(PlanError, match="cannot express") as refused:
+        export_plan(routed, "vllm")
+    assert "tokens/s against the plan's 15" in str(refused.value) and "\n" not in str(refused.value)
+    exported = export_plan(whole, "sglang")
+    assert any(note.startswith("experts: the plan streams whole layers") for note in exported.notes)
