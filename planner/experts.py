@@ -151,8 +151,8 @@ def _unroutable_reason(layers: list[LayerInfo], num_experts: int) -> str | None:
             if module not in ROUTED_EXPERT_MODULES:
                 return f"{where} lies outside mlp.experts, the MoE block of transformers 5's experts interface"
             if dtype in ("U8", "I8") or "scale" in tail.rsplit(".", 1)[-1] or tail.endswith("_blocks"):
-                return (f"{where} is quantized ({dtype} with block scales), which the routed gather of the fused "
-                        "experts does not move")
+                return (f"{where} belongs to quantized experts (FP8 block scales or MXFP4 blocks), which the "
+                        "routed gather of fused experts does not move")
             first = tail.split(".")[0]
             if not (first.isascii() and first.isdigit()) and (not shape or shape[0] != num_experts):
                 return f"{where} has shape {list(shape)}, not one row per expert ({num_experts})"
