@@ -82,9 +82,10 @@ def _print_outcome(plan, output) -> None:
             f"GPU {format_bytes(memory.total_gpu_bytes)} of {format_bytes(memory.gpu_memory_bytes)}; "
             "offload-plan show for the trade")
         return
+    knobs = "" if offload.group_size == 0 and plan.experts is not None and plan.experts.fetch_slots else (
+        f" (G={offload.group_size} K={offload.num_in_group} P={offload.prefetch_step})")
     say(
-        f"{where}{_moved(plan)} "
-        f"(G={offload.group_size} K={offload.num_in_group} P={offload.prefetch_step}), "
+        f"{where}{_moved(plan)}{knobs}, "
         f"GPU {format_bytes(plan.memory.gpu_bytes)} of {format_bytes(plan.memory.budget_bytes)}, "
         f"predicted step {format_ms(prediction.step_ms)} (all resident {format_ms(prediction.resident_step_ms)})"
     )
