@@ -19,7 +19,8 @@ except ImportError:  # older typer runs on click itself
     from click import exceptions as click_errors
 
 from offload_plan import __version__
-from offload_plan.commands import calibrate, check, diff, export, header_checkpoint, make, profiles, run, show
+from offload_plan.commands import (calibrate, check, diff, export, header_checkpoint, make, profiles, run, show,
+                                   trace)
 from offload_plan.console import printable, say
 from planner.errors import OffloadPlanError, brief
 
@@ -121,6 +122,7 @@ for _name, _function in (
     ("diff", diff.diff),
     ("export", export.export),
     ("header-checkpoint", header_checkpoint.header_checkpoint),
+    ("trace", trace.trace),
 ):
     app.command(_name)(_function)
 

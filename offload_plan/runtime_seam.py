@@ -123,3 +123,11 @@ def measured_activation_bytes(checkpoint, layout, workload, graphed: bool) -> in
     from runtime.measure import measured_activation_bytes as measure
 
     return measure(checkpoint, layout, workload, graphed).activation_bytes
+
+
+def record_routing_trace(model: str, prompts_path, device: str | None):
+    """``trace``: per-layer expert routing counts of ``model`` on the prompts (planner.routing_trace.RoutingTrace)."""
+    require_runtime("offload-plan trace")
+    from runtime.trace import read_prompts, record_trace
+
+    return record_trace(model, read_prompts(prompts_path), device)

@@ -36,11 +36,10 @@ from dataclasses import dataclass
 
 from planner.cost import text_config
 from planner.errors import ModelInputError, printable, shown
+from planner.experts import DEFAULT_TOP_K, config_routing
 from planner.units import format_bytes
 
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-_EXPERT_COUNT_KEYS = ("num_local_experts", "n_routed_experts", "num_experts", "moe_num_experts")
-_TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k")
 #: far above any model's shared-expert width or count: beyond it the arithmetic on it only overflows
 MAX_CONFIG_COUNT = 2**31
 _UNMODELLED = ("qwen3_next", "jamba", "falcon_h1", "mamba", "mamba2", "zamba", "zamba2", "nemotron_h", "lfm2")
@@ -201,7 +200,7 @@ def activation_shape(config: dict | None) -> ActivationShape:
 
     hidden = number("hidden_size")
     num_heads = number("num_attention_heads")
-    num_experts = next((text[k] for k in _EXPERT_COUNT_KEYS if isinstance(text.get(k), int)), 0)
+    num_experts, config_top_k = config_routing(text)
     latent = text.get("kv_lora_rank") is not None
     if latent:
         qk_dim = number("qk_nope_head_dim") + number("qk_rope_head_dim")
@@ -217,7 +216,7 @@ def activation_shape(config: dict | None) -> ActivationShape:
             hidden_size=hidden, intermediate_size=number("intermediate_size"), num_heads=num_heads,
             num_kv_heads=num_heads if latent else number("num_key_value_heads", num_heads), qk_head_dim=qk_dim,
             v_head_dim=v_dim, vocab_size=number("vocab_size"), num_experts=num_experts,
-            top_k=next((text[k] for k in _TOP_K_KEYS if isinstance(text.get(k), int)), 2 if num_experts else 0),
+            top_k=config_top_k or (DEFAULT_TOP_K if num_experts else 0),
             moe_intermediate_size=moe_inter, shared_intermediate_size=shared, latent_attention=latent,
             qk_rope_head_dim=number("qk_rope_head_dim") if latent else 0,
             activation_bytes=_DTYPE_BYTES.get(dtype, 2) if isinstance(dtype, str) else 2,

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from planner.errors import ModelInputError, shown
+from planner.experts import EXPERT_COUNT_KEYS, TOP_K_KEYS
 from planner.safetensors_header import TensorEntry, entries_from_header, read_entries
 from planner.untrusted import checked_path, load_json, read_capped
 
@@ -35,8 +36,8 @@ CONFIG_COUNTS = {
     **dict.fromkeys(("hidden_size", "n_embd"), (1, 2**20)),
     **dict.fromkeys(("num_attention_heads", "n_head", "num_key_value_heads", "head_dim"), (1, 2**16)),
     **dict.fromkeys(("num_hidden_layers", "n_layer", "num_layers"), (1, 100_000)),
-    **dict.fromkeys(("num_local_experts", "n_routed_experts", "num_experts", "moe_num_experts"), (0, 2**20)),
-    **dict.fromkeys(("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k"), (0, 2**20)),
+    **dict.fromkeys(EXPERT_COUNT_KEYS, (0, 2**20)),
+    **dict.fromkeys(TOP_K_KEYS, (0, 2**20)),
 }
 #: sub-configs of multimodal models that hold the language model's keys
 CONFIG_SECTIONS = ("text_config", "language_config")

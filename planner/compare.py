@@ -36,6 +36,9 @@ def compare_plans(old: Plan, new: Plan) -> dict:
     }
     data["adapters"] = compare_adapters(old, new)
     data["serving"] = compare_serving(old, new)
+    experts = compare_experts(old, new)
+    if experts:  # MoE plans only: other comparisons keep their keys
+        data["experts"] = experts
     step = data["prediction"]["step_ms"]
     step["speedup"] = round(step["old"] / step["new"], 4) if step["new"] else None
     return data
@@ -57,6 +60,33 @@ def compare_serving(old: Plan, new: Plan) -> dict:
         before, after = getattr(getattr(old, section), name), getattr(getattr(new, section), name)
         if before is not None and after is not None:
             out[name] = _number(before, after)
+    return out
+
+
+def _experts_figures(plan: Plan) -> dict:
+    """A plan's expert figures: regime, routing, routed layers, resident experts, fetched bytes, mean hit rate."""
+    experts = plan.experts
+    if experts is None:
+        return {"regime": None, "routing": None, "num_routed": 0, "num_resident": 0, "expected_fetched_bytes": 0,
+                "hit_rate": 0.0}
+    routed = [row for row in experts.layers if row.regime == "routed"]
+    return {"regime": experts.regime, "routing": experts.routing, "num_routed": len(routed),
+            "num_resident": sum(len(row.resident) for row in routed),
+            "expected_fetched_bytes": sum(row.expected_fetched_bytes for row in routed),
+            "hit_rate": round(sum(row.hit_rate for row in routed) / len(routed), 4) if routed else 0.0}
+
+
+def compare_experts(old: Plan, new: Plan) -> dict:
+    """MoE plans' experts sections: regime and routing (old, new), counts as {old, new, change}, and the layers
+    whose resident experts changed; empty when neither plan has the section."""
+    if old.experts is None and new.experts is None:
+        return {}
+    before, after = _experts_figures(old), _experts_figures(new)
+    out = {key: {"old": before[key], "new": after[key]} for key in ("regime", "routing")}
+    out.update({key: _number(before[key], after[key]) for key in before if key not in out})
+    resident = [{row.index: row.resident for row in plan.experts.layers} if plan.experts else {} for plan in (old, new)]
+    out["resident_changed"] = sorted(i for i in set(resident[0]) | set(resident[1])
+                                     if resident[0].get(i, ()) != resident[1].get(i, ()))
     return out
 
 
@@ -130,7 +160,28 @@ def summary_sentences(data: dict) -> list[str]:
     serving = _serving_sentence(data["serving"])
     sentences += [serving] if serving else []
     adapters = _adapters_sentence(data["adapters"])
-    return sentences + ([adapters] if adapters else [])
+    sentences += [adapters] if adapters else []
+    experts = _experts_sentence(data.get("experts", {}))
+    return sentences + ([experts] if experts else [])
+
+
+def _experts_sentence(experts: dict) -> str | None:
+    """Regime, routing, resident experts, bytes fetched per step and hit rate; None without MoE plans."""
+    if not experts:
+        return None
+    regime, routing = experts["regime"], experts["routing"]
+    text = (f"Experts: {regime['old']} -> {regime['new']}" if regime["old"] != regime["new"]
+            else f"Experts: {regime['new']} (unchanged)")
+    if routing["old"] != routing["new"]:
+        text += f"; routing {routing['old']} -> {routing['new']}"
+    resident, hit = experts["num_resident"], experts["hit_rate"]
+    text += (f"; {experts['num_routed']['old']} -> {experts['num_routed']['new']} routed layers, resident experts "
+             f"{resident['old']} -> {resident['new']}, fetched per decode step "
+             f"{_bytes_change(experts['expected_fetched_bytes'])}, hit rate {100 * hit['old']:.1f}% -> "
+             f"{100 * hit['new']:.1f}%")
+    if experts["resident_changed"]:
+        text += f"; resident experts differ in layers {format_layers(experts['resident_changed'])}"
+    return text + "."
 
 
 def _adapters_sentence(adapters: dict) -> str | None:

@@ -9,15 +9,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from planner.errors import ModelInputError
+from planner.experts import DEFAULT_TOP_K, config_routing, count_experts, is_expert_param
 from planner.layout import LayerInfo, ModelLayout
 from planner.profile import HardwareProfile
 
 # Bytes per cached K or V element: a bf16 KV cache.
 KV_ELEMENT_BYTES = 2
 _FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
-_EXPERT_COUNT_KEYS = ("num_local_experts", "n_routed_experts", "num_experts", "moe_num_experts")
-_TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k")
-DEFAULT_TOP_K = 2
 #: far beyond any step or context today; beyond them a value is a typo, and the FLOP counts would mislead
 MAX_STEP_TOKENS = 2**24
 MAX_CONTEXT = 2**32
@@ -73,9 +71,8 @@ def geometry_from_config(config: dict | None, layout: ModelLayout) -> ModelGeome
     num_heads = text.get("num_attention_heads") or text.get("n_head") or 0
     head_dim = text.get("head_dim") or (hidden // num_heads if num_heads else 0)
     num_kv_heads = text.get("num_key_value_heads") or num_heads
-    num_experts = next((text[k] for k in _EXPERT_COUNT_KEYS if isinstance(text.get(k), int)), 0)
-    num_experts = num_experts or _count_experts(layout.layers[-1])
-    top_k = next((text[k] for k in _TOP_K_KEYS if isinstance(text.get(k), int)), 0)
+    num_experts, top_k = config_routing(text)
+    num_experts = num_experts or count_experts(layout.layers[-1])
     if num_experts and not top_k:
         top_k = min(DEFAULT_TOP_K, num_experts)
     if top_k > num_experts > 0:
@@ -94,24 +91,6 @@ def text_config(config: dict | None) -> dict:
         if isinstance(config.get(key), dict):
             return config[key]
     return config
-
-
-def is_expert_param(relative_name: str) -> bool:
-    """Routed-expert weights sit under an ``experts`` segment (``shared_experts`` is dense)."""
-    return ".experts." in f".{relative_name}."
-
-
-def _count_experts(layer: LayerInfo) -> int:
-    indices = set()
-    for name, _, shape, _ in layer.params:
-        if not is_expert_param(name):
-            continue
-        tail = f".{name}.".split(".experts.", 1)[1].split(".")[0]
-        if tail.isascii() and tail.isdigit():
-            indices.add(int(tail))
-        elif len(shape) == 3:
-            return shape[0]
-    return len(indices)
 
 
 def _logical_params(name: str, dtype: str, shape: tuple[int, ...]) -> int:

@@ -101,6 +101,9 @@ def export_plan(plan: Plan, engine: str, *, tp_size: int = 1, exact: bool = Fals
         raise UsageError(f"--tp {tp_size}: the tensor-parallel size must be from 1 to {MAX_TP_SIZE}")
     notes: list[str] = []
     warnings: list[str] = []
+    expert_note = experts_note(plan, engine)
+    if expert_note is not None:
+        notes.append(expert_note)
     flags = list(_tp_flags(engine, tp_size))
     prefetch_step = plan.offload.prefetch_step
     if plan.offload.layers:
@@ -125,6 +128,35 @@ def export_plan(plan: Plan, engine: str, *, tp_size: int = 1, exact: bool = Fals
     return Export(engine=engine, tp_size=tp_size, flags=tuple(flags), prefetch_step=prefetch_step, notes=tuple(notes),
                   warnings=tuple(warnings), plan_prediction=plan_prediction,
                   prediction=predict(plan, tp_size, prefetch_step))
+
+
+#: what each engine's main branch can say of expert-granular offloading: nothing. Both offload whole params of
+#: chosen layers (vLLM's model_executor/offloader/, SGLang's OffloaderV2); vLLM PR 37190, a GPU cache of experts
+#: over pinned host experts, is open, not merged
+ENGINE_EXPERTS = {
+    "vllm": "vLLM offloads whole params of chosen layers; its expert cache (PR 37190) is not merged",
+    "sglang": "SGLang's OffloaderV2 copies whole params of chosen layers",
+}
+
+
+def experts_note(plan: Plan, engine: str) -> str | None:
+    """What the engine expresses of the plan's experts section, and the predicted tokens/s it loses; raises
+    PlanError for a routed plan (the engines have no flags for it)."""
+    experts = plan.experts
+    if experts is None:
+        return None
+    here = next((p for p in experts.points if p.concurrency == plan.workload.concurrency), None)
+    if experts.fetch_slots == 0:
+        routed = (f" (routed experts would take {format_ms(here.routed_step_ms)} per step here)"
+                  if here is not None and here.routed_step_ms is not None else "")
+        return f"experts: the plan streams whole layers, as {engine} can{routed}; {ENGINE_EXPERTS[engine]}"
+    sequences = plan.workload.concurrency
+    routed_tps = 1e3 * sequences / plan.prediction.step_ms
+    whole = here.whole_layer_step_ms if here is not None else None
+    loss = (f"whole layers predict {format_ms(whole)} per step, {1e3 * sequences / whole:,.1f} tokens/s against the "
+            f"plan's {routed_tps:,.1f}" if whole else "no whole-layer placement fits the plan's memory")
+    raise PlanError(f"the plan fetches routed experts, which {engine} cannot express ({ENGINE_EXPERTS[engine]}): "
+                    f"{loss}; serve it with offload-plan run, or pin --prefetch-step for a whole-layer plan")
 
 
 def check_rule(plan: Plan) -> None:

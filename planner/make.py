@@ -11,13 +11,17 @@ from planner.adapters import (MAX_ADAPTERS, Adapter, adapter_waits, default_slot
                               missing_per_batch, slot_bytes_of)
 from planner.bounds import BOUNDS, MAX_KNOB, MAX_TPOT_MS, within
 from planner.checkpoint import Checkpoint, load_checkpoint
-from planner.cost import ComputeTimes, Workload, estimate_compute, geometry_from_config
+from planner.cost import ComputeTimes, Workload, estimate_compute, geometry_from_config, is_expert_param
 from planner.errors import InfeasibleError, ModelInputError, PlanError, UsageError, shown
 from planner.activations import (
     ActivationShape, StepShape, activation_shape, estimate_activations, planned_experts_implementation,
 )
+from planner.expert_choice import (Comparison, ExpertModel, RoutedChoice, expert_model, experts_section,
+                                   prefill_simulation, routed_choice)
+from planner.experts import ROUTED_FETCH_EFFICIENCY, moe_geometry, non_resident_bytes
+from planner.routing_trace import check_against, read_trace
 from planner.kv_cache import KV_DTYPES, KvCacheModel, kv_cache_model
-from planner.layout import ModelLayout, build_layout
+from planner.layout import ModelLayout, build_layout, param_selected
 from planner.plan import (
     MS_DECIMALS,
     SCHEMA_VERSION,
@@ -122,6 +126,8 @@ class _Model:
     measure_activations: MeasureActivations | None = None
     #: --adapter's LoRA adapters, in the order given (empty: none)
     adapters: tuple[Adapter, ...] = ()
+    #: a MoE model's experts (planner.expert_choice; None for a dense model)
+    experts: ExpertModel | None = None
 
     def adapter_slots(self, num_sequences: int, free_bytes: int | None = None) -> int:
         """GPU slots for the adapters: --adapter-slots, else one per sequence of a batch (at most one per adapter)
@@ -150,6 +156,18 @@ class _Model:
     def search(self, compute: ComputeTimes, budget_bytes: int) -> Choice:
         """The fastest placement of the weights within ``budget_bytes`` for steps of ``compute``."""
         return self.searcher.search(compute=compute, budget_bytes=budget_bytes)
+
+    def compare(self, compute: ComputeTimes, budget_bytes: int, workload: Workload) -> Comparison:
+        """Whole layers against routed experts within ``budget_bytes`` at ``workload`` (a MoE model; routed is
+        None where unavailable or nothing routed fits, whole None where no whole-layer placement fits)."""
+        whole = self.search(compute, budget_bytes) if self.searcher.fits(budget_bytes) else None
+        decode = workload.tokens_per_step == workload.sequences_per_step and workload.context_tokens > 0
+        routed = routed_choice(self.experts, searcher=self.searcher, compute=compute, budget_bytes=budget_bytes,
+                               num_tokens=workload.tokens_per_step, decode=decode,
+                               non_layer_bytes=self.layout.non_layer_bytes,
+                               h2d_bytes_per_s=self.profile.h2d_bytes_per_s.value,
+                               copy_overhead_us=self.profile.copy_overhead_us.value)
+        return Comparison(num_tokens=workload.tokens_per_step, whole=whole, routed=routed)
 
     def activations(self, workload: Workload, static_cache_tokens: int | None = None) -> int:
         """Peak activation bytes of a step of ``workload`` as the runtime runs it: a decode step over a static
@@ -203,7 +221,14 @@ def make_plan(inputs: Inputs, compute_override: ComputeTimes | None = None,
     budget = budget_bytes_for(inputs, model.profile)
     compute = model.compute(workload) if compute_override is None else _as_recorded(compute_override,
                                                                                    len(model.layout.layers))
-    choice = model.search(compute, budget)
+    points: tuple = ()
+    if model.experts is None:
+        choice = model.search(compute, budget)
+    else:
+        comparison = model.compare(compute, budget, workload)
+        if comparison.chosen is None:
+            model.search(compute, budget)  # raises the whole-layer search's reason
+        choice, points = comparison.chosen, (comparison.point(workload.sequences_per_step),)
     host_limit = host_memory_bytes_for(inputs, model.profile)
     check_host_memory(choice.host_pinned_bytes + _adapter_host_bytes(model), host_limit, inputs)
     other = _weights_plan_other_bytes(model, workload)
@@ -224,7 +249,7 @@ def make_plan(inputs: Inputs, compute_override: ComputeTimes | None = None,
             "memory; lower --budget, or give --concurrency to let the planner divide the GPU"
         )
     plan = _assemble(model, workload, compute, choice, budget, host_limit, gpu_memory, other, serving=None,
-                     num_adapter_slots=num_slots)
+                     num_adapter_slots=num_slots, expert_points=points)
     return Planned(plan=plan, checkpoint=model.checkpoint, layout=model.layout, warnings=tuple(model.warnings))
 
 
@@ -350,7 +375,41 @@ def _read_model(inputs: Inputs, measure: MeasureFunction | None = None,
     warnings += _adapter_warnings(adapters, inputs)
     return _Model(inputs=inputs, profile=profile, checkpoint=checkpoint, layout=layout, layer_bytes=layer_bytes,
                   kv=kv, activation_shape=shape, warnings=warnings, measure=measure,
-                  measure_activations=measure_activations, adapters=adapters)
+                  measure_activations=measure_activations, adapters=adapters,
+                  experts=_read_experts(inputs, checkpoint, layout))
+
+
+def _read_experts(inputs: Inputs, checkpoint: Checkpoint, layout: ModelLayout) -> ExpertModel | None:
+    """A MoE model's experts: geometry, routing (uniform, or --routing-trace checked against the model), and why
+    routed placements are out where they are (the runtime cannot route-fetch them, or the flags rule them out)."""
+    geometry = moe_geometry(checkpoint.config, layout)
+    if geometry is None:
+        if inputs.routing_trace is not None:
+            raise UsageError(f"--routing-trace applies to MoE models; {shown(inputs.model)} has no routed experts: "
+                             "drop it")
+        return None
+    routing, label = None, "uniform"
+    if inputs.routing_trace is not None:
+        trace = read_trace(inputs.routing_trace)
+        check_against(trace, geometry, checkpoint.fingerprint(), shown(inputs.routing_trace))
+        routing, label = trace.routing(), f"trace {trace.content_hash}"
+    return expert_model(geometry, routing, label, _routed_ruled_out(inputs, layout, geometry))
+
+
+def _routed_ruled_out(inputs: Inputs, layout: ModelLayout, geometry) -> str | None:
+    """Flags that keep every layer whole: pinned knobs evaluate the whole-layer flags given, and --params that
+    leave the experts resident never move them."""
+    pinned = [flag for flag, value in (("--group-size", inputs.group_size), ("--num-in-group", inputs.num_in_group),
+                                       ("--prefetch-step", inputs.prefetch_step)) if value is not None]
+    if pinned:
+        return f"{', '.join(pinned)} pinned: the plan evaluates whole-layer offloading with them"
+    params = tuple(inputs.params)
+    moe = {layer.index for layer in geometry.layers}
+    for layer in layout.layers:
+        if layer.index in moe and not all(param_selected(name, params) for name, *_ in layer.params
+                                          if is_expert_param(name)):
+            return f"--params {' '.join(params)} does not select the routed experts"
+    return None
 
 
 def _compute_times(inputs: Inputs, checkpoint, layout, workload, profile, kv: KvCacheModel | None,
@@ -456,12 +515,20 @@ def make_serving_plan(model: _Model) -> Planned:
     def decode(concurrency: int) -> Workload:
         return _workload(concurrency, concurrency, inputs.context)
 
+    comparisons: dict[int, Comparison] = {}
+
+    def place(compute: ComputeTimes, budget_bytes: int, concurrency: int) -> Choice | None:
+        if model.experts is None:
+            return _search_or_none(model, compute, budget_bytes)
+        comparisons[concurrency] = model.compare(compute, budget_bytes, decode(concurrency))
+        return comparisons[concurrency].chosen
+
     found = search_serving(
         wanted=wanted,
         gpu_memory_bytes=gpu_memory,
         other_bytes_at=lambda b: serving_other_bytes(model, b),
         compute_at=lambda b: model.compute(decode(b)),
-        search_weights=lambda compute, budget_bytes: _search_or_none(model, compute, budget_bytes),
+        search_weights=place,
         minimum_weight_bytes=minimum_gpu_bytes(model.layout.non_layer_bytes, model.layer_bytes),
         resident_weight_bytes=gpu_bytes_of(model.layout.non_layer_bytes, model.layer_bytes, (), 0),
         weights_budget_bytes=budget,
@@ -471,9 +538,11 @@ def make_serving_plan(model: _Model) -> Planned:
     workload = decode(best.concurrency)
     host_limit = host_memory_bytes_for(inputs, model.profile)
     check_host_memory(best.choice.host_pinned_bytes + _adapter_host_bytes(model), host_limit, inputs)
+    points = tuple(comparisons[p.concurrency].point(p.concurrency) for p in found.points
+                   if p.concurrency in comparisons)
     plan = _assemble(model, workload, model.compute(workload), best.choice, best.weights_budget_bytes, host_limit,
                      gpu_memory, best.other, serving=_serving_section(found, wanted, inputs.max_tpot_ms),
-                     num_adapter_slots=model.adapter_slots(best.concurrency))
+                     num_adapter_slots=model.adapter_slots(best.concurrency), expert_points=points)
     return Planned(plan=plan, checkpoint=model.checkpoint, layout=model.layout, warnings=tuple(model.warnings))
 
 
@@ -500,7 +569,9 @@ def _serving_row(point: ServingPoint) -> ServingRow:
     choice = point.choice
     return ServingRow(
         concurrency=point.concurrency,
-        num_offloaded=-1 if choice is None else len(choice.offloaded),
+        # a routed placement moves the experts of every MoE layer (planner.expert_choice)
+        num_offloaded=-1 if choice is None else len(choice.placement.layers) if isinstance(choice, RoutedChoice)
+        else len(choice.offloaded),
         group_size=0 if choice is None else choice.group_size,
         num_in_group=0 if choice is None else choice.num_in_group,
         prefetch_step=0 if choice is None else choice.prefetch_step,
@@ -554,7 +625,7 @@ def check_host_memory(pinned_bytes: int, host_limit: int | None, inputs: Inputs)
 
 def _assemble(model: _Model, workload: Workload, compute: ComputeTimes, choice: Choice, budget: int,
               host_limit: int | None, gpu_memory: int, other: OtherBytes | None,
-              serving: ServingSection | None, num_adapter_slots: int = 0) -> Plan:
+              serving: ServingSection | None, num_adapter_slots: int = 0, expert_points: tuple = ()) -> Plan:
     inputs, profile, layout, layer_bytes = model.inputs, model.profile, model.layout, model.layer_bytes
     h2d = profile.h2d_bytes_per_s.value
     overhead_us = profile.copy_overhead_us.value
@@ -563,15 +634,19 @@ def _assemble(model: _Model, workload: Workload, compute: ComputeTimes, choice: 
     num_slots = min(choice.prefetch_step, len(choice.offloaded))
     slot_bytes = max((layer_bytes.selected[i] for i in choice.offloaded), default=0)
     resident_step_ms = compute.head_ms + sum(compute.layer_ms)
-    link_floor_ms = 1e3 * choice.copy_bytes / h2d
+    routed = choice.placement if isinstance(choice, RoutedChoice) else None
     decode = workload.context_tokens > 0 and workload.tokens_per_step == workload.sequences_per_step
+    # a routed decode step gathers at the routed fetch rate; a routed prefill copies whole through the copy engine
+    link_rate = h2d * ROUTED_FETCH_EFFICIENCY if routed is not None and decode else h2d
+    link_floor_ms = 1e3 * choice.copy_bytes / link_rate
+    non_resident = {} if routed is None else non_resident_bytes(model.experts.geometry, routed)
     chunk_tokens = inputs.chunk if serving is not None else workload.tokens_per_step
     rows = tuple(
         LayerRow(
             index=i,
             bytes=layer_bytes.total[i],
             selected_bytes=layer_bytes.selected[i],
-            offloaded_bytes=layer_bytes.selected[i] if i in offloaded else 0,
+            offloaded_bytes=layer_bytes.selected[i] if i in offloaded else non_resident.get(i, 0),
             compute_ms=compute.layer_ms[i],
             copy_ms=copy_ms_of(layer_bytes.selected[i], h2d, overhead_us),
         )
@@ -605,8 +680,8 @@ def _assemble(model: _Model, workload: Workload, compute: ComputeTimes, choice: 
             gpu_bytes=choice.gpu_bytes,
             resident_layer_bytes=sum(layer_bytes.total) - choice.host_pinned_bytes,
             non_layer_bytes=layout.non_layer_bytes,
-            allocation_slack_bytes=choice.gpu_bytes - weight_gpu_bytes(
-                layout.non_layer_bytes, layer_bytes, choice.offloaded, num_slots),
+            allocation_slack_bytes=choice.gpu_bytes - (routed.weight_bytes if routed is not None else weight_gpu_bytes(
+                layout.non_layer_bytes, layer_bytes, choice.offloaded, num_slots)),
             num_slots=num_slots,
             slot_bytes=slot_bytes,
             host_pinned_bytes=choice.host_pinned_bytes,
@@ -624,7 +699,8 @@ def _assemble(model: _Model, workload: Workload, compute: ComputeTimes, choice: 
             stall_ms=simulation.stall_ms,
             link_floor_ms=link_floor_ms,
             copy_bytes_per_step=choice.copy_bytes,
-            link_busy_share=simulation.copy_busy_ms / simulation.step_ms if simulation.step_ms else 0.0,
+            link_busy_share=_link_busy_ms(simulation, routed is not None and decode) / simulation.step_ms
+            if simulation.step_ms else 0.0,
             decode_step_ms=simulation.step_ms if decode else None,
             decode_tokens_per_s=1e3 * workload.sequences_per_step / simulation.step_ms if decode else None,
             # a weights-only plan's prefill step is its chunk; a serving plan's chunk has its own layer times
@@ -634,7 +710,14 @@ def _assemble(model: _Model, workload: Workload, compute: ComputeTimes, choice: 
         layers=rows,
         serving=serving,
         adapters=_adapters_section(model, num_adapter_slots, workload, simulation) if model.adapters else None,
+        experts=None if model.experts is None else experts_section(model.experts, choice, layer_bytes, expert_points,
+                                                                   h2d),
     )
+
+
+def _link_busy_ms(simulation, routed_decode: bool) -> float:
+    """The link's busy time per step: its copies, or a routed decode step's fetches (its stalls)."""
+    return simulation.stall_ms if routed_decode else simulation.copy_busy_ms
 
 
 def _adapters_section(model: _Model, num_slots: int, workload: Workload, simulation) -> AdaptersSection:
@@ -667,8 +750,13 @@ def _kv_dtype_name(model: _Model) -> str:
 
 
 def _prefill_chunk_ms(model: _Model, choice: Choice, chunk_tokens: int) -> float:
-    """One prefill chunk of a new sequence with the plan's placement, steps back to back (eager)."""
+    """One prefill chunk of a new sequence with the plan's placement, steps back to back (eager); routed layers
+    copy their non-resident experts whole through the staging buffer."""
     compute = model.compute(_workload(chunk_tokens, 1, 0), graphed=False)  # a chunk is never replayed
+    if isinstance(choice, RoutedChoice):
+        profile = model.profile
+        return prefill_simulation(model.experts.geometry, choice.placement, compute, profile.h2d_bytes_per_s.value,
+                                  profile.copy_overhead_us.value).step_ms
     copy_ms = tuple(copy_ms_of(model.layer_bytes.selected[i], model.profile.h2d_bytes_per_s.value,
                                model.profile.copy_overhead_us.value) for i in choice.offloaded)
     return simulate(layer_ms=compute.layer_ms, head_ms=compute.head_ms, offloaded=choice.offloaded,

@@ -98,6 +98,9 @@ class Inputs:
         "--adapter", "A LoRA adapter served beside the model: NAME=PATH, a PEFT folder or hub id (repeat)."))
     adapter_slots: int | None = field(default=None, metadata=option(
         "--adapter-slots", "GPU slots for adapters (default: as many as a batch can use, within GPU memory)."))
+    routing_trace: str | None = field(default=None, metadata=option(
+        "--routing-trace", "MoE: a routing trace (offload-plan trace) to choose resident experts from; the plan "
+                           "records its sha256 (default: uniform routing)."))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -388,6 +391,91 @@ class AdaptersSection:
             raise ValueError("adapters.items must have distinct names, sorted")
 
 
+EXPERT_REGIMES = ("routed", "whole_layer", "mixed")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertLayer:
+    """One MoE layer of the plan: whether it fetches routed experts or streams (or keeps) the whole layer."""
+
+    #: the layer's index in the stack
+    index: int
+    #: "routed": only routed, non-resident experts cross the link; "whole_layer": as offload.layers says
+    regime: str
+    #: expert ids kept on the GPU, ascending (routed layers; () otherwise)
+    resident: tuple[int, ...]
+    #: expected bytes over the link per decode step, at the plan's concurrency
+    expected_fetched_bytes: int
+    #: share of routed (token, expert) pairs served by experts already on the GPU
+    hit_rate: float
+
+    def __post_init__(self):
+        if self.regime not in EXPERT_REGIMES[:2]:
+            raise ValueError(f"experts.layers regime {self.regime!r} is not one of routed, whole_layer")
+        if list(self.resident) != sorted(set(self.resident)):
+            raise ValueError("experts.layers resident ids must be ascending and distinct")
+        if self.resident and self.regime != "routed":
+            raise ValueError("experts.layers: only routed layers keep resident experts")
+        if not 0 <= self.hit_rate <= 1:
+            raise ValueError("experts.layers hit_rate must be a share in [0, 1]")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertsPoint:
+    """One step size the expert regimes were compared at: a serving concurrency, or a weights plan's step."""
+
+    concurrency: int
+    #: the regime chosen there
+    regime: str
+    #: the step with every MoE layer routed (None: it does not fit, or routed is unavailable)
+    routed_step_ms: float | None
+    #: the step streaming whole layers (today's search; None: nothing fits)
+    whole_layer_step_ms: float | None
+    #: resident experts of the routed placement, all layers (0 when it does not fit)
+    num_resident: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertsPlan:
+    """MoE plans only: per MoE layer, routed experts against whole layers, and how the regime was chosen."""
+
+    #: "routed", "whole_layer" or "mixed" (a summary of the layers)
+    regime: str
+    #: "uniform" or "trace sha256:<hex of the trace file's bytes>"
+    routing: str
+    #: experts the decode gather buffer holds: min(concurrency x top_k, num_experts) (0 without routed layers)
+    fetch_slots: int
+    #: one row per MoE layer
+    layers: tuple[ExpertLayer, ...]
+    num_experts: int
+    top_k: int
+    #: one routed expert (the largest layer's)
+    expert_bytes: int
+    #: fetch_slots x expert_bytes, on the GPU (counted in memory.gpu_bytes)
+    fetch_buffer_bytes: int
+    #: num_experts x expert_bytes, where prefill chunks copy a routed layer's experts (0 without routed layers)
+    staging_buffer_bytes: int
+    #: the routed gather's rate: hardware.h2d_bytes_per_s x planner.experts.ROUTED_FETCH_EFFICIENCY
+    routed_fetch_bytes_per_s: float
+    #: why no layer may be routed (an architecture the runtime cannot route-fetch, pinned knobs); None: it may
+    routed_unavailable: str | None
+    #: the regimes compared, ascending concurrency
+    points: tuple[ExpertsPoint, ...]
+
+    def __post_init__(self):
+        if self.regime not in EXPERT_REGIMES:
+            raise ValueError(f"experts.regime {self.regime!r} is not one of {', '.join(EXPERT_REGIMES)}")
+        regimes = {row.regime for row in self.layers}
+        if self.layers and self.regime != (regimes.pop() if len(regimes) == 1 else "mixed"):
+            raise ValueError("experts.regime must summarise its layers' regimes")
+        if [row.index for row in self.layers] != sorted({row.index for row in self.layers}):
+            raise ValueError("experts.layers must have distinct indices, ascending")
+        if not self.routing == "uniform" and not self.routing.startswith("trace sha256:"):
+            raise ValueError("experts.routing must be uniform or trace sha256:<hex>")
+        if any(e >= self.num_experts for row in self.layers for e in row.resident):
+            raise ValueError("experts.layers resident ids must be below num_experts")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Plan:
     """A whole plan file."""
@@ -405,6 +493,8 @@ class Plan:
     serving: ServingSection | None = None
     #: plans with adapters only (make --adapter): their slots and waits
     adapters: AdaptersSection | None = None
+    #: MoE plans only: routed experts against whole layers (planner.experts)
+    experts: ExpertsPlan | None = None
 
     def __post_init__(self):
         if any(not 0 <= row.offloaded_bytes <= row.selected_bytes <= row.bytes for row in self.layers):
@@ -423,12 +513,18 @@ class Plan:
             raise ValueError("inputs.adapters and the adapters section come together")
         if self.adapters is not None and len(self.adapters.items) != len(self.inputs.adapters):
             raise ValueError("the adapters section needs one item per inputs.adapters entry")
+        if self.experts is not None:
+            routed = {row.index for row in self.experts.layers if row.regime == "routed"}
+            if routed & set(self.offload.layers):
+                raise ValueError("a routed MoE layer (experts.layers) must not be in offload.layers")
+            if any(row.index >= self.model.num_layers for row in self.experts.layers):
+                raise ValueError("experts.layers names a layer beyond model.num_layers")
 
 
 #: Inputs keys a plan holds only when they are given (their defaults otherwise)
-OPTIONAL_INPUTS = {"adapters": (), "adapter_slots": None}
+OPTIONAL_INPUTS = {"adapters": (), "adapter_slots": None, "routing_trace": None}
 #: top-level sections a plan holds only when they apply
-OPTIONAL_SECTIONS = ("serving", "adapters")
+OPTIONAL_SECTIONS = ("serving", "adapters", "experts")
 
 SECTIONS = {
     "inputs": Inputs,
@@ -491,6 +587,12 @@ def plan_to_dict(plan: Plan) -> dict:
         out["adapters"] = {key: _plain(value) for key, value in asdict(plan.adapters).items() if key != "items"}
         out["adapters"]["items"] = [{key: _plain(value) for key, value in asdict(row).items()}
                                     for row in plan.adapters.items]
+    if plan.experts is not None:
+        rows = {"layers", "points"}
+        out["experts"] = {key: _plain(value) for key, value in asdict(plan.experts).items() if key not in rows}
+        for name in sorted(rows):
+            out["experts"][name] = [{key: _plain(value) for key, value in asdict(row).items()}
+                                    for row in getattr(plan.experts, name)]
     return out
 
 
@@ -514,6 +616,10 @@ def render_plan(plan: Plan, command: str) -> str:
         data["serving"]["points"] = [_FlowRow(row) for row in data["serving"]["points"]]
     if "adapters" in data:
         data["adapters"]["items"] = [_FlowRow(row) for row in data["adapters"]["items"]]
+    if "experts" in data:
+        for name in ("layers", "points"):
+            data["experts"][name] = [_FlowRow({key: _FlowList(value) if isinstance(value, list) else value
+                                               for key, value in row.items()}) for row in data["experts"][name]]
     body = yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=120, allow_unicode=False)
     header = (
         "# Offload plan written by offload-plan. Do not edit by hand; regenerate with:\n"
@@ -617,6 +723,9 @@ def plan_from_dict(data: object, origin: str) -> Plan:
         kwargs["serving"] = _serving_section(data["serving"], f"{origin}: serving")
     if data.get("adapters") is not None:
         kwargs["adapters"] = _adapters_section(data["adapters"], f"{origin}: adapters")
+    if data.get("experts") is not None:
+        kwargs["experts"] = _section(ExpertsPlan, data["experts"], f"{origin}: experts",
+                                     rows={"layers": ExpertLayer, "points": ExpertsPoint})
     misplaced = [i for i, row in enumerate(kwargs["layers"]) if row.index != i]
     if misplaced:
         raise PlanError(f"{origin}: layers[{misplaced[0]}] has index {kwargs['layers'][misplaced[0]].index}; rows must "

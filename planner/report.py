@@ -5,7 +5,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from planner.plan import Plan
+from planner.plan import ExpertsPlan, Plan
 from planner.schedule import PrefetchSchedule
 from planner.simulate import STEPS_PER_GRAPH, Simulation, join_every_steps_for, simulate
 from planner.units import format_bytes, format_ms, format_rate
@@ -15,7 +15,10 @@ NUM_STALLS_LISTED = 8
 
 
 def resimulate(plan: Plan) -> Simulation:
-    """Re-run the plan's simulation from its recorded per-layer times (for the timeline)."""
+    """Re-run the plan's simulation from its recorded per-layer times (for the timeline); a routed decode step
+    from its layers' expected fetches."""
+    if routed_decode(plan):
+        return _routed_simulation(plan)
     return simulate(
         layer_ms=tuple(row.compute_ms for row in plan.layers),
         head_ms=plan.prediction.head_ms,
@@ -27,6 +30,105 @@ def resimulate(plan: Plan) -> Simulation:
     )
 
 
+def routed_decode(plan: Plan) -> bool:
+    """Whether the plan's step is a decode step with routed MoE layers."""
+    return (plan.experts is not None and plan.experts.fetch_slots > 0 and plan.prediction.decode_step_ms is not None)
+
+
+def _routed_simulation(plan: Plan) -> Simulation:
+    """A routed decode step: each routed layer waits for its fetch after its router (planner.expert_choice)."""
+    from planner.simulate import Interval
+
+    experts = plan.experts
+    fetch_ms = {row.index: 1e3 * row.expected_fetched_bytes / experts.routed_fetch_bytes_per_s
+                for row in experts.layers if row.regime == "routed"}
+    head = plan.prediction.head_ms
+    intervals, stalls, now = [Interval(layer=-1, start_ms=0.0, end_ms=head)], [], head
+    for row in plan.layers:
+        stall = fetch_ms.get(row.index, 0.0)
+        intervals.append(Interval(layer=row.index, start_ms=now + stall, end_ms=now + stall + row.compute_ms))
+        stalls.append(stall)
+        now += stall + row.compute_ms
+    return Simulation(step_ms=now, stall_ms=sum(stalls), compute=tuple(intervals), copies=(),
+                      layer_stall_ms=tuple(stalls))
+
+
+def experts_text(plan: Plan) -> Text:
+    """The experts section in words: the regime, why, what stays resident, what a step fetches, and the figures
+    that decide between routed experts and whole layers."""
+    experts = plan.experts
+    routed = [row for row in experts.layers if row.regime == "routed"]
+    lines = [f"Experts: {experts.regime.replace('_', ' ')} ({len(experts.layers)} MoE layers, top-{experts.top_k} of "
+             f"{experts.num_experts} experts of {format_bytes(experts.expert_bytes)}; routing: "
+             f"{_routing_words(experts)})."]
+    if routed:
+        lines += _routed_lines(plan, experts, routed)
+    else:
+        lines.append(_whole_layer_line(plan, experts))
+    lines += _crossover_lines(plan, experts)
+    return Text("\n".join(lines))
+
+
+def _routing_words(experts: ExpertsPlan) -> str:
+    if experts.routing == "uniform":
+        return "uniform, every expert equally likely"
+    return f"recorded {experts.routing.removeprefix('trace ')[:19]}..., the hottest experts kept resident"
+
+
+def _routed_lines(plan: Plan, experts: ExpertsPlan, routed: list) -> list[str]:
+    counts = sorted({len(row.resident) for row in routed})
+    kept = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+    rule = ("the first ids: under uniform routing any experts are alike" if experts.routing == "uniform"
+            else "the most frequent in the trace")
+    fetched = sum(row.expected_fetched_bytes for row in routed)
+    hit = sum(row.hit_rate for row in routed) / len(routed)
+    fetch_ms = 1e3 * fetched / experts.routed_fetch_bytes_per_s
+    per_layer = fetched / len(routed) / experts.expert_bytes
+    share = experts.routed_fetch_bytes_per_s / plan.hardware.h2d_bytes_per_s
+    return [
+        f"  Each routed layer keeps attention, norms, router and shared experts on the GPU and {kept} of its "
+        f"{experts.num_experts} experts resident ({rule}); the rest stay in pinned host memory.",
+        f"  A decode step of {plan.workload.concurrency} sequence(s) fetches {per_layer:.1f} experts per layer "
+        f"(expected), {format_bytes(fetched)} per step; hit rate {100 * hit:.1f}% of routed (token, expert) pairs.",
+        f"  The fetch starts after each layer's router, on the critical path: {format_ms(fetch_ms)} per step at "
+        f"{experts.routed_fetch_bytes_per_s / 1e9:.1f} GB/s ({share:.2f} of the copy engine's "
+        f"{plan.hardware.h2d_bytes_per_s / 1e9:.1f} GB/s: GPU threads reading mapped host memory).",
+        f"  GPU buffers: fetch {experts.fetch_slots} experts ({format_bytes(experts.fetch_buffer_bytes)}), prefill "
+        f"staging {experts.num_experts} experts ({format_bytes(experts.staging_buffer_bytes)}); a prefill chunk copies "
+        "each routed layer's non-resident experts whole.",
+    ]
+
+
+def _whole_layer_line(plan: Plan, experts: ExpertsPlan) -> str:
+    if experts.routed_unavailable is not None:
+        return f"  Routed experts are not planned: {experts.routed_unavailable}; the plan streams whole layers."
+    return ("  Every MoE layer is resident or streamed whole (offload.layers): fetching only routed experts is "
+            "slower here, or does not fit.")
+
+
+def _crossover_lines(plan: Plan, experts: ExpertsPlan) -> list[str]:
+    here = next((p for p in experts.points if p.concurrency == plan.workload.concurrency), None)
+    lines = []
+    if here is not None and here.routed_step_ms is not None and here.whole_layer_step_ms is not None:
+        faster = "routed" if here.regime == "routed" else "whole layers"
+        ratio = max(here.routed_step_ms, here.whole_layer_step_ms) / min(here.routed_step_ms, here.whole_layer_step_ms)
+        lines.append(f"  At {here.concurrency} sequence(s): routed {format_ms(here.routed_step_ms)} per step against "
+                     f"{format_ms(here.whole_layer_step_ms)} streaming whole layers: {faster} x{ratio:.2f} faster.")
+    elif here is not None and here.routed_step_ms is None and experts.routed_unavailable is None:
+        lines.append(f"  At {here.concurrency} sequence(s) routed experts do not fit: their buffers and the resident "
+                     "non-expert weights need more than the budget.")
+    routed_at = [p.concurrency for p in experts.points if p.regime == "routed"]
+    whole_at = [p.concurrency for p in experts.points if p.regime == "whole_layer" and p.whole_layer_step_ms]
+    if len(experts.points) > 1 and routed_at and whole_at:
+        lines.append(f"  Across the concurrencies searched, routed wins at {_list(routed_at)} sequence(s), whole "
+                     f"layers at {_list(whole_at)} (more sequences touch more experts per step).")
+    return lines
+
+
+def _list(values: list[int]) -> str:
+    return ", ".join(map(str, values))
+
+
 def show_plan(plan: Plan, console: Console, *, layer_table: bool = True) -> None:
     """Print the verdict, summary, the serving chart, memory, per-layer table, timeline and stalls."""
     simulation = resimulate(plan)
@@ -36,6 +138,8 @@ def show_plan(plan: Plan, console: Console, *, layer_table: bool = True) -> None
         console.print(serving_chart(plan, chart_bar_columns(console.width)))
     if plan.adapters is not None:
         console.print(adapters_table(plan))
+    if plan.experts is not None:
+        console.print(experts_text(plan))
     console.print(_memory(plan))
     if layer_table:
         console.print(_layer_table(plan, simulation))
@@ -49,6 +153,10 @@ def verdict(plan: Plan) -> str:
     offloaded, num_layers = len(plan.offload.layers), plan.model.num_layers
     where = f"{plan.hardware.profile} ({format_bytes(plan.memory.gpu_memory_bytes)} of GPU memory)"
     placement = f"offloading {offloaded} of {num_layers} layers" if offloaded else "with every weight resident"
+    if plan.experts is not None and plan.experts.fetch_slots:
+        num_routed = sum(row.regime == "routed" for row in plan.experts.layers)
+        placement = (f"fetching routed experts in {num_routed} of {num_layers} layers"
+                     + (f", offloading {offloaded} whole" if offloaded else ""))
     prediction, workload = plan.prediction, plan.workload
     if plan.serving is None:
         step = "decode step" if prediction.decode_step_ms is not None else "step"
@@ -105,10 +213,12 @@ def serving_chart(plan: Plan, bar_columns: int = CHART_MAX_BAR_COLUMNS) -> Table
                   padding=(0, 1, 0, 0))
     for name in ("sequences", "tokens/s", "", "per token", "offloaded", "KV cache", "GPU total"):
         table.add_column(name, justify="left" if name == "" else "right")
+    routed = {p.concurrency for p in plan.experts.points if p.regime == "routed"} if plan.experts else set()
     for point in points:
         fits = point.step_ms is not None
         bar = "#" * round(bar_columns * point.tokens_per_s / top)
-        mark = ">" if point.concurrency == plan.workload.concurrency else ("=" if point.num_offloaded == 0 else " ")
+        resident = point.num_offloaded == 0 and point.concurrency not in routed
+        mark = ">" if point.concurrency == plan.workload.concurrency else ("=" if resident else " ")
         if fits and plan.serving.max_tpot_ms is not None and point.step_ms > plan.serving.max_tpot_ms:
             mark = "x"
         table.add_row(
@@ -116,7 +226,8 @@ def serving_chart(plan: Plan, bar_columns: int = CHART_MAX_BAR_COLUMNS) -> Table
             format_rate(point.tokens_per_s) if fits else "-",
             Text(bar, style="cyan" if mark == ">" else "green" if mark == "=" else ""),
             format_ms(point.step_ms) if fits else "does not fit",
-            f"{point.num_offloaded}/{plan.model.num_layers}" if fits else "-",
+            f"{point.num_offloaded}/{plan.model.num_layers}{' routed' if point.concurrency in routed else ''}"
+            if fits else "-",
             format_bytes(point.kv_cache_bytes),
             format_bytes(point.total_gpu_bytes) if fits else "-",
         )
@@ -226,6 +337,9 @@ def _summary(plan: Plan) -> Table:
         table.add_row("offload", f"{len(offload.layers)} of {model.num_layers} layers ({params}); "
                                  f"group size {offload.group_size}, {offload.num_in_group} per group, "
                                  f"prefetch {offload.prefetch_step}")
+    elif plan.experts is not None and plan.experts.fetch_slots:
+        table.add_row("offload", f"routed experts of {len(plan.experts.layers)} MoE layers (see Experts); no layer "
+                                 "streams whole")
     else:
         table.add_row("offload", "nothing: every weight fits the budget")
     table.add_row("predicted step", f"{format_ms(prediction.step_ms)} "
@@ -254,11 +368,23 @@ def _replay_boundary(plan: Plan) -> str:
 
 def _bound_by(plan: Plan) -> str:
     prediction = plan.prediction
+    if routed_decode(plan) and prediction.stall_ms >= 0.01 * prediction.step_ms:
+        return ("the routed fetch: each MoE layer's experts wait for their fetch after its router; more resident "
+                "experts (more GPU memory) or a faster link help")
     if not plan.offload.layers or prediction.stall_ms < 0.01 * prediction.step_ms:
         return "compute: copies hide behind compute"
     if prediction.link_floor_ms >= 0.98 * prediction.step_ms:
         return "the host link: every copy back to back; more budget is the only way faster"
     return "prefetch latency: the link is idle part of the step; a deeper prefetch or a spread-out layer set helps"
+
+
+def _expert_buffer_rows(plan: Plan) -> list[tuple[str, int]]:
+    """A routed plan's fetch and staging buffers (part of the weights' GPU bytes)."""
+    experts = plan.experts
+    if experts is None or not experts.fetch_slots:
+        return []
+    return [(f"GPU: routed-expert fetch buffer ({experts.fetch_slots} experts)", experts.fetch_buffer_bytes),
+            (f"GPU: prefill staging buffer ({experts.num_experts} experts)", experts.staging_buffer_bytes)]
 
 
 def _memory(plan: Plan) -> Table:
@@ -272,6 +398,7 @@ def _memory(plan: Plan) -> Table:
         ("GPU: outside the stack (embeddings, norms, head)", memory.non_layer_bytes),
         (f"GPU: {memory.num_slots} prefetch slot(s) x {format_bytes(memory.slot_bytes)}",
          memory.num_slots * memory.slot_bytes),
+        *_expert_buffer_rows(plan),
         ("GPU: alignment and allocator rounding (bound)", memory.allocation_slack_bytes),
         ("GPU: total weights", memory.gpu_bytes),
         ("GPU: budget", memory.budget_bytes),

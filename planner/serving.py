@@ -97,8 +97,8 @@ class ServingPoint:
 
     @property
     def offloads(self) -> bool:
-        """True when the placement moves any layer."""
-        return self.choice is not None and bool(self.choice.offloaded)
+        """True when the placement moves any weights: whole layers, or a MoE model's routed experts."""
+        return self.choice is not None and (bool(self.choice.offloaded) or self.choice.host_pinned_bytes > 0)
 
     @property
     def total_gpu_bytes(self) -> int:
@@ -158,7 +158,7 @@ def search_serving(
     gpu_memory_bytes: int,
     other_bytes_at: Callable[[int], OtherBytes],
     compute_at: Callable[[int], ComputeTimes],
-    search_weights: Callable[[ComputeTimes, int], Choice | None],
+    search_weights: Callable[[ComputeTimes, int, int], Choice | None],
     minimum_weight_bytes: int,
     resident_weight_bytes: int,
     weights_budget_bytes: int | None = None,
@@ -167,8 +167,9 @@ def search_serving(
     """The concurrency and placement with the most decode tokens/s that fit ``gpu_memory_bytes``.
 
     ``other_bytes_at(B)``: GPU bytes besides weights at concurrency B (grows with B); ``compute_at(B)``: layer
-    times of a decode step of B sequences; ``search_weights(compute, budget)``: the fastest placement within
-    ``budget`` GPU bytes, None if none fits; ``minimum_weight_bytes``/``resident_weight_bytes``: GPU bytes of the
+    times of a decode step of B sequences; ``search_weights(compute, budget, B)``: the fastest placement within
+    ``budget`` GPU bytes at B sequences (a MoE model's: whole layers or routed experts), None if none fits;
+    ``minimum_weight_bytes``/``resident_weight_bytes``: GPU bytes of the
     leanest placement and of all-resident weights; ``weights_budget_bytes``: a fixed share for the weights
     (``--budget``), else whatever the rest leaves.
     """
@@ -185,7 +186,8 @@ def search_serving(
     points = []
     for concurrency in candidate_concurrencies(wanted, top, top_resident):
         budget = budget_at(concurrency)
-        choice = search_weights(compute_at(concurrency), budget) if budget >= minimum_weight_bytes else None
+        fits = budget >= minimum_weight_bytes
+        choice = search_weights(compute_at(concurrency), budget, concurrency) if fits else None
         points.append(ServingPoint(concurrency=concurrency, other=other_bytes_at(concurrency),
                                    weights_budget_bytes=budget, choice=choice))
     placed = [p for p in points if p.choice is not None]

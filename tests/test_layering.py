@@ -49,7 +49,8 @@ def test_only_the_seam_imports_the_runtime():
 
 
 def test_every_command_is_registered():
-    assert COMMANDS == ["calibrate", "check", "diff", "export", "header-checkpoint", "make", "profiles", "run", "show"]
+    assert COMMANDS == ["calibrate", "check", "diff", "export", "header-checkpoint", "make", "profiles", "run", "show",
+                        "trace"]
 
 
 def _installed_script() -> Path | None:

@@ -35,7 +35,7 @@ def other_at(concurrency: int) -> OtherBytes:
                       cuda_graph_pool_bytes=0, cuda_context_bytes=GIB // 2)
 
 
-def search_weights(compute: ComputeTimes, budget_bytes: int):
+def search_weights(compute: ComputeTimes, budget_bytes: int, concurrency: int | None = None):
     return search(layers=LAYERS, fixed_bytes=0, compute=compute, h2d_bytes_per_s=H2D_BYTES_PER_S,
                   copy_overhead_us=0.0, budget_bytes=budget_bytes)
 

@@ -78,13 +78,21 @@ def _print_outcome(plan, output) -> None:
         workload, memory = plan.workload, plan.memory
         say(f"{where}{workload.concurrency} sequences of up to {workload.context_tokens} tokens, "
             f"{format_rate(prediction.decode_tokens_per_s)} decode tokens/s "
-            f"({format_ms(prediction.decode_step_ms)} per token), {len(offload.layers)}/{plan.model.num_layers} "
-            f"layers offloaded, GPU {format_bytes(memory.total_gpu_bytes)} of {format_bytes(memory.gpu_memory_bytes)}; "
+            f"({format_ms(prediction.decode_step_ms)} per token), {_moved(plan)}, "
+            f"GPU {format_bytes(memory.total_gpu_bytes)} of {format_bytes(memory.gpu_memory_bytes)}; "
             "offload-plan show for the trade")
         return
+    knobs = "" if offload.group_size == 0 and plan.experts is not None and plan.experts.fetch_slots else (
+        f" (G={offload.group_size} K={offload.num_in_group} P={offload.prefetch_step})")
     say(
-        f"{where}{len(offload.layers)}/{plan.model.num_layers} layers offloaded "
-        f"(G={offload.group_size} K={offload.num_in_group} P={offload.prefetch_step}), "
+        f"{where}{_moved(plan)}{knobs}, "
         f"GPU {format_bytes(plan.memory.gpu_bytes)} of {format_bytes(plan.memory.budget_bytes)}, "
         f"predicted step {format_ms(prediction.step_ms)} (all resident {format_ms(prediction.resident_step_ms)})"
     )
+
+
+def _moved(plan) -> str:
+    """What crosses the link: whole layers, or a MoE plan's routed experts."""
+    if plan.experts is not None and plan.experts.fetch_slots:
+        return f"routed experts fetched in {len(plan.experts.layers)}/{plan.model.num_layers} layers"
+    return f"{len(plan.offload.layers)}/{plan.model.num_layers} layers offloaded"

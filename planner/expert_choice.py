@@ -1,0 +1,160 @@
+"""Routed experts as a placement the searches weigh against streaming whole layers (planner.experts models the
+physics; this module turns it into a Choice the weight and serving searches compare, and into the plan's
+``experts`` section).
+
+At every step size a MoE plan is searched at (a serving concurrency, or a weights plan's one step), two
+placements compete within the same GPU bytes: today's whole-layer search (planner.search), and every MoE layer
+routed with as many resident experts as the budget holds (chosen by planner.experts.choose_resident). The faster
+step wins; a tie goes to whole layers (what engines run). Both use the one host link: a routed plan copies
+nothing whole at decode, so its fetches have the link to themselves.
+"""
+
+import math
+from dataclasses import dataclass
+
+from planner.experts import (LayerRouting, MoeGeometry, RoutedPlacement, non_resident_bytes, routed_fetch_bytes_per_s,
+                             routed_placement, uniform_routing)
+from planner.plan import ExpertLayer, ExpertsPlan, ExpertsPoint
+from planner.search import STEP_MS_DECIMALS, Choice, LayerBytes, Searcher, copy_ms_of
+from planner.simulate import Interval, Simulation, simulate
+from planner.cost import ComputeTimes
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoutedChoice(Choice):
+    """A placement with every MoE layer routed (offloaded is empty: no layer streams whole)."""
+
+    placement: RoutedPlacement
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertModel:
+    """A MoE model's experts as the searches see them."""
+
+    geometry: MoeGeometry
+    #: per MoE layer, each expert's share of tokens: uniform, or from a trace
+    routing: tuple[LayerRouting, ...]
+    #: the plan's experts.routing: "uniform" or "trace sha256:<hex>"
+    routing_label: str
+    #: why routed placements are not considered (None: they are)
+    unavailable: str | None
+
+
+def expert_model(geometry: MoeGeometry, routing: tuple[LayerRouting, ...] | None, routing_label: str,
+                 unavailable: str | None) -> ExpertModel:
+    """The model's experts with uniform routing unless ``routing`` is given."""
+    return ExpertModel(geometry=geometry, routing=routing or uniform_routing(geometry), routing_label=routing_label,
+                       unavailable=unavailable or geometry.unroutable_reason)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Comparison:
+    """Both placements at one step size, and the one chosen."""
+
+    num_tokens: int
+    whole: Choice | None
+    routed: RoutedChoice | None
+
+    @property
+    def chosen(self) -> Choice | None:
+        """The faster (at the search's rounding); a tie, or routed alone absent, goes to whole layers."""
+        if self.routed is None:
+            return self.whole
+        if self.whole is None:
+            return self.routed
+        routed_ms = round(self.routed.simulation.step_ms, STEP_MS_DECIMALS)
+        return self.routed if routed_ms < round(self.whole.simulation.step_ms, STEP_MS_DECIMALS) else self.whole
+
+    def point(self, concurrency: int) -> ExpertsPoint:
+        """The plan's row for this comparison."""
+        chosen = self.chosen
+        return ExpertsPoint(
+            concurrency=concurrency,
+            regime="routed" if isinstance(chosen, RoutedChoice) else "whole_layer",
+            routed_step_ms=None if self.routed is None else self.routed.simulation.step_ms,
+            whole_layer_step_ms=None if self.whole is None else self.whole.simulation.step_ms,
+            num_resident=0 if self.routed is None else self.routed.placement.num_resident,
+        )
+
+
+def routed_choice(experts: ExpertModel, *, searcher: Searcher, compute: ComputeTimes, budget_bytes: int,
+                  num_tokens: int, decode: bool, non_layer_bytes: int, h2d_bytes_per_s: float,
+                  copy_overhead_us: float) -> RoutedChoice | None:
+    """Every MoE layer routed, with the most resident experts whose arena fits ``budget_bytes``; None where
+    routed placements are unavailable or even none resident does not fit. ``decode``: steps of one token per
+    sequence gather routed experts; other steps (prefill) copy each layer's non-resident experts whole."""
+    if experts.unavailable is not None:
+        return None
+    layers = searcher.layers
+    placement = routed_placement(experts.geometry, experts.routing, num_tokens=num_tokens,
+                                 layer_total_bytes=layers.total, non_layer_bytes=non_layer_bytes,
+                                 weight_limit_bytes=searcher.weight_limit(budget_bytes),
+                                 h2d_bytes_per_s=h2d_bytes_per_s)
+    if placement is None:
+        return None
+    if decode:
+        simulation = decode_simulation(compute, placement)
+        copy_bytes = round(placement.expected_fetched_bytes)
+    else:
+        simulation = prefill_simulation(experts.geometry, placement, compute, h2d_bytes_per_s, copy_overhead_us)
+        copy_bytes = sum(non_resident_bytes(experts.geometry, placement).values())
+    return RoutedChoice(group_size=0, num_in_group=0, prefetch_step=0, offloaded=(), replay_start_copies=0,
+                        simulation=simulation, gpu_bytes=searcher.gpu_bytes(placement.weight_bytes),
+                        host_pinned_bytes=placement.host_pinned_bytes, copy_bytes=copy_bytes, placement=placement)
+
+
+def decode_simulation(compute: ComputeTimes, placement: RoutedPlacement) -> Simulation:
+    """A routed decode step: head, then each layer's compute, a routed layer's fetch after it (the router runs
+    first and the experts wait for their fetch: the fetch is on the critical path, shown as the layer's stall)."""
+    fetch_ms = {layer.index: layer.fetch_ms for layer in placement.layers}
+    intervals, stalls = [Interval(layer=-1, start_ms=0.0, end_ms=compute.head_ms)], []
+    now = compute.head_ms
+    for index, duration in enumerate(compute.layer_ms):
+        stall = fetch_ms.get(index, 0.0)
+        intervals.append(Interval(layer=index, start_ms=now, end_ms=now + duration + stall))
+        stalls.append(stall)
+        now += duration + stall
+    return Simulation(step_ms=compute.head_ms + math.fsum(compute.layer_ms) + placement.fetch_ms,
+                      stall_ms=placement.fetch_ms, compute=tuple(intervals), copies=(), layer_stall_ms=tuple(stalls))
+
+
+def prefill_simulation(geometry: MoeGeometry, placement: RoutedPlacement, compute: ComputeTimes,
+                       h2d_bytes_per_s: float, copy_overhead_us: float) -> Simulation:
+    """A prefill chunk with every MoE layer routed: each layer's non-resident experts copied whole through the one
+    staging buffer, as streaming the layers through one slot (planner.simulate)."""
+    copied = {index: nbytes for index, nbytes in non_resident_bytes(geometry, placement).items() if nbytes}
+    offloaded = tuple(sorted(copied))
+    if len(offloaded) < 2:  # one staged layer: its copy cannot overlap anything before it
+        copy_ms = sum(copy_ms_of(copied[i], h2d_bytes_per_s, copy_overhead_us) for i in offloaded)
+        step_ms = compute.head_ms + math.fsum(compute.layer_ms) + copy_ms
+        return Simulation(step_ms=step_ms, stall_ms=copy_ms, compute=(), copies=(),
+                          layer_stall_ms=(0.0,) * len(compute.layer_ms))
+    return simulate(layer_ms=compute.layer_ms, head_ms=compute.head_ms, offloaded=offloaded,
+                    copy_ms=tuple(copy_ms_of(copied[i], h2d_bytes_per_s, copy_overhead_us) for i in offloaded),
+                    prefetch_step=1)
+
+
+def experts_section(experts: ExpertModel, chosen: Choice, layers: LayerBytes, points: tuple[ExpertsPoint, ...],
+                    h2d_bytes_per_s: float) -> ExpertsPlan:
+    """The plan's experts section for the chosen placement."""
+    geometry = experts.geometry
+    if isinstance(chosen, RoutedChoice):
+        placement = chosen.placement
+        rows = tuple(ExpertLayer(index=row.index, regime="routed", resident=row.resident,
+                                 expected_fetched_bytes=round(row.expected_fetched_bytes), hit_rate=row.hit_rate)
+                     for row in placement.layers)
+        buffers = (placement.fetch_slots, placement.fetch_buffer_bytes, placement.staging_buffer_bytes)
+    else:
+        offloaded = set(chosen.offloaded)
+        rows = tuple(ExpertLayer(index=layer.index, regime="whole_layer", resident=(),
+                                 expected_fetched_bytes=layers.selected[layer.index] if layer.index in offloaded else 0,
+                                 hit_rate=0.0 if layer.index in offloaded else 1.0)
+                     for layer in geometry.layers)
+        buffers = (0, 0, 0)
+    regimes = {row.regime for row in rows}
+    return ExpertsPlan(
+        regime=regimes.pop() if len(regimes) == 1 else "mixed", routing=experts.routing_label,
+        fetch_slots=buffers[0], layers=rows, num_experts=geometry.num_experts, top_k=geometry.top_k,
+        expert_bytes=geometry.max_expert_bytes, fetch_buffer_bytes=buffers[1], staging_buffer_bytes=buffers[2],
+        routed_fetch_bytes_per_s=routed_fetch_bytes_per_s(h2d_bytes_per_s), routed_unavailable=experts.unavailable,
+        points=points)

@@ -1,0 +1,327 @@
+"""Expert-granular offloading of MoE layers: which experts a decode step touches, which to keep on the GPU, and
+what fetching only the routed, non-resident ones costs.
+
+A MoE layer of E experts with top-k routing, at a step of B tokens (one per sequence at decode), touches expert e
+with probability 1 - (1 - p_e)^B, where p_e is the share of tokens routed to e: k/E under uniform routing (so the
+expected distinct experts are E(1 - (1 - k/E)^B): 8 / 29 / 82 / 126 of Qwen3-30B-A3B's 128 at B = 1 / 4 / 16 /
+64), or count_e / num_tokens from a recorded routing trace (planner.routing_trace). Tokens of one step route
+independently: the model's approximation, which a trace with correlated routing (the same expert for a whole
+batch) makes pessimistic.
+
+A routed layer keeps its attention, norms, router and shared experts on the GPU, and its experts in pinned host
+memory except the resident ones; after its router runs, the step gathers the touched, non-resident experts into
+one shared GPU fetch buffer, read by GPU threads over the host link (runtime: UVA gather, CUDA-graph
+capturable). The fetch waits for the router, so it is on the critical path: the layer takes its compute time
+plus its fetch time. A prefill chunk copies each routed layer's non-resident experts whole, through one staging
+buffer of E experts, as streaming the layer would.
+
+The MoE geometry of a checkpoint is read here and only here (``moe_geometry``; the config keys through
+``config_routing``), for the cost model, the activation estimate and the checkpoint's config checks alike.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from planner.errors import ModelInputError
+
+if TYPE_CHECKING:
+    from planner.layout import LayerInfo, ModelLayout
+
+#: config.json keys that give the number of routed experts, and the experts each token picks
+EXPERT_COUNT_KEYS = ("num_local_experts", "n_routed_experts", "num_experts", "moe_num_experts")
+TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k")
+#: top-k assumed where a MoE config does not say it
+DEFAULT_TOP_K = 2
+#: the routed fetch's rate over the copy engine's (profile h2d_bytes_per_s): GPU threads reading pinned host
+#: memory mapped into the device's address space are slower than a copy-engine copy. On an H100 a gather from
+#: mapped pinned memory ran 36-39 GB/s where copy-engine copies ran 50-53 GB/s; the runtime's bench measures it.
+ROUTED_FETCH_EFFICIENCY = 0.72
+#: the MoE block modules whose experts transformers 5 holds as the fused params of its experts interface, which
+#: the runtime route-fetches (Mixtral's block_sparse_moe is renamed to mlp on load)
+ROUTED_EXPERT_MODULES = ("mlp", "block_sparse_moe")
+#: expert-bytes savings closer than this share are a tie (the lower expert id, the lower layer wins)
+SAVING_DECIMALS = 12
+
+REGIMES = ("routed", "whole_layer", "mixed")
+
+
+def config_routing(text: dict) -> tuple[int, int]:
+    """(num_experts, top_k) as a language model's config says them, 0 where it is silent: the first key of each
+    list that holds an integer (config checks in planner.checkpoint bound them)."""
+    num_experts = next((text[k] for k in EXPERT_COUNT_KEYS if isinstance(text.get(k), int)), 0)
+    top_k = next((text[k] for k in TOP_K_KEYS if isinstance(text.get(k), int)), 0)
+    return num_experts, top_k
+
+
+def is_expert_param(relative_name: str) -> bool:
+    """Routed-expert weights sit under an ``experts`` segment (``shared_experts`` is dense)."""
+    return ".experts." in f".{relative_name}."
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoeLayer:
+    """One layer of the stack that holds routed experts."""
+
+    index: int
+    #: bytes of one routed expert (its weights, scales and biases): the layer's expert bytes / num_experts
+    expert_bytes: int
+    #: everything else of the layer (attention, norms, router, shared experts): resident when routed
+    other_bytes: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoeGeometry:
+    """What a MoE checkpoint says about its experts, read once (``moe_geometry``)."""
+
+    num_experts: int
+    top_k: int
+    #: layers with routed experts, in index order
+    layers: tuple[MoeLayer, ...]
+    #: why the runtime cannot route-fetch this model's experts (its plans stream whole layers); None: it can
+    unroutable_reason: str | None
+
+    def __post_init__(self):
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError("top_k must be from 1 to num_experts")
+
+    @property
+    def max_expert_bytes(self) -> int:
+        """The largest expert: a fetch or staging buffer slot."""
+        return max(layer.expert_bytes for layer in self.layers)
+
+    def fetch_slots(self, num_tokens: int) -> int:
+        """Experts a step of ``num_tokens`` tokens can touch in one layer: min(tokens x top_k, num_experts)."""
+        return min(num_tokens * self.top_k, self.num_experts)
+
+
+def moe_geometry(config: dict | None, layout: ModelLayout) -> MoeGeometry | None:
+    """The MoE geometry of a checkpoint: experts and top-k from config.json (counted from the tensors where it
+    is silent), each MoE layer's expert bytes from its tensors; None for a dense model."""
+    from planner.cost import text_config  # planner.cost imports this module
+
+    num_experts, top_k = config_routing(text_config(config))
+    layers = [layer for layer in layout.layers if any(is_expert_param(p[0]) for p in layer.params)]
+    if not layers:
+        return None
+    num_experts = num_experts or max(count_experts(layer) for layer in layers)
+    if not num_experts:
+        return None
+    top_k = top_k or min(DEFAULT_TOP_K, num_experts)  # as planner.cost assumes
+    if top_k > num_experts:
+        raise ModelInputError(f"config.json routes each token to {top_k} experts but the model has {num_experts}; "
+                              "fix num_experts_per_tok (or the expert count) in config.json")
+    rows = []
+    for layer in layers:
+        expert_total = sum(p[3] for p in layer.params if is_expert_param(p[0]))
+        rows.append(MoeLayer(index=layer.index, expert_bytes=math.ceil(expert_total / num_experts),
+                             other_bytes=layer.nbytes - expert_total))
+    return MoeGeometry(num_experts=num_experts, top_k=top_k, layers=tuple(rows),
+                       unroutable_reason=_unroutable_reason(layers, num_experts))
+
+
+def count_experts(layer: LayerInfo) -> int:
+    """Experts of a layer from its tensor names (``experts.7.``) or a fused tensor's leading dimension."""
+    indices = set()
+    for name, _, shape, _ in layer.params:
+        if not is_expert_param(name):
+            continue
+        tail = f".{name}.".split(".experts.", 1)[1].split(".")[0]
+        if tail.isascii() and tail.isdigit():
+            indices.add(int(tail))
+        elif len(shape) == 3:
+            return shape[0]
+    return len(indices)
+
+
+def _unroutable_reason(layers: list[LayerInfo], num_experts: int) -> str | None:
+    """Why the runtime cannot route-fetch these experts. It gathers rows of the fused params of transformers 5's
+    experts interface (``mlp.experts.gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I], biases): a checkpoint
+    holds them fused (E leading rows), or one expert at a time under ``mlp.experts.N.`` (or Mixtral's
+    ``block_sparse_moe.experts.N.``), which transformers 5 fuses on load. Quantized experts (MXFP4 blocks, FP8
+    block scales) are not gathered: their scales are no experts-interface params."""
+    for layer in layers:
+        for name, dtype, shape, _ in layer.params:
+            if not is_expert_param(name):
+                continue
+            where = f"layer {layer.index}'s {name}"
+            module, _, tail = name.partition(".experts.")
+            if module not in ROUTED_EXPERT_MODULES:
+                return f"{where} lies outside mlp.experts, the MoE block of transformers 5's experts interface"
+            if dtype in ("U8", "I8") or "scale" in tail.rsplit(".", 1)[-1] or tail.endswith("_blocks"):
+                return (f"{where} belongs to quantized experts (FP8 block scales or MXFP4 blocks), which the "
+                        "routed gather of fused experts does not move")
+            first = tail.split(".")[0]
+            if not (first.isascii() and first.isdigit()) and (not shape or shape[0] != num_experts):
+                return f"{where} has shape {list(shape)}, not one row per expert ({num_experts})"
+    return None
+
+
+# ---- routing: the chance a step touches each expert ------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerRouting:
+    """Per expert of one layer: the share of tokens routed to it (each token picks top_k, so they sum to top_k)."""
+
+    index: int
+    shares: tuple[float, ...]
+
+    def touched(self, num_tokens: int) -> tuple[float, ...]:
+        """Per expert, the chance a step of ``num_tokens`` independently routed tokens touches it."""
+        return tuple(1 - (1 - min(p, 1.0)) ** num_tokens for p in self.shares)
+
+    def expected_distinct(self, num_tokens: int) -> float:
+        """Expected distinct experts a step of ``num_tokens`` tokens touches."""
+        return math.fsum(self.touched(num_tokens))
+
+    def hottest(self, num_resident: int) -> tuple[int, ...]:
+        """The ``num_resident`` experts most tokens route to (ties: the lower id), ascending."""
+        order = sorted(range(len(self.shares)), key=lambda e: (-self.shares[e], e))
+        return tuple(sorted(order[:num_resident]))
+
+    def hit_rate(self, resident: tuple[int, ...]) -> float:
+        """Share of routed (token, expert) pairs that resident experts serve."""
+        total = math.fsum(self.shares)
+        return math.fsum(self.shares[e] for e in resident) / total if total else 0.0
+
+    def expected_fetched(self, resident: tuple[int, ...], num_tokens: int) -> float:
+        """Expected distinct experts a step touches that are not resident (each crosses the link once)."""
+        kept = set(resident)
+        return math.fsum(p for e, p in enumerate(self.touched(num_tokens)) if e not in kept)
+
+
+def uniform_routing(geometry: MoeGeometry) -> tuple[LayerRouting, ...]:
+    """Every expert equally likely: p_e = top_k / num_experts in every MoE layer."""
+    share = geometry.top_k / geometry.num_experts
+    return tuple(LayerRouting(index=layer.index, shares=(share,) * geometry.num_experts) for layer in geometry.layers)
+
+
+def expected_distinct_uniform(num_experts: int, top_k: int, num_tokens: int) -> float:
+    """E(1 - (1 - k/E)^B): expected distinct experts B uniformly routed tokens touch."""
+    return num_experts * (1 - (1 - top_k / num_experts) ** num_tokens)
+
+
+# ---- residency and the routed step ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoutedLayer:
+    """One routed layer at one step size."""
+
+    index: int
+    resident: tuple[int, ...]
+    expected_fetched_bytes: float
+    hit_rate: float
+    #: the fetch, after the router, on the critical path
+    fetch_ms: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoutedPlacement:
+    """Every MoE layer routed: resident experts per layer, what a step fetches, and its GPU and host bytes."""
+
+    layers: tuple[RoutedLayer, ...]
+    #: the decode gather buffer, in experts (min(tokens x top_k, E))
+    fetch_slots: int
+    #: weight bytes on the GPU before the arena's slack: non-expert weights, resident experts and both buffers
+    weight_bytes: int
+    fetch_buffer_bytes: int
+    staging_buffer_bytes: int
+    #: non-resident experts, pinned on the host
+    host_pinned_bytes: int
+
+    @property
+    def expected_fetched_bytes(self) -> float:
+        """Expected bytes a decode step fetches over the link, all layers."""
+        return math.fsum(layer.expected_fetched_bytes for layer in self.layers)
+
+    @property
+    def fetch_ms(self) -> float:
+        """Time a step waits for its fetches."""
+        return math.fsum(layer.fetch_ms for layer in self.layers)
+
+    @property
+    def num_resident(self) -> int:
+        """Resident experts, all layers."""
+        return sum(len(layer.resident) for layer in self.layers)
+
+
+def routed_fetch_bytes_per_s(h2d_bytes_per_s: float) -> float:
+    """The routed gather's rate: the copy engine's derated by ROUTED_FETCH_EFFICIENCY."""
+    return h2d_bytes_per_s * ROUTED_FETCH_EFFICIENCY
+
+
+def fixed_routed_bytes(geometry: MoeGeometry, layer_total_bytes: tuple[int, ...], non_layer_bytes: int,
+                       num_tokens: int) -> tuple[int, int, int]:
+    """(weight bytes before resident experts, fetch buffer bytes, staging buffer bytes) of an all-routed
+    placement: everything but the routed experts, one fetch buffer of fetch_slots experts for decode, one
+    staging buffer of num_experts experts for prefill chunks."""
+    expert_total = sum(layer.expert_bytes * geometry.num_experts for layer in geometry.layers)
+    slot = geometry.max_expert_bytes
+    fetch_buffer = geometry.fetch_slots(num_tokens) * slot
+    staging = geometry.num_experts * slot
+    return non_layer_bytes + sum(layer_total_bytes) - expert_total + fetch_buffer + staging, fetch_buffer, staging
+
+
+def choose_resident(geometry: MoeGeometry, routing: tuple[LayerRouting, ...], num_tokens: int,
+                    allowance_bytes: int) -> tuple[tuple[int, ...], ...]:
+    """Resident experts per MoE layer within ``allowance_bytes``: the (layer, expert) pairs that save the most
+    expected fetched bytes per step (chance touched x expert bytes), greedily. Under uniform routing every
+    expert saves the same, so the layers take turns (ties go to the expert's rank in its layer, then the
+    layer) and each keeps its first R ids (or R + 1)."""
+    if allowance_bytes <= 0:
+        return tuple(() for _ in geometry.layers)
+    candidates = []
+    for slot, (layer, layer_routing) in enumerate(zip(geometry.layers, routing)):
+        touched = layer_routing.touched(num_tokens)
+        order = sorted(range(geometry.num_experts), key=lambda e: (-layer_routing.shares[e], e))
+        for rank, expert in enumerate(order):
+            saving = round(touched[expert] * layer.expert_bytes, SAVING_DECIMALS)
+            candidates.append((-saving, rank, slot, expert))
+    chosen: list[list[int]] = [[] for _ in geometry.layers]
+    left = allowance_bytes
+    smallest = min(layer.expert_bytes for layer in geometry.layers)
+    for _, _, slot, expert in sorted(candidates):
+        if left < smallest:
+            break
+        cost = geometry.layers[slot].expert_bytes
+        if cost <= left:
+            chosen[slot].append(expert)
+            left -= cost
+    return tuple(tuple(sorted(ids)) for ids in chosen)
+
+
+def routed_placement(geometry: MoeGeometry, routing: tuple[LayerRouting, ...], *, num_tokens: int,
+                     layer_total_bytes: tuple[int, ...], non_layer_bytes: int, weight_limit_bytes: int,
+                     h2d_bytes_per_s: float) -> RoutedPlacement | None:
+    """The all-routed placement with the most resident experts whose weights fit ``weight_limit_bytes`` (before
+    the arena's slack), for steps of ``num_tokens`` tokens; None when even no resident expert fits."""
+    base, fetch_buffer, staging = fixed_routed_bytes(geometry, layer_total_bytes, non_layer_bytes, num_tokens)
+    if base > weight_limit_bytes:
+        return None
+    resident = choose_resident(geometry, routing, num_tokens, weight_limit_bytes - base)
+    rate = routed_fetch_bytes_per_s(h2d_bytes_per_s)
+    rows, resident_bytes = [], 0
+    for layer, layer_routing, ids in zip(geometry.layers, routing, resident):
+        fetched = layer_routing.expected_fetched(ids, num_tokens) * layer.expert_bytes
+        resident_bytes += len(ids) * layer.expert_bytes
+        rows.append(RoutedLayer(index=layer.index, resident=ids, expected_fetched_bytes=fetched,
+                                hit_rate=layer_routing.hit_rate(ids), fetch_ms=1e3 * fetched / rate))
+    host = sum(layer.expert_bytes * geometry.num_experts for layer in geometry.layers) - resident_bytes
+    return RoutedPlacement(layers=tuple(rows), fetch_slots=geometry.fetch_slots(num_tokens),
+                           weight_bytes=base + resident_bytes, fetch_buffer_bytes=fetch_buffer,
+                           staging_buffer_bytes=staging, host_pinned_bytes=host)
+
+
+def routed_step_ms(layer_ms: tuple[float, ...], head_ms: float, placement: RoutedPlacement) -> float:
+    """A decode step with every MoE layer routed: each layer's compute, then its fetch (after the router)."""
+    return head_ms + math.fsum(layer_ms) + placement.fetch_ms
+
+
+def non_resident_bytes(geometry: MoeGeometry, placement: RoutedPlacement) -> dict[int, int]:
+    """Per routed layer, the bytes of its non-resident experts: what a prefill chunk copies whole."""
+    return {layer.index: (geometry.num_experts - len(row.resident)) * layer.expert_bytes
+            for layer, row in zip(geometry.layers, placement.layers)}

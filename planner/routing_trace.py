@@ -1,0 +1,159 @@
+"""Routing traces: per MoE layer, how many (token, expert) assignments each expert took on the user's prompts.
+
+Written by ``offload-plan trace`` (runtime.trace records it), read by ``make --routing-trace FILE``; the plan
+names the file by the sha256 of its bytes, so ``check`` finds a changed trace. A small YAML file::
+
+    schema_version: 1
+    model_fingerprint: sha256:...   # planner.checkpoint's fingerprint of the model it was recorded on
+    num_experts: 128
+    top_k: 8
+    num_tokens: 4096                # tokens routed per layer
+    layers:
+    - {index: 0, counts: [...]}     # one int per expert; each row sums to num_tokens x top_k
+
+A trace from another model (fingerprint), with other layers, or with impossible counts is one line of error.
+"""
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from planner.errors import ModelInputError, printable, shown
+from planner.experts import LayerRouting, MoeGeometry
+from planner.untrusted import load_yaml, read_capped
+
+TRACE_SCHEMA_VERSION = 1
+#: 100,000 layers of 2**12 experts' counts stay far below this
+MAX_TRACE_BYTES = 64 * 2**20
+#: counts are per token; more tokens than this is a typo or a corrupt file
+MAX_TRACE_TOKENS = 2**40
+_KEYS = ("schema_version", "model_fingerprint", "num_experts", "top_k", "num_tokens", "layers")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoutingTrace:
+    """A validated trace (consistent in itself; ``check_against`` checks it against a model)."""
+
+    model_fingerprint: str
+    num_experts: int
+    top_k: int
+    num_tokens: int
+    #: (layer index, counts per expert), layers ascending
+    layers: tuple[tuple[int, tuple[int, ...]], ...]
+    #: "sha256:<hex>" of the file's bytes (empty for a trace not read from a file)
+    content_hash: str = ""
+
+    def __post_init__(self):
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"top_k {self.top_k} must be from 1 to num_experts {self.num_experts}")
+        if not 1 <= self.num_tokens <= MAX_TRACE_TOKENS:
+            raise ValueError(f"num_tokens {self.num_tokens} must be from 1 to {MAX_TRACE_TOKENS}")
+        indices = [index for index, _ in self.layers]
+        if not indices or indices != sorted(set(indices)):
+            raise ValueError("layers must be one or more rows with distinct indices, ascending")
+        for index, counts in self.layers:
+            _check_counts(index, counts, self.num_experts, self.top_k, self.num_tokens)
+
+    def routing(self) -> tuple[LayerRouting, ...]:
+        """Per layer, each expert's share of tokens: count / num_tokens."""
+        return tuple(LayerRouting(index=index, shares=tuple(c / self.num_tokens for c in counts))
+                     for index, counts in self.layers)
+
+
+def _check_counts(index: int, counts: tuple[int, ...], num_experts: int, top_k: int, num_tokens: int) -> None:
+    if len(counts) != num_experts:
+        raise ValueError(f"layer {index} has {len(counts)} counts for {num_experts} experts")
+    if any(not 0 <= c <= num_tokens for c in counts):
+        raise ValueError(f"layer {index} has a count outside 0..num_tokens ({num_tokens}): an expert takes a token "
+                         "at most once")
+    if sum(counts) != num_tokens * top_k:
+        raise ValueError(f"layer {index}'s counts sum to {sum(counts)}, not num_tokens x top_k = {num_tokens * top_k}")
+
+
+def read_trace(path: Path) -> RoutingTrace:
+    """Load and validate a trace file; any problem is one ModelInputError line naming the file."""
+    path = Path(path)
+    raw = read_capped(path, MAX_TRACE_BYTES, ModelInputError, "routing trace")
+    data = load_yaml(raw, str(path), ModelInputError, fix="record it again with offload-plan trace")
+    return trace_from_dict(data, printable(path), content_hash=content_hash(raw))
+
+
+def content_hash(raw: bytes) -> str:
+    """sha256 of a trace file's bytes, as plans record it."""
+    return "sha256:" + hashlib.sha256(raw).hexdigest()
+
+
+def trace_from_dict(data: object, origin: str, *, content_hash: str = "") -> RoutingTrace:
+    """A RoutingTrace from parsed YAML; every problem one line."""
+    fix = "record it again with offload-plan trace"
+    if not isinstance(data, dict) or set(data) != set(_KEYS):
+        found = sorted(map(str, data)) if isinstance(data, dict) else type(data).__name__
+        raise ModelInputError(f"{origin}: not a routing trace (keys {found}, expected {list(_KEYS)}); {fix}")
+    if data["schema_version"] != TRACE_SCHEMA_VERSION or type(data["schema_version"]) is not int:
+        raise ModelInputError(f"{origin}: schema_version {shown(data['schema_version'])} is not "
+                              f"{TRACE_SCHEMA_VERSION}; {fix}")
+    for key in ("num_experts", "top_k", "num_tokens"):
+        if not _whole(data[key]):
+            raise ModelInputError(f"{origin}: {key} {shown(data[key])} is not a whole number; {fix}")
+    if not isinstance(data["model_fingerprint"], str):
+        raise ModelInputError(f"{origin}: model_fingerprint must be a string; {fix}")
+    rows = data["layers"]
+    if not isinstance(rows, list) or not all(_row(row) for row in rows):
+        raise ModelInputError(f"{origin}: layers must be a list of {{index, counts}} rows of whole numbers; {fix}")
+    try:
+        return RoutingTrace(model_fingerprint=data["model_fingerprint"], num_experts=data["num_experts"],
+                            top_k=data["top_k"], num_tokens=data["num_tokens"],
+                            layers=tuple((row["index"], tuple(row["counts"])) for row in rows),
+                            content_hash=content_hash)
+    except ValueError as error:
+        raise ModelInputError(f"{origin}: {error}; {fix}") from None
+
+
+def _whole(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TRACE_TOKENS
+
+
+def _row(row: object) -> bool:
+    return (isinstance(row, dict) and set(row) == {"index", "counts"} and _whole(row["index"])
+            and isinstance(row["counts"], list) and all(_whole(c) for c in row["counts"]))
+
+
+def check_against(trace: RoutingTrace, geometry: MoeGeometry, fingerprint: str, origin: str) -> None:
+    """The trace must come from this model: its fingerprint, expert count, top-k and MoE layers."""
+    fix = "record a trace of this model with offload-plan trace --model ... --prompts ..."
+    if trace.model_fingerprint != fingerprint:
+        raise ModelInputError(f"{origin} was recorded on another model (fingerprint {trace.model_fingerprint[:19]}..., "
+                              f"this one is {fingerprint[:19]}...); {fix}")
+    if (trace.num_experts, trace.top_k) != (geometry.num_experts, geometry.top_k):
+        raise ModelInputError(f"{origin} routes top-{trace.top_k} of {trace.num_experts} experts, the model top-"
+                              f"{geometry.top_k} of {geometry.num_experts}; {fix}")
+    traced = [index for index, _ in trace.layers]
+    planned = [layer.index for layer in geometry.layers]
+    if traced != planned:
+        raise ModelInputError(f"{origin} has {len(traced)} MoE layers ({_span(traced)}), the model {len(planned)} "
+                              f"({_span(planned)}); {fix}")
+
+
+def _span(indices: list[int]) -> str:
+    return f"{indices[0]}..{indices[-1]}" if indices else "none"
+
+
+def render_trace(trace: RoutingTrace, command: str) -> str:
+    """The trace file's text: a header with the command that records it again, then the fields, one layer a
+    line. Same trace, same bytes."""
+    lines = [
+        "# Routing trace written by offload-plan trace. Record it again with:",
+        f"#   {command}",
+        f"schema_version: {TRACE_SCHEMA_VERSION}",
+        f"model_fingerprint: {trace.model_fingerprint}",
+        f"num_experts: {trace.num_experts}",
+        f"top_k: {trace.top_k}",
+        f"num_tokens: {trace.num_tokens}",
+        "layers:",
+    ]
+    lines += [f"- {{index: {index}, counts: [{', '.join(map(str, counts))}]}}" for index, counts in trace.layers]
+    text = "\n".join(lines) + "\n"
+    assert yaml.safe_load(text)["num_tokens"] == trace.num_tokens  # the hand-written YAML parses as meant
+    return text

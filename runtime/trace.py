@@ -1,0 +1,121 @@
+"""Record a routing trace: per MoE layer, how many of the user's prompt tokens each expert takes.
+
+The model runs its prompts (prefill only, one prompt at a time, no padding) on the local GPU or the CPU, and a
+forward pre-hook on each MoE layer's ``mlp.experts`` module counts the expert ids it is called with. The hook
+sits on the experts rather than the router because transformers 5's experts interface takes the routing the
+same way in every architecture (``experts(hidden_states, top_k_index, top_k_weights)``: [tokens, top_k] ids),
+where routers return it in different shapes (Qwen3-MoE's gate returns logits, scores and indices; DeepSeek-V3's
+returns indices and weights). planner.routing_trace validates and writes the result.
+"""
+
+import re
+
+import torch
+from torch import nn
+
+from planner.checkpoint import load_checkpoint
+from planner.errors import ModelInputError, UsageError
+from planner.experts import moe_geometry
+from planner.layout import build_layout
+from planner.routing_trace import RoutingTrace
+
+#: the experts module of a MoE layer in transformers 5: ``<stack>.<index>.mlp.experts``
+_EXPERTS_MODULE = re.compile(r"^(?P<stack>.+)\.(?P<index>\d+)\.mlp\.experts$")
+#: the longest prompt file read (a trace needs thousands of tokens, not gigabytes)
+MAX_PROMPT_FILE_BYTES = 64 * 2**20
+
+
+class RoutingCounter:
+    """Forward pre-hooks on every ``<stack>.N.mlp.experts`` module that count the expert ids routed to it."""
+
+    def __init__(self, model: nn.Module, stack: str, num_experts: int):
+        self.num_experts = num_experts
+        self.counts: dict[int, torch.Tensor] = {}
+        self.tokens: dict[int, int] = {}
+        self._handles = []
+        for name, module in model.named_modules():
+            match = _EXPERTS_MODULE.match(name)
+            if match and match["stack"] == stack:
+                index = int(match["index"])
+                self.counts[index] = torch.zeros(num_experts, dtype=torch.int64)
+                self.tokens[index] = 0
+                self._handles.append(module.register_forward_pre_hook(self._hook(index), with_kwargs=True))
+
+    def _hook(self, index: int):
+        def count(_module, args, kwargs):
+            ids = args[1] if len(args) > 1 else kwargs.get("top_k_index")
+            if ids is None:
+                raise ModelInputError(f"layer {index}'s experts were called without routed expert ids: the model "
+                                      "does not use transformers 5's experts interface, so its routing cannot be "
+                                      "traced")
+            ids = ids.detach().reshape(ids.shape[0], -1)  # [tokens, top_k]
+            self.counts[index] += torch.bincount(ids.flatten().to("cpu", torch.int64), minlength=self.num_experts)
+            self.tokens[index] += ids.shape[0]
+        return count
+
+    def remove(self) -> None:
+        """Take the hooks off the model."""
+        for handle in self._handles:
+            handle.remove()
+
+
+def count_routing(model: nn.Module, prompts: list[torch.Tensor], stack: str, num_experts: int
+                  ) -> tuple[int, dict[int, tuple[int, ...]]]:
+    """(tokens routed per layer, per MoE layer index the assignments per expert) of running ``prompts`` ([1, T]
+    token ids each, on the model's device) through ``model``."""
+    counter = RoutingCounter(model, stack, num_experts)
+    if not counter.counts:
+        raise ModelInputError(f"the model has no {stack}.N.mlp.experts modules: its MoE block is not transformers "
+                              "5's experts interface, so its routing cannot be traced")
+    try:
+        with torch.inference_mode():
+            for ids in prompts:
+                model(input_ids=ids, use_cache=False)
+    finally:
+        counter.remove()
+    tokens = set(counter.tokens.values())
+    if len(tokens) != 1:
+        raise ModelInputError(f"MoE layers routed different numbers of tokens ({sorted(tokens)}): some layer skips "
+                              "tokens, which a routing trace cannot describe")
+    return tokens.pop(), {index: tuple(int(c) for c in counts) for index, counts in sorted(counter.counts.items())}
+
+
+def read_prompts(path) -> list[str]:
+    """One prompt a line; blank lines skipped; a one-line error when the file is missing, unreadable or empty."""
+    try:
+        with open(path, "rb") as stream:
+            raw = stream.read(MAX_PROMPT_FILE_BYTES + 1)
+    except OSError as error:
+        raise UsageError(f"--prompts {path}: {error.strerror}; give a text file with one prompt a line") from None
+    if len(raw) > MAX_PROMPT_FILE_BYTES:
+        raise UsageError(f"--prompts {path} is over {MAX_PROMPT_FILE_BYTES // 2**20} MiB; a trace needs thousands of "
+                         "tokens: give fewer prompts")
+    try:
+        prompts = [line.strip() for line in raw.decode("utf-8").splitlines() if line.strip()]
+    except UnicodeDecodeError:
+        raise UsageError(f"--prompts {path} is not UTF-8 text; give a text file with one prompt a line") from None
+    if not prompts:
+        raise UsageError(f"--prompts {path} holds no prompt; give a text file with one prompt a line")
+    return prompts
+
+
+def record_trace(model_path: str, prompts: list[str], device: str | None = None) -> RoutingTrace:
+    """Load the checkpoint at ``model_path`` with transformers on ``device`` (default: CUDA when present, else
+    the CPU), run ``prompts`` and count the routing of every MoE layer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    checkpoint = load_checkpoint(model_path)
+    layout = build_layout(checkpoint, None)
+    geometry = moe_geometry(checkpoint.config, layout)
+    if geometry is None:
+        raise UsageError(f"{model_path} has no routed experts: a routing trace is for MoE models")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+    except (OSError, ValueError):
+        raise UsageError(f"{model_path} has no tokenizer; point --model at a checkpoint folder with one") from None
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype="auto").to(device).eval()
+    ids = [tokenizer(prompt, return_tensors="pt")["input_ids"].to(device) for prompt in prompts]
+    num_tokens, counts = count_routing(model, ids, layout.stack, geometry.num_experts)
+    return RoutingTrace(model_fingerprint=checkpoint.fingerprint(), num_experts=geometry.num_experts,
+                        top_k=geometry.top_k, num_tokens=num_tokens, layers=tuple(counts.items()))

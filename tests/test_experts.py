@@ -1,0 +1,328 @@
+"""Expert-granular offloading: the routing model (planner.experts), routing traces (planner.routing_trace,
+runtime.trace, ``offload-plan trace``), and the routed placement in plans (make, show, check, diff, export)."""
+
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from planner.checkpoint import load_checkpoint
+from planner.errors import ModelInputError
+from planner.experts import (LayerRouting, MoeGeometry, MoeLayer, ROUTED_FETCH_EFFICIENCY, choose_resident,
+                             expected_distinct_uniform, moe_geometry, routed_placement, uniform_routing)
+from planner.layout import build_layout
+from planner.make import make_plan
+from planner.plan import Inputs, plan_from_dict, plan_to_dict, read_plan
+from planner.routing_trace import (RoutingTrace, check_against, read_trace, render_trace, trace_from_dict)
+from tests.conftest import assert_one_line_error, make_checkpoint, run_cli
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+QWEN3_30B = REPO_ROOT / "examples" / "qwen3-30b-a3b" / "config.json"
+
+
+@pytest.fixture(scope="module")
+def qwen3_30b(tmp_path_factory) -> Path:
+    """A header-only Qwen3-30B-A3B checkpoint (fused experts, bf16) from its public config.json."""
+    from runtime.header_checkpoint import write_header_checkpoint
+
+    folder = tmp_path_factory.mktemp("q30") / "qwen3-30b-a3b"
+    write_header_checkpoint(QWEN3_30B, folder)
+    return folder
+
+
+def geometry_of(folder: Path) -> MoeGeometry:
+    checkpoint = load_checkpoint(str(folder))
+    return moe_geometry(checkpoint.config, build_layout(checkpoint, None))
+
+
+# ---- the routing model -----------------------------------------------------------------------------------------
+
+
+def test_distinct_experts_of_qwen3_30b_at_1_4_16_64_sequences(qwen3_30b):
+    geometry = geometry_of(qwen3_30b)
+    assert (geometry.num_experts, geometry.top_k, len(geometry.layers)) == (128, 8, 48)
+    assert geometry.unroutable_reason is None
+    # 128 experts of [2 x 768, 2048] + [2048, 768] bf16 weights, read from the tensors
+    assert geometry.layers[0].expert_bytes == 3 * 768 * 2048 * 2
+    routing = uniform_routing(geometry)[0]
+    distinct = [round(routing.expected_distinct(b)) for b in (1, 4, 16, 64)]
+    assert distinct == [8, 29, 82, 126]
+    assert [round(expected_distinct_uniform(128, 8, b)) for b in (1, 4, 16, 64)] == distinct
+
+
+def test_skewed_routing_keeps_the_hottest_experts_and_hits_more():
+    # 20% of the experts take 80% of the assignments
+    num_experts, top_k = 10, 2
+    hot, cold = 0.8 * top_k / 2, 0.2 * top_k / 8
+    shares = tuple(hot if e in (3, 7) else cold for e in range(num_experts))
+    routing = LayerRouting(index=0, shares=shares)
+    assert routing.hottest(2) == (3, 7)
+    assert routing.hit_rate((3, 7)) == pytest.approx(0.8)
+    uniform = LayerRouting(index=0, shares=(top_k / num_experts,) * num_experts)
+    assert uniform.hottest(2) == (0, 1)
+    assert uniform.hit_rate((0, 1)) == pytest.approx(0.2)
+    # at one token, the hot pair saves more of the expected fetch than the first two ids would
+    assert routing.expected_fetched((3, 7), 1) < routing.expected_fetched((0, 1), 1)
+    assert routing.expected_distinct(1) == pytest.approx(sum(1 - (1 - p) for p in shares))
+
+
+def test_resident_experts_spread_over_layers_and_follow_the_savings():
+    layers = tuple(MoeLayer(index=i, expert_bytes=100, other_bytes=50) for i in range(3))
+    geometry = MoeGeometry(num_experts=8, top_k=2, layers=layers, unroutable_reason=None)
+    # uniform: the layers take turns, each its first ids
+    assert choose_resident(geometry, uniform_routing(geometry), 1, 700) == ((0, 1, 2), (0, 1), (0, 1))
+    skewed = list(uniform_routing(geometry))
+    skewed[2] = LayerRouting(index=2, shares=(0.9, 0.9, 0.05, 0.05, 0.025, 0.025, 0.025, 0.025))
+    chosen = choose_resident(geometry, tuple(skewed), 1, 300)
+    assert chosen[2] == (0, 1) and sum(map(len, chosen)) == 3
+    assert choose_resident(geometry, uniform_routing(geometry), 1, 99) == ((), (), ())
+
+
+def test_routed_placement_counts_buffers_and_fetch_rate():
+    layers = tuple(MoeLayer(index=i, expert_bytes=1000, other_bytes=500) for i in range(2))
+    geometry = MoeGeometry(num_experts=4, top_k=1, layers=layers, unroutable_reason=None)
+    totals = (4500, 4500)
+    # base: non-layer 100 + 2 x 500 non-expert + fetch buffer (1 slot) 1000 + staging (4 slots) 4000
+    base = 100 + 1000 + 1000 + 4000
+    assert routed_placement(geometry, uniform_routing(geometry), num_tokens=1, layer_total_bytes=totals,
+                            non_layer_bytes=100, weight_limit_bytes=base - 1, h2d_bytes_per_s=1e9) is None
+    placement = routed_placement(geometry, uniform_routing(geometry), num_tokens=1, layer_total_bytes=totals,
+                                 non_layer_bytes=100, weight_limit_bytes=base + 2000, h2d_bytes_per_s=1e9)
+    assert [row.resident for row in placement.layers] == [(0,), (0,)]
+    assert placement.weight_bytes == base + 2000 and placement.host_pinned_bytes == 6000
+    # one token touches one of 4 experts: 3/4 of the time a non-resident one, fetched at the derated rate
+    assert placement.layers[0].expected_fetched_bytes == pytest.approx(750)
+    assert placement.layers[0].fetch_ms == pytest.approx(1e3 * 750 / (1e9 * ROUTED_FETCH_EFFICIENCY))
+    assert placement.layers[0].hit_rate == pytest.approx(0.25)
+
+
+# ---- plans -----------------------------------------------------------------------------------------------------
+
+
+def serving_inputs(model: Path, concurrency: str, **extra) -> Inputs:
+    return Inputs(model=str(model), gpu="h100-sxm", context=4096, concurrency=concurrency, cuda_graph=True, **extra)
+
+
+def test_qwen3_30b_routed_at_one_sequence_whole_layers_at_64(qwen3_30b):
+    one = make_plan(serving_inputs(qwen3_30b, "1", gpu_memory="24GiB")).plan
+    assert one.experts.regime == "routed" and one.offload.layers == ()
+    point = one.experts.points[0]
+    assert point.routed_step_ms < point.whole_layer_step_ms / 5
+    assert one.prediction.step_ms == pytest.approx(point.routed_step_ms)
+    assert one.experts.fetch_slots == 8 and one.experts.fetch_buffer_bytes == 8 * one.experts.expert_bytes
+    assert all(row.regime == "routed" and row.resident for row in one.experts.layers)
+    total = one.memory.total_gpu_bytes
+    assert total <= one.memory.gpu_memory_bytes
+    sixty_four = make_plan(serving_inputs(qwen3_30b, "64")).plan
+    assert sixty_four.experts.regime == "whole_layer" and sixty_four.offload.layers
+    point = sixty_four.experts.points[0]
+    assert point.whole_layer_step_ms < point.routed_step_ms
+
+
+def test_a_routed_plan_reads_back_equal_and_check_regenerates_it(qwen3_30b, tmp_path):
+    planned = make_plan(serving_inputs(qwen3_30b, "1", gpu_memory="24GiB")).plan
+    assert plan_to_dict(plan_from_dict(plan_to_dict(planned), "test")) == plan_to_dict(planned)
+    path = tmp_path / "plan.yaml"
+    result = run_cli(["make", "--model", str(qwen3_30b), "--gpu", "h100-sxm", "--context", "4096", "--concurrency",
+                      "1", "--cuda-graph", "--gpu-memory", "24GiB", "-o", "plan.yaml"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "routed experts fetched in 48/48 layers" in result.stderr
+    assert plan_to_dict(read_plan(path))["experts"] == plan_to_dict(planned)["experts"]
+    checked = run_cli(["check", "plan.yaml"], cwd=tmp_path)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    shown = run_cli(["show", "plan.yaml", "--no-layers"], cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    text = " ".join(shown.stdout.split())
+    for words in ("Experts: routed", "hit rate", "after each layer's router", "streaming whole layers",
+                  "fetch 8 experts", "routed-expert fetch buffer"):
+        assert words in text, words
+
+
+def test_dense_plans_have_no_experts_section(tmp_path):
+    written = make_checkpoint(tmp_path / "dense")
+    plan = make_plan(Inputs(model=str(written.path), gpu="h100-sxm", budget="1MiB")).plan
+    assert plan.experts is None and "experts" not in plan_to_dict(plan)
+
+
+def test_an_architecture_the_runtime_cannot_route_fetch_falls_back_to_whole_layers(tmp_path):
+    written = make_checkpoint(tmp_path / "moe", moe={"num_experts": 4, "top_k": 2, "expert_intermediate": 32})
+    # gpt-oss style MXFP4 experts: packed U8 blocks and scales, fused
+    folder = tmp_path / "mxfp4"
+    folder.mkdir()
+    import json
+    from tests.conftest import write_safetensors
+
+    tensors = {name: spec for name, spec in written.tensors.items() if ".experts." not in name}
+    for layer in range(4):
+        tensors[f"model.layers.{layer}.mlp.experts.gate_up_proj_blocks"] = ("U8", (4, 64, 2, 16))
+        tensors[f"model.layers.{layer}.mlp.experts.gate_up_proj_scales"] = ("U8", (4, 64, 2))
+    write_safetensors(folder / "model.safetensors", tensors, data=False)
+    (folder / "config.json").write_text((written.path / "config.json").read_text())
+    plan = make_plan(Inputs(model=str(folder), gpu="h100-sxm", budget="1MiB", tokens=1, context=64)).plan
+    assert plan.experts.regime == "whole_layer"
+    assert "quantized" in plan.experts.routed_unavailable
+    assert json.dumps(plan_to_dict(plan))  # plain data
+
+
+def test_pinned_knobs_keep_whole_layers(qwen3_30b):
+    plan = make_plan(serving_inputs(qwen3_30b, "1", gpu_memory="24GiB", prefetch_step=2)).plan
+    assert plan.experts.regime == "whole_layer"
+    assert "--prefetch-step" in plan.experts.routed_unavailable
+
+
+# ---- routing traces --------------------------------------------------------------------------------------------
+
+
+def a_trace(geometry: MoeGeometry, fingerprint: str, num_tokens: int = 10) -> RoutingTrace:
+    """Every token of every layer routes to experts 0..top_k-1."""
+    counts = tuple(num_tokens if e < geometry.top_k else 0 for e in range(geometry.num_experts))
+    return RoutingTrace(model_fingerprint=fingerprint, num_experts=geometry.num_experts, top_k=geometry.top_k,
+                        num_tokens=num_tokens, layers=tuple((layer.index, counts) for layer in geometry.layers))
+
+
+def test_trace_round_trip_and_one_line_errors(tmp_path):
+    written = make_checkpoint(tmp_path / "moe", moe={"num_experts": 4, "top_k": 2, "expert_intermediate": 32})
+    checkpoint = load_checkpoint(str(written.path))
+    geometry = moe_geometry(checkpoint.config, build_layout(checkpoint, None))
+    trace = a_trace(geometry, checkpoint.fingerprint())
+    path = tmp_path / "trace.yaml"
+    path.write_text(render_trace(trace, "offload-plan trace --model m --prompts p"))
+    read = read_trace(path)
+    assert replace(read, content_hash="") == trace and read.content_hash.startswith("sha256:")
+    check_against(read, geometry, checkpoint.fingerprint(), "trace.yaml")
+    with pytest.raises(ModelInputError, match="another model"):
+        check_against(read, geometry, "sha256:" + "0" * 64, "trace.yaml")
+    fewer = replace(read, layers=read.layers[:-1])
+    with pytest.raises(ModelInputError, match="MoE layers"):
+        check_against(fewer, geometry, checkpoint.fingerprint(), "trace.yaml")
+    data = {"schema_version": 1, "model_fingerprint": "x", "num_experts": 4, "top_k": 2, "num_tokens": 10,
+            "layers": [{"index": 0, "counts": [10, 10, 0, 1]}]}
+    with pytest.raises(ModelInputError, match="sum to 21"):
+        trace_from_dict(data, "t")
+    data["layers"] = [{"index": 0, "counts": [11, 9, 0, 0]}]
+    with pytest.raises(ModelInputError, match="at most once"):
+        trace_from_dict(data, "t")
+    data["layers"] = [{"index": 0, "counts": [10, 10, 0]}]
+    with pytest.raises(ModelInputError, match="3 counts for 4 experts"):
+        trace_from_dict(data, "t")
+
+
+def test_make_with_a_trace_records_its_hash_keeps_hot_experts_and_check_finds_a_changed_trace(tmp_path):
+    written = make_checkpoint(tmp_path / "moe", moe={"num_experts": 4, "top_k": 1, "expert_intermediate": 32})
+    checkpoint = load_checkpoint(str(written.path))
+    geometry = moe_geometry(checkpoint.config, build_layout(checkpoint, None))
+    # experts 3 takes every token in every layer
+    counts = (0, 0, 0, 20)
+    trace = RoutingTrace(model_fingerprint=checkpoint.fingerprint(), num_experts=4, top_k=1, num_tokens=20,
+                         layers=tuple((layer.index, counts) for layer in geometry.layers))
+    (tmp_path / "trace.yaml").write_text(render_trace(trace, "offload-plan trace"))
+    words = ["make", "--model", "moe", "--gpu", "h100-sxm", "--tokens", "1", "--context", "64", "--budget"]
+    # a budget with room for the non-expert weights, both buffers and one resident expert per layer
+    layer = geometry.layers[0]
+    budget = (written.non_layer_bytes + 4 * layer.other_bytes + (1 + 4 + 1) * layer.expert_bytes) * 1.5
+    words += [f"{math.ceil(budget)}B", "--routing-trace", "trace.yaml", "-o", "plan.yaml"]
+    result = run_cli(words, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    plan = read_plan(tmp_path / "plan.yaml")
+    assert plan.inputs.routing_trace == "trace.yaml"
+    assert plan.experts.routing == f"trace {read_trace(tmp_path / 'trace.yaml').content_hash}"
+    assert plan.experts.regime == "routed"
+    assert all(3 in row.resident and row.hit_rate == 1.0 for row in plan.experts.layers)
+    assert run_cli(["check", "plan.yaml"], cwd=tmp_path).returncode == 0
+    other = RoutingTrace(model_fingerprint=checkpoint.fingerprint(), num_experts=4, top_k=1, num_tokens=20,
+                         layers=tuple((layer.index, (20, 0, 0, 0)) for layer in geometry.layers))
+    (tmp_path / "trace.yaml").write_text(render_trace(other, "offload-plan trace"))
+    stale = run_cli(["check", "plan.yaml"], cwd=tmp_path)
+    assert stale.returncode != 0 and "routing: trace sha256:" in stale.stdout + stale.stderr
+
+
+def test_make_refuses_a_trace_of_another_model_in_one_line(tmp_path):
+    written = make_checkpoint(tmp_path / "moe", moe={"num_experts": 4, "top_k": 2, "expert_intermediate": 32})
+    checkpoint = load_checkpoint(str(written.path))
+    geometry = moe_geometry(checkpoint.config, build_layout(checkpoint, None))
+    (tmp_path / "trace.yaml").write_text(render_trace(a_trace(geometry, "sha256:" + "1" * 64), "x"))
+    result = run_cli(["make", "--model", "moe", "--gpu", "h100-sxm", "--budget", "1MiB", "--routing-trace",
+                      "trace.yaml"], cwd=tmp_path)
+    assert_one_line_error(result.returncode, result.stderr, contains=("another model",))
+    dense = make_checkpoint(tmp_path / "dense")
+    result = run_cli(["make", "--model", str(dense.path), "--gpu", "h100-sxm", "--budget", "1MiB",
+                      "--routing-trace", "trace.yaml"], cwd=tmp_path)
+    assert_one_line_error(result.returncode, result.stderr, contains=("MoE",))
+
+
+def test_trace_command_records_a_tiny_qwen3_moe_on_the_cpu(tmp_path):
+    from tests.runtime_models import save_tiny_moe, save_word_tokenizer
+
+    folder = save_tiny_moe(tmp_path / "tiny", num_layers=3)
+    save_word_tokenizer(folder)
+    (tmp_path / "prompts.txt").write_text("w1 w2 w3 w4 w5\n\nw9 w8 w7\n")
+    result = run_cli(["trace", "--model", "tiny", "--prompts", "prompts.txt", "--device", "cpu", "-o", "trace.yaml"],
+                     cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr
+    trace = read_trace(tmp_path / "trace.yaml")
+    assert (trace.num_experts, trace.top_k, trace.num_tokens) == (4, 2, 8)
+    assert [index for index, _ in trace.layers] == [0, 1, 2]
+    assert all(sum(counts) == 16 for _, counts in trace.layers)
+    checkpoint = load_checkpoint(str(folder))
+    assert trace.model_fingerprint == checkpoint.fingerprint()
+    check_against(trace, geometry_of(folder), checkpoint.fingerprint(), "trace.yaml")
+    again = run_cli(["trace", "--model", "tiny", "--prompts", "prompts.txt", "--device", "cpu"], cwd=tmp_path,
+                    timeout=300)
+    assert again.stdout.split("\n", 2)[2] == (tmp_path / "trace.yaml").read_text().split("\n", 2)[2]
+
+
+def test_trace_counts_match_the_routers_own_choice():
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from runtime.trace import count_routing
+
+    config = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                            num_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.tensor([[1, 5, 9, 13, 17, 21]])
+    expected = {}
+
+    def gate_hook(index):
+        def record(_module, _args, output):
+            _, _, chosen = output  # Qwen3-MoE's router: (logits, scores, indices)
+            expected[index] = tuple(torch.bincount(chosen.flatten(), minlength=4).tolist())
+        return record
+
+    handles = [layer.mlp.gate.register_forward_hook(gate_hook(i)) for i, layer in enumerate(model.model.layers)]
+    num_tokens, counts = count_routing(model, [ids], "model.layers", 4)
+    for handle in handles:
+        handle.remove()
+    assert num_tokens == 6
+    assert counts == expected and all(sum(c) == 12 for c in counts.values())
+
+
+def test_trace_without_prompts_is_one_line(tmp_path):
+    (tmp_path / "empty.txt").write_text("\n\n")
+    result = run_cli(["trace", "--model", "x", "--prompts", "empty.txt"], cwd=tmp_path)
+    assert_one_line_error(result.returncode, result.stderr, contains=("no prompt",))
+
+
+def test_diff_and_export_of_routed_and_whole_layer_plans(qwen3_30b, tmp_path):
+    from planner.compare import compare_plans, summary_sentences
+    from planner.errors import PlanError
+    from planner.export import export_plan
+
+    routed = make_plan(serving_inputs(qwen3_30b, "1", gpu_memory="24GiB")).plan
+    whole = make_plan(serving_inputs(qwen3_30b, "64")).plan
+    data = compare_plans(whole, routed)
+    assert data["experts"]["regime"] == {"old": "whole_layer", "new": "routed"}
+    assert data["experts"]["num_resident"]["new"] == routed.experts.points[0].num_resident
+    sentence = next(s for s in summary_sentences(data) if s.startswith("Experts:"))
+    assert "whole_layer -> routed" in sentence and "hit rate" in sentence
+    dense = make_checkpoint(tmp_path / "dense")
+    dense_plan = make_plan(Inputs(model=str(dense.path), gpu="h100-sxm", budget="1MiB")).plan
+    assert "experts" not in compare_plans(dense_plan, dense_plan)
+    with pytest.raises(PlanError, match="cannot express") as refused:
+        export_plan(routed, "vllm")
+    assert "tokens/s against the plan's 15" in str(refused.value) and "\n" not in str(refused.value)
+    exported = export_plan(whole, "sglang")
+    assert any(note.startswith("experts: the plan streams whole layers") for note in exported.notes)
