@@ -23,13 +23,16 @@ layer's resident experts, so one index tensor addresses both without copying res
 """
 
 import types
+import weakref
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from planner.errors import PlanError, RuntimeUnavailableError
+from planner.placement import ALIGN_BYTES, align_up
 from planner.units import format_bytes
+from runtime.engine import PackedParam, backend_unpin, view_as_param
 
 #: cudaHostRegisterMapped: map the registered range into the device's address space (under UVA the device
 #: address is the host address)
@@ -71,10 +74,12 @@ class RoutedExperts:
 
     def __init__(self, *, modules: dict[int, nn.Module], resident: dict[int, tuple[int, ...]], fetch_slots: int,
                  backend):
-        """``modules``: layer index -> its experts module (params still holding the weights, anywhere);
-        ``resident``: layer index -> expert ids kept on the GPU; ``fetch_slots``: distinct experts one decode
-        step can fetch (the plan's experts.fetch_slots)."""
+        """Allocate (nothing read, nothing pinned yet): ``modules``: layer index -> its experts module (its
+        params may be on the meta device: only their shapes are read here); ``resident``: layer index -> expert
+        ids kept on the GPU; ``fetch_slots``: distinct experts one decode step can fetch (the plan's
+        experts.fetch_slots). ``start`` then takes the weights and routes the layers."""
         self.backend, self.device = backend, backend.device
+        self.modules = dict(modules)
         self.layers = sorted(modules)
         self.fetch_slots = fetch_slots
         first = modules[self.layers[0]]
@@ -87,21 +92,23 @@ class RoutedExperts:
         self.resident = {index: tuple(sorted(resident.get(index, ()))) for index in self.layers}
         self.row_bytes = {name: _row_bytes(dtype, shape) for name, (dtype, shape) in self.rows.items()}
         self.expert_bytes = sum(self.row_bytes.values())
-        self._host_allocation = None
-        self._pinned = []
-        try:
-            self._build(modules)
-        except BaseException:
-            self.close()
-            raise
+        self._unpin = lambda: None
+        self.host_allocation = self._allocate_host()
+        #: (layer, param) -> where its [E, *row] tensor sits in host_allocation (the loader's destinations)
+        self.host_items = self._host_layout()
+        num_rows = self.fetch_slots + sum(len(r) for r in self.resident.values())
+        #: param -> [fetch_slots + resident rows, *row] on the device: fetch slots first, then each routed
+        #: layer's resident experts in layer order
+        self.buffer = {name: self._device_rows(name, num_rows) for name in self.param_names}
+        #: param -> [E, *row] on the device: one routed layer's experts during a prefill chunk
+        self.staging = {name: self._device_rows(name, self.num_experts) for name in self.param_names}
         #: [1] int64 on the device: distinct non-resident experts gathered by decode steps since reset
         self.fetched_experts = torch.zeros(1, dtype=torch.int64, device=self.device)
         #: bytes copied into the staging buffer by prefill chunks (eager: counted on the host)
         self.staged_bytes = 0
-        for index in self.layers:
-            _route(modules[index], self, index)
-
-    # ---- construction ----
+        self.host: dict[tuple[int, str], torch.Tensor] = {}
+        self.host_device: dict[tuple[int, str], torch.Tensor] = {}
+        self.tables: dict[int, RouteTables] = {}
 
     def _check(self, modules, resident, fetch_slots: int) -> None:
         for index, module in modules.items():
@@ -118,45 +125,26 @@ class RoutedExperts:
             raise PlanError(f"fetch_slots must be in [1, {self.num_experts}] (distinct experts one decode step "
                             f"fetches), got {fetch_slots}")
 
-    def _build(self, modules) -> None:
-        """Host allocation (every routed layer's E experts per param, back to back), page-locked and mapped;
-        the device buffer with the resident experts copied in; the staging buffer; the route tables."""
-        num_experts = self.num_experts
-        host_bytes = len(self.layers) * num_experts * self.expert_bytes
+    def _allocate_host(self) -> torch.Tensor:
+        """One host allocation for every routed layer's E experts per param, back to back (each param's rows
+        on an aligned offset), page-aligned; a tensor whose storage begins there: torch asks is_pinned about a
+        storage's first byte, and prefill's copies from it are asynchronous only when pinned."""
         from runtime.engine import _own_storage
         from runtime.load import host_allocation_or_fail
 
-        # a tensor whose storage begins at the page-aligned start: torch asks is_pinned about a storage's first
-        # byte, and prefill's copies from it are asynchronous only when pinned
-        self._host_allocation = _own_storage(host_allocation_or_fail(
-            host_bytes, "the routed experts", "make a plan that routes fewer layers"), 0, host_bytes)
-        offset = 0
-        #: (layer, param) -> [E, *row] CPU tensor over the host allocation
-        self.host: dict[tuple[int, str], torch.Tensor] = {}
+        num_bytes = align_up(len(self.layers) * len(self.param_names) * ALIGN_BYTES + self.host_bytes)
+        allocation = host_allocation_or_fail(num_bytes, "the routed experts", "make a plan that routes fewer layers")
+        return _own_storage(allocation, 0, num_bytes)
+
+    def _host_layout(self) -> dict[tuple[int, str], PackedParam]:
+        items, offset = {}, 0
         for index in self.layers:
             for name in self.param_names:
                 dtype, shape = self.rows[name]
-                num_bytes = num_experts * self.row_bytes[name]
-                self.host[index, name] = self._host_allocation[offset:offset + num_bytes].view(dtype).view(
-                    num_experts, *shape)
-                self.host[index, name].copy_(getattr(modules[index], name).data)
-                offset += num_bytes
-        pin_mapped(self.backend, self._host_allocation)
-        self._pinned.append(self._host_allocation)
-        self.host_device = {key: device_view(tensor, self.device) for key, tensor in self.host.items()}
-        num_rows = self.fetch_slots + sum(len(r) for r in self.resident.values())
-        self.buffer = {name: self._device_rows(name, num_rows) for name in self.param_names}
-        self.staging = {name: self._device_rows(name, num_experts) for name in self.param_names}
-        self.tables: dict[int, RouteTables] = {}
-        row = self.fetch_slots
-        for index in self.layers:
-            ids = self.resident[index]
-            resident_row = torch.full((num_experts,), -1, dtype=torch.int64)
-            resident_row[list(ids)] = torch.arange(row, row + len(ids))
-            for name in self.param_names:
-                self.buffer[name][row:row + len(ids)].copy_(self.host[index, name][list(ids)])
-            self.tables[index] = RouteTables(resident_row=resident_row.to(self.device))
-            row += len(ids)
+                num_bytes = self.num_experts * self.row_bytes[name]
+                items[index, name] = PackedParam(name, offset, num_bytes, dtype, (self.num_experts, *shape))
+                offset = align_up(offset + num_bytes)
+        return items
 
     def _device_rows(self, name: str, num_rows: int) -> torch.Tensor:
         from runtime.load import alloc_device_or_fail
@@ -166,11 +154,39 @@ class RoutedExperts:
                                    "make a plan with fewer resident experts")
         return raw.view(dtype).view(num_rows, *shape)
 
+    def start(self) -> None:
+        """Take the weights (copied from the modules' params unless the loader already read them into the host
+        allocation), page-lock and map the host allocation, copy the resident experts to the device, and route
+        the layers' forwards."""
+        modules = self.modules
+        for index in self.layers:
+            for name in self.param_names:
+                host = view_as_param(self.host_allocation, self.host_items[index, name])
+                param = getattr(modules[index], name)
+                if param.data_ptr() != host.data_ptr():
+                    host.copy_(param.data)
+                self.host[index, name] = host
+        pin_mapped(self.backend, self.host_allocation)
+        # unpinned before the memory can be freed, even if close is never called (as OffloadEngine does)
+        self._unpin = weakref.finalize(self, backend_unpin, self.backend, [self.host_allocation])
+        self.host_device = {key: device_view(tensor, self.device) for key, tensor in self.host.items()}
+        row = self.fetch_slots
+        for index in self.layers:
+            ids = list(self.resident[index])
+            resident_row = torch.full((self.num_experts,), -1, dtype=torch.int64)
+            resident_row[ids] = torch.arange(row, row + len(ids))
+            for name in self.param_names:
+                self.buffer[name][row:row + len(ids)].copy_(self.host[index, name][ids])
+            self.tables[index] = RouteTables(resident_row=resident_row.to(self.device))
+            row += len(ids)
+        for index in self.layers:
+            _route(modules[index], self, index)
+
     # ---- accounting ----
 
     @property
     def host_bytes(self) -> int:
-        """Page-locked host bytes: every routed layer's E experts."""
+        """Host bytes of the experts: every routed layer's E experts (page-locked with alignment padding)."""
         return len(self.layers) * self.num_experts * self.expert_bytes
 
     @property
@@ -188,10 +204,9 @@ class RoutedExperts:
 
     def close(self) -> None:
         """Unpin the host allocation (after the device stopped reading it); the model must not run after."""
-        while self._pinned:
-            self.backend.unpin(self._pinned.pop())
-        self._host_allocation = None
-        self.host, self.host_device = {}, {}
+        self._unpin()
+        self.host_allocation = None
+        self.host, self.host_device, self.buffer, self.staging, self.modules = {}, {}, {}, {}, {}
 
     # ---- the step ----
 
@@ -400,6 +415,29 @@ def apply_routed_experts(model: nn.Module, routed: dict[int, tuple[int, ...]], f
     bad = [index for index in routed if not 0 <= index < len(layers)]
     if bad:
         raise PlanError(f"routed layers {bad} are outside the model's {len(layers)} layers")
+    modules = {index: experts_module(layers[index], index) for index in routed}
+    experts = RoutedExperts(modules=modules, resident=routed, fetch_slots=fetch_slots, backend=backend)
+    try:
+        experts.start()
+    except BaseException:
+        experts.close()
+        raise
+    return experts
+
+
+def allocate_for_plan(plan, layers: list[nn.Module], backend) -> "RoutedExperts | None":
+    """The routed experts of a plan's ``experts`` section, allocated (host and device) but not started: the
+    loader reads their params into ``host_allocation`` at ``host_items``, then calls ``start``. None where the
+    plan routes no layer."""
+    routed, fetch_slots = routed_from_plan(plan)
+    if not routed:
+        return None
+    bad = [index for index in routed if not 0 <= index < len(layers)]
+    if bad:
+        raise PlanError(f"the plan routes layers {bad} but the model has {len(layers)}; regenerate the plan")
+    overlap = sorted(set(routed) & set(plan.offload.layers))
+    if overlap:
+        raise PlanError(f"layers {overlap} are both offloaded whole and routed in the plan; regenerate it")
     modules = {index: experts_module(layers[index], index) for index in routed}
     return RoutedExperts(modules=modules, resident=routed, fetch_slots=fetch_slots, backend=backend)
 
