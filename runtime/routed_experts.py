@@ -73,11 +73,14 @@ class RoutedExperts:
     staging buffer for prefill and the fetch counter of every routed layer of one model."""
 
     def __init__(self, *, modules: dict[int, nn.Module], resident: dict[int, tuple[int, ...]], fetch_slots: int,
-                 backend):
+                 backend, adopt_host: bool = False):
         """Allocate (nothing read, nothing pinned yet): ``modules``: layer index -> its experts module (its
         params may be on the meta device: only their shapes are read here); ``resident``: layer index -> expert
         ids kept on the GPU; ``fetch_slots``: distinct experts one decode step can fetch (the plan's
-        experts.fetch_slots). ``start`` then takes the weights and routes the layers."""
+        experts.fetch_slots); ``adopt_host``: page-lock the params' own host tensors in place (they must be
+        contiguous CPU tensors, each its storage) rather than copy them into one allocation: a benchmark whose
+        model already sits in host memory holds no second copy. ``start`` then takes the weights and routes
+        the layers."""
         self.backend, self.device = backend, backend.device
         self.modules = dict(modules)
         self.layers = sorted(modules)
@@ -93,9 +96,11 @@ class RoutedExperts:
         self.row_bytes = {name: _row_bytes(dtype, shape) for name, (dtype, shape) in self.rows.items()}
         self.expert_bytes = sum(self.row_bytes.values())
         self._unpin = lambda: None
-        self.host_allocation = self._allocate_host()
+        self.adopt_host = adopt_host
+        #: None when adopting the params' own host tensors
+        self.host_allocation = None if adopt_host else self._allocate_host()
         #: (layer, param) -> where its [E, *row] tensor sits in host_allocation (the loader's destinations)
-        self.host_items = self._host_layout()
+        self.host_items = {} if adopt_host else self._host_layout()
         num_rows = self.fetch_slots + sum(len(r) for r in self.resident.values())
         #: param -> [fetch_slots + resident rows, *row] on the device: fetch slots first, then each routed
         #: layer's resident experts in layer order
@@ -146,6 +151,19 @@ class RoutedExperts:
                 offset = align_up(offset + num_bytes)
         return items
 
+    def _host_tensor(self, param: torch.Tensor, index: int, name: str) -> torch.Tensor:
+        """Where layer ``index``'s param ``name`` lives on the host from now on: the param's own tensor when
+        adopting, else its place in the host allocation (copied there unless the loader read it there)."""
+        if self.adopt_host:
+            if param.device.type != "cpu" or not param.is_contiguous() or param.storage_offset() != 0:
+                raise PlanError(f"layer {index}'s {name} must be a contiguous CPU tensor of its own to be page-locked "
+                                "in place; route the experts without adopt_host")
+            return param
+        host = view_as_param(self.host_allocation, self.host_items[index, name])
+        if param.data_ptr() != host.data_ptr():
+            host.copy_(param)
+        return host
+
     def _device_rows(self, name: str, num_rows: int) -> torch.Tensor:
         from runtime.load import alloc_device_or_fail
 
@@ -161,14 +179,16 @@ class RoutedExperts:
         modules = self.modules
         for index in self.layers:
             for name in self.param_names:
-                host = view_as_param(self.host_allocation, self.host_items[index, name])
-                param = getattr(modules[index], name)
-                if param.data_ptr() != host.data_ptr():
-                    host.copy_(param.data)
-                self.host[index, name] = host
-        pin_mapped(self.backend, self.host_allocation)
-        # unpinned before the memory can be freed, even if close is never called (as OffloadEngine does)
-        self._unpin = weakref.finalize(self, backend_unpin, self.backend, [self.host_allocation])
+                self.host[index, name] = self._host_tensor(getattr(modules[index], name).data, index, name)
+        ranges = list(self.host.values()) if self.adopt_host else [self.host_allocation]
+        pinned = []
+        try:
+            for tensor in ranges:
+                pin_mapped(self.backend, tensor)
+                pinned.append(tensor)
+        finally:
+            # unpinned before the memory can be freed, even if close is never called (as OffloadEngine does)
+            self._unpin = weakref.finalize(self, backend_unpin, self.backend, pinned)
         self.host_device = {key: device_view(tensor, self.device) for key, tensor in self.host.items()}
         row = self.fetch_slots
         for index in self.layers:
@@ -404,11 +424,11 @@ def _route(module: nn.Module, routed: RoutedExperts, index: int) -> None:
 
 
 def apply_routed_experts(model: nn.Module, routed: dict[int, tuple[int, ...]], fetch_slots: int, backend,
-                         stack: str = "model.layers") -> RoutedExperts | None:
+                         stack: str = "model.layers", adopt_host: bool = False) -> RoutedExperts | None:
     """Route-fetch the experts of the layers ``routed`` names (layer index -> resident expert ids): their
     fused expert params move to page-locked, mapped host memory (resident ones also to the GPU) and their
     forward fetches what each step routes to. Non-expert params are left where they are (the caller puts
-    them on the GPU). None when ``routed`` is empty."""
+    them on the GPU); ``adopt_host``: see RoutedExperts. None when ``routed`` is empty."""
     if not routed:
         return None
     layers = list(model.get_submodule(stack))
@@ -416,7 +436,8 @@ def apply_routed_experts(model: nn.Module, routed: dict[int, tuple[int, ...]], f
     if bad:
         raise PlanError(f"routed layers {bad} are outside the model's {len(layers)} layers")
     modules = {index: experts_module(layers[index], index) for index in routed}
-    experts = RoutedExperts(modules=modules, resident=routed, fetch_slots=fetch_slots, backend=backend)
+    experts = RoutedExperts(modules=modules, resident=routed, fetch_slots=fetch_slots, backend=backend,
+                            adopt_host=adopt_host)
     try:
         experts.start()
     except BaseException:

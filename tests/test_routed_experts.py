@@ -208,3 +208,37 @@ def test_a_plan_routing_an_offloaded_layer_is_refused(moe_checkpoint):
     plan = _with_experts(plan, {plan.offload.layers[0]: ()}, fetch_slots=2)
     with pytest.raises(PlanError, match="both offloaded whole and routed"):
         apply_plan_on_cpu(build_model(str(moe_checkpoint), None), plan)
+
+
+def _own_pages(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor`` on whole pages of its own, its storage beginning there."""
+    import mmap
+
+    from runtime.engine import _own_storage
+    from runtime.load import host_allocation_or_fail
+
+    num_bytes = tensor.numel() * tensor.element_size()
+    pages = -(-num_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
+    own = _own_storage(host_allocation_or_fail(pages), 0, num_bytes)
+    return own.view(tensor.dtype).view(tensor.shape).copy_(tensor)
+
+
+def test_adopted_host_tensors_are_pinned_in_place_and_decode_the_same(model):
+    """adopt_host (benchmarks holding the model on the host): no second copy, each param pinned where it is."""
+    reference = copy.deepcopy(model)
+    expected = _greedy(reference, 1, 4)
+    routed_model = copy.deepcopy(model)
+    routed_model.set_experts_implementation("batched_mm")
+    for index in ROUTED:  # on pages of their own, as a large tensor's allocation is (the tiny ones share pages)
+        experts = routed_model.model.layers[index].mlp.experts
+        for name in ("gate_up_proj", "down_proj"):
+            experts._parameters[name] = torch.nn.Parameter(_own_pages(getattr(experts, name).data), False)
+    owned = {index: routed_model.model.layers[index].mlp.experts.gate_up_proj.data_ptr() for index in ROUTED}
+    routed = apply_routed_experts(routed_model, ROUTED, 2, CpuStandIn(), adopt_host=True)
+    assert routed.host_allocation is None
+    assert all(routed.host[index, "gate_up_proj"].data_ptr() == ptr for index, ptr in owned.items())
+    assert len(routed.backend.pinned) == 2 * len(ROUTED)
+    got = _greedy(routed_model, 1, 4)
+    assert torch.equal(expected[0], got[0]) and all(torch.equal(a, b) for a, b in zip(expected[1], got[1]))
+    routed.close()
+    assert routed.backend.pinned == {}
