@@ -15,7 +15,7 @@ with no host synchronisation (so a CUDA graph captures it with the rest of the s
    those of the all-resident model computed with batched_mm: the logits are bitwise equal.
 
 Prefill chunks (more pairs than fetch slots) copy the layer's experts into one shared staging buffer of all E
-experts (one copy-engine copy from the host, then the resident rows from the GPU) and run the experts
+experts (one copy-engine copy from the host, which holds all E: the resident ones too) and run the experts
 implementation the model is configured with (prefill_experts_forward) over it.
 
 One device buffer [fetch_slots + sum of resident counts, ...] per expert param holds the fetch slots and every
@@ -243,14 +243,14 @@ class RoutedExperts:
 
     def prefill(self, module: nn.Module, index: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        """A chunk with more pairs than fetch slots: the layer's experts into the staging buffer, whole (the
-        resident ones from the GPU), then the configured experts implementation over it."""
-        ids = self.resident[index]
-        rows = self.tables[index].resident_row[list(ids)] if ids else None
+        """A chunk with more pairs than fetch slots: the layer's E experts into the staging buffer from the
+        host, then the configured experts implementation over it. No host sync either
+        (a decode step with more sequences than planned lands here, captured or not); ``staged_bytes`` counts
+        eager calls only."""
         for name in self.param_names:
+            # one copy-engine copy of all E (the host holds the resident ones too): one large copy runs at the
+            # link's rate, where copying around the resident rows would take up to R + 1 smaller ones
             self.staging[name].copy_(self.host[index, name], non_blocking=True)
-            if ids:
-                self.staging[name][list(ids)] = self.buffer[name][rows]
         self.staged_bytes += self.num_experts * self.expert_bytes
         proxy = _Proxy(module, dict(self.staging))
         return prefill_experts_forward(module)(proxy, hidden, top_k_index, top_k_weights)
@@ -351,7 +351,7 @@ class _CudaArray:
 
     def __init__(self, tensor: torch.Tensor):
         self._keep = tensor
-        typestr = {1: "|u1", 2: "<u2", 4: "<u4", 8: "<u8"}[tensor.element_size()]
+        typestr = {torch.uint8: "|u1", torch.int16: "<i2", torch.int32: "<i4", torch.int64: "<i8"}[tensor.dtype]
         self.__cuda_array_interface__ = {"shape": tuple(tensor.shape), "typestr": typestr,
                                          "data": (tensor.data_ptr(), False), "version": 3,
                                          "strides": tuple(s * tensor.element_size() for s in tensor.stride())}
