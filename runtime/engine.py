@@ -182,6 +182,9 @@ class OffloadEngine:
         #: deferred positions' copies to the next replay, so they are pending until that one begins
         self._replay_last = False
         self._hooks = []
+        #: the plan's routed layers' experts (runtime.routed_experts.RoutedExperts), set by the loader; closed
+        #: with the engine
+        self.routed_experts = None
         self.key = next(_ENGINE_KEYS)
         _ENGINES[self.key] = self
         self.host_buffers = self._adopt_host(host)
@@ -379,6 +382,9 @@ class OffloadEngine:
         """Detach hooks and unpin the host memory; the model must not run afterwards."""
         self.remove_hooks()
         self._unpin()
+        if self.routed_experts is not None:
+            self.routed_experts.close()
+            self.routed_experts = None
         self._host_allocation = None
         self.host_buffers = []
 

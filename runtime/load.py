@@ -20,6 +20,7 @@ from planner.plan import Plan
 from planner.units import format_bytes
 from runtime.backend import CpuStandIn, CudaBackend
 from runtime.experts_impl import PREFILL, use_phase
+from runtime.routed_experts import RoutedExperts, allocate_for_plan
 from planner.placement import align_up
 from planner.schedule import PrefetchSchedule
 from runtime.engine import (HOST_PIECE_ALIGN_BYTES, OffloadEngine, PackedParam, host_offsets, host_pieces,
@@ -231,6 +232,8 @@ class Placement:
     pieces: list[torch.Tensor] = field(default_factory=list)
     #: positions of the pieces page-locked and not unpinned since, in the order they were pinned
     pinned_pieces: list[int] = field(default_factory=list)
+    #: the plan's routed layers' experts (runtime.routed_experts), allocated; started by finish_placement
+    routed: RoutedExperts | None = None
 
     @property
     def host_pinned(self) -> bool:
@@ -261,6 +264,9 @@ class Placement:
         """Undo the allocations after a failed load: unpin the pieces pinned, then drop the memory."""
         while self.pinned_pieces:
             backend.unpin(self.pieces[self.pinned_pieces.pop()])
+        if self.routed is not None:
+            self.routed.close()
+            self.routed = None
         self.host = self.arena = None
         self.slots, self.destinations, self.pieces = [], {}, []
 
@@ -280,7 +286,12 @@ def place_plan(model: nn.Module, plan: Plan, backend, pin: bool = True) -> Place
         named = dict(layers[index].named_parameters())
         offloaded_names.append([names[id(named[item.name])] for item in layout])
     moving = {name for group in offloaded_names for name in group}
-    resident = [(name, p) for name, p in model.named_parameters() if name not in moving]
+    # routed layers: their experts go to the routed allocation on the host, the rest of the layer stays resident
+    routed = allocate_for_plan(plan, layers, backend)
+    routed_names = {} if routed is None else {
+        names[id(getattr(module, param))]: (index, param)
+        for index, module in routed.modules.items() for param in routed.param_names}
+    resident = [(name, p) for name, p in model.named_parameters() if name not in moving and name not in routed_names]
     resident_layout, resident_bytes = _arena_layout([p for _, p in resident])
     slot_bytes = max((packed_bytes(layout) for layout in layouts), default=0)
     num_slots = PrefetchSchedule(len(offloaded), plan.offload.prefetch_step).num_slots if offloaded else 0
@@ -295,8 +306,10 @@ def place_plan(model: nn.Module, plan: Plan, backend, pin: bool = True) -> Place
     for position, layout in enumerate(layouts):
         for name, item in zip(offloaded_names[position], layout):
             destinations[name] = Destination(buffer=pieces[position], item=item, on_device=False, piece=position)
+    for name, key in routed_names.items():  # page-locked whole once loaded (RoutedExperts.start)
+        destinations[name] = Destination(buffer=routed.host_allocation, item=routed.host_items[key], on_device=False)
     placement = Placement(layers=layers, layouts=layouts, arena=arena, slots=slots, host=host,
-                          destinations=destinations, pieces=pieces)
+                          destinations=destinations, pieces=pieces, routed=routed)
     if pin:
         try:
             placement.pin_host(backend)
@@ -346,6 +359,9 @@ def finish_placement(model: nn.Module, plan: Plan, placement: Placement, backend
                            backend=backend, slots=placement.slots, host=placement.host,
                            replay_start_copies=plan.offload.replay_start_copies)
     engine.arena = placement.arena
+    if placement.routed is not None:
+        placement.routed.start()
+        engine.routed_experts = placement.routed
     return engine
 
 

@@ -77,3 +77,20 @@ def write_plan(plan: Plan, path: Path) -> Path:
 
     write_atomic(path, render_plan(plan, "test"))
     return path
+
+
+def routed_moe_model(*, hidden: int = 64, num_layers: int = 4, num_experts: int = 16, top_k: int = 2, seed: int = 0,
+                     dtype: torch.dtype = torch.float32):
+    """A Qwen3-MoE model in memory (random weights, eval) with enough experts that some are resident and some
+    not, for the routed-experts tests."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden,
+                            moe_intermediate_size=hidden, num_hidden_layers=num_layers, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, num_experts=num_experts, num_experts_per_tok=top_k)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).to(dtype)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.1)
+    return model.eval()

@@ -1,0 +1,520 @@
+"""Expert-granular offloading on a CUDA GPU (issue 22): routed experts against today's whole-layer plan.
+
+A Qwen3-30B-A3B shape (examples/qwen3-30b-a3b/config.json, random bf16 weights held once on the host), one
+sequence, a static cache filled to 4096 tokens, graphed greedy decode. Rows, appended to the JSON as they
+finish:
+
+- rates: the pinned host-to-device rate of the copy engine (runtime.benchmarking.pinned_h2d_bytes_per_s) and
+  the rate of the routed gather (the Triton kernel reading mapped host memory, a decode step's k experts);
+- all-resident: the whole model on the GPU, uncapped (it fits an 80 GB H100): the reference ids and logits
+  (batched_mm) and the all-resident decode step;
+- routed, uniform: the process capped to 24 GiB; every layer routed, resident experts as many as fit (the same
+  ids in every layer); tokens/s, fetched bytes per step against the expected k (E - R) / E per layer, the
+  routed floor max(all-resident step, fetched bytes per step / pinned H2D rate) and measured/floor, the first
+  step's and 64 greedy tokens' bitwise equality with the reference;
+- whole-layer plan: today's plan (the planner, as scripts/bench_serving.py makes it) under the same cap;
+- skewed routing: each router biased so ~20% of its experts take ~80% of the assignments (a logit bias in
+  units of the token's logit spread, solved for that share); the reference records each expert's assignments;
+  routed with the most frequent experts resident, then with the uniform choice at the same memory: the
+  measured hit rate against the recorded one, tokens/s.
+
+    PYTHONPATH=. python3 scripts/bench_experts.py            # on the H100: a few minutes; --out DIR
+    PYTHONPATH=. python3 scripts/bench_experts.py --tiny     # the same logic on a tiny model, CPU is enough
+"""
+
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, set before CUDA starts
+
+import torch  # noqa: E402
+
+from runtime.benchmarking import log  # noqa: E402
+
+CONFIG = "examples/qwen3-30b-a3b/config.json"
+TINY_CONFIG = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 256,
+               "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 64, "num_hidden_layers": 4,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 16,
+               "num_experts_per_tok": 2, "norm_topk_prob": True, "tie_word_embeddings": False,
+               "torch_dtype": "bfloat16"}
+#: GPU bytes kept free of weights, cache and expert buffers for the decode step's activations, the captured
+#: graph's pool and the allocator's rounding
+ACTIVATION_RESERVE_BYTES = 2 << 30
+#: the skewed router: this share of each layer's experts takes HOT_ASSIGNMENT_SHARE of the assignments
+HOT_EXPERT_SHARE = 0.2
+HOT_ASSIGNMENT_SHARE = 0.8
+
+
+@dataclass(frozen=True, kw_only=True)
+class Setting:
+    """What one run measures (the H100 run or the tiny CPU one)."""
+
+    config: Path
+    device: torch.device
+    gpu_memory_bytes: int
+    context_tokens: int
+    num_greedy_steps: int
+    num_timed_steps: int
+    graphed: bool
+    #: the whole-layer plan's knobs pinned (tiny: the planner alone would offload nothing), else the planner's
+    whole_layer_knobs: tuple | None = None
+    measure: bool = True
+
+
+# ---- the model and its routing ----
+
+
+def build_master(setting: Setting):
+    """The model with random bf16 weights on the host (drawn on the GPU where there is one: faster)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from runtime.benchmarking import free
+
+    torch.manual_seed(0)
+    with torch.device(setting.device):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(setting.config.parent),
+                                                 dtype=torch.bfloat16)
+    model = model.to("cpu").eval()
+    if setting.device.type == "cuda":
+        free()
+    return model
+
+
+def gates(model) -> list:
+    return [layer.mlp.gate for layer in model.model.layers]
+
+
+def expert_shape(model) -> tuple[int, int, int]:
+    """(layers, experts, top-k) of a Qwen3-MoE model."""
+    text = model.config.get_text_config()
+    return text.num_hidden_layers, text.num_experts, text.num_experts_per_tok
+
+
+def skew_bias_for(num_experts: int, top_k: int, hot: int, share: float) -> float:
+    """The logit bias (in units of a token's logit spread) that gives ``hot`` experts ``share`` of top-k
+    assignments under Gaussian logits: bisection over a seeded simulation."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(20000, num_experts, generator=generator)
+    low, high = 0.0, 8.0
+    for _ in range(30):
+        bias = (low + high) / 2
+        shifted = logits.clone()
+        shifted[:, :hot] += bias
+        hot_share = (shifted.topk(top_k, dim=-1).indices < hot).float().mean().item()
+        low, high = (bias, high) if hot_share < share else (low, bias)
+    return (low + high) / 2
+
+
+def skew_routers(model, seed: int = 0) -> None:
+    """Bias every router of ``model`` (buffers and forward hooks, kept by copies and moved with the model):
+    a seeded 20% of each layer's experts take about 80% of the assignments."""
+    _, num_experts, top_k = expert_shape(model)
+    hot = max(1, round(HOT_EXPERT_SHARE * num_experts))
+    bias = skew_bias_for(num_experts, top_k, hot, HOT_ASSIGNMENT_SHARE)
+    generator = torch.Generator().manual_seed(seed)
+    for gate in gates(model):
+        routing_bias = torch.zeros(num_experts)
+        routing_bias[torch.randperm(num_experts, generator=generator)[:hot]] = bias
+        gate.register_buffer("routing_bias", routing_bias, persistent=False)
+        gate.register_forward_hook(_skewed)
+
+
+def _skewed(gate, args, output):
+    """The router's output recomputed over logits shifted by its bias (the same top-k arithmetic as
+    Qwen3MoeTopKRouter.forward)."""
+    logits = output[0]  # [tokens, experts]
+    spread = logits.float().std(dim=-1, keepdim=True)
+    shifted = (logits.float() + gate.routing_bias * spread).to(logits.dtype)
+    probs = torch.softmax(shifted, dtype=torch.float, dim=-1)
+    top, indices = torch.topk(probs, gate.top_k, dim=-1)
+    if gate.norm_topk_prob:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return shifted, top.to(logits.dtype), indices
+
+
+def count_routing(model) -> list:
+    """Count each layer's assignments per expert on the device (graph-capturable); returns the hooks."""
+    _, num_experts, _ = expert_shape(model)
+    hooks = []
+    for gate in gates(model):
+        gate.register_buffer("routing_counts", torch.zeros(num_experts, dtype=torch.int64,
+                                                           device=gate.weight.device), persistent=False)
+        hooks.append(gate.register_forward_hook(_count))
+    return hooks
+
+
+def _count(gate, args, output):
+    indices = output[2].flatten()
+    gate.routing_counts.index_add_(0, indices, torch.ones_like(indices))
+
+
+# ---- memory and residency ----
+
+
+def param_bytes(params) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def resident_count(master, setting: Setting, fetch_slots: int) -> int:
+    """Resident experts per layer that fit the GPU memory: what is left after the non-expert weights, the KV
+    cache, the fetch and staging buffers, CUDA's own memory and ACTIVATION_RESERVE_BYTES, shared by all layers."""
+    num_layers, num_experts, _ = expert_shape(master)
+    experts = [layer.mlp.experts for layer in master.model.layers]
+    expert_bytes = param_bytes(experts[0].parameters()) // num_experts
+    non_expert = param_bytes(master.parameters()) - sum(param_bytes(e.parameters()) for e in experts)
+    text = master.config.get_text_config()
+    kv_bytes = 2 * num_layers * text.num_key_value_heads * text.head_dim * cache_tokens(setting) * 2
+    outside = 0
+    if setting.device.type == "cuda":
+        from runtime.serving import outside_allocator_bytes
+
+        outside = outside_allocator_bytes(setting.device)
+    left = (setting.gpu_memory_bytes - outside - non_expert - kv_bytes - (fetch_slots + num_experts) * expert_bytes
+            - ACTIVATION_RESERVE_BYTES)
+    return max(0, min(num_experts, left // (num_layers * expert_bytes)))
+
+
+def cache_tokens(setting: Setting) -> int:
+    """One cache length for every arm: a static cache attends over its whole length, so equal lengths keep
+    the arms' logits comparable bit for bit."""
+    return setting.context_tokens + setting.num_greedy_steps + 16
+
+
+# ---- decode ----
+
+
+def decode(model, setting: Setting, engine=None, routed=None) -> dict:
+    """Fill the cache, capture (or warm up), 64 greedy steps, then timed steps: ids, logits and figures."""
+    from runtime.graph import DecodeLoop
+
+    loop = DecodeLoop(model, batch=1, max_cache_tokens=cache_tokens(setting), device=setting.device, engine=engine,
+                      steps_per_call=1)
+    loop.fill(setting.context_tokens, seed=0)
+    if setting.graphed:
+        loop.capture()
+    else:
+        loop.warm_up()
+    saved = loop.save_state()
+    if routed is not None:
+        routed.reset_counters()
+    ids, logits = loop.generate(setting.num_greedy_steps)
+    result = {"ids": ids.cpu(), "logits": [out.cpu() for out in logits]}
+    if routed is not None:
+        result["fetched_bytes_per_step"] = routed.fetched_bytes() / setting.num_greedy_steps
+    loop.restore_state(saved)
+    step_ms = timed_ms(loop, setting)
+    result.update(step_ms=statistics.median(step_ms), tokens_per_s=1e3 / statistics.median(step_ms))
+    del loop
+    return result
+
+
+def timed_ms(loop, setting: Setting) -> list[float]:
+    if setting.device.type == "cuda":
+        loop.timed_steps(3)
+        return loop.timed_steps(setting.num_timed_steps)
+    times = []
+    for _ in range(setting.num_timed_steps):
+        started = time.perf_counter()
+        loop.step()
+        times.append(1e3 * (time.perf_counter() - started))
+    return times
+
+
+def compare(result: dict, reference: dict) -> dict:
+    """Bitwise equality with the reference: the first step's logits, and all greedy steps' ids and logits."""
+    return {"first_step_bitwise": torch.equal(result["logits"][0], reference["logits"][0]),
+            "greedy_ids_equal": torch.equal(result["ids"], reference["ids"]),
+            "greedy_logits_bitwise": all(torch.equal(a, b) for a, b in zip(result["logits"], reference["logits"]))}
+
+
+def figures(result: dict) -> dict:
+    return {k: v for k, v in result.items() if k not in ("ids", "logits")}
+
+
+# ---- arms ----
+
+
+class Capped:
+    """The process's allocator capped to the setting's GPU memory (a GPU only), released after."""
+
+    def __init__(self, setting: Setting):
+        self.setting = setting
+
+    def __enter__(self):
+        if self.setting.device.type == "cuda":
+            from runtime.serving import cap_gpu_memory
+
+            cap_gpu_memory(self.setting.gpu_memory_bytes, self.setting.device)
+            torch.cuda.reset_peak_memory_stats(self.setting.device)
+        return self
+
+    def peak(self) -> dict:
+        if self.setting.device.type != "cuda":
+            return {}
+        from runtime.serving import peak_gpu_bytes
+
+        return {"peak_gpu_bytes": peak_gpu_bytes(self.setting.device)}
+
+    def __exit__(self, *exc):
+        if self.setting.device.type == "cuda":
+            from runtime.benchmarking import free
+            from runtime.serving import release_cap
+
+            free()
+            release_cap(self.setting.device)
+
+
+def backend_for(setting: Setting):
+    from runtime.backend import CpuStandIn, CudaBackend
+
+    return CudaBackend(setting.device) if setting.device.type == "cuda" else CpuStandIn()
+
+
+def all_resident(master, setting: Setting) -> dict:
+    from scripts.bench_serving import sharing_copy
+
+    model = sharing_copy(master).to(setting.device)
+    try:
+        return decode(model, setting)
+    finally:
+        del model
+        _free(setting)
+
+
+def routed_arm(master, setting: Setting, resident: dict, fetch_slots: int, reference: dict) -> dict:
+    """Every layer routed with ``resident`` (layer -> ids), capped; the host copy is the master's own, pinned
+    in place."""
+    from runtime.routed_experts import apply_routed_experts
+    from scripts.bench_serving import sharing_copy
+
+    with Capped(setting) as cap:
+        model = sharing_copy(master)
+        # the stand-in refuses registrations sharing a page, as CUDA does, and the tiny model's params share
+        # pages: it copies them into one allocation (the large tensors of a real shape have pages of their own)
+        adopt = setting.device.type == "cuda"
+        routed = apply_routed_experts(model, resident, fetch_slots, backend_for(setting), adopt_host=adopt)
+        try:
+            model.to(setting.device)
+            rates = gather_rate(routed, setting) if setting.device.type == "cuda" else {}
+            result = decode(model, setting, routed=routed)
+            return figures(result) | compare(result, reference) | cap.peak() | rates | {
+                "expert_bytes": routed.expert_bytes, "device_expert_bytes": routed.device_bytes}
+        finally:
+            routed.close()
+            del model, routed
+
+
+def whole_layer_arm(master, setting: Setting, plan, reference: dict) -> dict:
+    from runtime.load import apply_plan
+    from scripts.bench_serving import sharing_copy
+
+    with Capped(setting) as cap:
+        model = sharing_copy(master)
+        engine = apply_plan(model, plan, backend_for(setting))
+        try:
+            result = decode(model, setting, engine=engine)
+            return figures(result) | compare(result, reference) | cap.peak() | {
+                "offloaded_layers": len(plan.offload.layers),
+                "predicted_tokens_per_s": plan.prediction.decode_tokens_per_s}
+        finally:
+            engine.close()
+            del model, engine
+
+
+def whole_layer_plan(setting: Setting, work: Path):
+    """Today's plan at one sequence (the planner, as scripts/bench_serving.py makes it), or why none fits."""
+    import scripts.bench_serving as serving
+    from runtime.benchmarking import write_calibrated
+
+    serving.MEASURE["on"] = setting.measure and setting.device.type == "cuda"
+    work.mkdir(parents=True, exist_ok=True)
+    profile = write_calibrated(work) if serving.MEASURE["on"] else Path("h100-sxm")
+    checkpoint = serving.header_checkpoint(str(setting.config), work)
+    gib = setting.gpu_memory_bytes / 2**30
+    point = serving.Point(str(setting.config), math.ceil(gib), setting.context_tokens)
+    if setting.whole_layer_knobs is not None:
+        return serving.make(checkpoint, profile, point, "1", knobs=setting.whole_layer_knobs)
+    return serving.make(checkpoint, profile, point, "1")
+
+
+def gather_rate(routed, setting: Setting) -> dict:
+    """The routed gather's rate: a decode step's k distinct experts of layer 0 read from mapped host memory
+    (the Triton kernel), all non-resident."""
+    from runtime.calibrate import median_event_ms
+    from runtime.routed_experts import gather_rows
+
+    layer = routed.layers[0]
+    candidates = [e for e in range(routed.num_experts) if e not in routed.resident[layer]]
+    ids = torch.full((routed.fetch_slots,), -1, dtype=torch.int64)
+    ids[:min(len(candidates), routed.fetch_slots)] = torch.tensor(candidates[:routed.fetch_slots])
+    ids = ids.to(setting.device)
+
+    def gather():
+        for name in routed.param_names:
+            gather_rows(routed.host_device[layer, name], routed.buffer[name], ids)
+
+    ms = median_event_ms(gather, repeats=10, warmups=2)
+    num_bytes = int((ids >= 0).sum()) * routed.expert_bytes
+    return {"gather_bytes_per_s": num_bytes / (ms / 1e3), "gather_experts": int((ids >= 0).sum())}
+
+
+def _free(setting: Setting) -> None:
+    if setting.device.type == "cuda":
+        from runtime.benchmarking import free
+
+        free()
+
+
+# ---- the run ----
+
+
+class Rows:
+    """Rows appended to the JSON file as they finish."""
+
+    def __init__(self, path: Path, header: dict):
+        self.path, self.data = path, header | {"rows": []}
+
+    def add(self, row: dict) -> dict:
+        self.data["rows"].append(row)
+        self.path.write_text(json.dumps(self.data, indent=2, default=str) + "\n")
+        log(f"{row['arm']}: " + ", ".join(f"{k}={_short(v)}" for k, v in row.items() if k != "arm"))
+        return row
+
+
+def _short(value):
+    return f"{value:.4g}" if isinstance(value, float) else value
+
+
+def uniform_rows(master, setting: Setting, rows: Rows, h2d_bytes_per_s: float, work: Path) -> tuple[dict, int]:
+    """The all-resident reference, routed with uniform residency, today's whole-layer plan."""
+    num_layers, num_experts, top_k = expert_shape(master)
+    fetch_slots = min(top_k, num_experts)
+    num_resident = resident_count(master, setting, fetch_slots)
+    log(f"{num_resident} of {num_experts} experts resident per layer fit {setting.gpu_memory_bytes / 2**30:.1f} GiB")
+    reference = all_resident(master, setting)
+    rows.add({"arm": "all-resident", **figures(reference)})
+    resident = {index: tuple(range(num_resident)) for index in range(num_layers)}
+    routed = routed_arm(master, setting, resident, fetch_slots, reference)
+    expected = num_layers * top_k * (num_experts - num_resident) / num_experts * routed["expert_bytes"]
+    link_ms = 1e3 * routed["fetched_bytes_per_step"] / h2d_bytes_per_s
+    floor_ms = max(reference["step_ms"], link_ms)
+    rows.add({"arm": "routed, uniform", "resident_per_layer": num_resident, **routed,
+              "expected_fetched_bytes_per_step": expected, "floor_step_ms": floor_ms,
+              "floor_tokens_per_s": 1e3 / floor_ms, "measured_over_floor": floor_ms / routed["step_ms"]})
+    plan = whole_layer_plan(setting, work)
+    if isinstance(plan, str):
+        rows.add({"arm": "whole-layer plan", "error": plan})
+    else:
+        rows.add({"arm": "whole-layer plan", **whole_layer_arm(master, setting, plan, reference)})
+    return reference, num_resident
+
+
+def skewed_rows(master, setting: Setting, rows: Rows, num_resident: int) -> None:
+    """Skewed routers: the reference records the assignments; routed with the most frequent experts resident
+    and with the uniform choice, at the same memory."""
+    num_layers, num_experts, top_k = expert_shape(master)
+    skew_routers(master)
+    from scripts.bench_serving import sharing_copy
+
+    model = sharing_copy(master).to(setting.device)
+    count_routing(model)
+    reference = decode(model, setting)
+    counts = [gate.routing_counts.cpu() for gate in gates(model)]
+    del model
+    _free(setting)
+    hot = [c.topk(max(1, round(HOT_EXPERT_SHARE * num_experts))).values.sum().item() / c.sum().item() for c in counts]
+    rows.add({"arm": "all-resident, skewed", **figures(reference), "hot_assignment_share": statistics.mean(hot)})
+    frequent = {i: tuple(sorted(c.topk(num_resident).indices.tolist())) if num_resident else ()
+                for i, c in enumerate(counts)}
+    recorded = statistics.mean(c[list(frequent[i])].sum().item() / c.sum().item() for i, c in enumerate(counts))
+    for label, resident in (("most frequent", frequent),
+                            ("uniform ids", {i: tuple(range(num_resident)) for i in range(num_layers)})):
+        routed = routed_arm(master, setting, resident, min(top_k, num_experts), reference)
+        pairs_per_step = num_layers * top_k
+        hit_rate = 1 - routed["fetched_bytes_per_step"] / routed["expert_bytes"] / pairs_per_step
+        rows.add({"arm": f"routed, skewed, resident {label}", "resident_per_layer": num_resident, **routed,
+                  "measured_hit_rate": hit_rate, "recorded_hit_rate": recorded if label == "most frequent" else None})
+
+
+def setting_for(args) -> Setting:
+    if args.tiny:
+        folder = args.out / "configs" / "tiny-qwen3-moe"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "config.json").write_text(json.dumps(TINY_CONFIG))
+        # the reserve and 1.2 MB: about a third of the tiny model's experts resident
+        return Setting(config=folder / "config.json", device=torch.device("cpu"),
+                       gpu_memory_bytes=ACTIVATION_RESERVE_BYTES + 1_200_000,
+                       context_tokens=32, num_greedy_steps=8, num_timed_steps=3, graphed=False,
+                       whole_layer_knobs=(4, 2, 1), measure=False)
+    return Setting(config=Path(CONFIG), device=torch.device("cuda", torch.cuda.current_device()),
+                   gpu_memory_bytes=args.gpu_memory_gib << 30, context_tokens=args.context, num_greedy_steps=64,
+                   num_timed_steps=20, graphed=True, measure=not args.no_measure)
+
+
+def print_table(data: dict) -> None:
+    """The rows as a short table on stdout."""
+    def cell(row, key, scale=1.0, fmt=".2f"):
+        value = row.get(key)
+        return "" if value is None else format(value / scale if isinstance(value, float | int) and not
+                                               isinstance(value, bool) else value, fmt if not isinstance(value, bool)
+                                               else "")
+
+    print(f"{'arm':<40} {'tok/s':>8} {'step ms':>8} {'fetched MB/step':>16} {'meas/floor':>10} {'hit':>6} "
+          f"{'bitwise':>8}")
+    for row in data["rows"]:
+        if "error" in row:
+            print(f"{row['arm']:<40} {row['error']}")
+            continue
+        print(f"{row['arm']:<40} {cell(row, 'tokens_per_s'):>8} {cell(row, 'step_ms'):>8} "
+              f"{cell(row, 'fetched_bytes_per_step', 1e6, '.1f'):>16} {cell(row, 'measured_over_floor'):>10} "
+              f"{cell(row, 'measured_hit_rate'):>6} {cell(row, 'greedy_logits_bitwise'):>8}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU stand-in: tests the logic")
+    parser.add_argument("--gpu-memory-gib", type=int, default=24)
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--no-measure", action="store_true", help="plan the whole-layer arm from estimates")
+    parser.add_argument("--no-skew", action="store_true", help="skip the skewed-routing rows")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/bench_experts")))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if not args.tiny:
+        from runtime.benchmarking import deterministic_decode
+
+        deterministic_decode()
+    setting = setting_for(args)
+    started = time.perf_counter()
+    h2d = pinned_rate(setting)
+    rows = Rows(args.out / "bench_experts.json", {
+        "device": torch.cuda.get_device_name() if setting.device.type == "cuda" else "cpu (stand-in)",
+        "config": str(setting.config), "gpu_memory_bytes": setting.gpu_memory_bytes,
+        "context_tokens": setting.context_tokens, "torch": torch.__version__, "pinned_h2d_bytes_per_s": h2d})
+    log(f"pinned H2D {h2d / 1e9:.1f} GB/s; building the model on the host")
+    master = build_master(setting)
+    log(f"model built in {time.perf_counter() - started:.0f} s")
+    _, num_resident = uniform_rows(master, setting, rows, h2d, args.out / "work")
+    if not args.no_skew:
+        skewed_rows(master, setting, rows, num_resident)
+    log(f"done in {time.perf_counter() - started:.0f} s; {rows.path}")
+    print_table(rows.data)
+
+
+def pinned_rate(setting: Setting) -> float:
+    """The copy engine's pinned H2D rate on a GPU; on the CPU stand-in a nominal 50 GB/s (no link there)."""
+    if setting.device.type != "cuda":
+        return 50e9
+    from runtime.benchmarking import pinned_h2d_bytes_per_s
+
+    return pinned_h2d_bytes_per_s()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""scripts/bench_experts.py --tiny: the H100 benchmark's logic end to end on the CPU stand-in (all-resident
+reference, routed uniform, today's whole-layer plan, skewed routing with recorded and uniform residency)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_tiny_bench_runs_every_arm_bitwise(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_experts.py"), "--tiny", "--out",
+                           str(tmp_path)], capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {row["arm"]: row for row in json.loads((tmp_path / "bench_experts.json").read_text())["rows"]}
+    assert list(rows) == ["all-resident", "routed, uniform", "whole-layer plan", "all-resident, skewed",
+                          "routed, skewed, resident most frequent", "routed, skewed, resident uniform ids"]
+    routed = rows["routed, uniform"]
+    assert 0 < routed["resident_per_layer"] < 16  # some experts resident, some fetched
+    assert routed["greedy_logits_bitwise"] and routed["greedy_ids_equal"] and routed["first_step_bitwise"]
+    # random routers are near uniform: the fetched bytes within a third of k (E - R) / E per layer
+    assert abs(routed["fetched_bytes_per_step"] / routed["expected_fetched_bytes_per_step"] - 1) < 1 / 3
+    assert rows["whole-layer plan"]["offloaded_layers"] == 2 and rows["whole-layer plan"]["greedy_logits_bitwise"]
+    frequent, uniform = rows["routed, skewed, resident most frequent"], rows["routed, skewed, resident uniform ids"]
+    assert rows["all-resident, skewed"]["hot_assignment_share"] > 0.6
+    assert frequent["greedy_logits_bitwise"] and uniform["greedy_logits_bitwise"]
+    assert frequent["measured_hit_rate"] > uniform["measured_hit_rate"]
+    assert abs(frequent["measured_hit_rate"] - frequent["recorded_hit_rate"]) < 0.1
+    assert "routed, uniform" in proc.stdout  # the table
