@@ -230,7 +230,7 @@ class RoutedPlacement:
     weight_bytes: int
     fetch_buffer_bytes: int
     staging_buffer_bytes: int
-    #: non-resident experts, pinned on the host
+    #: every routed layer's experts, pinned on the host (resident ones too, as the runtime pins them)
     host_pinned_bytes: int
 
     @property
@@ -310,7 +310,9 @@ def routed_placement(geometry: MoeGeometry, routing: tuple[LayerRouting, ...], *
         resident_bytes += len(ids) * layer.expert_bytes
         rows.append(RoutedLayer(index=layer.index, resident=ids, expected_fetched_bytes=fetched,
                                 hit_rate=layer_routing.hit_rate(ids), fetch_ms=1e3 * fetched / rate))
-    host = sum(layer.expert_bytes * geometry.num_experts for layer in geometry.layers) - resident_bytes
+    # the runtime pins every expert of a routed layer, resident ones too: the loader writes whole fused params,
+    # and a prefill chunk copies the layer's experts from one place (runtime.routed_experts)
+    host = sum(layer.expert_bytes * geometry.num_experts for layer in geometry.layers)
     return RoutedPlacement(layers=tuple(rows), fetch_slots=geometry.fetch_slots(num_tokens),
                            weight_bytes=base + resident_bytes, fetch_buffer_bytes=fetch_buffer,
                            staging_buffer_bytes=staging, host_pinned_bytes=host)
