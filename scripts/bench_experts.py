@@ -327,8 +327,10 @@ def whole_layer_arm(master, setting: Setting, plan, reference: dict) -> dict:
             del model, engine
 
 
-def whole_layer_plan(setting: Setting, work: Path):
-    """Today's plan at one sequence (the planner, as scripts/bench_serving.py makes it), or why none fits."""
+def whole_layer_plan(setting: Setting, work: Path, force_whole: bool = True):
+    """Today's plan at one sequence (the planner, as scripts/bench_serving.py makes it), or why none fits.
+    ``force_whole``: whole layers only (a pinned prefetch depth rules routed layers out; the faster of depths 1
+    and 2); else the planner's own pick, routed where it predicts that faster."""
     import scripts.bench_serving as serving
     from runtime.benchmarking import write_calibrated
 
@@ -338,9 +340,13 @@ def whole_layer_plan(setting: Setting, work: Path):
     checkpoint = serving.header_checkpoint(str(setting.config), work)
     gib = setting.gpu_memory_bytes / 2**30
     point = serving.Point(str(setting.config), math.ceil(gib), setting.context_tokens)
-    if setting.whole_layer_knobs is not None:
+    if setting.whole_layer_knobs is not None and force_whole:
         return serving.make(checkpoint, profile, point, "1", knobs=setting.whole_layer_knobs)
-    return serving.make(checkpoint, profile, point, "1")
+    if not force_whole:
+        return serving.make(checkpoint, profile, point, "1")
+    plans = [serving.make(checkpoint, profile, point, "1", knobs=(None, None, depth)) for depth in (1, 2)]
+    made = [plan for plan in plans if not isinstance(plan, str)]
+    return max(made, key=lambda plan: plan.prediction.decode_tokens_per_s) if made else plans[0]
 
 
 def gather_rate(routed, setting: Setting) -> dict:
@@ -407,11 +413,13 @@ def uniform_rows(master, setting: Setting, rows: Rows, h2d_bytes_per_s: float, w
     rows.add({"arm": "routed, uniform", "resident_per_layer": num_resident, **routed,
               "expected_fetched_bytes_per_step": expected, "floor_step_ms": floor_ms,
               "floor_tokens_per_s": 1e3 / floor_ms, "measured_over_floor": floor_ms / routed["step_ms"]})
-    plan = whole_layer_plan(setting, work)
-    if isinstance(plan, str):
-        rows.add({"arm": "whole-layer plan", "error": plan})
-    else:
-        rows.add({"arm": "whole-layer plan", **whole_layer_arm(master, setting, plan, reference)})
+    for arm, plan in (("planner's pick", whole_layer_plan(setting, work, force_whole=False)),
+                      ("whole-layer plan", whole_layer_plan(setting, work))):
+        if isinstance(plan, str):
+            rows.add({"arm": arm, "error": plan})
+            continue
+        routed_layers = sum(layer.regime == "routed" for layer in plan.experts.layers) if plan.experts else 0
+        rows.add({"arm": arm, "routed_layers": routed_layers, **whole_layer_arm(master, setting, plan, reference)})
     return reference, num_resident
 
 
@@ -465,13 +473,14 @@ def print_table(data: dict) -> None:
                                                isinstance(value, bool) else value, fmt if not isinstance(value, bool)
                                                else "")
 
-    print(f"{'arm':<40} {'tok/s':>8} {'step ms':>8} {'fetched MB/step':>16} {'meas/floor':>10} {'hit':>6} "
-          f"{'bitwise':>8}")
+    print(f"{'arm':<40} {'tok/s':>8} {'pred':>8} {'step ms':>8} {'fetched MB/step':>16} {'meas/floor':>10} "
+          f"{'hit':>6} {'bitwise':>8}")
     for row in data["rows"]:
         if "error" in row:
             print(f"{row['arm']:<40} {row['error']}")
             continue
-        print(f"{row['arm']:<40} {cell(row, 'tokens_per_s'):>8} {cell(row, 'step_ms'):>8} "
+        print(f"{row['arm']:<40} {cell(row, 'tokens_per_s'):>8} {cell(row, 'predicted_tokens_per_s'):>8} "
+              f"{cell(row, 'step_ms'):>8} "
               f"{cell(row, 'fetched_bytes_per_step', 1e6, '.1f'):>16} {cell(row, 'measured_over_floor'):>10} "
               f"{cell(row, 'measured_hit_rate'):>6} {cell(row, 'greedy_logits_bitwise'):>8}")
 
