@@ -147,15 +147,15 @@ def test_triton_gather_in_the_interpreter():
 
 
 def _with_experts(plan, routed: dict, fetch_slots: int):
-    """The plan with an ``experts`` section routing ``routed`` (layer -> resident ids), as the planner's
-    ExpertsPlan will carry it (read by attribute: the planner's dataclasses may not exist yet)."""
+    """The plan with an ``experts`` section routing ``routed`` (layer -> resident ids) as the planner's
+    ExpertsPlan carries it, read by attribute (the runtime reads it so), whatever the plan's own section says."""
     from dataclasses import fields
     from types import SimpleNamespace as NS
 
     layers = tuple(NS(index=index, regime="routed", resident=resident, expected_fetched_bytes=0, hit_rate=0.0)
                    for index, resident in sorted(routed.items()))
     section = NS(regime="mixed", routing="uniform", fetch_slots=fetch_slots, layers=layers)
-    return NS(**{f.name: getattr(plan, f.name) for f in fields(plan)}, experts=section)
+    return NS(**{**{f.name: getattr(plan, f.name) for f in fields(plan)}, "experts": section})
 
 
 @pytest.fixture(scope="module")

@@ -105,7 +105,7 @@ def test_plan_with_routed_layers_streams_and_decodes_graphed(tmp_path):
     from tests.test_routed_experts import _with_experts
 
     checkpoint = save_tiny_moe(tmp_path / "moe", hidden=256)
-    plan = plan_with(checkpoint, 7, 2, 1, tokens=3, sequences=1, context=40, cuda_graph=True)
+    plan = plan_with(checkpoint, 7, 2, 1, tokens=1, sequences=1, context=40, cuda_graph=True)
     routed = {index: (1,) if index % 2 else () for index in range(7) if index not in plan.offload.layers}
     reference = build_model(str(checkpoint), None).to(CUDA)
     expected = _decode(reference, 1, graphed=False)
