@@ -36,9 +36,10 @@ TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k
 #: top-k assumed where a MoE config does not say it
 DEFAULT_TOP_K = 2
 #: the routed fetch's rate over the copy engine's (profile h2d_bytes_per_s): GPU threads reading pinned host
-#: memory mapped into the device's address space are slower than a copy-engine copy. On an H100 a gather from
-#: mapped pinned memory ran 36-39 GB/s where copy-engine copies ran 50-53 GB/s; the runtime's bench measures it.
-ROUTED_FETCH_EFFICIENCY = 0.72
+#: memory mapped into the device's address space are slower than a copy-engine copy. Measured on the H100
+#: (scripts/bench_experts.py, runtime.routed_experts' Triton gather inside the captured step, Qwen3-30B-A3B):
+#: 46.9 and 48.4 GB/s in-step against 52.9 GB/s pinned copy-engine H2D, 0.89-0.91 (benchmarks/2026-11-25-*)
+ROUTED_FETCH_EFFICIENCY = 0.89
 #: the MoE block modules whose experts transformers 5 holds as the fused params of its experts interface, which
 #: the runtime route-fetches (Mixtral's block_sparse_moe is renamed to mlp on load)
 ROUTED_EXPERT_MODULES = ("mlp", "block_sparse_moe")

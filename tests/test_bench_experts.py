@@ -1,5 +1,6 @@
 """scripts/bench_experts.py --tiny: the H100 benchmark's logic end to end on the CPU stand-in (all-resident
-reference, routed uniform, today's whole-layer plan, skewed routing with recorded and uniform residency)."""
+reference, routed uniform, the planner's pick, today's whole-layer plan, skewed routing with recorded and
+uniform residency)."""
 
 import json
 import os
@@ -16,8 +17,9 @@ def test_tiny_bench_runs_every_arm_bitwise(tmp_path):
                            str(tmp_path)], capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = {row["arm"]: row for row in json.loads((tmp_path / "bench_experts.json").read_text())["rows"]}
-    assert list(rows) == ["all-resident", "routed, uniform", "whole-layer plan", "all-resident, skewed",
-                          "routed, skewed, resident most frequent", "routed, skewed, resident uniform ids"]
+    assert list(rows) == ["all-resident", "routed, uniform", "planner's pick", "whole-layer plan",
+                          "all-resident, skewed", "routed, skewed, resident most frequent",
+                          "routed, skewed, resident uniform ids"]
     routed = rows["routed, uniform"]
     assert 0 < routed["resident_per_layer"] < 16  # some experts resident, some fetched
     assert routed["greedy_logits_bitwise"] and routed["greedy_ids_equal"] and routed["first_step_bitwise"]
