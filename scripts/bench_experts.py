@@ -28,7 +28,7 @@ import math
 import os
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, set before CUDA starts
@@ -65,6 +65,8 @@ class Setting:
     #: the whole-layer plan's knobs pinned (tiny: the planner alone would offload nothing), else the planner's
     whole_layer_knobs: tuple | None = None
     measure: bool = True
+    #: sequences decoded together
+    batch: int = 1
 
 
 # ---- the model and its routing ----
@@ -169,7 +171,7 @@ def resident_count(master, setting: Setting, fetch_slots: int) -> int:
     expert_bytes = param_bytes(experts[0].parameters()) // num_experts
     non_expert = param_bytes(master.parameters()) - sum(param_bytes(e.parameters()) for e in experts)
     text = master.config.get_text_config()
-    kv_bytes = 2 * num_layers * text.num_key_value_heads * text.head_dim * cache_tokens(setting) * 2
+    kv_bytes = 2 * num_layers * text.num_key_value_heads * text.head_dim * cache_tokens(setting) * 2 * setting.batch
     outside = 0
     if setting.device.type == "cuda":
         from runtime.serving import outside_allocator_bytes
@@ -193,8 +195,8 @@ def decode(model, setting: Setting, engine=None, routed=None) -> dict:
     """Fill the cache, capture (or warm up), 64 greedy steps, then timed steps: ids, logits and figures."""
     from runtime.graph import DecodeLoop
 
-    loop = DecodeLoop(model, batch=1, max_cache_tokens=cache_tokens(setting), device=setting.device, engine=engine,
-                      steps_per_call=1)
+    loop = DecodeLoop(model, batch=setting.batch, max_cache_tokens=cache_tokens(setting), device=setting.device,
+                      engine=engine, steps_per_call=1)
     loop.fill(setting.context_tokens, seed=0)
     if setting.graphed:
         loop.capture()
@@ -340,11 +342,12 @@ def whole_layer_plan(setting: Setting, work: Path, force_whole: bool = True):
     checkpoint = serving.header_checkpoint(str(setting.config), work)
     gib = setting.gpu_memory_bytes / 2**30
     point = serving.Point(str(setting.config), math.ceil(gib), setting.context_tokens)
+    concurrency = str(setting.batch)
     if setting.whole_layer_knobs is not None and force_whole:
-        return serving.make(checkpoint, profile, point, "1", knobs=setting.whole_layer_knobs)
+        return serving.make(checkpoint, profile, point, concurrency, knobs=setting.whole_layer_knobs)
     if not force_whole:
-        return serving.make(checkpoint, profile, point, "1")
-    plans = [serving.make(checkpoint, profile, point, "1", knobs=(None, None, depth)) for depth in (1, 2)]
+        return serving.make(checkpoint, profile, point, concurrency)
+    plans = [serving.make(checkpoint, profile, point, concurrency, knobs=(None, None, depth)) for depth in (1, 2)]
     made = [plan for plan in plans if not isinstance(plan, str)]
     return max(made, key=lambda plan: plan.prediction.decode_tokens_per_s) if made else plans[0]
 
@@ -423,6 +426,36 @@ def uniform_rows(master, setting: Setting, rows: Rows, h2d_bytes_per_s: float, w
     return reference, num_resident
 
 
+def regime_rows(master, setting: Setting, rows: Rows, work: Path) -> None:
+    """At ``setting.batch`` sequences: the planner's pick (routed or whole layers) and the other regime (whole
+    layers with a pinned prefetch depth, or every layer routed with the uniform residency that fits), both
+    against the all-resident model; the regret is the faster one's tokens/s over the pick's."""
+    num_layers, num_experts, top_k = expert_shape(master)
+    batch = setting.batch
+    reference = all_resident(master, setting)
+    rows.add({"arm": f"B={batch} all-resident", "sequences": batch, **figures(reference)})
+    pick = whole_layer_plan(setting, work, force_whole=False)
+    if isinstance(pick, str):
+        rows.add({"arm": f"B={batch} pick", "sequences": batch, "error": pick})
+        return
+    routed_pick = bool(pick.experts) and any(layer.regime == "routed" for layer in pick.experts.layers)
+    measured = {"pick": {"arm": f"B={batch} pick ({'routed' if routed_pick else 'whole layers'})",
+                         "sequences": batch, **whole_layer_arm(master, setting, pick, reference)}}
+    if routed_pick:
+        other = whole_layer_plan(setting, work)
+        measured["other"] = {"arm": f"B={batch} other: whole layers", "sequences": batch} | (
+            {"error": other} if isinstance(other, str) else whole_layer_arm(master, setting, other, reference))
+    else:
+        fetch_slots = min(batch * top_k, num_experts)
+        resident = {index: tuple(range(resident_count(master, setting, fetch_slots))) for index in range(num_layers)}
+        measured["other"] = {"arm": f"B={batch} other: routed, uniform", "sequences": batch,
+                             **routed_arm(master, setting, resident, fetch_slots, reference)}
+    speeds = [row.get("tokens_per_s", 0.0) for row in measured.values()]
+    measured["pick"]["regret"] = max(speeds) / speeds[0] if speeds[0] else None
+    for row in measured.values():
+        rows.add(row)
+
+
 def skewed_rows(master, setting: Setting, rows: Rows, num_resident: int) -> None:
     """Skewed routers: the reference records the assignments; routed with the most frequent experts resident
     and with the uniform choice, at the same memory."""
@@ -474,7 +507,7 @@ def print_table(data: dict) -> None:
                                                else "")
 
     print(f"{'arm':<40} {'tok/s':>8} {'pred':>8} {'step ms':>8} {'fetched MB/step':>16} {'meas/floor':>10} "
-          f"{'hit':>6} {'bitwise':>8}")
+          f"{'hit':>6} {'bitwise':>8} {'regret':>7}")
     for row in data["rows"]:
         if "error" in row:
             print(f"{row['arm']:<40} {row['error']}")
@@ -482,7 +515,8 @@ def print_table(data: dict) -> None:
         print(f"{row['arm']:<40} {cell(row, 'tokens_per_s'):>8} {cell(row, 'predicted_tokens_per_s'):>8} "
               f"{cell(row, 'step_ms'):>8} "
               f"{cell(row, 'fetched_bytes_per_step', 1e6, '.1f'):>16} {cell(row, 'measured_over_floor'):>10} "
-              f"{cell(row, 'measured_hit_rate'):>6} {cell(row, 'greedy_logits_bitwise'):>8}")
+              f"{cell(row, 'measured_hit_rate'):>6} {cell(row, 'greedy_logits_bitwise'):>8} "
+              f"{cell(row, 'regret', fmt='.3f'):>7}")
 
 
 def main() -> None:
@@ -492,6 +526,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--no-measure", action="store_true", help="plan the whole-layer arm from estimates")
     parser.add_argument("--no-skew", action="store_true", help="skip the skewed-routing rows")
+    parser.add_argument("--sequences", type=int, nargs="+",
+                        help="instead of the one-sequence rows: at each of these batch sizes, the planner's pick "
+                             "(routed or whole layers) against the other regime (regret)")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/bench_experts")))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -509,6 +546,13 @@ def main() -> None:
     log(f"pinned H2D {h2d / 1e9:.1f} GB/s; building the model on the host")
     master = build_master(setting)
     log(f"model built in {time.perf_counter() - started:.0f} s")
+    if args.sequences:
+        for batch in args.sequences:
+            regime_rows(master, replace(setting, batch=batch, num_greedy_steps=min(8, setting.num_greedy_steps)),
+                        rows, args.out / "work")
+        log(f"done in {time.perf_counter() - started:.0f} s; {rows.path}")
+        print_table(rows.data)
+        return
     _, num_resident = uniform_rows(master, setting, rows, h2d, args.out / "work")
     if not args.no_skew:
         skewed_rows(master, setting, rows, num_resident)
