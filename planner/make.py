@@ -231,6 +231,8 @@ def make_plan(inputs: Inputs, compute_override: ComputeTimes | None = None,
         choice, points = comparison.chosen, (comparison.point(workload.sequences_per_step),)
     host_limit = host_memory_bytes_for(inputs, model.profile)
     check_host_memory(choice.host_pinned_bytes + _adapter_host_bytes(model), host_limit, inputs)
+    if host_limit is None and choice.host_pinned_bytes:
+        model.warnings.append(_host_not_checked(choice.host_pinned_bytes + _adapter_host_bytes(model)))
     other = _weights_plan_other_bytes(model, workload)
     gpu_memory = gpu_memory_bytes_for(inputs, model.profile)
     # adapters take the GPU memory the budget leaves (beside the KV cache and activations where those are known)
@@ -516,32 +518,43 @@ def make_serving_plan(model: _Model) -> Planned:
         return _workload(concurrency, concurrency, inputs.context)
 
     comparisons: dict[int, Comparison] = {}
+    host = _HostLimit(host_memory_bytes_for(inputs, model.profile), _adapter_host_bytes(model))
 
     def place(compute: ComputeTimes, budget_bytes: int, concurrency: int) -> Choice | None:
         if model.experts is None:
-            return _search_or_none(model, compute, budget_bytes)
-        comparisons[concurrency] = model.compare(compute, budget_bytes, decode(concurrency))
+            return host.within(_search_or_none(model, compute, budget_bytes))
+        compared = model.compare(compute, budget_bytes, decode(concurrency))
+        # each regime held to the host: routed pins every expert, whole layers only the offloaded ones
+        comparisons[concurrency] = replace(compared, whole=host.within(compared.whole),
+                                           routed=host.within(compared.routed))
         return comparisons[concurrency].chosen
 
-    found = search_serving(
-        wanted=wanted,
-        gpu_memory_bytes=gpu_memory,
-        other_bytes_at=lambda b: serving_other_bytes(model, b),
-        compute_at=lambda b: model.compute(decode(b)),
-        search_weights=place,
-        minimum_weight_bytes=minimum_gpu_bytes(model.layout.non_layer_bytes, model.layer_bytes),
-        resident_weight_bytes=gpu_bytes_of(model.layout.non_layer_bytes, model.layer_bytes, (), 0),
-        weights_budget_bytes=budget,
-        max_tpot_ms=inputs.max_tpot_ms,
-    )
+    try:
+        found = search_serving(
+            wanted=wanted,
+            gpu_memory_bytes=gpu_memory,
+            other_bytes_at=lambda b: serving_other_bytes(model, b),
+            compute_at=lambda b: model.compute(decode(b)),
+            search_weights=place,
+            minimum_weight_bytes=minimum_gpu_bytes(model.layout.non_layer_bytes, model.layer_bytes),
+            resident_weight_bytes=gpu_bytes_of(model.layout.non_layer_bytes, model.layer_bytes, (), 0),
+            weights_budget_bytes=budget,
+            max_tpot_ms=inputs.max_tpot_ms,
+        )
+    except InfeasibleError:
+        if host.refused_pinned_bytes:  # the GPU held some placement, the host none of them: say so
+            check_host_memory(min(host.refused_pinned_bytes), host.limit_bytes, inputs)
+        raise
     best = found.best
     workload = decode(best.concurrency)
-    host_limit = host_memory_bytes_for(inputs, model.profile)
-    check_host_memory(best.choice.host_pinned_bytes + _adapter_host_bytes(model), host_limit, inputs)
+    check_host_memory(best.choice.host_pinned_bytes + host.extra_bytes, host.limit_bytes, inputs)
+    if host.limit_bytes is None and best.choice.host_pinned_bytes:
+        model.warnings.append(_host_not_checked(best.choice.host_pinned_bytes + host.extra_bytes))
     points = tuple(comparisons[p.concurrency].point(p.concurrency) for p in found.points
                    if p.concurrency in comparisons)
-    plan = _assemble(model, workload, model.compute(workload), best.choice, best.weights_budget_bytes, host_limit,
-                     gpu_memory, best.other, serving=_serving_section(found, wanted, inputs.max_tpot_ms),
+    plan = _assemble(model, workload, model.compute(workload), best.choice, best.weights_budget_bytes,
+                     host.limit_bytes, gpu_memory, best.other,
+                     serving=_serving_section(found, wanted, inputs.max_tpot_ms),
                      num_adapter_slots=model.adapter_slots(best.concurrency), expert_points=points)
     return Planned(plan=plan, checkpoint=model.checkpoint, layout=model.layout, warnings=tuple(model.warnings))
 
@@ -609,6 +622,34 @@ def host_memory_bytes_for(inputs: Inputs, profile: HardwareProfile) -> int | Non
                              "offloaded params may be pinned in, e.g. 480GB, or leave it out")
         return host_bytes
     return None if profile.host_memory_bytes is None else int(profile.host_memory_bytes.value)
+
+
+class _HostLimit:
+    """The host memory a serving search's placements must pin within (None: not checked)."""
+
+    def __init__(self, limit_bytes: int | None, extra_bytes: int):
+        self.limit_bytes = limit_bytes
+        #: pinned besides the weights (the adapters' pool)
+        self.extra_bytes = extra_bytes
+        #: pinned bytes of the placements refused for the host
+        self.refused_pinned_bytes: list[int] = []
+
+    def within(self, choice: Choice | None) -> Choice | None:
+        """``choice``, or None where it pins more than the host holds: the concurrency then does not fit, and the
+        search moves to one that keeps more on the GPU (auto never fails where a narrower range succeeds)."""
+        if choice is None or self.limit_bytes is None:
+            return choice
+        pinned = choice.host_pinned_bytes + self.extra_bytes
+        if pinned > self.limit_bytes:
+            self.refused_pinned_bytes.append(pinned)
+            return None
+        return choice
+
+
+def _host_not_checked(pinned_bytes: int) -> str:
+    """The one line that says host memory was not checked (no --host-memory, no platform figure)."""
+    return (f"host memory not checked: the plan pins {format_bytes(pinned_bytes)}; give --host-memory (or a "
+            "profile with host_memory_bytes) to hold it to the host it runs on")
 
 
 def check_host_memory(pinned_bytes: int, host_limit: int | None, inputs: Inputs) -> None:
