@@ -218,7 +218,7 @@ def make_plan(inputs: Inputs, compute_override: ComputeTimes | None = None,
                if given]
     if ignored:
         model.warnings.append(f"{' and '.join(ignored)} apply to serving plans (--concurrency): ignored here")
-    budget = budget_bytes_for(inputs, model.profile)
+    budget = budget_bytes_for(inputs, model.profile) if _budget_given(inputs) else _whole_gpu_budget(model, workload)
     compute = model.compute(workload) if compute_override is None else _as_recorded(compute_override,
                                                                                    len(model.layout.layers))
     points: tuple = ()
@@ -253,6 +253,26 @@ def make_plan(inputs: Inputs, compute_override: ComputeTimes | None = None,
     plan = _assemble(model, workload, compute, choice, budget, host_limit, gpu_memory, other, serving=None,
                      num_adapter_slots=num_slots, expert_points=points)
     return Planned(plan=plan, checkpoint=model.checkpoint, layout=model.layout, warnings=tuple(model.warnings))
+
+
+def _budget_given(inputs: Inputs) -> bool:
+    """Whether the weights' share was given (--budget or --trigger); without one the plan takes the whole GPU."""
+    return inputs.budget is not None or inputs.trigger is not None
+
+
+def _whole_gpu_budget(model: _Model, workload: Workload) -> int:
+    """With no --budget or --trigger: the GPU memory the workload's KV cache, activations and CUDA context leave
+    the weights (the profile's memory less its reserve where the KV cache is not modelled)."""
+    other = _weights_plan_other_bytes(model, workload)
+    if other is None:
+        return model.profile.weight_limit_bytes
+    budget = gpu_memory_bytes_for(model.inputs, model.profile) - other.total_bytes
+    if budget <= 0:
+        raise InfeasibleError(
+            f"the KV cache and activations of {workload.sequences_per_step} sequence(s) at context "
+            f"{workload.context_tokens} need {format_bytes(other.total_bytes)}, all of the GPU's memory; plan fewer "
+            "sequences or a shorter context")
+    return budget
 
 
 def _workload(tokens: int, sequences: int, context: int) -> Workload:

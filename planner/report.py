@@ -162,12 +162,20 @@ def verdict(plan: Plan) -> str:
         step = "decode step" if prediction.decode_step_ms is not None else "step"
         return (f"{workload.tokens_per_step} tokens per {step} in {workload.sequences_per_step} sequence(s) on "
                 f"{where} {placement}: {format_ms(prediction.step_ms)} predicted, x{_slowdown(plan):.2f} the "
-                "all-resident step.")
+                "all-resident step." + _whole_gpu_words(plan))
     text = (f"Serves {workload.concurrency} sequences of up to {workload.context_tokens} tokens on {where} "
             f"{placement}: {format_rate(prediction.decode_tokens_per_s)} decode tokens/s, "
             f"{format_ms(prediction.decode_step_ms)} per token; a {workload.chunk_tokens}-token prefill chunk takes "
             f"{format_ms(prediction.prefill_chunk_ms)}.")
     return text + " " + _against_no_offload(plan)
+
+
+def _whole_gpu_words(plan: Plan) -> str:
+    """Where no --budget or --trigger was given, the weights had the whole GPU the step leaves them: say so."""
+    if plan.inputs.budget is not None or plan.inputs.trigger is not None:
+        return ""
+    return (" No --budget was given: the weights had all the GPU memory the step's KV cache, activations and "
+            f"CUDA context leave ({format_bytes(plan.memory.budget_bytes)}).")
 
 
 def _against_no_offload(plan: Plan) -> str:
