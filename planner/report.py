@@ -8,6 +8,7 @@ from rich.text import Text
 from planner.plan import ExpertsPlan, Plan
 from planner.schedule import PrefetchSchedule
 from planner.simulate import STEPS_PER_GRAPH, Simulation, join_every_steps_for, simulate
+from planner.serving import OFFLOAD_MARGIN_SHARE
 from planner.units import format_bytes, format_ms, format_rate
 
 TIMELINE_COLUMNS = 96
@@ -182,8 +183,10 @@ def _against_no_offload(plan: Plan) -> str:
     serving = plan.serving
     if serving.no_offload_concurrency is None:
         return "Offloading nothing does not fit at any concurrency searched."
-    if not plan.offload.layers:
-        return "Offloading would not serve more tokens/s here."
+    routed = plan.experts is not None and plan.experts.fetch_slots
+    if not plan.offload.layers and not routed:
+        return (f"Offloading would not serve more than {OFFLOAD_MARGIN_SHARE:.0%} more tokens/s here (the margin "
+                "past the predictions' measured error it must clear), so every weight stays resident.")
     ratio = plan.prediction.decode_tokens_per_s / serving.no_offload_tokens_per_s
     return (f"Offloading nothing fits at most {serving.no_offload_concurrency} sequences for "
             f"{format_rate(serving.no_offload_tokens_per_s)} tokens/s "
