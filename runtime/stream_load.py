@@ -19,6 +19,7 @@ Reads use preadv, not mmap: mapped pages of the files would count in the process
 """
 
 import contextlib
+import math
 import os
 import queue
 import re
@@ -276,7 +277,7 @@ def fused_offsets(group: list[SourceTensor], patterns: dict[str, str], converter
     if len(shapes) != 1 or (len(operations) == 1 and len(source_patterns) != 1):
         return None
     (shape,) = shapes
-    numel = _numel(shape)
+    numel = math.prod(shape)
     located = {}
     for source in group:
         expert = _expert_index(source.name, patterns[source.name])
@@ -297,13 +298,6 @@ def _expert_index(name: str, pattern: str) -> int | None:
         return None
     match = re.search(re.escape(head) + r"(\d+)" + re.escape(tail) + "$", name)
     return int(match.group(1)) if match else None
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
 
 
 def _tied_aliases(model: nn.Module) -> dict[str, str]:
@@ -574,7 +568,7 @@ class SliceCounter:
 def slice_destination(destination: Destination, source: SourceTensor, offset_bytes: int,
                       param_dtype: torch.dtype) -> Destination:
     """The part of a fused param's destination that one per-expert tensor fills."""
-    num_bytes = _numel(source.shape) * param_dtype.itemsize
+    num_bytes = math.prod(source.shape) * param_dtype.itemsize
     item = PackedParam(destination.item.name, destination.item.offset_bytes + offset_bytes, num_bytes, param_dtype,
                        source.shape)
     return Destination(buffer=destination.buffer, item=item, on_device=destination.on_device,
