@@ -18,6 +18,10 @@ import torch
 from planner.errors import RuntimeUnavailableError
 from planner.units import format_bytes
 
+#: cudaHostRegisterMapped: map the registered range into the device's address space (under UVA the device
+#: address is the host address)
+CUDA_HOST_REGISTER_MAPPED = 0x02
+
 
 def pin_error(num_bytes: int, cuda_error: int) -> RuntimeUnavailableError:
     """One line for a page-locking failure, naming the memlock limit (the usual cause in containers)."""
@@ -141,8 +145,9 @@ class CpuStandIn:
     def synchronize(self) -> None:
         self._land_copies(before=len(self.log))
 
-    def pin(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Records the range; refuses what cudaHostRegister refuses: an empty range, or one overlapping a range
+    def pin(self, tensor: torch.Tensor, mapped: bool = False) -> torch.Tensor:
+        """Records the range (``mapped`` or not: host memory is the device's here); refuses what cudaHostRegister
+        refuses: an empty range, or one overlapping a range
         already registered. The driver pins whole pages, so a range sharing a page with a registered one
         counts as overlapping here (stricter than needed, never looser)."""
         assert tensor.numel() > 0, "page-locking an empty allocation fails on CUDA"
@@ -208,15 +213,17 @@ class CudaBackend:
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
 
-    def pin(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Page-lock a host tensor in place, at its exact size.
+    def pin(self, tensor: torch.Tensor, mapped: bool = False) -> torch.Tensor:
+        """Page-lock a host tensor in place, at its exact size; ``mapped``: also map it into the device's address
+        space, where GPU threads read it (under UVA at the host address: runtime.routed_experts).
 
         torch's pinned allocator rounds each allocation up to a power of two (vLLM issue 56410: ~1.9x host
         memory); registering our own allocation costs exactly its bytes.
         """
         num_bytes = tensor.numel() * tensor.element_size()
         assert num_bytes > 0, "cudaHostRegister fails on an empty allocation"
-        error = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), num_bytes, 0))
+        flags = CUDA_HOST_REGISTER_MAPPED if mapped else 0
+        error = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), num_bytes, flags))
         if error != 0:
             raise pin_error(num_bytes, error)
         self.pinned[tensor.data_ptr()] = num_bytes

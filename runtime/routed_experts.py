@@ -22,6 +22,7 @@ One device buffer [fetch_slots + sum of resident counts, ...] per expert param h
 layer's resident experts, so one index tensor addresses both without copying resident experts per step.
 """
 
+import math
 import types
 import weakref
 from dataclasses import dataclass
@@ -34,9 +35,6 @@ from planner.placement import ALIGN_BYTES, align_up
 from planner.units import format_bytes
 from runtime.engine import PackedParam, backend_unpin, view_as_param
 
-#: cudaHostRegisterMapped: map the registered range into the device's address space (under UVA the device
-#: address is the host address)
-CUDA_HOST_REGISTER_MAPPED = 0x02
 #: 32-bit words each Triton program copies (4 warps: 32 words, eight 16-byte loads, per thread)
 GATHER_BLOCK_WORDS = 4096
 
@@ -93,7 +91,7 @@ class RoutedExperts:
                      for name in self.param_names}
         self._check(modules, resident, fetch_slots)
         self.resident = {index: tuple(sorted(resident.get(index, ()))) for index in self.layers}
-        self.row_bytes = {name: _row_bytes(dtype, shape) for name, (dtype, shape) in self.rows.items()}
+        self.row_bytes = {name: math.prod(shape) * dtype.itemsize for name, (dtype, shape) in self.rows.items()}
         self.expert_bytes = sum(self.row_bytes.values())
         self._unpin = lambda: None
         self.adopt_host = adopt_host
@@ -184,7 +182,7 @@ class RoutedExperts:
         pinned = []
         try:
             for tensor in ranges:
-                pin_mapped(self.backend, tensor)
+                self.backend.pin(tensor, mapped=True)
                 pinned.append(tensor)
         finally:
             # unpinned before the memory can be freed, even if close is never called (as OffloadEngine does)
@@ -256,13 +254,6 @@ class RoutedExperts:
         return prefill_experts_forward(module)(proxy, hidden, top_k_index, top_k_weights)
 
 
-def _row_bytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
-    num = 1
-    for size in shape:
-        num *= size
-    return num * dtype.itemsize
-
-
 def plan_fetch(top_k_index: torch.Tensor, resident_row: torch.Tensor, fetch_slots: int):
     """(pair -> device-buffer row [S], fetch slot -> expert id to gather or -1 [fetch_slots]) for S <=
     fetch_slots routed pairs, in fixed shapes: each distinct non-resident expert gets one slot, numbered in
@@ -328,21 +319,6 @@ def _gather_kernel():
 
         _KERNEL["gather"] = gather
     return _KERNEL["gather"]
-
-
-def pin_mapped(backend, tensor: torch.Tensor) -> None:
-    """Page-lock ``tensor`` mapped into the device's address space; recorded with the backend so its unpin
-    works (the CPU stand-in records the range as it does for the loader's pieces)."""
-    from runtime.backend import CudaBackend, pin_error
-
-    if not isinstance(backend, CudaBackend):
-        backend.pin(tensor)
-        return
-    num_bytes = tensor.numel() * tensor.element_size()
-    error = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), num_bytes, CUDA_HOST_REGISTER_MAPPED))
-    if error != 0:
-        raise pin_error(num_bytes, error)
-    backend.pinned[tensor.data_ptr()] = num_bytes
 
 
 class _CudaArray:

@@ -11,7 +11,7 @@ import torch
 
 from runtime.backend import CudaBackend
 from runtime.graph import DecodeLoop
-from runtime.routed_experts import apply_routed_experts, device_view, gather_rows, pin_mapped
+from runtime.routed_experts import apply_routed_experts, device_view, gather_rows
 from tests.runtime_models import routed_moe_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -31,7 +31,7 @@ def test_gather_from_mapped_host_memory_inside_a_graph():
     """Only the slots asked for are written, and a replay gathers the experts its indices name now."""
     backend = CudaBackend(CUDA)
     host = torch.randn(16, 64, 48).to(torch.bfloat16)
-    pin_mapped(backend, host)
+    backend.pin(host, mapped=True)
     try:
         source = device_view(host, CUDA)
         assert source.device.type == "cuda" and source.data_ptr() == host.data_ptr()
