@@ -23,7 +23,7 @@ before any weight is read.
 import torch
 
 from planner.activations import (
-    EXPERTS_FALLBACK, decode_activations, planned_experts_implementation, prefill_activations,
+    EXPERTS_FALLBACK, activation_shape, decode_activations, planned_experts_implementation, prefill_activations,
 )
 from planner.errors import UsageError
 from planner.units import format_bytes
@@ -70,37 +70,42 @@ def implementation_for(phase: str, device: torch.device, dtype: torch.dtype = to
     return planned
 
 
-def use_phase(model, phase: str, device: torch.device) -> str | None:
-    """Switch a MoE model to ``phase``'s implementation (a no-op when it already runs it); None for a dense
-    model. The choice is read at each forward, and a CUDA graph keeps the kernels of its capture."""
+def phase_implementations(model, device: torch.device) -> dict[str, str] | None:
+    """Each phase's experts implementation for this model on ``device`` (None for a dense model): resolved once,
+    so a decode loop switches between them without walking the model every step."""
     if not has_experts(model):
         return None
     if not hasattr(model, "set_experts_implementation"):
         raise UsageError("this MoE model's experts have no selectable implementation (transformers >= 5 "
                          "set_experts_implementation); upgrade transformers")
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.bfloat16)
-    name = implementation_for(phase, device, dtype)
-    if getattr(model.config, "_experts_implementation", None) != name:
-        model.set_experts_implementation(name)
-    return name
+    return {phase: implementation_for(phase, device, dtype) for phase in (DECODE, PREFILL)}
 
 
-def config_dtype(config: dict) -> torch.dtype:
-    """The weights' dtype a checkpoint's config.json names (from_pretrained's dtype="auto"), bf16 if none."""
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
-    name = config.get("dtype") or config.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
-    dtype = getattr(torch, name, None) if isinstance(name, str) else None
-    return dtype if isinstance(dtype, torch.dtype) else torch.bfloat16
+def switch(model, implementation: str) -> None:
+    """Run the model's experts through ``implementation`` (a no-op when they already do). The choice is read at
+    each forward, and a CUDA graph keeps the kernels of its capture."""
+    if getattr(model.config, "_experts_implementation", None) != implementation:
+        model.set_experts_implementation(implementation)
+
+
+def use_phase(model, phase: str, device: torch.device) -> str | None:
+    """Switch a MoE model to ``phase``'s implementation; returns it, None for a dense model."""
+    implementations = phase_implementations(model, device)
+    if implementations is None:
+        return None
+    switch(model, implementations[phase])
+    return implementations[phase]
 
 
 def check_fallback_fits(config: dict, device: torch.device, *, activation_bytes: int, num_sequences: int,
                         context_tokens: int, chunk_tokens: int, static_cache_tokens: int | None) -> None:
     """Refuse, in one line and before loading, a plan whose steps would run a fallback implementation that needs
     more activation memory than the plan set aside (``activation_bytes``)."""
+    dtype_name = activation_shape(config).dtype  # the weights' dtype as the plan's estimate read it
     for phase in (DECODE, PREFILL):
-        dtype = config_dtype(config)
-        name = implementation_for(phase, device, dtype)
-        if name == planned_experts_implementation(phase, str(dtype).removeprefix("torch.")):
+        name = implementation_for(phase, device, getattr(torch, dtype_name))
+        if name == planned_experts_implementation(phase, dtype_name):
             continue
         if phase == DECODE:
             peak = decode_activations(config, num_sequences=num_sequences, context_tokens=context_tokens,

@@ -25,7 +25,7 @@ from planner.errors import UsageError
 # length (masked), so step time grows with it: measuring, planning and running use the same room.
 from planner.serving import DECODE_ROOM_TOKENS
 from planner.simulate import STEPS_PER_GRAPH
-from runtime.experts_impl import DECODE, PREFILL, has_experts, use_phase
+from runtime.experts_impl import DECODE, PREFILL, phase_implementations, switch
 
 NUM_WARMUP_CALLS = 2
 #: prefill at most this many tokens per forward (batch x chunk), to bound activation memory
@@ -105,8 +105,8 @@ class DecodeLoop:
 
         self.model, self.engine, self.device = model, engine, device
         self.forward = model if compile_backend is None else compile_forward(model, compile_backend)
-        #: a MoE model's experts run decode's implementation in the steps and prefill's in the prefill
-        self.moe = has_experts(model)
+        #: a MoE model's experts run decode's implementation in the steps and prefill's in the prefill (None: dense)
+        self.experts_implementations = phase_implementations(model, device)
         self.cache = StaticCache(config=model.config, max_cache_len=max_cache_tokens)
         self._allocate_cache(batch)
         self.steps_per_call = steps_per_call
@@ -203,8 +203,8 @@ class DecodeLoop:
         self.ids.copy_(logits.argmax(-1, keepdim=True))
 
     def _use_phase(self, phase: str) -> None:
-        if self.moe:
-            use_phase(self.model, phase, self.device)
+        if self.experts_implementations is not None:
+            switch(self.model, self.experts_implementations[phase])
 
     def _steps(self) -> None:
         """The body of one call (what a replay runs)."""

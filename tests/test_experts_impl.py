@@ -77,6 +77,15 @@ def test_grouped_mm_on_cuda_is_native_for_bf16_only(monkeypatch):
     assert experts_impl.grouped_mm_native(cuda, torch.bfloat16)
     assert not experts_impl.grouped_mm_native(cuda, torch.float32)
     assert experts_impl.implementation_for("decode", cuda, torch.float32) == "batched_mm"
-    assert experts_impl.config_dtype({"torch_dtype": "float32"}) == torch.float32
-    assert experts_impl.config_dtype({"text_config": {"dtype": "float16"}}) == torch.float16
-    assert experts_impl.config_dtype({}) == torch.bfloat16
+
+
+def test_an_fp32_plan_already_planned_its_fallbacks_so_nothing_is_refused(monkeypatch):
+    """The dtype is read as the plan's estimate read it: fp32 experts were planned through batched_mm and
+    eager, so a stack without grouped_mm runs what was planned (bf16 would be held to its activation line)."""
+    monkeypatch.setattr(experts_impl, "grouped_mm_native", lambda device, dtype: False)
+    options = dict(num_sequences=32, context_tokens=4096, chunk_tokens=2048, static_cache_tokens=4160)
+    experts_impl.check_fallback_fits({**CONFIG, "torch_dtype": "float32"}, CPU, activation_bytes=1, **options)
+    nested = {"model_type": "x", "text_config": {**CONFIG, "torch_dtype": "float16"}}
+    experts_impl.check_fallback_fits(nested, CPU, activation_bytes=1, **options)
+    with pytest.raises(UsageError):
+        experts_impl.check_fallback_fits(CONFIG, CPU, activation_bytes=1, **options)
