@@ -218,7 +218,9 @@ def make_plan(inputs: Inputs, compute_override: ComputeTimes | None = None,
                if given]
     if ignored:
         model.warnings.append(f"{' and '.join(ignored)} apply to serving plans (--concurrency): ignored here")
-    budget = budget_bytes_for(inputs, model.profile) if _budget_given(inputs) else _whole_gpu_budget(model, workload)
+    other = _weights_plan_other_bytes(model, workload)
+    budget = budget_bytes_for(inputs, model.profile) if _budget_given(inputs) else _whole_gpu_budget(model, workload,
+                                                                                                     other)
     compute = model.compute(workload) if compute_override is None else _as_recorded(compute_override,
                                                                                    len(model.layout.layers))
     points: tuple = ()
@@ -233,7 +235,6 @@ def make_plan(inputs: Inputs, compute_override: ComputeTimes | None = None,
     check_host_memory(choice.host_pinned_bytes + _adapter_host_bytes(model), host_limit, inputs)
     if host_limit is None and choice.host_pinned_bytes:
         model.warnings.append(_host_not_checked(choice.host_pinned_bytes + _adapter_host_bytes(model)))
-    other = _weights_plan_other_bytes(model, workload)
     gpu_memory = gpu_memory_bytes_for(inputs, model.profile)
     # adapters take the GPU memory the budget leaves (beside the KV cache and activations where those are known)
     free = gpu_memory - choice.gpu_bytes - other.total_bytes if other is not None else gpu_memory - budget
@@ -260,10 +261,9 @@ def _budget_given(inputs: Inputs) -> bool:
     return inputs.budget is not None or inputs.trigger is not None
 
 
-def _whole_gpu_budget(model: _Model, workload: Workload) -> int:
-    """With no --budget or --trigger: the GPU memory the workload's KV cache, activations and CUDA context leave
-    the weights (the profile's memory less its reserve where the KV cache is not modelled)."""
-    other = _weights_plan_other_bytes(model, workload)
+def _whole_gpu_budget(model: _Model, workload: Workload, other: OtherBytes | None) -> int:
+    """With no --budget or --trigger: the GPU memory the workload's KV cache, activations and CUDA context
+    (``other``) leave the weights (the profile's memory less its reserve where the KV cache is not modelled)."""
     if other is None:
         return model.profile.weight_limit_bytes
     budget = gpu_memory_bytes_for(model.inputs, model.profile) - other.total_bytes
