@@ -330,7 +330,7 @@ def whole_layer_arm(master, setting: Setting, plan, reference: dict) -> dict:
             del model, engine
 
 
-def whole_layer_plan(setting: Setting, work: Path, force_whole: bool = True):
+def planner_plan(setting: Setting, work: Path, force_whole: bool = True):
     """Today's plan at one sequence (the planner, as scripts/bench_serving.py makes it), or why none fits.
     ``force_whole``: whole layers only (a pinned prefetch depth rules routed layers out; the faster of depths 1
     and 2); else the planner's own pick, routed where it predicts that faster."""
@@ -417,8 +417,8 @@ def uniform_rows(master, setting: Setting, rows: Rows, h2d_bytes_per_s: float, w
     rows.add({"arm": "routed, uniform", "resident_per_layer": num_resident, **routed,
               "expected_fetched_bytes_per_step": expected, "floor_step_ms": floor_ms,
               "floor_tokens_per_s": 1e3 / floor_ms, "measured_over_floor": floor_ms / routed["step_ms"]})
-    for arm, plan in (("planner's pick", whole_layer_plan(setting, work, force_whole=False)),
-                      ("whole-layer plan", whole_layer_plan(setting, work))):
+    for arm, plan in (("planner's pick", planner_plan(setting, work, force_whole=False)),
+                      ("whole-layer plan", planner_plan(setting, work))):
         if isinstance(plan, str):
             rows.add({"arm": arm, "error": plan})
             continue
@@ -435,7 +435,7 @@ def regime_rows(master, setting: Setting, rows: Rows, work: Path) -> None:
     batch = setting.batch
     reference = all_resident(master, setting)
     rows.add({"arm": f"B={batch} all-resident", "sequences": batch, **figures(reference)})
-    pick = whole_layer_plan(setting, work, force_whole=False)
+    pick = planner_plan(setting, work, force_whole=False)
     if isinstance(pick, str):
         rows.add({"arm": f"B={batch} pick", "sequences": batch, "error": pick})
         return
@@ -443,7 +443,7 @@ def regime_rows(master, setting: Setting, rows: Rows, work: Path) -> None:
     measured = {"pick": {"arm": f"B={batch} pick ({'routed' if routed_pick else 'whole layers'})",
                          "sequences": batch, **whole_layer_arm(master, setting, pick, reference)}}
     if routed_pick:
-        other = whole_layer_plan(setting, work)
+        other = planner_plan(setting, work)
         measured["other"] = {"arm": f"B={batch} other: whole layers", "sequences": batch} | (
             {"error": other} if isinstance(other, str) else whole_layer_arm(master, setting, other, reference))
     else:
