@@ -112,9 +112,11 @@ def _crossover_lines(plan: Plan, experts: ExpertsPlan) -> list[str]:
     lines = []
     if here is not None and here.routed_step_ms is not None and here.whole_layer_step_ms is not None:
         faster = "routed" if here.regime == "routed" else "whole layers"
-        ratio = max(here.routed_step_ms, here.whole_layer_step_ms) / min(here.routed_step_ms, here.whole_layer_step_ms)
+        slower_ms, faster_ms = sorted((here.routed_step_ms, here.whole_layer_step_ms), reverse=True)
+        # a step rounds to 0 ms on a tiny model: no ratio to give then
+        verdict = f"{faster} x{slower_ms / faster_ms:.2f} faster" if faster_ms > 0 else f"{faster} chosen"
         lines.append(f"  At {here.concurrency} sequence(s): routed {format_ms(here.routed_step_ms)} per step against "
-                     f"{format_ms(here.whole_layer_step_ms)} streaming whole layers: {faster} x{ratio:.2f} faster.")
+                     f"{format_ms(here.whole_layer_step_ms)} streaming whole layers: {verdict}.")
     elif here is not None and here.routed_step_ms is None and experts.routed_unavailable is None:
         lines.append(f"  At {here.concurrency} sequence(s) routed experts do not fit: their buffers and the resident "
                      "non-expert weights need more than the budget.")

@@ -331,7 +331,7 @@ def whole_layer_arm(master, setting: Setting, plan, reference: dict) -> dict:
 
 
 def planner_plan(setting: Setting, work: Path, force_whole: bool = True):
-    """Today's plan at one sequence (the planner, as scripts/bench_serving.py makes it), or why none fits.
+    """The planner's plan at ``setting.batch`` sequences (as scripts/bench_serving.py makes it), or why none fits.
     ``force_whole``: whole layers only (a pinned prefetch depth rules routed layers out; the faster of depths 1
     and 2); else the planner's own pick, routed where it predicts that faster."""
     import scripts.bench_serving as serving

@@ -327,3 +327,17 @@ def test_diff_and_export_of_routed_and_whole_layer_plans(qwen3_30b, tmp_path):
     assert "tokens/s against the plan's 18.7" in str(refused.value) and "\n" not in str(refused.value)
     exported = export_plan(whole, "sglang")
     assert any(note.startswith("experts: the plan streams whole layers") for note in exported.notes)
+
+
+def test_show_of_a_plan_whose_steps_round_to_zero_names_the_regime_without_a_ratio():
+    """A tiny model's steps round to 0 ms: the crossover line must not divide by them (the round-trip fuzz
+    found `show` exiting 70 on such a weights plan with --params experts)."""
+    from types import SimpleNamespace as NS
+
+    from planner.report import _crossover_lines
+
+    point = NS(concurrency=1, regime="whole_layer", routed_step_ms=0.0, whole_layer_step_ms=0.0, num_resident=24)
+    plan = NS(workload=NS(concurrency=1))
+    experts = NS(points=(point,), routed_unavailable=None)
+    (line,) = _crossover_lines(plan, experts)
+    assert "whole layers chosen" in line and "x" not in line.split(":")[-1]
