@@ -163,9 +163,10 @@ def param_bytes(params) -> int:
     return sum(p.numel() * p.element_size() for p in params)
 
 
-def resident_count(master, setting: Setting, fetch_slots: int) -> int:
+def resident_count(master, setting: Setting, fetch_slots: int, activation_bytes: int = ACTIVATION_RESERVE_BYTES) -> int:
     """Resident experts per layer that fit the GPU memory: what is left after the non-expert weights, the KV
-    cache, the fetch and staging buffers, CUDA's own memory and ACTIVATION_RESERVE_BYTES, shared by all layers."""
+    cache, the fetch and staging buffers, CUDA's own memory and ``activation_bytes``, shared by all layers.
+    Negative (the bytes missing, negated) where even no resident expert fits."""
     num_layers, num_experts, _ = expert_shape(master)
     experts = [layer.mlp.experts for layer in master.model.layers]
     expert_bytes = param_bytes(experts[0].parameters()) // num_experts
@@ -178,8 +179,8 @@ def resident_count(master, setting: Setting, fetch_slots: int) -> int:
 
         outside = outside_allocator_bytes(setting.device)
     left = (setting.gpu_memory_bytes - outside - non_expert - kv_bytes - (fetch_slots + num_experts) * expert_bytes
-            - ACTIVATION_RESERVE_BYTES)
-    return max(0, min(num_experts, left // (num_layers * expert_bytes)))
+            - activation_bytes)
+    return left if left < 0 else min(num_experts, left // (num_layers * expert_bytes))
 
 
 def cache_tokens(setting: Setting) -> int:
@@ -405,7 +406,7 @@ def uniform_rows(master, setting: Setting, rows: Rows, h2d_bytes_per_s: float, w
     """The all-resident reference, routed with uniform residency, today's whole-layer plan."""
     num_layers, num_experts, top_k = expert_shape(master)
     fetch_slots = min(top_k, num_experts)
-    num_resident = resident_count(master, setting, fetch_slots)
+    num_resident = max(0, resident_count(master, setting, fetch_slots))
     log(f"{num_resident} of {num_experts} experts resident per layer fit {setting.gpu_memory_bytes / 2**30:.1f} GiB")
     reference = all_resident(master, setting)
     rows.add({"arm": "all-resident", **figures(reference)})
@@ -448,9 +449,18 @@ def regime_rows(master, setting: Setting, rows: Rows, work: Path) -> None:
             {"error": other} if isinstance(other, str) else whole_layer_arm(master, setting, other, reference))
     else:
         fetch_slots = min(batch * top_k, num_experts)
-        resident = {index: tuple(range(resident_count(master, setting, fetch_slots))) for index in range(num_layers)}
-        measured["other"] = {"arm": f"B={batch} other: routed, uniform", "sequences": batch,
-                             **routed_arm(master, setting, resident, fetch_slots, reference)}
+        # the pick's own activation figure (prefill chunk of `batch` sequences, graph pool): the routed arm runs
+        # the same fill and steps, so it needs the same room
+        activation_bytes = max(ACTIVATION_RESERVE_BYTES,
+                               pick.memory.activation_bytes + pick.memory.cuda_graph_pool_bytes)
+        num_resident = resident_count(master, setting, fetch_slots, activation_bytes)
+        arm = {"arm": f"B={batch} other: routed, uniform", "sequences": batch}
+        if num_resident < 0:
+            measured["other"] = arm | {"error": f"does not fit {setting.gpu_memory_bytes / 2**30:.2f} GiB: "
+                                                f"{-num_resident / 2**30:.2f} GiB short with no resident expert"}
+        else:
+            resident = {index: tuple(range(num_resident)) for index in range(num_layers)}
+            measured["other"] = arm | routed_arm(master, setting, resident, fetch_slots, reference)
     speeds = [row.get("tokens_per_s", 0.0) for row in measured.values()]
     measured["pick"]["regret"] = max(speeds) / speeds[0] if speeds[0] else None
     for row in measured.values():
