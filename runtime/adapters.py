@@ -24,7 +24,7 @@ from planner.errors import ModelInputError
 from planner.placement import align_up
 from runtime.engine import PackedParam, view_as_param
 from runtime.load import alloc_device_or_fail, cached_snapshot, host_allocation_or_fail
-from runtime.stream_load import FileHandles, SourceTensor, read_exact, read_sources
+from runtime.checkpoint_reader import FileHandles, SourceTensor, read_exact, read_sources
 
 _PEFT_PREFIX = "base_model.model."
 

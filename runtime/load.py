@@ -25,10 +25,9 @@ from planner.placement import align_up
 from planner.schedule import PrefetchSchedule
 from runtime.engine import (HOST_PIECE_ALIGN_BYTES, OffloadEngine, PackedParam, host_offsets, host_pieces,
                             offloaded_layouts, pack_layout, packed_bytes, view_as_param)
-from runtime.stream_load import (
-    CONVERSIONS_IN_FLIGHT, NUM_READERS, STAGING_BYTES, Destination, LoadPhases, LoadWork, build_skeleton,
-    checkpoint_files, param_owners, plan_reads, read_sources, set_param, stream_weights,
-)
+from runtime.checkpoint_reader import Destination, checkpoint_files, read_sources
+from runtime.skeleton import LoadWork, build_skeleton, param_owners, plan_reads, set_param
+from runtime.stream_load import CONVERSIONS_IN_FLIGHT, NUM_READERS, STAGING_BYTES, LoadPhases, stream_weights
 
 # Headroom on the GPU beyond the plan's weights: CUDA context, slot alignment, the first activations.
 GPU_HEADROOM_BYTES = 1 << 30

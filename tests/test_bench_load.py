@@ -60,7 +60,7 @@ def _memory_cgroup_usable() -> bool:
 def test_tiny_moe_bench_writes_the_hubs_per_expert_tensors_and_loads_them_equal(tmp_path):
     """--moe: the checkpoint ships one tensor per expert (as releases do, not transformers' fused params), and
     a plan offloading only the experts loads it bit for bit, with no conversion buffers."""
-    from runtime.stream_load import read_sources
+    from runtime.checkpoint_reader import read_sources
 
     config = bench_load.TINY_MOE_CONFIG
     checkpoint = tmp_path / "checkpoint"

@@ -284,8 +284,9 @@ def test_a_failure_after_pinning_unpins_everything(checkpoints, monkeypatch):
 
 def test_host_memory_check_counts_pinned_bytes_and_working_set_not_the_checkpoint(checkpoints):
     from runtime.load import loading_working_set_bytes
-    from runtime.stream_load import (NUM_READERS, STAGING_BYTES, build_skeleton, checkpoint_files, plan_reads,
-                                     read_sources)
+    from runtime.checkpoint_reader import checkpoint_files, read_sources
+    from runtime.skeleton import build_skeleton, plan_reads
+    from runtime.stream_load import NUM_READERS, STAGING_BYTES
 
     folder = checkpoints("moe")
     plan = plan_with(folder, 1, 1, 2)
@@ -365,19 +366,20 @@ class _SlowPinGpu(CpuStandIn):
 def test_host_reads_do_not_wait_for_page_locking(checkpoints, monkeypatch):
     """Page-locking tens of GB takes seconds: while the first layer's piece is being page-locked, the later
     layers' bytes are read into unpinned host memory."""
+    import runtime.checkpoint_reader as checkpoint_reader
     import runtime.stream_load as stream_load
     from runtime.load import stream_model
 
     folder = checkpoints("llama")
     backend = _SlowPinGpu()
     monkeypatch.setattr(stream_load, "STAGING_BYTES", 4096)  # a ring of 4 KiB buffers
-    read_exact = stream_load.read_exact
+    read_exact = checkpoint_reader.read_exact
 
     def logged_read(fd, offset, target, path):
         read_exact(fd, offset, target, path)
         backend.log_read(target)
 
-    monkeypatch.setattr(stream_load, "read_exact", logged_read)
+    monkeypatch.setattr(checkpoint_reader, "read_exact", logged_read)
     model, engine = stream_model(folder, plan_with(folder, 3, 2, 1), backend)  # 4 of 7 layers offloaded
     assert backend.num_pieces_pinned == 4 and backend.pinned == _pieces(engine)  # the ring was unpinned
 
@@ -385,7 +387,9 @@ def test_host_reads_do_not_wait_for_page_locking(checkpoints, monkeypatch):
 def test_reads_go_device_bound_first_then_piece_by_piece_largest_first(checkpoints):
     """So each piece fills early and is page-locked while the later ones are read; per-expert tensors (read
     into their fused params) are ordered with their layer's piece."""
-    from runtime.stream_load import build_skeleton, checkpoint_files, plan_reads, read_order, read_sources
+    from runtime.checkpoint_reader import checkpoint_files, read_sources
+    from runtime.skeleton import build_skeleton, plan_reads
+    from runtime.stream_load import read_order
 
     folder = checkpoints("qwen3-moe")
     files = checkpoint_files(folder)
@@ -436,7 +440,9 @@ def test_the_cli_progress_bar_counts_bytes_from_reader_threads(checkpoints, monk
 def test_a_persistent_buffer_in_the_checkpoint_is_loaded_like_from_pretrained(checkpoints, tmp_path):
     from safetensors.torch import save_file
 
-    from runtime.stream_load import _load_buffer, build_skeleton, checkpoint_files, plan_reads, read_sources
+    from runtime.checkpoint_reader import checkpoint_files, read_sources
+    from runtime.skeleton import build_skeleton, plan_reads
+    from runtime.stream_load import _load_buffer
 
     folder = checkpoints("llama")
     files = checkpoint_files(folder)
@@ -501,7 +507,7 @@ def test_a_short_last_piece_does_not_shrink_the_staging_ring(tmp_path):
     one 4 KiB buffer, a 4.25 KiB tensor and then an 8 KiB one must both arrive whole (the short piece's slice
     was given back to the ring instead of the buffer, and the next full piece failed: seen under load)."""
     from runtime.engine import PackedParam
-    from runtime.stream_load import Destination, Reader, SourceTensor, StagingRing
+    from runtime.checkpoint_reader import Destination, Reader, SourceTensor, StagingRing
 
     data = torch.arange(4352 + 8192, dtype=torch.int64).remainder(251).to(torch.uint8)
     path = tmp_path / "bytes.bin"
@@ -523,7 +529,8 @@ def test_a_short_last_piece_does_not_shrink_the_staging_ring(tmp_path):
 def _placement(folder: Path, plan, backend):
     """place_plan over the checkpoint's meta skeleton, nothing pinned yet."""
     from runtime.load import place_plan
-    from runtime.stream_load import build_skeleton, checkpoint_files
+    from runtime.checkpoint_reader import checkpoint_files
+    from runtime.skeleton import build_skeleton
 
     return place_plan(build_skeleton(folder, checkpoint_files(folder)), plan, backend, pin=False)
 
@@ -569,16 +576,16 @@ def _slow_reads(monkeypatch, backend, delay_s=0.003):
     """Every read takes a little longer and is logged, so a piece pinned before its bytes land is caught."""
     import time
 
-    import runtime.stream_load as stream_load
+    import runtime.checkpoint_reader as checkpoint_reader
 
-    read_exact = stream_load.read_exact
+    read_exact = checkpoint_reader.read_exact
 
     def slow_read(fd, offset, target, path):
         time.sleep(delay_s)
         read_exact(fd, offset, target, path)
         backend.events.append("read")
 
-    monkeypatch.setattr(stream_load, "read_exact", slow_read)
+    monkeypatch.setattr(checkpoint_reader, "read_exact", slow_read)
 
 
 @pytest.mark.parametrize("family, shape, params", [("llama", (3, 2, 1), ()), ("qwen3-moe", (4, 3, 2), ()),
@@ -649,8 +656,8 @@ def test_a_read_failing_after_pieces_were_pinned_unpins_them_all(checkpoints, mo
     last layer's piece waits until two pieces are pinned, then fails."""
     import threading
 
+    import runtime.checkpoint_reader as checkpoint_reader
     import runtime.load as load
-    import runtime.stream_load as stream_load
 
     folder = checkpoints("llama")
     two_pinned = threading.Event()
@@ -666,7 +673,7 @@ def test_a_read_failing_after_pieces_were_pinned_unpins_them_all(checkpoints, mo
     arenas = []
     allocate = load.host_allocation_or_fail
     monkeypatch.setattr(load, "host_allocation_or_fail", lambda n: arenas.append(allocate(n)) or arenas[-1])
-    read_exact = stream_load.read_exact
+    read_exact = checkpoint_reader.read_exact
 
     def fail_in_last_piece(fd, offset, target, path):
         host = arenas[0]
@@ -677,7 +684,7 @@ def test_a_read_failing_after_pieces_were_pinned_unpins_them_all(checkpoints, mo
             raise ModelInputError("the disk went away")
         return read_exact(fd, offset, target, path)
 
-    monkeypatch.setattr(stream_load, "read_exact", fail_in_last_piece)
+    monkeypatch.setattr(checkpoint_reader, "read_exact", fail_in_last_piece)
     with pytest.raises(ModelInputError, match="went away"):
         stream_on_cpu(folder, plan_with(folder, 1, 1, 1), backend=backend)  # all 7 layers offloaded
     assert two_pinned.is_set() and backend.pinned == {}
@@ -756,7 +763,8 @@ def test_per_expert_tensors_land_in_the_fused_params_in_expert_order(tmp_path):
     fused param, gate before up, and the state equals from_pretrained's, param by param."""
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-    from runtime.stream_load import build_skeleton, checkpoint_files, plan_reads, read_sources
+    from runtime.checkpoint_reader import checkpoint_files, read_sources
+    from runtime.skeleton import build_skeleton, plan_reads
     from tests.runtime_models import _save
 
     config = Qwen3MoeConfig(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
@@ -776,8 +784,9 @@ def test_per_expert_tensors_land_in_the_fused_params_in_expert_order(tmp_path):
 def test_a_group_that_does_not_tile_its_param_is_converted_by_transformers(checkpoints, monkeypatch):
     """A missing expert, or a conversion other than stack-then-concatenate, leaves the group to transformers'
     converter; that path still loads bit for bit."""
-    import runtime.stream_load as stream_load
-    from runtime.stream_load import SourceTensor, fused_offsets
+    import runtime.skeleton as skeleton
+    from runtime.checkpoint_reader import SourceTensor
+    from runtime.skeleton import fused_offsets
 
     class Merge:
         dim = 0
@@ -801,7 +810,7 @@ def test_a_group_that_does_not_tile_its_param_is_converted_by_transformers(check
     Converter.operations = [Merge(), Merge()]
     assert fused_offsets(group, patterns, Converter, (3, 4, 4), 2) is None
 
-    monkeypatch.setattr(stream_load, "fused_offsets", lambda *args: None)
+    monkeypatch.setattr(skeleton, "fused_offsets", lambda *args: None)
     folder = checkpoints("qwen3-moe")
     reference = _logits(build_model(str(folder), None))[0]
     model, engine = stream_on_cpu(folder, plan_with(folder, 4, 3, 2, params=("experts",)), lazy_copies=True)
