@@ -20,10 +20,27 @@ implementation the model is configured with (prefill_experts_forward) over it.
 
 One device buffer [fetch_slots + sum of resident counts, ...] per expert param holds the fetch slots and every
 layer's resident experts, so one index tensor addresses both without copying resident experts per step.
+
+Next-layer prefetch (``prefetch=True``; a plan's ``experts.prefetch: next_layer_router``): the fetch of step 2
+waits for the layer's router, so without prediction the link and the compute take turns. At routed layer i's
+experts the step holds layer i's router input, the residual stream normed by layer i's post-attention RMSNorm.
+Rescaled by (norm_j.weight / norm_i.weight) it is what layer j's norm gives for the same residual (exact for
+RMSNorm: weight x normalized), so layer j's own router module (the next routed layer's, called as its MoE block
+calls it: same softmax / top-k / grouping rule) predicts layer j's experts from it. The predicted, non-resident
+ones are gathered on a side stream into layer j's slot set while layer i computes and layer j's attention runs;
+at layer j the step joins that stream, routes for real, and gathers on the main stream only the misses (routed,
+not resident, not prefetched) into the slots the mispredicted (wasted) or unused ones free. Slots are
+double-buffered by the parity of the routed layer's ordinal (layer i still reads its set while j's is written),
+so the buffer holds 2 x fetch_slots slot rows. The side stream's gather runs a bounded grid
+(PREFETCH_GATHER_PROGRAMS persistent programs) so it leaves the SMs to the compute it overlaps. Everything stays
+inside the captured step (fork and join through stream waits: legal under CUDA-graph capture); the values the
+experts multiply are still the all-resident ones, so the logits stay bitwise equal. The first routed layer (no
+previous one) and layers whose router cannot be called so fetch after their router, as without prefetch.
 """
 
 import math
 import types
+import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -37,6 +54,15 @@ from runtime.engine import PackedParam, backend_unpin, view_as_param
 
 #: 32-bit words each Triton program copies (4 warps: 32 words, eight 16-byte loads, per thread)
 GATHER_BLOCK_WORDS = 4096
+#: persistent programs of the side stream's prefetch gather: few enough to leave the SMs to the compute the
+#: prefetch overlaps, enough to keep the link busy. To be measured: scripts/bench_experts.py --gather-programs
+#: sweeps the bounded grid's H2D rate alone (the main stream's miss gather keeps the full grid)
+PREFETCH_GATHER_PROGRAMS = 32
+#: the plan's experts.prefetch value that turns next-layer prediction on
+NEXT_LAYER_ROUTER = "next_layer_router"
+#: fetch_counts entries: prefetched and routed; prefetched, not routed; routed, not resident, not prefetched
+#: (fetched after the router of a predicted layer); fetched after the router of a layer nothing predicted
+FETCH_KINDS = ("prefetched", "wasted", "missed", "unpredicted")
 
 
 def experts_module(layer: nn.Module, index: int) -> nn.Module:
@@ -71,18 +97,31 @@ class RoutedExperts:
     staging buffer for prefill and the fetch counter of every routed layer of one model."""
 
     def __init__(self, *, modules: dict[int, nn.Module], resident: dict[int, tuple[int, ...]], fetch_slots: int,
-                 backend, adopt_host: bool = False):
+                 backend, adopt_host: bool = False, decoder_layers: dict[int, nn.Module] | None = None,
+                 prefetch: bool = False, prefetch_programs: int = PREFETCH_GATHER_PROGRAMS):
         """Allocate (nothing read, nothing pinned yet): ``modules``: layer index -> its experts module (its
         params may be on the meta device: only their shapes are read here); ``resident``: layer index -> expert
         ids kept on the GPU; ``fetch_slots``: distinct experts one decode step can fetch (the plan's
         experts.fetch_slots); ``adopt_host``: page-lock the params' own host tensors in place (they must be
         contiguous CPU tensors, each its storage) rather than copy them into one allocation: a benchmark whose
         model already sits in host memory holds no second copy. ``start`` then takes the weights and routes
-        the layers."""
+        the layers. ``prefetch``: predict and prefetch each next routed layer's experts (module docstring); it
+        needs ``decoder_layers`` (layer index -> decoder layer: its post-attention norm and its router);
+        ``prefetch_programs``: the side stream gather's persistent programs."""
+        if prefetch and decoder_layers is None:
+            raise PlanError("next-layer prefetch needs the decoder layers (their norms and routers); pass them")
+        if prefetch_programs < 1:
+            raise PlanError(f"prefetch_programs must be at least 1, got {prefetch_programs}")
         self.backend, self.device = backend, backend.device
         self.modules = dict(modules)
         self.layers = sorted(modules)
         self.fetch_slots = fetch_slots
+        self.prefetch, self.prefetch_programs = prefetch, prefetch_programs
+        self.decoder_layers = dict(decoder_layers or {})
+        #: slot rows at the head of the device buffer: two sets (by routed ordinal parity) when prefetching
+        self.slot_rows = fetch_slots * (2 if prefetch else 1)
+        #: routed layer index -> its position among the routed layers
+        self.ordinal = {index: position for position, index in enumerate(self.layers)}
         first = modules[self.layers[0]]
         self.num_experts = first.num_experts
         self.param_names = _expert_params(first)
@@ -99,14 +138,25 @@ class RoutedExperts:
         self.host_allocation = None if adopt_host else self._allocate_host()
         #: (layer, param) -> where its [E, *row] tensor sits in host_allocation (the loader's destinations)
         self.host_items = {} if adopt_host else self._host_layout()
-        num_rows = self.fetch_slots + sum(len(r) for r in self.resident.values())
-        #: param -> [fetch_slots + resident rows, *row] on the device: fetch slots first, then each routed
-        #: layer's resident experts in layer order
+        num_rows = self.slot_rows + sum(len(r) for r in self.resident.values())
+        #: param -> [slot rows + resident rows, *row] on the device: fetch slots first (one set, or two when
+        #: prefetching), then each routed layer's resident experts in layer order
         self.buffer = {name: self._device_rows(name, num_rows) for name in self.param_names}
         #: param -> [E, *row] on the device: one routed layer's experts during a prefill chunk
         self.staging = {name: self._device_rows(name, self.num_experts) for name in self.param_names}
-        #: [1] int64 on the device: distinct non-resident experts gathered by decode steps since reset
-        self.fetched_experts = torch.zeros(1, dtype=torch.int64, device=self.device)
+        #: [4] int64 on the device: distinct non-resident experts gathered by decode steps since reset, by kind
+        #: (FETCH_KINDS)
+        self.fetch_counts = torch.zeros(len(FETCH_KINDS), dtype=torch.int64, device=self.device)
+        #: [routed layers, fetch_slots] int64 on the device: the expert prefetched into each slot of the layer's
+        #: set (-1: none), written by the previous routed layer's prediction
+        self.prefetched = torch.full((len(self.layers), fetch_slots), -1, dtype=torch.int64, device=self.device)
+        #: routed ordinal -> how to predict the next routed layer's routing (filled by start)
+        self.predictors: dict[int, _Predictor] = {}
+        #: routed layers whose prefetch was started this step and not yet joined
+        self._pending: set[int] = set()
+        #: the side stream of the prefetches (CUDA only) and the router input it reads, copied on the main stream
+        self.stream = None
+        self._predict_input: torch.Tensor | None = None
         #: bytes copied into the staging buffer by prefill chunks (eager: counted on the host)
         self.staged_bytes = 0
         self.host: dict[tuple[int, str], torch.Tensor] = {}
@@ -188,7 +238,7 @@ class RoutedExperts:
             # unpinned before the memory can be freed, even if close is never called (as OffloadEngine does)
             self._unpin = weakref.finalize(self, backend_unpin, self.backend, pinned)
         self.host_device = {key: device_view(tensor, self.device) for key, tensor in self.host.items()}
-        row = self.fetch_slots
+        row = self.slot_rows
         for index in self.layers:
             ids = list(self.resident[index])
             resident_row = torch.full((self.num_experts,), -1, dtype=torch.int64)
@@ -197,8 +247,27 @@ class RoutedExperts:
                 self.buffer[name][row:row + len(ids)].copy_(self.host[index, name][ids])
             self.tables[index] = RouteTables(resident_row=resident_row.to(self.device))
             row += len(ids)
+        if self.prefetch:
+            self._start_prefetch()
         for index in self.layers:
             _route(modules[index], self, index)
+
+    def _start_prefetch(self) -> None:
+        """A predictor per routed layer whose next routed layer's router can be called on its router input;
+        one warning naming the pairs that cannot (they fetch after their router)."""
+        reasons = []
+        for ordinal, (index, following) in enumerate(zip(self.layers, self.layers[1:])):
+            predictor = next_layer_predictor(self.decoder_layers.get(index), self.decoder_layers.get(following),
+                                             self.num_experts, self.device)
+            if isinstance(predictor, str):
+                reasons.append(f"layer {following} from layer {index}: {predictor}")
+            else:
+                self.predictors[ordinal] = predictor
+        if reasons:
+            warnings.warn(f"next-layer prefetch off for {len(reasons)} routed layer(s), which fetch after their "
+                          f"router ({reasons[0]}{'; ...' if len(reasons) > 1 else ''})", stacklevel=3)
+        if self.device.type == "cuda":
+            self.stream = torch.cuda.Stream(device=self.device)
 
     # ---- accounting ----
 
@@ -213,11 +282,17 @@ class RoutedExperts:
         return sum(b.numel() * b.element_size() for b in (*self.buffer.values(), *self.staging.values()))
 
     def fetched_bytes(self) -> int:
-        """Bytes decode steps gathered from host memory since the last reset (reads the device counter)."""
-        return int(self.fetched_experts.item()) * self.expert_bytes
+        """Bytes decode steps gathered from host memory since the last reset, every kind (reads the device
+        counter): with prefetch, wasted prefetches cross the link too."""
+        return sum(self.fetched_bytes_by_kind().values())
+
+    def fetched_bytes_by_kind(self) -> dict[str, int]:
+        """FETCH_KINDS -> bytes gathered since the last reset (one read of the device counter)."""
+        counts = self.fetch_counts.tolist()
+        return {kind: count * self.expert_bytes for kind, count in zip(FETCH_KINDS, counts)}
 
     def reset_counters(self) -> None:
-        self.fetched_experts.zero_()
+        self.fetch_counts.zero_()
         self.staged_bytes = 0
 
     def close(self) -> None:
@@ -232,12 +307,77 @@ class RoutedExperts:
                top_k_weights: torch.Tensor) -> torch.Tensor:
         """A step with at most fetch_slots (token, expert) pairs: gather the routed non-resident experts, then
         batched_mm over the device buffer. No host synchronisation."""
-        pair_rows, source_ids = plan_fetch(top_k_index, self.tables[index].resident_row, self.fetch_slots)
-        self.fetched_experts.add_((source_ids >= 0).sum())
-        for name in self.param_names:
-            gather_rows(self.host_device[index, name], self.buffer[name], source_ids)
+        ordinal = self.ordinal[index]
+        base = self._slot_base(ordinal)
+        resident_row = self.tables[index].resident_row
+        if self._join(index):
+            pair_rows, source_ids, counts = plan_fetch_after_prefetch(
+                top_k_index, resident_row, self.prefetched[ordinal], slot_base=base)
+        else:
+            pair_rows, source_ids = plan_fetch(top_k_index, resident_row, self.fetch_slots, slot_base=base)
+            counts = torch.nn.functional.pad((source_ids >= 0).sum().view(1), (len(FETCH_KINDS) - 1, 0))
+        self.fetch_counts.add_(counts)
+        for name in self.param_names:  # the misses, on the critical path: the full grid
+            gather_rows(self.host_device[index, name], self.buffer[name][base:base + self.fetch_slots], source_ids)
+        self._prefetch_next(ordinal, hidden)
         proxy = _Proxy(module, {name: self.buffer[name] for name in self.param_names})
         return batched_mm_forward()(proxy, hidden, pair_rows.view_as(top_k_index), top_k_weights)
+
+    def _slot_base(self, ordinal: int) -> int:
+        """The first slot row of a routed layer's slot set: by its ordinal's parity when prefetching."""
+        return (ordinal % 2) * self.fetch_slots if self.prefetch else 0
+
+    def _join(self, index: int) -> bool:
+        """Whether a prefetch was started for this layer in this step; the main stream then waits for it."""
+        if index not in self._pending:
+            return False
+        self._pending.discard(index)
+        if self.stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        return True
+
+    def _prefetch_next(self, ordinal: int, hidden: torch.Tensor) -> None:
+        """Predict the next routed layer's experts from this layer's router input ``hidden`` [tokens, H] and
+        gather its predicted, non-resident ones into that layer's slot set, on the side stream (inline on the
+        CPU). The side stream first waits for the main stream: the set's previous reader (two routed layers
+        back) and this layer's miss gather are enqueued there."""
+        predictor = self.predictors.get(ordinal)
+        if predictor is None:
+            return
+        following = self.layers[ordinal + 1]
+        inputs = self._router_input(hidden)
+        base = self._slot_base(ordinal + 1)
+
+        def work():
+            predicted = predictor.top_k_index(inputs)  # [tokens, top_k]
+            _, source_ids = plan_fetch(predicted, self.tables[following].resident_row, self.fetch_slots)
+            self.prefetched[ordinal + 1].copy_(source_ids)
+            for name in self.param_names:
+                gather_rows(self.host_device[following, name], self.buffer[name][base:base + self.fetch_slots],
+                            source_ids, max_programs=self.prefetch_programs)
+
+        if self.stream is None:
+            work()
+        else:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                work()
+        self._pending.add(following)
+
+    def _router_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden`` copied (main stream) into a buffer the step keeps, which the side stream reads: the
+        caller's tensor may be freed and its memory reused on the main stream before the side stream reads it.
+        The next routed layer overwrites it only after joining the side stream."""
+        buffer = self._predict_input
+        if buffer is None or buffer.dtype != hidden.dtype or buffer.shape[1] != hidden.shape[1] or \
+                buffer.shape[0] < hidden.shape[0]:
+            # decode steps have at most fetch_slots tokens (each routes to at least one expert)
+            buffer = torch.empty((max(self.fetch_slots, hidden.shape[0]), hidden.shape[1]), dtype=hidden.dtype,
+                                 device=hidden.device)
+            self._predict_input = buffer
+        inputs = buffer[:hidden.shape[0]]
+        inputs.copy_(hidden)
+        return inputs
 
     def prefill(self, module: nn.Module, index: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -245,6 +385,7 @@ class RoutedExperts:
         host, then the configured experts implementation over it. No host sync either
         (a decode step with more sequences than planned lands here, captured or not); ``staged_bytes`` counts
         eager calls only."""
+        self._join(index)  # a decode step's prefetch cannot precede a prefill chunk; joined should one ever
         for name in self.param_names:
             # one copy-engine copy of all E (the host holds the resident ones too): one large copy runs at the
             # link's rate, where copying around the resident rows would take up to R + 1 smaller ones
@@ -254,10 +395,10 @@ class RoutedExperts:
         return prefill_experts_forward(module)(proxy, hidden, top_k_index, top_k_weights)
 
 
-def plan_fetch(top_k_index: torch.Tensor, resident_row: torch.Tensor, fetch_slots: int):
+def plan_fetch(top_k_index: torch.Tensor, resident_row: torch.Tensor, fetch_slots: int, slot_base: int = 0):
     """(pair -> device-buffer row [S], fetch slot -> expert id to gather or -1 [fetch_slots]) for S <=
     fetch_slots routed pairs, in fixed shapes: each distinct non-resident expert gets one slot, numbered in
-    ascending expert order; resident experts map to their resident rows."""
+    ascending expert order (its row: ``slot_base`` + slot); resident experts map to their resident rows."""
     ids = top_k_index.reshape(-1)  # [S]
     sorted_ids, order = torch.sort(ids)
     first = torch.ones_like(sorted_ids, dtype=torch.bool)
@@ -265,7 +406,7 @@ def plan_fetch(top_k_index: torch.Tensor, resident_row: torch.Tensor, fetch_slot
     resident = resident_row[sorted_ids]  # [S], -1 where not resident
     new = first & (resident < 0)
     slot = torch.cumsum(new, 0) - 1  # the distinct non-resident expert's slot, repeated over its pairs
-    rows_sorted = torch.where(resident >= 0, resident, slot)
+    rows_sorted = torch.where(resident >= 0, resident, slot + slot_base)
     pair_rows = torch.empty_like(rows_sorted)
     pair_rows[order] = rows_sorted
     # slot -> expert: written by each expert's first pair; others write to a spare last entry
@@ -274,26 +415,119 @@ def plan_fetch(top_k_index: torch.Tensor, resident_row: torch.Tensor, fetch_slot
     return pair_rows, sources[:fetch_slots]
 
 
-def gather_rows(source: torch.Tensor, destination: torch.Tensor, source_ids: torch.Tensor) -> None:
+def plan_fetch_after_prefetch(top_k_index: torch.Tensor, resident_row: torch.Tensor, prefetched: torch.Tensor,
+                              slot_base: int = 0):
+    """For a layer whose slot set already holds ``prefetched`` ([F] expert id per slot, -1 unused; distinct,
+    non-resident): (pair -> device-buffer row [S], slot -> expert id to gather now or -1 [F], counts [4] as
+    FETCH_KINDS: prefetched and routed, prefetched and not routed, missed, 0), in fixed shapes. Prefetched
+    routed experts keep their slots; each miss (routed, not resident, not prefetched) takes the next slot that
+    holds no routed expert (unused, or a wasted prediction), in ascending expert order. There are enough: with
+    H hits, at most F - H distinct experts miss and F - H slots are free."""
+    num_slots, num_experts = prefetched.numel(), resident_row.numel()
+    ids = top_k_index.reshape(-1)  # [S]
+    sorted_ids, order = torch.sort(ids)
+    first = torch.ones_like(sorted_ids, dtype=torch.bool)
+    first[1:] = sorted_ids[1:] != sorted_ids[:-1]
+    resident = resident_row[sorted_ids]  # [S], -1 where not resident
+    # expert -> its slot in the set, -1 if not prefetched (unused slots write the spare last entry)
+    slot_of = torch.full((num_experts + 1,), -1, dtype=torch.int64, device=ids.device)
+    slot_of.scatter_(0, torch.where(prefetched >= 0, prefetched, num_experts),
+                     torch.arange(num_slots, device=ids.device))
+    hit_slot = slot_of[sorted_ids]  # [S]
+    need = first & (resident < 0)
+    hit, miss = need & (hit_slot >= 0), need & (hit_slot < 0)
+    # a slot keeps its expert when the step routes to it; the others are free for the misses
+    routed = torch.zeros(num_experts + 1, dtype=torch.bool, device=ids.device)
+    routed[sorted_ids] = True
+    keep = (prefetched >= 0) & routed[torch.where(prefetched >= 0, prefetched, num_experts)]
+    free_rank = torch.cumsum(~keep, 0) - 1  # [F]
+    free_slot = torch.full((num_slots + 1,), -1, dtype=torch.int64, device=ids.device)  # rank -> slot
+    free_slot.scatter_(0, torch.where(keep, num_slots, free_rank), torch.arange(num_slots, device=ids.device))
+    miss_rank = torch.cumsum(miss, 0) - 1  # the missed expert's rank, repeated over its pairs
+    slot = torch.where(hit_slot >= 0, hit_slot, free_slot[miss_rank.clamp(min=0)])
+    rows_sorted = torch.where(resident >= 0, resident, slot + slot_base)
+    pair_rows = torch.empty_like(rows_sorted)
+    pair_rows[order] = rows_sorted
+    sources = torch.full((num_slots + 1,), -1, dtype=torch.int64, device=ids.device)
+    sources.scatter_(0, torch.where(miss, slot, num_slots), torch.where(miss, sorted_ids, -1))
+    num_hits, num_missed = hit.sum(), miss.sum()
+    counts = torch.stack((num_hits, (prefetched >= 0).sum() - num_hits, num_missed, torch.zeros_like(num_hits)))
+    return pair_rows, sources[:num_slots], counts
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Predictor:
+    """How routed layer i's router input predicts the next routed layer j's routing."""
+
+    #: [H] float32: norm_j.weight / norm_i.weight (0 where norm_i's weight is 0: nothing to rescale)
+    ratio: torch.Tensor
+    #: layer j's router module: called as its MoE block calls it, (logits, weights, top-k index)
+    gate: nn.Module
+
+    def top_k_index(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Layer j's router on ``hidden`` [tokens, H] (layer i's router input) rescaled to layer j's norm."""
+        scaled = (hidden.float() * self.ratio).to(hidden.dtype)
+        return self.gate(scaled)[-1]
+
+
+def next_layer_predictor(layer: nn.Module | None, following: nn.Module | None, num_experts: int,
+                         device: torch.device) -> "_Predictor | str":
+    """A predictor of ``following``'s routing from ``layer``'s router input, or why there is none: both layers
+    need an RMSNorm post_attention_layernorm (output = weight x normalized input, checked on a probe) and
+    ``following`` a router at mlp.gate returning a tuple that ends with the top-k expert ids."""
+    norms = [getattr(m, "post_attention_layernorm", None) for m in (layer, following)]
+    weights = [getattr(norm, "weight", None) for norm in norms]
+    if any(w is None or w.dim() != 1 for w in weights) or weights[0].shape != weights[1].shape:
+        return "no post_attention_layernorm with a weight per hidden unit"
+    gate = following.get_submodule("mlp").get_submodule("gate") if hasattr(following, "mlp") and \
+        hasattr(following.mlp, "gate") else None
+    if gate is None or any(w.is_meta for w in weights):
+        return "no router at mlp.gate" if gate is None else "the norms' weights are not loaded"
+    with torch.inference_mode():
+        probe = torch.randn(2, weights[0].shape[0], generator=torch.Generator().manual_seed(0))
+        ratio = torch.where(weights[0] != 0, weights[1].float() / weights[0].float(), 0.0).cpu()
+        probe_device = probe.to(device=weights[0].device, dtype=weights[0].dtype)
+        rescaled = (norms[0](probe_device).float().cpu() * ratio)
+        if not torch.allclose(rescaled, norms[1](probe_device).float().cpu(), rtol=2e-2, atol=1e-3):
+            return "its norm is not weight x normalized input (RMSNorm), so no rescaling gives layer j's"
+        gate_param = next(gate.parameters(), None)
+        try:
+            output = gate(probe_device if gate_param is None else probe_device.to(gate_param.device, gate_param.dtype))
+        except Exception as error:  # an architecture's router with another signature
+            return f"its router cannot be called on the hidden state ({type(error).__name__})"
+    top_k = output[-1] if isinstance(output, tuple) else None
+    if top_k is None or top_k.dtype not in (torch.int32, torch.int64) or top_k.dim() != 2 or top_k.shape[0] != 2 \
+            or int(top_k.max()) >= num_experts:
+        return "its router does not return (logits, weights, top-k expert ids)"
+    return _Predictor(ratio=ratio.to(device), gate=gate)
+
+
+def gather_rows(source: torch.Tensor, destination: torch.Tensor, source_ids: torch.Tensor,
+                max_programs: int | None = None) -> None:
     """destination[k] = source[source_ids[k]] for every k with source_ids[k] >= 0; the others untouched.
     ``source`` [E, ...] may be host memory mapped into the device (UVA): on CUDA a Triton kernel reads only the
-    rows asked for; on the CPU (tests) the same semantics in torch."""
+    rows asked for, with at most ``max_programs`` persistent programs (None: one per block of every slot, the
+    full grid); on the CPU (tests) the same semantics in torch."""
     if destination.device.type == "cuda":
-        _gather_rows_triton(source, destination, source_ids)
+        _gather_rows_triton(source, destination, source_ids, max_programs)
         return
     take = (source_ids >= 0).nonzero().flatten()
     destination[take] = source[source_ids[take]]
 
 
-def _gather_rows_triton(source: torch.Tensor, destination: torch.Tensor, source_ids: torch.Tensor) -> None:
+def _gather_rows_triton(source: torch.Tensor, destination: torch.Tensor, source_ids: torch.Tensor,
+                        max_programs: int | None = None) -> None:
     row_bytes = source[0].numel() * source.element_size()
     words = 4 if row_bytes % 4 == 0 else 1
     dtype = torch.int32 if words == 4 else torch.uint8
     row_words = row_bytes // words
     source_words = source.view(torch.uint8).view(dtype) if source.dtype != dtype else source
     destination_words = destination.view(torch.uint8).view(dtype) if destination.dtype != dtype else destination
-    grid = (source_ids.numel(), -(-row_words // GATHER_BLOCK_WORDS))
-    _gather_kernel()[grid](source_words, destination_words, source_ids, row_words, BLOCK=GATHER_BLOCK_WORDS)
+    chunks_per_row = -(-row_words // GATHER_BLOCK_WORDS)
+    num_items = source_ids.numel() * chunks_per_row
+    grid = (max(1, min(num_items, max_programs or num_items)),)
+    _gather_kernel()[grid](source_words, destination_words, source_ids, row_words, chunks_per_row, num_items,
+                           BLOCK=GATHER_BLOCK_WORDS)
 
 
 _KERNEL = {}
@@ -306,16 +540,18 @@ def _gather_kernel():
         import triton.language as tl
 
         @triton.jit
-        def gather(source, destination, source_ids, row_words, BLOCK: tl.constexpr):
-            slot = tl.program_id(0)
-            chunk = tl.program_id(1)
-            expert = tl.load(source_ids + slot)
-            if expert < 0:  # an unused slot or one already resident: nothing crosses the link
-                return
-            offsets = chunk * BLOCK + tl.arange(0, BLOCK)
-            mask = offsets < row_words
-            values = tl.load(source + expert.to(tl.int64) * row_words + offsets, mask=mask)
-            tl.store(destination + slot.to(tl.int64) * row_words + offsets, values, mask=mask)
+        def gather(source, destination, source_ids, row_words, chunks_per_row, num_items, BLOCK: tl.constexpr):
+            # persistent programs: item = slot x chunks_per_row + chunk, strided over the grid, so a bounded
+            # grid (a side stream's prefetch) still covers every block of every slot
+            for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
+                slot = item // chunks_per_row
+                chunk = item % chunks_per_row
+                expert = tl.load(source_ids + slot)
+                if expert >= 0:  # an unused slot or one already there: nothing crosses the link
+                    offsets = chunk * BLOCK + tl.arange(0, BLOCK)
+                    mask = offsets < row_words
+                    values = tl.load(source + expert.to(tl.int64) * row_words + offsets, mask=mask)
+                    tl.store(destination + slot.to(tl.int64) * row_words + offsets, values, mask=mask)
 
         _KERNEL["gather"] = gather
     return _KERNEL["gather"]
@@ -400,11 +636,13 @@ def _route(module: nn.Module, routed: RoutedExperts, index: int) -> None:
 
 
 def apply_routed_experts(model: nn.Module, routed: dict[int, tuple[int, ...]], fetch_slots: int, backend,
-                         stack: str = "model.layers", adopt_host: bool = False) -> RoutedExperts | None:
+                         stack: str = "model.layers", adopt_host: bool = False, prefetch: bool = False,
+                         prefetch_programs: int = PREFETCH_GATHER_PROGRAMS) -> RoutedExperts | None:
     """Route-fetch the experts of the layers ``routed`` names (layer index -> resident expert ids): their
     fused expert params move to page-locked, mapped host memory (resident ones also to the GPU) and their
     forward fetches what each step routes to. Non-expert params are left where they are (the caller puts
-    them on the GPU); ``adopt_host``: see RoutedExperts. None when ``routed`` is empty."""
+    them on the GPU); ``adopt_host``, ``prefetch``, ``prefetch_programs``: see RoutedExperts. None when
+    ``routed`` is empty."""
     if not routed:
         return None
     layers = list(model.get_submodule(stack))
@@ -413,7 +651,8 @@ def apply_routed_experts(model: nn.Module, routed: dict[int, tuple[int, ...]], f
         raise PlanError(f"routed layers {bad} are outside the model's {len(layers)} layers")
     modules = {index: experts_module(layers[index], index) for index in routed}
     experts = RoutedExperts(modules=modules, resident=routed, fetch_slots=fetch_slots, backend=backend,
-                            adopt_host=adopt_host)
+                            adopt_host=adopt_host, decoder_layers={index: layers[index] for index in routed},
+                            prefetch=prefetch, prefetch_programs=prefetch_programs)
     try:
         experts.start()
     except BaseException:
@@ -436,7 +675,15 @@ def allocate_for_plan(plan, layers: list[nn.Module], backend) -> "RoutedExperts 
     if overlap:
         raise PlanError(f"layers {overlap} are both offloaded whole and routed in the plan; regenerate it")
     modules = {index: experts_module(layers[index], index) for index in routed}
-    return RoutedExperts(modules=modules, resident=routed, fetch_slots=fetch_slots, backend=backend)
+    return RoutedExperts(modules=modules, resident=routed, fetch_slots=fetch_slots, backend=backend,
+                         decoder_layers={index: layers[index] for index in routed},
+                         prefetch=prefetch_from_plan(plan))
+
+
+def prefetch_from_plan(plan) -> bool:
+    """Whether the plan's experts section asks for next-layer prefetch (``prefetch: next_layer_router``);
+    plans made before it have no such field: no prefetch."""
+    return getattr(getattr(plan, "experts", None), "prefetch", None) == NEXT_LAYER_ROUTER
 
 
 def routed_from_plan(plan) -> tuple[dict[int, tuple[int, ...]], int]:
