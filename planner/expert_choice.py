@@ -12,8 +12,9 @@ nothing whole at decode, so its fetches have the link to themselves.
 import math
 from dataclasses import dataclass
 
-from planner.experts import (LayerRouting, MoeGeometry, RoutedPlacement, non_resident_bytes, routed_fetch_bytes_per_s,
-                             routed_placement, uniform_routing)
+from planner.experts import (NEXT_LAYER_ROUTER, PREFETCH_ACCURACY, LayerRouting, MoeGeometry, RoutedPlacement,
+                             non_resident_bytes, routed_fetch_bytes_per_s, routed_placement, routed_stalls_ms,
+                             uniform_routing)
 from planner.plan import ExpertLayer, ExpertsPlan, ExpertsPoint
 from planner.search import STEP_MS_DECIMALS, Choice, LayerBytes, Searcher, copy_ms_of
 from planner.simulate import Interval, Simulation, simulate
@@ -38,13 +39,17 @@ class ExpertModel:
     routing_label: str
     #: why routed placements are not considered (None: they are)
     unavailable: str | None
+    #: next-layer prefetch's accuracy (make --prefetch-accuracy, else planner.experts.PREFETCH_ACCURACY)
+    prefetch_accuracy: float = PREFETCH_ACCURACY
 
 
 def expert_model(geometry: MoeGeometry, routing: tuple[LayerRouting, ...] | None, routing_label: str,
-                 unavailable: str | None) -> ExpertModel:
-    """The model's experts with uniform routing unless ``routing`` is given."""
+                 unavailable: str | None, prefetch_accuracy: float | None = None) -> ExpertModel:
+    """The model's experts with uniform routing unless ``routing`` is given, prefetch accuracy the default
+    unless given."""
     return ExpertModel(geometry=geometry, routing=routing or uniform_routing(geometry), routing_label=routing_label,
-                       unavailable=unavailable or geometry.unroutable_reason)
+                       unavailable=unavailable or geometry.unroutable_reason,
+                       prefetch_accuracy=PREFETCH_ACCURACY if prefetch_accuracy is None else prefetch_accuracy)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,19 +87,34 @@ def routed_choice(experts: ExpertModel, *, searcher: Searcher, compute: ComputeT
                   copy_overhead_us: float) -> RoutedChoice | None:
     """Every MoE layer routed, with the most resident experts whose arena fits ``budget_bytes``; None where
     routed placements are unavailable or even none resident does not fit. ``decode``: steps of one token per
-    sequence gather routed experts; other steps (prefill) copy each layer's non-resident experts whole."""
+    sequence gather routed experts, with next-layer prefetch where that is predicted faster (its second slot set
+    costs resident experts; a tie keeps one set); other steps (prefill) copy each layer's non-resident experts
+    whole."""
     if experts.unavailable is not None:
         return None
     layers = searcher.layers
-    placement = routed_placement(experts.geometry, experts.routing, num_tokens=num_tokens,
-                                 layer_total_bytes=layers.total, non_layer_bytes=non_layer_bytes,
-                                 weight_limit_bytes=searcher.weight_limit(budget_bytes),
-                                 h2d_bytes_per_s=h2d_bytes_per_s)
+
+    def placed(accuracy: float | None) -> RoutedPlacement | None:
+        return routed_placement(experts.geometry, experts.routing, num_tokens=num_tokens,
+                                layer_total_bytes=layers.total, non_layer_bytes=non_layer_bytes,
+                                weight_limit_bytes=searcher.weight_limit(budget_bytes),
+                                h2d_bytes_per_s=h2d_bytes_per_s, prefetch_accuracy=accuracy)
+
+    placement = placed(None)
     if placement is None:
         return None
     if decode:
         simulation = decode_simulation(compute, placement)
-        copy_bytes = round(placement.expected_fetched_bytes)
+        prefetching = placed(experts.prefetch_accuracy) if len(placement.layers) > 1 else None
+        if prefetching is not None:
+            with_prefetch = decode_simulation(compute, prefetching)
+            if round(with_prefetch.step_ms, STEP_MS_DECIMALS) < round(simulation.step_ms, STEP_MS_DECIMALS):
+                placement, simulation = prefetching, with_prefetch
+        # the link carries the predicted experts (hits and wasted) and the misses: as many as the step routes
+        # to, plus the wasted ones
+        accuracy = placement.prefetch_accuracy
+        wasted = 0.0 if accuracy is None else (1 - accuracy) * _predicted_bytes(placement)
+        copy_bytes = round(placement.expected_fetched_bytes + wasted)
     else:
         simulation = prefill_simulation(experts.geometry, placement, compute, h2d_bytes_per_s, copy_overhead_us)
         copy_bytes = sum(non_resident_bytes(experts.geometry, placement).values())
@@ -103,10 +123,17 @@ def routed_choice(experts: ExpertModel, *, searcher: Searcher, compute: ComputeT
                         host_pinned_bytes=placement.host_pinned_bytes, copy_bytes=copy_bytes, placement=placement)
 
 
+def _predicted_bytes(placement: RoutedPlacement) -> float:
+    """Bytes a step's predictions fetch: every routed layer's but the first (nothing predicts it), as many
+    experts as the step routes to."""
+    return math.fsum(layer.expected_fetched_bytes for layer in placement.layers[1:])
+
+
 def decode_simulation(compute: ComputeTimes, placement: RoutedPlacement) -> Simulation:
-    """A routed decode step: head, then each layer's compute, a routed layer's fetch after it (the router runs
-    first and the experts wait for their fetch: the fetch is on the critical path, shown as the layer's stall)."""
-    fetch_ms = {layer.index: layer.fetch_ms for layer in placement.layers}
+    """A routed decode step: head, then each layer's compute, a routed layer's wait for its experts in it (the
+    router runs first and the experts wait for their fetch: the fetch, or with prefetch what the prefetch did not
+    hide and the misses, is on the critical path, shown as the layer's stall)."""
+    fetch_ms = routed_stalls_ms(placement, compute.layer_ms)
     intervals, stalls = [Interval(layer=-1, start_ms=0.0, end_ms=compute.head_ms)], []
     now = compute.head_ms
     for index, duration in enumerate(compute.layer_ms):
@@ -114,8 +141,9 @@ def decode_simulation(compute: ComputeTimes, placement: RoutedPlacement) -> Simu
         intervals.append(Interval(layer=index, start_ms=now, end_ms=now + duration + stall))
         stalls.append(stall)
         now += duration + stall
-    return Simulation(step_ms=compute.head_ms + math.fsum(compute.layer_ms) + placement.fetch_ms,
-                      stall_ms=placement.fetch_ms, compute=tuple(intervals), copies=(), layer_stall_ms=tuple(stalls))
+    stall_ms = math.fsum(stalls)
+    return Simulation(step_ms=compute.head_ms + math.fsum(compute.layer_ms) + stall_ms,
+                      stall_ms=stall_ms, compute=tuple(intervals), copies=(), layer_stall_ms=tuple(stalls))
 
 
 def prefill_simulation(geometry: MoeGeometry, placement: RoutedPlacement, compute: ComputeTimes,
@@ -144,6 +172,7 @@ def experts_section(experts: ExpertModel, chosen: Choice, layers: LayerBytes, po
                                  expected_fetched_bytes=round(row.expected_fetched_bytes), hit_rate=row.hit_rate)
                      for row in placement.layers)
         buffers = (placement.fetch_slots, placement.fetch_buffer_bytes, placement.staging_buffer_bytes)
+        prefetch = (None if placement.prefetch_accuracy is None else NEXT_LAYER_ROUTER, experts.prefetch_accuracy)
     else:
         offloaded = set(chosen.offloaded)
         rows = tuple(ExpertLayer(index=layer.index, regime="whole_layer", resident=(),
@@ -151,10 +180,11 @@ def experts_section(experts: ExpertModel, chosen: Choice, layers: LayerBytes, po
                                  hit_rate=0.0 if layer.index in offloaded else 1.0)
                      for layer in geometry.layers)
         buffers = (0, 0, 0)
+        prefetch = (None, None)
     regimes = {row.regime for row in rows}
     return ExpertsPlan(
         regime=regimes.pop() if len(regimes) == 1 else "mixed", routing=experts.routing_label,
         fetch_slots=buffers[0], layers=rows, num_experts=geometry.num_experts, top_k=geometry.top_k,
         expert_bytes=geometry.max_expert_bytes, fetch_buffer_bytes=buffers[1], staging_buffer_bytes=buffers[2],
         routed_fetch_bytes_per_s=routed_fetch_bytes_per_s(h2d_bytes_per_s), routed_unavailable=experts.unavailable,
-        points=points)
+        points=points, prefetch=prefetch[0], prefetch_accuracy=prefetch[1])

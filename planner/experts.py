@@ -12,7 +12,9 @@ A routed layer keeps its attention, norms, router and shared experts on the GPU,
 memory except the resident ones; after its router runs, the step gathers the touched, non-resident experts into
 one shared GPU fetch buffer, read by GPU threads over the host link (runtime: UVA gather, CUDA-graph
 capturable). The fetch waits for the router, so it is on the critical path: the layer takes its compute time
-plus its fetch time. A prefill chunk copies each routed layer's non-resident experts whole, through one staging
+plus its fetch time. With next-layer prefetch (``prefetch_layer_ms``), the previous routed layer predicts this
+layer's experts and their gather overlaps one layer's compute; only the mispredicted ones are fetched after the
+router. A prefill chunk copies each routed layer's non-resident experts whole, through one staging
 buffer of E experts, as streaming the layer would.
 
 The MoE geometry of a checkpoint is read here and only here (``moe_geometry``; the config keys through
@@ -40,6 +42,13 @@ DEFAULT_TOP_K = 2
 #: (scripts/bench_experts.py, runtime.routed_experts' Triton gather inside the captured step, Qwen3-30B-A3B):
 #: 46.9 and 48.4 GB/s in-step against 52.9 GB/s pinned copy-engine H2D, 0.89-0.91 (benchmarks/2026-11-25-*)
 ROUTED_FETCH_EFFICIENCY = 0.89
+#: the share of a decode step's routed, non-resident experts that next-layer prediction prefetches (the runtime's
+#: next_layer_router: the next routed layer's router on this layer's router input). A placeholder until
+#: measured on the H100 by scripts/bench_experts.py --prefetch (Qwen3-30B-A3B shape, uniform routing, random
+#: weights; its "accuracy" column); make --prefetch-accuracy overrides it and the plan records the figure used
+PREFETCH_ACCURACY = 0.5
+#: the plan's experts.prefetch where routed layers prefetch the next routed layer's predicted experts
+NEXT_LAYER_ROUTER = "next_layer_router"
 #: the MoE block modules whose experts transformers 5 holds as the fused params of its experts interface, which
 #: the runtime route-fetches (Mixtral's block_sparse_moe is renamed to mlp on load)
 ROUTED_EXPERT_MODULES = ("mlp", "block_sparse_moe")
@@ -225,14 +234,18 @@ class RoutedPlacement:
     """Every MoE layer routed: resident experts per layer, what a step fetches, and its GPU and host bytes."""
 
     layers: tuple[RoutedLayer, ...]
-    #: the decode gather buffer, in experts (min(tokens x top_k, E))
+    #: the decode gather buffer, in experts (min(tokens x top_k, E)), per slot set
     fetch_slots: int
     #: weight bytes on the GPU before the arena's slack: non-expert weights, resident experts and both buffers
     weight_bytes: int
+    #: fetch_slots experts per slot set: one set, or two with prefetch (a layer reads its set while the next
+    #: layer's prefetch writes the other)
     fetch_buffer_bytes: int
     staging_buffer_bytes: int
     #: every routed layer's experts, pinned on the host (resident ones too, as the runtime pins them)
     host_pinned_bytes: int
+    #: next-layer prefetch: the share of routed, non-resident experts predicted (None: no prefetch)
+    prefetch_accuracy: float | None = None
 
     @property
     def expected_fetched_bytes(self) -> float:
@@ -241,7 +254,7 @@ class RoutedPlacement:
 
     @property
     def fetch_ms(self) -> float:
-        """Time a step waits for its fetches."""
+        """Time the link takes for a step's routed fetches (without prefetch, the time the step waits for them)."""
         return math.fsum(layer.fetch_ms for layer in self.layers)
 
     @property
@@ -256,13 +269,13 @@ def routed_fetch_bytes_per_s(h2d_bytes_per_s: float) -> float:
 
 
 def fixed_routed_bytes(geometry: MoeGeometry, layer_total_bytes: tuple[int, ...], non_layer_bytes: int,
-                       num_tokens: int) -> tuple[int, int, int]:
+                       num_tokens: int, prefetch: bool = False) -> tuple[int, int, int]:
     """(weight bytes before resident experts, fetch buffer bytes, staging buffer bytes) of an all-routed
-    placement: everything but the routed experts, one fetch buffer of fetch_slots experts for decode, one
-    staging buffer of num_experts experts for prefill chunks."""
+    placement: everything but the routed experts, a fetch buffer of fetch_slots experts for decode (two sets
+    with ``prefetch``), one staging buffer of num_experts experts for prefill chunks."""
     expert_total = sum(layer.expert_bytes * geometry.num_experts for layer in geometry.layers)
     slot = geometry.max_expert_bytes
-    fetch_buffer = geometry.fetch_slots(num_tokens) * slot
+    fetch_buffer = geometry.fetch_slots(num_tokens) * slot * (2 if prefetch else 1)
     staging = geometry.num_experts * slot
     return non_layer_bytes + sum(layer_total_bytes) - expert_total + fetch_buffer + staging, fetch_buffer, staging
 
@@ -297,10 +310,13 @@ def choose_resident(geometry: MoeGeometry, routing: tuple[LayerRouting, ...], nu
 
 def routed_placement(geometry: MoeGeometry, routing: tuple[LayerRouting, ...], *, num_tokens: int,
                      layer_total_bytes: tuple[int, ...], non_layer_bytes: int, weight_limit_bytes: int,
-                     h2d_bytes_per_s: float) -> RoutedPlacement | None:
+                     h2d_bytes_per_s: float, prefetch_accuracy: float | None = None) -> RoutedPlacement | None:
     """The all-routed placement with the most resident experts whose weights fit ``weight_limit_bytes`` (before
-    the arena's slack), for steps of ``num_tokens`` tokens; None when even no resident expert fits."""
-    base, fetch_buffer, staging = fixed_routed_bytes(geometry, layer_total_bytes, non_layer_bytes, num_tokens)
+    the arena's slack), for steps of ``num_tokens`` tokens; None when even no resident expert fits.
+    ``prefetch_accuracy``: next-layer prefetch with that accuracy (two slot sets); None: none."""
+    prefetch = prefetch_accuracy is not None
+    base, fetch_buffer, staging = fixed_routed_bytes(geometry, layer_total_bytes, non_layer_bytes, num_tokens,
+                                                     prefetch)
     if base > weight_limit_bytes:
         return None
     resident = choose_resident(geometry, routing, num_tokens, weight_limit_bytes - base)
@@ -316,12 +332,37 @@ def routed_placement(geometry: MoeGeometry, routing: tuple[LayerRouting, ...], *
     host = sum(layer.expert_bytes * geometry.num_experts for layer in geometry.layers)
     return RoutedPlacement(layers=tuple(rows), fetch_slots=geometry.fetch_slots(num_tokens),
                            weight_bytes=base + resident_bytes, fetch_buffer_bytes=fetch_buffer,
-                           staging_buffer_bytes=staging, host_pinned_bytes=host)
+                           staging_buffer_bytes=staging, host_pinned_bytes=host, prefetch_accuracy=prefetch_accuracy)
 
 
 def routed_step_ms(layer_ms: tuple[float, ...], head_ms: float, placement: RoutedPlacement) -> float:
-    """A decode step with every MoE layer routed: each layer's compute, then its fetch (after the router)."""
-    return head_ms + math.fsum(layer_ms) + placement.fetch_ms
+    """A decode step with every MoE layer routed: each layer's compute and its wait for its fetch."""
+    return head_ms + math.fsum(layer_ms) + math.fsum(routed_stalls_ms(placement, layer_ms).values())
+
+
+def prefetch_layer_stall_ms(compute_ms: float, fetch_ms: float, accuracy: float | None, predicted: bool) -> float:
+    """What a routed layer waits for its experts in a decode step. Without a prediction (no prefetch, or the
+    first routed layer: nothing before it predicts it), the whole fetch, after its router. With one, the
+    previous routed layer's prefetch of the predicted experts (as many as the step routes to: ``fetch_ms`` of
+    link, the hits and the wasted ones alike) overlaps one layer's compute (the rest of the previous layer, this
+    layer's attention and router), then the misses, (1 - accuracy) of the fetch, after the router:
+    max(0, fetch - compute) + (1 - accuracy) x fetch. The link serves one gather at a time: the next prefetch
+    starts after these misses."""
+    if accuracy is None or not predicted:
+        return fetch_ms
+    return max(0.0, fetch_ms - compute_ms) + (1 - accuracy) * fetch_ms
+
+
+def routed_stalls_ms(placement: RoutedPlacement, layer_ms: tuple[float, ...] | None = None) -> dict[int, float]:
+    """Per routed layer index, its wait for its experts in a decode step (``layer_ms``: every layer's compute,
+    needed with prefetch)."""
+    stalls, predicted = {}, False
+    for layer in placement.layers:
+        compute_ms = 0.0 if layer_ms is None else layer_ms[layer.index]
+        stalls[layer.index] = prefetch_layer_stall_ms(compute_ms, layer.fetch_ms, placement.prefetch_accuracy,
+                                                      predicted)
+        predicted = True
+    return stalls
 
 
 def non_resident_bytes(geometry: MoeGeometry, placement: RoutedPlacement) -> dict[int, int]:

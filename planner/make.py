@@ -405,17 +405,21 @@ def _read_experts(inputs: Inputs, checkpoint: Checkpoint, layout: ModelLayout) -
     """A MoE model's experts: geometry, routing (uniform, or --routing-trace checked against the model), and why
     routed placements are out where they are (the runtime cannot route-fetch them, or the flags rule them out)."""
     geometry = moe_geometry(checkpoint.config, layout)
+    accuracy = inputs.prefetch_accuracy
+    if accuracy is not None and not 0 <= accuracy <= 1:
+        raise UsageError(f"--prefetch-accuracy {accuracy:g} is not a share; give one from 0 to 1 (e.g. 0.8)")
     if geometry is None:
-        if inputs.routing_trace is not None:
-            raise UsageError(f"--routing-trace applies to MoE models; {shown(inputs.model)} has no routed experts: "
-                             "drop it")
+        for flag, value in (("--routing-trace", inputs.routing_trace), ("--prefetch-accuracy", accuracy)):
+            if value is not None:
+                raise UsageError(f"{flag} applies to MoE models; {shown(inputs.model)} has no routed experts: "
+                                 "drop it")
         return None
     routing, label = None, "uniform"
     if inputs.routing_trace is not None:
         trace = read_trace(inputs.routing_trace)
         check_against(trace, geometry, checkpoint.fingerprint(), shown(inputs.routing_trace))
         routing, label = trace.routing(), f"trace {trace.content_hash}"
-    return expert_model(geometry, routing, label, _routed_ruled_out(inputs, layout, geometry))
+    return expert_model(geometry, routing, label, _routed_ruled_out(inputs, layout, geometry), accuracy)
 
 
 def _routed_ruled_out(inputs: Inputs, layout: ModelLayout, geometry) -> str | None:
@@ -760,8 +764,8 @@ def _assemble(model: _Model, workload: Workload, compute: ComputeTimes, choice: 
             stall_ms=simulation.stall_ms,
             link_floor_ms=link_floor_ms,
             copy_bytes_per_step=choice.copy_bytes,
-            link_busy_share=_link_busy_ms(simulation, routed is not None and decode) / simulation.step_ms
-            if simulation.step_ms else 0.0,
+            link_busy_share=_link_busy_ms(simulation, routed is not None and decode, link_floor_ms, routed)
+            / simulation.step_ms if simulation.step_ms else 0.0,
             decode_step_ms=simulation.step_ms if decode else None,
             decode_tokens_per_s=1e3 * workload.sequences_per_step / simulation.step_ms if decode else None,
             # a weights-only plan's prefill step is its chunk; a serving plan's chunk has its own layer times
@@ -776,8 +780,11 @@ def _assemble(model: _Model, workload: Workload, compute: ComputeTimes, choice: 
     )
 
 
-def _link_busy_ms(simulation, routed_decode: bool) -> float:
-    """The link's busy time per step: its copies, or a routed decode step's fetches (its stalls)."""
+def _link_busy_ms(simulation, routed_decode: bool, link_floor_ms: float, routed) -> float:
+    """The link's busy time per step: its copies, or a routed decode step's fetches (its stalls; with prefetch,
+    which hides fetches behind compute, every byte the link carries at the gather's rate)."""
+    if routed_decode and routed.prefetch_accuracy is not None:
+        return link_floor_ms
     return simulation.stall_ms if routed_decode else simulation.copy_busy_ms
 
 

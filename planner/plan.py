@@ -101,6 +101,10 @@ class Inputs:
     routing_trace: str | None = field(default=None, metadata=option(
         "--routing-trace", "MoE: a routing trace (offload-plan trace) to choose resident experts from; the plan "
                            "records its sha256 (default: uniform routing)."))
+    prefetch_accuracy: float | None = field(default=None, metadata=option(
+        "--prefetch-accuracy", "MoE, routed experts: the share of a step's routed experts that next-layer "
+                               "prediction prefetches, from 0 to 1 (default: the H100 measurement the planner "
+                               "keeps)."))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -392,6 +396,8 @@ class AdaptersSection:
 
 
 EXPERT_REGIMES = ("routed", "whole_layer", "mixed")
+#: experts.prefetch: none, or the next routed layer's router predicting its experts (runtime.routed_experts)
+EXPERT_PREFETCH = (None, "next_layer_router")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -461,8 +467,20 @@ class ExpertsPlan:
     routed_unavailable: str | None
     #: the regimes compared, ascending concurrency
     points: tuple[ExpertsPoint, ...]
+    #: routed plans only: "next_layer_router" where each routed layer prefetches the next one's predicted experts
+    #: (two slot sets in fetch_buffer_bytes), None where routed layers fetch after their router
+    prefetch: str | None = None
+    #: routed plans only: the prediction accuracy the step was modelled with (--prefetch-accuracy, else the
+    #: planner's measured figure), whether or not prefetch was chosen
+    prefetch_accuracy: float | None = None
 
     def __post_init__(self):
+        if self.prefetch not in EXPERT_PREFETCH:
+            raise ValueError(f"experts.prefetch {self.prefetch!r} is not null or {EXPERT_PREFETCH[1]}")
+        if self.prefetch_accuracy is not None and not 0 <= self.prefetch_accuracy <= 1:
+            raise ValueError("experts.prefetch_accuracy must be a share in [0, 1]")
+        if self.prefetch is not None and self.prefetch_accuracy is None:
+            raise ValueError("experts.prefetch needs its prefetch_accuracy")
         if self.regime not in EXPERT_REGIMES:
             raise ValueError(f"experts.regime {self.regime!r} is not one of {', '.join(EXPERT_REGIMES)}")
         regimes = {row.regime for row in self.layers}
@@ -522,7 +540,9 @@ class Plan:
 
 
 #: Inputs keys a plan holds only when they are given (their defaults otherwise)
-OPTIONAL_INPUTS = {"adapters": (), "adapter_slots": None, "routing_trace": None}
+OPTIONAL_INPUTS = {"adapters": (), "adapter_slots": None, "routing_trace": None, "prefetch_accuracy": None}
+#: experts keys written only where the plan routes layers (whole-layer MoE plans keep their bytes)
+OPTIONAL_EXPERTS = {"prefetch": None, "prefetch_accuracy": None}
 #: top-level sections a plan holds only when they apply
 OPTIONAL_SECTIONS = ("serving", "adapters", "experts")
 
@@ -589,7 +609,8 @@ def plan_to_dict(plan: Plan) -> dict:
                                     for row in plan.adapters.items]
     if plan.experts is not None:
         rows = {"layers", "points"}
-        out["experts"] = {key: _plain(value) for key, value in asdict(plan.experts).items() if key not in rows}
+        out["experts"] = {key: _plain(value) for key, value in asdict(plan.experts).items() if key not in rows
+                          and not (key in OPTIONAL_EXPERTS and plan.experts.fetch_slots == 0)}
         for name in sorted(rows):
             out["experts"][name] = [{key: _plain(value) for key, value in asdict(row).items()}
                                     for row in getattr(plan.experts, name)]
@@ -724,7 +745,10 @@ def plan_from_dict(data: object, origin: str) -> Plan:
     if data.get("adapters") is not None:
         kwargs["adapters"] = _adapters_section(data["adapters"], f"{origin}: adapters")
     if data.get("experts") is not None:
-        kwargs["experts"] = _section(ExpertsPlan, data["experts"], f"{origin}: experts",
+        experts = data["experts"]
+        if isinstance(experts, dict):
+            experts = {**OPTIONAL_EXPERTS, **experts}
+        kwargs["experts"] = _section(ExpertsPlan, experts, f"{origin}: experts",
                                      rows={"layers": ExpertLayer, "points": ExpertsPoint})
     misplaced = [i for i, row in enumerate(kwargs["layers"]) if row.index != i]
     if misplaced:
@@ -775,6 +799,8 @@ def _input_rules(plan: Plan) -> str | None:
             return broken
     if inputs.kv_dtype not in INPUT_KV_DTYPES:
         return f"inputs.kv_dtype {shown(inputs.kv_dtype)} is not one of {', '.join(INPUT_KV_DTYPES)}"
+    if inputs.prefetch_accuracy is not None and not 0 <= inputs.prefetch_accuracy <= 1:
+        return f"inputs.prefetch_accuracy {inputs.prefetch_accuracy:g} is not a share from 0 to 1"
     if inputs.max_tpot_ms is not None and not 0 < inputs.max_tpot_ms <= MAX_TPOT_MS:
         return f"inputs.max_tpot_ms {inputs.max_tpot_ms:g} is not in (0, {MAX_TPOT_MS:g}]"
     if (inputs.concurrency is None) != (plan.serving is None):

@@ -40,9 +40,15 @@ def _routed_simulation(plan: Plan) -> Simulation:
     """A routed decode step: each routed layer waits for its fetch after its router (planner.expert_choice)."""
     from planner.simulate import Interval
 
+    from planner.experts import prefetch_layer_stall_ms
+
     experts = plan.experts
-    fetch_ms = {row.index: 1e3 * row.expected_fetched_bytes / experts.routed_fetch_bytes_per_s
-                for row in experts.layers if row.regime == "routed"}
+    routed = [row for row in experts.layers if row.regime == "routed"]
+    accuracy = experts.prefetch_accuracy if experts.prefetch is not None else None
+    fetch_ms = {row.index: prefetch_layer_stall_ms(plan.layers[row.index].compute_ms,
+                                                   1e3 * row.expected_fetched_bytes / experts.routed_fetch_bytes_per_s,
+                                                   accuracy, predicted=row is not routed[0])
+                for row in routed}
     head = plan.prediction.head_ms
     intervals, stalls, now = [Interval(layer=-1, start_ms=0.0, end_ms=head)], [], head
     for row in plan.layers:
@@ -91,13 +97,26 @@ def _routed_lines(plan: Plan, experts: ExpertsPlan, routed: list) -> list[str]:
         f"{experts.num_experts} experts resident ({rule}); the rest stay in pinned host memory.",
         f"  A decode step of {plan.workload.concurrency} sequence(s) fetches {per_layer:.1f} experts per layer "
         f"(expected), {format_bytes(fetched)} per step; hit rate {100 * hit:.1f}% of routed (token, expert) pairs.",
-        f"  The fetch starts after each layer's router, on the critical path: {format_ms(fetch_ms)} per step at "
+        _fetch_line(experts, fetch_ms) + f" {format_ms(fetch_ms)} of link per step at "
         f"{experts.routed_fetch_bytes_per_s / 1e9:.1f} GB/s ({share:.2f} of the copy engine's "
         f"{plan.hardware.h2d_bytes_per_s / 1e9:.1f} GB/s: GPU threads reading mapped host memory).",
-        f"  GPU buffers: fetch {experts.fetch_slots} experts ({format_bytes(experts.fetch_buffer_bytes)}), prefill "
+        f"  GPU buffers: fetch {experts.fetch_slots} experts{' x 2 slot sets' if experts.prefetch else ''} "
+        f"({format_bytes(experts.fetch_buffer_bytes)}), prefill "
         f"staging {experts.num_experts} experts ({format_bytes(experts.staging_buffer_bytes)}); a prefill chunk copies "
         "each routed layer's non-resident experts whole.",
     ]
+
+
+def _fetch_line(experts: ExpertsPlan, fetch_ms: float) -> str:
+    """How a routed step waits for its fetch: after each router, or prefetched from the previous layer's
+    prediction with only the misses after the router."""
+    if experts.prefetch is None:
+        tried = ("" if experts.prefetch_accuracy is None else
+                 f" (next-layer prefetch at {100 * experts.prefetch_accuracy:.0f}% accuracy was not faster)")
+        return f"  The fetch starts after each layer's router, on the critical path{tried}:"
+    return (f"  Each routed layer predicts the next one's experts with that layer's router and prefetches them "
+            f"behind its compute ({100 * experts.prefetch_accuracy:.0f}% accuracy assumed); the misses are fetched "
+            "after the router, on the critical path:")
 
 
 def _whole_layer_line(plan: Plan, experts: ExpertsPlan) -> str:
