@@ -12,6 +12,14 @@ finish:
   ids in every layer); tokens/s, fetched bytes per step against the expected k (E - R) / E per layer, the
   routed floor max(all-resident step, fetched bytes per step / pinned H2D rate) and measured/floor, the first
   step's and 64 greedy tokens' bitwise equality with the reference;
+- routed, uniform, prefetch on / off (``--prefetch on off``, both by default): next-layer expert prefetch
+  (runtime.routed_experts: the next routed layer's router predicts its experts, gathered on a side stream by a
+  bounded grid), against fetching after each router; per arm the prediction accuracy (prefetched share of the
+  routed, non-resident experts of predicted layers), wasted and missed bytes per step, the routed floor, the
+  ratio to it and the planner's step model's tokens/s (planner.experts, fed the all-resident step and this
+  run's rates; with prefetch, its PREFETCH_ACCURACY) beside the measured ones;
+- gather sweep (``--gather-programs N...``): the bounded grid's rate alone, N persistent programs gathering a
+  decode step's experts from mapped host memory, to pick runtime.routed_experts.PREFETCH_GATHER_PROGRAMS;
 - whole-layer plan: today's plan (the planner, as scripts/bench_serving.py makes it) under the same cap;
 - skewed routing: each router biased so ~20% of its experts take ~80% of the assignments (a logit bias in
   units of the token's logit spread, solved for that share); the reference records each expert's assignments;
@@ -19,6 +27,8 @@ finish:
   measured hit rate against the recorded one, tokens/s.
 
     PYTHONPATH=. python3 scripts/bench_experts.py            # on the H100: a few minutes; --out DIR
+    PYTHONPATH=. python3 scripts/bench_experts.py --no-skew --no-plans --gather-programs 8 16 32 64 128
+                                                             # prefetch on and off, the grid sweep only
     PYTHONPATH=. python3 scripts/bench_experts.py --tiny     # the same logic on a tiny model, CPU is enough
 """
 
@@ -209,7 +219,14 @@ def decode(model, setting: Setting, engine=None, routed=None) -> dict:
     ids, logits = loop.generate(setting.num_greedy_steps)
     result = {"ids": ids.cpu(), "logits": [out.cpu() for out in logits]}
     if routed is not None:
-        result["fetched_bytes_per_step"] = routed.fetched_bytes() / setting.num_greedy_steps
+        by_kind = routed.fetched_bytes_by_kind()
+        result["fetched_bytes_per_step"] = sum(by_kind.values()) / setting.num_greedy_steps
+        result |= {f"{kind}_bytes_per_step": b / setting.num_greedy_steps for kind, b in by_kind.items()}
+        # the routed, non-resident experts: what the link must carry at the least (the floor's bytes)
+        result["routed_bytes_per_step"] = (by_kind["prefetched"] + by_kind["missed"] + by_kind["unpredicted"]) / \
+            setting.num_greedy_steps
+        predicted = by_kind["prefetched"] + by_kind["missed"]
+        result["prediction_accuracy"] = by_kind["prefetched"] / predicted if predicted else None
     loop.restore_state(saved)
     step_ms = timed_ms(loop, setting)
     # decode tokens/s of the batch (the planner's decode_tokens_per_s): every step emits one token per sequence
@@ -291,9 +308,10 @@ def all_resident(master, setting: Setting) -> dict:
         _free(setting)
 
 
-def routed_arm(master, setting: Setting, resident: dict, fetch_slots: int, reference: dict) -> dict:
+def routed_arm(master, setting: Setting, resident: dict, fetch_slots: int, reference: dict, prefetch: bool = False,
+               gather_programs: tuple[int, ...] = ()) -> dict:
     """Every layer routed with ``resident`` (layer -> ids), capped; the host copy is the master's own, pinned
-    in place."""
+    in place. ``prefetch``: next-layer prefetch; ``gather_programs``: the bounded grid's rates to measure."""
     from runtime.routed_experts import apply_routed_experts
     from scripts.bench_serving import sharing_copy
 
@@ -302,13 +320,19 @@ def routed_arm(master, setting: Setting, resident: dict, fetch_slots: int, refer
         # the stand-in refuses registrations sharing a page, as CUDA does, and the tiny model's params share
         # pages: it copies them into one allocation (the large tensors of a real shape have pages of their own)
         adopt = setting.device.type == "cuda"
-        routed = apply_routed_experts(model, resident, fetch_slots, backend_for(setting), adopt_host=adopt)
+        routed = apply_routed_experts(model, resident, fetch_slots, backend_for(setting), adopt_host=adopt,
+                                      prefetch=prefetch)
         try:
             model.to(setting.device)
-            rates = gather_rate(routed, setting) if setting.device.type == "cuda" else {}
+            rates = {}
+            if setting.device.type == "cuda":
+                rates = gather_rate(routed, setting)
+                rates["gather_sweep"] = {n: gather_rate(routed, setting, n)["gather_bytes_per_s"]
+                                         for n in gather_programs}
             result = decode(model, setting, routed=routed)
             return figures(result) | compare(result, reference) | cap.peak() | rates | {
-                "expert_bytes": routed.expert_bytes, "device_expert_bytes": routed.device_bytes}
+                "expert_bytes": routed.expert_bytes, "device_expert_bytes": routed.device_bytes,
+                "prefetch": prefetch, "predicted_layers": len(routed.predictors)}
         finally:
             routed.close()
             del model, routed
@@ -354,9 +378,10 @@ def planner_plan(setting: Setting, work: Path, force_whole: bool = True):
     return max(made, key=lambda plan: plan.prediction.decode_tokens_per_s) if made else plans[0]
 
 
-def gather_rate(routed, setting: Setting) -> dict:
+def gather_rate(routed, setting: Setting, max_programs: int | None = None) -> dict:
     """The routed gather's rate: a decode step's k distinct experts of layer 0 read from mapped host memory
-    (the Triton kernel), all non-resident."""
+    (the Triton kernel), all non-resident; ``max_programs``: the bounded grid of a prefetch (None: the full
+    grid of a miss gather)."""
     from runtime.calibrate import median_event_ms
     from runtime.routed_experts import gather_rows
 
@@ -368,7 +393,8 @@ def gather_rate(routed, setting: Setting) -> dict:
 
     def gather():
         for name in routed.param_names:
-            gather_rows(routed.host_device[layer, name], routed.buffer[name], ids)
+            gather_rows(routed.host_device[layer, name], routed.buffer[name][:routed.fetch_slots], ids,
+                        max_programs=max_programs)
 
     ms = median_event_ms(gather, repeats=10, warmups=2)
     num_bytes = int((ids >= 0).sum()) * routed.expert_bytes
@@ -402,22 +428,44 @@ def _short(value):
     return f"{value:.4g}" if isinstance(value, float) else value
 
 
-def uniform_rows(master, setting: Setting, rows: Rows, h2d_bytes_per_s: float, work: Path) -> tuple[dict, int]:
-    """The all-resident reference, routed with uniform residency, today's whole-layer plan."""
+def uniform_rows(master, setting: Setting, rows: Rows, h2d_bytes_per_s: float, work: Path,
+                 prefetch: tuple[str, ...] = ("off",), gather_programs: tuple[int, ...] = (),
+                 plans: bool = True) -> tuple[dict, int]:
+    """The all-resident reference, routed with uniform residency (prefetch off and/or on, the same resident
+    experts in both: the count that fits two slot sets where prefetch is on), today's whole-layer plan."""
     num_layers, num_experts, top_k = expert_shape(master)
     fetch_slots = min(top_k, num_experts)
-    num_resident = max(0, resident_count(master, setting, fetch_slots))
+    num_resident = max(0, resident_count(master, setting, fetch_slots * (2 if "on" in prefetch else 1)))
     log(f"{num_resident} of {num_experts} experts resident per layer fit {setting.gpu_memory_bytes / 2**30:.1f} GiB")
     reference = all_resident(master, setting)
     rows.add({"arm": "all-resident", **figures(reference)})
     resident = {index: tuple(range(num_resident)) for index in range(num_layers)}
-    routed = routed_arm(master, setting, resident, fetch_slots, reference)
-    expected = num_layers * top_k * (num_experts - num_resident) / num_experts * routed["expert_bytes"]
-    link_ms = 1e3 * routed["fetched_bytes_per_step"] / h2d_bytes_per_s
-    floor_ms = max(reference["step_ms"], link_ms)
-    rows.add({"arm": "routed, uniform", "resident_per_layer": num_resident, **routed,
-              "expected_fetched_bytes_per_step": expected, "floor_step_ms": floor_ms,
-              "floor_tokens_per_s": 1e3 / floor_ms, "measured_over_floor": floor_ms / routed["step_ms"]})
+    for mode in prefetch:
+        routed = routed_arm(master, setting, resident, fetch_slots, reference, prefetch=mode == "on",
+                            gather_programs=gather_programs)
+        gather_programs = ()  # swept once
+        expected = num_layers * top_k * (num_experts - num_resident) / num_experts * routed["expert_bytes"]
+        link_ms = 1e3 * routed["routed_bytes_per_step"] / h2d_bytes_per_s
+        floor_ms = max(reference["step_ms"], link_ms)
+        from planner.experts import PREFETCH_ACCURACY
+
+        def modelled(accuracy):
+            step_ms = model_step_ms(reference["step_ms"], num_layers, expected / num_layers, h2d_bytes_per_s,
+                                    accuracy if mode == "on" else None)
+            return setting.batch * 1e3 / step_ms
+
+        measured_accuracy = routed["prediction_accuracy"]
+        rows.add({"arm": f"routed, uniform, prefetch {mode}", "resident_per_layer": num_resident, **routed,
+                  "expected_fetched_bytes_per_step": expected, "floor_step_ms": floor_ms,
+                  "floor_tokens_per_s": 1e3 / floor_ms, "measured_over_floor": floor_ms / routed["step_ms"],
+                  "predicted_tokens_per_s": modelled(PREFETCH_ACCURACY),
+                  "predicted_at_measured_accuracy_tokens_per_s": None if measured_accuracy is None and mode == "on"
+                  else modelled(measured_accuracy)})
+        for programs, rate in routed.get("gather_sweep", {}).items():
+            rows.add({"arm": f"gather, {programs} programs", "gather_bytes_per_s": rate,
+                      "gather_over_full_grid": rate / routed["gather_bytes_per_s"]})
+    if not plans:
+        return reference, num_resident
     for arm, plan in (("planner's pick", planner_plan(setting, work, force_whole=False)),
                       ("whole-layer plan", planner_plan(setting, work))):
         if isinstance(plan, str):
@@ -426,6 +474,19 @@ def uniform_rows(master, setting: Setting, rows: Rows, h2d_bytes_per_s: float, w
         routed_layers = sum(layer.regime == "routed" for layer in plan.experts.layers) if plan.experts else 0
         rows.add({"arm": arm, "routed_layers": routed_layers, **whole_layer_arm(master, setting, plan, reference)})
     return reference, num_resident
+
+
+def model_step_ms(resident_step_ms: float, num_layers: int, fetched_bytes_per_layer: float, h2d_bytes_per_s: float,
+                  accuracy: float | None) -> float:
+    """The planner's routed decode step (planner.experts) for this run: the all-resident step split evenly
+    over the layers, each layer's expected fetch at the planner's gather rate, with prefetch at ``accuracy``
+    (None: no prefetch; the first layer is unpredicted either way)."""
+    from planner.experts import prefetch_layer_stall_ms, routed_fetch_bytes_per_s
+
+    layer_ms = resident_step_ms / num_layers
+    fetch_ms = 1e3 * fetched_bytes_per_layer / routed_fetch_bytes_per_s(h2d_bytes_per_s)
+    return resident_step_ms + sum(prefetch_layer_stall_ms(layer_ms, fetch_ms, accuracy, predicted=index > 0)
+                                  for index in range(num_layers))
 
 
 def regime_rows(master, setting: Setting, rows: Rows, work: Path) -> None:
@@ -518,16 +579,23 @@ def print_table(data: dict) -> None:
                                                else "")
 
     print(f"{'arm':<40} {'tok/s':>8} {'pred':>8} {'step ms':>8} {'fetched MB/step':>16} {'meas/floor':>10} "
-          f"{'hit':>6} {'bitwise':>8} {'regret':>7}")
+          f"{'hit':>6} {'bitwise':>8} {'regret':>7} {'floor tok/s':>11} {'accuracy':>8} {'wasted MB':>9} "
+          f"{'missed MB':>9}")
     for row in data["rows"]:
         if "error" in row:
             print(f"{row['arm']:<40} {row['error']}")
+            continue
+        if "gather_over_full_grid" in row:
+            print(f"{row['arm']:<40} {row['gather_bytes_per_s'] / 1e9:.1f} GB/s alone "
+                  f"({row['gather_over_full_grid']:.2f} of the full grid)")
             continue
         print(f"{row['arm']:<40} {cell(row, 'tokens_per_s'):>8} {cell(row, 'predicted_tokens_per_s'):>8} "
               f"{cell(row, 'step_ms'):>8} "
               f"{cell(row, 'fetched_bytes_per_step', 1e6, '.1f'):>16} {cell(row, 'measured_over_floor'):>10} "
               f"{cell(row, 'measured_hit_rate'):>6} {cell(row, 'greedy_logits_bitwise'):>8} "
-              f"{cell(row, 'regret', fmt='.3f'):>7}")
+              f"{cell(row, 'regret', fmt='.3f'):>7} {cell(row, 'floor_tokens_per_s'):>11} "
+              f"{cell(row, 'prediction_accuracy', fmt='.3f'):>8} {cell(row, 'wasted_bytes_per_step', 1e6, '.1f'):>9} "
+              f"{cell(row, 'missed_bytes_per_step', 1e6, '.1f'):>9}")
 
 
 def main() -> None:
@@ -540,8 +608,16 @@ def main() -> None:
     parser.add_argument("--sequences", type=int, nargs="+",
                         help="instead of the one-sequence rows: at each of these batch sizes, the planner's pick "
                              "(routed or whole layers) against the other regime (regret)")
+    parser.add_argument("--prefetch", nargs="+", choices=("on", "off"), default=["off", "on"],
+                        help="the one-sequence routed arms: next-layer prefetch off and/or on (default: both)")
+    parser.add_argument("--gather-programs", type=int, nargs="+", default=[],
+                        help="sweep the prefetch gather's bounded grid: its rate alone with N persistent programs")
+    parser.add_argument("--no-plans", action="store_true",
+                        help="skip the planner's pick and the whole-layer plan at one sequence")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/bench_experts")))
     args = parser.parse_args()
+    if any(n < 1 for n in args.gather_programs):
+        parser.error("--gather-programs takes counts of programs, each at least 1")
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.tiny:
         from runtime.benchmarking import deterministic_decode
@@ -564,7 +640,8 @@ def main() -> None:
         log(f"done in {time.perf_counter() - started:.0f} s; {rows.path}")
         print_table(rows.data)
         return
-    _, num_resident = uniform_rows(master, setting, rows, h2d, args.out / "work")
+    _, num_resident = uniform_rows(master, setting, rows, h2d, args.out / "work", tuple(dict.fromkeys(args.prefetch)),
+                                   tuple(args.gather_programs), plans=not args.no_plans)
     if not args.no_skew:
         skewed_rows(master, setting, rows, num_resident)
     log(f"done in {time.perf_counter() - started:.0f} s; {rows.path}")

@@ -1,12 +1,14 @@
 """scripts/bench_experts.py --tiny: the H100 benchmark's logic end to end on the CPU stand-in (all-resident
-reference, routed uniform, the planner's pick, today's whole-layer plan, skewed routing with recorded and
-uniform residency)."""
+reference, routed uniform with next-layer prefetch off and on, the planner's pick, today's whole-layer plan,
+skewed routing with recorded and uniform residency)."""
 
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -17,10 +19,22 @@ def test_tiny_bench_runs_every_arm_bitwise(tmp_path):
                            str(tmp_path)], capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = {row["arm"]: row for row in json.loads((tmp_path / "bench_experts.json").read_text())["rows"]}
-    assert list(rows) == ["all-resident", "routed, uniform", "planner's pick", "whole-layer plan",
-                          "all-resident, skewed", "routed, skewed, resident most frequent",
-                          "routed, skewed, resident uniform ids"]
-    routed = rows["routed, uniform"]
+    assert list(rows) == ["all-resident", "routed, uniform, prefetch off", "routed, uniform, prefetch on",
+                          "planner's pick", "whole-layer plan", "all-resident, skewed",
+                          "routed, skewed, resident most frequent", "routed, skewed, resident uniform ids"]
+    routed, prefetched = rows["routed, uniform, prefetch off"], rows["routed, uniform, prefetch on"]
+    assert routed["prediction_accuracy"] is None and routed["predicted_layers"] == 0
+    assert routed["unpredicted_bytes_per_step"] == routed["fetched_bytes_per_step"] == routed["routed_bytes_per_step"]
+    assert prefetched["predicted_layers"] == 3 and 0 <= prefetched["prediction_accuracy"] <= 1
+    assert prefetched["greedy_logits_bitwise"] and prefetched["greedy_ids_equal"]
+    assert prefetched["routed_bytes_per_step"] == pytest.approx(
+        prefetched["prefetched_bytes_per_step"] + prefetched["missed_bytes_per_step"]
+        + prefetched["unpredicted_bytes_per_step"])
+    assert prefetched["fetched_bytes_per_step"] == pytest.approx(
+        prefetched["routed_bytes_per_step"] + prefetched["wasted_bytes_per_step"])
+    # the same tokens route the same experts: the routed bytes do not depend on prefetch
+    assert prefetched["routed_bytes_per_step"] == routed["routed_bytes_per_step"]
+    assert routed["predicted_tokens_per_s"] > 0 and prefetched["floor_tokens_per_s"] > 0
     assert 0 < routed["resident_per_layer"] < 16  # some experts resident, some fetched
     assert routed["greedy_logits_bitwise"] and routed["greedy_ids_equal"] and routed["first_step_bitwise"]
     # random routers are near uniform: the fetched bytes within a third of k (E - R) / E per layer
@@ -31,4 +45,4 @@ def test_tiny_bench_runs_every_arm_bitwise(tmp_path):
     assert frequent["greedy_logits_bitwise"] and uniform["greedy_logits_bitwise"]
     assert frequent["measured_hit_rate"] > uniform["measured_hit_rate"]
     assert abs(frequent["measured_hit_rate"] - frequent["recorded_hit_rate"]) < 0.1
-    assert "routed, uniform" in proc.stdout  # the table
+    assert "routed, uniform, prefetch on" in proc.stdout and "accuracy" in proc.stdout  # the table

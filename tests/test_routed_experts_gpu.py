@@ -1,5 +1,6 @@
 """Routed experts on a CUDA GPU: the gather from mapped host memory, graphed greedy decode bitwise equal to the
-all-resident model computed with batched_mm, fetched bytes counted inside replays.
+all-resident model computed with batched_mm, fetched bytes counted inside replays; with next-layer prefetch
+(a side stream forked and joined inside the captured step), the same, and the fetch counters split.
 
 Skipped without a GPU (CI); run on the device: PYTHONPATH=. python3 -m pytest tests/test_routed_experts_gpu.py
 """
@@ -121,3 +122,65 @@ def test_plan_with_routed_layers_streams_and_decodes_graphed(tmp_path):
         assert engine.routed_experts.fetched_bytes() > 0
     finally:
         engine.close()
+
+
+def test_bounded_gather_on_a_side_stream_inside_a_graph():
+    """The prefetch's bounded grid (2 persistent programs) on a side stream forked and joined in the capture
+    writes what the full grid writes."""
+    backend = CudaBackend(CUDA)
+    host = torch.randn(16, 64, 480).to(torch.bfloat16)  # 15 blocks of GATHER_BLOCK_WORDS per row
+    backend.pin(host, mapped=True)
+    try:
+        source = device_view(host, CUDA)
+        destination = torch.zeros(4, 64, 480, dtype=torch.bfloat16, device=CUDA)
+        ids = torch.tensor([3, -1, 15, 0], device=CUDA)
+        side = torch.cuda.Stream()
+
+        def forked():
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                gather_rows(source, destination, ids, max_programs=2)
+            torch.cuda.current_stream().wait_stream(side)
+
+        forked()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            forked()
+        destination.zero_()
+        ids.copy_(torch.tensor([7, 2, -1, 9]))
+        graph.replay()
+        torch.cuda.synchronize()
+        for slot, expert in ((0, 7), (1, 2), (3, 9)):
+            assert torch.equal(destination[slot].cpu(), host[expert])
+        assert not destination[2].any()
+    finally:
+        backend.unpin(host)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_graphed_prefetch_decode_bitwise_and_counter_split(model, batch):
+    """Next-layer prefetch inside the captured step: the same tokens and bitwise logits as the all-resident model;
+    the prefetched hits, misses and the first routed layer's unpredicted fetches cover the routing exactly."""
+    reference = copy.deepcopy(model).to(CUDA)
+    calls = _record_routing(reference)
+    expected_ids, expected_logits = _decode(reference, batch, graphed=False)
+
+    def distinct(index):
+        return sum(len(set(top_k.flatten().tolist()) - set(ROUTED[index])) for top_k in calls[index][1:])
+
+    first = min(ROUTED)
+    del reference
+    routed_model = copy.deepcopy(model)
+    routed = apply_routed_experts(routed_model, ROUTED, 4 * batch, CudaBackend(CUDA), prefetch=True)
+    routed_model.to(CUDA)
+    assert sorted(routed.predictors) == [0, 1] and routed.stream is not None
+    try:
+        ids, logits = _decode(routed_model, batch, graphed=True, after_capture=routed.reset_counters)
+        assert torch.equal(ids, expected_ids)
+        assert all(torch.equal(a, b) for a, b in zip(logits, expected_logits))
+        fetched = {kind: b // routed.expert_bytes for kind, b in routed.fetched_bytes_by_kind().items()}
+        assert fetched["unpredicted"] == distinct(first)
+        assert fetched["prefetched"] + fetched["missed"] == sum(distinct(i) for i in ROUTED if i != first)
+        assert fetched["prefetched"] > 0
+    finally:
+        routed.close()
