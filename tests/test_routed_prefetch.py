@@ -192,3 +192,33 @@ def test_bounded_grid_gather_in_the_interpreter():
     result = subprocess.run([sys.executable, "-c", BOUNDED_GATHER_SCRIPT], env=env, capture_output=True, text=True,
                             cwd=os.path.dirname(os.path.dirname(__file__)))
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
+
+
+def test_a_plan_asking_for_prefetch_loads_with_it_and_decodes_bitwise(tmp_path):
+    """Through the loader (apply_plan on the CPU stand-in): experts.prefetch: next_layer_router turns prediction
+    on for the plan's routed layers, and greedy decode equals the same plan's without routing."""
+    from types import SimpleNamespace as NS
+
+    from runtime.load import apply_plan_on_cpu, build_model
+    from tests.runtime_models import plan_with, save_tiny_moe
+    from tests.test_routed_experts import _greedy as greedy_with_prompt
+    from tests.test_routed_experts import _with_experts
+
+    checkpoint = save_tiny_moe(tmp_path / "moe")
+    plan = plan_with(checkpoint, 7, 2, 1)
+    routed = {index: (1,) if index % 2 else () for index in range(7) if index not in plan.offload.layers}
+    reference = build_model(str(checkpoint), None)
+    apply_plan_on_cpu(reference, plan)
+    reference.set_experts_implementation("batched_mm")
+    ids, logits, _ = greedy_with_prompt(reference, 1, 6)
+    plan = _with_experts(plan, routed, fetch_slots=2)
+    plan = NS(**{**vars(plan), "experts": NS(**{**vars(plan.experts), "prefetch": "next_layer_router"})})
+    model = build_model(str(checkpoint), None)
+    engine = apply_plan_on_cpu(model, plan)
+    model.set_experts_implementation("batched_mm")
+    experts = engine.routed_experts
+    assert experts.prefetch and len(experts.predictors) == len(routed) - 1
+    routed_ids, routed_logits, _ = greedy_with_prompt(model, 1, 6)
+    assert torch.equal(ids, routed_ids) and all(torch.equal(a, b) for a, b in zip(logits, routed_logits))
+    assert experts.fetched_bytes_by_kind()["prefetched"] + experts.fetched_bytes_by_kind()["missed"] > 0
+    engine.close()
