@@ -94,5 +94,6 @@ def _print_outcome(plan, output) -> None:
 def _moved(plan) -> str:
     """What crosses the link: whole layers, or a MoE plan's routed experts."""
     if plan.experts is not None and plan.experts.fetch_slots:
-        return f"routed experts fetched in {len(plan.experts.layers)}/{plan.model.num_layers} layers"
+        prefetch = ", next-layer prefetch" if plan.experts.prefetch else ""
+        return f"routed experts fetched in {len(plan.experts.layers)}/{plan.model.num_layers} layers{prefetch}"
     return f"{len(plan.offload.layers)}/{plan.model.num_layers} layers offloaded"
