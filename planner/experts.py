@@ -346,8 +346,9 @@ def prefetch_layer_stall_ms(compute_ms: float, fetch_ms: float, accuracy: float 
     previous routed layer's prefetch of the predicted experts (as many as the step routes to: ``fetch_ms`` of
     link, the hits and the wasted ones alike) overlaps one layer's compute (the rest of the previous layer, this
     layer's attention and router), then the misses, (1 - accuracy) of the fetch, after the router:
-    max(0, fetch - compute) + (1 - accuracy) x fetch. The link serves one gather at a time: the next prefetch
-    starts after these misses."""
+    max(0, fetch - compute) + (1 - accuracy) x fetch. The misses and the next layer's prefetch share the link
+    (the runtime starts that prefetch as the layer's router finishes), so a link-bound step carries, per
+    predicted layer, its routed bytes and the wasted ones back to back."""
     if accuracy is None or not predicted:
         return fetch_ms
     return max(0.0, fetch_ms - compute_ms) + (1 - accuracy) * fetch_ms

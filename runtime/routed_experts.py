@@ -27,9 +27,10 @@ experts the step holds layer i's router input, the residual stream normed by lay
 Rescaled by (norm_j.weight / norm_i.weight) it is what layer j's norm gives for the same residual (exact for
 RMSNorm: weight x normalized), so layer j's own router module (the next routed layer's, called as its MoE block
 calls it: same softmax / top-k / grouping rule) predicts layer j's experts from it. The predicted, non-resident
-ones are gathered on a side stream into layer j's slot set while layer i computes and layer j's attention runs;
-at layer j the step joins that stream, routes for real, and gathers on the main stream only the misses (routed,
-not resident, not prefetched) into the slots the mispredicted (wasted) or unused ones free. Slots are
+ones are gathered on a side stream into layer j's slot set while layer i gathers its misses and computes, and
+layer j's attention runs; at layer j the step joins that stream, routes for real, and gathers on the main stream
+only the misses (routed, not resident, not prefetched) into the slots the mispredicted (wasted) or unused ones
+free. Slots are
 double-buffered by the parity of the routed layer's ordinal (layer i still reads its set while j's is written),
 so the buffer holds 2 x fetch_slots slot rows. The side stream's gather runs a bounded grid
 (PREFETCH_GATHER_PROGRAMS persistent programs) so it leaves the SMs to the compute it overlaps. Everything stays
@@ -310,7 +311,11 @@ class RoutedExperts:
         ordinal = self.ordinal[index]
         base = self._slot_base(ordinal)
         resident_row = self.tables[index].resident_row
-        if self._join(index):
+        predicted = self._join(index)
+        # the next layer's prefetch first: the link stays busy while this layer plans its misses, and the misses'
+        # full grid takes most of the link from the prefetch's bounded one while both run
+        self._prefetch_next(ordinal, hidden)
+        if predicted:
             pair_rows, source_ids, counts = plan_fetch_after_prefetch(
                 top_k_index, resident_row, self.prefetched[ordinal], slot_base=base)
         else:
@@ -319,7 +324,6 @@ class RoutedExperts:
         self.fetch_counts.add_(counts)
         for name in self.param_names:  # the misses, on the critical path: the full grid
             gather_rows(self.host_device[index, name], self.buffer[name][base:base + self.fetch_slots], source_ids)
-        self._prefetch_next(ordinal, hidden)
         proxy = _Proxy(module, {name: self.buffer[name] for name in self.param_names})
         return batched_mm_forward()(proxy, hidden, pair_rows.view_as(top_k_index), top_k_weights)
 
@@ -339,8 +343,8 @@ class RoutedExperts:
     def _prefetch_next(self, ordinal: int, hidden: torch.Tensor) -> None:
         """Predict the next routed layer's experts from this layer's router input ``hidden`` [tokens, H] and
         gather its predicted, non-resident ones into that layer's slot set, on the side stream (inline on the
-        CPU). The side stream first waits for the main stream: the set's previous reader (two routed layers
-        back) and this layer's miss gather are enqueued there."""
+        CPU). The side stream first waits for the main stream, where the set's previous reader (the routed layer
+        before this one: same parity) is enqueued; this layer's own set and prefetched ids are not touched."""
         predictor = self.predictors.get(ordinal)
         if predictor is None:
             return
