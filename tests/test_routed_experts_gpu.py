@@ -98,9 +98,12 @@ def test_graphed_routed_decode_bitwise_equal_over_64_tokens(model, batch):
         routed.close()
 
 
-def test_plan_with_routed_layers_streams_and_decodes_graphed(tmp_path):
+@pytest.mark.parametrize("prefetch", [False, True], ids=["fetch after router", "next-layer prefetch"])
+def test_plan_with_routed_layers_streams_and_decodes_graphed(tmp_path, prefetch):
     """Through the loader: layers offloaded whole and routed layers in one plan, streamed from the files,
-    graphed decode bitwise equal to the all-resident model."""
+    graphed decode bitwise equal to the all-resident model (the plan's experts.prefetch on or off)."""
+    from types import SimpleNamespace as NS
+
     from runtime.load import build_model, stream_model
     from tests.runtime_models import plan_with, save_tiny_moe
     from tests.test_routed_experts import _with_experts
@@ -110,7 +113,12 @@ def test_plan_with_routed_layers_streams_and_decodes_graphed(tmp_path):
     routed = {index: (1,) if index % 2 else () for index in range(7) if index not in plan.offload.layers}
     reference = build_model(str(checkpoint), None).to(CUDA)
     expected = _decode(reference, 1, graphed=False)
-    model, engine = stream_model(checkpoint, _with_experts(plan, routed, fetch_slots=2), CudaBackend(CUDA))
+    plan = _with_experts(plan, routed, fetch_slots=2)
+    if prefetch:
+        plan = NS(**{**vars(plan), "experts": NS(**{**vars(plan.experts), "prefetch": "next_layer_router"})})
+    model, engine = stream_model(checkpoint, plan, CudaBackend(CUDA))
+    assert engine.routed_experts.prefetch == prefetch
+    assert bool(engine.routed_experts.predictors) == prefetch
     try:
         loop = DecodeLoop(model, batch=1, max_cache_tokens=40 + NUM_STEPS + 16, device=CUDA, engine=engine,
                           steps_per_call=1)

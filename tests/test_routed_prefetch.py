@@ -194,12 +194,14 @@ def test_bounded_grid_gather_in_the_interpreter():
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
 
 
-def test_a_plan_asking_for_prefetch_loads_with_it_and_decodes_bitwise(tmp_path):
-    """Through the loader (apply_plan on the CPU stand-in): experts.prefetch: next_layer_router turns prediction
-    on for the plan's routed layers, and greedy decode equals the same plan's without routing."""
+@pytest.mark.parametrize("streamed", [False, True], ids=["apply_plan", "stream_model"])
+def test_a_plan_asking_for_prefetch_loads_with_it_and_decodes_bitwise(tmp_path, streamed):
+    """Through the loader (apply_plan or streamed from the files, on the CPU stand-in): experts.prefetch:
+    next_layer_router turns prediction on for the plan's routed layers, and greedy decode equals the same plan's
+    without routing."""
     from types import SimpleNamespace as NS
 
-    from runtime.load import apply_plan_on_cpu, build_model
+    from runtime.load import apply_plan_on_cpu, build_model, stream_on_cpu
     from tests.runtime_models import plan_with, save_tiny_moe
     from tests.test_routed_experts import _greedy as greedy_with_prompt
     from tests.test_routed_experts import _with_experts
@@ -213,8 +215,11 @@ def test_a_plan_asking_for_prefetch_loads_with_it_and_decodes_bitwise(tmp_path):
     ids, logits, _ = greedy_with_prompt(reference, 1, 6)
     plan = _with_experts(plan, routed, fetch_slots=2)
     plan = NS(**{**vars(plan), "experts": NS(**{**vars(plan.experts), "prefetch": "next_layer_router"})})
-    model = build_model(str(checkpoint), None)
-    engine = apply_plan_on_cpu(model, plan)
+    if streamed:
+        model, engine = stream_on_cpu(checkpoint, plan)
+    else:
+        model = build_model(str(checkpoint), None)
+        engine = apply_plan_on_cpu(model, plan)
     model.set_experts_implementation("batched_mm")
     experts = engine.routed_experts
     assert experts.prefetch and len(experts.predictors) == len(routed) - 1
