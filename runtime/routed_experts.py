@@ -442,7 +442,8 @@ def plan_fetch_after_prefetch(top_k_index: torch.Tensor, resident_row: torch.Ten
     hit, miss = need & (hit_slot >= 0), need & (hit_slot < 0)
     # a slot keeps its expert when the step routes to it; the others are free for the misses
     routed = torch.zeros(num_experts + 1, dtype=torch.bool, device=ids.device)
-    routed[sorted_ids] = True
+    # index_fill_, not `routed[sorted_ids] = True`: that copies a CPU scalar, which a CUDA graph capture refuses
+    routed.index_fill_(0, sorted_ids, True)
     keep = (prefetched >= 0) & routed[torch.where(prefetched >= 0, prefetched, num_experts)]
     free_rank = torch.cumsum(~keep, 0) - 1  # [F]
     free_slot = torch.full((num_slots + 1,), -1, dtype=torch.int64, device=ids.device)  # rank -> slot
