@@ -43,10 +43,11 @@ DEFAULT_TOP_K = 2
 #: 46.9 and 48.4 GB/s in-step against 52.9 GB/s pinned copy-engine H2D, 0.89-0.91 (benchmarks/2026-11-25-*)
 ROUTED_FETCH_EFFICIENCY = 0.89
 #: the share of a decode step's routed, non-resident experts that next-layer prediction prefetches (the runtime's
-#: next_layer_router: the next routed layer's router on this layer's router input). A placeholder until
-#: measured on the H100 by scripts/bench_experts.py --prefetch (Qwen3-30B-A3B shape, uniform routing, random
-#: weights; its "accuracy" column); make --prefetch-accuracy overrides it and the plan records the figure used
-PREFETCH_ACCURACY = 0.5
+#: next_layer_router: the next routed layer's router on this layer's router input). Measured 0.777 on an H100 by
+#: scripts/bench_experts.py --prefetch on (Qwen3-30B-A3B shape, 24 GiB, one sequence, uniform routing, random
+#: weights, 64 greedy steps; benchmarks/2026-11-25-prefetch-h100.md). Trained routers differ by model: make
+#: --prefetch-accuracy overrides it, and the plan records the figure used
+PREFETCH_ACCURACY = 0.78
 #: the plan's experts.prefetch where routed layers prefetch the next routed layer's predicted experts
 NEXT_LAYER_ROUTER = "next_layer_router"
 #: the MoE block modules whose experts transformers 5 holds as the fused params of its experts interface, which
