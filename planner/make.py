@@ -40,6 +40,7 @@ from planner.plan import (
     WorkloadSection,
 )
 from planner.profile import HardwareProfile, load_profile
+from planner.tensor_parallel import check_tp_inputs, shard_checkpoint, with_all_reduces
 from planner.search import (
     Choice,
     LayerBytes,
@@ -192,8 +193,9 @@ class _Model:
         """Layer times for ``workload``: measured with --measure, else the roofline estimate. ``graphed``: steps
         replayed from CUDA graphs (default: the plan's --cuda-graph; a prefill chunk runs eagerly)."""
         graphed = self.inputs.cuda_graph if graphed is None else graphed
-        return _compute_times(self.inputs, self.checkpoint, self.layout, workload, self.profile, self.kv,
-                              self.measure, graphed)
+        compute = _compute_times(self.inputs, self.checkpoint, self.layout, workload, self.profile, self.kv,
+                                 self.measure, graphed)
+        return with_all_reduces(compute, self.checkpoint, workload, self.profile)
 
 
 def make_plan(inputs: Inputs, compute_override: ComputeTimes | None = None,
@@ -371,7 +373,9 @@ def _read_model(inputs: Inputs, measure: MeasureFunction | None = None,
     _check_knobs(inputs)
     _check_adapter_inputs(inputs)
     profile = load_profile(inputs.gpu)
-    checkpoint = load_checkpoint(inputs.model, inputs.revision)
+    check_tp_inputs(inputs, profile)
+    # one rank's shard under --tp: its tensors' shapes and its config (heads, KV heads, widths) as vLLM splits them
+    checkpoint = shard_checkpoint(load_checkpoint(inputs.model, inputs.revision), inputs.tp)
     layout = build_layout(checkpoint, inputs.stack)
     warnings = _layout_warnings(layout)
     params = tuple(inputs.params)

@@ -37,6 +37,7 @@ import math
 from dataclasses import dataclass
 
 from planner.checkpoint import Checkpoint
+from planner.cost import ComputeTimes
 from planner.errors import ModelInputError, ProfileError, UsageError
 from planner.safetensors_header import TensorEntry, tensor_nbytes
 
@@ -319,6 +320,8 @@ class RankCheckpoint(Checkpoint):
     whole_fingerprint: str
     #: bytes of every tensor of the whole checkpoint
     whole_bytes: int
+    #: the whole model's config.json (``config`` is the rank's)
+    whole_config: dict | None
 
     def fingerprint(self) -> str:
         return self.whole_fingerprint
@@ -333,7 +336,7 @@ def shard_checkpoint(checkpoint: Checkpoint, tp: int) -> Checkpoint:
         source=checkpoint.source, kind=checkpoint.kind, revision=checkpoint.revision,
         tensors=shard_entries(checkpoint.tensors, checkpoint.config, tp), config=rank_config(checkpoint.config, tp),
         num_files=checkpoint.num_files, tp_size=tp, whole_fingerprint=checkpoint.fingerprint(),
-        whole_bytes=checkpoint.total_bytes)
+        whole_bytes=checkpoint.total_bytes, whole_config=checkpoint.config)
 
 
 #: config.json sizes that split evenly over the ranks (the MLP's and experts' widths)
@@ -417,3 +420,142 @@ def link_bytes_per_s(profile, tp: int) -> float:
                                "has, or plan with --tp 1")
         return 0.0
     return figure.value
+
+
+_ACTIVATION_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def with_all_reduces(compute: ComputeTimes, checkpoint: Checkpoint, workload, profile) -> ComputeTimes:
+    """``compute`` of one rank with the step's all-reduces added to each layer and to the head (a RankCheckpoint;
+    any other checkpoint's times come back as they are)."""
+    if not isinstance(checkpoint, RankCheckpoint):
+        return compute
+    text = _text(checkpoint.whole_config)
+    dtype = text.get("torch_dtype") or text.get("dtype")
+    reduces = step_all_reduces(
+        tp=checkpoint.tp_size, num_layers=len(compute.layer_ms), tokens_per_step=workload.tokens_per_step,
+        sequences_per_step=workload.sequences_per_step, hidden_size=int(text.get("hidden_size") or 0),
+        vocab_size=int(text.get("vocab_size") or 0), activation_bytes=_ACTIVATION_BYTES.get(dtype, 2),
+        link_bytes_per_s=link_bytes_per_s(profile, checkpoint.tp_size))
+    return ComputeTimes(layer_ms=tuple(ms + reduces.layer_ms for ms in compute.layer_ms),
+                        head_ms=compute.head_ms + reduces.head_ms,
+                        source=f"{compute.source}; + {reduces.num_per_step} all-reduces a step over "
+                               f"{checkpoint.tp_size} GPUs at {profile.gpu_link_bytes_per_s.value / 1e9:g} GB/s "
+                               f"and {ALL_REDUCE_LATENCY_US:g} us each")
+
+
+def check_tp_inputs(inputs, profile) -> None:
+    """--tp plans one rank from the checkpoint's headers: the profile must name its GPU link, and the inputs that
+    reach the local GPU or shard with the model in ways not modelled (--measure, --adapter) are refused."""
+    check_tp_size(inputs.tp)
+    if inputs.tp == 1:
+        return
+    link_bytes_per_s(profile, inputs.tp)
+    for flag, given in (("--measure", inputs.measure), ("--adapter", bool(inputs.adapters))):
+        if given:
+            raise UsageError(f"{flag} with --tp {inputs.tp} is not planned yet (one rank's layers and LoRA shards "
+                             f"are not modelled); drop {flag} or plan with --tp 1")
+
+
+# ---- comparing GPU counts -------------------------------------------------------------------------------------
+
+
+def parse_tp_sizes(text: str | int) -> list[int]:
+    """--tp N, or N,M,... to compare GPU counts: distinct sizes from 1 to MAX_TP_SIZE, in the order given."""
+    words = str(text).split(",")
+    if not all(word.strip().isdigit() for word in words):
+        raise UsageError(f"--tp {str(text)[:40]!r} is not a GPU count; give a number such as 2, or sizes to compare "
+                         "such as 2,4")
+    sizes = [int(word) for word in words]
+    for size in sizes:
+        check_tp_size(size)
+    if len(set(sizes)) != len(sizes):
+        raise UsageError(f"--tp {text}: a size is given twice; give each GPU count once, e.g. 2,4")
+    return sizes
+
+
+def plan_path_for(output, size: int):
+    """Where make --tp N,M writes the plan of ``size``: plan.yaml -> plan.tp2.yaml."""
+    from pathlib import Path
+
+    output = Path(output)
+    suffix = output.suffix if output.suffix in (".yaml", ".yml") else ".yaml"
+    stem = output.name[: -len(output.suffix)] if output.suffix in (".yaml", ".yml") else output.name
+    return output.with_name(f"{stem}.tp{size}{suffix}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TpRow:
+    """One GPU count's plan, as the comparison reads it."""
+
+    tp_size: int
+    tokens_per_s: float
+    gpu_bytes_per_rank: int
+    host_pinned_bytes_per_rank: int
+    num_offloaded: int
+    num_layers: int
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.tokens_per_s / self.tp_size
+
+    @property
+    def offloads(self) -> bool:
+        return self.host_pinned_bytes_per_rank > 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class TpComparison:
+    """make --tp N,M's comparison: one line per plan and the verdict."""
+
+    rows: tuple[TpRow, ...]
+    lines: tuple[str, ...]
+    verdict: str
+
+
+def tp_row(plan) -> TpRow:
+    """Tokens/s of the engine (all ranks together: each rank runs every sequence's share), memory per rank."""
+    prediction, memory = plan.prediction, plan.memory
+    if prediction.decode_tokens_per_s is not None:
+        tokens_per_s = prediction.decode_tokens_per_s
+    else:
+        tokens_per_s = 1e3 * plan.workload.tokens_per_step / prediction.step_ms if prediction.step_ms else 0.0
+    return TpRow(tp_size=plan.inputs.tp, tokens_per_s=tokens_per_s,
+                 gpu_bytes_per_rank=memory.total_gpu_bytes if memory.total_gpu_bytes is not None else memory.gpu_bytes,
+                 host_pinned_bytes_per_rank=memory.host_pinned_bytes,
+                 num_offloaded=len(plan.offload.layers) or (len(plan.experts.layers) if plan.experts is not None
+                                                            and plan.experts.fetch_slots else 0),
+                 num_layers=plan.model.num_layers)
+
+
+def compare_tp(plans) -> TpComparison:
+    """Tokens/s in total and per GPU, memory per rank and what each GPU count offloads, with the verdict."""
+    from planner.units import format_bytes
+
+    rows = tuple(sorted((tp_row(plan) for plan in plans), key=lambda row: row.tp_size))
+    lines = tuple(
+        f"{row.tp_size} GPU(s): {row.tokens_per_s:,.0f} tokens/s, {row.tokens_per_s_per_gpu:,.0f} per GPU; "
+        f"{format_bytes(row.gpu_bytes_per_rank)} of GPU memory per rank, "
+        + (f"{format_bytes(row.host_pinned_bytes_per_rank)} pinned per rank ({row.num_offloaded}/{row.num_layers} "
+           "layers offloaded)" if row.offloads else "nothing offloaded")
+        for row in rows)
+    return TpComparison(rows=rows, lines=lines, verdict=tp_verdict(rows))
+
+
+def tp_verdict(rows: tuple[TpRow, ...]) -> str:
+    """One sentence: the fewest GPUs with offloading against the fewest without, by tokens/s per GPU."""
+    offloading = [row for row in rows if row.offloads]
+    resident = [row for row in rows if not row.offloads]
+    if not offloading or not resident:
+        best = max(rows, key=lambda row: row.tokens_per_s_per_gpu)
+        how = "offload" if offloading else "keep every weight resident"
+        return (f"every GPU count compared must {how}" if offloading else f"every GPU count compared can {how}") + (
+            f"; {best.tp_size} GPU(s) serve the most per GPU ({best.tokens_per_s_per_gpu:,.0f} tokens/s)")
+    few, many = offloading[0], resident[0]
+    better = few if few.tokens_per_s_per_gpu >= many.tokens_per_s_per_gpu else many
+    ratio = many.tokens_per_s / few.tokens_per_s if few.tokens_per_s else float("inf")
+    return (f"{few.tp_size} GPU(s) with offloading serve {few.tokens_per_s:,.0f} tokens/s "
+            f"({few.tokens_per_s_per_gpu:,.0f} per GPU) against {many.tokens_per_s:,.0f} "
+            f"({many.tokens_per_s_per_gpu:,.0f} per GPU) on {many.tp_size} without, {ratio:.2f}x the total: "
+            + (f"{few.tp_size} GPUs with offloading give more per GPU" if better is few else
+               f"{many.tp_size} GPUs without offloading give more per GPU"))
