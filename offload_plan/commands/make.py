@@ -57,11 +57,14 @@ def _make_tp_comparison(inputs: Inputs, sizes: list[int], output: Path | None) -
     if output is None:
         raise UsageError(f"--tp {','.join(map(str, sizes))} writes one plan per GPU count: give -o PATH (each is "
                          "written as PATH.tpN.yaml)")
+    from planner.checkpoint import load_checkpoint
+
+    whole = load_checkpoint(inputs.model, inputs.revision)  # read once, sharded for each GPU count
     plans = []
     for size in sizes:
         sized = replace(inputs, tp=size)
         try:
-            planned = make_plan(sized)
+            planned = make_plan(sized, checkpoint=whole)
         except InfeasibleError as error:  # this GPU count does not fit; the others are still compared
             warn(f"tp {size}: no plan fits: {error}")
             continue
