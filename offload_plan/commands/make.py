@@ -28,7 +28,8 @@ def make(**values):
     from planner.make import make_plan, regenerate_command
 
     output = values.pop("output")
-    sizes = parse_tp_sizes(values.pop("tp"))
+    tp = values.pop("tp")
+    sizes = list(tp) if isinstance(tp, tuple) else [tp]
     repeated = {spec.name for spec in fields(Inputs) if typing.get_origin(spec.type) is tuple}
     inputs = Inputs(tp=sizes[0], **{name: tuple(value or ()) if name in repeated else value
                                     for name, value in values.items()})
@@ -81,11 +82,21 @@ def _make_tp_comparison(inputs: Inputs, sizes: list[int], output: Path | None) -
     say(comparison.verdict)
 
 
+def tp_value(text: str) -> int | tuple[int, ...]:
+    """--tp N (an int, as Inputs holds it) or N,M,... (the GPU counts to compare)."""
+    sizes = parse_tp_sizes(text)
+    return sizes[0] if len(sizes) == 1 else tuple(sizes)
+
+
+class _TpSizes:
+    """--tp's command-line type: one GPU count or several (typer calls tp_value to read it)."""
+
+
 def _cli_type(annotation, name: str = "") -> object:
     """The command-line type of an Inputs field: a tuple of strings is a repeatable option; --tp takes a list
-    of sizes to compare (2,4), so it is read as text."""
+    of sizes to compare (2,4)."""
     if name == "tp":
-        return str
+        return _TpSizes
     if typing.get_origin(annotation) is tuple:
         return Optional[list[str]]
     return annotation
@@ -95,9 +106,8 @@ def _parameter(spec) -> inspect.Parameter:
     option = spec.metadata
     names = [option["flag"], *([option["short"]] if option["short"] else [])]
     default = None if spec.default == () else (... if spec.default is MISSING else spec.default)
-    if spec.name == "tp":
-        default = str(default)
-    annotation = Annotated[_cli_type(spec.type, spec.name), typer.Option(*names, help=option["help"])]
+    extra = {"parser": tp_value, "metavar": "N[,N...]"} if spec.name == "tp" else {}
+    annotation = Annotated[_cli_type(spec.type, spec.name), typer.Option(*names, help=option["help"], **extra)]
     return inspect.Parameter(spec.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
 
 
