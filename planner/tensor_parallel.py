@@ -81,7 +81,7 @@ _SCALE_SUFFIX = "_scale_inv"
 class Split:
     """How one checkpoint tensor splits over the ranks."""
 
-    #: replicated, column, row, kv, vocab, heads, mxfp4_rows, mxfp4_cols or scale
+    #: replicated, column, row, kv, vocab, heads, experts_rows, mxfp4_rows, mxfp4_cols or scale
     kind: str
     #: the vLLM layer that holds it, for people
     engine_class: str
@@ -104,6 +104,8 @@ def _split_of_parts(module: str, leaf: str, ndim: int) -> Split | None:
         return Split(kind="scale", engine_class="Fp8LinearMethod (block scales)")
     if module == "experts" and leaf in _MXFP4_EXPERTS:
         return Split(kind=_MXFP4_EXPERTS[leaf], engine_class="FusedMoE (Mxfp4MoEMethod)")
+    if module == "experts" and leaf == "gate_up_proj" and ndim == 3:  # transformers 5's fused [E, 2 x I, hidden]
+        return Split(kind="experts_rows", engine_class="FusedMoE (w13)")
     if leaf == "sinks":
         return Split(kind="heads", engine_class="Attention sinks")
     if leaf not in ("weight", "bias"):
@@ -182,6 +184,8 @@ def _rank_shape(entry: TensorEntry, split: Split, model: TpModel, tp: int) -> tu
         if tp % model.num_kv_heads:
             raise _Refused(f"{tp} ranks are not a multiple of the {model.num_kv_heads} KV heads each is replicated to")
         return (shape[0] // model.num_kv_heads, *shape[1:])  # one whole KV head per rank
+    if split.kind == "experts_rows":  # gate and up each split: [experts, 2 x intermediate / tp, hidden]
+        return (shape[0], 2 * _split_evenly(shape[1] // 2, tp, "expert intermediate size"), *shape[2:])
     if split.kind == "heads":
         return (_split_evenly(shape[0], tp, "attention heads"), *shape[1:])
     if split.kind == "vocab":
