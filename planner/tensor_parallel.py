@@ -339,8 +339,20 @@ def shard_checkpoint(checkpoint: Checkpoint, tp: int) -> Checkpoint:
     return RankCheckpoint(
         source=checkpoint.source, kind=checkpoint.kind, revision=checkpoint.revision,
         tensors=shard_entries(checkpoint.tensors, checkpoint.config, tp), config=rank_config(checkpoint.config, tp),
-        num_files=checkpoint.num_files, tp_size=tp, whole_fingerprint=checkpoint.fingerprint(),
+        num_files=checkpoint.num_files, tp_size=tp, whole_fingerprint=_fingerprint(checkpoint),
         whole_bytes=checkpoint.total_bytes, whole_config=checkpoint.config)
+
+
+_FINGERPRINTS: dict[int, tuple[tuple, str]] = {}
+
+
+def _fingerprint(checkpoint: Checkpoint) -> str:
+    """The whole checkpoint's fingerprint, hashed once for every GPU count make --tp 2,4 shards it for."""
+    cached = _FINGERPRINTS.get(id(checkpoint.tensors))
+    if cached is None or cached[0] is not checkpoint.tensors:
+        _FINGERPRINTS.clear()
+        cached = _FINGERPRINTS[id(checkpoint.tensors)] = (checkpoint.tensors, checkpoint.fingerprint())
+    return cached[1]
 
 
 #: config.json sizes that split evenly over the ranks (the MLP's and experts' widths)
