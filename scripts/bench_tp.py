@@ -1,7 +1,7 @@
 """Measure one tensor-parallel rank against make --tp 2: per-rank weight memory and step time, on two GPUs.
 
-    torchrun --nproc-per-node 2 scripts/bench_tp.py            # both shapes, about two minutes on 2 H100s
-    torchrun --nproc-per-node 2 scripts/bench_tp.py --shape llama --tokens 4096
+    PYTHONPATH=. torchrun --nproc-per-node 2 scripts/bench_tp.py     # both shapes, a few minutes on 2 H100s
+    PYTHONPATH=. torchrun --nproc-per-node 2 scripts/bench_tp.py --shape llama --tokens 4096
 
 For each shape (a Llama-shape dense model and a Qwen3-MoE-shape model, random bf16 weights), rank 0 builds the
 model on its GPU and saves it as a checkpoint; both ranks plan it with ``make --tp 2`` (planner.make, the same

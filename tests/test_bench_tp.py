@@ -1,6 +1,7 @@
 """scripts/bench_tp.py: its plan of transformers-saved checkpoints on the CPU, its one-line refusal without two GPUs,
 and (two GPUs) the measured rank against the plan."""
 
+import os
 import subprocess
 import sys
 
@@ -51,7 +52,8 @@ def test_without_two_gpus_it_says_so_in_one_line():
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_two_gpus_measure_the_rank_within_10_percent_of_the_plan(tmp_path):
     result = subprocess.run(["torchrun", "--nproc-per-node", "2", "scripts/bench_tp.py", "--folder", str(tmp_path)],
-                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+                            env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [line for line in result.stdout.splitlines() if " rank " in line]
     assert len(lines) == 4, result.stdout
