@@ -7,6 +7,7 @@ and whether the model, hardware or workload changed. ``compare_plans`` gives pla
 
 from dataclasses import asdict
 
+from planner.tensor_parallel import compare_tp
 from planner.plan import Plan
 from planner.units import format_bytes, format_ms, format_rate
 
@@ -36,6 +37,9 @@ def compare_plans(old: Plan, new: Plan) -> dict:
     }
     data["adapters"] = compare_adapters(old, new)
     data["serving"] = compare_serving(old, new)
+    if old.inputs.tp != new.inputs.tp:  # GPU counts compared: tokens/s per GPU and the verdict
+        comparison = compare_tp([old, new])
+        data["tensor_parallel"] = {"lines": list(comparison.lines), "verdict": comparison.verdict}
     experts = compare_experts(old, new)
     if experts:  # MoE plans only: other comparisons keep their keys
         data["experts"] = experts
@@ -162,7 +166,11 @@ def summary_sentences(data: dict) -> list[str]:
     adapters = _adapters_sentence(data["adapters"])
     sentences += [adapters] if adapters else []
     experts = _experts_sentence(data.get("experts", {}))
-    return sentences + ([experts] if experts else [])
+    sentences += [experts] if experts else []
+    if "tensor_parallel" in data:
+        sentences += [f"{line}." for line in data["tensor_parallel"]["lines"]]
+        sentences.append(data["tensor_parallel"]["verdict"][0].upper() + data["tensor_parallel"]["verdict"][1:] + ".")
+    return sentences
 
 
 def _experts_sentence(experts: dict) -> str | None:

@@ -103,11 +103,17 @@ def _logical_params(name: str, dtype: str, shape: tuple[int, ...]) -> int:
     return count
 
 
-def layer_cost(layer: LayerInfo, geometry: ModelGeometry, workload: Workload,
-               kv_bytes: float | None = None) -> tuple[float, float, bool]:
-    """(FLOPs, HBM bytes, fp8) of one layer for one step; ``kv_bytes``: the KV cache the step reads and writes
-    in this layer, where a cache model knows it (sliding windows, latent attention), else from the geometry."""
-    tokens = workload.tokens_per_step
+#: id(layer.params) -> (params, sums): the sums of each layer's params, which do not change with the workload
+_SUMS_CACHE: dict[int, tuple[tuple, tuple[int, int, int, int, int]]] = {}
+_SUMS_CACHE_SIZE = 65536
+
+
+def _param_sums(layer: LayerInfo) -> tuple[int, int, int, int, int]:
+    """(dense params, expert params, dense bytes, expert bytes, fp8 bytes) of a layer, computed once per layer: a
+    serving search costs every layer at each concurrency, and a DeepSeek-V3 layer has 1,500 params."""
+    cached = _SUMS_CACHE.get(id(layer.params))
+    if cached is not None and cached[0] is layer.params:
+        return cached[1]
     dense_params = expert_params = dense_bytes = expert_bytes = fp8_bytes = 0
     for name, dtype, shape, nbytes in layer.params:
         if is_expert_param(name):
@@ -117,6 +123,19 @@ def layer_cost(layer: LayerInfo, geometry: ModelGeometry, workload: Workload,
             dense_params += _logical_params(name, dtype, shape)
             dense_bytes += nbytes
         fp8_bytes += nbytes if dtype in _FP8_DTYPES else 0
+    sums = (dense_params, expert_params, dense_bytes, expert_bytes, fp8_bytes)
+    if len(_SUMS_CACHE) >= _SUMS_CACHE_SIZE:
+        _SUMS_CACHE.clear()
+    _SUMS_CACHE[id(layer.params)] = (layer.params, sums)
+    return sums
+
+
+def layer_cost(layer: LayerInfo, geometry: ModelGeometry, workload: Workload,
+               kv_bytes: float | None = None) -> tuple[float, float, bool]:
+    """(FLOPs, HBM bytes, fp8) of one layer for one step; ``kv_bytes``: the KV cache the step reads and writes
+    in this layer, where a cache model knows it (sliding windows, latent attention), else from the geometry."""
+    tokens = workload.tokens_per_step
+    dense_params, expert_params, dense_bytes, expert_bytes, fp8_bytes = _param_sums(layer)
     active_share = geometry.top_k / geometry.num_experts if expert_params and geometry.num_experts else 1.0
     # Experts any token of the step touches: each token picks top_k of num_experts.
     touched_share = 1 - (1 - active_share) ** tokens

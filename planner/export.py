@@ -24,8 +24,10 @@ VLLM_LORA_RANKS) and ``--lora-modules NAME=PATH ...``; SGLang takes ``--enable-l
 ``--enable-lora-overlap-loading`` copies adapters behind compute, the plan's pipelined case (vLLM's
 ``vllm/config/lora.py`` LoRAConfig; SGLang's docs, advanced_features/lora).
 
-With tensor parallelism each rank holds 1/TP of every layer and copies its share over its own link, so the
-prediction is re-simulated with per-rank copies and per-rank compute (1/TP each; all-reduces not modelled).
+With tensor parallelism each rank holds its share of every layer and copies it over its own link. A plan made
+with ``make --tp N`` is one rank already (planner.tensor_parallel: vLLM's sharding, the all-reduces): export
+restates it exactly. A one-GPU plan exported with --tp is re-simulated with per-rank copies and per-rank compute
+(1/TP each; all-reduces not modelled), an approximation its note says.
 Both engines capture decode in CUDA graphs of one step each and join the wrapped copies at every step's end;
 a plan made with --cuda-graph is predicted so (offload-plan's own replays run STEPS_PER_GRAPH steps, one today).
 """
@@ -87,6 +89,8 @@ class Export:
     warnings: tuple[str, ...]
     plan_prediction: Prediction
     prediction: Prediction
+    #: the plan's own TP size (make --tp N: its figures are one rank's already)
+    planned_tp: int = 1
 
     def command_fragment(self) -> str:
         """The flags as one shell fragment."""
@@ -99,6 +103,7 @@ def export_plan(plan: Plan, engine: str, *, tp_size: int = 1, exact: bool = Fals
         raise UsageError(f"--to {engine!r} is not an engine offload-plan exports to; choose {' or '.join(ENGINES)}")
     if not 1 <= tp_size <= MAX_TP_SIZE:
         raise UsageError(f"--tp {tp_size}: the tensor-parallel size must be from 1 to {MAX_TP_SIZE}")
+    tp_size, divisor = _planned_tp(plan, tp_size)
     notes: list[str] = []
     warnings: list[str] = []
     expert_note = experts_note(plan, engine)
@@ -115,11 +120,11 @@ def export_plan(plan: Plan, engine: str, *, tp_size: int = 1, exact: bool = Fals
     else:
         notes.append("the plan offloads nothing: serve without offload flags")
     if plan.serving is not None:
-        flags += _serving_flags(plan, engine, tp_size, notes)
+        flags += _serving_flags(plan, engine, divisor, notes)
     if plan.adapters is not None:
         flags += adapter_flags(plan, engine, notes)
     if tp_size > 1:
-        notes.append(_tp_note(plan, tp_size))
+        notes.append(_tp_note(plan, tp_size) if divisor > 1 else _rank_plan_note(plan))
     if plan.workload.cuda_graph and plan.offload.layers:
         notes.append(f"{engine} replays one decode step per CUDA graph and joins the copies that wrap into the next "
                      "step at every step's end: predicted so")
@@ -127,7 +132,7 @@ def export_plan(plan: Plan, engine: str, *, tp_size: int = 1, exact: bool = Fals
                               plan.offload.replay_start_copies)
     return Export(engine=engine, tp_size=tp_size, flags=tuple(flags), prefetch_step=prefetch_step, notes=tuple(notes),
                   warnings=tuple(warnings), plan_prediction=plan_prediction,
-                  prediction=predict(plan, tp_size, prefetch_step))
+                  prediction=predict(plan, divisor, prefetch_step), planned_tp=plan.inputs.tp)
 
 
 #: what each engine's main branch can say of expert-granular offloading: nothing. Both offload whole params of
@@ -347,12 +352,32 @@ def _ceil_share(share: float) -> float:
     return min(1.0, math.ceil(share * 100 - 1e-9) / 100)
 
 
+def _planned_tp(plan: Plan, tp_size: int) -> tuple[int, int]:
+    """(the engine's TP size, what to divide the plan's per-GPU figures by). A plan made with --tp N is one rank
+    already (divide by 1): export runs it at N, and another size is refused; a one-GPU plan is halved per rank."""
+    planned = plan.inputs.tp
+    if planned == 1:
+        return tp_size, tp_size
+    if tp_size not in (1, planned):
+        raise UsageError(f"the plan is one rank of TP={planned} (make --tp {planned}); export it with --tp {planned}, "
+                         f"or make it again with --tp {tp_size}")
+    return planned, 1
+
+
+def _rank_plan_note(plan: Plan) -> str:
+    tp_size = plan.inputs.tp
+    return (f"TP={tp_size}: the plan is one rank of {tp_size} (make --tp {tp_size}): its weights, KV cache and pinned "
+            f"host memory are the rank's as vLLM shards the model, and its step includes the all-reduces; the flags "
+            "and the prediction are per rank as planned")
+
+
 def _tp_note(plan: Plan, tp_size: int) -> str:
     rate_gb_per_s = plan.hardware.h2d_bytes_per_s / 1e9
     return (f"TP={tp_size}: each rank holds 1/{tp_size} of every layer and copies its share over its own link at "
             f"{rate_gb_per_s:.1f} GB/s (less where GPUs share a host link: a PCIe switch, a Grace of GB200); compute "
             f"per rank is taken as 1/{tp_size} (all-reduces not modelled). Per-rank weights are 1/{tp_size} of the "
-            "plan's, which was made for one GPU: these flags may offload more than TP ranks need")
+            "plan's, which was made for one GPU: these flags may offload more than TP ranks need; make the plan with "
+            f"--tp {tp_size} for exact per-rank flags")
 
 
 def predict(plan: Plan, tp_size: int, prefetch_step: int, join_every_steps: int | None = None,
@@ -392,6 +417,7 @@ def describe_prediction(export: Export) -> str:
     """One sentence: the plan's step on one GPU against the exported configuration's, per rank."""
     before, after = export.plan_prediction, export.prediction
     where = f"per rank of TP={export.tp_size}" if export.tp_size > 1 else "on one GPU"
-    return (f"predicted step {format_ms(after.step_ms)} {where} (plan: {format_ms(before.step_ms)} on one GPU), "
+    planned = "per rank, as planned" if export.planned_tp > 1 else "on one GPU"
+    return (f"predicted step {format_ms(after.step_ms)} {where} (plan: {format_ms(before.step_ms)} {planned}), "
             f"stall {format_ms(after.stall_ms)}, link floor {format_ms(after.link_floor_ms)}; GPU weights "
             f"{format_bytes(after.gpu_bytes)} and pinned host {format_bytes(after.host_pinned_bytes)} per rank")

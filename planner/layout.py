@@ -5,6 +5,7 @@ A stack is a name prefix followed by a layer index: ``model.layers.N.``, ``trans
 experts inside a layer (``mlp.experts.7.``) stay inside their layer. No per-architecture tables.
 """
 
+import functools
 import itertools
 from collections import defaultdict
 from dataclasses import dataclass
@@ -22,9 +23,10 @@ class LayerInfo:
     #: (name relative to the layer, dtype, shape, bytes), sorted by name
     params: tuple[tuple[str, str, tuple[int, ...], int], ...]
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
-        """Bytes of every param of the layer."""
+        """Bytes of every param of the layer (summed once: a DeepSeek-V3 layer has 1,500 params, and the searches
+        ask again and again)."""
         return sum(p[3] for p in self.params)
 
     def matching_bytes(self, segments: tuple[str, ...]) -> int:

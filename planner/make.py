@@ -40,6 +40,7 @@ from planner.plan import (
     WorkloadSection,
 )
 from planner.profile import HardwareProfile, load_profile
+from planner.tensor_parallel import check_tp_inputs, shard_checkpoint, with_all_reduces
 from planner.search import (
     Choice,
     LayerBytes,
@@ -181,6 +182,11 @@ class _Model:
         implementation = planned_experts_implementation(phase, self.activation_shape.dtype)
         return estimate_activations(self.activation_shape, step, experts_implementation=implementation).planned_bytes
 
+    @functools.cached_property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor's shape by name (read once: a serving search estimates every concurrency)."""
+        return {t.name: t.shape for t in self.checkpoint.tensors}
+
     @property
     def measured_activations(self) -> bool:
         """A serving plan with --measure measures its activation peaks on the local GPU (a weights-only plan keeps
@@ -192,25 +198,28 @@ class _Model:
         """Layer times for ``workload``: measured with --measure, else the roofline estimate. ``graphed``: steps
         replayed from CUDA graphs (default: the plan's --cuda-graph; a prefill chunk runs eagerly)."""
         graphed = self.inputs.cuda_graph if graphed is None else graphed
-        return _compute_times(self.inputs, self.checkpoint, self.layout, workload, self.profile, self.kv,
-                              self.measure, graphed)
+        compute = _compute_times(self.inputs, self.checkpoint, self.layout, workload, self.profile, self.kv,
+                                 self.measure, graphed, self.shapes)
+        return with_all_reduces(compute, self.checkpoint, workload, self.profile)
 
 
 def make_plan(inputs: Inputs, compute_override: ComputeTimes | None = None,
               measure: MeasureFunction | None = None,
-              measure_activations: MeasureActivations | None = None) -> Planned:
+              measure_activations: MeasureActivations | None = None,
+              checkpoint: Checkpoint | None = None) -> Planned:
     """Read the checkpoint and profile named by ``inputs`` and search the fastest plan that fits: for the
     weights alone within a budget, or (``inputs.concurrency``) for a serving target on the whole GPU.
 
     Compute times: ``compute_override`` when given (check passes a --measure plan's recorded times; not for a
     serving plan, whose search times every concurrency), else ``measure`` for --measure (the caller's, which
     reaches the GPU), else the roofline estimate. A serving plan with --measure also measures its activation
-    peaks with ``measure_activations`` where given (else estimates them).
+    peaks with ``measure_activations`` where given (else estimates them). ``checkpoint``: the one --model names,
+    already read (make --tp 2,4 reads it once for every GPU count).
     """
     if inputs.cuda_graph and inputs.concurrency is None and inputs.tokens != inputs.sequences:
         raise UsageError("--cuda-graph plans decode steps, one new token per sequence: give --tokens equal to "
                          "--sequences (the batch), e.g. --tokens 64 --sequences 64 --context 1024")
-    model = _read_model(inputs, measure, measure_activations)
+    model = _read_model(inputs, measure, measure_activations, checkpoint)
     if inputs.concurrency is not None:
         return make_serving_plan(model)
     workload = _workload(inputs.tokens, inputs.sequences, inputs.context)
@@ -366,12 +375,15 @@ def _check_serving_inputs(inputs: Inputs) -> None:
 
 
 def _read_model(inputs: Inputs, measure: MeasureFunction | None = None,
-                measure_activations: MeasureActivations | None = None) -> _Model:
+                measure_activations: MeasureActivations | None = None, whole: Checkpoint | None = None) -> _Model:
     """Profile, checkpoint headers, layout, the bytes each layer would move, the KV cache model and adapters."""
     _check_knobs(inputs)
     _check_adapter_inputs(inputs)
     profile = load_profile(inputs.gpu)
-    checkpoint = load_checkpoint(inputs.model, inputs.revision)
+    check_tp_inputs(inputs, profile)
+    # one rank's shard under --tp: its tensors' shapes and its config (heads, KV heads, widths) as vLLM splits them
+    whole = load_checkpoint(inputs.model, inputs.revision) if whole is None else whole
+    checkpoint = shard_checkpoint(whole, inputs.tp)
     layout = build_layout(checkpoint, inputs.stack)
     warnings = _layout_warnings(layout)
     params = tuple(inputs.params)
@@ -439,7 +451,7 @@ def _routed_ruled_out(inputs: Inputs, layout: ModelLayout, geometry) -> str | No
 
 
 def _compute_times(inputs: Inputs, checkpoint, layout, workload, profile, kv: KvCacheModel | None,
-                   measure: MeasureFunction | None, graphed: bool) -> ComputeTimes:
+                   measure: MeasureFunction | None, graphed: bool, shapes: dict | None = None) -> ComputeTimes:
     """Measured by the caller's ``measure`` with --measure, else the roofline estimate (pure)."""
     if inputs.measure:
         if measure is None:
@@ -449,7 +461,7 @@ def _compute_times(inputs: Inputs, checkpoint, layout, workload, profile, kv: Kv
         return _as_recorded(measured, len(layout.layers))
     if inputs.measured_on is not None:
         raise UsageError("--measured-on only applies with --measure")
-    shapes = {t.name: t.shape for t in checkpoint.tensors}
+    shapes = {t.name: t.shape for t in checkpoint.tensors} if shapes is None else shapes
     kv_bytes_of = None if kv is None else functools.partial(kv_step_bytes, kv, kv_dtype=inputs.kv_dtype)
     return estimate_compute(layout, geometry_from_config(checkpoint.config, layout), workload, profile, shapes,
                             kv_bytes_of)

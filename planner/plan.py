@@ -105,6 +105,9 @@ class Inputs:
         "--prefetch-accuracy", "MoE, routed experts: the share of a step's routed experts that next-layer "
                                "prediction prefetches, from 0 to 1 (default: the H100 measurement the planner "
                                "keeps)."))
+    tp: int = field(default=1, metadata=option(
+        "--tp", "Tensor-parallel GPUs: plan one rank of N as vLLM shards the model, all-reduces at the profile's "
+                "GPU link; 2,4 compares GPU counts (one plan per N, -o PATH written as PATH.tpN.yaml)."))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -160,11 +163,11 @@ class HardwareSection:
         for key in ("gpu_memory_bytes", "hbm_bytes_per_s", "bf16_flops_per_s", "h2d_bytes_per_s"):
             if not getattr(self, key) > 0:
                 raise ValueError(f"hardware.{key} must be positive")
-        for key, lowest in FIGURE_MIN.items():
-            if getattr(self, key) is not None and 0 < getattr(self, key) < lowest:
+        for key, lowest in FIGURE_MIN.items():  # the GPU link is a profile figure a plan does not record
+            if getattr(self, key, None) is not None and 0 < getattr(self, key) < lowest:
                 raise ValueError(f"hardware.{key} {getattr(self, key):g} is below any GPU (at least {lowest:g})")
         for key, highest in FIGURE_MAX.items():
-            if getattr(self, key) is not None and getattr(self, key) > highest:
+            if getattr(self, key, None) is not None and getattr(self, key) > highest:
                 raise ValueError(f"hardware.{key} {getattr(self, key):g} is beyond any GPU (at most {highest:g})")
         for key in ("fp8_flops_per_s", "host_memory_bytes"):
             if getattr(self, key) is not None and not getattr(self, key) > 0:
@@ -540,7 +543,8 @@ class Plan:
 
 
 #: Inputs keys a plan holds only when they are given (their defaults otherwise)
-OPTIONAL_INPUTS = {"adapters": (), "adapter_slots": None, "routing_trace": None, "prefetch_accuracy": None}
+OPTIONAL_INPUTS = {"adapters": (), "adapter_slots": None, "routing_trace": None, "prefetch_accuracy": None,
+                   "tp": 1}
 #: experts keys written only where the plan routes layers (whole-layer MoE plans keep their bytes)
 OPTIONAL_EXPERTS = {"prefetch": None, "prefetch_accuracy": None}
 #: top-level sections a plan holds only when they apply
@@ -805,6 +809,8 @@ def _input_rules(plan: Plan) -> str | None:
         return f"inputs.max_tpot_ms {inputs.max_tpot_ms:g} is not in (0, {MAX_TPOT_MS:g}]"
     if (inputs.concurrency is None) != (plan.serving is None):
         return "inputs.concurrency and the serving section come together"
+    if not 1 <= inputs.tp <= 1024:
+        return f"inputs.tp {inputs.tp} is not a number of GPUs from 1 to 1024"
     return None
 
 

@@ -30,16 +30,17 @@ def profiles_dir() -> Path:
 #: 1e9) or a corrupt file, and the arithmetic on it would overflow or mislead
 FIGURE_MAX = {"gpu_memory_bytes": 2**50, "hbm_bytes_per_s": 1e16, "bf16_flops_per_s": 1e19,
               "fp8_flops_per_s": 1e19, "h2d_bytes_per_s": 1e14, "copy_overhead_us": 1e6, "reserve_bytes": 2**50,
-              "host_memory_bytes": 2**60}
+              "host_memory_bytes": 2**60, "gpu_link_bytes_per_s": 1e14}
 #: plausible lower bounds of the rates and shares, far below any chip: a rate of 1e-300 is a typo, and the
 #: planner's times (bytes / rate) would overflow to infinity
-FIGURE_MIN = {"hbm_bytes_per_s": 1e6, "bf16_flops_per_s": 1e6, "fp8_flops_per_s": 1e6, "h2d_bytes_per_s": 1e6,
+FIGURE_MIN = {"gpu_link_bytes_per_s": 1e6,
+              "hbm_bytes_per_s": 1e6, "bf16_flops_per_s": 1e6, "fp8_flops_per_s": 1e6, "h2d_bytes_per_s": 1e6,
               "compute_efficiency": 1e-3}
 #: figures that must be above zero (trigger and compute_efficiency are shares, checked as such): the planner
 #: divides by the rates, and zero memory holds nothing. A zero
 #: rate is refused, not read as "unknown": fp8_flops_per_s is null (or left out) on chips without fp8
 POSITIVE_FIGURES = ("gpu_memory_bytes", "hbm_bytes_per_s", "bf16_flops_per_s", "fp8_flops_per_s",
-                    "h2d_bytes_per_s", "host_memory_bytes")
+                    "h2d_bytes_per_s", "host_memory_bytes", "gpu_link_bytes_per_s")
 MAX_PROFILE_BYTES = 2**20
 
 
@@ -96,6 +97,9 @@ class HardwareProfile:
     #: GPU memory a process holds beyond its tensors (CUDA context, library workspaces, allocator rounding);
     #: None: planner.serving.CUDA_CONTEXT_BYTES
     cuda_context_bytes: Figure | None = None
+    #: GPU-to-GPU bandwidth per direction of each GPU (NVLink) that tensor-parallel all-reduces cross; None where
+    #: the GPUs have no such link (make --tp refuses the profile then)
+    gpu_link_bytes_per_s: Figure | None = None
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name or not self.name.isprintable():
@@ -129,16 +133,16 @@ class HardwareProfile:
         return int(self.gpu_memory_bytes.value - self.reserve_bytes.value)
 
     def figures(self) -> dict[str, float | None]:
-        """Field name -> value, for plans and tables."""
+        """Field name -> value, for plans and tables (the GPU link is recorded by tensor-parallel plans alone)."""
         return {
             f.name: (None if getattr(self, f.name) is None else getattr(self, f.name).value)
             for f in fields(self)
-            if f.name not in ("name", "description")
+            if f.name not in ("name", "description", "gpu_link_bytes_per_s")
         }
 
 
 _FIGURE_FIELDS = tuple(f.name for f in fields(HardwareProfile) if f.name not in ("name", "description"))
-_OPTIONAL_FIELDS = ("fp8_flops_per_s", "host_memory_bytes", "cuda_context_bytes")
+_OPTIONAL_FIELDS = ("fp8_flops_per_s", "host_memory_bytes", "cuda_context_bytes", "gpu_link_bytes_per_s")
 
 
 def profile_from_dict(data: object, origin: str) -> HardwareProfile:
@@ -149,7 +153,8 @@ def profile_from_dict(data: object, origin: str) -> HardwareProfile:
     unknown = sorted(set(data) - known, key=str)  # YAML keys may be numbers too
     if unknown:
         raise ProfileError(f"{origin}: unknown field(s) {shown(unknown, 60)}; the fields are those of "
-                           "profiles/h100-sxm.yaml (fp8_flops_per_s, host_memory_bytes, cuda_context_bytes optional)")
+                           "profiles/h100-sxm.yaml (fp8_flops_per_s, host_memory_bytes, cuda_context_bytes, "
+                           "gpu_link_bytes_per_s optional)")
     missing = sorted(k for k in known - set(data) if k not in _OPTIONAL_FIELDS)
     if missing:
         raise ProfileError(f"{origin}: missing field(s) {missing}; see profiles/h100-sxm.yaml for the format")

@@ -9,6 +9,7 @@ from planner.plan import ExpertsPlan, Plan
 from planner.schedule import PrefetchSchedule
 from planner.simulate import STEPS_PER_GRAPH, Simulation, join_every_steps_for, simulate
 from planner.serving import OFFLOAD_MARGIN_SHARE
+from planner.tensor_parallel import tp_row
 from planner.units import format_bytes, format_ms, format_rate
 
 TIMELINE_COLUMNS = 96
@@ -349,6 +350,14 @@ def _link_source(plan: Plan) -> str:
     return f" ({figure.source}: see Hardware figures below)"
 
 
+def tp_summary(plan: Plan) -> str:
+    """A --tp plan: what its figures count, and its tokens/s per GPU."""
+    row = tp_row(plan)
+    return (f"one rank of {plan.inputs.tp} GPUs as vLLM shards the model: bytes, KV cache and pinned host memory "
+            f"are the rank's; {row.tokens_per_s:,.1f} tokens/s for the {plan.inputs.tp} GPUs, "
+            f"{row.tokens_per_s_per_gpu:,.1f} per GPU")
+
+
 def _summary(plan: Plan) -> Table:
     model, offload, prediction = plan.model, plan.offload, plan.prediction
     table = Table(title="Plan", show_header=False, title_justify="left")
@@ -360,6 +369,8 @@ def _summary(plan: Plan) -> Table:
                             f"{format_bytes(model.unused_bytes)} unused")
     table.add_row("hardware", f"{plan.hardware.profile}: {format_bytes(plan.hardware.gpu_memory_bytes)}, "
                               f"link {plan.hardware.h2d_bytes_per_s / 1e9:.1f} GB/s{_link_source(plan)}")
+    if plan.inputs.tp > 1:
+        table.add_row("tensor parallel", tp_summary(plan))
     table.add_row("workload", f"{plan.workload.tokens_per_step} tokens/step in {plan.workload.sequences_per_step} "
                               f"sequence(s), context {plan.workload.context_tokens}; {plan.workload.compute_source}"
                               + (f"; CUDA-graph replays of {_replay_steps()} ({_replay_boundary(plan)})"

@@ -6,6 +6,7 @@ disk holds a few MB, the files have their full sizes). Names and dtypes follow e
 format, which transformers' in-memory names do not (transformers 5 fuses MoE experts into 3-D params):
 
 - dense llama-style (Llama 3.1, Qwen3): ``model.layers.N.self_attn.{q,k,v,o}_proj.weight``, ``mlp.{gate,up,down}_proj``;
+- Qwen3-MoE: Qwen3's attention and per-expert ``mlp.experts.E.{gate,up,down}_proj`` beside a router ``mlp.gate``;
 - Mixtral: per-expert ``block_sparse_moe.experts.E.w1/w2/w3.weight``;
 - DeepSeek-V3 and Kimi-K2: FP8 (F8_E4M3) weights with an F32 ``weight_scale_inv`` per 128x128 block, MLA
   attention, per-expert ``mlp.experts.E.{gate,up,down}_proj``, and DeepSeek-V3's multi-token-prediction layer
@@ -77,7 +78,7 @@ def _attention(config: dict, dtype: str = BF16) -> list:
              + _linear("self_attn.k_proj", kv, t["hidden"], dtype, bias)
              + _linear("self_attn.v_proj", kv, t["hidden"], dtype, bias)
              + _linear("self_attn.o_proj", t["hidden"], q, dtype, bias))
-    if config["model_type"] == "qwen3":
+    if config["model_type"] in ("qwen3", "qwen3_moe"):
         specs += [("self_attn.q_norm.weight", dtype, [t["head_dim"]]),
                   ("self_attn.k_norm.weight", dtype, [t["head_dim"]])]
     return specs
@@ -103,6 +104,15 @@ def mixtral_layer(config: dict, index: int) -> list:
     for e in range(experts):
         specs += _gated_mlp(f"block_sparse_moe.experts.{e}", config["intermediate_size"], hidden,
                             names=("w1", "w3", "w2"))
+    return specs
+
+
+def qwen3_moe_layer(config: dict, index: int) -> list:
+    """Qwen3-MoE: Qwen3 attention, a router and per-expert gate/up/down projections in every layer."""
+    hidden, experts = config["hidden_size"], config["num_experts"]
+    specs = _norms(hidden) + _attention(config) + _linear("mlp.gate", experts, hidden)
+    for e in range(experts):
+        specs += _gated_mlp(f"mlp.experts.{e}", config["moe_intermediate_size"], hidden)
     return specs
 
 
@@ -165,6 +175,7 @@ def gpt_oss_layer(config: dict, index: int) -> list:
 FORMATS = {
     "llama": dense_layer,
     "qwen3": dense_layer,
+    "qwen3_moe": qwen3_moe_layer,
     "mixtral": mixtral_layer,
     "deepseek_v3": deepseek_layer,
     "kimi_k2": deepseek_layer,

@@ -4,6 +4,7 @@ Its options are not written here: each comes from a field of planner.plan.Inputs
 field's metadata), the one declaration that also gives the plan's inputs section and its regenerate command.
 """
 
+import gc
 import inspect
 import sys
 import typing
@@ -15,7 +16,9 @@ import typer
 
 from offload_plan import runtime_seam
 from offload_plan.console import say, warn
+from planner.errors import InfeasibleError, UsageError
 from planner.plan import Inputs, render_plan, write_atomic
+from planner.tensor_parallel import parse_tp_sizes
 
 
 def make(**values):
@@ -26,8 +29,14 @@ def make(**values):
     from planner.make import make_plan, regenerate_command
 
     output = values.pop("output")
+    tp = values.pop("tp")
+    sizes = list(tp) if isinstance(tp, tuple) else [tp]
     repeated = {spec.name for spec in fields(Inputs) if typing.get_origin(spec.type) is tuple}
-    inputs = Inputs(**{name: tuple(value or ()) if name in repeated else value for name, value in values.items()})
+    inputs = Inputs(tp=sizes[0], **{name: tuple(value or ()) if name in repeated else value
+                                    for name, value in values.items()})
+    if len(sizes) > 1:
+        _make_tp_comparison(inputs, sizes, output)
+        return
     planned = make_plan(inputs, measure=runtime_seam.measured_compute if inputs.measure else None,
                         measure_activations=runtime_seam.measured_activation_bytes if inputs.measure else None)
     for warning in planned.warnings:
@@ -40,8 +49,58 @@ def make(**values):
     _print_outcome(planned.plan, output)
 
 
-def _cli_type(annotation) -> object:
-    """The command-line type of an Inputs field: a tuple of strings is a repeatable option."""
+def _make_tp_comparison(inputs: Inputs, sizes: list[int], output: Path | None) -> None:
+    """make --tp 2,4: one plan per GPU count (PATH.tpN.yaml), then the comparison and its verdict on stderr."""
+    from dataclasses import replace
+
+    from planner.make import make_plan, regenerate_command
+    from planner.tensor_parallel import compare_tp, plan_path_for
+
+    if output is None:
+        raise UsageError(f"--tp {','.join(map(str, sizes))} writes one plan per GPU count: give -o PATH (each is "
+                         "written as PATH.tpN.yaml)")
+    from planner.checkpoint import load_checkpoint
+
+    whole = load_checkpoint(inputs.model, inputs.revision)  # read once, sharded for each GPU count
+    # its header entries (92k for DeepSeek-V3) live to the end of the command: keep the collector from rescanning
+    # them at every generation-2 collection while each GPU count's shard and search allocate
+    gc.freeze()
+    plans = []
+    for size in sizes:
+        sized = replace(inputs, tp=size)
+        try:
+            planned = make_plan(sized, checkpoint=whole)
+        except InfeasibleError as error:  # this GPU count does not fit; the others are still compared
+            warn(f"tp {size}: no plan fits: {error}")
+            continue
+        for warning in planned.warnings:
+            warn(f"tp {size}: {warning}")
+        path = plan_path_for(output, size)
+        write_atomic(path, render_plan(planned.plan, regenerate_command(sized, str(path))))
+        plans.append((path, planned.plan))
+    if not plans:
+        raise InfeasibleError(f"no GPU count of --tp {','.join(map(str, sizes))} fits; try more GPUs")
+    comparison = compare_tp([plan for _, plan in plans])
+    for (path, _), line in zip(plans, comparison.lines):
+        say(f"wrote {path}: {line}")
+    say(comparison.verdict)
+
+
+def tp_value(text: str) -> int | tuple[int, ...]:
+    """--tp N (an int, as Inputs holds it) or N,M,... (the GPU counts to compare)."""
+    sizes = parse_tp_sizes(text)
+    return sizes[0] if len(sizes) == 1 else tuple(sizes)
+
+
+class _TpSizes:
+    """--tp's command-line type: one GPU count or several (typer calls tp_value to read it)."""
+
+
+def _cli_type(annotation, name: str = "") -> object:
+    """The command-line type of an Inputs field: a tuple of strings is a repeatable option; --tp takes a list
+    of sizes to compare (2,4)."""
+    if name == "tp":
+        return _TpSizes
     if typing.get_origin(annotation) is tuple:
         return Optional[list[str]]
     return annotation
@@ -51,7 +110,8 @@ def _parameter(spec) -> inspect.Parameter:
     option = spec.metadata
     names = [option["flag"], *([option["short"]] if option["short"] else [])]
     default = None if spec.default == () else (... if spec.default is MISSING else spec.default)
-    annotation = Annotated[_cli_type(spec.type), typer.Option(*names, help=option["help"])]
+    extra = {"parser": tp_value, "metavar": "N[,N...]"} if spec.name == "tp" else {}
+    annotation = Annotated[_cli_type(spec.type, spec.name), typer.Option(*names, help=option["help"], **extra)]
     return inspect.Parameter(spec.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
 
 

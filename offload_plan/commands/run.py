@@ -45,6 +45,10 @@ def run(
     if bench == (prompt is not None):
         raise UsageError("give exactly one of --bench or --prompt TEXT")
     loaded_plan = read_plan(plan)
+    if loaded_plan.inputs.tp > 1:
+        raise UsageError(f"{plan} is one rank of TP={loaded_plan.inputs.tp} (make --tp); run serves a one-GPU plan: "
+                         "serve it with the flags of offload-plan export, or measure it with torchrun "
+                         "scripts/bench_tp.py")
     cuda_graph = graphed_steps(cuda_graph, loaded_plan)
     if bench and cuda_graph != loaded_plan.workload.cuda_graph:
         made, running = ("graph replays", "eager steps")
