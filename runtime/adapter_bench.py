@@ -2,14 +2,14 @@
 and pipelined from the plan's GPU slots, measured against planner.adapter_stream's prediction of the same
 schedule."""
 
-import random
 import statistics
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
-from planner.adapter_stream import MODES, StreamSchedule, StreamTimes, schedule_stream, simulate
+from planner.adapter_stream import (MODES, StreamSchedule, StreamTimes, pure_compute_ms, schedule_stream, simulate,
+                                    stream_batches, weights_on_link)
 from runtime.adapters import AdapterPool, LoraHooks, ServedStream, load_pool, serve_stream
 from runtime.bench import random_ids
 from runtime.load import Loaded
@@ -65,18 +65,6 @@ class AdapterBench:
         return asdict(self)
 
 
-def stream_batches(names: list[str], requests_per_batch: int, num_batches: int, seed: int = 0) -> list[list[str]]:
-    """Batches of requests over distinct adapters (as many as a batch has requests, fewer if fewer exist),
-    drawn at random from ``names``."""
-    rng = random.Random(seed)
-    per_batch = min(requests_per_batch, len(names))
-    batches = []
-    for _ in range(num_batches):
-        chosen = rng.sample(names, per_batch)
-        batches.append([chosen[k % per_batch] for k in range(requests_per_batch)])
-    return batches
-
-
 def measure_copy_ms(pool: AdapterPool, adapter: str, num_copies: int = 5) -> float:
     """Median time of copying ``adapter`` into slot 0 on the copy stream, alone on the link."""
     backend = pool.backend
@@ -88,18 +76,6 @@ def measure_copy_ms(pool: AdapterPool, adapter: str, num_copies: int = 5) -> flo
         backend.synchronize()
         times.append(backend.elapsed_ms(start, done))
     return statistics.median(times)
-
-
-def weights_link_ms(loaded: Loaded, num_forwards: int) -> tuple[list[float] | None, float]:
-    """Each forward's offloaded-weight copies on the link at the plan's rate (None when nothing is offloaded),
-    and the part of them wrapped to the forward before (the first layers, copied as it ends)."""
-    engine = loaded.engine
-    if not engine.copy_bytes_per_step:
-        return None, 0.0
-    ms_per_byte = 1e3 / loaded.plan.hardware.h2d_bytes_per_s
-    wrapped = [*engine.joined_positions, *engine.deferred_positions]
-    return ([engine.copy_bytes_per_step * ms_per_byte] * num_forwards,
-            sum(engine.layer_bytes[p] for p in wrapped) * ms_per_byte)
 
 
 def run_mode(loaded: Loaded, pool: AdapterPool, hooks: LoraHooks, schedule: StreamSchedule, prompts: torch.Tensor,
@@ -116,9 +92,9 @@ def run_mode(loaded: Loaded, pool: AdapterPool, hooks: LoraHooks, schedule: Stre
             served.append(serve_stream(loaded.model, pool, hooks, schedule, prompts))
     compute_ms = [statistics.median(t.forward_end_ms[k] - t.forward_start_ms[k] for t in alone)
                   for k in range(len(schedule.forwards))]
-    weights_ms, wrapped_ms = weights_link_ms(loaded, len(schedule.forwards))
-    predicted = simulate(schedule, copy_ms=copy_ms, compute_ms=compute_ms, weights_link_ms=weights_ms,
-                         wrapped_link_ms=wrapped_ms)
+    # the forwards alone still copy the offloaded weights: their pure compute is what the link model needs
+    weights = weights_on_link(loaded.plan)
+    predicted = simulate(schedule, copy_ms=copy_ms, compute_ms=pure_compute_ms(compute_ms, weights), weights=weights)
     totals = [run.times.total_ms for run in served]
     middle = served[totals.index(statistics.median_low(totals))]
     link_ms = sum(pool.layouts[load.adapter].num_bytes for load in schedule.loads) * link_ms_per_byte
