@@ -258,15 +258,20 @@ class WeightsOnLink:
 
 
 def weights_on_link(plan) -> WeightsOnLink | None:
-    """The plan's offloaded weights as the engine copies them (None when nothing is offloaded): its layers'
-    copy times at the plan's link, and its layers' compute shares (head work first)."""
-    if not plan.offload.layers:
+    """The plan's offloaded weights as the engine copies them (None when nothing is offloaded)."""
+    return weights_of_layers(plan.layers, tuple(plan.offload.layers), plan.offload.prefetch_step,
+                             plan.prediction.head_ms)
+
+
+def weights_of_layers(layers, offloaded: tuple[int, ...], prefetch_step: int, head_ms: float) -> WeightsOnLink | None:
+    """Plan layer rows' copy times (at the plan's link) and compute shares (head work first); None when nothing
+    is offloaded."""
+    if not offloaded:
         return None
-    step_ms = plan.prediction.head_ms + sum(row.compute_ms for row in plan.layers)
-    shares = tuple(row.compute_ms / step_ms for row in plan.layers) if step_ms > 0 else ()
-    return WeightsOnLink(num_layers=len(plan.layers), offloaded=tuple(plan.offload.layers),
-                         prefetch_step=plan.offload.prefetch_step,
-                         copy_ms=tuple(plan.layers[i].copy_ms for i in plan.offload.layers), layer_shares=shares)
+    step_ms = head_ms + sum(row.compute_ms for row in layers)
+    shares = tuple(row.compute_ms / step_ms for row in layers) if step_ms > 0 else ()
+    return WeightsOnLink(num_layers=len(layers), offloaded=offloaded, prefetch_step=prefetch_step,
+                         copy_ms=tuple(layers[i].copy_ms for i in offloaded), layer_shares=shares)
 
 
 class _Link:
@@ -384,3 +389,50 @@ def times_from_events(schedule: StreamSchedule, starts: list[float], ends: list[
     for batch, index in schedule.last_forward_of_batch().items():
         arrival[batch + 1] = ends[index]
     return _times(schedule, starts, ends, arrival)
+
+
+# ---- the plan's choice --------------------------------------------------------------------------------------
+
+#: batches in the stream a plan's loading mode is chosen for, and run --bench serves (each arrives when the one
+#: before it has finished)
+STREAM_NUM_BATCHES = 4
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModeChoice:
+    """The loading mode whose predicted total is lower for a stream, and by how much."""
+
+    mode: str
+    #: the stream: batches of this many requests (twice the slots: each batch needs more adapters than fit)
+    requests_per_batch: int
+    num_batches: int
+    blocking_total_ms: float
+    pipelined_total_ms: float
+    #: the other mode's predicted total over the chosen one's, less 1
+    margin: float
+
+
+def stream_requests_per_batch(num_slots: int) -> int:
+    """Requests per batch of the stream a plan is judged on: twice its slots, so every batch reloads."""
+    return 2 * num_slots
+
+
+def choose_mode(*, copy_ms: dict[str, float], num_slots: int, request_ms: float,
+                weights: WeightsOnLink | None) -> ModeChoice:
+    """Blocking or pipelined, whichever ``simulate`` predicts faster over the stream run --bench serves (batches
+    of ``stream_requests_per_batch`` requests over distinct adapters of ``copy_ms``), a forward of r requests
+    computing r x ``request_ms``. Pipelined splits each wave into a lead and the rest: with offloaded weights
+    each forward copies them again, so it wins only where that pass is hidden under compute. A tie is
+    pipelined (its first request starts sooner)."""
+    per_batch = stream_requests_per_batch(num_slots)
+    batches = stream_batches(sorted(copy_ms), per_batch, STREAM_NUM_BATCHES)
+    totals = {}
+    for mode in MODES:
+        schedule = schedule_stream(batches, num_slots, mode)
+        compute = [len(forward.requests) * request_ms for forward in schedule.forwards]
+        totals[mode] = simulate(schedule, copy_ms=copy_ms, compute_ms=compute, weights=weights).total_ms
+    chosen = BLOCKING if totals[BLOCKING] < totals[PIPELINED] else PIPELINED
+    other = PIPELINED if chosen == BLOCKING else BLOCKING
+    margin = totals[other] / totals[chosen] - 1.0 if totals[chosen] > 0 else 0.0
+    return ModeChoice(mode=chosen, requests_per_batch=per_batch, num_batches=STREAM_NUM_BATCHES,
+                      blocking_total_ms=totals[BLOCKING], pipelined_total_ms=totals[PIPELINED], margin=margin)

@@ -8,14 +8,12 @@ from pathlib import Path
 
 import torch
 
-from planner.adapter_stream import (MODES, StreamSchedule, StreamTimes, pure_compute_ms, schedule_stream, simulate,
-                                    stream_batches, weights_on_link)
+from planner.adapter_stream import (STREAM_NUM_BATCHES, StreamSchedule, StreamTimes, pure_compute_ms, schedule_stream,
+                                    simulate, stream_batches, stream_requests_per_batch, weights_on_link)
 from runtime.adapters import AdapterPool, LoraHooks, ServedStream, load_pool, serve_stream
 from runtime.bench import random_ids
 from runtime.load import Loaded
 
-#: batches in the benchmark's stream (each arrives when the last has finished)
-NUM_BATCHES = 4
 #: timed rounds per mode (each: the forwards alone, then the stream with its copies)
 NUM_ROUNDS = 3
 
@@ -58,6 +56,10 @@ class AdapterBench:
     #: one adapter's copy, pinned to a slot, measured (median of a few)
     measured_copy_ms: float
     planned_copy_ms: float
+    #: the plan's loading mode (adapters.mode), and by how much its prediction beat the other's
+    plan_mode: str
+    plan_mode_margin: float
+    #: the modes served: the plan's unless forced (run --adapter-mode) or both (the benchmark script)
     modes: tuple[ModeResult, ...]
 
     def as_dict(self) -> dict:
@@ -126,13 +128,16 @@ class StreamOutputs:
 
 
 def run_adapter_bench(loaded: Loaded, plan_path: Path | None = None, *, requests_per_batch: int | None = None,
-                      num_batches: int = NUM_BATCHES, pool_and_hooks=None) -> tuple[AdapterBench, StreamOutputs]:
-    """Serve the same stream blocking and pipelined. Batches have twice as many requests as slots (each a
-    different adapter, where there are enough), so every batch needs more adapters than fit at once."""
+                      num_batches: int = STREAM_NUM_BATCHES, pool_and_hooks=None,
+                      modes: tuple[str, ...] | None = None) -> tuple[AdapterBench, StreamOutputs]:
+    """Serve the stream the plan chose its loading mode on, in ``modes`` (default: the plan's adapters.mode).
+    Batches have twice as many requests as slots (each a different adapter, where there are enough), so every
+    batch needs more adapters than fit at once."""
     plan = loaded.plan
+    modes = modes or (plan.adapters.mode,)
     pool, hooks = pool_and_hooks or load_pool(loaded.model, plan, loaded.engine.backend, plan_path)
     names = sorted(pool.layouts)
-    per_batch = requests_per_batch or 2 * plan.adapters.num_slots
+    per_batch = requests_per_batch or stream_requests_per_batch(plan.adapters.num_slots)
     batches = stream_batches(names, per_batch, num_batches)
     prompt_tokens = plan.workload.tokens_per_step // plan.workload.sequences_per_step
     num_requests = sum(len(batch) for batch in batches)
@@ -141,14 +146,15 @@ def run_adapter_bench(loaded: Loaded, plan_path: Path | None = None, *, requests
     measured_copy = measure_copy_ms(pool, names[0])
     link_ms_per_byte = measured_copy / pool.layouts[names[0]].num_bytes
     results, outputs = [], StreamOutputs(prompts=prompts, served={})
-    for mode in MODES:
+    for mode in modes:
         schedule = schedule_stream(batches, plan.adapters.num_slots, mode)
         result, served = run_mode(loaded, pool, hooks, schedule, prompts, copy_ms, link_ms_per_byte)
         results.append(result)
         outputs.served[mode] = (schedule, served)
     bench = AdapterBench(num_adapters=len(names), num_slots=plan.adapters.num_slots, requests_per_batch=per_batch,
                          num_batches=num_batches, prompt_tokens=prompt_tokens, slot_bytes=plan.adapters.slot_bytes,
-                         measured_copy_ms=measured_copy, planned_copy_ms=plan.adapters.copy_ms, modes=tuple(results))
+                         measured_copy_ms=measured_copy, planned_copy_ms=plan.adapters.copy_ms,
+                         plan_mode=plan.adapters.mode, plan_mode_margin=plan.adapters.mode_margin, modes=tuple(results))
     if pool_and_hooks is None:
         hooks.remove()
         pool.close()

@@ -97,6 +97,7 @@ def run_plan(label: str, plan_path: Path, checkpoint: Path, reference, device: s
     """Load the plan's model as `run` does, serve the stream both ways, check against PEFT."""
     import torch
 
+    from planner.adapter_stream import MODES
     from planner.plan import read_plan
     from runtime.adapter_bench import run_adapter_bench
     from runtime.adapters import load_pool
@@ -113,7 +114,7 @@ def run_plan(label: str, plan_path: Path, checkpoint: Path, reference, device: s
         loaded = Loaded(model=model, engine=engine, plan=plan, weights_gpu_bytes=0)
     pool, hooks = load_pool(loaded.model, plan, loaded.engine.backend, plan_path)
     bench, outputs = run_adapter_bench(loaded, plan_path, requests_per_batch=REQUESTS_PER_BATCH,
-                                       pool_and_hooks=(pool, hooks))
+                                       pool_and_hooks=(pool, hooks), modes=MODES)
     checks = compare_with_peft(reference, outputs)
     forward_ms = forward_costs(loaded.model, pool, hooks, outputs.prompts) if device == "cuda" else {}
     hooks.remove()

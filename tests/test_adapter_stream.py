@@ -175,3 +175,18 @@ def test_h100_first_start_and_idle_with_weights_on_the_link():
         for key, value in predicted.items():
             tolerance = 0.02 if key in ("total_ms", "ttft_mean_ms") else 0.15
             assert abs(value - measured[key]) <= max(tolerance * measured[key], 1.0), (measured["mode"], key, value)
+
+
+def test_the_plan_chooses_the_mode_its_prediction_says_is_faster():
+    """Resident, pipelined hides a wave's later copies under its lead; with forwards bound by the offloaded
+    weights' copies, splitting a wave into two forwards costs one more pass of them, so blocking wins."""
+    from planner.adapter_stream import choose_mode
+
+    copy_ms = {f"a{k}": 5.0 for k in range(8)}
+    resident = choose_mode(copy_ms=copy_ms, num_slots=2, request_ms=20.0, weights=None)
+    assert resident.mode == PIPELINED and resident.requests_per_batch == 4
+    assert resident.pipelined_total_ms < resident.blocking_total_ms
+    assert resident.margin == pytest.approx(resident.blocking_total_ms / resident.pipelined_total_ms - 1)
+    link_bound = WeightsOnLink(num_layers=4, offloaded=(0, 1, 2, 3), prefetch_step=2, copy_ms=(30.0,) * 4)
+    offloaded = choose_mode(copy_ms=copy_ms, num_slots=2, request_ms=20.0, weights=link_bound)
+    assert offloaded.mode == BLOCKING and offloaded.blocking_total_ms < offloaded.pipelined_total_ms
