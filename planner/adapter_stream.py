@@ -208,7 +208,6 @@ def stream_batches(names: list[str], requests_per_batch: int, num_batches: int, 
     return batches
 
 
-
 # ---- prediction ---------------------------------------------------------------------------------------------
 
 

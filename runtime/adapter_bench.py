@@ -129,7 +129,8 @@ class StreamOutputs:
 
 def run_adapter_bench(loaded: Loaded, plan_path: Path | None = None, *, requests_per_batch: int | None = None,
                       num_batches: int = STREAM_NUM_BATCHES, pool_and_hooks=None,
-                      modes: tuple[str, ...] | None = None) -> tuple[AdapterBench, StreamOutputs]:
+                      modes: tuple[str, ...] | None = None,
+                      num_rounds: int = NUM_ROUNDS) -> tuple[AdapterBench, StreamOutputs]:
     """Serve the stream the plan chose its loading mode on, in ``modes`` (default: the plan's adapters.mode).
     Batches have twice as many requests as slots (each a different adapter, where there are enough), so every
     batch needs more adapters than fit at once."""
@@ -148,7 +149,7 @@ def run_adapter_bench(loaded: Loaded, plan_path: Path | None = None, *, requests
     results, outputs = [], StreamOutputs(prompts=prompts, served={})
     for mode in modes:
         schedule = schedule_stream(batches, plan.adapters.num_slots, mode)
-        result, served = run_mode(loaded, pool, hooks, schedule, prompts, copy_ms, link_ms_per_byte)
+        result, served = run_mode(loaded, pool, hooks, schedule, prompts, copy_ms, link_ms_per_byte, num_rounds)
         results.append(result)
         outputs.served[mode] = (schedule, served)
     bench = AdapterBench(num_adapters=len(names), num_slots=plan.adapters.num_slots, requests_per_batch=per_batch,

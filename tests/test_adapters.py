@@ -373,6 +373,7 @@ def test_run_prompt_says_it_runs_the_base_model_alone(base, test_gpu):
     (["--bench", "--adapter", "a"], ("--adapter goes with --prompt",)),
     (["--prompt", "hi", "--adapter-mode", "blocking"], ("--adapter-mode goes with --bench",)),
     (["--bench", "--adapter-mode", "fast"], ("blocking or pipelined",)),
+    (["--prompt", "hi", "--adapter", "a", "--compile"], ("--adapter with --compile",)),
 ])
 def test_run_adapter_flags_are_checked_before_loading(base, test_gpu, args, contains):
     """A bad --adapter or --adapter-mode is one line before anything loads (no GPU needed to see it)."""

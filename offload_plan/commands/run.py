@@ -64,6 +64,9 @@ def run(
         warn(f"the plan predicts {made} and this runs {running}; for a like-for-like prediction make the plan "
              f"{'with' if cuda_graph else 'without'} --cuda-graph")
     check_adapter_flags(loaded_plan, bench, adapter, adapter_mode)
+    if adapter is not None and compile_steps:
+        # the LoRA hooks read Python state at each call, which a compiled step would bake in
+        raise UsageError("--adapter with --compile is not built; drop --compile (eager or --cuda-graph steps)")
     if loaded_plan.adapters is not None and prompt is not None and adapter is None:
         warn(f"--prompt runs the base model without the plan's {len(loaded_plan.adapters.items)} LoRA adapter(s); "
              "give --adapter NAME to generate with one")
