@@ -81,7 +81,8 @@ def run(
     loaded = _load_with_progress(loaded_plan, model)
     if prompt is not None:
         text, tokens_per_s = runtime_seam.generate(loaded, prompt, runtime_seam.model_path_for(loaded_plan, model),
-                                                   max_new_tokens, cuda_graph, compile_backend, adapter, plan)
+                                                   max_new_tokens, cuda_graph, compile_backend,
+                                                   adapter=adapter, plan_path=plan)
         sys.stdout.write(text + "\n")
         from planner.units import format_rate
 
