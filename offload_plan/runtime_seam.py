@@ -71,11 +71,12 @@ def model_path_for(plan, model: str | None) -> str:
     return path_for(plan, model)
 
 
-def generate(loaded, prompt: str, model_path: str, max_new_tokens: int, cuda_graph: bool, compile_backend):
-    """(generated text, tokens per second) with the plan applied."""
+def generate(loaded, prompt: str, model_path: str, max_new_tokens: int, cuda_graph: bool, compile_backend,
+             adapter: str | None = None, plan_path=None):
+    """(generated text, tokens per second) with the plan applied, and ``adapter`` (one of the plan's) if given."""
     from runtime.bench import generate as run_generate
 
-    return run_generate(loaded, prompt, model_path, max_new_tokens, cuda_graph, compile_backend)
+    return run_generate(loaded, prompt, model_path, max_new_tokens, cuda_graph, compile_backend, adapter, plan_path)
 
 
 def run_bench(loaded, *, cuda_graph: bool, compile_backend: str | None):
@@ -101,11 +102,11 @@ def run_serving_bench(loaded, cuda_graph: bool, compile_backend: str | None, mem
     return bench(loaded, cuda_graph=cuda_graph, compile_backend=compile_backend, memory_fraction=memory_fraction)
 
 
-def run_adapter_bench(loaded, plan_path):
-    """``run --bench`` of a plan with adapters (runtime.adapter_bench.AdapterBench)."""
+def run_adapter_bench(loaded, plan_path, mode: str):
+    """``run --bench`` of a plan with adapters, served in ``mode`` (runtime.adapter_bench.AdapterBench)."""
     from runtime.adapter_bench import run_adapter_bench as bench
 
-    result, _ = bench(loaded, plan_path)
+    result, _ = bench(loaded, plan_path, modes=(mode,))
     return result
 
 

@@ -21,7 +21,11 @@ A slot is reused for the least recently used adapter that the batch's remaining 
 into it waits for the last forward that read the slot.
 """
 
+import copy
+import random
 from dataclasses import dataclass
+
+from planner.schedule import PrefetchSchedule
 
 BLOCKING = "blocking"
 PIPELINED = "pipelined"
@@ -192,6 +196,18 @@ def _waves(requests: list[tuple[int, str]], num_slots: int) -> list[list[tuple[i
     return waves + [current] if current else waves
 
 
+def stream_batches(names: list[str], requests_per_batch: int, num_batches: int, seed: int = 0) -> list[list[str]]:
+    """Batches of requests over distinct adapters (as many as a batch has requests, fewer if fewer exist),
+    drawn at random from ``names``."""
+    rng = random.Random(seed)
+    per_batch = min(requests_per_batch, len(names))
+    batches = []
+    for _ in range(num_batches):
+        chosen = rng.sample(names, per_batch)
+        batches.append([chosen[k % per_batch] for k in range(requests_per_batch)])
+    return batches
+
+
 # ---- prediction ---------------------------------------------------------------------------------------------
 
 
@@ -211,15 +227,109 @@ class StreamTimes:
     first_start_ms: tuple[float, ...]
 
 
+@dataclass(frozen=True, kw_only=True)
+class WeightsOnLink:
+    """The offloaded weights' copies, on the link the adapters' copies use, as the engine issues them
+    (runtime.engine.OffloadEngine, eager steps): one FIFO copy stream; after offloaded position m's layer is
+    enqueued, the copies of PrefetchSchedule.issue_after()[m] are enqueued, each waiting for its slot's previous
+    reader; an offloaded layer waits for its own copy. The first ``prefetch_step`` positions' copies for the
+    next forward are enqueued inside the forward before (after their slots' last readers), so they lie on the
+    link ahead of any adapter copy issued for the next forward."""
+
+    num_layers: int
+    #: offloaded layer indices, ascending
+    offloaded: tuple[int, ...]
+    prefetch_step: int
+    #: each offloaded position's copy, ms
+    copy_ms: tuple[float, ...]
+    #: each layer's share of a forward's compute (the rest, 1 - their sum, is head work before layer 0); empty:
+    #: every layer alike, no head work
+    layer_shares: tuple[float, ...] = ()
+
+    def __post_init__(self):
+        if len(self.copy_ms) != len(self.offloaded) or not all(0 <= i < self.num_layers for i in self.offloaded):
+            raise ValueError("one copy time per offloaded layer, each layer in the stack")
+        if self.layer_shares and (len(self.layer_shares) != self.num_layers or sum(self.layer_shares) > 1 + 1e-9):
+            raise ValueError("layer_shares: one per layer, summing to at most 1")
+
+    def shares(self) -> tuple[float, ...]:
+        return self.layer_shares or (1.0 / self.num_layers,) * self.num_layers
+
+
+def weights_on_link(plan) -> WeightsOnLink | None:
+    """The plan's offloaded weights as the engine copies them (None when nothing is offloaded)."""
+    return weights_of_layers(plan.layers, tuple(plan.offload.layers), plan.offload.prefetch_step,
+                             plan.prediction.head_ms)
+
+
+def weights_of_layers(layers, offloaded: tuple[int, ...], prefetch_step: int, head_ms: float) -> WeightsOnLink | None:
+    """Plan layer rows' copy times (at the plan's link) and compute shares (head work first); None when nothing
+    is offloaded."""
+    if not offloaded:
+        return None
+    step_ms = head_ms + sum(row.compute_ms for row in layers)
+    shares = tuple(row.compute_ms / step_ms for row in layers) if step_ms > 0 else ()
+    return WeightsOnLink(num_layers=len(layers), offloaded=offloaded, prefetch_step=prefetch_step,
+                         copy_ms=tuple(layers[i].copy_ms for i in offloaded), layer_shares=shares)
+
+
+class _Link:
+    """The copy stream and the compute stream's layer events: the state that carries from forward to forward."""
+
+    def __init__(self, weights: WeightsOnLink | None):
+        self.weights = weights
+        self.free_ms = 0.0
+        if weights is None:
+            return
+        self.schedule = PrefetchSchedule(len(weights.offloaded), weights.prefetch_step)
+        self.issue_after = self.schedule.issue_after()
+        self.position_of = {layer: p for p, layer in enumerate(weights.offloaded)}
+        self.shares = weights.shares()
+        #: when each position's latest copy lands (the first slots were loaded before the stream began)
+        self.copy_done = [0.0] * len(weights.offloaded)
+        self.reader_done = [0.0] * len(weights.offloaded)
+
+    def copy(self, ready_ms: float, copy_ms: float) -> float:
+        """One copy enqueued now, startable at ``ready_ms``: FIFO behind every copy enqueued before; its end."""
+        self.free_ms = max(self.free_ms, ready_ms) + copy_ms
+        return self.free_ms
+
+    def forward(self, start_ms: float, compute_ms: float) -> float:
+        """A forward of ``compute_ms`` (pure compute) from ``start_ms``: its layers wait for their weights, and
+        each enqueues the copies the engine issues after it. Its end."""
+        weights = self.weights
+        if weights is None:
+            return start_ms + compute_ms
+        t = start_ms + compute_ms * (1.0 - sum(self.shares))
+        for layer, share in enumerate(self.shares):
+            position = self.position_of.get(layer)
+            if position is not None and self.schedule.needs_copy(position):
+                t = max(t, self.copy_done[position])
+            t += compute_ms * share
+            if position is None:
+                continue
+            self.reader_done[position] = t
+            for target in self.issue_after[position]:
+                reader = self.schedule.previous_reader(target)[1]
+                self.copy_done[target] = self.copy(self.reader_done[reader], weights.copy_ms[target])
+        return t
+
+    def clone(self) -> "_Link":
+        twin = copy.copy(self)
+        if self.weights is not None:
+            twin.copy_done, twin.reader_done = list(self.copy_done), list(self.reader_done)
+        return twin
+
+
 def simulate(schedule: StreamSchedule, *, copy_ms: dict[str, float], compute_ms: list[float],
-             weights_link_ms: list[float] | None = None, wrapped_link_ms: float = 0.0) -> StreamTimes:
-    """Predicted times of ``schedule``: copies in issue order on one link (the adapter's ``copy_ms``), each
-    forward's ``compute_ms`` on the compute stream, and, with offloaded weights, each forward's
-    ``weights_link_ms`` of copies on the same link. Of those, ``wrapped_link_ms`` (the first offloaded layers,
-    prefetched while the forward before ends) go on the link at the end of the forward before, ahead of any
-    adapter copy issued after it; the rest queue after the copies issued before the forward. A forward ends
-    when both its compute and its own weights' copies are done."""
-    link_free = compute_free = 0.0
+             weights: WeightsOnLink | None = None) -> StreamTimes:
+    """Predicted times of ``schedule``: every copy on one link in the order the runtime enqueues them (the
+    adapter's ``copy_ms``; with ``weights``, the offloaded weights' copies as the engine issues them, layer by
+    layer, on the same stream), each forward's ``compute_ms`` (pure compute, spread over its layers) on the
+    compute stream. An adapter copy waits for its batch's arrival and its slot's last reader, and, the stream
+    being FIFO, for every copy enqueued before it: the weight copies the forward before issued near its end
+    go ahead of the next batch's adapters."""
+    link = _Link(weights)
     load_end: dict[int, float] = {}
     starts, ends = [], []
     arrival = {0: 0.0}
@@ -227,22 +337,35 @@ def simulate(schedule: StreamSchedule, *, copy_ms: dict[str, float], compute_ms:
     for index, forward in enumerate(schedule.forwards):
         for load_index in forward.issue_loads:
             load = schedule.loads[load_index]
-            ready = max(link_free, arrival[load.batch],
-                        ends[load.after_forward] if load.after_forward is not None else 0.0)
-            link_free = load_end[load_index] = ready + copy_ms[load.adapter]
-        start = max([compute_free, arrival[forward.batch]] + [load_end[i] for i in forward.waits])
-        end = start + compute_ms[index]
-        if weights_link_ms is not None:
-            own_ms = weights_link_ms[index] - (wrapped_link_ms if index else 0.0)  # the first has none wrapped
-            link_free = max(link_free, start) + own_ms
-            end = max(end, link_free)
-            link_free += wrapped_link_ms  # the next forward's first layers, issued as this one ends
+            ready = max(arrival[load.batch], ends[load.after_forward] if load.after_forward is not None else 0.0)
+            load_end[load_index] = link.copy(ready, copy_ms[load.adapter])
+        start = max([ends[-1] if ends else 0.0, arrival[forward.batch]] + [load_end[i] for i in forward.waits])
         starts.append(start)
-        ends.append(end)
-        compute_free = end
+        ends.append(link.forward(start, compute_ms[index]))
         if last_of_batch[forward.batch] == index:
-            arrival[forward.batch + 1] = end
+            arrival[forward.batch + 1] = ends[-1]
     return _times(schedule, starts, ends, arrival)
+
+
+def pure_compute_ms(alone_ms: list[float], weights: WeightsOnLink | None) -> list[float]:
+    """Each forward's pure compute, from its time measured alone (the forwards back to back, no adapter copies,
+    the weights' copies on the link): the compute for which the same link model gives that time. Where the
+    link alone takes longer than measured (the forward is bound by it), the most compute that leaves it bound."""
+    if weights is None:
+        return list(alone_ms)
+    link, computes, clock = _Link(weights), [], 0.0
+    for measured in alone_ms:
+        def took(compute: float, state: _Link = link, start: float = clock) -> float:
+            return state.clone().forward(start, compute) - start
+
+        target = max(measured, took(0.0))
+        low, high = 0.0, target
+        for _ in range(60):
+            middle = (low + high) / 2
+            low, high = (middle, high) if took(middle) <= target * (1 + 1e-12) else (low, middle)
+        computes.append(low)
+        clock = link.forward(clock, low)
+    return computes
 
 
 def _times(schedule: StreamSchedule, starts: list[float], ends: list[float], arrival: dict[int, float]) -> StreamTimes:
@@ -265,3 +388,50 @@ def times_from_events(schedule: StreamSchedule, starts: list[float], ends: list[
     for batch, index in schedule.last_forward_of_batch().items():
         arrival[batch + 1] = ends[index]
     return _times(schedule, starts, ends, arrival)
+
+
+# ---- the plan's choice --------------------------------------------------------------------------------------
+
+#: batches in the stream a plan's loading mode is chosen for, and run --bench serves (each arrives when the one
+#: before it has finished)
+STREAM_NUM_BATCHES = 4
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModeChoice:
+    """The loading mode whose predicted total is lower for a stream, and by how much."""
+
+    mode: str
+    #: the stream: batches of this many requests (twice the slots: each batch needs more adapters than fit)
+    requests_per_batch: int
+    num_batches: int
+    blocking_total_ms: float
+    pipelined_total_ms: float
+    #: the other mode's predicted total over the chosen one's, less 1
+    margin: float
+
+
+def stream_requests_per_batch(num_slots: int) -> int:
+    """Requests per batch of the stream a plan is judged on: twice its slots, so every batch reloads."""
+    return 2 * num_slots
+
+
+def choose_mode(*, copy_ms: dict[str, float], num_slots: int, request_ms: float,
+                weights: WeightsOnLink | None) -> ModeChoice:
+    """Blocking or pipelined, whichever ``simulate`` predicts faster over the stream run --bench serves (batches
+    of ``stream_requests_per_batch`` requests over distinct adapters of ``copy_ms``), a forward of r requests
+    computing r x ``request_ms``. Pipelined splits each wave into a lead and the rest: with offloaded weights
+    each forward copies them again, so it wins only where that pass is hidden under compute. A tie is
+    pipelined (its first request starts sooner)."""
+    per_batch = stream_requests_per_batch(num_slots)
+    batches = stream_batches(sorted(copy_ms), per_batch, STREAM_NUM_BATCHES)
+    totals = {}
+    for mode in MODES:
+        schedule = schedule_stream(batches, num_slots, mode)
+        compute = [len(forward.requests) * request_ms for forward in schedule.forwards]
+        totals[mode] = simulate(schedule, copy_ms=copy_ms, compute_ms=compute, weights=weights).total_ms
+    chosen = BLOCKING if totals[BLOCKING] < totals[PIPELINED] else PIPELINED
+    other = PIPELINED if chosen == BLOCKING else BLOCKING
+    margin = totals[other] / totals[chosen] - 1.0 if totals[chosen] > 0 else 0.0
+    return ModeChoice(mode=chosen, requests_per_batch=per_batch, num_batches=STREAM_NUM_BATCHES,
+                      blocking_total_ms=totals[BLOCKING], pipelined_total_ms=totals[PIPELINED], margin=margin)

@@ -49,7 +49,8 @@ def compare_plans(old: Plan, new: Plan) -> dict:
 
 
 ADAPTER_FIELDS = ("num_slots", "slot_bytes", "gpu_bytes", "host_pinned_bytes", "max_rank", "blocking_wait_ms",
-                  "pipelined_first_wait_ms", "pipelined_last_wait_ms")
+                  "pipelined_first_wait_ms", "pipelined_last_wait_ms", "blocking_stream_ms", "pipelined_stream_ms",
+                  "mode_margin")
 
 
 #: the whole-GPU figures a serving comparison turns on: (section, field)
@@ -107,6 +108,8 @@ def compare_adapters(old: Plan, new: Plan) -> dict:
 
     return {"added": sorted(set(after) - set(before)), "removed": sorted(set(before) - set(after)),
             "changed": {name: {k: _plain_pair(v) for k, v in diff.items()} for name, diff in changed.items()},
+            "mode": {"old": old.adapters.mode if old.adapters else None,
+                     "new": new.adapters.mode if new.adapters else None},
             **{name: _number(figure(old, name), figure(new, name)) for name in ADAPTER_FIELDS}}
 
 
@@ -207,6 +210,11 @@ def _adapters_sentence(adapters: dict) -> str | None:
     parts.append(f"a batch of missing adapters waits {format_ms(blocking['old'])} -> {format_ms(blocking['new'])} "
                  f"blocking, its first request {format_ms(pipelined['old'])} -> {format_ms(pipelined['new'])} "
                  "pipelined")
+    mode = adapters["mode"]
+    if mode["old"] != mode["new"] and mode["old"] and mode["new"]:
+        parts.append(f"adapters load {mode['old']} -> {mode['new']} (stream predicted "
+                     f"{format_ms(adapters[mode['old'] + '_stream_ms']['new'])} {mode['old']} against "
+                     f"{format_ms(adapters[mode['new'] + '_stream_ms']['new'])} {mode['new']})")
     text = "; ".join(parts)
     return text[0].upper() + text[1:] + "."
 

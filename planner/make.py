@@ -7,6 +7,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 
+from planner.adapter_stream import WeightsOnLink, choose_mode, weights_of_layers
 from planner.adapters import (MAX_ADAPTERS, Adapter, adapter_waits, default_slots, load_adapters,
                               missing_per_batch, slot_bytes_of)
 from planner.bounds import BOUNDS, MAX_KNOB, MAX_TPOT_MS, within
@@ -786,7 +787,9 @@ def _assemble(model: _Model, workload: Workload, compute: ComputeTimes, choice: 
         ),
         layers=rows,
         serving=serving,
-        adapters=_adapters_section(model, num_adapter_slots, workload, simulation) if model.adapters else None,
+        adapters=_adapters_section(model, num_adapter_slots, workload, simulation, resident_step_ms,
+                                   weights_of_layers(rows, tuple(choice.offloaded), choice.prefetch_step,
+                                                     compute.head_ms)) if model.adapters else None,
         experts=None if model.experts is None else experts_section(model.experts, choice, layer_bytes, expert_points,
                                                                    h2d),
     )
@@ -800,8 +803,12 @@ def _link_busy_ms(simulation, routed_decode: bool, link_floor_ms: float, routed)
     return simulation.stall_ms if routed_decode else simulation.copy_busy_ms
 
 
-def _adapters_section(model: _Model, num_slots: int, workload: Workload, simulation) -> AdaptersSection:
-    """The adapters' slots, pool and waits on the plan's link (planner.adapters models the waits)."""
+def _adapters_section(model: _Model, num_slots: int, workload: Workload, simulation, compute_step_ms: float,
+                      weights: WeightsOnLink | None) -> AdaptersSection:
+    """The adapters' slots, pool and waits on the plan's link (planner.adapters models the waits), and the
+    loading mode predicted faster for a stream of requests, each one of the workload's sequences (its share of
+    ``compute_step_ms``, the step's compute without waits; planner.adapter_stream.choose_mode), with the
+    offloaded ``weights`` on the link."""
     adapters, profile = model.adapters, model.profile
     h2d, overhead_us = profile.h2d_bytes_per_s.value, profile.copy_overhead_us.value
     slot_bytes = slot_bytes_of(adapters)
@@ -814,12 +821,18 @@ def _adapters_section(model: _Model, num_slots: int, workload: Workload, simulat
                             alpha=a.alpha, target_modules=a.target_modules, num_tensors=a.num_tensors,
                             bytes=a.total_bytes, copy_ms=copy_ms_of(a.total_bytes, h2d, overhead_us))
                  for a in sorted(adapters, key=lambda a: a.name))
+    request_ms = compute_step_ms / max(1, workload.sequences_per_step)
+    choice = choose_mode(copy_ms={row.name: row.copy_ms for row in rows}, num_slots=num_slots,
+                         request_ms=request_ms, weights=weights)
     return AdaptersSection(
         num_slots=num_slots, slot_bytes=slot_bytes, gpu_bytes=num_slots * slot_bytes,
         host_pinned_bytes=sum(a.total_bytes for a in adapters), max_rank=max(a.rank for a in adapters),
         num_missing=waits.num_missing, copy_ms=waits.copy_ms, shared_copy_ms=waits.shared_copy_ms,
         blocking_wait_ms=waits.blocking_wait_ms, pipelined_first_wait_ms=waits.pipelined_first_wait_ms,
-        pipelined_last_wait_ms=waits.pipelined_last_wait_ms, pipelined_step_ms=waits.pipelined_step_ms, items=rows)
+        pipelined_last_wait_ms=waits.pipelined_last_wait_ms, pipelined_step_ms=waits.pipelined_step_ms,
+        mode=choice.mode, stream_requests_per_batch=choice.requests_per_batch,
+        stream_num_batches=choice.num_batches, blocking_stream_ms=choice.blocking_total_ms,
+        pipelined_stream_ms=choice.pipelined_total_ms, mode_margin=choice.margin, items=rows)
 
 
 def _kv_dtype_name(model: _Model) -> str:

@@ -386,6 +386,16 @@ class AdaptersSection:
     pipelined_last_wait_ms: float
     #: pipelined: a step while adapters load (longer than the plan's only where the weights give up link time)
     pipelined_step_ms: float
+    #: the loading mode run serves: the one planner.adapter_stream predicts faster over the stream below
+    mode: str
+    #: that stream: stream_num_batches batches of stream_requests_per_batch requests over distinct adapters
+    stream_requests_per_batch: int
+    stream_num_batches: int
+    #: its predicted total, each mode (the offloaded weights' copies on the link too)
+    blocking_stream_ms: float
+    pipelined_stream_ms: float
+    #: the other mode's total over the chosen one's, less 1
+    mode_margin: float
     #: rows by name
     items: tuple[AdapterRow, ...]
 
@@ -950,6 +960,20 @@ def _adapter_pool_rules(plan: Plan) -> str | None:
         return f"adapters.host_pinned_bytes {section.host_pinned_bytes} is not the sum of the adapters' bytes"
     if section.num_missing > section.num_slots:
         return f"adapters.num_missing {section.num_missing} exceeds num_slots {section.num_slots}"
+    return _adapter_mode_rules(section)
+
+
+def _adapter_mode_rules(section: AdaptersSection) -> str | None:
+    """The chosen mode is one of the two and the faster of the recorded totals, by the recorded margin."""
+    totals = {"blocking": section.blocking_stream_ms, "pipelined": section.pipelined_stream_ms}
+    if section.mode not in totals:
+        return f"adapters.mode {shown(section.mode)} must be blocking or pipelined"
+    chosen = totals[section.mode]
+    other = totals["pipelined" if section.mode == "blocking" else "blocking"]
+    if chosen > other:
+        return f"adapters.mode {section.mode} is not the mode of the lower stream total; regenerate the plan"
+    if chosen > 0 and abs(other / chosen - 1.0 - section.mode_margin) > 1e-3:
+        return f"adapters.mode_margin {section.mode_margin} does not follow from the stream totals"
     return None
 
 

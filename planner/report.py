@@ -285,10 +285,29 @@ def adapters_table(plan: Plan) -> Table:
         f"starts when its adapter lands) starts the first after {format_ms(adapters.pipelined_first_wait_ms)} and "
         f"the last after {format_ms(adapters.pipelined_last_wait_ms)}, later copies sharing the link with the "
         f"offloaded weights ({format_ms(adapters.shared_copy_ms)} each); steps meanwhile take "
-        f"{format_ms(adapters.pipelined_step_ms)} (planned {format_ms(plan.prediction.step_ms)})."
+        f"{format_ms(adapters.pipelined_step_ms)} (planned {format_ms(plan.prediction.step_ms)}).\n"
+        + mode_sentence(plan)
     )
     table.caption_justify = "left"
     return table
+
+
+def mode_sentence(plan: Plan) -> str:
+    """Which loading mode run serves, and why: the predicted totals of the stream it was chosen on."""
+    adapters = plan.adapters
+    totals = {"blocking": adapters.blocking_stream_ms, "pipelined": adapters.pipelined_stream_ms}
+    other = "pipelined" if adapters.mode == "blocking" else "blocking"
+    if adapters.mode == "pipelined":
+        why = ("the copies after each wave's first land while its lead computes"
+               + (", and the offloaded weights' extra pass per wave stays under compute" if plan.offload.layers
+                  else ""))
+    else:
+        why = ("a pipelined wave runs as two forwards, each copying the offloaded weights again"
+               if plan.offload.layers else "a wave's adapters load before it as fast as beside its lead")
+    return (f"Loading: {adapters.mode} (run --bench serves it; --adapter-mode {other} forces the other). Over "
+            f"{adapters.stream_num_batches} batches of {adapters.stream_requests_per_batch} requests, each a "
+            f"different adapter, it is predicted {format_ms(totals[adapters.mode])} against "
+            f"{format_ms(totals[other])} {other} ({other} takes {adapters.mode_margin:.1%} longer): {why}.")
 
 
 #: the hardware figures a prediction rests on, as (plan.hardware field, label, how to show its value)

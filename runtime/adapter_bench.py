@@ -2,20 +2,18 @@
 and pipelined from the plan's GPU slots, measured against planner.adapter_stream's prediction of the same
 schedule."""
 
-import random
 import statistics
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
-from planner.adapter_stream import MODES, StreamSchedule, StreamTimes, schedule_stream, simulate
+from planner.adapter_stream import (STREAM_NUM_BATCHES, StreamSchedule, StreamTimes, pure_compute_ms, schedule_stream,
+                                    simulate, stream_batches, stream_requests_per_batch, weights_on_link)
 from runtime.adapters import AdapterPool, LoraHooks, ServedStream, load_pool, serve_stream
 from runtime.bench import random_ids
 from runtime.load import Loaded
 
-#: batches in the benchmark's stream (each arrives when the last has finished)
-NUM_BATCHES = 4
 #: timed rounds per mode (each: the forwards alone, then the stream with its copies)
 NUM_ROUNDS = 3
 
@@ -58,23 +56,15 @@ class AdapterBench:
     #: one adapter's copy, pinned to a slot, measured (median of a few)
     measured_copy_ms: float
     planned_copy_ms: float
+    #: the plan's loading mode (adapters.mode), and by how much its prediction beat the other's
+    plan_mode: str
+    plan_mode_margin: float
+    #: the modes served: the plan's unless forced (run --adapter-mode) or both (the benchmark script)
     modes: tuple[ModeResult, ...]
 
     def as_dict(self) -> dict:
         """Plain data for --json."""
         return asdict(self)
-
-
-def stream_batches(names: list[str], requests_per_batch: int, num_batches: int, seed: int = 0) -> list[list[str]]:
-    """Batches of requests over distinct adapters (as many as a batch has requests, fewer if fewer exist),
-    drawn at random from ``names``."""
-    rng = random.Random(seed)
-    per_batch = min(requests_per_batch, len(names))
-    batches = []
-    for _ in range(num_batches):
-        chosen = rng.sample(names, per_batch)
-        batches.append([chosen[k % per_batch] for k in range(requests_per_batch)])
-    return batches
 
 
 def measure_copy_ms(pool: AdapterPool, adapter: str, num_copies: int = 5) -> float:
@@ -88,18 +78,6 @@ def measure_copy_ms(pool: AdapterPool, adapter: str, num_copies: int = 5) -> flo
         backend.synchronize()
         times.append(backend.elapsed_ms(start, done))
     return statistics.median(times)
-
-
-def weights_link_ms(loaded: Loaded, num_forwards: int) -> tuple[list[float] | None, float]:
-    """Each forward's offloaded-weight copies on the link at the plan's rate (None when nothing is offloaded),
-    and the part of them wrapped to the forward before (the first layers, copied as it ends)."""
-    engine = loaded.engine
-    if not engine.copy_bytes_per_step:
-        return None, 0.0
-    ms_per_byte = 1e3 / loaded.plan.hardware.h2d_bytes_per_s
-    wrapped = [*engine.joined_positions, *engine.deferred_positions]
-    return ([engine.copy_bytes_per_step * ms_per_byte] * num_forwards,
-            sum(engine.layer_bytes[p] for p in wrapped) * ms_per_byte)
 
 
 def run_mode(loaded: Loaded, pool: AdapterPool, hooks: LoraHooks, schedule: StreamSchedule, prompts: torch.Tensor,
@@ -116,9 +94,9 @@ def run_mode(loaded: Loaded, pool: AdapterPool, hooks: LoraHooks, schedule: Stre
             served.append(serve_stream(loaded.model, pool, hooks, schedule, prompts))
     compute_ms = [statistics.median(t.forward_end_ms[k] - t.forward_start_ms[k] for t in alone)
                   for k in range(len(schedule.forwards))]
-    weights_ms, wrapped_ms = weights_link_ms(loaded, len(schedule.forwards))
-    predicted = simulate(schedule, copy_ms=copy_ms, compute_ms=compute_ms, weights_link_ms=weights_ms,
-                         wrapped_link_ms=wrapped_ms)
+    # the forwards alone still copy the offloaded weights: their pure compute is what the link model needs
+    weights = weights_on_link(loaded.plan)
+    predicted = simulate(schedule, copy_ms=copy_ms, compute_ms=pure_compute_ms(compute_ms, weights), weights=weights)
     totals = [run.times.total_ms for run in served]
     middle = served[totals.index(statistics.median_low(totals))]
     link_ms = sum(pool.layouts[load.adapter].num_bytes for load in schedule.loads) * link_ms_per_byte
@@ -150,13 +128,17 @@ class StreamOutputs:
 
 
 def run_adapter_bench(loaded: Loaded, plan_path: Path | None = None, *, requests_per_batch: int | None = None,
-                      num_batches: int = NUM_BATCHES, pool_and_hooks=None) -> tuple[AdapterBench, StreamOutputs]:
-    """Serve the same stream blocking and pipelined. Batches have twice as many requests as slots (each a
-    different adapter, where there are enough), so every batch needs more adapters than fit at once."""
+                      num_batches: int = STREAM_NUM_BATCHES, pool_and_hooks=None,
+                      modes: tuple[str, ...] | None = None,
+                      num_rounds: int = NUM_ROUNDS) -> tuple[AdapterBench, StreamOutputs]:
+    """Serve the stream the plan chose its loading mode on, in ``modes`` (default: the plan's adapters.mode).
+    Batches have twice as many requests as slots (each a different adapter, where there are enough), so every
+    batch needs more adapters than fit at once."""
     plan = loaded.plan
+    modes = modes or (plan.adapters.mode,)
     pool, hooks = pool_and_hooks or load_pool(loaded.model, plan, loaded.engine.backend, plan_path)
     names = sorted(pool.layouts)
-    per_batch = requests_per_batch or 2 * plan.adapters.num_slots
+    per_batch = requests_per_batch or stream_requests_per_batch(plan.adapters.num_slots)
     batches = stream_batches(names, per_batch, num_batches)
     prompt_tokens = plan.workload.tokens_per_step // plan.workload.sequences_per_step
     num_requests = sum(len(batch) for batch in batches)
@@ -165,14 +147,15 @@ def run_adapter_bench(loaded: Loaded, plan_path: Path | None = None, *, requests
     measured_copy = measure_copy_ms(pool, names[0])
     link_ms_per_byte = measured_copy / pool.layouts[names[0]].num_bytes
     results, outputs = [], StreamOutputs(prompts=prompts, served={})
-    for mode in MODES:
+    for mode in modes:
         schedule = schedule_stream(batches, plan.adapters.num_slots, mode)
-        result, served = run_mode(loaded, pool, hooks, schedule, prompts, copy_ms, link_ms_per_byte)
+        result, served = run_mode(loaded, pool, hooks, schedule, prompts, copy_ms, link_ms_per_byte, num_rounds)
         results.append(result)
         outputs.served[mode] = (schedule, served)
     bench = AdapterBench(num_adapters=len(names), num_slots=plan.adapters.num_slots, requests_per_batch=per_batch,
                          num_batches=num_batches, prompt_tokens=prompt_tokens, slot_bytes=plan.adapters.slot_bytes,
-                         measured_copy_ms=measured_copy, planned_copy_ms=plan.adapters.copy_ms, modes=tuple(results))
+                         measured_copy_ms=measured_copy, planned_copy_ms=plan.adapters.copy_ms,
+                         plan_mode=plan.adapters.mode, plan_mode_margin=plan.adapters.mode_margin, modes=tuple(results))
     if pool_and_hooks is None:
         hooks.remove()
         pool.close()

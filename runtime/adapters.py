@@ -27,6 +27,8 @@ from runtime.load import alloc_device_or_fail, cached_snapshot, host_allocation_
 from runtime.checkpoint_reader import FileHandles, SourceTensor, read_exact, read_sources
 
 _PEFT_PREFIX = "base_model.model."
+#: a row range's end past any batch: the adapter applies to every row
+ALL_ROWS = 2**62
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -210,6 +212,26 @@ def load_pool(model: nn.Module, plan, backend, plan_path: Path | None = None) ->
     pool = AdapterPool(model, adapters, plan.adapters.num_slots, backend)
     modules = {pair.module for layout in pool.layouts.values() for pair in layout.pairs}
     return pool, LoraHooks(model, modules)
+
+
+def attach_adapter(model: nn.Module, plan, backend, name: str,
+                   plan_path: Path | None = None) -> tuple[AdapterPool, LoraHooks]:
+    """One of the plan's adapters applied to every row of the model's forwards (run --prompt --adapter): read
+    into a pinned pool of its own, copied into one GPU slot, and the hooks pointed at it. The caller removes the
+    hooks and closes the pool when done."""
+    from planner.checkpoint import resolve_local_source
+
+    options = dict(parse_adapter_option(option) for option in plan.inputs.adapters)
+    revisions = {row.name: row.revision for row in plan.adapters.items}
+    source = options[name] if plan_path is None else resolve_local_source(options[name], plan_path)
+    pool = AdapterPool(model, [(name, adapter_folder(source, revisions.get(name)))], 1, backend)
+    landed = backend.new_event(f"adapter-{name}")
+    pool.copy(name, 0, landed)
+    backend.compute_waits(landed)
+    hooks = LoraHooks(model, {pair.module for pair in pool.layouts[name].pairs})
+    # every row: a generation's batch is one request, its prompt then each new token
+    hooks.groups = [(0, ALL_ROWS, pool.views(name, 0), pool.layouts[name].scaling)]
+    return pool, hooks
 
 
 # ---- serving a request stream -------------------------------------------------------------------------------

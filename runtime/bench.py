@@ -172,8 +172,24 @@ def run_decode_bench(loaded: Loaded, num_steps: int, cuda_graph: bool,
 
 
 def generate(loaded: Loaded, prompt: str, model_path: str, max_new_tokens: int,
-             cuda_graph: bool = False, compile_backend: str | None = None) -> tuple[str, float]:
-    """Generate greedily with the plan applied; returns (text, tokens per second)."""
+             cuda_graph: bool = False, compile_backend: str | None = None, adapter: str | None = None,
+             plan_path=None) -> tuple[str, float]:
+    """Generate greedily with the plan applied (and, given ``adapter``, that one of the plan's LoRA adapters);
+    returns (text, tokens per second)."""
+    if adapter is None:
+        return _generate(loaded, prompt, model_path, max_new_tokens, cuda_graph, compile_backend)
+    from runtime.adapters import attach_adapter
+
+    pool, hooks = attach_adapter(loaded.model, loaded.plan, loaded.engine.backend, adapter, plan_path)
+    try:
+        return _generate(loaded, prompt, model_path, max_new_tokens, cuda_graph, compile_backend)
+    finally:
+        hooks.remove()
+        pool.close()
+
+
+def _generate(loaded: Loaded, prompt: str, model_path: str, max_new_tokens: int, cuda_graph: bool,
+              compile_backend: str | None) -> tuple[str, float]:
     import time
 
     from transformers import AutoTokenizer

@@ -358,11 +358,48 @@ def test_hub_adapter_is_read_from_the_cache_offline(base, workdir, tmp_path_fact
 
 
 def test_run_prompt_says_it_runs_the_base_model_alone(base, test_gpu):
-    """--bench serves the adapters; --prompt warns before anything else (here it then stops: no CUDA GPU)."""
+    """--bench serves the adapters; --prompt without --adapter warns before anything else (here it then stops: no
+    CUDA GPU); with --adapter it does not."""
     _make(test_gpu, "--budget", "300KB", *ADAPTERS)
     result = invoke(["run", "plan.yaml", "--prompt", "hello"])
     assert "--prompt runs the base model without the plan's 3 LoRA adapter(s)" in result.stderr
+    assert "--adapter NAME" in result.stderr
     assert "adapter" not in invoke(["run", "plan.yaml", "--bench"]).stderr.lower()
+    assert "adapter" not in invoke(["run", "plan.yaml", "--prompt", "hello", "--adapter", "a"]).stderr.lower()
+
+
+@pytest.mark.parametrize("args, contains", [
+    (["--prompt", "hi", "--adapter", "nope"], ("not one of the plan's adapters", "a, b, c")),
+    (["--bench", "--adapter", "a"], ("--adapter goes with --prompt",)),
+    (["--prompt", "hi", "--adapter-mode", "blocking"], ("--adapter-mode goes with --bench",)),
+    (["--bench", "--adapter-mode", "fast"], ("blocking or pipelined",)),
+    (["--prompt", "hi", "--adapter", "a", "--compile"], ("--adapter with --compile",)),
+])
+def test_run_adapter_flags_are_checked_before_loading(base, test_gpu, args, contains):
+    """A bad --adapter or --adapter-mode is one line before anything loads (no GPU needed to see it)."""
+    _make(test_gpu, "--budget", "300KB", *ADAPTERS)
+    result = invoke(["run", "plan.yaml", *args])
+    assert_one_line_error(result.exit_code, result.stderr, contains=contains)
+
+
+def test_run_adapter_flags_need_a_plan_with_adapters(base, test_gpu):
+    _make(test_gpu, "--budget", "300KB")
+    for args in (["--prompt", "hi", "--adapter", "a"], ["--bench", "--adapter-mode", "pipelined"]):
+        result = invoke(["run", "plan.yaml", *args])
+        assert_one_line_error(result.exit_code, result.stderr, contains=("the plan has no adapters",))
+
+
+def test_the_plan_records_its_loading_mode_and_show_says_why(base, test_gpu):
+    """make picks the mode its stream prediction says is faster, records both totals and the margin; show names
+    the mode, the totals and the flag that forces the other; check passes the plan."""
+    plan = _make(test_gpu, "--budget", "300KB", *ADAPTERS)["adapters"]
+    totals = {"blocking": plan["blocking_stream_ms"], "pipelined": plan["pipelined_stream_ms"]}
+    assert plan["mode"] == min(totals, key=lambda mode: (totals[mode], mode != "pipelined"))
+    assert plan["stream_requests_per_batch"] == 2 * plan["num_slots"] and plan["stream_num_batches"] == 4
+    assert plan["mode_margin"] == pytest.approx(max(totals.values()) / min(totals.values()) - 1, abs=1e-3)
+    shown = " ".join(invoke(["show", "plan.yaml"]).stdout.split())
+    assert f"Loading: {plan['mode']}" in shown and "--adapter-mode" in shown
+    assert invoke(["check", "plan.yaml"]).exit_code == 0
 
 
 def test_target_modules_may_name_dotted_suffixes(base, workdir, test_gpu):
@@ -370,3 +407,22 @@ def test_target_modules_may_name_dotted_suffixes(base, workdir, test_gpu):
     make_adapter(workdir / "ad" / "d", base.tensors, config={"target_modules": ["self_attn.q_proj", "v_proj"]})
     plan = _make(test_gpu, "--budget", "300KB", "--adapter", "d=ad/d", output=None)
     assert plan["adapters"]["items"][0]["target_modules"] == ["q_proj", "v_proj"]
+
+
+def test_diff_names_a_change_of_loading_mode(base, test_gpu):
+    """diff says when the loading mode changes, with the new plan's totals; a plan without adapters has none."""
+    from dataclasses import replace
+
+    from planner.compare import compare_plans, summary_sentences
+    from planner.plan import read_plan
+
+    _make(test_gpu, "--budget", "300KB", *ADAPTERS)
+    old = read_plan("plan.yaml")
+    other = "blocking" if old.adapters.mode == "pipelined" else "pipelined"
+    new = replace(old, adapters=replace(old.adapters, mode=other))
+    data = compare_plans(old, new)
+    assert data["adapters"]["mode"] == {"old": old.adapters.mode, "new": other}
+    assert f"adapters load {old.adapters.mode} -> {other}" in " ".join(summary_sentences(data))
+    assert "adapters load" not in " ".join(summary_sentences(compare_plans(old, old)))
+    plain = replace(old, adapters=None, inputs=replace(old.inputs, adapters=(), adapter_slots=None))
+    assert compare_plans(plain, old)["adapters"]["mode"] == {"old": None, "new": old.adapters.mode}

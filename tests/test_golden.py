@@ -159,7 +159,8 @@ ADAPTERS_SCHEMA = {
     "inputs": ["adapters", "adapter_slots"],
     "adapters": ["num_slots", "slot_bytes", "gpu_bytes", "host_pinned_bytes", "max_rank", "num_missing", "copy_ms",
                  "shared_copy_ms", "blocking_wait_ms", "pipelined_first_wait_ms", "pipelined_last_wait_ms",
-                 "pipelined_step_ms", "items"],
+                 "pipelined_step_ms", "mode", "stream_requests_per_batch", "stream_num_batches", "blocking_stream_ms",
+                 "pipelined_stream_ms", "mode_margin", "items"],
     "items": ["name", "source", "revision", "fingerprint", "rank", "alpha", "target_modules", "num_tensors", "bytes",
               "copy_ms"],
 }

@@ -36,7 +36,8 @@ def handed(monkeypatch):
     monkeypatch.setattr(run, "_load_with_progress", lambda plan, model: object())
     monkeypatch.setattr(runtime_seam, "model_path_for", lambda plan, model: "model")
 
-    def generate(loaded, prompt, model_path, max_new_tokens, cuda_graph, compile_backend):
+    def generate(loaded, prompt, model_path, max_new_tokens, cuda_graph, compile_backend, adapter=None,
+                 plan_path=None):
         calls.append(cuda_graph)
         return "text", 0.578
 

@@ -10,7 +10,7 @@ from rich.table import Table
 from offload_plan import runtime_seam
 from offload_plan.console import say, stderr, stdout, warn
 from offload_plan.options import JsonOption, PlanArgument
-from planner.errors import UsageError
+from planner.errors import UsageError, printable, shown
 from planner.plan import read_plan
 
 
@@ -36,6 +36,13 @@ def run(
         "--compile",
         help="Compile decode steps with torch.compile (Inductor), the offload hooks inside; with --cuda-graph the "
              "compiled step is captured.")] = False,
+    adapter: Annotated[Optional[str], typer.Option(
+        "--adapter", metavar="NAME",
+        help="With --prompt: generate with this one of the plan's LoRA adapters (its name in the plan).")] = None,
+    adapter_mode: Annotated[Optional[str], typer.Option(
+        "--adapter-mode", metavar="MODE",
+        help="With --bench on a plan with adapters: serve them blocking or pipelined instead of the plan's choice "
+             "(adapters.mode).")] = None,
     json_output: JsonOption = False,
 ):
     """Load the model with the plan applied and run it on the local GPU.
@@ -56,9 +63,13 @@ def run(
             made, running = running, made
         warn(f"the plan predicts {made} and this runs {running}; for a like-for-like prediction make the plan "
              f"{'with' if cuda_graph else 'without'} --cuda-graph")
-    if loaded_plan.adapters is not None and prompt is not None:
+    check_adapter_flags(loaded_plan, bench, adapter, adapter_mode)
+    if adapter is not None and compile_steps:
+        # the LoRA hooks read Python state at each call, which a compiled step would bake in
+        raise UsageError("--adapter with --compile is not built; drop --compile (eager or --cuda-graph steps)")
+    if loaded_plan.adapters is not None and prompt is not None and adapter is None:
         warn(f"--prompt runs the base model without the plan's {len(loaded_plan.adapters.items)} LoRA adapter(s); "
-             "--bench serves them")
+             "give --adapter NAME to generate with one")
     from planner.checkpoint import resolve_local_source
 
     model = model or resolve_local_source(loaded_plan.model.source, plan)  # run works from any directory
@@ -70,7 +81,8 @@ def run(
     loaded = _load_with_progress(loaded_plan, model)
     if prompt is not None:
         text, tokens_per_s = runtime_seam.generate(loaded, prompt, runtime_seam.model_path_for(loaded_plan, model),
-                                                   max_new_tokens, cuda_graph, compile_backend)
+                                                   max_new_tokens, cuda_graph, compile_backend,
+                                                   adapter=adapter, plan_path=plan)
         sys.stdout.write(text + "\n")
         from planner.units import format_rate
 
@@ -78,7 +90,7 @@ def run(
             f"({'CUDA graph replays' if cuda_graph else 'eager steps'})")
         return
     if loaded_plan.adapters is not None:
-        result = runtime_seam.run_adapter_bench(loaded, plan)
+        result = runtime_seam.run_adapter_bench(loaded, plan, adapter_mode or loaded_plan.adapters.mode)
         table = _adapter_table
     elif loaded_plan.serving is not None:
         result = runtime_seam.run_serving_bench(loaded, cuda_graph, compile_backend, memory_fraction)
@@ -90,6 +102,27 @@ def run(
         sys.stdout.write(json.dumps(result.as_dict(), indent=2) + "\n")
     else:
         stdout.print(table(result))
+
+
+def check_adapter_flags(plan, bench: bool, adapter: str | None, adapter_mode: str | None) -> None:
+    """--adapter names one of the plan's adapters and goes with --prompt; --adapter-mode is a mode and goes with
+    --bench; both need a plan with adapters (checked before the minutes of loading)."""
+    from planner.adapter_stream import MODES
+
+    for flag, value, goes_with, ok in (("--adapter", adapter, "--prompt", not bench),
+                                       ("--adapter-mode", adapter_mode, "--bench", bench)):
+        if value is None:
+            continue
+        if plan.adapters is None:
+            raise UsageError(f"{flag} {shown(value)}: the plan has no adapters; make it with --adapter NAME=PATH")
+        if not ok:
+            raise UsageError(f"{flag} goes with {goes_with}")
+    if adapter is not None and adapter not in {row.name for row in plan.adapters.items}:
+        names = printable(", ".join(row.name for row in plan.adapters.items))
+        names = names if len(names) <= 200 else names[:195] + " ..."
+        raise UsageError(f"--adapter {shown(adapter, 64)}: not one of the plan's adapters; give one of: {names}")
+    if adapter_mode is not None and adapter_mode not in MODES:
+        raise UsageError(f"--adapter-mode {shown(adapter_mode, 64)}: give {' or '.join(MODES)}")
 
 
 def _serving_table(result) -> Table:
@@ -121,13 +154,15 @@ def _adapter_table(result) -> Table:
                  "compute idle"):
         table.add_column(name, justify="left" if name == "mode" else "right")
     for mode in result.modes:
-        table.add_row(mode.mode, str(mode.num_copies), f"{mode.total_ms:.1f} ({mode.predicted_total_ms:.1f})",
+        label = mode.mode + (" (the plan's)" if mode.mode == result.plan_mode else " (forced)")
+        table.add_row(label, str(mode.num_copies), f"{mode.total_ms:.1f} ({mode.predicted_total_ms:.1f})",
                       f"{mode.compute_ms:.1f}", f"{mode.first_start_ms:.2f} ({mode.predicted_first_start_ms:.2f})",
                       f"{mode.ttft_mean_ms:.1f} ({mode.predicted_ttft_mean_ms:.1f})",
                       f"{mode.ttft_max_ms:.1f} ({mode.predicted_ttft_max_ms:.1f})",
                       f"{mode.compute_idle_ms:.1f} ({mode.predicted_compute_idle_ms:.1f})")
     table.caption = (f"one adapter copy: {result.measured_copy_ms:.2f} ms measured, {result.planned_copy_ms:.2f} ms "
-                     "planned")
+                     f"planned; the plan chose {result.plan_mode}, predicted {result.plan_mode_margin:.1%} faster "
+                     "than the other (--adapter-mode serves either)")
     return table
 
 
