@@ -34,7 +34,7 @@ bounds them. Linear-attention and state-space layers are not modelled.
 
 from dataclasses import dataclass
 
-from planner.cost import text_config
+from planner.model_config import text_config
 from planner.errors import ModelInputError, printable, shown
 from planner.experts import DEFAULT_TOP_K, config_routing
 from planner.units import format_bytes

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from planner.errors import ModelInputError, shown
-from planner.experts import EXPERT_COUNT_KEYS, TOP_K_KEYS
+from planner.model_config import TEXT_SECTIONS
 from planner.safetensors_header import TensorEntry, entries_from_header, read_entries
 from planner.untrusted import checked_path, load_json, read_capped
 
@@ -29,18 +29,6 @@ HUB_CONNECT_TIMEOUT_S = 3.0
 _SHARD_NAME_RE = re.compile(r"^[^./\\][^/\\]*\.safetensors$")
 MAX_INDEX_BYTES = 64 * 2**20
 MAX_CONFIG_BYTES = 16 * 2**20
-#: config.json keys the planner reads as counts (planner.cost, planner.layout), with the range a real model's
-#: value lies in: wider than any model today, narrow enough that the arithmetic on them stays small and fast.
-#: Expert counts and top-k may be 0 (a dense model, or "not given").
-CONFIG_COUNTS = {
-    **dict.fromkeys(("hidden_size", "n_embd"), (1, 2**20)),
-    **dict.fromkeys(("num_attention_heads", "n_head", "num_key_value_heads", "head_dim"), (1, 2**16)),
-    **dict.fromkeys(("num_hidden_layers", "n_layer", "num_layers"), (1, 100_000)),
-    **dict.fromkeys(EXPERT_COUNT_KEYS, (0, 2**20)),
-    **dict.fromkeys(TOP_K_KEYS, (0, 2**20)),
-}
-#: sub-configs of multimodal models that hold the language model's keys
-CONFIG_SECTIONS = ("text_config", "language_config")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -240,8 +228,10 @@ def _read_config(folder: Path) -> dict | None:
 
 def check_config(config: dict, origin: str) -> None:
     """Every config.json key the planner reads has the type and range a real model's has (null: not given)."""
+    from planner.bounds import CONFIG_COUNTS  # planner.bounds imports the planner modules that import this one
+
     sections = [("", config)]
-    for key in CONFIG_SECTIONS:
+    for key in TEXT_SECTIONS:
         section = config.get(key)
         if section is not None and not isinstance(section, dict):
             raise ModelInputError(f"{origin}: {key} is {shown(section)}, not an object; fix config.json")

@@ -1,7 +1,8 @@
 """Per-layer compute time, estimated from each layer's FLOPs and bytes and the profile's rates (roofline).
 
 The estimate is a seam: a measured table (a later issue) replaces ``ComputeTimes`` and says so in ``source``.
-FLOPs and bytes come from the tensor shapes; config.json supplies attention geometry and MoE routing.
+FLOPs and bytes come from the tensor shapes; the model record (planner.model_config) supplies attention geometry
+and MoE routing.
 """
 
 import math
@@ -9,8 +10,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from planner.errors import ModelInputError
-from planner.experts import DEFAULT_TOP_K, config_routing, count_experts, is_expert_param
+from planner.experts import DEFAULT_TOP_K, count_experts, is_expert_param
 from planner.layout import LayerInfo, ModelLayout
+from planner.model_config import model_config
 from planner.profile import HardwareProfile
 
 # Bytes per cached K or V element: a bf16 KV cache.
@@ -65,13 +67,12 @@ class ModelGeometry:
 
 
 def geometry_from_config(config: dict | None, layout: ModelLayout) -> ModelGeometry:
-    """Attention heads and MoE routing from config.json; experts counted from names when config is silent."""
-    text = text_config(config)
-    hidden = text.get("hidden_size") or text.get("n_embd") or 0
-    num_heads = text.get("num_attention_heads") or text.get("n_head") or 0
-    head_dim = text.get("head_dim") or (hidden // num_heads if num_heads else 0)
-    num_kv_heads = text.get("num_key_value_heads") or num_heads
-    num_experts, top_k = config_routing(text)
+    """Attention heads and MoE routing from the model record; experts counted from names when config is silent."""
+    record = model_config(config)
+    num_heads = (record.num_heads or 0) if record else 0
+    head_dim = (record.head_dim or 0) if record else 0
+    num_kv_heads = (record.num_kv_heads or 0) if record else 0
+    num_experts, top_k = (record.num_experts, record.top_k) if record else (0, 0)
     num_experts = num_experts or count_experts(layout.layers[-1])
     if num_experts and not top_k:
         top_k = min(DEFAULT_TOP_K, num_experts)
@@ -81,16 +82,6 @@ def geometry_from_config(config: dict | None, layout: ModelLayout) -> ModelGeome
     return ModelGeometry(
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, num_experts=num_experts, top_k=top_k
     )
-
-
-def text_config(config: dict | None) -> dict:
-    """The language model's part of config.json (``text_config``/``language_config`` of multimodal models)."""
-    if not config:
-        return {}
-    for key in ("text_config", "language_config"):
-        if isinstance(config.get(key), dict):
-            return config[key]
-    return config
 
 
 def _logical_params(name: str, dtype: str, shape: tuple[int, ...]) -> int:

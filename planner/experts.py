@@ -111,7 +111,7 @@ class MoeGeometry:
 def moe_geometry(config: dict | None, layout: ModelLayout) -> MoeGeometry | None:
     """The MoE geometry of a checkpoint: experts and top-k from config.json (counted from the tensors where it
     is silent), each MoE layer's expert bytes from its tensors; None for a dense model."""
-    from planner.cost import text_config  # planner.cost imports this module
+    from planner.model_config import text_config  # planner.model_config imports this module
 
     num_experts, top_k = config_routing(text_config(config))
     layers = [layer for layer in layout.layers if any(is_expert_param(p[0]) for p in layer.params)]

@@ -21,7 +21,7 @@ wrong guess here would silently oversubscribe the GPU.
 
 from dataclasses import dataclass
 
-from planner.cost import text_config
+from planner.model_config import text_config
 from planner.errors import ModelInputError, printable, shown
 from planner.units import format_bytes
 
@@ -34,9 +34,7 @@ _CONFIG_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 DEFAULT_ACTIVATION_DTYPE = "bf16"
 RECURRENT_STATE_BYTES = 4  # float32
 KINDS = ("full", "sliding", "latent", "state")
-# Plausibility limits: a config beyond these is corrupt, not a model.
-_MAX_LAYERS = 4096
-_MAX_HEADS = 4096
+# Plausibility limit of the sizes planner.bounds.CONFIG_COUNTS does not list: a config beyond it is corrupt.
 _MAX_DIM = 65536
 
 
@@ -196,8 +194,13 @@ class _Config:
     def has(self, key: str) -> bool:
         return self.values.get(key) is not None
 
-    def int(self, key: str, *, maximum: int = _MAX_DIM, default: int | None = None) -> int:
-        """A positive integer (bools and floats refused), at most ``maximum``."""
+    def int(self, key: str, *, maximum: int | None = None, default: int | None = None) -> int:
+        """A positive integer (bools and floats refused), at most ``maximum`` (default: the key's bound in
+        planner.bounds.CONFIG_COUNTS, the one table config.json is checked against, else ``_MAX_DIM``)."""
+        if maximum is None:
+            from planner.bounds import CONFIG_COUNTS  # planner.bounds imports this module
+
+            maximum = CONFIG_COUNTS.get(key, (1, _MAX_DIM))[1]
         value = self.values.get(key)
         if value is None:
             if default is None:
@@ -209,7 +212,7 @@ class _Config:
         return value
 
     def num_layers(self) -> int:
-        return self.int("num_hidden_layers", maximum=_MAX_LAYERS)
+        return self.int("num_hidden_layers")
 
     def activation_dtype(self) -> str:
         name = self.values.get("torch_dtype") or self.values.get("dtype")
@@ -229,14 +232,14 @@ def _model_type_of(architectures: object) -> str | None:
 
 def _attention_shape(cfg: _Config) -> tuple[int, int]:
     """(num_key_value_heads, head_dim) of grouped-query attention; head_dim defaults to hidden / heads."""
-    num_heads = cfg.int("num_attention_heads", maximum=_MAX_HEADS)
-    num_kv_heads = cfg.int("num_key_value_heads", maximum=_MAX_HEADS, default=num_heads)
+    num_heads = cfg.int("num_attention_heads")
+    num_kv_heads = cfg.int("num_key_value_heads", default=num_heads)
     if num_heads % num_kv_heads:
         raise ModelInputError(f"KV cache of {cfg.name}: num_attention_heads {num_heads} is not a multiple of "
                               f"num_key_value_heads {num_kv_heads}; fix config.json")
     if cfg.has("head_dim"):
         return num_kv_heads, cfg.int("head_dim")
-    hidden = cfg.int("hidden_size", maximum=_MAX_DIM * 4)
+    hidden = cfg.int("hidden_size")
     if hidden % num_heads:
         raise ModelInputError(f"KV cache of {cfg.name}: config.json has no head_dim and hidden_size {hidden} is not "
                               f"a multiple of num_attention_heads {num_heads}; add head_dim")
@@ -310,8 +313,8 @@ def _latent_layers(cfg: _Config) -> list[CacheLayer]:
 
 def _gated_deltanet_state(cfg: _Config, index: int) -> CacheLayer:
     """Qwen3-Next's Gated DeltaNet: conv over q, k, v channels; one k x v matrix per value head."""
-    key_dim = cfg.int("linear_num_key_heads", maximum=_MAX_HEADS) * cfg.int("linear_key_head_dim")
-    num_value_heads = cfg.int("linear_num_value_heads", maximum=_MAX_HEADS)
+    key_dim = cfg.int("linear_num_key_heads", maximum=_MAX_DIM) * cfg.int("linear_key_head_dim")
+    num_value_heads = cfg.int("linear_num_value_heads", maximum=_MAX_DIM)
     value_dim = num_value_heads * cfg.int("linear_value_head_dim")
     conv = (2 * key_dim + value_dim) * cfg.int("linear_conv_kernel_dim", maximum=64)
     recurrent = num_value_heads * cfg.int("linear_key_head_dim") * cfg.int("linear_value_head_dim")
@@ -336,7 +339,7 @@ def _jamba_layers(cfg: _Config) -> list[CacheLayer]:
     if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset < period:
         raise ModelInputError(f"KV cache of {cfg.name}: config.json's attn_layer_offset is {offset!r}; expected "
                               f"an integer from 0 to attn_layer_period - 1 ({period - 1})")
-    inner = cfg.int("mamba_expand", maximum=64) * cfg.int("hidden_size", maximum=_MAX_DIM * 4)
+    inner = cfg.int("mamba_expand", maximum=64) * cfg.int("hidden_size")
     conv = inner * cfg.int("mamba_d_conv", maximum=64)
     recurrent = inner * cfg.int("mamba_d_state")
     return [_attention_entry(cfg, i, "full_attention") if i % period == offset else
@@ -346,13 +349,13 @@ def _jamba_layers(cfg: _Config) -> list[CacheLayer]:
 
 def _falcon_h1_layers(cfg: _Config) -> list[CacheLayer]:
     """Falcon-H1: every layer runs attention and Mamba-2 side by side, so it keeps K/V and a state."""
-    hidden = cfg.int("hidden_size", maximum=_MAX_DIM * 4)
+    hidden = cfg.int("hidden_size")
     inner = cfg.int("mamba_d_ssm", maximum=_MAX_DIM * 4, default=cfg.int("mamba_expand", maximum=64) * hidden)
-    num_heads = cfg.int("mamba_n_heads", maximum=_MAX_HEADS)
+    num_heads = cfg.int("mamba_n_heads", maximum=_MAX_DIM)
     head_dim = cfg.values.get("mamba_d_head")
     head_dim = inner // num_heads if head_dim in (None, "auto") else cfg.int("mamba_d_head")
     d_state = cfg.int("mamba_d_state")
-    conv = (inner + 2 * cfg.int("mamba_n_groups", maximum=_MAX_HEADS) * d_state) * cfg.int("mamba_d_conv", maximum=64)
+    conv = (inner + 2 * cfg.int("mamba_n_groups", maximum=_MAX_DIM) * d_state) * cfg.int("mamba_d_conv", maximum=64)
     recurrent = num_heads * head_dim * d_state
     entries = []
     for i in range(cfg.num_layers()):

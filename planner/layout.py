@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 from planner.checkpoint import Checkpoint
 from planner.errors import ModelInputError
+from planner.experts import count_experts, is_expert_param
+from planner.model_config import check_against_tensors, model_config
 from planner.safetensors_header import TensorEntry
 
 
@@ -97,14 +99,8 @@ def _stack_bytes(layers: dict[int, list[TensorEntry]]) -> int:
 
 def config_num_layers(config: dict | None) -> int | None:
     """The number of layers config.json says the served model runs (text config for multimodal models)."""
-    if not config:
-        return None
-    for section in (config.get("text_config"), config.get("language_config"), config):
-        if isinstance(section, dict):
-            for key in ("num_hidden_layers", "n_layer", "num_layers"):
-                if isinstance(section.get(key), int):
-                    return section[key]
-    return None
+    record = model_config(config)
+    return record.num_layers if record else None
 
 
 def build_layout(checkpoint: Checkpoint, stack: str | None = None) -> ModelLayout:
@@ -115,6 +111,7 @@ def build_layout(checkpoint: Checkpoint, stack: str | None = None) -> ModelLayou
             f"{checkpoint.source}: no repeated layer stack found in tensor names (expected names like "
             "model.layers.0.*); this checkpoint has nothing to offload layer by layer"
         )
+    chosen = stack is None
     if stack is None:
         stack = max(stacks, key=lambda prefix: (_stack_bytes(stacks[prefix]), prefix))
     elif stack not in stacks:
@@ -129,6 +126,8 @@ def build_layout(checkpoint: Checkpoint, stack: str | None = None) -> ModelLayou
         raise ModelInputError(f"config.json says {served} layers but stack {stack} has none below that index")
     in_stack = {f"{stack}.{layer.index}.{p[0]}" for layer in layers for p in layer.params}
     outside = [t for t in checkpoint.tensors if t.name not in in_stack]
+    if chosen:  # a stack named with --stack (a vision tower's, say) is not the one config.json describes
+        _check_config(checkpoint, layers, outside)
     return ModelLayout(
         stack=stack,
         stacks={prefix: len(layers_) for prefix, layers_ in sorted(stacks.items())},
@@ -137,6 +136,15 @@ def build_layout(checkpoint: Checkpoint, stack: str | None = None) -> ModelLayou
         non_layer_bytes=sum(t.nbytes for t in outside),
         non_layer_names=tuple(t.name for t in outside),
     )
+
+
+def _check_config(checkpoint: Checkpoint, layers: list[LayerInfo], outside: list[TensorEntry]) -> None:
+    """config.json against the tensors: the embedding's width, the stack's depth, the experts present."""
+    embedding = next((t for t in outside if t.name.endswith("embed_tokens.weight") and len(t.shape) == 2), None)
+    moe_layers = [layer for layer in layers if any(is_expert_param(p[0]) for p in layer.params)]
+    check_against_tensors(model_config(checkpoint.config), source=checkpoint.source,
+                          embedding_width=embedding.shape[1] if embedding else None, num_stack_layers=len(layers),
+                          num_experts_present=max(map(count_experts, moe_layers)) if moe_layers else None)
 
 
 def _layer_info(index: int, tensors: list[TensorEntry], stack: str) -> LayerInfo:

@@ -23,6 +23,7 @@ from planner.experts import ROUTED_FETCH_EFFICIENCY, moe_geometry, non_resident_
 from planner.routing_trace import check_against, read_trace
 from planner.kv_cache import KV_DTYPES, KvCacheModel, kv_cache_model
 from planner.layout import ModelLayout, build_layout, param_selected
+from planner.model_config import ModelConfig, model_config
 from planner.plan import (
     MS_DECIMALS,
     SCHEMA_VERSION,
@@ -202,6 +203,14 @@ class _Model:
         compute = _compute_times(self.inputs, self.checkpoint, self.layout, workload, self.profile, self.kv,
                                  self.measure, graphed, self.shapes)
         return with_all_reduces(compute, self.checkpoint, workload, self.profile)
+
+
+def _check_context(context_tokens: int, record: ModelConfig | None) -> None:
+    """--context within what the model's positions and rope scaling allow (vLLM refuses a longer max model len)."""
+    limit = record.context if record else None
+    if limit is not None and context_tokens > limit.max_tokens:
+        raise UsageError(f"--context {context_tokens} is beyond the model's {limit.max_tokens} tokens (config.json's "
+                         f"{limit.source}); give --context {limit.max_tokens} or less")
 
 
 def make_plan(inputs: Inputs, compute_override: ComputeTimes | None = None,
@@ -384,6 +393,7 @@ def _read_model(inputs: Inputs, measure: MeasureFunction | None = None,
     check_tp_inputs(inputs, profile)
     # one rank's shard under --tp: its tensors' shapes and its config (heads, KV heads, widths) as vLLM splits them
     whole = load_checkpoint(inputs.model, inputs.revision) if whole is None else whole
+    _check_context(inputs.context, model_config(whole.config))
     checkpoint = shard_checkpoint(whole, inputs.tp)
     layout = build_layout(checkpoint, inputs.stack)
     warnings = _layout_warnings(layout)

@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from planner.checkpoint import Checkpoint
-from planner.cost import ComputeTimes, Workload, estimate_compute, geometry_from_config, text_config
+from planner.cost import ComputeTimes, Workload, estimate_compute, geometry_from_config
+from planner.model_config import text_config
 from planner.errors import UsageError
 from planner.layout import ModelLayout, config_num_layers, layer_kinds
 from planner.profile import HardwareProfile, load_profile

@@ -3,6 +3,8 @@
 import json
 import struct
 
+from planner.bounds import CONFIG_COUNTS
+from planner.model_config import model_config
 from tests.fuzz.core import (
     Base, Case, DEEP_LEVELS, HUGE_INT, JUNK, NASTY_TEXT, SHARDS, _deep, _framed, _header_of, _json, _make_case,
     _nbytes, _pick_tensor, _raw_splice,
@@ -159,13 +161,8 @@ def gen_index(rng, base_: Base) -> Case:
     return _make_case("index", kind, invalid, files, rng)
 
 
-#: config keys the planner reads, with the range a real model's value lies in (None: not a count)
-CONFIG_INT_KEYS = {"hidden_size": (1, 2**20), "n_embd": (1, 2**20), "num_attention_heads": (1, 2**16),
-                   "n_head": (1, 2**16), "head_dim": (1, 2**16), "num_key_value_heads": (1, 2**16),
-                   "num_hidden_layers": (1, 100_000), "n_layer": (1, 100_000), "num_layers": (1, 100_000),
-                   "num_experts": (0, 2**20), "num_local_experts": (0, 2**20), "n_routed_experts": (0, 2**20),
-                   "moe_num_experts": (0, 2**20), "num_experts_per_tok": (0, 2**20),
-                   "num_experts_per_token": (0, 2**20), "moe_topk": (0, 2**20), "top_k": (0, 2**20)}
+#: config keys the planner reads, with the range a real model's value lies in: the planner's own table
+CONFIG_INT_KEYS = CONFIG_COUNTS
 CONFIG_VALUES = (*JUNK, 0, 1, 2, 3, 4, 8, 64, 2**31, 10**9, 2**20 + 1, float("nan"), float("inf"))
 
 
@@ -178,6 +175,18 @@ def _config_value_invalid(key: str, value, config: dict, moe: bool) -> bool:
         return False
     low, high = CONFIG_INT_KEYS[key]
     return isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high
+
+
+def _unlike_tensors(config: dict, model) -> bool:
+    """Whether the model record of ``config`` disagrees with the base checkpoint's tensors (hidden size against
+    the embedding's width, more layers than the stack, another expert count), which the planner refuses."""
+    record = model_config(config)
+    width = model.tensors["model.embed_tokens.weight"][1][1]
+    num_layers = 1 + max(int(name.split(".")[2]) for name in model.tensors if name.startswith("model.layers."))
+    present = model.config.get("num_experts", 0)
+    return bool((record.hidden_size and record.hidden_size != width)
+                or (record.num_layers and record.num_layers > num_layers)
+                or (present and record.num_experts and record.num_experts != present))
 
 
 def gen_config(rng, base_: Base) -> Case:
@@ -194,7 +203,8 @@ def gen_config(rng, base_: Base) -> Case:
         if kind == "text_config":
             target = config["text_config"] = dict(config)
         target[key] = value
-        invalid = _config_value_invalid(key, value, target, moe)
+        invalid = _config_value_invalid(key, value, target, moe) or _unlike_tensors(config, base_.moe if moe
+                                                                                    else base_.dense)
         if key in ("num_experts", "num_experts_per_tok") and moe and isinstance(value, int) and value == 0:
             invalid = False
         kind = f"{kind}:{key}"
