@@ -1,5 +1,7 @@
-"""Header-only checkpoints of a config.json's model: the tensor list comes from transformers (a model built on the
-meta device), the files from planner.header_checkpoint (sparse shards that declare every tensor and hold none).
+"""Header-only checkpoints of a config.json's model: the tensor list is the release's own where
+planner.release_format knows the family (quantized tensors and scales, one tensor per expert, multimodal towers),
+else transformers' (a model built on the meta device); the files come from planner.header_checkpoint (sparse
+shards that declare every tensor and hold none).
 
 In the runtime because listing a model's tensors needs torch and transformers; ``offload-plan header-checkpoint``
 reaches it through offload_plan.runtime_seam.
@@ -9,7 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from planner.errors import ModelInputError, RuntimeUnavailableError, brief
+from planner.errors import ModelInputError, RuntimeUnavailableError, brief, shown
+from planner.model_config import model_config
+from planner.release_format import LAYERS, knows, release_specs
 from planner.header_checkpoint import (
     DEFAULT_SHARD_BYTES,
     HeaderCheckpoint,
@@ -25,13 +29,23 @@ def write_header_checkpoint(config_path: str | Path, out_dir: str | Path, *, dty
                             shard_bytes: int = DEFAULT_SHARD_BYTES) -> HeaderCheckpoint:
     """Write a header-only checkpoint of ``config_path``'s model into ``out_dir`` (see the module docstring).
 
-    ``dtype`` is a config.json dtype name (bfloat16, float16, float32); default: the config's own.
+    ``dtype`` is a config.json dtype name (bfloat16, float16, float32) for the unquantized tensors; default: the
+    config's own.
     """
     config_path, out_dir = Path(config_path), Path(out_dir)
     owned_files(out_dir)  # refuse someone else's folder before the slow part (transformers)
     config = read_config(config_path)
-    safetensors_dtype = dtype_for(dtype or config.get("torch_dtype") or config.get("dtype") or "bfloat16")
-    specs = tensor_specs(config_path, safetensors_dtype)
+    record = model_config(config)
+    safetensors_dtype = dtype_for(dtype or record.dtype or "bfloat16")
+    if knows(config):
+        specs = release_specs(config, dtype=dtype)
+    elif record.quantization is not None:
+        raise ModelInputError(f"{config_path}: quantization_config ({shown(record.quantization.method)}) of model_type "
+                              f"{shown(record.model_type)}: header-checkpoint knows the quantized release layout of "
+                              f"{', '.join(sorted(LAYERS))} only, and writes no silent bf16; plan from the "
+                              "release's own headers (--model ORG/NAME)")
+    else:
+        specs = tensor_specs(config_path, safetensors_dtype)
     return write_checkpoint_folder(config_path=config_path, specs=specs, out_dir=out_dir, shard_bytes=shard_bytes)
 
 
