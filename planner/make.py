@@ -870,12 +870,12 @@ def _model_section(checkpoint: Checkpoint, layout: ModelLayout) -> ModelSection:
     dtype_bytes = Counter()
     for tensor in checkpoint.tensors:
         dtype_bytes[tensor.dtype] += tensor.nbytes
-    architectures = (checkpoint.config or {}).get("architectures") or [None]
+    record = model_config(checkpoint.config)
     return ModelSection(
         source=checkpoint.source,
         revision=checkpoint.revision,
         fingerprint=checkpoint.fingerprint(),
-        architecture=architectures[0],
+        architecture=record.architecture if record else None,
         stack=layout.stack,
         num_layers=len(layout.layers),
         num_tensors=len(checkpoint.tensors),

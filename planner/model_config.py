@@ -78,6 +78,8 @@ class ModelConfig:
     model_type: str | None
     #: the top-level model_type (gemma3 for Gemma-3); equal to model_type for text-only configs
     outer_model_type: str | None
+    #: the first class name of config.json's architectures (checked at load), None where it lists none
+    architecture: str | None
     #: True where the language model sits under text_config/language_config (a vision tower beside it)
     multimodal: bool
     #: the language model's keys, defaults applied (read-only)
@@ -135,6 +137,7 @@ def model_config(config: dict | None) -> ModelConfig | None:
     return ModelConfig(
         model_type=text.get("model_type") if isinstance(text.get("model_type"), str) else None,
         outer_model_type=config.get("model_type") if isinstance(config.get("model_type"), str) else None,
+        architecture=_architecture(config),
         multimodal=any(isinstance(config.get(key), dict) for key in TEXT_SECTIONS),
         text=MappingProxyType(dict(text)),
         hidden_size=hidden,
@@ -157,6 +160,11 @@ def _first_int(section: dict, keys: tuple[str, ...]) -> int | None:
     """The first of ``keys`` that holds a whole number (bounds are checked in planner.checkpoint)."""
     return next((section[k] for k in keys if isinstance(section.get(k), int) and not isinstance(section[k], bool)),
                 None)
+
+
+def _architecture(config: dict) -> str | None:
+    names = config.get("architectures")
+    return names[0] if isinstance(names, list) and names and isinstance(names[0], str) else None
 
 
 def _dtype_name(text: dict) -> str | None:
