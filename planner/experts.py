@@ -111,9 +111,10 @@ class MoeGeometry:
 def moe_geometry(config: dict | None, layout: ModelLayout) -> MoeGeometry | None:
     """The MoE geometry of a checkpoint: experts and top-k from config.json (counted from the tensors where it
     is silent), each MoE layer's expert bytes from its tensors; None for a dense model."""
-    from planner.model_config import text_config  # planner.model_config imports this module
+    from planner.model_config import model_config  # planner.model_config imports this module
 
-    num_experts, top_k = config_routing(text_config(config))
+    record = model_config(config)
+    num_experts, top_k = (record.num_experts, record.top_k) if record else (0, 0)
     layers = [layer for layer in layout.layers if any(is_expert_param(p[0]) for p in layer.params)]
     if not layers:
         return None
