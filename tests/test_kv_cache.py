@@ -84,14 +84,23 @@ def test_gpt_oss_sliding_layers_hold_their_window():
     assert model.fixed_bytes_per_sequence("bf16") == 18 * 128 * per_layer_token
 
 
+def test_gemma3_multimodal_config_caches_its_language_model():
+    """Gemma-3-27B's public config (text_config, Gemma3TextConfig's defaults): 62 layers, every sixth full, the
+    other 52 sliding at 1,024 tokens, 16 KV heads of 128."""
+    model = kv_cache_model(_config(REPO_ROOT / "examples/gemma-3-27b-it/config.json"))
+    per_layer_token = 2 * 16 * 128 * 2
+    assert model.bytes_per_token("bf16") == 10 * per_layer_token
+    assert model.fixed_bytes_per_sequence("bf16") == 52 * 1024 * per_layer_token
+
+
 @pytest.mark.parametrize("path", REAL_CONFIGS, ids=lambda p: p.parent.name)
 def test_every_real_config_is_modelled(path):
     """Full-attention configs: num_hidden_layers x 2 x KV heads x head_dim (hidden / heads without head_dim)."""
     config = _config(path)
     model = kv_cache_model(config)
     assert model.describe()
-    if "kv_lora_rank" in config or "layer_types" in config:
-        return  # covered by the tests above
+    if "kv_lora_rank" in config or "layer_types" in config or "text_config" in config:
+        return  # covered by the tests above (Gemma-3's in test_gemma3_multimodal_config_caches_its_language_model)
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     expected = config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * head_dim * 2
     assert model.bytes_per_token("auto") == expected
