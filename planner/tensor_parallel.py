@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from planner.checkpoint import Checkpoint
 from planner.cost import ComputeTimes
 from planner.errors import ModelInputError, ProfileError, UsageError
+from planner.model_config import TEXT_SECTIONS, text_config
 from planner.safetensors_header import TensorEntry, tensor_nbytes
 
 #: vocab_parallel_embedding.py DEFAULT_VOCAB_PADDING_SIZE: the vocabulary is padded to a multiple of this
@@ -134,7 +135,7 @@ class TpModel:
 
 def tp_model(config: dict | None) -> TpModel:
     """Attention heads, KV heads and the FP8 block size from config.json (its language-model part)."""
-    text = _text(config)
+    text = text_config(config)
     heads = text.get("num_attention_heads")
     if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1:
         raise ModelInputError("--tp: config.json has no num_attention_heads; vLLM splits attention by heads, so "
@@ -146,11 +147,9 @@ def tp_model(config: dict | None) -> TpModel:
     return TpModel(num_heads=heads, num_kv_heads=kv, fp8_block=fp8_block)
 
 
-def _text(config: dict | None) -> dict:
-    for key in ("text_config", "language_config"):
-        if isinstance((config or {}).get(key), dict):
-            return config[key]
-    return config or {}
+def _text_section(config: dict) -> dict:
+    """The language model's own section of ``config`` (not a copy: rank_config rewrites it in place)."""
+    return next((config[key] for key in TEXT_SECTIONS if isinstance(config.get(key), dict)), config)
 
 
 class _Refused(Exception):
@@ -367,7 +366,7 @@ def rank_config(config: dict | None, tp: int) -> dict | None:
     if config is None or tp == 1:
         return config
     out = copy.deepcopy(config)
-    text = _text(out)
+    text = _text_section(out)
     if any(key in text for key in _STATE_KEYS):
         raise ModelInputError("--tp: the per-rank state of linear-attention and state-space layers is not modelled; "
                               "plan this model with --tp 1")
@@ -446,7 +445,7 @@ def with_all_reduces(compute: ComputeTimes, checkpoint: Checkpoint, workload, pr
     any other checkpoint's times come back as they are)."""
     if not isinstance(checkpoint, RankCheckpoint):
         return compute
-    text = _text(checkpoint.whole_config)
+    text = text_config(checkpoint.whole_config)
     dtype = text.get("torch_dtype") or text.get("dtype")
     reduces = step_all_reduces(
         tp=checkpoint.tp_size, num_layers=len(compute.layer_ms), tokens_per_step=workload.tokens_per_step,
