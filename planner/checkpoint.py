@@ -17,7 +17,8 @@ from pathlib import Path
 
 from planner.errors import ModelInputError, shown
 from planner.model_config import TEXT_SECTIONS
-from planner.safetensors_header import TensorEntry, entries_from_header, read_entries
+from planner.safetensors_header import (TensorEntry, entries_from_bytes, entries_from_header, read_entries,
+                                       read_header_bytes)
 from planner.untrusted import checked_path, load_json, read_capped
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -138,8 +139,11 @@ def _load_local(path: Path, source: str) -> Checkpoint:
                 f"{folder}: shard {name} listed in {index_path.name} is missing; download it "
                 "(for planning, its header is enough)"
             )
+    # the reads on threads (a cold disk or network file system answers several at once), the parsing on this
+    # one: it holds the GIL, and 8 threads parsing DeepSeek-V3's 129 headers took 2.9 s against 2.3 s serially
     with ThreadPoolExecutor(max_workers=8) as pool:
-        per_file = list(pool.map(lambda name: read_entries(folder / name, name), files))
+        reads = list(pool.map(lambda name: read_header_bytes(folder / name), files))
+    per_file = [entries_from_bytes(read, name) for read, name in zip(reads, files)]
     tensors = _merge_shards(weight_map, dict(zip(files, per_file)), str(index_path))
     return Checkpoint(
         source=source, kind="local", revision=None, tensors=tensors, config=_read_config(folder), num_files=len(files)

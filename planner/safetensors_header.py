@@ -72,6 +72,12 @@ def read_header_json(path: Path) -> dict:
 
 def _read_header(path: Path) -> tuple[dict, int]:
     """(parsed JSON header, bytes of tensor data the file holds after it)."""
+    return parse_header(*read_header_bytes(path))
+
+
+def read_header_bytes(path: Path) -> tuple[Path, bytes, int]:
+    """(path, the header's raw JSON bytes, bytes of tensor data after it): the file I/O alone, so callers may
+    read many files on threads and parse them on one (parsing holds the GIL: threads would only contend)."""
     handle, file_size_bytes = open_regular(path, ModelInputError, "a safetensors file")
     try:
         with handle:
@@ -95,11 +101,16 @@ def _read_header(path: Path) -> tuple[dict, int]:
             f"{path}: header says {header_bytes} bytes but the file ends after {len(raw)}; "
             "the file is truncated: download it again"
         )
+    return path, raw, file_size_bytes - HEADER_PREFIX_BYTES - header_bytes
+
+
+def parse_header(path: Path, raw: bytes, data_bytes: int) -> tuple[dict, int]:
+    """(parsed JSON header, ``data_bytes``) of bytes read by read_header_bytes."""
     header = load_json(raw, f"{path}: safetensors header", ModelInputError,
                        fix="the file is corrupt: download it again")
     if not isinstance(header, dict):
         raise ModelInputError(f"{path}: safetensors header is not a JSON object; the file is corrupt")
-    return header, file_size_bytes - HEADER_PREFIX_BYTES - header_bytes
+    return header, data_bytes
 
 
 def entries_from_header(header: dict, file: str, origin: str, data_bytes: int | None = None) -> list[TensorEntry]:
@@ -179,5 +190,10 @@ def _is_count(value: object, limit: int) -> bool:
 
 def read_entries(path: Path, file: str) -> list[TensorEntry]:
     """Read one local safetensors file's header into tensor entries."""
-    header, data_bytes = _read_header(path)
-    return entries_from_header(header, file, str(path), data_bytes)
+    return entries_from_bytes(read_header_bytes(path), file)
+
+
+def entries_from_bytes(read: tuple[Path, bytes, int], file: str) -> list[TensorEntry]:
+    """Tensor entries of a header read by read_header_bytes."""
+    header, data_bytes = parse_header(*read)
+    return entries_from_header(header, file, str(read[0]), data_bytes)

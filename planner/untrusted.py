@@ -122,16 +122,16 @@ def _no_constant(word: str):
 
 
 def _depth(value: object) -> int:
-    """Nesting depth of parsed JSON, without recursion."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        item, level = stack.pop()
-        deepest = max(deepest, level)
-        if level > MAX_DEPTH:
-            break
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
-        stack.extend((child, level + 1) for child in children if isinstance(child, (dict, list)))
-    return deepest
+    """Nesting depth of parsed JSON, without recursion: level by level, stopping past MAX_DEPTH (a level's
+    containers gathered in one comprehension: a safetensors header has ~1,000 objects at its second level)."""
+    if not isinstance(value, (dict, list)):
+        return 1
+    level, frontier = 1, [value]
+    while frontier and level <= MAX_DEPTH:
+        frontier = [child for item in frontier for child in (item.values() if isinstance(item, dict) else item)
+                    if isinstance(child, (dict, list))]
+        level += 1
+    return level - 1 if not frontier else level
 
 
 def load_json(raw: bytes, origin: str, error_class: type[OffloadPlanError], *, allow_constants: bool = False,
