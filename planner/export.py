@@ -36,6 +36,7 @@ import math
 import shlex
 from dataclasses import dataclass
 
+from planner.engine_memory import SHARE_DECIMALS, VLLM_BLOCK_TOKENS, describe, sglang_memory, vllm_memory
 from planner.engine_plan import Loss, expressible_plan
 from planner.errors import PlanError, UsageError
 from planner.plan import Plan
@@ -135,7 +136,7 @@ def export_plan(plan: Plan, engine: str, *, tp_size: int = 1, exact: bool = Fals
     else:
         notes.append("the plan offloads nothing: serve without offload flags")
     if plan.serving is not None:
-        flags += _serving_flags(plan, engine, divisor, notes)
+        flags += _serving_flags(plan, engine, tp_size, divisor, notes, warnings)
     if plan.adapters is not None:
         flags += adapter_flags(plan, engine, notes)
     if tp_size > 1:
@@ -336,38 +337,30 @@ def adapter_flags(plan: Plan, engine: str, notes: list) -> list[str]:
 KV_CACHE_DTYPE_FLAGS = {"vllm": {"fp8": "fp8"}, "sglang": {"fp8": "fp8_e4m3"}}
 
 
-def _serving_flags(plan: Plan, engine: str, tp_size: int, notes: list) -> list[str]:
-    """Concurrency, context and the GPU memory share that leave the engine the plan's KV cache, per rank."""
-    workload, memory = plan.workload, plan.memory
-    per_rank_total = (memory.total_gpu_bytes - memory.cuda_context_bytes) / tp_size + memory.cuda_context_bytes
+def _serving_flags(plan: Plan, engine: str, tp_size: int, divisor: int, notes: list, warnings: list) -> list[str]:
+    """Concurrency, context, the prefill chunk and the GPU memory share that leave the engine the plan's KV cache
+    per rank of ``tp_size``, by the engine's own accounting (planner.engine_memory); ``divisor``: what divides the
+    plan's figures into one rank's (1 for a make --tp plan)."""
+    workload = plan.workload
+    chunk = str(max(workload.chunk_tokens, workload.concurrency))
     if engine == "vllm":
-        # vLLM's --gpu-memory-utilization covers everything it allocates (weights, activations, graphs, KV cache).
-        share = per_rank_total / plan.hardware.gpu_memory_bytes
+        memory = vllm_memory(plan, tp_size, divisor)
         flags = ["--max-num-seqs", str(workload.concurrency), "--max-model-len", str(workload.context_tokens),
-                 "--gpu-memory-utilization", f"{_ceil_share(share):.2f}"]
-        what = "the whole plan"
+                 "--max-num-batched-tokens", chunk, "--block-size", str(VLLM_BLOCK_TOKENS),
+                 "--gpu-memory-utilization", f"{memory.share:.{SHARE_DECIMALS}f}"]
     else:
-        # SGLang's --mem-fraction-static covers the weights and the KV pool; activations and graphs use the rest.
-        share = (memory.gpu_bytes + memory.kv_cache_bytes) / tp_size / plan.hardware.gpu_memory_bytes
+        memory = sglang_memory(plan, tp_size, divisor)
         flags = ["--max-running-requests", str(workload.concurrency), "--context-length", str(workload.context_tokens),
-                 "--mem-fraction-static", f"{_ceil_share(share):.2f}"]
-        what = "the weights and the KV cache"
+                 "--chunked-prefill-size", chunk, "--mem-fraction-static", f"{memory.share:.{SHARE_DECIMALS}f}"]
     kv_flag = KV_CACHE_DTYPE_FLAGS[engine].get(workload.kv_dtype)
     if kv_flag is not None:
         flags += ["--kv-cache-dtype", kv_flag]
-    tokens = workload.concurrency * workload.context_tokens
-    share_bytes = per_rank_total if engine == "vllm" else share * plan.hardware.gpu_memory_bytes
-    notes.append(f"serving: {workload.concurrency} sequences of up to {workload.context_tokens} tokens; the memory "
-                 f"share is {what} ({format_bytes(share_bytes)} "
-                 f"per rank) over the GPU's {format_bytes(plan.hardware.gpu_memory_bytes)}, rounded up to the next "
-                 f"0.01; at start-up the engine should report a KV cache of at least {tokens:,} tokens "
-                 f"({format_bytes(memory.kv_cache_bytes / tp_size)} per rank)")
+    notes.append(describe(engine, plan, tp_size, memory))
+    if memory.kv_tokens < memory.needed_tokens:
+        warnings.append(f"{ENGINE_NAMES[engine]}'s memory accounting leaves a KV cache of {memory.kv_tokens:,} tokens "
+                        f"per rank, short of the {memory.needed_tokens:,} the plan's {workload.concurrency} sequences "
+                        "need: make the plan with fewer --concurrency or a shorter --context for this engine")
     return flags
-
-
-def _ceil_share(share: float) -> float:
-    """A memory share rounded up to two decimals (never below what the plan needs), at most 1."""
-    return min(1.0, math.ceil(share * 100 - 1e-9) / 100)
 
 
 def _planned_tp(plan: Plan, tp_size: int) -> tuple[int, int]:
