@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, replace
 
 from planner.cost import ComputeTimes
-from planner.errors import PlanError
+from planner.errors import PlanError, UsageError
 from planner.plan import LayerRow, Plan
 from planner.search import Choice, LayerBytes, Searcher, SearchSpace, weight_gpu_bytes
 from planner.simulate import join_every_steps_for
@@ -155,3 +155,33 @@ def expressible_plan(plan: Plan) -> tuple[Plan, Loss | None]:
 def _mean_hit_rate(plan: Plan) -> float:
     rows = [row.hit_rate for row in plan.experts.layers if row.regime == "routed"]
     return sum(rows) / len(rows)
+
+
+#: the engines make --for plans within (planner.export's ENGINES)
+PLAN_ENGINES = ("vllm", "sglang")
+
+
+def check_engine_input(engine: str | None, params: tuple[str, ...]) -> None:
+    """make --for: a known engine, and a --params selection the engine's name matching can say."""
+    if engine is None:
+        return
+    if engine not in PLAN_ENGINES:
+        raise UsageError(f"--for {engine!r} is not an engine offload-plan plans for; choose "
+                         f"{' or '.join(PLAN_ENGINES)}, or leave --for out")
+    from planner.export import check_segment
+
+    for segment in params:
+        try:
+            check_segment(segment)
+        except PlanError as error:
+            raise UsageError(f"--for {engine}: {error}") from None
+
+
+def check_engine_architecture(engine: str | None, params: tuple[str, ...], config: dict | None) -> None:
+    """make --for sglang: SGLang's DeepSeek-V2/V3 code offloads the routed experts whatever the flags say."""
+    from planner.export import SGLANG_EXPERTS_ONLY
+
+    architectures = (config or {}).get("architectures") or [None]
+    if engine == "sglang" and architectures[0] in SGLANG_EXPERTS_ONLY and params != ("experts",):
+        raise UsageError(f"--for sglang: SGLang's {architectures[0]} code offloads only the routed experts of each "
+                         "offloaded layer; add --params experts")

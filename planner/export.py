@@ -266,7 +266,7 @@ def _params_flags(plan: Plan, engine: str, notes: list) -> list[str]:
     """The selection flag, or an error when the engine cannot say the plan's selection."""
     segments = plan.offload.params
     for segment in segments:
-        _check_segment(segment)
+        check_segment(segment)
     if engine == "sglang" and plan.model.architecture in SGLANG_EXPERTS_ONLY:
         if segments != ("experts",):
             raise PlanError(
@@ -285,7 +285,7 @@ def _params_flags(plan: Plan, engine: str, notes: list) -> list[str]:
     return [flag, *segments]
 
 
-def _check_segment(segment: str) -> None:
+def check_segment(segment: str) -> None:
     """Segments that name a fused checkpoint part or one expert cannot be said to an engine."""
     parts = segment.split(".")
     if any(part.isdigit() for part in parts):

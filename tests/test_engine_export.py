@@ -109,3 +109,72 @@ def test_a_weights_plan_has_no_memory_flags(engine):
     plan = read_plan(PLANS / "qwen3-32b-h100-sxm-40gib.yaml")
     flags = export_plan(plan, engine).flags
     assert "--gpu-memory-utilization" not in flags and "--mem-fraction-static" not in flags
+
+
+# ---- make --for ENGINE: plan within what the engine expresses --------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama_70b(tmp_path_factory) -> Path:
+    """The header-only Llama-3.1-70B checkpoint plans/ are made from."""
+    from scripts.real_checkpoints import write_checkpoint
+
+    return write_checkpoint("llama-3.1-70b", tmp_path_factory.mktemp("ckpt"))
+
+
+def test_make_for_sglang_searches_only_depths_that_divide_the_offloaded_layers(llama_70b):
+    """plans/llama-3.1-70b-gh200-64gib.yaml offloads 45 layers at P=2, which SGLang refuses; --for sglang plans
+    within SGLang's assertion, so export has nothing to approximate, and it beats export's nearest divisor."""
+    from planner.make import make_plan
+
+    plan = read_plan(PLANS / "llama-3.1-70b-gh200-64gib.yaml")
+    assert len(plan.offload.layers) % plan.offload.prefetch_step
+    approximated = export_plan(plan, "sglang")
+    assert approximated.losses
+    inputs = replace(plan.inputs, model=str(llama_70b), engine="sglang")
+    for_sglang = make_plan(inputs).plan
+    offload = for_sglang.offload
+    assert len(offload.layers) % offload.prefetch_step == 0
+    exported = export_plan(for_sglang, "sglang", exact=True)
+    assert exported.losses == () and _flag(exported.flags, "--offload-prefetch-step") == str(offload.prefetch_step)
+    assert for_sglang.prediction.step_ms <= approximated.prediction.step_ms + 1e-6
+    # vLLM expresses any P: its plan is the unconstrained one
+    for_vllm = make_plan(replace(inputs, engine="vllm")).plan
+    assert for_vllm.offload == plan.offload
+
+
+def test_make_for_an_engine_plans_whole_layers_and_says_so(tmp_path):
+    """A routed MoE plan becomes the whole-layer plan export would have given, and the verdict says it was
+    planned for that engine; check regenerates it from its header (--for is an input)."""
+    from planner.engine_plan import expressible_plan
+    from planner.make import make_plan
+    from planner.plan import Inputs, render_plan
+    from planner.report import verdict
+    from runtime.header_checkpoint import write_header_checkpoint
+
+    folder = tmp_path / "qwen3-30b-a3b"
+    write_header_checkpoint(PLANS.parent / "examples" / "qwen3-30b-a3b" / "config.json", folder)
+    inputs = Inputs(model=str(folder), gpu="h100-sxm", context=4096, concurrency="1", cuda_graph=True,
+                    gpu_memory="24GiB")
+    routed = make_plan(inputs).plan
+    assert routed.experts.regime == "routed"
+    for engine, name in (("vllm", "vLLM"), ("sglang", "SGLang")):
+        planned = make_plan(replace(inputs, engine=engine)).plan
+        assert planned.experts.regime == "whole_layer" and f"--for {engine}" in planned.experts.routed_unavailable
+        # the same placement export derives from the routed plan
+        assert planned.offload == expressible_plan(routed)[0].offload
+        assert export_plan(planned, engine, exact=True).losses == ()
+        assert f"Planned for {name} (make --for {engine}" in verdict(planned)
+    (tmp_path / "plan.yaml").write_text(render_plan(planned, "offload-plan make"))
+    assert "engine: sglang" in (tmp_path / "plan.yaml").read_text()
+    assert "Planned for" not in verdict(routed)
+
+
+def test_make_for_refuses_what_the_engine_cannot_select(tmp_path):
+    from tests.conftest import assert_one_line_error, make_checkpoint, run_cli
+
+    make_checkpoint(tmp_path / "ckpt")
+    for extra, words in ((["--for", "tgi"], "is not an engine"),
+                         (["--for", "vllm", "--params", "q_proj"], "fuse q_proj")):
+        result = run_cli(["make", "--model", "ckpt", "--gpu", "h100-sxm", "--budget", "1MiB", *extra], cwd=tmp_path)
+        assert_one_line_error(result.returncode, result.stderr, contains=(words,))
