@@ -36,6 +36,8 @@ import math
 import shlex
 from dataclasses import dataclass
 
+from planner.engine_memory import SHARE_DECIMALS, VLLM_BLOCK_TOKENS, describe, sglang_memory, vllm_memory
+from planner.engine_plan import Loss, expressible_plan
 from planner.errors import PlanError, UsageError
 from planner.plan import Plan
 from planner.schedule import PrefetchSchedule, offloaded_by_rule
@@ -44,6 +46,7 @@ from planner.simulate import join_every_steps_for, simulate
 from planner.units import format_bytes, format_ms
 
 ENGINES = ("vllm", "sglang")
+ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
 #: far above any tensor-parallel group (a node has 8 GPUs, an NVL72 rack 72); beyond it --tp is a typo
 MAX_TP_SIZE = 1024
 #: checkpoint name parts each engine fuses with others into one param: a segment naming one alone selects nothing
@@ -91,6 +94,9 @@ class Export:
     prediction: Prediction
     #: the plan's own TP size (make --tp N: its figures are one rank's already)
     planned_tp: int = 1
+    #: what the engine cannot express of the plan and the predicted tokens/s it loses, one line each (empty:
+    #: the flags are the plan exactly)
+    losses: tuple[str, ...] = ()
 
     def command_fragment(self) -> str:
         """The flags as one shell fragment."""
@@ -98,29 +104,39 @@ class Export:
 
 
 def export_plan(plan: Plan, engine: str, *, tp_size: int = 1, exact: bool = False) -> Export:
-    """Flags for ``engine``; raises PlanError when the engine cannot express the plan."""
+    """Flags for ``engine``: the plan's own, or where the engine cannot express it (routed experts; SGLang's P
+    that does not divide N) the nearest plan it can, with the loss in predicted tokens/s (``losses``); with
+    ``exact``, PlanError instead of any loss. PlanError where the engine cannot express even a nearby plan."""
     if engine not in ENGINES:
         raise UsageError(f"--to {engine!r} is not an engine offload-plan exports to; choose {' or '.join(ENGINES)}")
     if not 1 <= tp_size <= MAX_TP_SIZE:
         raise UsageError(f"--tp {tp_size}: the tensor-parallel size must be from 1 to {MAX_TP_SIZE}")
     tp_size, divisor = _planned_tp(plan, tp_size)
+    source = plan
+    plan, loss = expressible_plan(source)
+    losses: list[str] = []
+    if loss is not None:
+        if exact:
+            raise PlanError(f"{loss.statement(ENGINE_NAMES[engine])}; drop --exact to export that plan, or serve "
+                            "this one with offload-plan run")
+        losses.append(loss.statement(ENGINE_NAMES[engine]))
     notes: list[str] = []
     warnings: list[str] = []
-    expert_note = experts_note(plan, engine)
+    expert_note = experts_note(source, engine) if loss is None else f"experts: {ENGINE_EXPERTS[engine]}"
     if expert_note is not None:
         notes.append(expert_note)
     flags = list(_tp_flags(engine, tp_size))
     prefetch_step = plan.offload.prefetch_step
     if plan.offload.layers:
         check_rule(plan)
-        prefetch_step = _engine_prefetch_step(plan, engine, exact, notes, warnings)
+        prefetch_step = _engine_prefetch_step(plan, engine, exact, losses, warnings)
         flags += _offload_flags(plan, engine, prefetch_step)
         notes.append(MODE_NOTES[engine])
         flags += _params_flags(plan, engine, notes)
     else:
         notes.append("the plan offloads nothing: serve without offload flags")
     if plan.serving is not None:
-        flags += _serving_flags(plan, engine, divisor, notes)
+        flags += _serving_flags(plan, engine, tp_size, divisor, notes, warnings)
     if plan.adapters is not None:
         flags += adapter_flags(plan, engine, notes)
     if tp_size > 1:
@@ -128,11 +144,22 @@ def export_plan(plan: Plan, engine: str, *, tp_size: int = 1, exact: bool = Fals
     if plan.workload.cuda_graph and plan.offload.layers:
         notes.append(f"{engine} replays one decode step per CUDA graph and joins the copies that wrap into the next "
                      "step at every step's end: predicted so")
-    plan_prediction = predict(plan, 1, plan.offload.prefetch_step, join_every_steps_for(plan.workload.cuda_graph),
-                              plan.offload.replay_start_copies)
+    plan_prediction = recorded_prediction(source) if loss is not None else predict(
+        plan, 1, plan.offload.prefetch_step, join_every_steps_for(plan.workload.cuda_graph),
+        plan.offload.replay_start_copies)
     return Export(engine=engine, tp_size=tp_size, flags=tuple(flags), prefetch_step=prefetch_step, notes=tuple(notes),
                   warnings=tuple(warnings), plan_prediction=plan_prediction,
-                  prediction=predict(plan, divisor, prefetch_step), planned_tp=plan.inputs.tp)
+                  prediction=predict(plan, divisor, prefetch_step), planned_tp=plan.inputs.tp,
+                  losses=tuple(losses))
+
+
+def recorded_prediction(plan: Plan) -> Prediction:
+    """The plan's own prediction section as a Prediction (a routed plan, which predict() cannot re-simulate)."""
+    prediction, memory = plan.prediction, plan.memory
+    return Prediction(step_ms=prediction.step_ms, stall_ms=prediction.stall_ms,
+                      link_floor_ms=prediction.link_floor_ms, copy_bytes_per_step=prediction.copy_bytes_per_step,
+                      gpu_bytes=memory.gpu_bytes, host_pinned_bytes=memory.host_pinned_bytes,
+                      num_slots=memory.num_slots)
 
 
 #: what each engine's main branch can say of expert-granular offloading: nothing. Both offload whole params of
@@ -145,23 +172,15 @@ ENGINE_EXPERTS = {
 
 
 def experts_note(plan: Plan, engine: str) -> str | None:
-    """What the engine expresses of the plan's experts section, and the predicted tokens/s it loses; raises
-    PlanError for a routed plan (the engines have no flags for it)."""
+    """What the engine expresses of a whole-layer plan's experts section (a routed plan's loss is stated by
+    planner.engine_plan instead)."""
     experts = plan.experts
-    if experts is None:
+    if experts is None or experts.fetch_slots != 0:
         return None
     here = next((p for p in experts.points if p.concurrency == plan.workload.concurrency), None)
-    if experts.fetch_slots == 0:
-        routed = (f" (routed experts would take {format_ms(here.routed_step_ms)} per step here)"
-                  if here is not None and here.routed_step_ms is not None else "")
-        return f"experts: the plan streams whole layers, as {engine} can{routed}; {ENGINE_EXPERTS[engine]}"
-    sequences = plan.workload.concurrency
-    routed_tps = 1e3 * sequences / plan.prediction.step_ms
-    whole = here.whole_layer_step_ms if here is not None else None
-    loss = (f"whole layers predict {format_ms(whole)} per step, {1e3 * sequences / whole:,.1f} tokens/s against the "
-            f"plan's {routed_tps:,.1f}" if whole else "no whole-layer placement fits the plan's memory")
-    raise PlanError(f"the plan fetches routed experts, which {engine} cannot express ({ENGINE_EXPERTS[engine]}): "
-                    f"{loss}; serve it with offload-plan run, or pin --prefetch-step for a whole-layer plan")
+    routed = (f" (routed experts would take {format_ms(here.routed_step_ms)} per step here)"
+              if here is not None and here.routed_step_ms is not None else "")
+    return f"experts: the plan streams whole layers, as {engine} can{routed}; {ENGINE_EXPERTS[engine]}"
 
 
 def check_rule(plan: Plan) -> None:
@@ -197,7 +216,7 @@ def _offload_flags(plan: Plan, engine: str, prefetch_step: int) -> list[str]:
     return flags + (["--offload-mode", "cpu"] if engine == "sglang" else [])
 
 
-def _engine_prefetch_step(plan: Plan, engine: str, exact: bool, notes: list, warnings: list) -> int:
+def _engine_prefetch_step(plan: Plan, engine: str, exact: bool, losses: list, warnings: list) -> int:
     """The plan's P, or for SGLang the nearest P that divides N (its assertion) when the plan's does not."""
     num_offloaded, prefetch_step = len(plan.offload.layers), plan.offload.prefetch_step
     if num_offloaded % prefetch_step == 0:
@@ -217,11 +236,11 @@ def _engine_prefetch_step(plan: Plan, engine: str, exact: bool, notes: list, war
             f"SGLang asserts that P divides the number of offloaded layers, and P={prefetch_step} does not divide "
             f"{num_offloaded}; drop --exact to export P={divisor}, or make the plan with --prefetch-step {divisor}"
         )
-    notes.append(
-        f"approximation: SGLang asserts that P divides the {num_offloaded} offloaded layers, so P={prefetch_step} "
-        f"becomes {divisor}, the nearest divisor within the plan's budget (predicted step "
-        f"{format_ms(plan.prediction.step_ms)} -> {format_ms(restated)} on one GPU)"
-    )
+    loss = Loss(what=f"the prefetch depth P={prefetch_step} (it asserts that P divides the {num_offloaded} offloaded "
+                     f"layers); it gets P={divisor}, the nearest divisor within the plan's budget",
+                num_tokens=plan.workload.tokens_per_step, plan_step_ms=plan.prediction.step_ms,
+                engine_step_ms=restated)
+    losses.append(loss.statement("SGLang"))
     return divisor
 
 
@@ -247,7 +266,7 @@ def _params_flags(plan: Plan, engine: str, notes: list) -> list[str]:
     """The selection flag, or an error when the engine cannot say the plan's selection."""
     segments = plan.offload.params
     for segment in segments:
-        _check_segment(segment)
+        check_segment(segment)
     if engine == "sglang" and plan.model.architecture in SGLANG_EXPERTS_ONLY:
         if segments != ("experts",):
             raise PlanError(
@@ -266,7 +285,7 @@ def _params_flags(plan: Plan, engine: str, notes: list) -> list[str]:
     return [flag, *segments]
 
 
-def _check_segment(segment: str) -> None:
+def check_segment(segment: str) -> None:
     """Segments that name a fused checkpoint part or one expert cannot be said to an engine."""
     parts = segment.split(".")
     if any(part.isdigit() for part in parts):
@@ -318,38 +337,30 @@ def adapter_flags(plan: Plan, engine: str, notes: list) -> list[str]:
 KV_CACHE_DTYPE_FLAGS = {"vllm": {"fp8": "fp8"}, "sglang": {"fp8": "fp8_e4m3"}}
 
 
-def _serving_flags(plan: Plan, engine: str, tp_size: int, notes: list) -> list[str]:
-    """Concurrency, context and the GPU memory share that leave the engine the plan's KV cache, per rank."""
-    workload, memory = plan.workload, plan.memory
-    per_rank_total = (memory.total_gpu_bytes - memory.cuda_context_bytes) / tp_size + memory.cuda_context_bytes
+def _serving_flags(plan: Plan, engine: str, tp_size: int, divisor: int, notes: list, warnings: list) -> list[str]:
+    """Concurrency, context, the prefill chunk and the GPU memory share that leave the engine the plan's KV cache
+    per rank of ``tp_size``, by the engine's own accounting (planner.engine_memory); ``divisor``: what divides the
+    plan's figures into one rank's (1 for a make --tp plan)."""
+    workload = plan.workload
+    chunk = str(max(workload.chunk_tokens, workload.concurrency))
     if engine == "vllm":
-        # vLLM's --gpu-memory-utilization covers everything it allocates (weights, activations, graphs, KV cache).
-        share = per_rank_total / plan.hardware.gpu_memory_bytes
+        memory = vllm_memory(plan, tp_size, divisor)
         flags = ["--max-num-seqs", str(workload.concurrency), "--max-model-len", str(workload.context_tokens),
-                 "--gpu-memory-utilization", f"{_ceil_share(share):.2f}"]
-        what = "the whole plan"
+                 "--max-num-batched-tokens", chunk, "--block-size", str(VLLM_BLOCK_TOKENS),
+                 "--gpu-memory-utilization", f"{memory.share:.{SHARE_DECIMALS}f}"]
     else:
-        # SGLang's --mem-fraction-static covers the weights and the KV pool; activations and graphs use the rest.
-        share = (memory.gpu_bytes + memory.kv_cache_bytes) / tp_size / plan.hardware.gpu_memory_bytes
+        memory = sglang_memory(plan, tp_size, divisor)
         flags = ["--max-running-requests", str(workload.concurrency), "--context-length", str(workload.context_tokens),
-                 "--mem-fraction-static", f"{_ceil_share(share):.2f}"]
-        what = "the weights and the KV cache"
+                 "--chunked-prefill-size", chunk, "--mem-fraction-static", f"{memory.share:.{SHARE_DECIMALS}f}"]
     kv_flag = KV_CACHE_DTYPE_FLAGS[engine].get(workload.kv_dtype)
     if kv_flag is not None:
         flags += ["--kv-cache-dtype", kv_flag]
-    tokens = workload.concurrency * workload.context_tokens
-    share_bytes = per_rank_total if engine == "vllm" else share * plan.hardware.gpu_memory_bytes
-    notes.append(f"serving: {workload.concurrency} sequences of up to {workload.context_tokens} tokens; the memory "
-                 f"share is {what} ({format_bytes(share_bytes)} "
-                 f"per rank) over the GPU's {format_bytes(plan.hardware.gpu_memory_bytes)}, rounded up to the next "
-                 f"0.01; at start-up the engine should report a KV cache of at least {tokens:,} tokens "
-                 f"({format_bytes(memory.kv_cache_bytes / tp_size)} per rank)")
+    notes.append(describe(engine, plan, tp_size, memory))
+    if memory.kv_tokens < memory.needed_tokens:
+        warnings.append(f"{ENGINE_NAMES[engine]}'s memory accounting leaves a KV cache of {memory.kv_tokens:,} tokens "
+                        f"per rank, short of the {memory.needed_tokens:,} the plan's {workload.concurrency} sequences "
+                        "need: make the plan with fewer --concurrency or a shorter --context for this engine")
     return flags
-
-
-def _ceil_share(share: float) -> float:
-    """A memory share rounded up to two decimals (never below what the plan needs), at most 1."""
-    return min(1.0, math.ceil(share * 100 - 1e-9) / 100)
 
 
 def _planned_tp(plan: Plan, tp_size: int) -> tuple[int, int]:

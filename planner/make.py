@@ -17,6 +17,7 @@ from planner.errors import InfeasibleError, ModelInputError, PlanError, UsageErr
 from planner.activations import (
     ActivationShape, StepShape, activation_shape, estimate_activations, planned_experts_implementation,
 )
+from planner.engine_plan import check_engine_architecture, check_engine_input
 from planner.expert_choice import (Comparison, ExpertModel, RoutedChoice, expert_model, experts_section,
                                    prefill_simulation, routed_choice)
 from planner.experts import ROUTED_FETCH_EFFICIENCY, moe_geometry, non_resident_bytes
@@ -151,7 +152,8 @@ class _Model:
             h2d_bytes_per_s=self.profile.h2d_bytes_per_s.value,
             copy_overhead_us=self.profile.copy_overhead_us.value,
             space=SearchSpace(
-                group_size=inputs.group_size, num_in_group=inputs.num_in_group, prefetch_step=inputs.prefetch_step
+                group_size=inputs.group_size, num_in_group=inputs.num_in_group, prefetch_step=inputs.prefetch_step,
+                prefetch_divides=inputs.engine == "sglang",
             ),
             join_every_steps=join_every_steps_for(inputs.cuda_graph),
         )
@@ -389,12 +391,14 @@ def _read_model(inputs: Inputs, measure: MeasureFunction | None = None,
     """Profile, checkpoint headers, layout, the bytes each layer would move, the KV cache model and adapters."""
     _check_knobs(inputs)
     _check_adapter_inputs(inputs)
+    check_engine_input(inputs.engine, tuple(inputs.params))
     profile = load_profile(inputs.gpu)
     check_tp_inputs(inputs, profile)
     # one rank's shard under --tp: its tensors' shapes and its config (heads, KV heads, widths) as vLLM splits them
     whole = load_checkpoint(inputs.model, inputs.revision) if whole is None else whole
     _check_context(inputs.context, model_config(whole.config))
     checkpoint = shard_checkpoint(whole, inputs.tp)
+    check_engine_architecture(inputs.engine, tuple(inputs.params), whole.config)
     layout = build_layout(checkpoint, inputs.stack)
     warnings = _layout_warnings(layout)
     params = tuple(inputs.params)
@@ -448,6 +452,8 @@ def _read_experts(inputs: Inputs, checkpoint: Checkpoint, layout: ModelLayout) -
 def _routed_ruled_out(inputs: Inputs, layout: ModelLayout, geometry) -> str | None:
     """Flags that keep every layer whole: pinned knobs evaluate the whole-layer flags given, and --params that
     leave the experts resident never move them."""
+    if inputs.engine is not None:
+        return f"--for {inputs.engine}: the engine offloads whole params of chosen layers, not routed experts"
     pinned = [flag for flag, value in (("--group-size", inputs.group_size), ("--num-in-group", inputs.num_in_group),
                                        ("--prefetch-step", inputs.prefetch_step)) if value is not None]
     if pinned:

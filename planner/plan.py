@@ -108,6 +108,9 @@ class Inputs:
     tp: int = field(default=1, metadata=option(
         "--tp", "Tensor-parallel GPUs: plan one rank of N as vLLM shards the model, all-reduces at the profile's "
                 "GPU link; 2,4 compares GPU counts (one plan per N, -o PATH written as PATH.tpN.yaml)."))
+    engine: str | None = field(default=None, metadata=option(
+        "--for", "Plan within what this engine expresses, vllm or sglang (whole layers, no routed experts; "
+                 "SGLang: P divides the offloaded layers), so export gives exactly this plan."))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -554,7 +557,7 @@ class Plan:
 
 #: Inputs keys a plan holds only when they are given (their defaults otherwise)
 OPTIONAL_INPUTS = {"adapters": (), "adapter_slots": None, "routing_trace": None, "prefetch_accuracy": None,
-                   "tp": 1}
+                   "tp": 1, "engine": None}
 #: experts keys written only where the plan routes layers (whole-layer MoE plans keep their bytes)
 OPTIONAL_EXPERTS = {"prefetch": None, "prefetch_accuracy": None}
 #: top-level sections a plan holds only when they apply

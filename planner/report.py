@@ -185,12 +185,25 @@ def verdict(plan: Plan) -> str:
         step = "decode step" if prediction.decode_step_ms is not None else "step"
         return (f"{workload.tokens_per_step} tokens per {step} in {workload.sequences_per_step} sequence(s) on "
                 f"{where} {placement}: {format_ms(prediction.step_ms)} predicted, x{_slowdown(plan):.2f} the "
-                "all-resident step." + _whole_gpu_words(plan))
+                "all-resident step." + _whole_gpu_words(plan) + _engine_words(plan))
     text = (f"Serves {workload.concurrency} sequences of up to {workload.context_tokens} tokens on {where} "
             f"{placement}: {format_rate(prediction.decode_tokens_per_s)} decode tokens/s, "
             f"{format_ms(prediction.decode_step_ms)} per token; a {workload.chunk_tokens}-token prefill chunk takes "
             f"{format_ms(prediction.prefill_chunk_ms)}.")
-    return text + " " + _against_no_offload(plan)
+    return text + " " + _against_no_offload(plan) + _engine_words(plan)
+
+
+#: what make --for holds a plan to, per engine
+ENGINE_LIMITS = {"vllm": ("vLLM", "whole layers only, no routed experts"),
+                 "sglang": ("SGLang", "whole layers only, no routed experts, P dividing the offloaded layers")}
+
+
+def _engine_words(plan: Plan) -> str:
+    """make --for ENGINE: say the plan was made within what that engine expresses."""
+    if plan.inputs.engine not in ENGINE_LIMITS:
+        return ""
+    name, limits = ENGINE_LIMITS[plan.inputs.engine]
+    return f" Planned for {name} (make --for {plan.inputs.engine}: {limits}): export gives exactly this plan."
 
 
 def _whole_gpu_words(plan: Plan) -> str:

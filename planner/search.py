@@ -77,6 +77,12 @@ class SearchSpace:
     group_size: int | None = None
     num_in_group: int | None = None
     prefetch_step: int | None = None
+    #: only depths P that divide the number of offloaded layers (SGLang asserts it: make --for sglang)
+    prefetch_divides: bool = False
+
+    def unpinned(self) -> bool:
+        """No knob pinned: the all-resident plan is a candidate."""
+        return self.group_size is None and self.num_in_group is None and self.prefetch_step is None
 
 
 def copy_ms_of(num_bytes: int, h2d_bytes_per_s: float, copy_overhead_us: float) -> float:
@@ -164,7 +170,7 @@ class Searcher:
 
     def search(self, *, compute: ComputeTimes, budget_bytes: int) -> Choice:
         """The fastest plan within ``budget_bytes`` for these compute times, as the module's search()."""
-        if self.space == SearchSpace() and self._resident_bytes <= budget_bytes:
+        if self.space.unpinned() and self._resident_bytes <= budget_bytes:
             return _evaluate(self.layers, self.fixed_bytes, compute, self.copy_ms, (), 0, 0, 0, self.join_every_steps)
         if self._least_bytes > budget_bytes:
             needed = self._least_bytes
@@ -202,7 +208,7 @@ class Searcher:
         weights = [s.base_weight_bytes + depth * s.slot_bytes
                    for s in self.sets if (depth := self._first_depth(s)) is not None]
         least = [self.gpu_bytes(min(weights))] if weights else []
-        if self.space == SearchSpace():
+        if self.space.unpinned():
             least.append(self._resident_bytes)
         return min(least, default=None)
 
@@ -212,7 +218,7 @@ class Searcher:
 
 
 def _describe(space: SearchSpace) -> str:
-    pinned = {k: v for k, v in vars(space).items() if v is not None}
+    pinned = {k: v for k, v in vars(space).items() if v is not None and k != "prefetch_divides"}
     return ", ".join(f"{k}={v}" for k, v in pinned.items()) or "none"
 
 
@@ -357,7 +363,11 @@ class _Run:
     def _walk(self, offloaded_set: _OffloadSet, first: int, deepest: int) -> int | None:
         """Try the set's depths from ``first`` to ``deepest``; the depth that became the best plan, if any."""
         won, runs, depth = None, None, first
+        divides = self.searcher.space.prefetch_divides
         while depth <= deepest:
+            if divides and len(offloaded_set.offloaded) % depth:
+                depth += 1
+                continue  # the engine cannot run this depth (every bound above holds for the depths left)
             if self.best_key is not None and self._key_floor(offloaded_set, depth) >= self.best_key:
                 depth = self._next_depth(offloaded_set, depth, deepest)
                 continue  # cannot beat the best even at its link bound: skip the simulation

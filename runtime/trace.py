@@ -9,6 +9,7 @@ returns indices and weights). planner.routing_trace validates and writes the res
 """
 
 import re
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -18,6 +19,7 @@ from planner.errors import ModelInputError, UsageError
 from planner.experts import moe_geometry
 from planner.layout import build_layout
 from planner.routing_trace import RoutingTrace
+from planner.untrusted import read_capped
 
 #: the experts module of a MoE layer in transformers 5: ``<stack>.<index>.mlp.experts``
 _EXPERTS_MODULE = re.compile(r"^(?P<stack>.+)\.(?P<index>\d+)\.mlp\.experts$")
@@ -82,14 +84,8 @@ def count_routing(model: nn.Module, prompts: list[torch.Tensor], stack: str, num
 
 def read_prompts(path) -> list[str]:
     """One prompt a line; blank lines skipped; a one-line error when the file is missing, unreadable or empty."""
-    try:
-        with open(path, "rb") as stream:
-            raw = stream.read(MAX_PROMPT_FILE_BYTES + 1)
-    except OSError as error:
-        raise UsageError(f"--prompts {path}: {error.strerror}; give a text file with one prompt a line") from None
-    if len(raw) > MAX_PROMPT_FILE_BYTES:
-        raise UsageError(f"--prompts {path} is over {MAX_PROMPT_FILE_BYTES // 2**20} MiB; a trace needs thousands of "
-                         "tokens: give fewer prompts")
+    # a regular file only, its size checked before reading: a FIFO or /dev/urandom would block or never end
+    raw = read_capped(Path(path), MAX_PROMPT_FILE_BYTES, UsageError, "a --prompts file (one prompt a line)")
     try:
         prompts = [line.strip() for line in raw.decode("utf-8").splitlines() if line.strip()]
     except UnicodeDecodeError:

@@ -94,7 +94,7 @@ def reference_search(
 
 
 def _describe(space: SearchSpace) -> str:
-    pinned = {k: v for k, v in vars(space).items() if v is not None}
+    pinned = {k: v for k, v in vars(space).items() if v is not None and k != "prefetch_divides"}
     return ", ".join(f"{k}={v}" for k, v in pinned.items()) or "none"
 
 

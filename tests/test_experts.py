@@ -15,6 +15,7 @@ from planner.layout import build_layout
 from planner.make import make_plan
 from planner.plan import Inputs, plan_from_dict, plan_to_dict, read_plan
 from planner.routing_trace import (RoutingTrace, check_against, read_trace, render_trace, trace_from_dict)
+from planner.units import format_rate
 from tests.conftest import assert_one_line_error, make_checkpoint, run_cli
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -322,11 +323,46 @@ def test_diff_and_export_of_routed_and_whole_layer_plans(qwen3_30b, tmp_path):
     dense = make_checkpoint(tmp_path / "dense")
     dense_plan = make_plan(Inputs(model=str(dense.path), gpu="h100-sxm", budget="1MiB")).plan
     assert "experts" not in compare_plans(dense_plan, dense_plan)
-    with pytest.raises(PlanError, match="cannot express") as refused:
-        export_plan(routed, "vllm")
-    assert "tokens/s against the plan's 18.7" in str(refused.value) and "\n" not in str(refused.value)
+    with pytest.raises(PlanError, match="cannot express routed experts") as refused:
+        export_plan(routed, "vllm", exact=True)
+    assert "18.7 -> " in str(refused.value) and "\n" not in str(refused.value)
     exported = export_plan(whole, "sglang")
     assert any(note.startswith("experts: the plan streams whole layers") for note in exported.notes)
+
+
+def test_export_of_a_routed_plan_gives_the_planners_whole_layer_plan_and_its_loss(qwen3_30b, tmp_path):
+    """Neither engine fetches routed experts: export emits the whole-layer plan make would have made at the same
+    workload and weight budget (the plan's own recorded whole-layer step), and states the loss in tokens/s."""
+    from planner.engine_plan import expressible_plan
+    from planner.export import export_plan
+    from planner.plan import render_plan
+
+    routed = make_plan(serving_inputs(qwen3_30b, "1", gpu_memory="24GiB")).plan
+    whole, loss = expressible_plan(routed)
+    (point,) = routed.experts.points
+    # the re-search from the plan's rows finds make's own whole-layer step (rows rounded to 0.1 us)
+    assert whole.prediction.step_ms == pytest.approx(point.whole_layer_step_ms, rel=1e-5)
+    assert whole.memory.gpu_bytes <= routed.memory.budget_bytes and whole.experts is None
+    assert whole.offload.layers and loss.plan_step_ms == routed.prediction.step_ms
+    for engine, name in (("vllm", "vLLM"), ("sglang", "SGLang")):
+        exported = export_plan(routed, engine)
+        assert exported.flags[:6] == ("--offload-group-size", str(whole.offload.group_size),
+                                      "--offload-num-in-group", str(whole.offload.num_in_group),
+                                      "--offload-prefetch-step", str(whole.offload.prefetch_step))
+        (line,) = exported.losses
+        assert line.startswith(f"{name} cannot express routed experts in 48 MoE layers")
+        assert f"18.7 -> {format_rate(1e3 / point.whole_layer_step_ms)} tokens/s" in line
+        assert exported.plan_prediction.step_ms == routed.prediction.step_ms
+    (tmp_path / "routed.yaml").write_text(render_plan(routed, "offload-plan make"))
+    result = run_cli(["export", "routed.yaml", "--to", "vllm"], cwd=tmp_path)
+    assert result.returncode == 0 and result.stdout.count("\n") == 1 and "cannot express" in result.stderr
+    explained = run_cli(["export", "routed.yaml", "--to", "vllm", "--explain"], cwd=tmp_path)
+    assert explained.stdout.splitlines() == [result.stdout.strip(), exported_line(result.stderr)]
+
+
+def exported_line(stderr: str) -> str:
+    """export's loss line on stderr, without its prefix."""
+    return next(line for line in stderr.splitlines() if "cannot express" in line).removeprefix("offload-plan: loss: ")
 
 
 def test_show_of_a_plan_whose_steps_round_to_zero_names_the_regime_without_a_ratio():

@@ -7,11 +7,13 @@ plans an engine cannot express.
 """
 
 import json
+import re
 import shutil
 
 import pytest
 import yaml
 
+from planner.units import format_rate
 from tests.conftest import ERROR_PREFIX, TEST_GPU_FILE, invoke, make_checkpoint
 
 MOE = {"num_experts": 4, "top_k": 2, "expert_intermediate": 32}
@@ -256,8 +258,22 @@ def test_export_p_that_does_not_divide_n(workdir, test_gpu):
     sglang = json.loads(_export("plan.yaml", "--to", "sglang", "--json").stdout)
     assert sglang["prefetch_step"] == 1 and "--offload-prefetch-step" in sglang["flags"]
     assert sglang["flags"][sglang["flags"].index("--offload-prefetch-step") + 1] == "1"
-    assert any(note.startswith("approximation: SGLang asserts") for note in sglang["notes"])
+    # the loss in the plan's own words: its step against P=1's, both re-simulated by the planner, in tokens/s
+    (loss,) = sglang["losses"]
+    step_1 = sglang["prediction"]["exported"]["step_ms"]
+    assert loss.startswith("SGLang cannot express the prefetch depth P=2") and "it gets P=1" in loss
+    tokens = plan["workload"]["tokens_per_step"]
+    before, after = re.search(r"([\d,.]+) -> ([\d,.]+) tokens/s", loss).groups()
+    assert before == format_rate(1e3 * tokens / plan["prediction"]["step_ms"])
+    assert float(after.replace(",", "")) == pytest.approx(1e3 * tokens / step_1, rel=1e-3)
     assert sglang["prediction"]["exported"]["num_slots"] == 1
+    flags_only = _export("plan.yaml", "--to", "sglang")
+    assert flags_only.stdout.count("\n") == 1 and flags_only.stdout.startswith("--offload-group-size")
+    assert "offload-plan: loss: SGLang cannot express the prefetch depth P=2" in flags_only.stderr
+    explained = _export("plan.yaml", "--to", "sglang", "--explain").stdout.splitlines()
+    assert explained == [flags_only.stdout.strip(), loss]
+    assert _export("plan.yaml", "--to", "vllm", "--explain").stdout.splitlines()[1] == \
+        "vllm expresses the plan exactly: nothing lost"
     exact = _export("plan.yaml", "--to", "sglang", "--exact")
     assert exact.exit_code == PLAN and "P=2 does not divide 5" in exact.stderr
     vllm = json.loads(_export("plan.yaml", "--to", "vllm", "--json").stdout)

@@ -18,11 +18,17 @@ def export(
     exact: Annotated[bool, typer.Option(
         "--exact",
         help="Fail instead of approximating what the engine cannot say.")] = False,
+    explain: Annotated[bool, typer.Option(
+        "--explain",
+        help="Print the flags, then what the engine cannot express of the plan and the predicted tokens/s it "
+             "loses, on stdout.")] = False,
     json_output: JsonOption = False,
 ):
     """The engine flags that run a plan, its prediction restated.
 
     Example: vllm serve MODEL $(offload-plan export plan.yaml --to vllm)
+
+    stdout holds the flags alone; what the engine cannot express and the loss go to stderr (stdout with --explain).
     """
     from planner.export import describe_prediction, export_plan
     from planner.plan import read_plan
@@ -33,6 +39,12 @@ def export(
         return
     if result.flags:
         sys.stdout.write(result.command_fragment() + "\n")
+    if explain:
+        sys.stdout.write("".join(f"{loss}\n" for loss in result.losses)
+                         or f"{result.engine} expresses the plan exactly: nothing lost\n")
+    else:
+        for loss in result.losses:
+            say(f"offload-plan: loss: {loss}")
     for note in result.notes:
         say(f"offload-plan: note: {note}")
     for warning in result.warnings:
@@ -46,5 +58,5 @@ def _export_data(result) -> dict:
 
     return {"engine": result.engine, "tp_size": result.tp_size, "flags": list(result.flags),
             "command_fragment": result.command_fragment(), "prefetch_step": result.prefetch_step,
-            "notes": list(result.notes), "warnings": list(result.warnings),
+            "notes": list(result.notes), "warnings": list(result.warnings), "losses": list(result.losses),
             "prediction": {"plan": rounded(result.plan_prediction), "exported": rounded(result.prediction)}}

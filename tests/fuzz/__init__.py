@@ -17,17 +17,19 @@ from tests.fuzz.plans import gen_plans
 from tests.fuzz.profiles import gen_profiles
 from tests.fuzz.roundtrip import gen_roundtrip
 from tests.fuzz.serving import gen_sections, gen_serving_flags
+from tests.fuzz.traces import gen_traces
 
 GENERATORS = {"headers": gen_headers, "index": gen_index, "config": gen_config, "plans": gen_plans,
               "profiles": gen_profiles, "flags": gen_flags, "adapters": gen_adapters,
               "serving_flags": gen_serving_flags, "sections": gen_sections, "architectures": gen_architectures,
-              "paths": gen_paths, "roundtrip": gen_roundtrip}
+              "paths": gen_paths, "roundtrip": gen_roundtrip, "traces": gen_traces}
 FAMILIES = tuple(GENERATORS)
 FAMILY_TITLES = {"headers": "safetensors headers", "index": "index JSON", "config": "config.json",
                  "plans": "plan YAML", "profiles": "profile YAML", "flags": "CLI flags", "adapters": "LoRA adapters",
                  "serving_flags": "serving flags", "sections": "plan sections by hand",
                  "architectures": "architecture configs", "paths": "special files and long paths",
-                 "roundtrip": "round trip (make, then every reader)"}
+                 "roundtrip": "round trip (make, then every reader)",
+                 "traces": "routing traces (make --routing-trace, trace)"}
 
 __all__ = ["BASE_ARGS", "DEFAULT_TIME_LIMIT_S", "FAILURES", "FAMILIES", "FAMILY_TITLES", "GENERATORS", "GUARD_NAME",
            "SHARDS", "VERDICTS", "VERSION_LINE", "Case", "Result", "_framed", "_header_of", "base", "case_for",

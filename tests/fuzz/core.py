@@ -234,7 +234,7 @@ def _warm_imports() -> None:
     """Import what commands import lazily (runtime and torch for run and calibrate) before any case is timed: a
     first import takes seconds and would read as a hang (and, interrupted, leave a half-imported module)."""
     for module in ("planner.make", "planner.check", "planner.export", "planner.report", "planner.compare",
-                   "runtime.load", "runtime.bench", "runtime.calibrate"):
+                   "runtime.load", "runtime.bench", "runtime.calibrate", "runtime.trace", "planner.routing_trace"):
         try:
             __import__(module)
         except Exception:  # noqa: BLE001 (no torch here: those commands then fail fast and cleanly)
@@ -259,12 +259,28 @@ def _build_base() -> Base:
         graph_text = _make_plan(partial, Path(folder), graph_args, True)
         serving_args = [*BASE_ARGS, "--context", "64", "--concurrency", "auto", "--chunk", "64"]
         serving_text = _make_plan(partial, Path(folder), serving_args, False)
+        _warm_trace(partial, Path(folder))
     partial.plan_text, partial.graph_plan_text, partial.serving_plan_text = plan_text, graph_text, serving_text
     partial.plan, partial.graph_plan = yaml.safe_load(plan_text), yaml.safe_load(graph_text)
     partial.serving_plan = yaml.safe_load(serving_text)
     partial._files.clear()
     assert partial.plan["offload"]["layers"], "the base plan must offload layers, so plan mutations reach the schedule"
     return partial
+
+
+def _warm_trace(partial: Base, folder: Path) -> None:
+    """Run ``trace`` once on the MoE model (it has no tokenizer: an error): transformers' first tokenizer lookup
+    imports for seconds, which a timed case would read as a hang."""
+    for relative, data in partial.moe.files().items():
+        (folder / "moe" / relative).parent.mkdir(parents=True, exist_ok=True)
+        (folder / "moe" / relative).write_bytes(data)
+    (folder / "moe" / "prompts.txt").write_text("hello\n")
+    previous = os.getcwd()
+    os.chdir(folder / "moe")
+    try:
+        invoke_cli(["trace", "--model", "ckpt", "--prompts", "prompts.txt", "--device", "cpu"])
+    finally:
+        os.chdir(previous)
 
 
 def _make_plan(partial: Base, folder: Path, args: list[str], moe: bool) -> str:
