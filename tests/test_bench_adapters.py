@@ -43,8 +43,7 @@ def test_adapters_written_without_peft_are_peft_s_format(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    sys.path.insert(0, str(REPO / "scripts"))
-    from bench_adapters import write_random_adapters
+    from scripts.bench_adapters import write_random_adapters
 
     config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=16)

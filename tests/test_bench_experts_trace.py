@@ -12,7 +12,6 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def test_against_prediction_states_issue_22s_targets():
-    sys.path.insert(0, str(REPO))
     from scripts.bench_experts import against_prediction
 
     row = {"measured_hit_rate": 0.70, "predicted_hit_rate": 0.74, "tokens_per_s": 90.0, "predicted_tokens_per_s": 100.0}

@@ -128,7 +128,10 @@ def test_each_script_says_how_it_is_run(path):
     if path.name == "__init__.py":
         return
     docstring = ast.get_docstring(ast.parse(path.read_text())) or ""
-    assert f"PYTHONPATH=. python3 {path.relative_to(REPO_ROOT)}" in docstring
+    relative = path.relative_to(REPO_ROOT)
+    # a script for several GPUs is launched by torchrun, one process per GPU
+    assert f"PYTHONPATH=. python3 {relative}" in docstring or (
+        "PYTHONPATH=. torchrun " in docstring and f" {relative}" in docstring)
 
 
 def test_every_experiment_has_a_readme_line():
