@@ -20,7 +20,8 @@ from planner.cost import ComputeTimes
 from planner.errors import (InfeasibleError, ModelInputError, OffloadPlanError, PlanError, PlanStaleError,
                             ProfileError)
 from planner.make import make_plan, regenerate_command
-from planner.plan import Plan, read_plan, render_plan
+from planner.plan import Plan
+from planner.plan_file import read_plan, render_plan
 from planner.profile import HardwareProfile, load_profile
 from planner.units import format_bytes
 

@@ -1,36 +1,43 @@
-"""The plan file: a frozen dataclass tree, written by one function with fixed YAML settings.
+"""The plan's schema: a frozen dataclass tree, one class per section, each field with its meaning.
 
-Same inputs, same bytes: stable key order, block style (one line per layer row so diffs stay readable),
-floats rounded to fixed decimals, no timestamps, host names or absolute paths. A header comment holds the
-command that regenerates the file. Written atomically: a failed write never leaves a partial file.
+Reading and writing the file is planner.plan_file; the rules across fields a plan must keep, planner.plan_rules;
+reading schema 1 plans, planner.plan_migration.
 """
 
-import os
-import tempfile
-from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass, field
 
-import yaml
 
-from planner.errors import PlanError, printable, shown
 from planner.profile import FIGURE_MAX, FIGURE_MIN
 from planner.units import SIZE_HELP
-from planner.untrusted import checked_path, load_yaml, read_capped
+
 
 SCHEMA_VERSION = 2
+
+
 #: versions read_plan accepts: older ones are upgraded on read (and check reports them stale)
 READABLE_SCHEMA_VERSIONS = (1, 2)
+
+
 #: a plan of 100,000 layers is about 10 MB
 MAX_PLAN_BYTES = 16 * 2**20
+
+
 #: plausible bounds of any number in a plan: byte counts and counts fit in 2**62, rates (FLOP/s) stay under
 #: 1e21 and times under 1e15 ms; beyond these a plan was edited by hand or corrupted, and arithmetic on it
 #: (floats of huge ints, table formatting) would overflow
 MAX_PLAN_INT = 2**62
+
+
 MAX_PLAN_FLOAT = 1e21
+
+
 MS_DECIMALS = 4
+
+
 #: a serving row's num_offloaded where no placement fits beside that concurrency's cache (its one negative number)
 NOTHING_FITS = -1
+
+
 SHARE_DECIMALS = 4
 
 
@@ -412,6 +419,8 @@ class AdaptersSection:
 
 
 EXPERT_REGIMES = ("routed", "whole_layer", "mixed")
+
+
 #: experts.prefetch: none, or the next routed layer's router predicting its experts (runtime.routed_experts)
 EXPERT_PREFETCH = (None, "next_layer_router")
 
@@ -558,10 +567,15 @@ class Plan:
 #: Inputs keys a plan holds only when they are given (their defaults otherwise)
 OPTIONAL_INPUTS = {"adapters": (), "adapter_slots": None, "routing_trace": None, "prefetch_accuracy": None,
                    "tp": 1, "engine": None}
+
+
 #: experts keys written only where the plan routes layers (whole-layer MoE plans keep their bytes)
 OPTIONAL_EXPERTS = {"prefetch": None, "prefetch_accuracy": None}
+
+
 #: top-level sections a plan holds only when they apply
 OPTIONAL_SECTIONS = ("serving", "adapters", "experts")
+
 
 SECTIONS = {
     "inputs": Inputs,
@@ -572,517 +586,3 @@ SECTIONS = {
     "memory": MemorySection,
     "prediction": PredictionSection,
 }
-
-
-# ---- writing ------------------------------------------------------------------------------------------------
-
-
-class _FlowRow(dict):
-    """A mapping dumped on one line: per-layer rows, so a moved layer is a one-line diff."""
-
-
-class _Dumper(yaml.SafeDumper):
-    pass
-
-
-def _represent_flow_row(dumper, data):
-    return dumper.represent_mapping("tag:yaml.org,2002:map", data.items(), flow_style=True)
-
-
-def _represent_flow_list(dumper, data):
-    return dumper.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=True)
-
-
-class _FlowList(list):
-    """A short list of scalars dumped on one line (layer indices, params)."""
-
-
-_Dumper.add_representer(_FlowRow, _represent_flow_row)
-_Dumper.add_representer(_FlowList, _represent_flow_list)
-
-
-def _rounded(value: Any, decimals: int) -> Any:
-    return round(value, decimals) if isinstance(value, float) else value
-
-
-def plan_to_dict(plan: Plan) -> dict:
-    """The plan as plain data in schema key order (also what ``show --json`` prints)."""
-    out: dict = {"schema_version": plan.schema_version}
-    for name in SECTIONS:
-        section = asdict(getattr(plan, name))
-        out[name] = {key: _plain(value) for key, value in section.items()}
-    # written only when given, so plans without adapters keep their bytes
-    for key in OPTIONAL_INPUTS:
-        if out["inputs"][key] == _plain(OPTIONAL_INPUTS[key]):
-            del out["inputs"][key]
-    out["layers"] = [{key: _plain(value) for key, value in asdict(row).items()} for row in plan.layers]
-    if plan.serving is not None:
-        out["serving"] = {key: _plain(value) for key, value in asdict(plan.serving).items() if key != "points"}
-        out["serving"]["points"] = [{key: _plain(value) for key, value in asdict(row).items()}
-                                    for row in plan.serving.points]
-    if plan.adapters is not None:
-        out["adapters"] = {key: _plain(value) for key, value in asdict(plan.adapters).items() if key != "items"}
-        out["adapters"]["items"] = [{key: _plain(value) for key, value in asdict(row).items()}
-                                    for row in plan.adapters.items]
-    if plan.experts is not None:
-        rows = {"layers", "points"}
-        out["experts"] = {key: _plain(value) for key, value in asdict(plan.experts).items() if key not in rows
-                          and not (key in OPTIONAL_EXPERTS and plan.experts.fetch_slots == 0)}
-        for name in sorted(rows):
-            out["experts"][name] = [{key: _plain(value) for key, value in asdict(row).items()}
-                                    for row in getattr(plan.experts, name)]
-    return out
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, tuple):
-        return list(value)
-    if isinstance(value, float):
-        return round(value, MS_DECIMALS) if abs(value) < 1e6 else value
-    return value
-
-
-def render_plan(plan: Plan, command: str) -> str:
-    """The plan's file text: header comment with the regenerating command, then block-style YAML."""
-    data = plan_to_dict(plan)
-    for name in ("inputs", "offload", "model"):
-        for key, value in data[name].items():
-            if isinstance(value, list):
-                data[name][key] = _FlowList(value)
-    data["layers"] = [_FlowRow(row) for row in data["layers"]]
-    if "serving" in data:
-        data["serving"]["points"] = [_FlowRow(row) for row in data["serving"]["points"]]
-    if "adapters" in data:
-        data["adapters"]["items"] = [_FlowRow(row) for row in data["adapters"]["items"]]
-    if "experts" in data:
-        for name in ("layers", "points"):
-            data["experts"][name] = [_FlowRow({key: _FlowList(value) if isinstance(value, list) else value
-                                               for key, value in row.items()}) for row in data["experts"][name]]
-    body = yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=120, allow_unicode=False)
-    header = (
-        "# Offload plan written by offload-plan. Do not edit by hand; regenerate with:\n"
-        f"#   {command}\n"
-    )
-    return header + body
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename: never a partial file.
-
-    Every problem with the destination (a folder, a missing or unwritable folder, a full disk) is one PlanError
-    line, and the file that was there before is left as it was.
-    """
-    path = checked_path(path, PlanError, "output")
-    directory = path.parent if str(path.parent) else Path(".")
-    shown = printable(path)
-    if path.is_dir():
-        raise PlanError(f"{shown} is a folder; give a file name for the plan, e.g. {printable(path / 'plan.yaml')}")
-    if not directory.is_dir():
-        what = "is not a folder" if directory.exists() else "does not exist"
-        raise PlanError(f"output folder {printable(directory)} {what}; create it first or choose another path")
-    try:
-        handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
-    except OSError as error:
-        raise PlanError(f"cannot write in {printable(directory)} ({error.strerror}); check its permissions or choose "
-                        "another path") from None
-    try:
-        with os.fdopen(handle, "w") as stream:
-            stream.write(text)
-        os.replace(temporary, path)
-    except BaseException as error:
-        Path(temporary).unlink(missing_ok=True)
-        if isinstance(error, OSError):
-            raise PlanError(f"cannot write {shown} ({error.strerror}); check the path, its permissions and free "
-                            "space") from None
-        raise
-
-
-# ---- reading ------------------------------------------------------------------------------------------------
-
-
-def read_plan(path: Path) -> Plan:
-    """Load and validate a plan file; any problem is a one-line PlanError naming the field."""
-    path = Path(path)
-    raw = read_capped(path, MAX_PLAN_BYTES, PlanError, "plan")
-    data = load_yaml(raw, str(path), PlanError, fix="regenerate it with make")
-    return plan_from_dict(data, str(path))
-
-
-#: keys schema 1 plans may lack (added while it was current, with these values before them)
-_SCHEMA_1_DEFAULTS = {
-    "inputs": {"measure": False, "measured_on": None, "cuda_graph": False, "host_memory": None, "concurrency": None,
-               "chunk": 2048, "kv_dtype": "auto", "max_tpot_ms": None, "gpu_memory": None},
-    "hardware": {"host_memory_bytes": None, "cuda_context_bytes": None},
-    "workload": {"cuda_graph": False, "kv_dtype": "bf16"},
-    "offload": {"replay_start_copies": 0},
-    # schema 1 planned the weights alone: the rest of the GPU is not known
-    "memory": {"kv_cache_bytes": None, "activation_bytes": None, "cuda_graph_pool_bytes": 0, "cuda_context_bytes": 0,
-               "total_gpu_bytes": None},
-    "prediction": {"decode_step_ms": None, "decode_tokens_per_s": None, "prefill_chunk_ms": None},
-}
-
-
-def _schema_1_derived(data: dict) -> dict:
-    """Schema 2 fields whose schema 1 value follows from others: section -> key -> value."""
-    workload, hardware = data.get("workload"), data.get("hardware")
-    if not isinstance(workload, dict) or not isinstance(hardware, dict):
-        return {}
-    return {"workload": {"concurrency": workload.get("sequences_per_step"),
-                         "chunk_tokens": workload.get("tokens_per_step")},
-            "memory": {"gpu_memory_bytes": hardware.get("gpu_memory_bytes")}}
-
-
-def plan_from_dict(data: object, origin: str) -> Plan:
-    """Build a Plan from parsed YAML; a schema 1 plan is upgraded to the current schema first."""
-    if not isinstance(data, dict):
-        raise PlanError(f"{origin}: not a plan (expected a mapping); regenerate it with offload-plan make")
-    expected = {"schema_version", "layers", *SECTIONS}
-    if set(data) - set(OPTIONAL_SECTIONS) != expected:
-        problems = sorted((set(data) - set(OPTIONAL_SECTIONS)) ^ expected, key=str)  # YAML keys may be numbers too
-        raise PlanError(f"{origin}: plan keys differ from schema {SCHEMA_VERSION} at {shown(problems, 120)}; "
-                        "regenerate it")
-    version = data["schema_version"]
-    if type(version) is not int or version not in READABLE_SCHEMA_VERSIONS:  # 1.0 and true are not 1
-        raise PlanError(f"{origin}: schema_version {shown(version)} is not one of "
-                        f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))}; regenerate it with this offload-plan")
-    if version == 1:
-        data = _upgraded_from_1(data, origin)
-    kwargs: dict = {"schema_version": SCHEMA_VERSION}
-    if isinstance(data["inputs"], dict):
-        data = dict(data, inputs={**{key: list(value) if isinstance(value, tuple) else value
-                                     for key, value in OPTIONAL_INPUTS.items()}, **data["inputs"]})
-    for name, cls in SECTIONS.items():
-        kwargs[name] = _section(cls, data[name], f"{origin}: {name}")
-    rows = data["layers"]
-    if not isinstance(rows, list):
-        raise PlanError(f"{origin}: layers must be a list of rows; regenerate the plan")
-    kwargs["layers"] = tuple(_section(LayerRow, row, f"{origin}: layers[{i}]") for i, row in enumerate(rows))
-    if data.get("serving") is not None:
-        kwargs["serving"] = _serving_section(data["serving"], f"{origin}: serving")
-    if data.get("adapters") is not None:
-        kwargs["adapters"] = _adapters_section(data["adapters"], f"{origin}: adapters")
-    if data.get("experts") is not None:
-        experts = data["experts"]
-        if isinstance(experts, dict):
-            experts = {**OPTIONAL_EXPERTS, **experts}
-        kwargs["experts"] = _section(ExpertsPlan, experts, f"{origin}: experts",
-                                     rows={"layers": ExpertLayer, "points": ExpertsPoint})
-    misplaced = [i for i, row in enumerate(kwargs["layers"]) if row.index != i]
-    if misplaced:
-        raise PlanError(f"{origin}: layers[{misplaced[0]}] has index {kwargs['layers'][misplaced[0]].index}; rows must "
-                        "be numbered 0, 1, 2, ... in order: regenerate the plan")
-    try:
-        plan = Plan(**kwargs)
-    except ValueError as error:
-        raise PlanError(f"{origin}: {error}; regenerate the plan") from None
-    broken = first_broken_rule(plan)
-    if broken is not None:
-        raise PlanError(f"{origin}: {broken}; a plan make could not have written: regenerate it with make")
-    return plan
-
-
-# ---- whole-plan rules ---------------------------------------------------------------------------------------
-# Each field's type and range is checked as it is read; these are the rules across fields that make follows
-# when it writes a plan, with make's own bounds (planner.bounds). Each returns the first broken rule as
-# "field value: why", or None.
-
-
-def first_broken_rule(plan: Plan) -> str | None:
-    """The first rule across fields that ``plan`` breaks ("field value: why"), None when it keeps them all."""
-    for rules in (_input_rules, _workload_rules, _memory_rules, _serving_rules, _adapter_rules):
-        broken = rules(plan)
-        if broken is not None:
-            return broken
-    return None
-
-
-def _outside(key: str, field_name: str, value: int) -> str | None:
-    from planner.bounds import BOUNDS
-
-    low, high = BOUNDS[key]
-    return None if low <= value <= high else f"{field_name} {value} is outside {low}..{high}"
-
-
-def _input_rules(plan: Plan) -> str | None:
-    """inputs: every flag within the bounds make checks it against."""
-    from planner.bounds import INPUT_KV_DTYPES, MAX_TPOT_MS
-
-    inputs = plan.inputs
-    for key in ("tokens", "sequences", "context", "chunk", "group_size", "num_in_group", "prefetch_step",
-                "adapter_slots"):
-        value = getattr(inputs, key)
-        broken = None if value is None else _outside(key, f"inputs.{key}", value)
-        if broken:
-            return broken
-    if inputs.kv_dtype not in INPUT_KV_DTYPES:
-        return f"inputs.kv_dtype {shown(inputs.kv_dtype)} is not one of {', '.join(INPUT_KV_DTYPES)}"
-    if inputs.prefetch_accuracy is not None and not 0 <= inputs.prefetch_accuracy <= 1:
-        return f"inputs.prefetch_accuracy {inputs.prefetch_accuracy:g} is not a share from 0 to 1"
-    if inputs.max_tpot_ms is not None and not 0 < inputs.max_tpot_ms <= MAX_TPOT_MS:
-        return f"inputs.max_tpot_ms {inputs.max_tpot_ms:g} is not in (0, {MAX_TPOT_MS:g}]"
-    if (inputs.concurrency is None) != (plan.serving is None):
-        return "inputs.concurrency and the serving section come together"
-    if not 1 <= inputs.tp <= 1024:
-        return f"inputs.tp {inputs.tp} is not a number of GPUs from 1 to 1024"
-    return None
-
-
-def _workload_rules(plan: Plan) -> str | None:
-    """workload: the step make planned from the inputs (a serving plan: a decode step of its concurrency)."""
-    from planner.bounds import PLAN_KV_DTYPES
-
-    workload, inputs = plan.workload, plan.inputs
-    for key, field_name in (("tokens", "tokens_per_step"), ("sequences", "sequences_per_step"),
-                            ("context", "context_tokens"), ("chunk", "chunk_tokens"), ("sequences", "concurrency")):
-        broken = _outside(key, f"workload.{field_name}", getattr(workload, field_name))
-        if broken:
-            return broken
-    if workload.concurrency != workload.sequences_per_step:
-        return f"workload.concurrency {workload.concurrency} differs from sequences_per_step"
-    if workload.kv_dtype not in PLAN_KV_DTYPES:
-        return f"workload.kv_dtype {shown(workload.kv_dtype)} is not one of {', '.join(PLAN_KV_DTYPES)}"
-    if inputs.kv_dtype != "auto" and workload.kv_dtype != inputs.kv_dtype:
-        return f"workload.kv_dtype {workload.kv_dtype} differs from inputs.kv_dtype {inputs.kv_dtype}"
-    if workload.context_tokens != inputs.context:
-        return f"workload.context_tokens {workload.context_tokens} differs from inputs.context {inputs.context}"
-    if plan.serving is None and workload.chunk_tokens != workload.tokens_per_step:
-        return f"workload.chunk_tokens {workload.chunk_tokens} differs from tokens_per_step (not a serving plan)"
-    return None
-
-
-def _memory_rules(plan: Plan) -> str | None:
-    """memory and prediction: the figures make computes together are there together."""
-    memory, prediction = plan.memory, plan.prediction
-    whole_gpu = (memory.kv_cache_bytes, memory.activation_bytes, memory.total_gpu_bytes)
-    if len({value is None for value in whole_gpu}) > 1:
-        return "memory.kv_cache_bytes, activation_bytes and total_gpu_bytes are all null or all numbers"
-    if memory.gpu_bytes > memory.budget_bytes:
-        return f"memory.gpu_bytes {memory.gpu_bytes} exceeds budget_bytes {memory.budget_bytes}"
-    if (prediction.decode_step_ms is None) != (prediction.decode_tokens_per_s is None):
-        return "prediction.decode_step_ms and decode_tokens_per_s are both null or both numbers"
-    if plan.serving is not None:
-        needed = {"memory.kv_cache_bytes": memory.kv_cache_bytes, "prediction.decode_step_ms":
-                  prediction.decode_step_ms, "prediction.prefill_chunk_ms": prediction.prefill_chunk_ms}
-        missing = [name for name, value in needed.items() if value is None]
-        if missing:
-            return f"{missing[0]} is null in a serving plan"
-    return None
-
-
-def _serving_rules(plan: Plan) -> str | None:
-    """serving: the range --concurrency asked for, the chosen concurrency inside it, rows make can write."""
-    from planner.serving import parse_concurrency
-
-    serving, workload = plan.serving, plan.workload
-    if serving is None:
-        return None
-    try:
-        wanted = parse_concurrency(plan.inputs.concurrency)
-    except ValueError:
-        return f"inputs.concurrency {shown(plan.inputs.concurrency)} is not a concurrency make accepts"
-    if (serving.concurrency_low, serving.concurrency_high) != (wanted.low, wanted.high):
-        return (f"serving.concurrency_low..high {serving.concurrency_low}..{serving.concurrency_high} is not "
-                f"inputs.concurrency's {wanted.low}..{wanted.high}")
-    if not serving.concurrency_low <= workload.concurrency <= serving.concurrency_high:
-        return f"workload.concurrency {workload.concurrency} is outside serving's {wanted.low}..{wanted.high}"
-    if workload.tokens_per_step != workload.sequences_per_step:
-        return "workload.tokens_per_step differs from sequences_per_step in a serving plan (a decode step)"
-    if workload.context_tokens < 1:
-        return "workload.context_tokens 0: a serving plan serves sequences of --context tokens, at least 1"
-    if workload.chunk_tokens != plan.inputs.chunk:
-        return f"workload.chunk_tokens {workload.chunk_tokens} differs from inputs.chunk {plan.inputs.chunk}"
-    if serving.max_tpot_ms != plan.inputs.max_tpot_ms:
-        return f"serving.max_tpot_ms {serving.max_tpot_ms} differs from inputs.max_tpot_ms {plan.inputs.max_tpot_ms}"
-    alternative = (serving.no_offload_concurrency, serving.no_offload_step_ms, serving.no_offload_tokens_per_s)
-    if len({value is None for value in alternative}) > 1:
-        return "serving.no_offload_concurrency, _step_ms and _tokens_per_s are all null or all numbers"
-    if serving.no_offload_concurrency is not None and not wanted.low <= serving.no_offload_concurrency <= wanted.high:
-        return f"serving.no_offload_concurrency {serving.no_offload_concurrency} is outside {wanted.low}..{wanted.high}"
-    return _serving_row_rules(plan)
-
-
-def _serving_row_rules(plan: Plan) -> str | None:
-    serving = plan.serving
-    concurrencies = [row.concurrency for row in serving.points]
-    if not concurrencies or concurrencies != sorted(set(concurrencies)):
-        return "serving.points must be rows of distinct concurrencies, ascending"
-    for i, row in enumerate(serving.points):
-        where = f"serving.points[{i}]"
-        if not serving.concurrency_low <= row.concurrency <= serving.concurrency_high:
-            return f"{where}.concurrency {row.concurrency} is outside the serving range"
-        if not NOTHING_FITS <= row.num_offloaded <= plan.model.num_layers:
-            return f"{where}.num_offloaded {row.num_offloaded} is not from -1 to the {plan.model.num_layers} layers"
-        nothing = row.num_offloaded == NOTHING_FITS
-        if nothing != (row.step_ms is None):
-            return f"{where}.step_ms is null exactly where num_offloaded is -1 (nothing fits)"
-        if nothing and (row.group_size, row.num_in_group, row.prefetch_step, row.weights_gpu_bytes) != (0, 0, 0, 0):
-            return f"{where}: a row where nothing fits has no placement (group_size ... weights_gpu_bytes 0)"
-    return None
-
-
-def _adapter_rules(plan: Plan) -> str | None:
-    """adapters: names as make accepts them, matching inputs.adapters; ranks, slots and pool as make sizes them."""
-    from planner.adapters import parse_adapter_option
-    from planner.errors import UsageError
-
-    section = plan.adapters
-    if section is None:
-        return None
-    given = {}
-    for option in plan.inputs.adapters:
-        try:
-            name, source = parse_adapter_option(option)
-        except UsageError:
-            return f"inputs.adapters entry {shown(option)} is not NAME=PATH as make accepts it"
-        given[name] = source
-    if len(given) != len(plan.inputs.adapters):
-        return "inputs.adapters names an adapter twice"
-    for i, row in enumerate(section.items):
-        if given.get(row.name) != row.source:
-            return f"adapters.items[{i}] {shown(row.name)}={shown(row.source)} is not in inputs.adapters"
-        broken = _outside("rank", f"adapters.items[{i}].rank", row.rank)
-        if broken:
-            return broken
-        if not 0 < row.alpha:
-            return f"adapters.items[{i}].alpha {row.alpha} must be above 0"
-    return _adapter_pool_rules(plan)
-
-
-def _adapter_pool_rules(plan: Plan) -> str | None:
-    section, items = plan.adapters, plan.adapters.items
-    largest_rank, largest_bytes = max(row.rank for row in items), max(row.bytes for row in items)
-    if section.max_rank != largest_rank:
-        return f"adapters.max_rank {section.max_rank} is not the largest adapter's rank {largest_rank}"
-    if not 1 <= section.num_slots <= len(items):
-        return f"adapters.num_slots {section.num_slots} is not from 1 to the {len(items)} adapter(s)"
-    if plan.inputs.adapter_slots is not None and section.num_slots != plan.inputs.adapter_slots:
-        return f"adapters.num_slots {section.num_slots} differs from inputs.adapter_slots {plan.inputs.adapter_slots}"
-    if section.slot_bytes != largest_bytes:
-        return f"adapters.slot_bytes {section.slot_bytes} is not the largest adapter's {largest_bytes} bytes"
-    if section.host_pinned_bytes != sum(row.bytes for row in items):
-        return f"adapters.host_pinned_bytes {section.host_pinned_bytes} is not the sum of the adapters' bytes"
-    if section.num_missing > section.num_slots:
-        return f"adapters.num_missing {section.num_missing} exceeds num_slots {section.num_slots}"
-    return _adapter_mode_rules(section)
-
-
-def _adapter_mode_rules(section: AdaptersSection) -> str | None:
-    """The chosen mode is one of the two and the faster of the recorded totals, by the recorded margin."""
-    totals = {"blocking": section.blocking_stream_ms, "pipelined": section.pipelined_stream_ms}
-    if section.mode not in totals:
-        return f"adapters.mode {shown(section.mode)} must be blocking or pipelined"
-    chosen = totals[section.mode]
-    other = totals["pipelined" if section.mode == "blocking" else "blocking"]
-    if chosen > other:
-        return f"adapters.mode {section.mode} is not the mode of the lower stream total; regenerate the plan"
-    if chosen > 0 and abs(other / chosen - 1.0 - section.mode_margin) > 1e-3:
-        return f"adapters.mode_margin {section.mode_margin} does not follow from the stream totals"
-    return None
-
-
-def _serving_section(raw: object, origin: str) -> ServingSection:
-    """The serving section: flat fields, and its points as rows."""
-    return _section(ServingSection, raw, origin, rows={"points": ServingRow})
-
-
-def _adapters_section(raw: object, origin: str) -> AdaptersSection:
-    """The adapters section: flat fields, and its items as rows."""
-    return _section(AdaptersSection, raw, origin, rows={"items": AdapterRow})
-
-
-_TYPES = {int: (int,), float: (int, float), str: (str,), bool: (bool,)}
-_BASES = (bool, int, float, str)
-
-
-def _upgraded_from_1(data: dict, origin: str) -> dict:
-    """A schema 1 plan in schema 2's terms: keys added during schema 1 take their earlier values, and each layer
-    row's selected_bytes is what its copy_ms implies (schema 1 kept only that rounded time)."""
-    upgraded = dict(data, schema_version=SCHEMA_VERSION)
-    derived = _schema_1_derived(data)
-    for name, defaults in _SCHEMA_1_DEFAULTS.items():
-        if isinstance(data[name], dict):
-            upgraded[name] = {**defaults, **derived.get(name, {}), **data[name]}
-    hardware, offload = upgraded["hardware"], upgraded["offload"]
-    if not isinstance(data["layers"], list) or not isinstance(hardware, dict) or not isinstance(offload, dict):
-        return upgraded  # the strict reader names what is wrong
-    try:
-        rows = [dict(row, selected_bytes=_selected_bytes_of_1(row, hardware, bool(offload.get("params"))))
-                for row in data["layers"]]
-    except (TypeError, ValueError, KeyError) as error:
-        raise PlanError(f"{origin}: a schema 1 layer row cannot be read ({error}); regenerate the plan") from None
-    return dict(upgraded, layers=rows)
-
-
-def _selected_bytes_of_1(row: dict, hardware: dict, by_params: bool) -> int:
-    if row["offloaded_bytes"] or not by_params:
-        return row["offloaded_bytes"] or row["bytes"]
-    link_ms = row["copy_ms"] - hardware["copy_overhead_us"] / 1e3
-    return min(row["bytes"], max(0, round(link_ms * hardware["h2d_bytes_per_s"] / 1e3)))
-
-
-def _section(cls, raw: object, origin: str, rows: dict[str, type] | None = None):
-    """One section (or row) checked against its dataclass; ``rows``: fields that hold a list of rows of a class."""
-    if not isinstance(raw, dict):
-        raise PlanError(f"{origin} must be a mapping; regenerate the plan")
-    names = [f.name for f in fields(cls)]
-    if set(raw) != set(names):
-        wrong = sorted(set(raw) ^ set(names), key=str)
-        raise PlanError(f"{origin}: keys {shown(wrong, 120)} differ from the schema; regenerate the plan")
-    values = {}
-    for f in fields(cls):
-        if rows and f.name in rows:
-            values[f.name] = _rows(rows[f.name], raw[f.name], f"{origin}.{f.name}")
-        else:
-            values[f.name] = _check_type(raw[f.name], f.type, f"{origin}.{f.name}", f.metadata.get("lowest", 0))
-    try:
-        return cls(**values)
-    except ValueError as error:
-        raise PlanError(f"{origin}: {error}; regenerate the plan") from None
-
-
-def _rows(cls, raw: object, origin: str) -> tuple:
-    if not isinstance(raw, list):
-        raise PlanError(f"{origin} must be a list of rows; regenerate the plan")
-    return tuple(_section(cls, row, f"{origin}[{i}]") for i, row in enumerate(raw))
-
-
-def _check_type(value: Any, annotation: Any, origin: str, lowest: int = 0) -> Any:
-    """Check one field against its annotation (int, float, str, optional, tuples and str->int dicts)."""
-    text = str(annotation)
-    if value is None:
-        if "None" in text:
-            return None
-        raise PlanError(f"{origin} must not be null; regenerate the plan")
-    if text.startswith("tuple"):
-        inner = int if "int" in text else str
-        if not isinstance(value, list) or not all(_is(v, inner) for v in value):
-            raise PlanError(f"{origin} must be a list of {inner.__name__}; regenerate the plan")
-        if inner is int and not all(_plausible(v) for v in value):
-            raise PlanError(f"{origin} must hold whole numbers from 0 to {MAX_PLAN_INT}; regenerate the plan")
-        return tuple(value)
-    if text.startswith("dict"):
-        if not isinstance(value, dict) or not all(isinstance(k, str) and _is(v, int) and _plausible(v)
-                                                  for k, v in value.items()):
-            raise PlanError(f"{origin} must be a mapping of names to whole numbers; regenerate the plan")
-        return value
-    first = text.split("|")[0].strip()
-    base = next(t for t in _BASES if t is annotation or first in (t.__name__, f"<class '{t.__name__}'>"))
-    if base is bool:
-        if not isinstance(value, bool):
-            raise PlanError(f"{origin} must be true or false, got {shown(value)}; regenerate the plan")
-        return value
-    if not _is(value, base):
-        raise PlanError(f"{origin} must be {base.__name__}, got {shown(value)}; regenerate the plan")
-    if base in (int, float) and not _plausible(value, lowest):
-        raise PlanError(f"{origin} is {value!r}; plan numbers are finite, not negative and below "
-                        f"{MAX_PLAN_INT if base is int else MAX_PLAN_FLOAT:g}: regenerate the plan")
-    return float(value) if base is float else value
-
-
-def _plausible(value: int | float, lowest: int = 0) -> bool:
-    limit = MAX_PLAN_INT if isinstance(value, int) else MAX_PLAN_FLOAT
-    return lowest <= value <= limit  # False for NaN too
-
-
-def _is(value: Any, kind: type) -> bool:
-    return not isinstance(value, bool) and isinstance(value, _TYPES[kind])

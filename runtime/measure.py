@@ -89,7 +89,7 @@ def _load_cache() -> dict:
 
 
 def _save_cache(cache: dict) -> None:
-    from planner.plan import write_atomic
+    from planner.plan_file import write_atomic
 
     cache_path().parent.mkdir(parents=True, exist_ok=True)
     write_atomic(cache_path(), json.dumps(cache, indent=1, sort_keys=True))

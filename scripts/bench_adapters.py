@@ -144,7 +144,7 @@ def run_plan(label: str, plan_path: Path, checkpoint: Path, reference, device: s
     import torch
 
     from planner.adapter_stream import MODES
-    from planner.plan import read_plan
+    from planner.plan_file import read_plan
     from runtime.adapter_bench import run_adapter_bench
     from runtime.adapters import load_pool
 

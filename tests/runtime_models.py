@@ -73,7 +73,7 @@ def save_word_tokenizer(folder: Path, vocab_size: int = 256) -> None:
 
 def write_plan(plan: Plan, path: Path) -> Path:
     """Write a plan file as make would."""
-    from planner.plan import render_plan, write_atomic
+    from planner.plan_file import render_plan, write_atomic
 
     write_atomic(path, render_plan(plan, "test"))
     return path

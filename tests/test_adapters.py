@@ -414,7 +414,7 @@ def test_diff_names_a_change_of_loading_mode(base, test_gpu):
     from dataclasses import replace
 
     from planner.compare import compare_plans, summary_sentences
-    from planner.plan import read_plan
+    from planner.plan_file import read_plan
 
     _make(test_gpu, "--budget", "300KB", *ADAPTERS)
     old = read_plan("plan.yaml")

@@ -21,7 +21,7 @@ import pytest
 from planner.engine_memory import (NCCL_BYTES_PER_RANK, VLLM_PROFILE_SLACK_BYTES, sglang_memory, token_bytes,
                                    vllm_memory)
 from planner.export import export_plan
-from planner.plan import read_plan
+from planner.plan_file import read_plan
 
 PLANS = Path(__file__).resolve().parents[1] / "plans"
 LLAMA_70B = PLANS / "llama-3.1-70b-h100-sxm-serve-8192.yaml"
@@ -148,7 +148,8 @@ def test_make_for_an_engine_plans_whole_layers_and_says_so(tmp_path):
     planned for that engine; check regenerates it from its header (--for is an input)."""
     from planner.engine_plan import expressible_plan
     from planner.make import make_plan
-    from planner.plan import Inputs, render_plan
+    from planner.plan import Inputs
+    from planner.plan_file import render_plan
     from planner.report import verdict
     from runtime.header_checkpoint import write_header_checkpoint
 

@@ -9,7 +9,8 @@ import pytest
 from planner.experts import (PREFETCH_ACCURACY, MoeGeometry, MoeLayer, prefetch_layer_stall_ms, routed_placement,
                              routed_step_ms, uniform_routing)
 from planner.make import make_plan
-from planner.plan import Inputs, plan_from_dict, plan_to_dict
+from planner.plan import Inputs
+from planner.plan_file import plan_from_dict, plan_to_dict
 from tests.conftest import assert_one_line_error, make_checkpoint, run_cli
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

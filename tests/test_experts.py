@@ -13,7 +13,8 @@ from planner.experts import (LayerRouting, MoeGeometry, MoeLayer, ROUTED_FETCH_E
                              expected_distinct_uniform, moe_geometry, routed_placement, uniform_routing)
 from planner.layout import build_layout
 from planner.make import make_plan
-from planner.plan import Inputs, plan_from_dict, plan_to_dict, read_plan
+from planner.plan import Inputs
+from planner.plan_file import plan_from_dict, plan_to_dict, read_plan
 from planner.routing_trace import (RoutingTrace, check_against, read_trace, render_trace, trace_from_dict)
 from planner.units import format_rate
 from tests.conftest import assert_one_line_error, make_checkpoint, run_cli
@@ -335,7 +336,7 @@ def test_export_of_a_routed_plan_gives_the_planners_whole_layer_plan_and_its_los
     workload and weight budget (the plan's own recorded whole-layer step), and states the loss in tokens/s."""
     from planner.engine_plan import expressible_plan
     from planner.export import export_plan
-    from planner.plan import render_plan
+    from planner.plan_file import render_plan
 
     routed = make_plan(serving_inputs(qwen3_30b, "1", gpu_memory="24GiB")).plan
     whole, loss = expressible_plan(routed)

@@ -8,7 +8,7 @@ import pytest
 from rich.console import Console
 
 from planner.compare import compare_plans, shown_value, summary_sentences
-from planner.plan import read_plan
+from planner.plan_file import read_plan
 from planner.report import PROVENANCE_FIGURES, chart_bar_columns, serving_chart
 from planner.units import format_rate
 from tests.conftest import REPO_ROOT

@@ -348,7 +348,7 @@ def test_export_rule_skips_layers_whose_row_selects_nothing():
 
     from planner.errors import PlanError
     from planner.export import check_rule
-    from planner.plan import read_plan
+    from planner.plan_file import read_plan
     from planner.schedule import offloaded_by_rule
     from tests.conftest import GOLDEN_DIR
 

@@ -93,7 +93,7 @@ def _cli(*args):
 def test_cli_run_bench_and_prompt(llama, tmp_path):
     import json
 
-    from planner.plan import read_plan
+    from planner.plan_file import read_plan
     from tests.runtime_models import save_word_tokenizer, write_plan
 
     save_word_tokenizer(llama)

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from planner.plan import read_plan
+from planner.plan_file import read_plan
 from scripts import real_checkpoints
 from tests.conftest import assert_one_line_error, invoke
 

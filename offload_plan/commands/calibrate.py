@@ -5,7 +5,7 @@ import sys
 from offload_plan import runtime_seam
 from offload_plan.console import say
 from offload_plan.options import OutputOption
-from planner.plan import write_atomic
+from planner.plan_file import write_atomic
 
 
 def calibrate(output: OutputOption = None):

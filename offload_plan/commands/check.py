@@ -43,7 +43,7 @@ def check(
 
 def _rewrite(result) -> bool:
     """Write the regenerated plan over a failing one (--update); False when it could not be regenerated."""
-    from planner.plan import write_atomic
+    from planner.plan_file import write_atomic
 
     if result.ok or result.regenerated is None:
         return False

@@ -22,7 +22,7 @@ def diff(
     Example: offload-plan diff old.yaml new.yaml
     """
     from planner.compare import compare_plans, summary_sentences
-    from planner.plan import read_plan
+    from planner.plan_file import read_plan
 
     data = compare_plans(read_plan(old), read_plan(new))
     data = {"old_path": str(old), "new_path": str(new), **data, "summary": summary_sentences(data)}

@@ -31,7 +31,7 @@ def export(
     stdout holds the flags alone; what the engine cannot express and the loss go to stderr (stdout with --explain).
     """
     from planner.export import describe_prediction, export_plan
-    from planner.plan import read_plan
+    from planner.plan_file import read_plan
 
     result = export_plan(read_plan(plan), to, tp_size=tp, exact=exact)
     if json_output:

@@ -17,7 +17,8 @@ import typer
 from offload_plan import runtime_seam
 from offload_plan.console import say, warn
 from planner.errors import InfeasibleError, UsageError
-from planner.plan import Inputs, render_plan, write_atomic
+from planner.plan import Inputs
+from planner.plan_file import render_plan, write_atomic
 from planner.tensor_parallel import parse_tp_sizes
 
 

@@ -11,7 +11,7 @@ from offload_plan import runtime_seam
 from offload_plan.console import say, stderr, stdout, warn
 from offload_plan.options import JsonOption, PlanArgument
 from planner.errors import UsageError, printable, shown
-from planner.plan import read_plan
+from planner.plan_file import read_plan
 
 
 def graphed_steps(flag: Optional[bool], plan) -> bool:

@@ -8,7 +8,7 @@ import typer
 
 from offload_plan.console import stdout
 from offload_plan.options import JsonOption, PlanArgument
-from planner.plan import plan_to_dict, read_plan
+from planner.plan_file import plan_to_dict, read_plan
 
 
 def show(

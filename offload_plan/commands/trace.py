@@ -23,7 +23,7 @@ def trace(
 
     Example: offload-plan trace --model ./qwen3-30b-a3b --prompts prompts.txt -o trace.yaml
     """
-    from planner.plan import write_atomic
+    from planner.plan_file import write_atomic
     from planner.routing_trace import render_trace
 
     recorded = runtime_seam.record_routing_trace(model, prompts, device)
