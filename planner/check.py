@@ -19,7 +19,8 @@ from planner.checkpoint import load_checkpoint
 from planner.cost import ComputeTimes
 from planner.errors import (InfeasibleError, ModelInputError, OffloadPlanError, PlanError, PlanStaleError,
                             ProfileError)
-from planner.make import make_plan, regenerate_command
+from planner.make import make_plan
+from planner.make_inputs import regenerate_command
 from planner.plan import Plan
 from planner.plan_file import read_plan, render_plan
 from planner.profile import HardwareProfile, load_profile

@@ -125,7 +125,7 @@ def test_make_options_and_regenerate_command_come_from_inputs():
     import typer
 
     from offload_plan.app import app
-    from planner.make import regenerate_command
+    from planner.make_inputs import regenerate_command
     from planner.plan import Inputs
 
     command = typer.main.get_command(app).commands["make"]

@@ -12,7 +12,8 @@ import pytest
 
 from offload_plan.app import app
 from planner.cost import ComputeTimes
-from planner.make import make_plan, regenerate_command
+from planner.make import make_plan
+from planner.make_inputs import regenerate_command
 from planner.plan import Inputs
 from planner.plan_file import render_plan
 from tests.conftest import REPO_ROOT, TEST_GPU, assert_one_line_error, cli_env, make_checkpoint

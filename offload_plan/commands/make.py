@@ -27,7 +27,8 @@ def make(**values):
 
     Example: offload-plan make -m org/model -g h100-sxm --budget 40GiB -o plan.yaml
     """
-    from planner.make import make_plan, regenerate_command
+    from planner.make import make_plan
+    from planner.make_inputs import regenerate_command
 
     output = values.pop("output")
     tp = values.pop("tp")
@@ -54,7 +55,8 @@ def _make_tp_comparison(inputs: Inputs, sizes: list[int], output: Path | None) -
     """make --tp 2,4: one plan per GPU count (PATH.tpN.yaml), then the comparison and its verdict on stderr."""
     from dataclasses import replace
 
-    from planner.make import make_plan, regenerate_command
+    from planner.make import make_plan
+    from planner.make_inputs import regenerate_command
     from planner.tensor_parallel import compare_tp, plan_path_for
 
     if output is None:
