@@ -339,3 +339,19 @@ RUNTIME_TEST_MODULES = ["test_runtime_cpu.py", "test_runtime_gpu.py", "test_tran
                         "test_llama70b.py"]
 if any(importlib.util.find_spec(name) is None for name in ("torch", "transformers", "safetensors")):
     collect_ignore = RUNTIME_TEST_MODULES
+
+
+@pytest.fixture
+def dense(workdir, test_gpu):
+    """An 8-layer checkpoint (ckpt, 3 shards) and its plan at a 500KB budget, written to plan.yaml."""
+    from tests.plan_cli import _make
+
+    make_checkpoint(workdir / "ckpt", num_layers=8, num_shards=3)
+    return _make(["--gpu", test_gpu, "--budget", "500KB"])
+
+
+@pytest.fixture
+def own_profile(workdir):
+    """A profile file the test may change: my-gpu.yaml, a copy of the test GPU."""
+    shutil.copy(TEST_GPU_FILE, workdir / "my-gpu.yaml")
+    return workdir / "my-gpu.yaml"

@@ -8,6 +8,8 @@ import pytest
 from planner.errors import InfeasibleError
 from planner.make import make_plan
 from planner.plan import Inputs
+from tests.conftest import TEST_GPU_FILE, invoke, make_checkpoint
+from tests.plan_cli import _make
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -48,3 +50,17 @@ def test_a_host_that_holds_no_placement_is_one_line_naming_the_least_it_needs(qw
         _serve(qwen3_14b, "auto", "5GB")
     message = str(error.value)
     assert "--host-memory allows" in message and "\n" not in message and len(message) <= 300
+
+
+def test_grace_profiles_check_host_memory(workdir, test_gpu):
+    """Pinned params must fit the host memory: from the profile (Grace superchips have one figure) or
+    --host-memory, recorded in the plan and in its regenerating command."""
+    make_checkpoint(workdir / "ckpt", num_layers=8, num_shards=3)
+    plan = _make(["--gpu", test_gpu, "--budget", "500KB", "--host-memory", "1MB"])
+    assert plan["hardware"]["host_memory_bytes"] == 1_000_000 and plan["inputs"]["host_memory"] == "1MB"
+    assert "--host-memory 1MB" in (workdir / "plan.yaml").read_text().splitlines()[1]
+    assert _make(["--gpu", test_gpu, "--budget", "500KB"], output="free.yaml")["hardware"]["host_memory_bytes"] is None
+    (workdir / "small-host.yaml").write_text(
+        TEST_GPU_FILE.read_text() + "host_memory_bytes:\n  value: 50000\n  source: assumed\n  note: a tiny host\n")
+    result = invoke(["make", "--model", "ckpt", "--gpu", "small-host.yaml", "--budget", "500KB"])
+    assert result.exit_code == 5 and "the small-host.yaml profile allows 50000 bytes" in result.stderr
