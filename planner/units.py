@@ -3,7 +3,7 @@
 import math
 import re
 
-from planner.errors import UsageError
+from planner.errors import UsageError, printable
 
 #: unit -> bytes, case-insensitive. Decimal like disk and link datasheets (K, M, G, T and KB, MB, GB, TB are
 #: powers of 1000), binary with an i (KiB, MiB, GiB, TiB, or Ki, Mi, Gi, Ti: powers of 1024). G is GB, not GiB.
@@ -26,19 +26,27 @@ def parse_bytes(text: str, flag: str = "size") -> int:
     """
     match = _BYTES_RE.match(str(text))
     if match is None or match.group(2).lower() not in _BYTE_UNITS | {"": 1}:
-        raise UsageError(f"{flag} {text!r}: cannot read it as a size; write a number with a unit such as 40GiB, "
-                         f"80GB or 512MiB ({SIZE_HELP})")
+        raise UsageError(f"{flag} {_echo(repr(str(text)))}: cannot read it as a size; write a number with a unit "
+                         f"such as 40GiB, 80GB or 512MiB ({SIZE_HELP})")
     number, unit = match.group(1), match.group(2).lower()
     value = float(number)
     if not unit:
-        likely = f"{number}GiB" if value < 2**20 else f"{number}B"
-        raise UsageError(f"{flag} {number} has no unit: did you mean {likely}? ({SIZE_HELP})")
+        likely = _echo(f"{number}GiB" if value < 2**20 else f"{number}B")
+        raise UsageError(f"{flag} {_echo(number)} has no unit: did you mean {likely}? ({SIZE_HELP})")
     num_bytes = value * _BYTE_UNITS[unit]
     if not math.isfinite(num_bytes) or num_bytes > MAX_BYTES:
-        raise UsageError(f"{flag} {text.strip()} is too large to be a size (more than {MAX_BYTES} bytes)")
+        raise UsageError(f"{flag} {_echo(text)} is too large to be a size (more than {MAX_BYTES} bytes)")
     if num_bytes < 0:
-        raise UsageError(f"{flag} {text.strip()} is negative; give a size such as 40GiB")
+        raise UsageError(f"{flag} {_echo(text)} is negative; give a size such as 40GiB")
     return int(round(num_bytes))
+
+
+def _echo(text: object, max_chars: int = 40) -> str:
+    """The user's value for an error line: printable, cut in the middle when long (a 400-digit --budget echoed
+    whole made a line past the 300-character contract)."""
+    value = printable(str(text).strip())
+    half = (max_chars - 5) // 2
+    return value if len(value) <= max_chars else f"{value[:half]} ... {value[-half:]}"
 
 
 def format_bytes(num_bytes: float) -> str:
