@@ -21,7 +21,11 @@ def printable(text: object) -> str:
 def shown(value: object, max_chars: int = 80) -> str:
     """``repr(value)`` for a message: printable, and cut in the middle when long (a 10,000-element list echoed
     whole would bury the line's advice)."""
-    text = printable(repr(value))
+    return cut(printable(repr(value)), max_chars)
+
+
+def cut(text: str, max_chars: int = 80) -> str:
+    """``text`` cut in the middle to at most about ``max_chars`` characters."""
     if len(text) <= max_chars:
         return text
     half = (max_chars - 5) // 2

@@ -3,7 +3,7 @@
 import math
 import re
 
-from planner.errors import UsageError, printable
+from planner.errors import UsageError, cut, printable
 
 #: unit -> bytes, case-insensitive. Decimal like disk and link datasheets (K, M, G, T and KB, MB, GB, TB are
 #: powers of 1000), binary with an i (KiB, MiB, GiB, TiB, or Ki, Mi, Gi, Ti: powers of 1024). G is GB, not GiB.
@@ -41,12 +41,10 @@ def parse_bytes(text: str, flag: str = "size") -> int:
     return int(round(num_bytes))
 
 
-def _echo(text: object, max_chars: int = 40) -> str:
-    """The user's value for an error line: printable, cut in the middle when long (a 400-digit --budget echoed
-    whole made a line past the 300-character contract)."""
-    value = printable(str(text).strip())
-    half = (max_chars - 5) // 2
-    return value if len(value) <= max_chars else f"{value[:half]} ... {value[-half:]}"
+def _echo(text: object) -> str:
+    """The user's value for an error line: printable, cut to 40 characters (a 400-digit --budget echoed whole
+    made a line past the 300-character contract)."""
+    return cut(printable(str(text).strip()), 40)
 
 
 def format_bytes(num_bytes: float) -> str:
