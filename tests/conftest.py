@@ -355,3 +355,13 @@ def own_profile(workdir):
     """A profile file the test may change: my-gpu.yaml, a copy of the test GPU."""
     shutil.copy(TEST_GPU_FILE, workdir / "my-gpu.yaml")
     return workdir / "my-gpu.yaml"
+
+
+@pytest.fixture(scope="module")
+def qwen3_30b(tmp_path_factory) -> Path:
+    """A header-only Qwen3-30B-A3B checkpoint (fused experts, bf16) from its public config.json."""
+    from runtime.header_checkpoint import write_header_checkpoint
+
+    folder = tmp_path_factory.mktemp("q30") / "qwen3-30b-a3b"
+    write_header_checkpoint(REPO_ROOT / "examples" / "qwen3-30b-a3b" / "config.json", folder)
+    return folder

@@ -13,17 +13,6 @@ from planner.plan import Inputs
 from planner.plan_file import plan_from_dict, plan_to_dict
 from tests.conftest import assert_one_line_error, make_checkpoint, run_cli
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-QWEN3_30B = REPO_ROOT / "examples" / "qwen3-30b-a3b" / "config.json"
-
-
-@pytest.fixture(scope="module")
-def qwen3_30b(tmp_path_factory) -> Path:
-    from runtime.header_checkpoint import write_header_checkpoint
-
-    folder = tmp_path_factory.mktemp("q30") / "qwen3-30b-a3b"
-    write_header_checkpoint(QWEN3_30B, folder)
-    return folder
 
 
 def test_the_stall_is_the_fetch_the_prefetch_cannot_hide_plus_the_misses():

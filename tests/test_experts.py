@@ -19,18 +19,6 @@ from planner.routing_trace import (RoutingTrace, check_against, read_trace, rend
 from planner.units import format_rate
 from tests.conftest import assert_one_line_error, make_checkpoint, run_cli
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-QWEN3_30B = REPO_ROOT / "examples" / "qwen3-30b-a3b" / "config.json"
-
-
-@pytest.fixture(scope="module")
-def qwen3_30b(tmp_path_factory) -> Path:
-    """A header-only Qwen3-30B-A3B checkpoint (fused experts, bf16) from its public config.json."""
-    from runtime.header_checkpoint import write_header_checkpoint
-
-    folder = tmp_path_factory.mktemp("q30") / "qwen3-30b-a3b"
-    write_header_checkpoint(QWEN3_30B, folder)
-    return folder
 
 
 def geometry_of(folder: Path) -> MoeGeometry:
