@@ -126,9 +126,10 @@ def measured_activation_bytes(checkpoint, layout, workload, graphed: bool) -> in
     return measure(checkpoint, layout, workload, graphed).activation_bytes
 
 
-def record_routing_trace(model: str, prompts_path, device: str | None):
-    """``trace``: per-layer expert routing counts of ``model`` on the prompts (planner.routing_trace.RoutingTrace)."""
+def record_routing_trace(model: str, prompts_path, device: str | None, decode_tokens: int = 0):
+    """``trace``: per-layer expert routing counts of ``model`` on the prompts (planner.routing_trace.RoutingTrace),
+    or on ``decode_tokens`` greedy tokens after each."""
     require_runtime("offload-plan trace")
     from runtime.trace import read_prompts, record_trace
 
-    return record_trace(model, read_prompts(prompts_path), device)
+    return record_trace(model, read_prompts(prompts_path), device, decode_tokens)

@@ -1,11 +1,16 @@
 """Record a routing trace: per MoE layer, how many of the user's prompt tokens each expert takes.
 
-The model runs its prompts (prefill only, one prompt at a time, no padding) on the local GPU or the CPU, and a
+The model runs its prompts (one prompt at a time, no padding) on the local GPU or the CPU, and a
 forward pre-hook on each MoE layer's ``mlp.experts`` module counts the expert ids it is called with. The hook
 sits on the experts rather than the router because transformers 5's experts interface takes the routing the
 same way in every architecture (``experts(hidden_states, top_k_index, top_k_weights)``: [tokens, top_k] ids),
 where routers return it in different shapes (Qwen3-MoE's gate returns logits, scores and indices; DeepSeek-V3's
 returns indices and weights). planner.routing_trace validates and writes the result.
+
+What is counted: the prompts' own tokens (prefill), or, with ``decode_tokens`` N > 0, only the N tokens greedily
+generated after each prompt, one decode step at a time: the steps a decode plan serves. Decode steps can route
+differently from prompt tokens (a token's hidden state there holds its attention over everything before it), and
+the residency a plan chooses from a trace serves decode steps.
 """
 
 import re
@@ -32,6 +37,8 @@ class RoutingCounter:
 
     def __init__(self, model: nn.Module, stack: str, num_experts: int):
         self.num_experts = num_experts
+        #: whether calls are counted now (off while a decode trace runs its prompt)
+        self.active = True
         self.counts: dict[int, torch.Tensor] = {}
         self.tokens: dict[int, int] = {}
         self._handles = []
@@ -45,6 +52,8 @@ class RoutingCounter:
 
     def _hook(self, index: int):
         def count(_module, args, kwargs):
+            if not self.active:
+                return
             ids = args[1] if len(args) > 1 else kwargs.get("top_k_index")
             if ids is None:
                 raise ModelInputError(f"layer {index}'s experts were called without routed expert ids: the model "
@@ -61,10 +70,11 @@ class RoutingCounter:
             handle.remove()
 
 
-def count_routing(model: nn.Module, prompts: list[torch.Tensor], stack: str, num_experts: int
-                  ) -> tuple[int, dict[int, tuple[int, ...]]]:
+def count_routing(model: nn.Module, prompts: list[torch.Tensor], stack: str, num_experts: int,
+                  decode_tokens: int = 0) -> tuple[int, dict[int, tuple[int, ...]]]:
     """(tokens routed per layer, per MoE layer index the assignments per expert) of running ``prompts`` ([1, T]
-    token ids each, on the model's device) through ``model``."""
+    token ids each, on the model's device) through ``model``: their own tokens, or with ``decode_tokens`` > 0
+    only the tokens greedily generated after each (module docstring)."""
     counter = RoutingCounter(model, stack, num_experts)
     if not counter.counts:
         raise ModelInputError(f"the model has no {stack}.N.mlp.experts modules: its MoE block is not transformers "
@@ -72,7 +82,10 @@ def count_routing(model: nn.Module, prompts: list[torch.Tensor], stack: str, num
     try:
         with torch.inference_mode():
             for ids in prompts:
-                model(input_ids=ids, use_cache=False)
+                if decode_tokens:
+                    _count_decode(model, ids, counter, decode_tokens)
+                else:
+                    model(input_ids=ids, use_cache=False)
     finally:
         counter.remove()
     tokens = set(counter.tokens.values())
@@ -80,6 +93,21 @@ def count_routing(model: nn.Module, prompts: list[torch.Tensor], stack: str, num
         raise ModelInputError(f"MoE layers routed different numbers of tokens ({sorted(tokens)}): some layer skips "
                               "tokens, which a routing trace cannot describe")
     return tokens.pop(), {index: tuple(int(c) for c in counts) for index, counts in sorted(counter.counts.items())}
+
+
+def _count_decode(model: nn.Module, ids: torch.Tensor, counter: RoutingCounter, decode_tokens: int) -> None:
+    """The prompt uncounted, then ``decode_tokens`` greedy steps counted, each one token over the cache."""
+    from transformers import DynamicCache
+
+    from runtime.graph import cache_argument
+
+    cache = DynamicCache()  # grows in place: each call appends its tokens' keys and values
+    counter.active = False
+    out = model(input_ids=ids, use_cache=True, **cache_argument(model, cache))
+    counter.active = True
+    for _ in range(decode_tokens):
+        following = out.logits[:, -1:].argmax(dim=-1)
+        out = model(input_ids=following, use_cache=True, **cache_argument(model, cache))
 
 
 def read_prompts(path) -> list[str]:
@@ -95,9 +123,11 @@ def read_prompts(path) -> list[str]:
     return prompts
 
 
-def record_trace(model_path: str, prompts: list[str], device: str | None = None) -> RoutingTrace:
+def record_trace(model_path: str, prompts: list[str], device: str | None = None,
+                 decode_tokens: int = 0) -> RoutingTrace:
     """Load the checkpoint at ``model_path`` with transformers on ``device`` (default: CUDA when present, else
-    the CPU), run ``prompts`` and count the routing of every MoE layer."""
+    the CPU), run ``prompts`` and count the routing of every MoE layer (of ``decode_tokens`` greedy tokens
+    after each prompt when > 0)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     checkpoint = load_checkpoint(model_path)
@@ -112,6 +142,6 @@ def record_trace(model_path: str, prompts: list[str], device: str | None = None)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype="auto").to(device).eval()
     ids = [tokenizer(prompt, return_tensors="pt")["input_ids"].to(device) for prompt in prompts]
-    num_tokens, counts = count_routing(model, ids, layout.stack, geometry.num_experts)
+    num_tokens, counts = count_routing(model, ids, layout.stack, geometry.num_experts, decode_tokens)
     return RoutingTrace(model_fingerprint=checkpoint.fingerprint(), num_experts=geometry.num_experts,
                         top_k=geometry.top_k, num_tokens=num_tokens, layers=tuple(counts.items()))

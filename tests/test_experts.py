@@ -291,6 +291,43 @@ def test_trace_counts_match_the_routers_own_choice():
     assert counts == expected and all(sum(c) == 12 for c in counts.values())
 
 
+def test_decode_trace_counts_only_the_generated_tokens_routing():
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from runtime.trace import count_routing
+
+    config = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                            num_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    prompts = [torch.tensor([[1, 5, 9, 13, 17, 21]]), torch.tensor([[2, 4, 8]])]
+    seen = {0: [], 1: []}
+
+    def gate_hook(index):
+        def record(_module, args, output):
+            seen[index].append((args[0].shape[0], output[2]))  # (tokens in the call, the router's choice)
+        return record
+
+    handles = [layer.mlp.gate.register_forward_hook(gate_hook(i)) for i, layer in enumerate(model.model.layers)]
+    num_tokens, counts = count_routing(model, prompts, "model.layers", 4, decode_tokens=5)
+    for handle in handles:
+        handle.remove()
+    assert num_tokens == 2 * 5  # the prompts' 9 tokens are not counted
+    for index, calls in seen.items():
+        # per prompt: its prefill (all its tokens at once), then 5 one-token decode steps
+        assert [tokens for tokens, _ in calls] == [6, 1, 1, 1, 1, 1, 3, 1, 1, 1, 1, 1]
+        decode_choice = torch.cat([chosen for tokens, chosen in calls if tokens == 1])
+        assert counts[index] == tuple(torch.bincount(decode_choice.flatten(), minlength=4).tolist())
+
+
+def test_trace_decode_tokens_out_of_range_is_one_line(tmp_path):
+    (tmp_path / "prompts.txt").write_text("hello\n")
+    result = run_cli(["trace", "--model", "x", "--prompts", "prompts.txt", "--decode-tokens", "-3"], cwd=tmp_path)
+    assert_one_line_error(result.returncode, result.stderr, contains=("--decode-tokens",))
+
+
 def test_trace_without_prompts_is_one_line(tmp_path):
     (tmp_path / "empty.txt").write_text("\n\n")
     result = run_cli(["trace", "--model", "x", "--prompts", "empty.txt"], cwd=tmp_path)

@@ -9,6 +9,10 @@ import typer
 
 from offload_plan import runtime_seam
 from offload_plan.console import say
+from planner.errors import UsageError, cut
+
+#: the most greedy tokens a trace generates per prompt (a trace needs thousands of tokens in all, not millions)
+MAX_DECODE_TOKENS = 65_536
 
 
 def trace(
@@ -18,17 +22,24 @@ def trace(
     = None,
     device: Annotated[Optional[str], typer.Option(
         help="Where the model runs: cuda or cpu (default: cuda when present).")] = None,
+    decode_tokens: Annotated[int, typer.Option(
+        "--decode-tokens", help="Count the routing of this many greedy tokens generated after each prompt (the "
+        "decode steps a plan serves) instead of the prompts' own tokens. 0: the prompts.")] = 0,
 ):
-    """Record per-layer expert routing counts of a MoE model on your prompts (prefill), on the local GPU or CPU.
+    """Record per-layer expert routing counts of a MoE model on your prompts, on the local GPU or CPU.
 
-    Example: offload-plan trace --model ./qwen3-30b-a3b --prompts prompts.txt -o trace.yaml
+    Example: offload-plan trace --model ./qwen3-30b-a3b --prompts prompts.txt --decode-tokens 64 -o trace.yaml
     """
     from planner.plan_file import write_atomic
     from planner.routing_trace import render_trace
 
-    recorded = runtime_seam.record_routing_trace(model, prompts, device)
+    if not 0 <= decode_tokens <= MAX_DECODE_TOKENS:
+        raise UsageError(f"--decode-tokens {cut(str(decode_tokens))} is out of range; give 0 (count the prompts) to "
+                         f"{MAX_DECODE_TOKENS} greedy tokens per prompt")
+    recorded = runtime_seam.record_routing_trace(model, prompts, device, decode_tokens)
     words = ["offload-plan", "trace", "--model", model, "--prompts", str(prompts)]
     words += ["--device", device] if device else []
+    words += ["--decode-tokens", str(decode_tokens)] if decode_tokens else []
     text = render_trace(recorded, shlex.join(words + (["-o", str(output)] if output else [])))
     if output is None:
         sys.stdout.write(text)
