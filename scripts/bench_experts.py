@@ -35,6 +35,7 @@ finish:
                                                              # prefetch on and off, the grid sweep only
     PYTHONPATH=. python3 scripts/bench_experts.py --tiny     # the same logic on a tiny model, CPU is enough
     PYTHONPATH=. python3 scripts/bench_experts.py --skew-trace --out $OUT   # H100: the skewed arm via a trace
+    PYTHONPATH=. python3 scripts/bench_experts.py --machinery    # the machinery's cost, every expert resident
 """
 
 import argparse
@@ -429,6 +430,23 @@ class Rows:
         return row
 
 
+def machinery_rows(master, setting: Setting, rows: Rows) -> None:
+    """The routed machinery's own cost: every expert resident, so nothing crosses the link, the whole GPU (the
+    model fits an 80 GB H100), prefetch off and on, against the all-resident step: what fetch planning, the
+    predictor, the empty gathers and the stream joins add to a step."""
+    num_layers, num_experts, top_k = expert_shape(master)
+    reference = all_resident(master, setting)
+    rows.add({"arm": "all-resident", **figures(reference)})
+    whole_gpu = setting.gpu_memory_bytes if setting.device.type != "cuda" else \
+        torch.cuda.get_device_properties(setting.device).total_memory
+    roomy = replace(setting, gpu_memory_bytes=whole_gpu)
+    resident = {index: tuple(range(num_experts)) for index in range(num_layers)}
+    for mode in ("off", "on"):
+        routed = routed_arm(master, roomy, resident, min(top_k, num_experts), reference, prefetch=mode == "on")
+        rows.add({"arm": f"routed machinery, all resident, prefetch {mode}", **routed,
+                  "overhead_ms": routed["step_ms"] - reference["step_ms"]})
+
+
 def _short(value):
     return f"{value:.4g}" if isinstance(value, float) else value
 
@@ -788,6 +806,8 @@ def main() -> None:
     parser.add_argument("--skew-trace", action="store_true",
                         help="instead: skewed routers recorded into a trace file, the plan made with --routing-trace, "
                              "run, against its prediction and uniform residency")
+    parser.add_argument("--machinery", action="store_true",
+                        help="instead: the routed machinery's own cost, every expert resident, prefetch off and on")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/bench_experts")))
     args = parser.parse_args()
     if any(n < 1 for n in args.gather_programs):
@@ -807,8 +827,11 @@ def main() -> None:
     log(f"pinned H2D {h2d / 1e9:.1f} GB/s; building the model on the host")
     master = build_master(setting)
     log(f"model built in {time.perf_counter() - started:.0f} s")
-    if args.skew_trace:
-        trace_rows(master, setting, rows, args.out / "work")
+    if args.machinery or args.skew_trace:  # one model build serves both
+        if args.machinery:
+            machinery_rows(master, setting, rows)
+        if args.skew_trace:
+            trace_rows(master, setting, rows, args.out / "work")
         log(f"done in {time.perf_counter() - started:.0f} s; {rows.path}")
         print_table(rows.data)
         return
