@@ -83,6 +83,10 @@ class Setting:
     measure: bool = True
     #: sequences decoded together
     batch: int = 1
+    #: None: greedy steps (each step's input the last one's argmax); a seed: each step's input drawn from a
+    #: seeded random token stream instead (teacher forcing). A random model's greedy decode falls into a loop of a
+    #: few tokens, whose routing stands for no workload; a random stream routes as varied tokens do
+    forced_tokens_seed: int | None = None
 
 
 # ---- the model and its routing ----
@@ -209,20 +213,14 @@ def cache_tokens(setting: Setting) -> int:
 
 
 def decode(model, setting: Setting, engine=None, routed=None) -> dict:
-    """Fill the cache, capture (or warm up), 64 greedy steps, then timed steps: ids, logits and figures."""
-    from runtime.graph import DecodeLoop
-
-    loop = DecodeLoop(model, batch=setting.batch, max_cache_tokens=cache_tokens(setting), device=setting.device,
-                      engine=engine, steps_per_call=1)
-    loop.fill(setting.context_tokens, seed=0)
-    if setting.graphed:
-        loop.capture()
-    else:
-        loop.warm_up()
+    """Fill the cache, capture (or warm up), 64 steps (greedy, or fed setting.forced_tokens_seed's stream), then
+    timed steps: ids, logits and figures."""
+    loop = decode_loop(model, setting, engine)
     saved = loop.save_state()
     if routed is not None:
         routed.reset_counters()
-    ids, logits = loop.generate(setting.num_greedy_steps)
+    feed = token_feed(loop, setting)
+    ids, logits = generate(loop, setting.num_greedy_steps, feed)
     result = {"ids": ids.cpu(), "logits": [out.cpu() for out in logits]}
     if routed is not None:
         by_kind = routed.fetched_bytes_by_kind()
@@ -234,21 +232,69 @@ def decode(model, setting: Setting, engine=None, routed=None) -> dict:
         predicted = by_kind["prefetched"] + by_kind["missed"]
         result["prediction_accuracy"] = by_kind["prefetched"] / predicted if predicted else None
     loop.restore_state(saved)
-    step_ms = timed_ms(loop, setting)
+    step_ms = timed_ms(loop, setting, token_feed(loop, setting, offset=setting.num_greedy_steps))
     # decode tokens/s of the batch (the planner's decode_tokens_per_s): every step emits one token per sequence
     result.update(step_ms=statistics.median(step_ms), tokens_per_s=setting.batch * 1e3 / statistics.median(step_ms))
     del loop
     return result
 
 
-def timed_ms(loop, setting: Setting) -> list[float]:
+def decode_loop(model, setting: Setting, engine=None, seed: int = 0):
+    """A decode loop over ``model`` with its cache filled to the context (seeded) and captured (or warmed up)."""
+    from runtime.graph import DecodeLoop
+
+    loop = DecodeLoop(model, batch=setting.batch, max_cache_tokens=cache_tokens(setting), device=setting.device,
+                      engine=engine, steps_per_call=1)
+    loop.fill(setting.context_tokens, seed=seed)
+    if setting.graphed:
+        loop.capture()
+    else:
+        loop.warm_up()
+    return loop
+
+
+def token_feed(loop, setting: Setting, offset: int = 0, seed: int | None = None):
+    """Before each step, what sets its input: nothing (greedy), or the next ids of the seeded random stream,
+    from its ``offset``-th step on (copied on the device: no host synchronisation between timed steps)."""
+    seed = setting.forced_tokens_seed if seed is None else seed
+    if seed is None:
+        return lambda: None
+    num_steps = offset + setting.num_greedy_steps + setting.num_timed_steps + 8  # timed_ms's warm-up steps too
+    vocab = loop.model.config.get_text_config().vocab_size
+    generator = torch.Generator().manual_seed(seed)
+    stream = torch.randint(vocab, (num_steps, *loop.ids.shape), generator=generator).to(loop.ids.device)
+    position = iter(range(offset, num_steps))
+
+    def feed():
+        loop.ids.copy_(stream[next(position)])
+    return feed
+
+
+def generate(loop, num_steps: int, feed) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(input ids [batch, num_steps], logits of each step): one step per call, ``feed()`` before each."""
+    ids, logits = [], []
+    for _ in range(num_steps):
+        feed()
+        loop.step()
+        ids.append(loop.step_ids.clone())
+        logits.append(loop.step_logits[0].clone())
+    return torch.cat(ids, dim=1), logits
+
+
+def timed_ms(loop, setting: Setting, feed) -> list[float]:
+    def step():
+        feed()
+        loop.step()
+
     if setting.device.type == "cuda":
-        loop.timed_steps(3)
-        return loop.timed_steps(setting.num_timed_steps)
+        from runtime.bench import time_calls
+
+        time_calls(step, 3, setting.device)
+        return time_calls(step, setting.num_timed_steps, setting.device)
     times = []
     for _ in range(setting.num_timed_steps):
         started = time.perf_counter()
-        loop.step()
+        step()
         times.append(1e3 * (time.perf_counter() - started))
     return times
 
@@ -369,6 +415,7 @@ def planner_plan(setting: Setting, work: Path, force_whole: bool = True):
     from runtime.benchmarking import write_calibrated
 
     serving.MEASURE["on"] = setting.measure and setting.device.type == "cuda"
+    setting = replace(setting, forced_tokens_seed=0)  # every arm decodes the same random token stream
     work.mkdir(parents=True, exist_ok=True)
     profile = write_calibrated(work) if serving.MEASURE["on"] else Path("h100-sxm")
     checkpoint = serving.header_checkpoint(str(setting.config), work)
@@ -580,35 +627,45 @@ def skewed_rows(master, setting: Setting, rows: Rows, num_resident: int) -> None
 
 # ---- skewed routing through a trace file (issue 22's skewed target, end to end) ----
 
-#: prompts the trace records: random token ids (the weights are random: no text means more than another),
-#: (number, tokens each, greedy tokens counted after each) on the GPU and on the tiny CPU run. The trace counts
-#: decode steps, as ``offload-plan trace --decode-tokens`` does: the measured arm serves decode steps, and a
-#: random model's prompt tokens route unlike its decode steps (on the H100 a prefill trace of 8,192 prompt tokens
-#: put 93.4% of the assignments on the 43 experts per layer that served 83.1% of the decode steps)
-TRACE_PROMPTS = {"cuda": (8, 2048, 64), "cpu": (4, 32, 8)}
+#: decode steps the trace counts, on the GPU and on the tiny CPU run
+TRACE_STEPS = {"cuda": 512, "cpu": 16}
+#: the trace's own cache fill and token stream (the measured arms use seed 0: the trace never sees their steps)
+TRACE_SEED = 1
 
 
 def record_skewed_trace(master, setting: Setting, checkpoint: Path, path: Path) -> Path:
-    """The skewed model's routing recorded by the project's own trace code (runtime.trace.count_routing, as
-    ``offload-plan trace`` records it) on random prompts, written as a trace file of ``checkpoint``'s model."""
+    """The skewed model's routing over decode steps of the same workload as the measured arms (a cache filled
+    to the context, a random token stream) but other draws (TRACE_SEED), counted on the device by the routers'
+    hooks, written as a trace file of ``checkpoint``'s model (planner.routing_trace, as ``offload-plan trace``
+    writes it). Decode steps, not a prompt's tokens: a random model's prompt tokens route unlike its decode
+    steps (on the H100 a trace of 8,192 prompt tokens put 93.4% of the assignments on the 43 experts per layer
+    that served 83.1% of the decode steps)."""
     from planner.checkpoint import load_checkpoint
     from planner.routing_trace import RoutingTrace, render_trace
-    from runtime.trace import count_routing
     from scripts.bench_serving import sharing_copy
 
     _, num_experts, top_k = expert_shape(master)
-    count, length, decode_tokens = TRACE_PROMPTS[setting.device.type]
-    generator = torch.Generator().manual_seed(1)
-    vocab = master.config.get_text_config().vocab_size
-    prompts = [torch.randint(vocab, (1, length), generator=generator).to(setting.device) for _ in range(count)]
+    steps = TRACE_STEPS[setting.device.type]
+    recording = replace(setting, num_greedy_steps=steps, forced_tokens_seed=TRACE_SEED)
     model = sharing_copy(master).to(setting.device)
+    hooks = count_routing(model)
     try:
-        num_tokens, counts = count_routing(model, prompts, "model.layers", num_experts, decode_tokens)
+        loop = decode_loop(model, recording, seed=TRACE_SEED)
+        for gate in gates(model):
+            gate.routing_counts.zero_()  # the capture's warm-up steps are not the workload's
+        feed = token_feed(loop, recording)
+        for _ in range(steps):
+            feed()
+            loop.step()
+        counts = tuple((index, tuple(gate.routing_counts.tolist())) for index, gate in enumerate(gates(model)))
+        del loop
     finally:
+        for hook in hooks:
+            hook.remove()
         del model
         _free(setting)
     trace = RoutingTrace(model_fingerprint=load_checkpoint(str(checkpoint)).fingerprint(), num_experts=num_experts,
-                         top_k=top_k, num_tokens=num_tokens, layers=tuple(counts.items()))
+                         top_k=top_k, num_tokens=steps * setting.batch, layers=counts)
     path.write_text(render_trace(trace, "scripts/bench_experts.py --skew-trace"))
     return path
 
@@ -700,6 +757,7 @@ def trace_rows(master, setting: Setting, rows: Rows, work: Path) -> None:
     from runtime.benchmarking import write_calibrated
 
     serving.MEASURE["on"] = setting.measure and setting.device.type == "cuda"
+    setting = replace(setting, forced_tokens_seed=0)  # every arm decodes the same random token stream
     work.mkdir(parents=True, exist_ok=True)
     profile = write_calibrated(work) if serving.MEASURE["on"] else "h100-sxm"
     checkpoint = serving.header_checkpoint(str(setting.config), work)
