@@ -52,6 +52,7 @@ from planner.errors import PlanError, RuntimeUnavailableError
 from planner.placement import ALIGN_BYTES, align_up
 from planner.units import format_bytes
 from runtime.engine import PackedParam, backend_unpin, view_as_param
+from runtime.fetch_planning import fused_fetch_plan
 
 #: 32-bit words each Triton program copies (4 warps: 32 words, eight 16-byte loads, per thread)
 GATHER_BLOCK_WORDS = 4096
@@ -152,6 +153,8 @@ class RoutedExperts:
         #: [routed layers, fetch_slots] int64 on the device: the expert prefetched into each slot of the layer's
         #: set (-1: none), written by the previous routed layer's prediction
         self.prefetched = torch.full((len(self.layers), fetch_slots), -1, dtype=torch.int64, device=self.device)
+        #: where the fused fetch plan of a prediction adds counts nobody reads
+        self._prefetch_counts = torch.zeros(len(FETCH_KINDS), dtype=torch.int64, device=self.device)
         #: routed ordinal -> how to predict the next routed layer's routing (filled by start)
         self.predictors: dict[int, _Predictor] = {}
         #: routed layers whose prefetch was started this step and not yet joined
@@ -316,13 +319,16 @@ class RoutedExperts:
         # the next layer's prefetch first: the link stays busy while this layer plans its misses, and the misses'
         # full grid takes most of the link from the prefetch's bounded one while both run
         self._prefetch_next(ordinal, hidden)
-        if predicted:
+        if self.device.type == "cuda":  # one kernel where the torch ops below are 15 or 35 graph nodes
+            pair_rows, source_ids = fused_fetch_plan(top_k_index, resident_row, self.fetch_slots, base,
+                                                     self.fetch_counts, self.prefetched[ordinal] if predicted else None)
+        elif predicted:
             pair_rows, source_ids, counts = plan_fetch_after_prefetch(
                 top_k_index, resident_row, self.prefetched[ordinal], slot_base=base)
+            self.fetch_counts.add_(counts)
         else:
             pair_rows, source_ids = plan_fetch(top_k_index, resident_row, self.fetch_slots, slot_base=base)
-            counts = torch.nn.functional.pad((source_ids >= 0).sum().view(1), (len(FETCH_KINDS) - 1, 0))
-        self.fetch_counts.add_(counts)
+            self.fetch_counts.add_(torch.nn.functional.pad((source_ids >= 0).sum().view(1), (len(FETCH_KINDS) - 1, 0)))
         for name in self.param_names:  # the misses, on the critical path: the full grid
             gather_rows(self.host_device[index, name], self.buffer[name][base:base + self.fetch_slots], source_ids)
         proxy = _Proxy(module, {name: self.buffer[name] for name in self.param_names})
@@ -355,8 +361,12 @@ class RoutedExperts:
 
         def work():
             predicted = predictor.top_k_index(inputs)  # [tokens, top_k]
-            _, source_ids = plan_fetch(predicted, self.tables[following].resident_row, self.fetch_slots)
-            self.prefetched[ordinal + 1].copy_(source_ids)
+            source_ids = self.prefetched[ordinal + 1]
+            if self.device.type == "cuda":  # the counts of a prediction are taken at its layer: a scratch here
+                fused_fetch_plan(predicted, self.tables[following].resident_row, self.fetch_slots, 0,
+                                 self._prefetch_counts, sources_out=source_ids)
+            else:
+                source_ids.copy_(plan_fetch(predicted, self.tables[following].resident_row, self.fetch_slots)[1])
             for name in self.param_names:
                 gather_rows(self.host_device[following, name], self.buffer[name][base:base + self.fetch_slots],
                             source_ids, max_programs=self.prefetch_programs)

@@ -1,0 +1,94 @@
+"""A routed layer's fetch plan in one GPU kernel: which experts to gather into which slots, and each pair's row.
+
+runtime.routed_experts.plan_fetch and plan_fetch_after_prefetch compute, with no host synchronisation, for one
+decode step of one routed layer: the device-buffer row of every routed (token, expert) pair, the expert each
+fetch slot must gather, and the fetch counters. Written with torch ops they are 15 and 35 small kernels; under a
+CUDA graph each node costs a few microseconds whatever its size, and 48 routed layers made them the largest part
+of the routed machinery's own cost on the H100 (scripts/bench_experts.py --machinery, every expert resident:
++3.0 ms per step without prefetch, +9.9 ms with). Here each is one Triton program over the layer's E experts,
+F slots and S pairs (all small: E <= a few hundred, S = F = tokens x top_k at decode), with the same results.
+
+The program works on one-hot matrices rather than sorts: routed[e] = any pair routes to e, an expert's slot is
+its rank among the experts needing one in ascending expert order (a cumulative sum), and each pair's row is its
+expert's row (a one-hot sum). Ids below 0 are pairs that route nowhere (a masked prediction).
+"""
+
+import torch
+
+_KERNELS = {}
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def fused_fetch_plan(top_k_index: torch.Tensor, resident_row: torch.Tensor, fetch_slots: int, slot_base: int,
+                     counts: torch.Tensor, prefetched: torch.Tensor | None = None, sources_out: torch.Tensor | None
+                     = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pair -> device-buffer row [S], slot -> expert id to gather or -1 [fetch_slots]) as plan_fetch (``prefetched``
+    None) or plan_fetch_after_prefetch computes them, with their counts added into ``counts`` [4] (FETCH_KINDS:
+    without prefetch, every fetch is "unpredicted"). ``sources_out``: write the slot -> expert ids there (the
+    prefetch's own record) instead of a new tensor. One Triton program; CUDA tensors only."""
+    ids = top_k_index.reshape(-1)
+    num_pairs, num_experts = ids.numel(), resident_row.numel()
+    pair_rows = torch.empty_like(ids)
+    sources = sources_out if sources_out is not None else torch.empty(fetch_slots, dtype=torch.int64,
+                                                                      device=ids.device)
+    with_prefetch = prefetched is not None
+    _kernel()[(1,)](ids, resident_row, prefetched if with_prefetch else sources, pair_rows, sources, counts,
+                    num_pairs, num_experts, fetch_slots, slot_base, WITH_PREFETCH=with_prefetch,
+                    BLOCK_S=_next_power_of_2(num_pairs), BLOCK_E=_next_power_of_2(num_experts),
+                    BLOCK_F=_next_power_of_2(fetch_slots))
+    return pair_rows, sources
+
+
+def _kernel():
+    """The Triton program, compiled on first use (triton ships with CUDA builds of torch)."""
+    if "plan" not in _KERNELS:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def plan(ids_ptr, resident_ptr, prefetched_ptr, pair_rows_ptr, sources_ptr, counts_ptr, num_pairs,
+                 num_experts, num_slots, slot_base, WITH_PREFETCH: tl.constexpr, BLOCK_S: tl.constexpr,
+                 BLOCK_E: tl.constexpr, BLOCK_F: tl.constexpr):
+            s = tl.arange(0, BLOCK_S)
+            e = tl.arange(0, BLOCK_E)
+            f = tl.arange(0, BLOCK_F)
+            ids = tl.load(ids_ptr + s, mask=s < num_pairs, other=-1)
+            pair_is = ids[:, None] == e[None, :]  # [S, E] one-hot (a masked pair matches nothing)
+            routed = tl.max(pair_is.to(tl.int32), axis=0) > 0  # [E]
+            resident = tl.load(resident_ptr + e, mask=e < num_experts, other=0)  # row, or -1 if not resident
+            need = routed & (resident < 0)
+            if WITH_PREFETCH:
+                held = tl.load(prefetched_ptr + f, mask=f < num_slots, other=-1)  # [F] expert per slot, or -1
+                slot_is = held[:, None] == e[None, :]  # [F, E]
+                slot_of = tl.max(tl.where(slot_is, f[:, None], -1), axis=0)  # [E] the slot holding e, or -1
+                hit = need & (slot_of >= 0)
+                miss = need & (slot_of < 0)
+                # a slot keeps its expert when the step routes to it; the others (unused, wasted) are free
+                keep = tl.max(tl.where(slot_is, routed[None, :].to(tl.int32), 0), axis=1) > 0  # [F]
+                free = (~keep) & (f < num_slots)
+                free_rank = tl.cumsum(free.to(tl.int32), axis=0) - 1
+                miss_rank = tl.cumsum(miss.to(tl.int32), axis=0) - 1
+                takes = free[:, None] & (free_rank[:, None] == miss_rank[None, :]) & miss[None, :]  # [F, E]
+                miss_slot = tl.max(tl.where(takes, f[:, None], -1), axis=0)
+                slot = tl.where(hit, slot_of, miss_slot)
+                num_held = tl.sum((held >= 0).to(tl.int64), axis=0)
+                num_hits = tl.sum(hit.to(tl.int64), axis=0)
+                tl.store(counts_ptr + 0, tl.load(counts_ptr + 0) + num_hits)
+                tl.store(counts_ptr + 1, tl.load(counts_ptr + 1) + num_held - num_hits)
+                tl.store(counts_ptr + 2, tl.load(counts_ptr + 2) + tl.sum(miss.to(tl.int64), axis=0))
+            else:
+                miss = need
+                slot = tl.cumsum(need.to(tl.int32), axis=0) - 1
+                tl.store(counts_ptr + 3, tl.load(counts_ptr + 3) + tl.sum(need.to(tl.int64), axis=0))
+            row = tl.where(resident >= 0, resident, slot.to(tl.int64) + slot_base)  # [E]
+            pair_rows = tl.sum(tl.where(pair_is, row[None, :], 0), axis=1)  # [S]
+            tl.store(pair_rows_ptr + s, pair_rows, mask=s < num_pairs)
+            fetches = (slot[None, :] == f[:, None]) & miss[None, :]  # [F, E]
+            sources = tl.max(tl.where(fetches, e[None, :].to(tl.int64), -1), axis=1)
+            tl.store(sources_ptr + f, sources, mask=f < num_slots)
+
+        _KERNELS["plan"] = plan
+    return _KERNELS["plan"]
