@@ -25,17 +25,19 @@ finish:
   units of the token's logit spread, solved for that share); the reference records each expert's assignments;
   routed with the most frequent experts resident, then with the uniform choice at the same memory: the
   measured hit rate against the recorded one, tokens/s.
-- --skew-trace, instead: the skewed routers' routing recorded into a trace file by runtime.trace (as
-  ``offload-plan trace`` records it), the plan made with --routing-trace through planner.make.make_plan and run;
+- --skew-trace, in place of the skewed rows: the skewed routers' routing over 512 decode steps of another draw
+  of the workload (a random token stream: a random model's greedy decode loops over a few tokens) recorded into
+  a trace file, the plan made with --routing-trace through planner.make.make_plan and run on the measured stream;
   its measured hit rate and tokens/s beside the plan's predicted ones (issue 22: within 5 points, within 10%),
-  beside uniform residency at the same memory, and beside the plan made without the trace.
+  beside uniform residency at the same memory, and beside the plan made without the trace;
+- --machinery, first: the routed machinery's own cost, every expert resident (the whole GPU), prefetch off and on.
 
     PYTHONPATH=. python3 scripts/bench_experts.py            # on the H100: a few minutes; --out DIR
     PYTHONPATH=. python3 scripts/bench_experts.py --no-skew --no-plans --gather-programs 8 16 32 64 128
                                                              # prefetch on and off, the grid sweep only
     PYTHONPATH=. python3 scripts/bench_experts.py --tiny     # the same logic on a tiny model, CPU is enough
     PYTHONPATH=. python3 scripts/bench_experts.py --skew-trace --out $OUT   # H100: the skewed arm via a trace
-    PYTHONPATH=. python3 scripts/bench_experts.py --machinery    # the machinery's cost, every expert resident
+    PYTHONPATH=. python3 scripts/bench_experts.py --machinery --no-uniform --no-skew   # the machinery's cost
 """
 
 import argparse
@@ -862,10 +864,13 @@ def main() -> None:
     parser.add_argument("--no-plans", action="store_true",
                         help="skip the planner's pick and the whole-layer plan at one sequence")
     parser.add_argument("--skew-trace", action="store_true",
-                        help="instead: skewed routers recorded into a trace file, the plan made with --routing-trace, "
+                        help="skewed routers recorded into a trace file (instead of the skewed rows), the plan made "
+                             "with --routing-trace, "
                              "run, against its prediction and uniform residency")
     parser.add_argument("--machinery", action="store_true",
-                        help="instead: the routed machinery's own cost, every expert resident, prefetch off and on")
+                        help="also: the routed machinery's own cost, every expert resident, prefetch off and on")
+    parser.add_argument("--no-uniform", action="store_true",
+                        help="skip the uniform rows (all-resident, routed prefetch off/on, the plans)")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/bench_experts")))
     args = parser.parse_args()
     if any(n < 1 for n in args.gather_programs):
@@ -885,14 +890,6 @@ def main() -> None:
     log(f"pinned H2D {h2d / 1e9:.1f} GB/s; building the model on the host")
     master = build_master(setting)
     log(f"model built in {time.perf_counter() - started:.0f} s")
-    if args.machinery or args.skew_trace:  # one model build serves both
-        if args.machinery:
-            machinery_rows(master, setting, rows)
-        if args.skew_trace:
-            trace_rows(master, setting, rows, args.out / "work")
-        log(f"done in {time.perf_counter() - started:.0f} s; {rows.path}")
-        print_table(rows.data)
-        return
     if args.sequences:
         for batch in args.sequences:
             regime_rows(master, replace(setting, batch=batch, num_greedy_steps=min(8, setting.num_greedy_steps)),
@@ -900,9 +897,17 @@ def main() -> None:
         log(f"done in {time.perf_counter() - started:.0f} s; {rows.path}")
         print_table(rows.data)
         return
-    _, num_resident = uniform_rows(master, setting, rows, h2d, args.out / "work", tuple(dict.fromkeys(args.prefetch)),
-                                   tuple(args.gather_programs), plans=not args.no_plans)
-    if not args.no_skew:
+    # one model build serves every group of arms asked for (the skewed ones last: they bias the routers)
+    if args.machinery:
+        machinery_rows(master, setting, rows)
+    num_resident = None
+    if not args.no_uniform:
+        _, num_resident = uniform_rows(master, setting, rows, h2d, args.out / "work",
+                                       tuple(dict.fromkeys(args.prefetch)), tuple(args.gather_programs),
+                                       plans=not args.no_plans)
+    if args.skew_trace:
+        trace_rows(master, setting, rows, args.out / "work")
+    elif not args.no_skew and num_resident is not None:
         skewed_rows(master, setting, rows, num_resident)
     log(f"done in {time.perf_counter() - started:.0f} s; {rows.path}")
     print_table(rows.data)
