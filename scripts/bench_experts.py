@@ -708,6 +708,9 @@ def plan_arm(master, setting: Setting, plan, reference: dict) -> dict:
     from scripts.bench_serving import sharing_copy
 
     _, _, top_k = expert_shape(master)
+    # the last arm's memory went back to torch's cache when its function returned, after its cap was lifted:
+    # give it back to the device, or the loader's own allocations (outside that cache) find it taken
+    _free(setting)
     with Capped(setting) as cap:
         model = sharing_copy(master)
         engine = apply_plan(model, plan, backend_for(setting))
