@@ -43,6 +43,13 @@ class ModeResult:
     #: every round's total and compute alone, for spread
     total_ms_all: tuple[float, ...] = ()
     compute_ms_all: tuple[float, ...] = ()
+    #: each forward's median time alone, in schedule order (the prediction's input)
+    forward_alone_ms: tuple[float, ...] = ()
+    #: each forward's start and end in the reported round, measured and predicted (where the two part)
+    forward_start_ms: tuple[float, ...] = ()
+    forward_end_ms: tuple[float, ...] = ()
+    predicted_forward_start_ms: tuple[float, ...] = ()
+    predicted_forward_end_ms: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,13 +88,13 @@ def measure_copy_ms(pool: AdapterPool, adapter: str, num_copies: int = 5) -> flo
 
 
 def run_mode(loaded: Loaded, pool: AdapterPool, hooks: LoraHooks, schedule: StreamSchedule, prompts: torch.Tensor,
-             copy_ms: dict[str, float], link_ms_per_byte: float,
-             num_rounds: int = NUM_ROUNDS) -> tuple[ModeResult, ServedStream]:
-    """Warm up, then ``num_rounds`` of (the forwards alone, the stream with its copies), interleaved so drift
-    hits both alike. Reported: the served round of median total; predicted from each forward's median time
-    alone."""
+             copy_ms: dict[str, float], link_ms_per_byte: float, num_rounds: int = NUM_ROUNDS,
+             warm_up: StreamSchedule | None = None) -> tuple[ModeResult, ServedStream]:
+    """Warm up (``warm_up``, else the whole stream), then ``num_rounds`` of (the forwards alone, the stream with
+    its copies), interleaved so drift hits both alike. Reported: the served round of median total; predicted
+    from each forward's median time alone."""
     with torch.inference_mode():
-        serve_stream(loaded.model, pool, hooks, schedule, prompts)  # warm-up: kernels, allocator
+        serve_stream(loaded.model, pool, hooks, warm_up or schedule, prompts)  # kernels, allocator
         alone, served = [], []
         for _ in range(num_rounds):
             alone.append(serve_stream(loaded.model, pool, hooks, schedule, prompts, copies=False).times)
@@ -101,7 +108,10 @@ def run_mode(loaded: Loaded, pool: AdapterPool, hooks: LoraHooks, schedule: Stre
     middle = served[totals.index(statistics.median_low(totals))]
     link_ms = sum(pool.layouts[load.adapter].num_bytes for load in schedule.loads) * link_ms_per_byte
     result = _mode_result(schedule, middle.times, predicted, sum(compute_ms), link_ms)
-    return replace(result, total_ms_all=tuple(totals),
+    return replace(result, total_ms_all=tuple(totals), forward_alone_ms=tuple(compute_ms),
+                   forward_start_ms=middle.times.forward_start_ms, forward_end_ms=middle.times.forward_end_ms,
+                   predicted_forward_start_ms=predicted.forward_start_ms,
+                   predicted_forward_end_ms=predicted.forward_end_ms,
                    compute_ms_all=tuple(sum(e - s for s, e in zip(t.forward_start_ms, t.forward_end_ms))
                                         for t in alone)), middle
 
@@ -149,7 +159,11 @@ def run_adapter_bench(loaded: Loaded, plan_path: Path | None = None, *, requests
     results, outputs = [], StreamOutputs(prompts=prompts, served={})
     for mode in modes:
         schedule = schedule_stream(batches, plan.adapters.num_slots, mode)
-        result, served = run_mode(loaded, pool, hooks, schedule, prompts, copy_ms, link_ms_per_byte, num_rounds)
+        # every batch is cut alike (as many distinct adapters as requests): the first one's forwards and copies
+        # have the stream's shapes, and warm up for a quarter of the whole stream's time
+        warm_up = schedule_stream(batches[:1], plan.adapters.num_slots, mode)
+        result, served = run_mode(loaded, pool, hooks, schedule, prompts, copy_ms, link_ms_per_byte, num_rounds,
+                                  warm_up)
         results.append(result)
         outputs.served[mode] = (schedule, served)
     bench = AdapterBench(num_adapters=len(names), num_slots=plan.adapters.num_slots, requests_per_batch=per_batch,

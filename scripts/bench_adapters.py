@@ -21,8 +21,11 @@ A short table is printed last; results go to $OUT/bench_adapters.json when OUT i
 """
 
 import argparse
+import contextlib
 import json
+import math
 import os
+import struct
 import subprocess
 import sys
 import time
@@ -49,25 +52,125 @@ def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def build_base(config_fields: dict, folder: Path, device: str):
-    """The base model with random weights (norms too), saved as a safetensors checkpoint; returned in memory."""
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen3Config
+class Phases:
+    """Wall seconds of each phase of the benchmark: logged to stderr as each ends, summed per name for the end."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self._start = time.perf_counter()
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        began = time.perf_counter()
+        log(f"{name}: started")
+        try:
+            yield
+        finally:
+            took = time.perf_counter() - began
+            self.seconds[name] = self.seconds.get(name, 0.0) + took
+            log(f"{name}: {took:.1f} s")
+
+    def total(self) -> float:
+        return time.perf_counter() - self._start
+
+    def table(self) -> str:
+        lines = [f"  {name}: {seconds:.1f} s" for name, seconds in self.seconds.items()]
+        return "\n".join(["phase seconds:", *lines, f"  total: {self.total():.1f} s"])
+
+
+def qwen3_config(config_fields: dict):
+    from transformers import Qwen3Config
 
     config = Qwen3Config(**{k: v for k, v in config_fields.items() if k not in ("architectures", "model_type")})
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    config.architectures = list(config_fields["architectures"])
+    return config
+
+
+def meta_model(config):
+    """The model on the meta device: its tensors' names and shapes, no memory and no initialisation."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+
+
+#: the largest checkpoint file written (as save_pretrained's max_shard_size="5GB" cut the checkpoint before)
+SHARD_BYTES = 5 * 10**9
+
+
+def write_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], make) -> None:
+    """A bf16 safetensors file of ``shapes``, each tensor made by ``make(name, shape)`` (a CPU bf16 tensor) and
+    written as soon as it is made: the header first (names, shapes, offsets are known in advance), then the
+    bytes, so no more than one tensor is held at a time and nothing is copied on the way to the file."""
+    import torch
+
+    header, offset = {}, 0
+    for name, shape in shapes.items():
+        num_bytes = math.prod(shape) * 2
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + num_bytes]}
+        offset += num_bytes
+    header["__metadata__"] = {"format": "pt"}
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    with open(path, "wb") as file:
+        file.write(struct.pack("<Q", len(blob)) + blob)
+        for name, shape in shapes.items():
+            tensor = make(name, shape)
+            assert tensor.dtype == torch.bfloat16 and tuple(tensor.shape) == shape and tensor.device.type == "cpu"
+            file.write(tensor.contiguous().view(torch.uint8).numpy().data)
+
+
+def _random_bf16(device: str, generator, shape: tuple[int, ...], *, scale: float, offset: float = 0.0):
+    """Normal values x ``scale`` + ``offset``, drawn on ``device``, bf16 on the CPU."""
+    import torch
+
+    values = torch.randn(shape, generator=generator, device=device) * scale + offset
+    return values.to(torch.bfloat16).cpu()
+
+
+def write_base(config_fields: dict, folder: Path, device: str) -> None:
+    """A checkpoint of the model with random bf16 weights (norms around 1), written tensor by tensor in
+    safetensors shards with save_pretrained's index and names, without building the model: values are drawn
+    on ``device`` and streamed to the files (a full model plus save_pretrained took ~99 s for the Qwen3-8B
+    shape on the H100 host)."""
+    import torch
+    from transformers import GenerationConfig
+
+    config = qwen3_config(config_fields)
+    shapes = {name: tuple(t.shape) for name, t in meta_model(config).state_dict().items()}
+    shards, current, current_bytes = [], {}, 0
+    for name, shape in shapes.items():
+        num_bytes = math.prod(shape) * 2
+        if current and current_bytes + num_bytes > SHARD_BYTES:
+            shards.append(current)
+            current, current_bytes = {}, 0
+        current[name], current_bytes = shape, current_bytes + num_bytes
+    shards.append(current)
+    folder.mkdir(parents=True, exist_ok=True)
     generator = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.copy_(torch.randn(param.shape, generator=generator, device=device) * 0.02 + (
-                1.0 if param.dim() == 1 else 0.0))
-    model.save_pretrained(folder, max_shard_size="5GB")
-    return model.eval()
+
+    def make(name: str, shape: tuple[int, ...]):
+        return _random_bf16(device, generator, shape, scale=0.02, offset=1.0 if len(shape) == 1 else 0.0)
+
+    weight_map = {}
+    for number, shard in enumerate(shards, 1):
+        file_name = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        write_safetensors(folder / file_name, shard, make)
+        weight_map.update(dict.fromkeys(shard, file_name))
+    total = sum(math.prod(shape) * 2 for shape in shapes.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    config.dtype = torch.bfloat16
+    config.save_pretrained(folder)
+    GenerationConfig.from_model_config(config).save_pretrained(folder)
 
 
-def make_plan(checkpoint: Path, adapters: dict[str, Path], out: Path, tokens: int, half: bool) -> Path:
+#: the two placements: all resident, and half the layers offloaded (G=2 K=1)
+PLACEMENTS = (("resident", False), ("half offloaded", True))
+
+
+def make_args(checkpoint: Path, adapters: dict[str, Path], out: Path, tokens: int, half: bool) -> list[str]:
     """`offload-plan make` with the adapters and 4 slots; all resident, or half the layers offloaded."""
     prefetch = "2" if tokens == PROMPT_TOKENS else "1"  # the tiny model offloads 2 layers: one ahead at most
     knobs = ["--group-size", "2", "--num-in-group", "1", "--prefetch-step", prefetch] if half else []
@@ -75,10 +178,7 @@ def make_plan(checkpoint: Path, adapters: dict[str, Path], out: Path, tokens: in
             "--tokens", str(tokens), "--adapter-slots", str(NUM_SLOTS), "-o", str(out), *knobs]
     for name, folder in adapters.items():
         args += ["--adapter", f"{name}={folder}"]
-    proc = subprocess.run(args, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
-    if proc.returncode != 0:
-        raise SystemExit(f"bench_adapters: make failed: {proc.stderr.strip()}")
-    return out
+    return args
 
 
 #: issue 27's targets: the plan's mode within 3% of the faster measured one; first start, TTFT and idle
@@ -94,26 +194,39 @@ def peft_importable() -> bool:
     return importlib.util.find_spec("peft") is not None
 
 
-def write_random_adapters(base, folder: Path, names: list[str], *, rank: int, alpha: float = 16.0,
-                          scale: float = 0.05) -> dict[str, Path]:
-    """Without PEFT: random adapters on every linear layer of the decoder, written in PEFT's format (its tensor
-    names, A (rank x in) and B (out x rank) in the model's dtype, a LoRA adapter_config.json)."""
+def adapter_shapes(base, rank: int) -> dict[str, tuple[int, ...]]:
+    """PEFT's tensor names and shapes of a LoRA adapter of ``rank`` on every linear layer of ``base``'s decoder
+    (A: rank x in, B: out x rank); ``base`` may be on the meta device."""
     import torch
-    from safetensors.torch import save_file
 
     from tests.adapter_models import ALL_LINEAR
 
+    shapes = {}
+    for module_name, module in base.named_modules():
+        if isinstance(module, torch.nn.Linear) and module_name.rsplit(".", 1)[-1] in ALL_LINEAR:
+            shapes[f"base_model.model.{module_name}.lora_A.weight"] = (rank, module.in_features)
+            shapes[f"base_model.model.{module_name}.lora_B.weight"] = (module.out_features, rank)
+    return shapes
+
+
+def write_random_adapters(base, folder: Path, names: list[str], *, rank: int, alpha: float = 16.0,
+                          scale: float = 0.05, device: str = "cpu") -> dict[str, Path]:
+    """Random adapters on every linear layer of the decoder, written in PEFT's format (its tensor names, A and
+    B in bf16, a LoRA adapter_config.json), values drawn on ``device`` and streamed to the file. PEFT's own
+    save_pretrained needs the base model built and wrapped once per adapter; what PEFT saves is what the
+    runtime reads in the CPU tests (tests/adapter_models.save_random_adapters), and PEFT loads these files
+    as the reference here."""
+    import torch
+
+    from tests.adapter_models import ALL_LINEAR
+
+    shapes = adapter_shapes(base, rank)
     folders = {}
     for number, name in enumerate(names):
-        generator = torch.Generator(device="cpu").manual_seed(number)
-        tensors = {}
-        for module_name, module in base.named_modules():
-            if isinstance(module, torch.nn.Linear) and module_name.rsplit(".", 1)[-1] in ALL_LINEAR:
-                for which, shape in (("A", (rank, module.in_features)), ("B", (module.out_features, rank))):
-                    values = torch.randn(shape, generator=generator) * scale
-                    tensors[f"base_model.model.{module_name}.lora_{which}.weight"] = values.to(module.weight.dtype)
+        generator = torch.Generator(device=device).manual_seed(number)
         (folder / name).mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(folder / name / "adapter_model.safetensors"))
+        write_safetensors(folder / name / "adapter_model.safetensors", shapes,
+                          lambda _, shape: _random_bf16(device, generator, shape, scale=scale))
         config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(ALL_LINEAR),
                   "base_model_name_or_path": None}
         (folder / name / "adapter_config.json").write_text(json.dumps(config) + "\n")
@@ -121,17 +234,50 @@ def write_random_adapters(base, folder: Path, names: list[str], *, rank: int, al
     return folders
 
 
-def compare_with_peft(reference, outputs) -> dict:
+class PeftReference:
+    """PEFT's outputs over the all-resident model, each computed once: both placements serve the same prompts
+    (runtime.bench.random_ids is seeded) in the same schedules, so their expected logits and tokens are the
+    same, and a second placement reuses the first's instead of running PEFT again."""
+
+    def __init__(self, model):
+        self.model = model
+        self._logits: dict[tuple, object] = {}
+        self._tokens: dict[tuple, list[int]] = {}
+        self._prompts = None
+
+    def logits(self, prompts, requests: tuple[int, ...], adapters: tuple[str, ...]):
+        """Last-token logits of the rows ``requests`` of ``prompts``, each with its adapter."""
+        import torch
+
+        from tests.adapter_models import peft_logits
+
+        if self._prompts is None:
+            self._prompts = prompts
+        elif not torch.equal(self._prompts, prompts):  # a cached answer would be for other inputs
+            raise SystemExit("bench_adapters: the placements served different prompts; the PEFT cache assumes one")
+        key = (tuple(requests), tuple(adapters))
+        if key not in self._logits:
+            self._logits[key] = peft_logits(self.model, prompts[list(requests)], list(adapters))
+        return self._logits[key]
+
+    def tokens(self, prompt, adapter: str) -> list[int]:
+        """PEFT's greedy generation from ``prompt`` with ``adapter``."""
+        key = (adapter, tuple(prompt.flatten().tolist()))
+        if key not in self._tokens:
+            self.model.set_adapter(adapter)
+            self._tokens[key] = greedy_tokens(self.model, prompt)
+        return self._tokens[key]
+
+
+def compare_with_peft(reference: PeftReference, outputs) -> dict:
     """Every request's logits against PEFT's for the same rows and adapters: bitwise, and the largest gap."""
     import torch
-
-    from tests.adapter_models import peft_logits
 
     result = {}
     for mode, (schedule, served) in outputs.served.items():
         equal, max_abs = True, 0.0
         for forward in schedule.forwards:
-            expected = peft_logits(reference, outputs.prompts[list(forward.requests)], list(forward.adapters))
+            expected = reference.logits(outputs.prompts, forward.requests, forward.adapters)
             got = torch.stack([served.logits[r] for r in forward.requests])
             equal &= bool(torch.equal(got, expected))
             max_abs = max(max_abs, (got.float() - expected.float()).abs().max().item())
@@ -139,33 +285,49 @@ def compare_with_peft(reference, outputs) -> dict:
     return result
 
 
-def run_plan(label: str, plan_path: Path, checkpoint: Path, reference, device: str, num_rounds: int) -> dict:
-    """Load the plan's model as `run` does, serve the stream both ways, check against PEFT."""
-    import torch
-
-    from planner.adapter_stream import MODES
+def load_placement(plan_path: Path, checkpoint: Path, device: str):
+    """The plan's model as `run` loads it (streamed onto the CPU stand-in without a GPU)."""
     from planner.plan_file import read_plan
-    from runtime.adapter_bench import run_adapter_bench
-    from runtime.adapters import load_pool
 
     plan = read_plan(plan_path)
     if device == "cuda":
         from runtime.load import load_with_plan
 
-        loaded = load_with_plan(plan, str(checkpoint))
-    else:
-        from runtime.load import Loaded, stream_on_cpu
+        return load_with_plan(plan, str(checkpoint))
+    from runtime.load import Loaded, stream_on_cpu
 
-        model, engine = stream_on_cpu(checkpoint, plan)
-        loaded = Loaded(model=model, engine=engine, plan=plan, weights_gpu_bytes=0)
-    pool, hooks = load_pool(loaded.model, plan, loaded.engine.backend, plan_path)
-    bench, outputs = run_adapter_bench(loaded, plan_path, requests_per_batch=REQUESTS_PER_BATCH,
-                                       pool_and_hooks=(pool, hooks), modes=MODES, num_rounds=num_rounds)
-    checks = compare_with_peft(reference, outputs) if reference is not None else None
-    forward_ms = forward_costs(loaded.model, pool, hooks, outputs.prompts) if device == "cuda" else {}
+    model, engine = stream_on_cpu(checkpoint, plan)
+    return Loaded(model=model, engine=engine, plan=plan, weights_gpu_bytes=0)
+
+
+def run_plan(label: str, plan_path: Path, checkpoint: Path, reference: PeftReference | None, device: str, *,
+             num_rounds: int, phases: Phases, with_forward_costs: bool) -> dict:
+    """Load the plan's model as `run` does, serve the stream both ways, check against PEFT."""
+    import torch
+
+    from planner.adapter_stream import MODES
+    from runtime.adapter_bench import run_adapter_bench
+    from runtime.adapters import load_pool
+
+    with phases(f"{label}: load the plan's model and adapter pool"):
+        loaded = load_placement(plan_path, checkpoint, device)
+        plan = loaded.plan
+        pool, hooks = load_pool(loaded.model, plan, loaded.engine.backend, plan_path)
+    with phases(f"{label}: serve the stream, both modes"):
+        bench, outputs = run_adapter_bench(loaded, plan_path, requests_per_batch=REQUESTS_PER_BATCH,
+                                           pool_and_hooks=(pool, hooks), modes=MODES, num_rounds=num_rounds)
+    checks = None
+    if reference is not None:
+        with phases(f"{label}: logits against PEFT"):
+            checks = compare_with_peft(reference, outputs)
+    forward_ms = {}
+    if with_forward_costs and device == "cuda":
+        with phases(f"{label}: forward costs"):
+            forward_ms = forward_costs(loaded.model, pool, hooks, outputs.prompts)
     hooks.remove()
     pool.close()
-    generation = generate_against_peft(loaded, plan, plan_path, reference, sorted(pool.layouts)[0], device)
+    with phases(f"{label}: --prompt --adapter against PEFT"):
+        generation = generate_against_peft(loaded, plan, plan_path, reference, sorted(pool.layouts)[0], device)
     row = {"label": label, "num_offloaded": len(plan.offload.layers), "bench": asdict(bench), "peft": checks,
            "generation": generation, "forward_ms": forward_ms,
            "planned_pipelined_first_wait_ms": plan.adapters.pipelined_first_wait_ms,
@@ -186,7 +348,8 @@ def greedy_tokens(model, prompt) -> list[int]:
     return out[0, prompt.shape[1]:].tolist()
 
 
-def generate_against_peft(loaded, plan, plan_path: Path, reference, name: str, device: str) -> dict:
+def generate_against_peft(loaded, plan, plan_path: Path, reference: PeftReference | None, name: str,
+                          device: str) -> dict:
     """run --prompt --adapter NAME's path (the adapter attached as run attaches it, eager greedy generation)
     against PEFT's generation with the same adapter; skipped without PEFT."""
     import torch
@@ -203,8 +366,7 @@ def generate_against_peft(loaded, plan, plan_path: Path, reference, name: str, d
         pool.close()
     if reference is None:
         return {"adapter": name, "num_tokens": len(got), "skipped": "PEFT is not importable"}
-    reference.set_adapter(name)
-    expected = greedy_tokens(reference, prompt)
+    expected = reference.tokens(prompt, name)
     first = next((k for k, (a, b) in enumerate(zip(got, expected)) if a != b), None)
     return {"adapter": name, "num_tokens": len(got), "equal": got == expected, "first_difference": first}
 
@@ -310,6 +472,21 @@ def print_checks(checks: list[dict]) -> None:
                   f"{'equal to' if generation['equal'] else 'DIFFER from'} PEFT's{where}")
 
 
+def make_plans(checkpoint: Path, folders: dict[str, Path], work: Path, tokens: int) -> dict[str, Path]:
+    """Both plans, the two `offload-plan make` processes side by side."""
+    runs = {}
+    for label, half in PLACEMENTS:
+        out = work / f"plan-{'half' if half else 'resident'}.yaml"
+        runs[label] = (out, subprocess.Popen(make_args(checkpoint, folders, out, tokens, half), text=True,
+                                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                             env={**os.environ, "PYTHONPATH": str(REPO)}))
+    for out, proc in runs.values():
+        _, stderr = proc.communicate()
+        if proc.returncode != 0:
+            raise SystemExit(f"bench_adapters: make failed: {stderr.strip()}")
+    return {label: out for label, (out, _) in runs.items()}
+
+
 def main() -> None:
     import torch
 
@@ -317,45 +494,51 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a tiny model (seconds, CPU is enough): tests the logic")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/bench_adapters"))
     parser.add_argument("--rounds", type=int, default=3,
-                        help="timed rounds per mode (each: the forwards alone, then served); 2 saves ~40 s")
+                        help="timed rounds per mode (each: the forwards alone, then served)")
+    parser.add_argument("--forward-costs", action="store_true",
+                        help="also time one forward of 1 and 4 requests with and without adapters (GPU, ~10 s a "
+                             "placement; no target needs it)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     work = args.work_dir
     work.mkdir(parents=True, exist_ok=True)
     tokens, rank = (16, 8) if args.tiny else (PROMPT_TOKENS, RANK)
-    start = time.perf_counter()
-    base = build_base(TINY if args.tiny else QWEN3_8B, work / "checkpoint", device)
+    config_fields = TINY if args.tiny else QWEN3_8B
+    phases = Phases()
+    with phases("checkpoint (random weights, written tensor by tensor)"):
+        write_base(config_fields, work / "checkpoint", device)
     names = [f"lora{k:02d}" for k in range(NUM_ADAPTERS)]
-    if peft_importable():
-        from tests.adapter_models import save_random_adapters
-
-        folders = save_random_adapters(base, work / "adapters", names, rank=rank)
-    else:
-        log("PEFT is not importable: adapters written in its format directly, PEFT comparisons skipped")
-        folders = write_random_adapters(base.cpu(), work / "adapters", names, rank=rank)
-    log(f"checkpoint and {NUM_ADAPTERS} adapters written in {time.perf_counter() - start:.1f} s")
-    del base  # the reference is the project's all-resident model (its rotary tables computed on the CPU, as
-    # the loader computes them): from_pretrained on the CPU, moved to the device whole, wrapped by PEFT
-    from runtime.load import build_model
-
+    with phases(f"{NUM_ADAPTERS} adapters (PEFT's format)"):
+        folders = write_random_adapters(meta_model(qwen3_config(config_fields)), work / "adapters", names,
+                                        rank=rank, device=device)
+    with phases("both plans (offload-plan make)"):
+        plans = make_plans(work / "checkpoint", folders, work, tokens)
     reference = None
     if peft_importable():
+        # the reference is the project's all-resident model (its rotary tables computed on the CPU, as the
+        # loader computes them): from_pretrained on the CPU, moved to the device whole, wrapped by PEFT
+        from runtime.load import build_model
         from tests.adapter_models import peft_reference
 
-        reference = peft_reference(build_model(str(work / "checkpoint"), None).to(device), folders)
+        with phases("PEFT reference (from_pretrained, every adapter)"):
+            reference = PeftReference(peft_reference(build_model(str(work / "checkpoint"), None).to(device),
+                                                     folders))
+    else:
+        log("PEFT is not importable: its comparisons are skipped")
     results = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "rank": rank,
                "prompt_tokens": tokens, "plans": []}
-    for label, half in (("resident", False), ("half offloaded", True)):
-        plan_path = make_plan(work / "checkpoint", folders, work / f"plan-{'half' if half else 'resident'}.yaml",
-                              tokens, half)
-        results["plans"].append(run_plan(label, plan_path, work / "checkpoint", reference, device, args.rounds))
-        log(f"{label}: done")
+    for label, _ in PLACEMENTS:
+        results["plans"].append(run_plan(label, plans[label], work / "checkpoint", reference, device,
+                                         num_rounds=args.rounds, phases=phases,
+                                         with_forward_costs=args.forward_costs))
     out = Path(os.environ["OUT"]) if os.environ.get("OUT") else work
     out.mkdir(parents=True, exist_ok=True)
     results["checks"] = issue_27_checks(results)
+    results["phase_seconds"] = {**phases.seconds, "total": phases.total()}
     (out / "bench_adapters.json").write_text(json.dumps(results, indent=2) + "\n")
     print_table(results)
     print_checks(results["checks"])
+    print(phases.table())
 
 
 if __name__ == "__main__":
