@@ -242,15 +242,19 @@ class WeightsOnLink:
     prefetch_step: int
     #: each offloaded position's copy, ms
     copy_ms: tuple[float, ...]
-    #: each layer's share of a forward's compute (the rest, 1 - their sum, is head work before layer 0); empty:
-    #: every layer alike, no head work
+    #: each layer's share of a forward's layer compute (summing to 1); empty: every layer alike
     layer_shares: tuple[float, ...] = ()
+    #: the LM head, after the last layer, ms a forward: it reads the head's weights once for each row's last
+    #: token (logits_to_keep=1), so it does not grow with the forward's rows and tokens as the layers do
+    head_ms: float = 0.0
 
     def __post_init__(self):
         if len(self.copy_ms) != len(self.offloaded) or not all(0 <= i < self.num_layers for i in self.offloaded):
             raise ValueError("one copy time per offloaded layer, each layer in the stack")
-        if self.layer_shares and (len(self.layer_shares) != self.num_layers or sum(self.layer_shares) > 1 + 1e-9):
-            raise ValueError("layer_shares: one per layer, summing to at most 1")
+        if self.layer_shares and (len(self.layer_shares) != self.num_layers or abs(sum(self.layer_shares) - 1) > 1e-9):
+            raise ValueError("layer_shares: one per layer, summing to 1")
+        if not self.head_ms >= 0:
+            raise ValueError("head_ms must be at least 0")
 
     def shares(self) -> tuple[float, ...]:
         return self.layer_shares or (1.0 / self.num_layers,) * self.num_layers
@@ -263,14 +267,14 @@ def weights_on_link(plan) -> WeightsOnLink | None:
 
 
 def weights_of_layers(layers, offloaded: tuple[int, ...], prefetch_step: int, head_ms: float) -> WeightsOnLink | None:
-    """Plan layer rows' copy times (at the plan's link) and compute shares (head work first); None when nothing
-    is offloaded."""
+    """Plan layer rows' copy times (at the plan's link) and compute shares, and the plan's LM head time; None when
+    nothing is offloaded."""
     if not offloaded:
         return None
-    step_ms = head_ms + sum(row.compute_ms for row in layers)
-    shares = tuple(row.compute_ms / step_ms for row in layers) if step_ms > 0 else ()
+    layers_ms = sum(row.compute_ms for row in layers)
+    shares = tuple(row.compute_ms / layers_ms for row in layers) if layers_ms > 0 else ()
     return WeightsOnLink(num_layers=len(layers), offloaded=offloaded, prefetch_step=prefetch_step,
-                         copy_ms=tuple(layers[i].copy_ms for i in offloaded), layer_shares=shares)
+                         copy_ms=tuple(layers[i].copy_ms for i in offloaded), layer_shares=shares, head_ms=head_ms)
 
 
 class _Link:
@@ -300,19 +304,22 @@ class _Link:
         weights = self.weights
         if weights is None:
             return start_ms + compute_ms
-        t = start_ms + compute_ms * (1.0 - sum(self.shares))
+        head_ms = min(weights.head_ms, compute_ms)
+        t = start_ms
         for layer, share in enumerate(self.shares):
             position = self.position_of.get(layer)
             if position is not None and self.schedule.needs_copy(position):
                 t = max(t, self.copy_done[position])
-            t += compute_ms * share
+            t += (compute_ms - head_ms) * share
             if position is None:
                 continue
             self.reader_done[position] = t
             for target in self.issue_after[position]:
                 reader = self.schedule.previous_reader(target)[1]
                 self.copy_done[target] = self.copy(self.reader_done[reader], weights.copy_ms[target])
-        return t
+        # the LM head runs after the last layer: the copies that wait for the last offloaded layer (the next
+        # forward's first slots) start under it, not at the forward's end
+        return t + head_ms
 
     def clone(self) -> "_Link":
         twin = copy.copy(self)
