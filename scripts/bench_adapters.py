@@ -1,23 +1,23 @@
 """Adapter serving benchmark for issue 17: blocking against pipelined loading of LoRA adapters, on the H100.
 
-Builds a Qwen3-8B-shaped checkpoint (random bf16 weights, under --work-dir) and 16 random rank-64 PEFT adapters
-on every linear layer (saved with PEFT), makes two plans with `offload-plan make --adapter ... --adapter-slots 4
---tokens 512` (all resident, and half the layers offloaded: G=2 K=1), and for each serves a stream of 4 batches
-of 8 requests over 8 adapters, blocking and pipelined (runtime.adapter_bench, as `run --bench` does). Each
-request's last-token logits are compared with PEFT's (the base model on the GPU, every adapter loaded with
-autocast_adapter_dtype=False, over the project's all-resident model: from_pretrained on the CPU, moved to
-the GPU whole; PEFT's mixed-batch forward for the rows that mix adapters).
+Writes a Qwen3-8B-shaped checkpoint (random bf16 weights, tensor by tensor) and 16 random rank-64 adapters on every
+linear layer (in PEFT's file format), under --work-dir (default /dev/shm where memory allows), makes two plans with
+`offload-plan make --adapter ... --adapter-slots 4 --tokens 2048` (all resident, and half the layers offloaded: G=2
+K=1), and for each serves a stream of 4 batches of 8 requests over 8 adapters, blocking and pipelined
+(runtime.adapter_bench, as `run --bench` does). Each request's last-token logits are compared with PEFT's (the base
+model on the GPU, every adapter loaded with autocast_adapter_dtype=False, over the project's all-resident model:
+from_pretrained on the CPU, moved to the GPU whole; PEFT's mixed-batch forward for the rows that mix adapters).
 
 Issue 27's checks follow the table, per plan: the plan's loading mode (adapters.mode) against the mode that
 measured faster (target: within 3%); first start, TTFT and compute idle predicted against measured (target:
 within 10% or 1 ms); and `run --prompt --adapter`'s path (runtime.adapters.attach_adapter, greedy, 64 tokens)
-against PEFT's generation with the same adapter. Without PEFT the adapters are written directly in its file
-format (adapter_config.json, adapter_model.safetensors) and the PEFT comparisons are reported as skipped.
+against PEFT's generation with the same adapter. Without PEFT the PEFT comparisons are reported as skipped.
 
     PYTHONPATH=. python3 scripts/bench_adapters.py            # on the H100
     PYTHONPATH=. python3 scripts/bench_adapters.py --tiny     # the same logic on a tiny model, CPU is enough
 
-A short table is printed last; results go to $OUT/bench_adapters.json when OUT is set (else --work-dir).
+A short table is printed last, then each phase's seconds; results go to $OUT/bench_adapters.json when OUT is
+set (else the work folder, or /tmp/bench_adapters when that is the default on /dev/shm, removed at the end).
 """
 
 import argparse
@@ -472,6 +472,29 @@ def print_checks(checks: list[dict]) -> None:
                   f"{'equal to' if generation['equal'] else 'DIFFER from'} PEFT's{where}")
 
 
+#: where the files go by default when memory allows: tmpfs, so writing them costs no disk writeback
+SHM = Path("/dev/shm")
+
+
+def files_bytes(config_fields: dict, rank: int) -> int:
+    """Bytes of the checkpoint and the adapters the benchmark writes."""
+    model = meta_model(qwen3_config(config_fields))
+    weights = sum(t.numel() * 2 for t in model.state_dict().values())
+    return weights + NUM_ADAPTERS * sum(math.prod(shape) * 2 for shape in adapter_shapes(model, rank).values())
+
+
+def default_work_dir(num_bytes: int) -> tuple[Path, bool]:
+    """/dev/shm/bench_adapters where tmpfs has room for ``num_bytes`` and the host's memory is at least three
+    times them (the reference model and the pinned pools need the rest), else /tmp/bench_adapters; and whether
+    it is tmpfs (then removed at the end: it holds host memory)."""
+    import shutil
+
+    total_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if SHM.is_dir() and shutil.disk_usage(SHM).free > 1.1 * num_bytes and total_memory > 3 * num_bytes:
+        return SHM / "bench_adapters", True
+    return Path("/tmp/bench_adapters"), False
+
+
 def make_plans(checkpoint: Path, folders: dict[str, Path], work: Path, tokens: int) -> dict[str, Path]:
     """Both plans, the two `offload-plan make` processes side by side."""
     runs = {}
@@ -492,7 +515,8 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="a tiny model (seconds, CPU is enough): tests the logic")
-    parser.add_argument("--work-dir", type=Path, default=Path("/tmp/bench_adapters"))
+    parser.add_argument("--work-dir", type=Path, help="where the checkpoint, adapters and plans go (default: "
+                        "/dev/shm/bench_adapters where it fits, removed at the end, else /tmp/bench_adapters)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="timed rounds per mode (each: the forwards alone, then served)")
     parser.add_argument("--forward-costs", action="store_true",
@@ -500,10 +524,27 @@ def main() -> None:
                              "placement; no target needs it)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    work = args.work_dir
-    work.mkdir(parents=True, exist_ok=True)
     tokens, rank = (16, 8) if args.tiny else (PROMPT_TOKENS, RANK)
     config_fields = TINY if args.tiny else QWEN3_8B
+    num_bytes = files_bytes(config_fields, rank)
+    work, temporary = (args.work_dir, False) if args.work_dir else default_work_dir(num_bytes)
+    log(f"files under {work} ({num_bytes / 1e9:.1f} GB)")
+    work.mkdir(parents=True, exist_ok=True)
+    # the results outlive a work folder on tmpfs
+    out = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path("/tmp/bench_adapters") if temporary else work
+    try:
+        bench(args, work, out, device, tokens, rank, config_fields)
+    finally:
+        if temporary:
+            import shutil
+
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def bench(args, work: Path, out: Path, device: str, tokens: int, rank: int, config_fields: dict) -> None:
+    """Write the files, make the plans, serve and check each placement, print the tables."""
+    import torch
+
     phases = Phases()
     with phases("checkpoint (random weights, written tensor by tensor)"):
         write_base(config_fields, work / "checkpoint", device)
@@ -531,7 +572,6 @@ def main() -> None:
         results["plans"].append(run_plan(label, plans[label], work / "checkpoint", reference, device,
                                          num_rounds=args.rounds, phases=phases,
                                          with_forward_costs=args.forward_costs))
-    out = Path(os.environ["OUT"]) if os.environ.get("OUT") else work
     out.mkdir(parents=True, exist_ok=True)
     results["checks"] = issue_27_checks(results)
     results["phase_seconds"] = {**phases.seconds, "total": phases.total()}

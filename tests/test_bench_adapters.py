@@ -34,6 +34,35 @@ def test_tiny_bench_serves_both_modes_equal_to_peft(tmp_path):
         assert check["plan_mode"] in ("blocking", "pipelined") and check["chosen_over_faster"] >= 1.0
         assert len(check["figures"]) == 6  # first start, TTFT mean and idle, each mode
     assert "issue 27 targets" in proc.stdout and "greedy tokens equal to PEFT's" in proc.stdout
+    # every phase timed, the second placement's PEFT logits taken from the first's
+    phases = results["phase_seconds"]
+    assert phases["total"] >= sum(v for k, v in phases.items() if k != "total") > 0
+    assert "phase seconds:" in proc.stdout
+
+
+def test_streamed_checkpoint_is_what_from_pretrained_loads(tmp_path):
+    """The bench's checkpoint, written tensor by tensor without building the model, in shards with an index:
+    transformers loads every weight from it (none missing, none left over), norms around 1, the rest small."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from scripts import bench_adapters
+
+    folder = tmp_path / "checkpoint"
+    bench_adapters.write_base(bench_adapters.TINY, folder, "cpu")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    names = set()
+    for file in set(index["weight_map"].values()):
+        with safe_open(folder / file, "pt") as opened:
+            names |= set(opened.keys())
+            assert all(opened.get_tensor(name).dtype == torch.bfloat16 for name in opened.keys())
+    model, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
+    assert names == set(index["weight_map"]) == set(model.state_dict())
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    norm = model.model.norm.weight.float()
+    assert (norm - 1).abs().max() < 0.2 and model.lm_head.weight.float().abs().mean() < 0.05
+    assert model.config.architectures == ["Qwen3ForCausalLM"] and model.dtype == torch.bfloat16
 
 
 def test_adapters_written_without_peft_are_peft_s_format(tmp_path):
