@@ -96,6 +96,7 @@ def test_an_adapter_for_another_model_is_one_line(base_and_adapters, tmp_path):
         AdapterPool(copy.deepcopy(base), list(folders.items()), 1, CpuStandIn())
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("mode", [BLOCKING, PIPELINED])
 def test_stream_on_the_gpu_equals_peft(base_and_adapters, mode):
