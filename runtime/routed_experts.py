@@ -39,6 +39,7 @@ experts multiply are still the all-resident ones, so the logits stay bitwise equ
 previous one) and layers whose router cannot be called so fetch after their router, as without prefetch.
 """
 
+import copy
 import math
 import types
 import warnings
@@ -157,6 +158,9 @@ class RoutedExperts:
         self._prefetch_counts = torch.zeros(len(FETCH_KINDS), dtype=torch.int64, device=self.device)
         #: routed ordinal -> how to predict the next routed layer's routing (filled by start)
         self.predictors: dict[int, _Predictor] = {}
+        #: routed layer index -> why nothing predicts it (its previous routed layer's norm or its router), for
+        #: messages: a test or benchmark that expected prediction says why it is off
+        self.prefetch_refusals: dict[int, str] = {}
         #: routed layers whose prefetch was started this step and not yet joined
         self._pending: set[int] = set()
         #: the side stream of the prefetches (CUDA only) and the router input it reads, copied on the main stream
@@ -266,6 +270,7 @@ class RoutedExperts:
                                              self.num_experts, self.device)
             if isinstance(predictor, str):
                 reasons.append(f"layer {following} from layer {index}: {predictor}")
+                self.prefetch_refusals[following] = predictor
             else:
                 self.predictors[ordinal] = predictor
         if reasons:
@@ -500,22 +505,62 @@ def next_layer_predictor(layer: nn.Module | None, following: nn.Module | None, n
     if gate is None or any(w.is_meta for w in weights):
         return "no router at mlp.gate" if gate is None else "the norms' weights are not loaded"
     with torch.inference_mode():
-        probe = torch.randn(2, weights[0].shape[0], generator=torch.Generator().manual_seed(0))
+        probe = torch.randn(2, weights[0].shape[0], generator=torch.Generator().manual_seed(0), dtype=torch.float32)
         ratio = torch.where(weights[0] != 0, weights[1].float() / weights[0].float(), 0.0).cpu()
-        probe_device = probe.to(device=weights[0].device, dtype=weights[0].dtype)
-        rescaled = (norms[0](probe_device).float().cpu() * ratio)
-        if not torch.allclose(rescaled, norms[1](probe_device).float().cpu(), rtol=2e-2, atol=1e-3):
-            return "its norm is not weight x normalized input (RMSNorm), so no rescaling gives layer j's"
+        refused = _rescaling_refusal(norms[0], norms[1], ratio, probe)
+        if refused:
+            return refused
         gate_param = next(gate.parameters(), None)
+        probe_device = probe.to(device=weights[0].device, dtype=weights[0].dtype)
         try:
             output = gate(probe_device if gate_param is None else probe_device.to(gate_param.device, gate_param.dtype))
         except Exception as error:  # an architecture's router with another signature
-            return f"its router cannot be called on the hidden state ({type(error).__name__})"
+            return f"its router cannot be called on the hidden state ({type(error).__name__}: {error})"[:300]
     top_k = output[-1] if isinstance(output, tuple) else None
     if top_k is None or top_k.dtype not in (torch.int32, torch.int64) or top_k.dim() != 2 or top_k.shape[0] != 2 \
             or int(top_k.max()) >= num_experts:
         return "its router does not return (logits, weights, top-k expert ids)"
     return _Predictor(ratio=ratio.to(device), gate=gate)
+
+
+#: relative deviation of norm_i(x) x ratio from norm_j(x) (float32 copies of the norms on the CPU) above which
+#: the norms are not both weight x normalized input: float32 rounding of the two products and the ratio is
+#: ~1e-7 relative, so this only refuses a norm of another form (a shift, a mean, a different normalization)
+NORM_CHECK_RTOL = 1e-4
+
+
+def _rescaling_refusal(norm: nn.Module, following: nn.Module, ratio: torch.Tensor, probe: torch.Tensor) -> str | None:
+    """Why rescaling ``norm``'s output by ``ratio`` does not give ``following``'s on the same input, or None.
+
+    The check runs float32 copies of both norms on the CPU: the property is structural (RMSNorm's output is its
+    weight times a normalized input), so it must not depend on the model's dtype or device. In bf16 a norm's
+    own output rounds to 2^-9 relative and its weight may sit near zero (a random tiny model), so a check in the
+    model's dtype against a fixed absolute tolerance refused true RMSNorms. It decides only whether prediction
+    is attempted: the logits stay bitwise whatever it says. Where norm_i's weight is 0, nothing rescales to
+    norm_j's output there, unless norm_j's weight is 0 too."""
+    devices = list(dict.fromkeys([torch.device("cpu"), norm.weight.device]))
+    for position, device in enumerate(devices):  # the CPU first; the norm's own device if it runs only there
+        try:
+            copies = [copy.deepcopy(n).to(device=device, dtype=torch.float32) for n in (norm, following)]
+            expected, got = (c(probe.to(device)).cpu() for c in copies)
+            break
+        except Exception as error:  # a norm that cannot be copied or run in float32 there
+            if position == len(devices) - 1:
+                return f"its norm cannot be checked on a float32 probe ({type(error).__name__}: {error})"[:300]
+    if not isinstance(expected, torch.Tensor) or expected.shape != probe.shape or got.shape != probe.shape:
+        return "its norm does not map a hidden state to one of the same shape"
+    rescaled = expected.float() * ratio
+    deviation = (rescaled - got.float()).abs()
+    scale = got.float().abs().clamp(min=torch.finfo(torch.float32).tiny) + \
+        NORM_CHECK_RTOL * got.float().abs().max().clamp(min=torch.finfo(torch.float32).tiny)
+    relative = deviation / scale
+    worst = int(relative.argmax())
+    if float(relative.flatten()[worst]) <= NORM_CHECK_RTOL:
+        return None
+    unit = worst % probe.shape[1]
+    return (f"its norm is not weight x normalized input (RMSNorm), so no rescaling gives layer j's (unit {unit}: "
+            f"{float(rescaled.flatten()[worst]):.4g} rescaled vs {float(got.flatten()[worst]):.4g}, weights "
+            f"{float(copies[0].weight[unit]):.4g} and {float(copies[1].weight[unit]):.4g})")
 
 
 def gather_rows(source: torch.Tensor, destination: torch.Tensor, source_ids: torch.Tensor,

@@ -118,7 +118,7 @@ def test_plan_with_routed_layers_streams_and_decodes_graphed(tmp_path, prefetch)
         plan = NS(**{**vars(plan), "experts": NS(**{**vars(plan.experts), "prefetch": "next_layer_router"})})
     model, engine = stream_model(checkpoint, plan, CudaBackend(CUDA))
     assert engine.routed_experts.prefetch == prefetch
-    assert bool(engine.routed_experts.predictors) == prefetch
+    assert bool(engine.routed_experts.predictors) == prefetch, engine.routed_experts.prefetch_refusals
     try:
         loop = DecodeLoop(model, batch=1, max_cache_tokens=40 + NUM_STEPS + 16, device=CUDA, engine=engine,
                           steps_per_call=1)
@@ -181,7 +181,8 @@ def test_graphed_prefetch_decode_bitwise_and_counter_split(model, batch):
     routed_model = copy.deepcopy(model)
     routed = apply_routed_experts(routed_model, ROUTED, 4 * batch, CudaBackend(CUDA), prefetch=True)
     routed_model.to(CUDA)
-    assert sorted(routed.predictors) == [0, 1] and routed.stream is not None
+    assert sorted(routed.predictors) == [0, 1], f"prefetch off: {routed.prefetch_refusals}"
+    assert routed.stream is not None
     try:
         ids, logits = _decode(routed_model, batch, graphed=True, after_capture=routed.reset_counters)
         assert torch.equal(ids, expected_ids)

@@ -186,12 +186,38 @@ print("ok")
 
 def test_bounded_grid_gather_in_the_interpreter():
     """The persistent gather covers every block of every slot with 1, 3 or one program per block (rows of
-    three blocks of GATHER_BLOCK_WORDS: the loop strides over slots and blocks)."""
+    three blocks of GATHER_BLOCK_WORDS: the loop strides over slots and blocks). Run by Triton's interpreter on
+    CPU tensors in a subprocess whose environment is the same on every host: no CUDA device visible (the
+    interpreter then never touches a driver, which on a GPU host would compile and load one) and the repository
+    first on the path; the assertion carries the subprocess's output, so a host where it fails says why."""
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])]))
     result = subprocess.run([sys.executable, "-c", BOUNDED_GATHER_SCRIPT], env=env, capture_output=True, text=True,
-                            cwd=os.path.dirname(os.path.dirname(__file__)))
-    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
+                            cwd=root, timeout=300)
+    assert result.returncode == 0 and "ok" in result.stdout, \
+        f"exit {result.returncode}; stdout: {result.stdout[-1000:]!r}; stderr: {result.stderr[-3000:]}"
+
+
+def test_the_norm_check_accepts_bf16_rmsnorms_with_random_weights_near_zero():
+    """The GPU test's model (bf16, norm weights ~ N(0, 0.1), some near zero): every routed pair predicts; the
+    check runs float32 copies of the norms, so bf16 rounding of the norms' outputs cannot refuse a true RMSNorm."""
+    layers = routed_moe_model(hidden=256, num_experts=32, top_k=4, dtype=torch.bfloat16).model.layers
+    with torch.no_grad():  # weights 1e-6 of their neighbours, in one norm or both; unit 1 is 0 in every norm
+        layers[0].post_attention_layernorm.weight[:3] = torch.tensor([1e-7, 0.0, -3e-8])
+        layers[1].post_attention_layernorm.weight[:3] = torch.tensor([-2e-7, 0.0, 5.0])
+        for layer in layers[2:]:
+            layer.post_attention_layernorm.weight[1] = 0.0
+    for index in (0, 1, 2):
+        predictor = next_layer_predictor(layers[index], layers[index + 1], 32, torch.device("cpu"))
+        assert not isinstance(predictor, str), predictor
+    # norm_i 0 where norm_j is not: nothing rescales to norm_j's output there, and the reason names the unit
+    with torch.no_grad():
+        layers[0].post_attention_layernorm.weight[1] = 0.0
+        layers[1].post_attention_layernorm.weight[1] = 0.5
+    reason = next_layer_predictor(layers[0], layers[1], 32, torch.device("cpu"))
+    assert isinstance(reason, str) and "RMSNorm" in reason and "unit 1" in reason
 
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["apply_plan", "stream_model"])
