@@ -102,7 +102,8 @@ class RoutedExperts:
 
     def __init__(self, *, modules: dict[int, nn.Module], resident: dict[int, tuple[int, ...]], fetch_slots: int,
                  backend, adopt_host: bool = False, decoder_layers: dict[int, nn.Module] | None = None,
-                 prefetch: bool = False, prefetch_programs: int = PREFETCH_GATHER_PROGRAMS):
+                 prefetch: bool = False, prefetch_programs: int = PREFETCH_GATHER_PROGRAMS,
+                 prefetch_depth: "int | dict[int, int] | None" = None):
         """Allocate (nothing read, nothing pinned yet): ``modules``: layer index -> its experts module (its
         params may be on the meta device: only their shapes are read here); ``resident``: layer index -> expert
         ids kept on the GPU; ``fetch_slots``: distinct experts one decode step can fetch (the plan's
@@ -111,7 +112,8 @@ class RoutedExperts:
         model already sits in host memory holds no second copy. ``start`` then takes the weights and routes
         the layers. ``prefetch``: predict and prefetch each next routed layer's experts (module docstring); it
         needs ``decoder_layers`` (layer index -> decoder layer: its post-attention norm and its router);
-        ``prefetch_programs``: the side stream gather's persistent programs."""
+        ``prefetch_programs``: the side stream gather's persistent programs; ``prefetch_depth``: how many of
+        each predicted token's top-k ranks are prefetched (``set_prefetch_depth``; None: all k)."""
         if prefetch and decoder_layers is None:
             raise PlanError("next-layer prefetch needs the decoder layers (their norms and routers); pass them")
         if prefetch_programs < 1:
@@ -121,6 +123,7 @@ class RoutedExperts:
         self.layers = sorted(modules)
         self.fetch_slots = fetch_slots
         self.prefetch, self.prefetch_programs = prefetch, prefetch_programs
+        self._depth_setting = prefetch_depth
         self.decoder_layers = dict(decoder_layers or {})
         #: slot rows at the head of the device buffer: two sets (by routed ordinal parity) when prefetching
         self.slot_rows = fetch_slots * (2 if prefetch else 1)
@@ -158,6 +161,16 @@ class RoutedExperts:
         self._prefetch_counts = torch.zeros(len(FETCH_KINDS), dtype=torch.int64, device=self.device)
         #: routed ordinal -> how to predict the next routed layer's routing (filled by start)
         self.predictors: dict[int, _Predictor] = {}
+        #: the router's top-k as the predictors return it (0 until start finds a predictor)
+        self.top_k = 0
+        #: predicted routed layer index -> its prefetch depth m: the prediction's ranks 1..m are gathered ahead
+        #: (0: predicted and counted, nothing gathered: the layer fetches after its router)
+        self.prefetch_depth: dict[int, int] = {}
+        #: [routed layers, 2, top_k] int64 on the device: per predicted layer and rank, the predictions that the
+        #: layer then routed the same token to, and the predictions made (every rank, whatever the depth)
+        self.rank_counts = torch.zeros((len(self.layers), 2, 0), dtype=torch.int64, device=self.device)
+        #: [routed layers, fetch_slots, top_k] int64 on the device: each layer's prediction of this step, by token
+        self.predicted_ids = torch.zeros((len(self.layers), 0, 0), dtype=torch.int64, device=self.device)
         #: routed layer index -> why nothing predicts it (its previous routed layer's norm or its router), for
         #: messages: a test or benchmark that expected prediction says why it is off
         self.prefetch_refusals: dict[int, str] = {}
@@ -273,11 +286,37 @@ class RoutedExperts:
                 self.prefetch_refusals[following] = predictor
             else:
                 self.predictors[ordinal] = predictor
+                self.top_k = predictor.top_k
         if reasons:
             warnings.warn(f"next-layer prefetch off for {len(reasons)} routed layer(s), which fetch after their "
                           f"router ({reasons[0]}{'; ...' if len(reasons) > 1 else ''})", stacklevel=3)
+        if self.predictors:
+            self.rank_counts = torch.zeros((len(self.layers), 2, self.top_k), dtype=torch.int64, device=self.device)
+            self.predicted_ids = torch.full((len(self.layers), self.fetch_slots, self.top_k), -1, dtype=torch.int64,
+                                            device=self.device)
+        self.set_prefetch_depth(self._depth_setting)
         if self.device.type == "cuda":
             self.stream = torch.cuda.Stream(device=self.device)
+
+    def set_prefetch_depth(self, depth: "int | dict[int, int] | None") -> None:
+        """Prefetch the top ``depth`` ranks of each predicted token's k (one int for every predicted layer, or
+        predicted layer index -> its depth; None: all k). The depth fixes each step's shapes: a captured step
+        keeps the depth it was captured with, so capture again after changing it."""
+        predicted = [self.layers[ordinal + 1] for ordinal in sorted(self.predictors)]
+        if not predicted:  # nothing predicted (warned at start): no depth to honour
+            self.prefetch_depth = {}
+            return
+        per_layer = depth if isinstance(depth, dict) else {index: self.top_k if depth is None else depth
+                                                           for index in predicted}
+        for index, m in per_layer.items():
+            if isinstance(m, bool) or not isinstance(m, int) or not 0 <= m <= max(self.top_k, 0):
+                raise PlanError(f"prefetch depth {m!r} for layer {index} is not a whole number from 0 to the "
+                                f"router's top-k ({self.top_k}); give one in that range")
+        unknown = sorted(set(per_layer) - set(predicted))
+        if unknown:
+            raise PlanError(f"prefetch depth given for layers {unknown}, which nothing predicts (predicted: "
+                            f"{predicted}); give depths for predicted layers only")
+        self.prefetch_depth = {index: per_layer.get(index, self.top_k) for index in predicted}
 
     # ---- accounting ----
 
@@ -301,8 +340,22 @@ class RoutedExperts:
         counts = self.fetch_counts.tolist()
         return {kind: count * self.expert_bytes for kind, count in zip(FETCH_KINDS, counts)}
 
+    def rank_accuracy(self, index: int | None = None) -> tuple[float | None, ...]:
+        """Per rank of the prediction (1 = the predicting router's highest score), the share of predictions the
+        predicted layer then routed the same token to, since the last reset: one routed layer's (``index``), or
+        every predicted layer's together; None for a rank nothing predicted (one read of the device counter)."""
+        counts = self.rank_counts if index is None else self.rank_counts[self.ordinal[index]:self.ordinal[index] + 1]
+        hits, made = counts.sum(0).tolist() if counts.numel() else ([], [])
+        return tuple(h / n if n else None for h, n in zip(hits, made))
+
+    def rank_accuracy_by_layer(self) -> dict[int, tuple[float | None, ...]]:
+        """Predicted routed layer index -> its rank_accuracy."""
+        return {self.layers[ordinal + 1]: self.rank_accuracy(self.layers[ordinal + 1])
+                for ordinal in sorted(self.predictors)}
+
     def reset_counters(self) -> None:
         self.fetch_counts.zero_()
+        self.rank_counts.zero_()
         self.staged_bytes = 0
 
     def close(self) -> None:
@@ -324,10 +377,13 @@ class RoutedExperts:
         # the next layer's prefetch first: the link stays busy while this layer plans its misses, and the misses'
         # full grid takes most of the link from the prefetch's bounded one while both run
         self._prefetch_next(ordinal, hidden)
+        if predicted:
+            self._count_ranks(ordinal, top_k_index)
+        ahead = predicted and self.prefetch_depth[index] > 0  # depth 0: predicted, nothing gathered ahead
         if self.device.type == "cuda":  # one kernel where the torch ops below are 15 or 35 graph nodes
             pair_rows, source_ids = fused_fetch_plan(top_k_index, resident_row, self.fetch_slots, base,
-                                                     self.fetch_counts, self.prefetched[ordinal] if predicted else None)
-        elif predicted:
+                                                     self.fetch_counts, self.prefetched[ordinal] if ahead else None)
+        elif ahead:
             pair_rows, source_ids, counts = plan_fetch_after_prefetch(
                 top_k_index, resident_row, self.prefetched[ordinal], slot_base=base)
             self.fetch_counts.add_(counts)
@@ -338,6 +394,14 @@ class RoutedExperts:
             gather_rows(self.host_device[index, name], self.buffer[name][base:base + self.fetch_slots], source_ids)
         proxy = _Proxy(module, {name: self.buffer[name] for name in self.param_names})
         return batched_mm_forward()(proxy, hidden, pair_rows.view_as(top_k_index), top_k_weights)
+
+    def _count_ranks(self, ordinal: int, top_k_index: torch.Tensor) -> None:
+        """Per rank, how many of this step's predictions for this layer it routed the same token to."""
+        num_tokens = top_k_index.shape[0]
+        predicted = self.predicted_ids[ordinal, :num_tokens]  # [T, k]
+        hits = (predicted.unsqueeze(-1) == top_k_index.reshape(num_tokens, 1, -1)).any(-1)  # [T, k]
+        self.rank_counts[ordinal, 0].add_(hits.sum(0))
+        self.rank_counts[ordinal, 1].add_(num_tokens)
 
     def _slot_base(self, ordinal: int) -> int:
         """The first slot row of a routed layer's slot set: by its ordinal's parity when prefetching."""
@@ -364,8 +428,15 @@ class RoutedExperts:
         inputs = self._router_input(hidden)
         base = self._slot_base(ordinal + 1)
 
+        depth = self.prefetch_depth[following]
+
         def work():
-            predicted = predictor.top_k_index(inputs)  # [tokens, top_k]
+            predicted = predictor.top_k_index(inputs)  # [tokens, top_k], ranks by descending router score
+            self.predicted_ids[ordinal + 1, :predicted.shape[0]].copy_(predicted)
+            if depth == 0:  # predicted and counted by rank; nothing gathered ahead
+                return
+            # the top ``depth`` ranks only: a fixed slice, so the captured shapes stay fixed
+            predicted = predicted[:, :depth]
             source_ids = self.prefetched[ordinal + 1]
             if self.device.type == "cuda":  # the counts of a prediction are taken at its layer: a scratch here
                 fused_fetch_plan(predicted, self.tables[following].resident_row, self.fetch_slots, 0,
@@ -484,6 +555,8 @@ class _Predictor:
     ratio: torch.Tensor
     #: layer j's router module: called as its MoE block calls it, (logits, weights, top-k index)
     gate: nn.Module
+    #: experts the router picks per token (the top-k index's last dimension)
+    top_k: int
 
     def top_k_index(self, hidden: torch.Tensor) -> torch.Tensor:
         """Layer j's router on ``hidden`` [tokens, H] (layer i's router input) rescaled to layer j's norm."""
@@ -520,7 +593,7 @@ def next_layer_predictor(layer: nn.Module | None, following: nn.Module | None, n
     if top_k is None or top_k.dtype not in (torch.int32, torch.int64) or top_k.dim() != 2 or top_k.shape[0] != 2 \
             or int(top_k.max()) >= num_experts:
         return "its router does not return (logits, weights, top-k expert ids)"
-    return _Predictor(ratio=ratio.to(device), gate=gate)
+    return _Predictor(ratio=ratio.to(device), gate=gate, top_k=top_k.shape[1])
 
 
 #: relative deviation of norm_i(x) x ratio from norm_j(x) (float32 copies of the norms on the CPU) above which
@@ -698,12 +771,13 @@ def _route(module: nn.Module, routed: RoutedExperts, index: int) -> None:
 
 def apply_routed_experts(model: nn.Module, routed: dict[int, tuple[int, ...]], fetch_slots: int, backend,
                          stack: str = "model.layers", adopt_host: bool = False, prefetch: bool = False,
-                         prefetch_programs: int = PREFETCH_GATHER_PROGRAMS) -> RoutedExperts | None:
+                         prefetch_programs: int = PREFETCH_GATHER_PROGRAMS,
+                         prefetch_depth: "int | dict[int, int] | None" = None) -> RoutedExperts | None:
     """Route-fetch the experts of the layers ``routed`` names (layer index -> resident expert ids): their
     fused expert params move to page-locked, mapped host memory (resident ones also to the GPU) and their
     forward fetches what each step routes to. Non-expert params are left where they are (the caller puts
-    them on the GPU); ``adopt_host``, ``prefetch``, ``prefetch_programs``: see RoutedExperts. None when
-    ``routed`` is empty."""
+    them on the GPU); ``adopt_host``, ``prefetch``, ``prefetch_programs``, ``prefetch_depth``: see
+    RoutedExperts. None when ``routed`` is empty."""
     if not routed:
         return None
     layers = list(model.get_submodule(stack))
@@ -713,7 +787,7 @@ def apply_routed_experts(model: nn.Module, routed: dict[int, tuple[int, ...]], f
     modules = {index: experts_module(layers[index], index) for index in routed}
     experts = RoutedExperts(modules=modules, resident=routed, fetch_slots=fetch_slots, backend=backend,
                             adopt_host=adopt_host, decoder_layers={index: layers[index] for index in routed},
-                            prefetch=prefetch, prefetch_programs=prefetch_programs)
+                            prefetch=prefetch, prefetch_programs=prefetch_programs, prefetch_depth=prefetch_depth)
     try:
         experts.start()
     except BaseException:
@@ -738,13 +812,20 @@ def allocate_for_plan(plan, layers: list[nn.Module], backend) -> "RoutedExperts 
     modules = {index: experts_module(layers[index], index) for index in routed}
     return RoutedExperts(modules=modules, resident=routed, fetch_slots=fetch_slots, backend=backend,
                          decoder_layers={index: layers[index] for index in routed},
-                         prefetch=prefetch_from_plan(plan))
+                         prefetch=prefetch_from_plan(plan), prefetch_depth=prefetch_depth_from_plan(plan))
 
 
 def prefetch_from_plan(plan) -> bool:
     """Whether the plan's experts section asks for next-layer prefetch (``prefetch: next_layer_router``);
     plans made before it have no such field: no prefetch."""
     return getattr(getattr(plan, "experts", None), "prefetch", None) == NEXT_LAYER_ROUTER
+
+
+def prefetch_depth_from_plan(plan) -> int | None:
+    """The plan's experts.prefetch_depth (ranks of each prediction prefetched); None (all k) in plans made
+    before it."""
+    depth = getattr(getattr(plan, "experts", None), "prefetch_depth", None)
+    return None if depth is None else int(depth)
 
 
 def routed_from_plan(plan) -> tuple[dict[int, tuple[int, ...]], int]:
