@@ -10,11 +10,11 @@ nothing whole at decode, so its fetches have the link to themselves.
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from planner.experts import (NEXT_LAYER_ROUTER, PREFETCH_ACCURACY, LayerRouting, MoeGeometry, RoutedPlacement,
-                             non_resident_bytes, routed_fetch_bytes_per_s, routed_placement, routed_stalls_ms,
-                             uniform_routing)
+                             default_rank_accuracy, non_resident_bytes, prefetch_shares, routed_fetch_bytes_per_s,
+                             routed_placement, routed_stalls_ms, uniform_routing)
 from planner.plan import ExpertLayer, ExpertsPlan, ExpertsPoint
 from planner.search import STEP_MS_DECIMALS, Choice, LayerBytes, Searcher, copy_ms_of
 from planner.simulate import Interval, Simulation, simulate
@@ -39,17 +39,29 @@ class ExpertModel:
     routing_label: str
     #: why routed placements are not considered (None: they are)
     unavailable: str | None
-    #: next-layer prefetch's accuracy (make --prefetch-accuracy, else planner.experts.PREFETCH_ACCURACY)
+    #: next-layer prefetch's accuracy over every rank (make --prefetch-accuracy, else the rank curve's mean)
     prefetch_accuracy: float = PREFETCH_ACCURACY
+    #: per rank of the prediction (top_k of them), its accuracy: --prefetch-accuracy at every rank, a trace's
+    #: measured figures, else planner.experts.default_rank_accuracy
+    rank_accuracy: tuple[float, ...] = ()
+    #: make --prefetch-depth: the depth the plan must use (0: no prefetch); None: the planner chooses
+    prefetch_depth: int | None = None
 
 
 def expert_model(geometry: MoeGeometry, routing: tuple[LayerRouting, ...] | None, routing_label: str,
-                 unavailable: str | None, prefetch_accuracy: float | None = None) -> ExpertModel:
-    """The model's experts with uniform routing unless ``routing`` is given, prefetch accuracy the default
-    unless given."""
+                 unavailable: str | None, prefetch_accuracy: float | None = None,
+                 rank_accuracy: tuple[float, ...] | None = None, prefetch_depth: int | None = None) -> ExpertModel:
+    """The model's experts with uniform routing unless ``routing`` is given; the prediction's per-rank accuracy
+    ``prefetch_accuracy`` at every rank if given, else ``rank_accuracy`` (a trace's) if given, else the
+    default curve; ``prefetch_depth``: pinned by make --prefetch-depth."""
+    if prefetch_accuracy is not None:
+        ranks = (prefetch_accuracy,) * geometry.top_k
+    else:
+        ranks = tuple(rank_accuracy) if rank_accuracy else default_rank_accuracy(geometry.top_k)
     return ExpertModel(geometry=geometry, routing=routing or uniform_routing(geometry), routing_label=routing_label,
                        unavailable=unavailable or geometry.unroutable_reason,
-                       prefetch_accuracy=PREFETCH_ACCURACY if prefetch_accuracy is None else prefetch_accuracy)
+                       prefetch_accuracy=round(math.fsum(ranks) / len(ranks), 4) if prefetch_accuracy is None
+                       else prefetch_accuracy, rank_accuracy=ranks, prefetch_depth=prefetch_depth)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,8 +100,8 @@ def routed_choice(experts: ExpertModel, *, searcher: Searcher, compute: ComputeT
     """Every MoE layer routed, with the most resident experts whose arena fits ``budget_bytes``; None where
     routed placements are unavailable or even none resident does not fit. ``decode``: steps of one token per
     sequence gather routed experts, with next-layer prefetch where that is predicted faster (its second slot set
-    costs resident experts; a tie keeps one set); other steps (prefill) copy each layer's non-resident experts
-    whole."""
+    costs resident experts; a tie keeps one set) at the depth predicted fastest (``choose_prefetch_depth``);
+    other steps (prefill) copy each layer's non-resident experts whole."""
     if experts.unavailable is not None:
         return None
     layers = searcher.layers
@@ -105,15 +117,17 @@ def routed_choice(experts: ExpertModel, *, searcher: Searcher, compute: ComputeT
         return None
     if decode:
         simulation = decode_simulation(compute, placement)
-        prefetching = placed(experts.prefetch_accuracy) if len(placement.layers) > 1 else None
+        wanted = experts.prefetch_depth != 0 and len(placement.layers) > 1
+        prefetching = placed(experts.prefetch_accuracy) if wanted else None
         if prefetching is not None:
-            with_prefetch = decode_simulation(compute, prefetching)
-            if round(with_prefetch.step_ms, STEP_MS_DECIMALS) < round(simulation.step_ms, STEP_MS_DECIMALS):
+            prefetching, with_prefetch = choose_prefetch_depth(experts, compute, prefetching)
+            pinned = experts.prefetch_depth is not None
+            if pinned or round(with_prefetch.step_ms, STEP_MS_DECIMALS) < round(simulation.step_ms, STEP_MS_DECIMALS):
                 placement, simulation = prefetching, with_prefetch
-        # the link carries the predicted experts (hits and wasted) and the misses: as many as the step routes
+        # the link carries the ranks gathered ahead (hits and wasted) and the misses: as many as the step routes
         # to, plus the wasted ones
         accuracy = placement.prefetch_accuracy
-        wasted = 0.0 if accuracy is None else (1 - accuracy) * _predicted_bytes(placement)
+        wasted = 0.0 if accuracy is None else (placement.prefetch_ahead_share - accuracy) * _predicted_bytes(placement)
         copy_bytes = round(placement.expected_fetched_bytes + wasted)
     else:
         simulation = prefill_simulation(experts.geometry, placement, compute, h2d_bytes_per_s, copy_overhead_us)
@@ -121,6 +135,24 @@ def routed_choice(experts: ExpertModel, *, searcher: Searcher, compute: ComputeT
     return RoutedChoice(group_size=0, num_in_group=0, prefetch_step=0, offloaded=(), replay_start_copies=0,
                         simulation=simulation, gpu_bytes=searcher.gpu_bytes(placement.weight_bytes),
                         host_pinned_bytes=placement.host_pinned_bytes, copy_bytes=copy_bytes, placement=placement)
+
+
+def choose_prefetch_depth(experts: ExpertModel, compute: ComputeTimes,
+                          placement: RoutedPlacement) -> tuple[RoutedPlacement, Simulation]:
+    """The prefetching ``placement`` at the depth m (ranks of each token's prediction gathered ahead, 1..k) whose
+    decode step is predicted fastest, with its simulation; make --prefetch-depth pins m. Ties go to the smaller m
+    (fewer bytes on the link). Each rank gathered in one layer's compute shadow only saves; past it, a rank costs
+    its wasted bytes on the critical path (planner.experts.prefetch_layer_stall_ms), so poor deep ranks lower m."""
+    pinned = experts.prefetch_depth
+    depths = range(1, len(experts.rank_accuracy) + 1) if pinned is None else (pinned,)
+    best = None
+    for depth in depths:
+        hit, ahead = prefetch_shares(experts.rank_accuracy, depth)
+        candidate = replace(placement, prefetch_accuracy=hit, prefetch_ahead_share=ahead, prefetch_depth=depth)
+        simulation = decode_simulation(compute, candidate)
+        if best is None or round(simulation.step_ms, STEP_MS_DECIMALS) < round(best[1].step_ms, STEP_MS_DECIMALS):
+            best = (candidate, simulation)
+    return best
 
 
 def _predicted_bytes(placement: RoutedPlacement) -> float:
@@ -172,7 +204,8 @@ def experts_section(experts: ExpertModel, chosen: Choice, layers: LayerBytes, po
                                  expected_fetched_bytes=round(row.expected_fetched_bytes), hit_rate=row.hit_rate)
                      for row in placement.layers)
         buffers = (placement.fetch_slots, placement.fetch_buffer_bytes, placement.staging_buffer_bytes)
-        prefetch = (None if placement.prefetch_accuracy is None else NEXT_LAYER_ROUTER, experts.prefetch_accuracy)
+        prefetch = (None if placement.prefetch_accuracy is None else NEXT_LAYER_ROUTER, experts.prefetch_accuracy,
+                    placement.prefetch_depth, tuple(round(a, 4) for a in experts.rank_accuracy))
     else:
         offloaded = set(chosen.offloaded)
         rows = tuple(ExpertLayer(index=layer.index, regime="whole_layer", resident=(),
@@ -180,11 +213,12 @@ def experts_section(experts: ExpertModel, chosen: Choice, layers: LayerBytes, po
                                  hit_rate=0.0 if layer.index in offloaded else 1.0)
                      for layer in geometry.layers)
         buffers = (0, 0, 0)
-        prefetch = (None, None)
+        prefetch = (None, None, None, None)
     regimes = {row.regime for row in rows}
     return ExpertsPlan(
         regime=regimes.pop() if len(regimes) == 1 else "mixed", routing=experts.routing_label,
         fetch_slots=buffers[0], layers=rows, num_experts=geometry.num_experts, top_k=geometry.top_k,
         expert_bytes=geometry.max_expert_bytes, fetch_buffer_bytes=buffers[1], staging_buffer_bytes=buffers[2],
         routed_fetch_bytes_per_s=routed_fetch_bytes_per_s(h2d_bytes_per_s), routed_unavailable=experts.unavailable,
-        points=points, prefetch=prefetch[0], prefetch_accuracy=prefetch[1])
+        points=points, prefetch=prefetch[0], prefetch_accuracy=prefetch[1], prefetch_depth=prefetch[2],
+        prefetch_rank_accuracy=prefetch[3])

@@ -48,6 +48,12 @@ ROUTED_FETCH_EFFICIENCY = 0.89
 #: weights, 64 greedy steps; benchmarks/2026-11-25-prefetch-h100.md). Trained routers differ by model: make
 #: --prefetch-accuracy overrides it, and the plan records the figure used
 PREFETCH_ACCURACY = 0.78
+#: the default per-rank accuracy of that prediction (rank 1: the predicting router's highest score), which the
+#: planner's prefetch depth is chosen from where no trace measured it: linear in the rank, from
+#: PREFETCH_ACCURACY + PREFETCH_RANK_SPREAD at rank 1 to PREFETCH_ACCURACY - PREFETCH_RANK_SPREAD at rank k, so
+#: its mean stays the measured 0.78. The mean is the H100's; the slope is assumed (a lower router score predicts
+#: worse) until scripts/bench_experts.py --prefetch-depth measures the per-rank figures there
+PREFETCH_RANK_SPREAD = 0.14
 #: the plan's experts.prefetch where routed layers prefetch the next routed layer's predicted experts
 NEXT_LAYER_ROUTER = "next_layer_router"
 #: the MoE block modules whose experts transformers 5 holds as the fused params of its experts interface, which
@@ -246,8 +252,14 @@ class RoutedPlacement:
     staging_buffer_bytes: int
     #: every routed layer's experts, pinned on the host (resident ones too, as the runtime pins them)
     host_pinned_bytes: int
-    #: next-layer prefetch: the share of routed, non-resident experts predicted (None: no prefetch)
+    #: next-layer prefetch: the share of routed, non-resident experts predicted and prefetched (the hits at the
+    #: prefetch depth; None: no prefetch)
     prefetch_accuracy: float | None = None
+    #: next-layer prefetch: the share of routed, non-resident experts' bytes gathered ahead (hits and wasted):
+    #: depth / top_k (1.0: every rank)
+    prefetch_ahead_share: float = 1.0
+    #: next-layer prefetch: the ranks of each token's prediction gathered ahead (None: no prefetch, or all k)
+    prefetch_depth: int | None = None
 
     @property
     def expected_fetched_bytes(self) -> float:
@@ -263,6 +275,27 @@ class RoutedPlacement:
     def num_resident(self) -> int:
         """Resident experts, all layers."""
         return sum(len(layer.resident) for layer in self.layers)
+
+
+def default_rank_accuracy(top_k: int, mean: float = PREFETCH_ACCURACY,
+                          spread: float = PREFETCH_RANK_SPREAD) -> tuple[float, ...]:
+    """The default per-rank prediction accuracy for a top-``top_k`` router: linear from mean + spread (rank 1)
+    to mean - spread (rank k), clipped to [0, 1]; one rank: the mean."""
+    if top_k == 1:
+        return (mean,)
+    return tuple(min(1.0, max(0.0, mean + spread * (1 - 2 * rank / (top_k - 1)))) for rank in range(top_k))
+
+
+def prefetch_shares(rank_accuracy: tuple[float, ...], depth: int) -> tuple[float, float]:
+    """(hit share, ahead share) of prefetching the top ``depth`` ranks of each token's predicted k, as shares of
+    the routed, non-resident experts a step fetches: the ranks' mean accuracy x depth / k of them were predicted
+    right (hits), depth / k of them cross the link ahead (hits and wasted). A token's k routed experts are
+    distinct, so at one sequence the shares are exact in expectation; with more, experts shared by tokens make
+    them an approximation."""
+    top_k = len(rank_accuracy)
+    if not 0 <= depth <= top_k:
+        raise ValueError(f"prefetch depth {depth} is not from 0 to top_k {top_k}")
+    return math.fsum(rank_accuracy[:depth]) / top_k, depth / top_k
 
 
 def routed_fetch_bytes_per_s(h2d_bytes_per_s: float) -> float:
@@ -342,7 +375,8 @@ def routed_step_ms(layer_ms: tuple[float, ...], head_ms: float, placement: Route
     return head_ms + math.fsum(layer_ms) + math.fsum(routed_stalls_ms(placement, layer_ms).values())
 
 
-def prefetch_layer_stall_ms(compute_ms: float, fetch_ms: float, accuracy: float | None, predicted: bool) -> float:
+def prefetch_layer_stall_ms(compute_ms: float, fetch_ms: float, accuracy: float | None, predicted: bool,
+                            ahead_share: float = 1.0) -> float:
     """What a routed layer waits for its experts in a decode step. Without a prediction (no prefetch, or the
     first routed layer: nothing before it predicts it), the whole fetch, after its router. With one, the
     previous routed layer's prefetch of the predicted experts (as many as the step routes to: ``fetch_ms`` of
@@ -350,10 +384,16 @@ def prefetch_layer_stall_ms(compute_ms: float, fetch_ms: float, accuracy: float 
     layer's attention and router), then the misses, (1 - accuracy) of the fetch, after the router:
     max(0, fetch - compute) + (1 - accuracy) x fetch. The misses and the next layer's prefetch share the link
     (the runtime starts that prefetch as the layer's router finishes), so a link-bound step carries, per
-    predicted layer, its routed bytes and the wasted ones back to back."""
+    predicted layer, its routed bytes and the wasted ones back to back.
+
+    With a prefetch depth m < k (``ahead_share`` = m / k of the fetch's bytes gathered ahead, ``accuracy`` the
+    hits among them as a share of the fetch: planner.experts.prefetch_shares): max(0, ahead x fetch - compute) +
+    (1 - accuracy) x fetch. A rank whose prediction rides in the compute's shadow only helps; beyond it, a link-
+    bound step pays a rank's wasted bytes in full and gains nothing from its hits (they would have crossed after
+    the router anyway), so the best depth fills one layer's compute with the most accurate ranks."""
     if accuracy is None or not predicted:
         return fetch_ms
-    return max(0.0, fetch_ms - compute_ms) + (1 - accuracy) * fetch_ms
+    return max(0.0, ahead_share * fetch_ms - compute_ms) + (1 - accuracy) * fetch_ms
 
 
 def routed_stalls_ms(placement: RoutedPlacement, layer_ms: tuple[float, ...] | None = None) -> dict[int, float]:
@@ -363,7 +403,7 @@ def routed_stalls_ms(placement: RoutedPlacement, layer_ms: tuple[float, ...] | N
     for layer in placement.layers:
         compute_ms = 0.0 if layer_ms is None else layer_ms[layer.index]
         stalls[layer.index] = prefetch_layer_stall_ms(compute_ms, layer.fetch_ms, placement.prefetch_accuracy,
-                                                      predicted)
+                                                      predicted, placement.prefetch_ahead_share)
         predicted = True
     return stalls
 

@@ -198,17 +198,22 @@ def _read_experts(inputs: Inputs, checkpoint: Checkpoint, layout: ModelLayout) -
     geometry = moe_geometry(checkpoint.config, layout)
     accuracy = inputs.prefetch_accuracy  # a share: planner.make_inputs checked it
     if geometry is None:
-        for flag, value in (("--routing-trace", inputs.routing_trace), ("--prefetch-accuracy", accuracy)):
+        for flag, value in (("--routing-trace", inputs.routing_trace), ("--prefetch-accuracy", accuracy),
+                            ("--prefetch-depth", inputs.prefetch_depth)):
             if value is not None:
                 raise UsageError(f"{flag} applies to MoE models; {shown(inputs.model)} has no routed experts: "
                                  "drop it")
         return None
-    routing, label = None, "uniform"
+    routing, label, rank_accuracy = None, "uniform", None
     if inputs.routing_trace is not None:
         trace = read_trace(inputs.routing_trace)
         check_against(trace, geometry, checkpoint.fingerprint(), shown(inputs.routing_trace))
-        routing, label = trace.routing(), f"trace {trace.content_hash}"
-    return expert_model(geometry, routing, label, _routed_ruled_out(inputs, layout, geometry), accuracy)
+        routing, label, rank_accuracy = trace.routing(), f"trace {trace.content_hash}", trace.rank_accuracy()
+    if inputs.prefetch_depth is not None and inputs.prefetch_depth > geometry.top_k:
+        raise UsageError(f"--prefetch-depth {inputs.prefetch_depth} is deeper than the router's top-k "
+                         f"({geometry.top_k}); give one from 0 (no prefetch) to {geometry.top_k}")
+    return expert_model(geometry, routing, label, _routed_ruled_out(inputs, layout, geometry), accuracy,
+                        rank_accuracy, inputs.prefetch_depth)
 
 
 def _routed_ruled_out(inputs: Inputs, layout: ModelLayout, geometry) -> str | None:

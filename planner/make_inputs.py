@@ -9,7 +9,7 @@ from dataclasses import dataclass, fields
 from planner.adapters import MAX_ADAPTERS
 from planner.bounds import BOUNDS, MAX_KNOB, MAX_TPOT_MS, within
 from planner.cost import Workload
-from planner.errors import UsageError, shown
+from planner.errors import UsageError, cut, shown
 from planner.kv_cache import KV_DTYPES
 from planner.model_config import ModelConfig
 from planner.plan import Inputs
@@ -104,6 +104,10 @@ def _check_adapter_inputs(inputs: Inputs) -> None:
                          "(more slots than adapters hold nothing)")
 
 
+#: the deepest --prefetch-depth read before the checkpoint (which then bounds it by its router's top-k)
+MAX_PREFETCH_DEPTH = 2**12
+
+
 def _check_shares(inputs: Inputs) -> None:
     """--budget or --trigger for the weights (a serving plan's --trigger shares the GPU memory, so it may take
     both); --trigger and --prefetch-accuracy are shares."""
@@ -114,6 +118,10 @@ def _check_shares(inputs: Inputs) -> None:
     accuracy = inputs.prefetch_accuracy
     if accuracy is not None and not 0 <= accuracy <= 1:
         raise UsageError(f"--prefetch-accuracy {accuracy:g} is not a share; give one from 0 to 1 (e.g. 0.8)")
+    depth = inputs.prefetch_depth  # bounded by the router's top-k once the checkpoint is read (planner.make)
+    if depth is not None and not 0 <= depth <= MAX_PREFETCH_DEPTH:
+        raise UsageError(f"--prefetch-depth {cut(str(depth))} is not a number of ranks; give one from 0 (no "
+                         "prefetch) to the router's top-k, or leave it out to choose it")
 
 
 def _budget_bytes(inputs: Inputs) -> int | None:

@@ -4,8 +4,8 @@ Reading and writing the file is planner.plan_file; the rules across fields a pla
 reading schema 1 plans, planner.plan_migration.
 """
 
+import math
 from dataclasses import dataclass, field
-
 
 from planner.profile import FIGURE_MAX, FIGURE_MIN
 from planner.units import SIZE_HELP
@@ -112,6 +112,9 @@ class Inputs:
         "--prefetch-accuracy", "MoE, routed experts: the share of a step's routed experts that next-layer "
                                "prediction prefetches, from 0 to 1 (default: the H100 measurement the planner "
                                "keeps)."))
+    prefetch_depth: int | None = field(default=None, metadata=option(
+        "--prefetch-depth", "MoE, routed experts: prefetch the top N ranks of each token's predicted experts, "
+                            "from 0 (no prefetch) to the router's top-k (default: the depth predicted fastest)."))
     tp: int = field(default=1, metadata=option(
         "--tp", "Tensor-parallel GPUs: plan one rank of N as vLLM shards the model, all-reduces at the profile's "
                 "GPU link; 2,4 compares GPU counts (one plan per N, -o PATH written as PATH.tpN.yaml)."))
@@ -498,6 +501,22 @@ class ExpertsPlan:
     #: routed plans only: the prediction accuracy the step was modelled with (--prefetch-accuracy, else the
     #: planner's measured figure), whether or not prefetch was chosen
     prefetch_accuracy: float | None = None
+    #: routed plans only: the ranks of each token's prediction gathered ahead (1..top_k) where prefetch is on;
+    #: None where it is off, and in plans made before the depth (every rank)
+    prefetch_depth: int | None = None
+    #: routed plans only: per rank of the prediction, the accuracy the depth was chosen from (a trace's, the
+    #: planner's default curve, or --prefetch-accuracy at every rank)
+    prefetch_rank_accuracy: tuple[float, ...] | None = None
+
+    def prefetch_shares(self) -> tuple[float, float] | None:
+        """(hit share, ahead share) of the routed, non-resident experts (planner.experts.prefetch_shares) at the
+        plan's depth; None without prefetch. Plans made before the depth gather every rank at their accuracy."""
+        if self.prefetch is None:
+            return None
+        if self.prefetch_depth is None or self.prefetch_rank_accuracy is None:
+            return self.prefetch_accuracy, 1.0
+        return (math.fsum(self.prefetch_rank_accuracy[:self.prefetch_depth]) / len(self.prefetch_rank_accuracy),
+                self.prefetch_depth / len(self.prefetch_rank_accuracy))
 
     def __post_init__(self):
         if self.prefetch not in EXPERT_PREFETCH:
@@ -506,6 +525,12 @@ class ExpertsPlan:
             raise ValueError("experts.prefetch_accuracy must be a share in [0, 1]")
         if self.prefetch is not None and self.prefetch_accuracy is None:
             raise ValueError("experts.prefetch needs its prefetch_accuracy")
+        ranks = self.prefetch_rank_accuracy
+        if ranks is not None and (len(ranks) != self.top_k or not all(0 <= a <= 1 for a in ranks)):
+            raise ValueError(f"experts.prefetch_rank_accuracy must hold top_k ({self.top_k}) shares in [0, 1]")
+        if self.prefetch_depth is not None and (self.prefetch is None or not 1 <= self.prefetch_depth <= self.top_k):
+            raise ValueError(f"experts.prefetch_depth must be from 1 to top_k ({self.top_k}) with prefetch on, "
+                             "null with it off")
         if self.regime not in EXPERT_REGIMES:
             raise ValueError(f"experts.regime {self.regime!r} is not one of {', '.join(EXPERT_REGIMES)}")
         regimes = {row.regime for row in self.layers}
@@ -566,11 +591,13 @@ class Plan:
 
 #: Inputs keys a plan holds only when they are given (their defaults otherwise)
 OPTIONAL_INPUTS = {"adapters": (), "adapter_slots": None, "routing_trace": None, "prefetch_accuracy": None,
+                   "prefetch_depth": None,
                    "tp": 1, "engine": None}
 
 
 #: experts keys written only where the plan routes layers (whole-layer MoE plans keep their bytes)
-OPTIONAL_EXPERTS = {"prefetch": None, "prefetch_accuracy": None}
+OPTIONAL_EXPERTS = {"prefetch": None, "prefetch_accuracy": None, "prefetch_depth": None,
+                    "prefetch_rank_accuracy": None}
 
 
 #: top-level sections a plan holds only when they apply

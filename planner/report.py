@@ -45,10 +45,10 @@ def _routed_simulation(plan: Plan) -> Simulation:
 
     experts = plan.experts
     routed = [row for row in experts.layers if row.regime == "routed"]
-    accuracy = experts.prefetch_accuracy if experts.prefetch is not None else None
+    accuracy, ahead = experts.prefetch_shares() or (None, 1.0)
     fetch_ms = {row.index: prefetch_layer_stall_ms(plan.layers[row.index].compute_ms,
                                                    1e3 * row.expected_fetched_bytes / experts.routed_fetch_bytes_per_s,
-                                                   accuracy, predicted=row is not routed[0])
+                                                   accuracy, predicted=row is not routed[0], ahead_share=ahead)
                 for row in routed}
     head = plan.prediction.head_ms
     intervals, stalls, now = [Interval(layer=-1, start_ms=0.0, end_ms=head)], [], head
@@ -116,8 +116,20 @@ def _fetch_line(experts: ExpertsPlan, fetch_ms: float) -> str:
                  f" (next-layer prefetch at {100 * experts.prefetch_accuracy:.0f}% accuracy was not faster)")
         return f"  The fetch starts after each layer's router, on the critical path{tried}:"
     return (f"  Each routed layer predicts the next one's experts with that layer's router and prefetches them "
-            f"behind its compute ({100 * experts.prefetch_accuracy:.0f}% accuracy assumed); the misses are fetched "
-            "after the router, on the critical path:")
+            f"behind its compute ({100 * experts.prefetch_accuracy:.0f}% accuracy assumed){_depth_words(experts)}; "
+            "the misses are fetched after the router, on the critical path:")
+
+
+def _depth_words(experts: ExpertsPlan) -> str:
+    """The prefetch depth and the per-rank accuracies it was chosen from; nothing for plans made before it."""
+    if experts.prefetch_depth is None or experts.prefetch_rank_accuracy is None:
+        return ""
+    ranks = experts.prefetch_rank_accuracy
+    shown = ", ".join(f"{100 * a:.0f}" for a in ranks)
+    hit, ahead = experts.prefetch_shares()
+    return (f", the top {experts.prefetch_depth} of each token's {len(ranks)} predicted experts (accuracy by rank "
+            f"{shown}%): {100 * ahead:.0f}% of the routed experts' bytes cross ahead, {100 * hit:.0f}% of them "
+            f"useful, {100 * (ahead - hit):.0f}% wasted")
 
 
 def _whole_layer_line(plan: Plan, experts: ExpertsPlan) -> str:

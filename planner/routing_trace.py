@@ -10,6 +10,12 @@ names the file by the sha256 of its bytes, so ``check`` finds a changed trace. A
     num_tokens: 4096                # tokens routed per layer
     layers:
     - {index: 0, counts: [...]}     # one int per expert; each row sums to num_tokens x top_k
+    - {index: 1, counts: [...], prefetch_hits: [...]}   # optional: one int per rank (below)
+
+``prefetch_hits`` (optional, a layer that the previous MoE layer predicts): per rank r of the prediction (the
+runtime's next-layer router on the previous MoE layer's router input, rank 1 its highest score), how many of the
+num_tokens tokens the layer then routed to the expert predicted at rank r. The planner chooses its prefetch depth
+from these accuracies (planner.experts.prefetch_shares); traces without them leave it the default curve.
 
 A trace from another model (fingerprint), with other layers, or with impossible counts is one line of error.
 """
@@ -44,6 +50,9 @@ class RoutingTrace:
     layers: tuple[tuple[int, tuple[int, ...]], ...]
     #: "sha256:<hex>" of the file's bytes (empty for a trace not read from a file)
     content_hash: str = ""
+    #: (layer index, per rank the tokens whose prediction at that rank the layer routed to), for the layers
+    #: predicted from the MoE layer before them; empty in traces recorded without prediction
+    prefetch_hits: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
     def __post_init__(self):
         if not 1 <= self.top_k <= self.num_experts:
@@ -55,6 +64,20 @@ class RoutingTrace:
             raise ValueError("layers must be one or more rows with distinct indices, ascending")
         for index, counts in self.layers:
             _check_counts(index, counts, self.num_experts, self.top_k, self.num_tokens)
+        for index, hits in self.prefetch_hits:
+            if index not in indices or index == indices[0]:
+                raise ValueError(f"layer {index} has prefetch_hits but no MoE layer before it in the trace predicts it")
+            if len(hits) != self.top_k or any(not 0 <= h <= self.num_tokens for h in hits):
+                raise ValueError(f"layer {index}'s prefetch_hits must be top_k ({self.top_k}) counts from 0 to "
+                                 f"num_tokens ({self.num_tokens})")
+
+    def rank_accuracy(self) -> tuple[float, ...] | None:
+        """Per rank of the prediction, the share of predictions the layer then routed the token to, over every
+        predicted layer; None when the trace has no prefetch_hits."""
+        if not self.prefetch_hits:
+            return None
+        made = len(self.prefetch_hits) * self.num_tokens
+        return tuple(sum(hits[rank] for _, hits in self.prefetch_hits) / made for rank in range(self.top_k))
 
     def routing(self) -> tuple[LayerRouting, ...]:
         """Per layer, each expert's share of tokens: count / num_tokens."""
@@ -101,12 +124,15 @@ def trace_from_dict(data: object, origin: str, *, content_hash: str = "") -> Rou
         raise ModelInputError(f"{origin}: model_fingerprint must be a string; {fix}")
     rows = data["layers"]
     if not isinstance(rows, list) or not all(_row(row) for row in rows):
-        raise ModelInputError(f"{origin}: layers must be a list of {{index, counts}} rows of whole numbers; {fix}")
+        raise ModelInputError(f"{origin}: layers must be a list of {{index, counts}} rows of whole numbers (and an "
+                              f"optional prefetch_hits list); {fix}")
     try:
         return RoutingTrace(model_fingerprint=data["model_fingerprint"], num_experts=data["num_experts"],
                             top_k=data["top_k"], num_tokens=data["num_tokens"],
                             layers=tuple((row["index"], tuple(row["counts"])) for row in rows),
-                            content_hash=content_hash)
+                            content_hash=content_hash,
+                            prefetch_hits=tuple((row["index"], tuple(row["prefetch_hits"])) for row in rows
+                                                if "prefetch_hits" in row))
     except ValueError as error:
         raise ModelInputError(f"{origin}: {error}; {fix}") from None
 
@@ -116,8 +142,9 @@ def _whole(value: object) -> bool:
 
 
 def _row(row: object) -> bool:
-    return (isinstance(row, dict) and set(row) == {"index", "counts"} and _whole(row["index"])
-            and isinstance(row["counts"], list) and all(_whole(c) for c in row["counts"]))
+    return (isinstance(row, dict) and set(row) - {"prefetch_hits"} == {"index", "counts"} and _whole(row["index"])
+            and all(isinstance(row[key], list) and all(_whole(c) for c in row[key])
+                    for key in ("counts", "prefetch_hits") if key in row))
 
 
 def check_against(trace: RoutingTrace, geometry: MoeGeometry, fingerprint: str, origin: str) -> None:
@@ -153,7 +180,10 @@ def render_trace(trace: RoutingTrace, command: str) -> str:
         f"num_tokens: {trace.num_tokens}",
         "layers:",
     ]
-    lines += [f"- {{index: {index}, counts: [{', '.join(map(str, counts))}]}}" for index, counts in trace.layers]
+    hits = dict(trace.prefetch_hits)
+    lines += [f"- {{index: {index}, counts: [{', '.join(map(str, counts))}]"
+              + (f", prefetch_hits: [{', '.join(map(str, hits[index]))}]" if index in hits else "") + "}"
+              for index, counts in trace.layers]
     text = "\n".join(lines) + "\n"
     assert yaml.safe_load(text)["num_tokens"] == trace.num_tokens  # the hand-written YAML parses as meant
     return text

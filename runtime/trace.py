@@ -35,12 +35,19 @@ MAX_PROMPT_FILE_BYTES = 64 * 2**20
 class RoutingCounter:
     """Forward pre-hooks on every ``<stack>.N.mlp.experts`` module that count the expert ids routed to it."""
 
-    def __init__(self, model: nn.Module, stack: str, num_experts: int):
+    def __init__(self, model: nn.Module, stack: str, num_experts: int, predict: bool = False):
+        """``predict``: also count, per rank, how often each MoE layer routes a token to the expert that the
+        runtime's next-layer prediction (runtime.routed_experts.next_layer_predictor: the layer's router on the
+        previous MoE layer's router input, rescaled by the norms) puts at that rank."""
         self.num_experts = num_experts
         #: whether calls are counted now (off while a decode trace runs its prompt)
         self.active = True
         self.counts: dict[int, torch.Tensor] = {}
         self.tokens: dict[int, int] = {}
+        #: predicted layer index -> [top_k] tokens routed to the expert predicted at each rank
+        self.prefetch_hits: dict[int, torch.Tensor] = {}
+        self._predictors: dict[int, tuple[int, object]] = {}  # MoE layer -> (the next one, its predictor)
+        self._predicted: dict[int, torch.Tensor] = {}  # predicted layer -> this prompt's prediction [T, k]
         self._handles = []
         for name, module in model.named_modules():
             match = _EXPERTS_MODULE.match(name)
@@ -49,6 +56,18 @@ class RoutingCounter:
                 self.counts[index] = torch.zeros(num_experts, dtype=torch.int64)
                 self.tokens[index] = 0
                 self._handles.append(module.register_forward_pre_hook(self._hook(index), with_kwargs=True))
+        if predict:
+            self._start_prediction(list(model.get_submodule(stack)))
+
+    def _start_prediction(self, layers: list[nn.Module]) -> None:
+        from runtime.routed_experts import next_layer_predictor
+
+        moe = sorted(self.counts)
+        for index, following in zip(moe, moe[1:]):
+            device = next(layers[following].parameters()).device
+            predictor = next_layer_predictor(layers[index], layers[following], self.num_experts, device)
+            if not isinstance(predictor, str):
+                self._predictors[index] = (following, predictor)
 
     def _hook(self, index: int):
         def count(_module, args, kwargs):
@@ -62,6 +81,14 @@ class RoutingCounter:
             ids = ids.detach().reshape(ids.shape[0], -1)  # [tokens, top_k]
             self.counts[index] += torch.bincount(ids.flatten().to("cpu", torch.int64), minlength=self.num_experts)
             self.tokens[index] += ids.shape[0]
+            predicted = self._predicted.pop(index, None)
+            if predicted is not None:  # per rank: the predicted expert among the token's routed ones
+                hits = (predicted.unsqueeze(-1) == ids.unsqueeze(1)).any(-1).sum(0).to("cpu", torch.int64)
+                self.prefetch_hits[index] = self.prefetch_hits.get(index, 0) + hits
+            if index in self._predictors:
+                hidden = args[0] if args else kwargs.get("hidden_states")
+                following, predictor = self._predictors[index]
+                self._predicted[following] = predictor.top_k_index(hidden.reshape(ids.shape[0], -1)).detach()
         return count
 
     def remove(self) -> None:
@@ -71,11 +98,14 @@ class RoutingCounter:
 
 
 def count_routing(model: nn.Module, prompts: list[torch.Tensor], stack: str, num_experts: int,
-                  decode_tokens: int = 0) -> tuple[int, dict[int, tuple[int, ...]]]:
+                  decode_tokens: int = 0, prefetch_hits: dict | None = None
+                  ) -> tuple[int, dict[int, tuple[int, ...]]]:
     """(tokens routed per layer, per MoE layer index the assignments per expert) of running ``prompts`` ([1, T]
     token ids each, on the model's device) through ``model``: their own tokens, or with ``decode_tokens`` > 0
-    only the tokens greedily generated after each (module docstring)."""
-    counter = RoutingCounter(model, stack, num_experts)
+    only the tokens greedily generated after each (module docstring). ``prefetch_hits``: a dict filled with, per
+    MoE layer the one before it predicts, the counted tokens routed to the expert predicted at each rank
+    (RoutingCounter)."""
+    counter = RoutingCounter(model, stack, num_experts, predict=prefetch_hits is not None)
     if not counter.counts:
         raise ModelInputError(f"the model has no {stack}.N.mlp.experts modules: its MoE block is not transformers "
                               "5's experts interface, so its routing cannot be traced")
@@ -92,6 +122,9 @@ def count_routing(model: nn.Module, prompts: list[torch.Tensor], stack: str, num
     if len(tokens) != 1:
         raise ModelInputError(f"MoE layers routed different numbers of tokens ({sorted(tokens)}): some layer skips "
                               "tokens, which a routing trace cannot describe")
+    if prefetch_hits is not None:
+        prefetch_hits.update({index: tuple(int(h) for h in hits)
+                              for index, hits in sorted(counter.prefetch_hits.items())})
     return tokens.pop(), {index: tuple(int(c) for c in counts) for index, counts in sorted(counter.counts.items())}
 
 
@@ -142,6 +175,9 @@ def record_trace(model_path: str, prompts: list[str], device: str | None = None,
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype="auto").to(device).eval()
     ids = [tokenizer(prompt, return_tensors="pt")["input_ids"].to(device) for prompt in prompts]
-    num_tokens, counts = count_routing(model, ids, layout.stack, geometry.num_experts, decode_tokens)
+    hits: dict[int, tuple[int, ...]] = {}
+    num_tokens, counts = count_routing(model, ids, layout.stack, geometry.num_experts, decode_tokens,
+                                       prefetch_hits=hits)
     return RoutingTrace(model_fingerprint=checkpoint.fingerprint(), num_experts=geometry.num_experts,
-                        top_k=geometry.top_k, num_tokens=num_tokens, layers=tuple(counts.items()))
+                        top_k=geometry.top_k, num_tokens=num_tokens, layers=tuple(counts.items()),
+                        prefetch_hits=tuple(sorted(hits.items())))

@@ -99,3 +99,106 @@ def test_prefetch_accuracy_outside_a_share_or_on_a_dense_model_is_one_line(qwen3
     result = run_cli(["make", "--model", str(written.path), "--gpu", "h100-sxm", "--budget", "1MiB",
                       "--prefetch-accuracy", "0.5"], cwd=tmp_path)
     assert_one_line_error(result.returncode, result.stderr, result.stdout, ("applies to MoE models",))
+
+
+# ---- prefetch depth: the top-m ranks of each prediction ------------------------------------------------------
+
+
+def _depth_pick(rank_accuracy, compute_ms, pinned=None):
+    from planner.cost import ComputeTimes
+    from planner.expert_choice import choose_prefetch_depth, expert_model
+
+    layers = tuple(MoeLayer(index=i, expert_bytes=1000, other_bytes=500) for i in range(4))
+    geometry = MoeGeometry(num_experts=16, top_k=len(rank_accuracy), layers=layers, unroutable_reason=None)
+    placement = routed_placement(geometry, uniform_routing(geometry), num_tokens=1, layer_total_bytes=(16500,) * 4,
+                                 non_layer_bytes=100, weight_limit_bytes=26100, h2d_bytes_per_s=1e6,
+                                 prefetch_accuracy=0.5)
+    experts = expert_model(geometry, None, "uniform", None, rank_accuracy=tuple(rank_accuracy), prefetch_depth=pinned)
+    compute = ComputeTimes(layer_ms=(compute_ms,) * 4, head_ms=0.1, source="test")
+    assert placement.num_resident == 0
+    chosen, simulation = choose_prefetch_depth(experts, compute, placement)
+    return chosen, simulation, placement
+
+
+def test_the_depth_fills_the_compute_shadow_and_poor_deep_ranks_make_it_shallower():
+    # no expert resident: per layer 4 experts x 1000 bytes, 4.5 ms at 0.89 MB/s; compute 2.5 ms hides ~2 ranks
+    good = (0.95, 0.95, 0.95, 0.95)
+    poor_deep = (0.95, 0.95, 0.3, 0.1)
+    picks = {name: _depth_pick(ranks, 2.5)[0].prefetch_depth for name, ranks in (("good", good), ("poor", poor_deep))}
+    assert picks["poor"] <= picks["good"] and picks["poor"] < 4
+    # a perfect predictor with compute that hides the whole fetch: every rank; no compute to hide behind and a
+    # useless deep rank: not that rank
+    assert _depth_pick((1.0,) * 4, 100.0)[0].prefetch_depth == 4
+    assert _depth_pick((0.9, 0.9, 0.9, 0.0), 0.0)[0].prefetch_depth < 4
+    # monotone over a family: the worse the deep ranks, the shallower (never deeper)
+    depths = [_depth_pick((0.95, 0.9, deep, deep), 2.5)[0].prefetch_depth for deep in (0.95, 0.7, 0.4, 0.1)]
+    assert depths == sorted(depths, reverse=True) and depths[0] > depths[-1]
+
+
+def test_the_chosen_depth_is_the_fastest_and_its_shares_match_the_ranks():
+    from planner.experts import prefetch_shares
+
+    ranks = (0.9, 0.8, 0.5, 0.2)
+    chosen, simulation, placement = _depth_pick(ranks, 2.5)
+    assert (chosen.prefetch_accuracy, chosen.prefetch_ahead_share) == prefetch_shares(ranks, chosen.prefetch_depth)
+    assert prefetch_shares(ranks, 2) == pytest.approx(((0.9 + 0.8) / 4, 0.5))
+    for depth in range(1, 5):
+        assert simulation.step_ms <= _depth_pick(ranks, 2.5, pinned=depth)[1].step_ms + 1e-9
+    # at every rank the step is the depth-free model's at the mean accuracy (today's plans)
+    full = _depth_pick(ranks, 2.5, pinned=4)[0]
+    assert full.prefetch_accuracy == pytest.approx(sum(ranks) / 4) and full.prefetch_ahead_share == 1.0
+    with pytest.raises(ValueError):
+        prefetch_shares(ranks, 5)
+
+
+def test_make_records_the_depth_and_its_ranks_and_prefetch_depth_pins_it(qwen3_30b, tmp_path):
+    from planner.experts import default_rank_accuracy
+
+    chosen = make_plan(serving_inputs(qwen3_30b)).plan.experts
+    assert chosen.prefetch_rank_accuracy == tuple(round(a, 4) for a in default_rank_accuracy(8))
+    assert sum(chosen.prefetch_rank_accuracy) / 8 == pytest.approx(PREFETCH_ACCURACY)
+    pinned = make_plan(serving_inputs(qwen3_30b, prefetch_depth=3)).plan
+    assert pinned.experts.prefetch == "next_layer_router" and pinned.experts.prefetch_depth == 3
+    off = make_plan(serving_inputs(qwen3_30b, prefetch_depth=0)).plan
+    assert off.experts.prefetch is None and off.experts.prefetch_depth is None
+    assert plan_to_dict(plan_from_dict(plan_to_dict(pinned), "test")) == plan_to_dict(pinned)
+    words = ["make", "--model", str(qwen3_30b), "--gpu", "h100-sxm", "--context", "4096", "--concurrency", "1",
+             "--cuda-graph", "--gpu-memory", "24GiB", "--prefetch-depth", "3", "-o", "plan.yaml"]
+    result = run_cli(words, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    text = (tmp_path / "plan.yaml").read_text()
+    assert "--prefetch-depth 3" in text.splitlines()[1] and "prefetch_depth: 3" in text
+    checked = run_cli(["check", "plan.yaml"], cwd=tmp_path)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    shown = " ".join(run_cli(["show", "plan.yaml", "--no-layers"], cwd=tmp_path).stdout.split())
+    assert "the top 3 of each token's 8 predicted experts" in shown and "accuracy by rank 92, 88" in shown
+    # a plan edited to another depth no longer checks
+    (tmp_path / "plan.yaml").write_text(text.replace("prefetch_depth: 3", "prefetch_depth: 5"))
+    assert run_cli(["check", "plan.yaml"], cwd=tmp_path).returncode != 0
+
+
+@pytest.mark.parametrize("value, words", [("9", ("deeper than the router's top-k (8)",)),
+                                          ("-1", ("not a number of ranks",)),
+                                          ("two", ("--prefetch-depth",))])
+def test_a_bad_prefetch_depth_is_one_line(qwen3_30b, tmp_path, value, words):
+    result = run_cli(["make", "--model", str(qwen3_30b), "--gpu", "h100-sxm", "--context", "4096", "--concurrency",
+                      "1", "--prefetch-depth", value], cwd=tmp_path)
+    assert_one_line_error(result.returncode, result.stderr, result.stdout, words)
+
+
+def test_prefetch_depth_on_a_dense_model_is_one_line(tmp_path):
+    written = make_checkpoint(tmp_path / "dense")
+    result = run_cli(["make", "--model", str(written.path), "--gpu", "h100-sxm", "--budget", "1MiB",
+                      "--prefetch-depth", "2"], cwd=tmp_path)
+    assert_one_line_error(result.returncode, result.stderr, result.stdout, ("applies to MoE models",))
+
+
+def test_plans_made_before_the_depth_read_as_every_rank():
+    from planner.plan import ExpertsPlan
+
+    old = ExpertsPlan(regime="routed", routing="uniform", fetch_slots=8, layers=(), num_experts=128, top_k=8,
+                      expert_bytes=1, fetch_buffer_bytes=16, staging_buffer_bytes=128, routed_fetch_bytes_per_s=1.0,
+                      routed_unavailable=None, points=(), prefetch="next_layer_router", prefetch_accuracy=0.7)
+    assert old.prefetch_shares() == (0.7, 1.0)
+    with pytest.raises(ValueError, match="prefetch_depth"):
+        ExpertsPlan(**{**vars(old), "prefetch_depth": 9, "prefetch_rank_accuracy": (0.5,) * 8})
