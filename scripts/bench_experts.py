@@ -25,6 +25,9 @@ finish:
   units of the token's logit spread, solved for that share); the reference records each expert's assignments;
   routed with the most frequent experts resident, then with the uniform choice at the same memory: the
   measured hit rate against the recorded one, tokens/s.
+- --prefetch-depth M..., instead: one routed model with prefetch decoded at each depth M (the top M ranks of
+  each token's predicted k gathered ahead), per depth tokens/s, of the floor, link MB per step (useful, wasted,
+  missed), the accuracy per rank, the planner's model's tokens/s, and the depth it picks (depth_rows);
 - --skew-trace, in place of the skewed rows: the skewed routers' routing over 512 decode steps of another draw
   of the workload (a random token stream: a random model's greedy decode loops over a few tokens) recorded into
   a trace file, the plan made with --routing-trace through planner.make.make_plan and run on the measured stream;
@@ -38,6 +41,7 @@ finish:
     PYTHONPATH=. python3 scripts/bench_experts.py --tiny     # the same logic on a tiny model, CPU is enough
     PYTHONPATH=. python3 scripts/bench_experts.py --skew-trace --out $OUT   # H100: the skewed arm via a trace
     PYTHONPATH=. python3 scripts/bench_experts.py --machinery --no-uniform --no-skew   # the machinery's cost
+    PYTHONPATH=. python3 scripts/bench_experts.py --prefetch-depth 0 2 4 6 8 --out $OUT   # H100: the depth sweep
 """
 
 import argparse
@@ -233,6 +237,8 @@ def decode(model, setting: Setting, engine=None, routed=None) -> dict:
             setting.num_greedy_steps
         predicted = by_kind["prefetched"] + by_kind["missed"]
         result["prediction_accuracy"] = by_kind["prefetched"] / predicted if predicted else None
+        if routed.top_k:  # per rank of the prediction, every rank whatever the depth (greedy steps only)
+            result["rank_accuracy"] = list(routed.rank_accuracy())
     loop.restore_state(saved)
     step_ms = timed_ms(loop, setting, token_feed(loop, setting, offset=setting.num_greedy_steps))
     # decode tokens/s of the batch (the planner's decode_tokens_per_s): every step emits one token per sequence
@@ -549,16 +555,106 @@ def uniform_rows(master, setting: Setting, rows: Rows, h2d_bytes_per_s: float, w
 
 
 def model_step_ms(resident_step_ms: float, num_layers: int, fetched_bytes_per_layer: float, h2d_bytes_per_s: float,
-                  accuracy: float | None) -> float:
+                  accuracy: float | None, ahead_share: float = 1.0) -> float:
     """The planner's routed decode step (planner.experts) for this run: the all-resident step split evenly
     over the layers, each layer's expected fetch at the planner's gather rate, with prefetch at ``accuracy``
-    (None: no prefetch; the first layer is unpredicted either way)."""
+    (None: no prefetch; the first layer is unpredicted either way) gathering ``ahead_share`` of the fetch ahead
+    (a prefetch depth m of k: m / k, ``accuracy`` then the hits' share: planner.experts.prefetch_shares)."""
     from planner.experts import prefetch_layer_stall_ms, routed_fetch_bytes_per_s
 
     layer_ms = resident_step_ms / num_layers
     fetch_ms = 1e3 * fetched_bytes_per_layer / routed_fetch_bytes_per_s(h2d_bytes_per_s)
-    return resident_step_ms + sum(prefetch_layer_stall_ms(layer_ms, fetch_ms, accuracy, predicted=index > 0)
+    return resident_step_ms + sum(prefetch_layer_stall_ms(layer_ms, fetch_ms, accuracy, predicted=index > 0,
+                                                          ahead_share=ahead_share)
                                   for index in range(num_layers))
+
+
+def depth_rows(master, setting: Setting, rows: Rows, h2d_bytes_per_s: float, depths: tuple[int, ...],
+               work: Path, plans: bool = True) -> None:
+    """The prefetch depth sweep: one routed model with next-layer prefetch (resident experts as many as fit two
+    slot sets), decoded at each depth m (the top m ranks of each token's predicted k gathered ahead; 0: predicted
+    and counted, fetched after the router), captured again per depth. Per depth: tokens/s, the routed floor and
+    the ratio to it, link MB per step (useful prefetches, wasted, missed, unpredicted), the accuracy per rank,
+    bitwise equality with the all-resident model, and the planner's step model's tokens/s at that depth from
+    this run's all-resident step, rate and per-rank accuracy. ``pick``: the depth that model predicts fastest
+    (the planner's rule, planner.expert_choice.choose_prefetch_depth, on the measured figures); with ``plans``,
+    the plan make gives this setting (its h100-sxm estimates) records its own depth in a row of its own."""
+    from planner.experts import prefetch_shares
+    from runtime.routed_experts import apply_routed_experts
+    from scripts.bench_serving import sharing_copy
+
+    num_layers, num_experts, top_k = expert_shape(master)
+    fetch_slots = min(top_k * setting.batch, num_experts)
+    num_resident = max(0, resident_count(master, setting, 2 * fetch_slots))
+    log(f"{num_resident} of {num_experts} experts resident per layer with two slot sets")
+    reference = all_resident(master, setting)
+    rows.add({"arm": "all-resident", **figures(reference)})
+    resident = {index: tuple(range(num_resident)) for index in range(num_layers)}
+    swept = []
+    with Capped(setting) as cap:
+        model = sharing_copy(master)
+        routed = apply_routed_experts(model, resident, fetch_slots, backend_for(setting),
+                                      adopt_host=setting.device.type == "cuda", prefetch=True)
+        try:
+            model.to(setting.device)
+            for depth in depths:
+                routed.set_prefetch_depth(min(depth, top_k))
+                result = decode(model, setting, routed=routed)
+                swept.append((min(depth, top_k), figures(result) | compare(result, reference) | cap.peak()))
+                log(f"prefetch depth {min(depth, top_k)}: {result['tokens_per_s']:.2f} tokens/s")
+        finally:
+            routed.close()
+            del model, routed
+    expected = num_layers * top_k * (num_experts - num_resident) / num_experts * routed_expert_bytes(master)
+    # one per-rank accuracy for the model: every arm predicts every rank, so pool them
+    ranks = [statistics.fmean(r["rank_accuracy"][rank] for _, r in swept if r["rank_accuracy"][rank] is not None)
+             for rank in range(top_k)]
+
+    def predicted_step_ms(depth: int) -> float:
+        hit, ahead = prefetch_shares(tuple(ranks), depth) if depth else (None, 1.0)
+        return model_step_ms(reference["step_ms"], num_layers, expected / num_layers, h2d_bytes_per_s, hit, ahead)
+
+    pick = min(range(top_k + 1), key=lambda depth: (round(predicted_step_ms(depth), 6), depth))
+    rows.data["model_pick_depth"] = pick  # written with the rows that follow
+    for depth, result in swept:
+        floor_ms = max(reference["step_ms"], 1e3 * result["routed_bytes_per_step"] / h2d_bytes_per_s)
+        rows.add({"arm": f"prefetch depth {depth}", "prefetch_depth": depth, "resident_per_layer": num_resident,
+                  **result, "floor_step_ms": floor_ms, "floor_tokens_per_s": 1e3 / floor_ms,
+                  "measured_over_floor": floor_ms / result["step_ms"],
+                  "predicted_tokens_per_s": setting.batch * 1e3 / predicted_step_ms(depth),
+                  "pooled_rank_accuracy": ranks, "model_pick": depth == pick})
+    if plans:
+        plan = planner_plan(replace(setting, measure=False), work, force_whole=False)
+        rows.add({"arm": "plan's depth (h100-sxm estimates)"} | ({"error": plan} if isinstance(plan, str) else {
+            "regime": plan.experts.regime, "prefetch": plan.experts.prefetch,
+            "prefetch_depth": plan.experts.prefetch_depth,
+            "predicted_tokens_per_s": plan.prediction.decode_tokens_per_s}))
+
+
+def routed_expert_bytes(master) -> int:
+    """Bytes of one routed expert (every param of layer 0's experts module over its expert count)."""
+    _, num_experts, _ = expert_shape(master)
+    return param_bytes(master.model.layers[0].mlp.experts.parameters()) // num_experts
+
+
+def print_depth_table(data: dict) -> None:
+    """The depth sweep as a table on stdout: one row per depth, the model's pick marked."""
+    print(f"{'depth':>5} {'tok/s':>7} {'pred':>7} {'of floor':>8} {'useful MB':>9} {'wasted MB':>9} "
+          f"{'missed MB':>9} {'unpred MB':>9} {'bitwise':>7}  accuracy by rank")
+    for row in data["rows"]:
+        if "prefetch_depth" not in row or "tokens_per_s" not in row:
+            if row["arm"].startswith("plan's depth"):
+                print(f"plan's depth: {row.get('prefetch_depth')} (prefetch {row.get('prefetch')}, "
+                      f"{row.get('regime')}; {row.get('error', '')})")
+            continue
+        ranks = " ".join("-" if a is None else f"{a:.2f}" for a in row["rank_accuracy"])
+        mb = {kind: row[f"{kind}_bytes_per_step"] / 1e6 for kind in ("prefetched", "wasted", "missed", "unpredicted")}
+        print(f"{row['prefetch_depth']:>5} {row['tokens_per_s']:>7.2f} {row['predicted_tokens_per_s']:>7.2f} "
+              f"{row['measured_over_floor']:>8.3f} {mb['prefetched']:>9.1f} {mb['wasted']:>9.1f} "
+              f"{mb['missed']:>9.1f} {mb['unpredicted']:>9.1f} {str(row['greedy_logits_bitwise']):>7}  {ranks}"
+              f"{'  <- pick' if row['model_pick'] else ''}")
+    if "model_pick_depth" in data:
+        print(f"the planner's step model on these figures picks depth {data['model_pick_depth']}")
 
 
 def regime_rows(master, setting: Setting, rows: Rows, work: Path) -> None:
@@ -874,10 +970,15 @@ def main() -> None:
                         help="also: the routed machinery's own cost, every expert resident, prefetch off and on")
     parser.add_argument("--no-uniform", action="store_true",
                         help="skip the uniform rows (all-resident, routed prefetch off/on, the plans)")
+    parser.add_argument("--prefetch-depth", type=int, nargs="+", default=[],
+                        help="instead: one routed model with next-layer prefetch decoded at each of these depths "
+                             "(ranks of each prediction gathered ahead, 0 to top-k), the model's pick marked")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/bench_experts")))
     args = parser.parse_args()
     if any(n < 1 for n in args.gather_programs):
         parser.error("--gather-programs takes counts of programs, each at least 1")
+    if any(n < 0 for n in args.prefetch_depth):
+        parser.error("--prefetch-depth takes numbers of ranks, each 0 or more (deeper than top-k: top-k)")
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.tiny:
         from runtime.benchmarking import deterministic_decode
@@ -893,6 +994,12 @@ def main() -> None:
     log(f"pinned H2D {h2d / 1e9:.1f} GB/s; building the model on the host")
     master = build_master(setting)
     log(f"model built in {time.perf_counter() - started:.0f} s")
+    if args.prefetch_depth:
+        depth_rows(master, setting, rows, h2d, tuple(dict.fromkeys(args.prefetch_depth)), args.out / "work",
+                   plans=not args.no_plans)
+        log(f"done in {time.perf_counter() - started:.0f} s; {rows.path}")
+        print_depth_table(rows.data)
+        return
     if args.sequences:
         for batch in args.sequences:
             regime_rows(master, replace(setting, batch=batch, num_greedy_steps=min(8, setting.num_greedy_steps)),

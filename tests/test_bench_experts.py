@@ -46,3 +46,27 @@ def test_tiny_bench_runs_every_arm_bitwise(tmp_path):
     assert frequent["measured_hit_rate"] > uniform["measured_hit_rate"]
     assert abs(frequent["measured_hit_rate"] - frequent["recorded_hit_rate"]) < 0.1
     assert "routed, uniform, prefetch on" in proc.stdout and "accuracy" in proc.stdout  # the table
+
+
+def test_tiny_depth_sweep_reuses_one_model_and_splits_the_link_by_depth(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_experts.py"), "--tiny", "--no-plans",
+                           "--prefetch-depth", "0", "1", "2", "--out", str(tmp_path)], capture_output=True, text=True,
+                          env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads((tmp_path / "bench_experts.json").read_text())
+    rows = {row["arm"]: row for row in data["rows"]}
+    assert list(rows) == ["all-resident", "prefetch depth 0", "prefetch depth 1", "prefetch depth 2"]
+    depths = [rows[f"prefetch depth {m}"] for m in (0, 1, 2)]
+    assert all(row["greedy_logits_bitwise"] and row["greedy_ids_equal"] for row in depths)
+    assert depths[0]["prefetched_bytes_per_step"] == depths[0]["wasted_bytes_per_step"] == 0
+    # the same routing at every depth: the routed bytes are the same, and deeper gathers more ahead
+    assert len({row["routed_bytes_per_step"] for row in depths}) == 1
+    ahead = [row["prefetched_bytes_per_step"] + row["wasted_bytes_per_step"] for row in depths]
+    assert ahead[0] < ahead[1] < ahead[2]
+    assert all(len(row["rank_accuracy"]) == 2 and all(0 <= a <= 1 for a in row["rank_accuracy"]) for row in depths)
+    assert sum(row["model_pick"] for row in depths) <= 1 and 0 <= data["model_pick_depth"] <= 2
+    assert "accuracy by rank" in proc.stdout and "picks depth" in proc.stdout
+    bad = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_experts.py"), "--tiny", "--prefetch-depth",
+                          "-1", "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=300)
+    assert bad.returncode != 0 and "--prefetch-depth takes numbers of ranks" in bad.stderr
