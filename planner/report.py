@@ -98,7 +98,7 @@ def _routed_lines(plan: Plan, experts: ExpertsPlan, routed: list) -> list[str]:
         f"{experts.num_experts} experts resident ({rule}); the rest stay in pinned host memory.",
         f"  A decode step of {plan.workload.concurrency} sequence(s) fetches {per_layer:.1f} experts per layer "
         f"(expected), {format_bytes(fetched)} per step; hit rate {100 * hit:.1f}% of routed (token, expert) pairs.",
-        _fetch_line(experts, fetch_ms) + f" {format_ms(fetch_ms)} of link per step at "
+        _fetch_line(experts, fetch_ms, plan.inputs.prefetch_depth == 0) + f" {format_ms(fetch_ms)} of link per step at "
         f"{experts.routed_fetch_bytes_per_s / 1e9:.1f} GB/s ({share:.2f} of the copy engine's "
         f"{plan.hardware.h2d_bytes_per_s / 1e9:.1f} GB/s: GPU threads reading mapped host memory).",
         f"  GPU buffers: fetch {experts.fetch_slots} experts{' x 2 slot sets' if experts.prefetch else ''} "
@@ -108,11 +108,12 @@ def _routed_lines(plan: Plan, experts: ExpertsPlan, routed: list) -> list[str]:
     ]
 
 
-def _fetch_line(experts: ExpertsPlan, fetch_ms: float) -> str:
+def _fetch_line(experts: ExpertsPlan, fetch_ms: float, prefetch_off: bool = False) -> str:
     """How a routed step waits for its fetch: after each router, or prefetched from the previous layer's
     prediction with only the misses after the router."""
     if experts.prefetch is None:
-        tried = ("" if experts.prefetch_accuracy is None else
+        tried = ("" if experts.prefetch_accuracy is None else " (next-layer prefetch off: --prefetch-depth 0)"
+                 if prefetch_off else
                  f" (next-layer prefetch at {100 * experts.prefetch_accuracy:.0f}% accuracy was not faster)")
         return f"  The fetch starts after each layer's router, on the critical path{tried}:"
     return (f"  Each routed layer predicts the next one's experts with that layer's router and prefetches them "
