@@ -193,3 +193,30 @@ def test_graphed_prefetch_decode_bitwise_and_counter_split(model, batch):
         assert fetched["prefetched"] > 0
     finally:
         routed.close()
+
+
+@pytest.mark.parametrize("depth", [0, 2])
+def test_graphed_prefetch_at_a_depth_decodes_bitwise_and_counts_every_rank(model, depth):
+    """Prefetch depth m inside the captured step (the top m of each token's 4 predicted ranks gathered ahead;
+    0: predicted and counted, fetched after the router): bitwise logits, nothing gathered ahead at m = 0, and the
+    prediction counted at every rank of both predicted layers in every replayed step."""
+    reference = copy.deepcopy(model).to(CUDA)
+    expected_ids, expected_logits = _decode(reference, 1, graphed=False)
+    del reference
+    routed_model = copy.deepcopy(model)
+    routed = apply_routed_experts(routed_model, ROUTED, 4, CudaBackend(CUDA), prefetch=True, prefetch_depth=depth)
+    routed_model.to(CUDA)
+    assert sorted(routed.predictors) == [0, 1], f"prefetch off: {routed.prefetch_refusals}"
+    try:
+        ids, logits = _decode(routed_model, 1, graphed=True, after_capture=routed.reset_counters)
+        assert torch.equal(ids, expected_ids)
+        assert all(torch.equal(a, b) for a, b in zip(logits, expected_logits))
+        fetched = {kind: b // routed.expert_bytes for kind, b in routed.fetched_bytes_by_kind().items()}
+        if depth == 0:
+            assert fetched["prefetched"] == fetched["wasted"] == fetched["missed"] == 0
+        else:
+            assert fetched["prefetched"] + fetched["wasted"] > 0
+        assert int(routed.rank_counts[:, 1].sum()) == 2 * NUM_STEPS * 4
+        assert all(a is not None and 0 <= a <= 1 for a in routed.rank_accuracy())
+    finally:
+        routed.close()
