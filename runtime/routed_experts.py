@@ -174,6 +174,9 @@ class RoutedExperts:
         #: routed layer index -> why nothing predicts it (its previous routed layer's norm or its router), for
         #: messages: a test or benchmark that expected prediction says why it is off
         self.prefetch_refusals: dict[int, str] = {}
+        #: whether decode steps count the prediction's hits per rank (rank_counts): a few small kernels per
+        #: predicted layer in the captured step; set before capturing, off where nobody reads the figures
+        self.count_ranks = True
         #: routed layers whose prefetch was started this step and not yet joined
         self._pending: set[int] = set()
         #: the side stream of the prefetches (CUDA only) and the router input it reads, copied on the main stream
@@ -377,7 +380,7 @@ class RoutedExperts:
         # the next layer's prefetch first: the link stays busy while this layer plans its misses, and the misses'
         # full grid takes most of the link from the prefetch's bounded one while both run
         self._prefetch_next(ordinal, hidden)
-        if predicted:
+        if predicted and self.count_ranks:
             self._count_ranks(ordinal, top_k_index)
         ahead = predicted and self.prefetch_depth[index] > 0  # depth 0: predicted, nothing gathered ahead
         if self.device.type == "cuda":  # one kernel where the torch ops below are 15 or 35 graph nodes

@@ -106,3 +106,12 @@ def test_depth_per_layer_and_a_bad_depth_is_one_line(model):
         with pytest.raises(PlanError) as error:
             routed.set_prefetch_depth(bad)
         assert words in str(error.value) and "\n" not in str(error.value) and len(str(error.value)) < 300
+
+
+def test_rank_counting_can_be_left_out_of_the_step(model, reference):
+    routed_model, routed = _routed(model, 2)
+    routed.count_ranks = False
+    ids, logits = _decode(routed_model, 1, 6, reset=routed.reset_counters)
+    assert torch.equal(ids, reference[1][0]) and all(torch.equal(a, b) for a, b in zip(reference[1][1], logits))
+    assert not routed.rank_counts.any() and routed.rank_accuracy() == (None,) * TOP_K
+    assert routed.fetched_bytes_by_kind()["prefetched"] > 0
