@@ -997,8 +997,12 @@ def main() -> None:
     if args.prefetch_depth:
         depth_rows(master, setting, rows, h2d, tuple(dict.fromkeys(args.prefetch_depth)), args.out / "work",
                    plans=not args.no_plans)
+        if args.skew_trace:  # the same model build (the skew biases the routers: after the uniform sweep)
+            trace_rows(master, setting, rows, args.out / "work")
         log(f"done in {time.perf_counter() - started:.0f} s; {rows.path}")
         print_depth_table(rows.data)
+        if args.skew_trace:
+            print_table({"rows": [row for row in rows.data["rows"] if "prefetch_depth" not in row]})
         return
     if args.sequences:
         for batch in args.sequences:
