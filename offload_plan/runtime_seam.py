@@ -57,26 +57,28 @@ def check_decode_flags(plan, cuda_graph: bool, compile_backend: str | None) -> N
     check(plan, cuda_graph, compile_backend)
 
 
-def load_with_plan(plan, model: str | None, progress):
-    """Load the checkpoint with the plan applied (runtime.load.Loaded)."""
+def open_source(plan, model: str | None, plan_path):
+    """The checkpoint ``run`` loads, resolved and its headers and config.json read once (runtime.load.LoadSource)."""
+    from runtime.load import open_source as open_checkpoint
+
+    return open_checkpoint(plan, model, plan_path)
+
+
+def load_with_plan(plan, source, progress):
+    """Load the checkpoint (a LoadSource) with the plan applied (runtime.load.Loaded)."""
     from runtime.load import load_with_plan as load
 
-    return load(plan, model, progress=progress)
+    return load(plan, progress=progress, source=source)
 
 
-def model_path_for(plan, model: str | None) -> str:
-    """Where ``run`` loads from: --model, else the plan's source."""
-    from runtime.load import model_path_for as path_for
-
-    return path_for(plan, model)
-
-
-def generate(loaded, prompt: str, model_path: str, max_new_tokens: int, cuda_graph: bool, compile_backend,
+def generate(loaded, prompt: str, max_new_tokens: int, cuda_graph: bool, compile_backend,
              adapter: str | None = None, plan_path=None):
-    """(generated text, tokens per second) with the plan applied, and ``adapter`` (one of the plan's) if given."""
+    """(generated text, tokens per second) with the plan applied, and ``adapter`` (one of the plan's) if given;
+    the tokenizer comes from the folder the weights were loaded from (resolved once, by the load)."""
     from runtime.bench import generate as run_generate
 
-    return run_generate(loaded, prompt, model_path, max_new_tokens, cuda_graph, compile_backend, adapter, plan_path)
+    return run_generate(loaded, prompt, str(loaded.source.folder), max_new_tokens, cuda_graph, compile_backend,
+                        adapter, plan_path)
 
 
 def run_bench(loaded, *, cuda_graph: bool, compile_backend: str | None):

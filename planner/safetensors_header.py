@@ -51,6 +51,10 @@ class TensorEntry:
     nbytes: int
     #: shard file name, relative to the checkpoint folder
     file: str
+    #: where the tensor's first byte lies in its file (8-byte prefix + header + its data offset), so a loader
+    #: reads the data from the header parsed here instead of parsing it again; None where only the header's
+    #: entries are known (a shard of a tensor-parallel rank)
+    offset_bytes: int | None = None
 
 
 def tensor_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
@@ -113,7 +117,8 @@ def parse_header(path: Path, raw: bytes, data_bytes: int) -> tuple[dict, int]:
     return header, data_bytes
 
 
-def entries_from_header(header: dict, file: str, origin: str, data_bytes: int | None = None) -> list[TensorEntry]:
+def entries_from_header(header: dict, file: str, origin: str, data_bytes: int | None = None,
+                        data_start_bytes: int | None = None) -> list[TensorEntry]:
     """Turn a parsed header into validated tensor entries; ``origin`` names the file in error messages.
 
     Data offsets must tile the data area exactly, as the reference implementation requires: sorted by start,
@@ -121,12 +126,13 @@ def entries_from_header(header: dict, file: str, origin: str, data_bytes: int | 
     gap (bytes no tensor owns) means a corrupt or hand-edited file, which the engines would refuse at load
     time, so it is refused here, at planning time. ``data_bytes``: the bytes of tensor data the file holds
     (None where only the header is known, as for headers read from the hub): the tensors must lie within them.
+    ``data_start_bytes``: where the data area begins in the file (each entry's offset_bytes counts from there).
     """
     entries, spans = [], []
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        tensor, span = _entry(name, entry, file, origin)
+        tensor, span = _entry(name, entry, file, origin, data_start_bytes)
         entries.append(tensor)
         spans.append((span, name))
     _check_tiling(spans, origin)
@@ -153,7 +159,8 @@ def _check_tiling(spans: list[tuple[tuple[int, int], str]], origin: str) -> None
         expected_start, previous = end, name
 
 
-def _entry(name: str, entry: object, file: str, origin: str) -> tuple[TensorEntry, tuple[int, int]]:
+def _entry(name: str, entry: object, file: str, origin: str,
+           data_start_bytes: int | None) -> tuple[TensorEntry, tuple[int, int]]:
     """One validated tensor and its (start, end) data offsets."""
     if not name or not name.isprintable():
         raise ModelInputError(f"{origin}: tensor name {name!r} is empty or holds control characters; the header "
@@ -179,7 +186,9 @@ def _entry(name: str, entry: object, file: str, origin: str) -> tuple[TensorEntr
             f"{origin}: tensor {name!r} ({dtype} {shape}) needs {nbytes} bytes but its data_offsets span "
             f"{offsets[1] - offsets[0]}; the header is corrupt"
         )
-    tensor = TensorEntry(name=name, dtype=dtype, shape=tuple(shape), nbytes=nbytes, file=file)
+    offset_bytes = None if data_start_bytes is None else data_start_bytes + offsets[0]
+    tensor = TensorEntry(name=name, dtype=dtype, shape=tuple(shape), nbytes=nbytes, file=file,
+                         offset_bytes=offset_bytes)
     return tensor, (offsets[0], offsets[1])
 
 
@@ -196,4 +205,5 @@ def read_entries(path: Path, file: str) -> list[TensorEntry]:
 def entries_from_bytes(read: tuple[Path, bytes, int], file: str) -> list[TensorEntry]:
     """Tensor entries of a header read by read_header_bytes."""
     header, data_bytes = parse_header(*read)
-    return entries_from_header(header, file, str(read[0]), data_bytes)
+    return entries_from_header(header, file, str(read[0]), data_bytes,
+                               data_start_bytes=HEADER_PREFIX_BYTES + len(read[1]))

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from planner.checkpoint import Checkpoint
 from planner.errors import ModelInputError
 from planner.safetensors_header import HEADER_PREFIX_BYTES, read_header_json
 from runtime.engine import PackedParam, view_as_param
@@ -67,7 +68,8 @@ def checkpoint_files(folder: Path) -> list[Path]:
 
 
 def read_sources(files: list[Path]) -> dict[str, SourceTensor]:
-    """Every tensor of the files, checked against the file sizes (a truncated shard is refused before loading)."""
+    """Every tensor of the files, checked against the file sizes (a truncated shard is refused before loading).
+    For files the planner has not read (an adapter's weights); a model's load takes sources_of its Checkpoint."""
     sources = {}
     for path in files:
         header = read_header_json(path)  # checks every data offset lies inside the file
@@ -76,14 +78,36 @@ def read_sources(files: list[Path]) -> dict[str, SourceTensor]:
         for name, entry in header.items():
             if name == "__metadata__":
                 continue
-            if entry.get("dtype") not in _TORCH_DTYPES:
-                raise ModelInputError(f"{path}: tensor {name!r} has dtype {entry.get('dtype')!r}, which the runtime "
-                                      f"cannot load; supported: {', '.join(sorted(_TORCH_DTYPES))}")
             begin, end = entry["data_offsets"]
-            sources[name] = SourceTensor(name=name, path=path, offset_bytes=data_start + begin,
-                                         num_bytes=end - begin, dtype=_TORCH_DTYPES[entry["dtype"]],
-                                         shape=tuple(entry["shape"]))
+            sources[name] = source_tensor(name=name, path=path, offset_bytes=data_start + begin,
+                                          num_bytes=end - begin, dtype=entry.get("dtype"), shape=entry["shape"])
     return sources
+
+
+def sources_of(checkpoint: Checkpoint, folder: Path) -> dict[str, SourceTensor]:
+    """Every tensor of a local checkpoint where its shard holds it, from the headers planner.checkpoint parsed
+    and checked (tiling, sizes against the files): a load parses each header once. ``folder``: the checkpoint's
+    folder, or its one .safetensors file."""
+    shards = folder if folder.is_dir() else folder.parent
+    sources = {}
+    for entry in checkpoint.tensors:
+        if entry.offset_bytes is None:
+            raise ModelInputError(f"{checkpoint.source}: tensor {entry.name} has no file offset (headers read from "
+                                  "the hub, not a local file); load from a local folder")
+        sources[entry.name] = source_tensor(name=entry.name, path=shards / entry.file,
+                                            offset_bytes=entry.offset_bytes, num_bytes=entry.nbytes,
+                                            dtype=entry.dtype, shape=entry.shape)
+    return sources
+
+
+def source_tensor(*, name: str, path: Path, offset_bytes: int, num_bytes: int, dtype: object,
+                  shape) -> SourceTensor:
+    """One tensor's place in a file, its safetensors dtype one the runtime can load."""
+    if dtype not in _TORCH_DTYPES:
+        raise ModelInputError(f"{path}: tensor {name!r} has dtype {dtype!r}, which the runtime "
+                              f"cannot load; supported: {', '.join(sorted(_TORCH_DTYPES))}")
+    return SourceTensor(name=name, path=path, offset_bytes=offset_bytes, num_bytes=num_bytes,
+                        dtype=_TORCH_DTYPES[dtype], shape=tuple(shape))
 
 
 def read_exact(fd: int, offset_bytes: int, target: torch.Tensor, path: Path) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from planner.checkpoint import load_checkpoint
+from planner.checkpoint import Checkpoint, load_checkpoint, resolve_local_source
 from planner.errors import ModelInputError, PlanError, RuntimeUnavailableError
 from planner.plan import Plan
 from planner.units import format_bytes
@@ -25,7 +25,7 @@ from planner.placement import align_up
 from planner.schedule import PrefetchSchedule
 from runtime.engine import (HOST_PIECE_ALIGN_BYTES, OffloadEngine, PackedParam, host_offsets, host_pieces,
                             offloaded_layouts, pack_layout, packed_bytes, view_as_param)
-from runtime.checkpoint_reader import Destination, checkpoint_files, read_sources
+from runtime.checkpoint_reader import Destination, sources_of
 from runtime.skeleton import LoadWork, build_skeleton, param_owners, plan_reads, set_param
 from runtime.stream_load import CONVERSIONS_IN_FLIGHT, NUM_READERS, STAGING_BYTES, LoadPhases, stream_weights
 
@@ -44,6 +44,8 @@ class Loaded:
     weights_gpu_bytes: int
     #: where the streamed load's time went (reads, page-locking), for benchmarks
     load_phases: LoadPhases | None = None
+    #: the checkpoint it was loaded from, resolved once (the tokenizer is read from the same folder)
+    source: "LoadSource | None" = None
 
 
 def require_cuda(what: str = "offload-plan run") -> torch.device:
@@ -56,21 +58,38 @@ def require_cuda(what: str = "offload-plan run") -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def model_path_for(plan: Plan, model: str | None) -> str:
-    """Where to load from: --model, else the plan's source (a local path or a hub repo id)."""
-    return model if model is not None else plan.model.source
+@dataclass(frozen=True, kw_only=True)
+class LoadSource:
+    """The checkpoint one load reads, resolved and parsed once: the fingerprint check, the experts check, the
+    skeleton, the reads and the tokenizer all take this record instead of resolving the path or parsing the
+    headers and config.json again."""
+
+    #: --model, else the plan's source, as given (for messages)
+    name: str
+    #: the local folder (or .safetensors file) holding the weights: the path given, or the hub snapshot
+    folder: Path
+    #: every tensor's header entry (with its file offset) and config.json, parsed once
+    checkpoint: Checkpoint
 
 
-def check_fingerprint(plan: Plan, model: str):
-    """The checkpoint's tensor names, dtypes and shapes must be the ones the plan was made for; returns the
-    checkpoint's headers and config (planner.checkpoint.Checkpoint)."""
-    checkpoint = load_checkpoint(model, plan.model.revision if not Path(model).exists() else None)
-    if checkpoint.fingerprint() != plan.model.fingerprint:
+def open_source(plan: Plan, model: str | None, plan_path: Path | None = None) -> LoadSource:
+    """Resolve the checkpoint once (--model, else the plan's source: a relative path from here or from the plan's
+    folder, a hub id to its local snapshot) and read its headers and config.json once."""
+    name = model if model is not None else plan.model.source
+    if model is None and plan_path is not None:
+        name = resolve_local_source(name, plan_path)  # run works from any directory
+    folder = local_weights(name, plan.model.revision)
+    return LoadSource(name=name, folder=folder, checkpoint=load_checkpoint(str(folder)))
+
+
+def check_fingerprint(plan: Plan, source: LoadSource) -> None:
+    """The checkpoint's tensor names, dtypes and shapes must be the ones the plan was made for."""
+    fingerprint = source.checkpoint.fingerprint()
+    if fingerprint != plan.model.fingerprint:
         raise PlanError(
-            f"plan was made for a checkpoint with fingerprint {plan.model.fingerprint[:19]}..., but {model} has "
-            f"{checkpoint.fingerprint()[:19]}...: regenerate the plan for this checkpoint with offload-plan make"
+            f"plan was made for a checkpoint with fingerprint {plan.model.fingerprint[:19]}..., but {source.name} "
+            f"has {fingerprint[:19]}...: regenerate the plan for this checkpoint with offload-plan make"
         )
-    return checkpoint
 
 
 def check_experts_implementation(plan: Plan, config: dict | None, device: torch.device) -> None:
@@ -390,16 +409,17 @@ def _arena_layout(params: list[nn.Parameter]) -> tuple[list[PackedParam], int]:
 
 
 def stream_model(folder: Path, plan: Plan, backend, on_bytes=None, check=None,
-                 phases: LoadPhases | None = None) -> tuple[nn.Module, OffloadEngine]:
+                 phases: LoadPhases | None = None,
+                 checkpoint: Checkpoint | None = None) -> tuple[nn.Module, OffloadEngine]:
     """Build the model on the meta device and read each tensor from the files to where the plan puts it.
 
     ``check(working_set_bytes)`` runs before anything is allocated. On any failure the arenas are released
     (every piece pinned so far unpinned) before the error propagates. ``phases`` receives stream_weights'
-    timing record.
+    timing record. ``checkpoint``: the folder's headers already parsed (LoadSource); read here if None.
     """
-    files = checkpoint_files(folder)
-    sources = read_sources(files)
-    model = build_skeleton(folder, files)
+    checkpoint = load_checkpoint(str(folder)) if checkpoint is None else checkpoint
+    sources = sources_of(checkpoint, folder)
+    model = build_skeleton(folder, sources)
     # forwards outside a decode loop are prefills (a decode loop switches its own steps)
     use_phase(model, PREFILL, getattr(backend, "device", torch.device("cpu")))
     work = plan_reads(model, sources)
@@ -418,22 +438,24 @@ def stream_model(folder: Path, plan: Plan, backend, on_bytes=None, check=None,
         raise
 
 
-def load_with_plan(plan: Plan, model: str | None = None, progress=None) -> Loaded:
+def load_with_plan(plan: Plan, model: str | None = None, progress=None, source: LoadSource | None = None) -> Loaded:
     """Everything `run` needs: checks, then the model streamed from its files to where the plan puts it, on
-    the local GPU. ``progress(num_bytes)`` is called from reader threads as bytes land."""
+    the local GPU. ``progress(num_bytes)`` is called from reader threads as bytes land. ``source``: the
+    checkpoint already resolved and read (open_source); else ``model`` (or the plan's source) is."""
     device = require_cuda()
-    path = model_path_for(plan, model)
-    folder = local_weights(path, plan.model.revision)
-    checkpoint = check_fingerprint(plan, path)
-    check_experts_implementation(plan, checkpoint.config, device)
+    source = open_source(plan, model) if source is None else source
+    check_fingerprint(plan, source)
+    check_experts_implementation(plan, source.checkpoint.config, device)
     backend = CudaBackend(device)
     baseline_bytes = torch.cuda.memory_allocated(device)
     phases = LoadPhases()
-    built, engine = stream_model(folder, plan, backend, on_bytes=progress,
-                                 check=lambda working_set: check_memory(plan, device, working_set), phases=phases)
+    built, engine = stream_model(source.folder, plan, backend, on_bytes=progress,
+                                 check=lambda working_set: check_memory(plan, device, working_set), phases=phases,
+                                 checkpoint=source.checkpoint)
     torch.cuda.synchronize(device)
     weights_bytes = torch.cuda.memory_allocated(device) - baseline_bytes
-    return Loaded(model=built, engine=engine, plan=plan, weights_gpu_bytes=weights_bytes, load_phases=phases)
+    return Loaded(model=built, engine=engine, plan=plan, weights_gpu_bytes=weights_bytes, load_phases=phases,
+                  source=source)
 
 
 def local_weights(model: str, revision: str | None) -> Path:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from planner.errors import ModelInputError
-from runtime.checkpoint_reader import Reader, SourceTensor, read_sources
+from runtime.checkpoint_reader import Reader, SourceTensor
 
 
 @contextlib.contextmanager
@@ -35,9 +35,10 @@ def params_on_meta():
         nn.Module.register_parameter = register
 
 
-def build_skeleton(folder: Path, files: list[Path]) -> nn.Module:
+def build_skeleton(folder: Path, sources: dict[str, SourceTensor]) -> nn.Module:
     """The transformers model for the checkpoint, params on meta, in the dtype from_pretrained(dtype="auto")
-    would choose, weights tied as the config says."""
+    would choose, weights tied as the config says. ``sources``: the checkpoint's tensors, from the headers
+    already read (a config without a dtype takes the first floating tensor's)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config_folder = folder if folder.is_dir() else folder.parent
@@ -46,7 +47,7 @@ def build_skeleton(folder: Path, files: list[Path]) -> nn.Module:
         raise ModelInputError(f"{folder}: config.json has a quantization_config; run's loader places bf16/fp16/fp32 "
                               "weights as stored and does not apply transformers' quantizers: use an unquantized "
                               "checkpoint")
-    dtype = _auto_dtype(config, files)
+    dtype = _auto_dtype(config, sources)
     with params_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.tie_weights()
@@ -54,17 +55,18 @@ def build_skeleton(folder: Path, files: list[Path]) -> nn.Module:
     return model.eval()
 
 
-def _auto_dtype(config, files: list[Path]) -> torch.dtype:
-    """from_pretrained's dtype="auto": the config's dtype, else the first floating tensor's."""
+def _auto_dtype(config, sources: dict[str, SourceTensor]) -> torch.dtype:
+    """from_pretrained's dtype="auto": the config's dtype, else the first floating tensor's (of the first
+    shard, in file order: safetensors writes its header in the order of the data)."""
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     if isinstance(dtype, torch.dtype):
         return dtype
-    for source in read_sources(files[:1]).values():
-        if source.dtype.is_floating_point:
-            return source.dtype
-    return torch.get_default_dtype()
+    first_file = min((source.path for source in sources.values()), default=None)
+    in_file_order = sorted((source.offset_bytes, source.dtype) for source in sources.values()
+                           if source.path == first_file)
+    return next((dtype for _, dtype in in_file_order if dtype.is_floating_point), torch.get_default_dtype())
 
 
 def _load_generation_config(model, folder: Path) -> None:

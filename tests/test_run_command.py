@@ -33,10 +33,9 @@ def handed(monkeypatch):
     calls = []
     monkeypatch.setattr(runtime_seam, "require_cuda", lambda what: None)
     monkeypatch.setattr(runtime_seam, "cap_gpu_memory", lambda limit_bytes: None)
-    monkeypatch.setattr(run, "_load_with_progress", lambda plan, model: object())
-    monkeypatch.setattr(runtime_seam, "model_path_for", lambda plan, model: "model")
+    monkeypatch.setattr(run, "_load_with_progress", lambda plan, source: object())
 
-    def generate(loaded, prompt, model_path, max_new_tokens, cuda_graph, compile_backend, adapter=None,
+    def generate(loaded, prompt, max_new_tokens, cuda_graph, compile_backend, adapter=None,
                  plan_path=None):
         calls.append(cuda_graph)
         return "text", 0.578

@@ -137,12 +137,12 @@ def test_selection_mismatch_is_a_plan_error(moe):
 
 def test_fingerprint_mismatch_is_a_plan_error(llama, moe):
     from planner.errors import PlanError
-    from runtime.load import check_fingerprint
+    from runtime.load import check_fingerprint, open_source
 
     plan = plan_with(llama, 1, 1, 2)
-    check_fingerprint(plan, str(llama))
+    check_fingerprint(plan, open_source(plan, str(llama)))
     with pytest.raises(PlanError, match="regenerate the plan"):
-        check_fingerprint(plan, str(moe))
+        check_fingerprint(plan, open_source(plan, str(moe)))
 
 
 def test_run_without_a_gpu_is_one_line(tmp_path, llama):

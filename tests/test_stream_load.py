@@ -9,7 +9,8 @@ import torch
 
 from planner.errors import ModelInputError, PlanError, RuntimeUnavailableError
 from runtime.backend import CpuStandIn, pin_error
-from runtime.load import build_model, check_fingerprint, check_host_memory, local_weights, stream_on_cpu
+from runtime.load import (build_model, check_fingerprint, check_host_memory, local_weights, open_source,
+                          stream_on_cpu)
 from tests.runtime_models import plan_with, save_tiny_llama, save_tiny_moe
 
 transformers = pytest.importorskip("transformers")
@@ -197,15 +198,15 @@ def test_a_shard_truncated_while_loading_is_one_line_and_unpins(checkpoints, tmp
 
     folder = _copy_checkpoint(checkpoints("llama"), tmp_path / "ckpt")
     plan = plan_with(folder, 3, 2, 1)
-    read_sources = load.read_sources
+    sources_of = load.sources_of
 
-    def read_then_truncate(files):
-        sources = read_sources(files)
-        for path in files:
+    def read_then_truncate(checkpoint, folder):
+        sources = sources_of(checkpoint, folder)
+        for path in {source.path for source in sources.values()}:
             os.truncate(path, 4096)
         return sources
 
-    monkeypatch.setattr(load, "read_sources", read_then_truncate)
+    monkeypatch.setattr(load, "sources_of", read_then_truncate)
     backend = CpuStandIn()
     with pytest.raises(ModelInputError, match="ended .* bytes early") as error:
         stream_on_cpu(folder, plan, backend=backend)
@@ -225,7 +226,7 @@ def test_a_shard_replaced_with_other_shapes_is_refused(checkpoints, tmp_path):
         if path.name != "config.json":
             (folder / path.name).write_bytes(path.read_bytes())
     with pytest.raises(PlanError, match="fingerprint"):
-        check_fingerprint(plan, str(folder))
+        check_fingerprint(plan, open_source(plan, str(folder)))
     backend = CpuStandIn()
     with pytest.raises(ModelInputError, match="shape") as error:
         stream_model(folder, plan, backend)
@@ -291,7 +292,7 @@ def test_host_memory_check_counts_pinned_bytes_and_working_set_not_the_checkpoin
     folder = checkpoints("moe")
     plan = plan_with(folder, 1, 1, 2)
     files = checkpoint_files(folder)
-    work = plan_reads(build_skeleton(folder, files), read_sources(files))
+    work = plan_reads(build_skeleton(folder, read_sources(files)), read_sources(files))
     working_set = loading_working_set_bytes(work)
     # the hub's per-expert tensors are read straight into the fused params: no conversion holds host memory
     assert not work.converted and work.sliced
@@ -393,7 +394,7 @@ def test_reads_go_device_bound_first_then_piece_by_piece_largest_first(checkpoin
 
     folder = checkpoints("qwen3-moe")
     files = checkpoint_files(folder)
-    model = build_skeleton(folder, files)
+    model = build_skeleton(folder, read_sources(files))
     work = plan_reads(model, read_sources(files))
     placement = _placement(folder, plan_with(folder, 4, 3, 2), CpuStandIn())
     destinations = placement.destinations
@@ -426,7 +427,7 @@ def test_the_cli_progress_bar_counts_bytes_from_reader_threads(checkpoints, monk
     plan = plan_with(folder, 3, 2, 1)
     counted = []
 
-    def load(plan, model, progress):
+    def load(plan, source, progress):
         def on_bytes(num_bytes):
             counted.append(num_bytes)
             progress(num_bytes)
@@ -446,7 +447,7 @@ def test_a_persistent_buffer_in_the_checkpoint_is_loaded_like_from_pretrained(ch
 
     folder = checkpoints("llama")
     files = checkpoint_files(folder)
-    model = build_skeleton(folder, files)
+    model = build_skeleton(folder, read_sources(files))
     model.model.register_buffer("scale", torch.zeros(4))  # persistent: it is in the state dict
     extra = tmp_path / "extra.safetensors"
     save_file({"model.scale": torch.arange(4, dtype=torch.float64)}, str(extra))
@@ -529,10 +530,10 @@ def test_a_short_last_piece_does_not_shrink_the_staging_ring(tmp_path):
 def _placement(folder: Path, plan, backend):
     """place_plan over the checkpoint's meta skeleton, nothing pinned yet."""
     from runtime.load import place_plan
-    from runtime.checkpoint_reader import checkpoint_files
+    from runtime.checkpoint_reader import checkpoint_files, read_sources
     from runtime.skeleton import build_skeleton
 
-    return place_plan(build_skeleton(folder, checkpoint_files(folder)), plan, backend, pin=False)
+    return place_plan(build_skeleton(folder, read_sources(checkpoint_files(folder))), plan, backend, pin=False)
 
 
 def test_host_pieces_are_the_layer_spans_page_aligned_and_disjoint(checkpoints):
@@ -772,7 +773,7 @@ def test_per_expert_tensors_land_in_the_fused_params_in_expert_order(tmp_path):
                             num_experts=12, num_experts_per_tok=2)
     folder = _save(AutoModelForCausalLM.from_config(config), tmp_path / "moe12", seed=3)
     files = checkpoint_files(folder)
-    work = plan_reads(build_skeleton(folder, files), read_sources(files))
+    work = plan_reads(build_skeleton(folder, read_sources(files)), read_sources(files))
     assert not work.converted and len(work.sliced) == 2 * 12 * 3
     reference = build_model(str(folder), None).state_dict()
     model, engine = stream_on_cpu(folder, _resident_plan(folder))

@@ -70,18 +70,15 @@ def run(
     if loaded_plan.adapters is not None and prompt is not None and adapter is None:
         warn(f"--prompt runs the base model without the plan's {len(loaded_plan.adapters.items)} LoRA adapter(s); "
              "give --adapter NAME to generate with one")
-    from planner.checkpoint import resolve_local_source
-
-    model = model or resolve_local_source(loaded_plan.model.source, plan)  # run works from any directory
+    source = runtime_seam.open_source(loaded_plan, model, plan)  # resolved and read once, from any directory
     runtime_seam.require_cuda("offload-plan run")
     memory_fraction = runtime_seam.cap_gpu_memory(loaded_plan.memory.gpu_memory_bytes)
     compile_backend = "inductor" if compile_steps else None
     if bench:
         runtime_seam.check_decode_flags(loaded_plan, cuda_graph, compile_backend)  # before the minutes of loading
-    loaded = _load_with_progress(loaded_plan, model)
+    loaded = _load_with_progress(loaded_plan, source)
     if prompt is not None:
-        text, tokens_per_s = runtime_seam.generate(loaded, prompt, runtime_seam.model_path_for(loaded_plan, model),
-                                                   max_new_tokens, cuda_graph, compile_backend,
+        text, tokens_per_s = runtime_seam.generate(loaded, prompt, max_new_tokens, cuda_graph, compile_backend,
                                                    adapter=adapter, plan_path=plan)
         sys.stdout.write(text + "\n")
         from planner.units import format_rate
@@ -166,14 +163,14 @@ def _adapter_table(result) -> Table:
     return table
 
 
-def _load_with_progress(plan, model):
+def _load_with_progress(plan, source):
     """Load with a bar in GB and GB/s on stderr (advanced from the loader's reader threads)."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn, TransferSpeedColumn
 
     columns = (TextColumn("loading"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeElapsedColumn())
     with Progress(*columns, console=stderr, transient=True) as progress:
         task = progress.add_task("loading", total=max(1, plan.model.total_bytes))
-        return runtime_seam.load_with_plan(plan, model, progress=lambda num_bytes: progress.advance(task, num_bytes))
+        return runtime_seam.load_with_plan(plan, source, progress=lambda num_bytes: progress.advance(task, num_bytes))
 
 
 def _bench_table(result) -> Table:
