@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, replace
 
 from planner.cost import ComputeTimes
+from planner.engine_targets import TARGETS, check_segment
 from planner.errors import PlanError, UsageError
 from planner.plan import LayerRow, Plan
 from planner.search import Choice, LayerBytes, Searcher, SearchSpace, weight_gpu_bytes
@@ -157,19 +158,13 @@ def _mean_hit_rate(plan: Plan) -> float:
     return sum(rows) / len(rows)
 
 
-#: the engines make --for plans within (planner.export's ENGINES)
-PLAN_ENGINES = ("vllm", "sglang")
-
-
 def check_engine_input(engine: str | None, params: tuple[str, ...]) -> None:
     """make --for: a known engine, and a --params selection the engine's name matching can say."""
     if engine is None:
         return
-    if engine not in PLAN_ENGINES:
+    if engine not in TARGETS:
         raise UsageError(f"--for {engine!r} is not an engine offload-plan plans for; choose "
-                         f"{' or '.join(PLAN_ENGINES)}, or leave --for out")
-    from planner.export import check_segment
-
+                         f"{' or '.join(TARGETS)}, or leave --for out")
     for segment in params:
         try:
             check_segment(segment)
@@ -178,10 +173,10 @@ def check_engine_input(engine: str | None, params: tuple[str, ...]) -> None:
 
 
 def check_engine_architecture(engine: str | None, params: tuple[str, ...], config: dict | None) -> None:
-    """make --for sglang: SGLang's DeepSeek-V2/V3 code offloads the routed experts whatever the flags say."""
-    from planner.export import SGLANG_EXPERTS_ONLY
-
+    """make --for: an engine whose model code offloads the routed experts whatever the flags say (SGLang's
+    DeepSeek-V2/V3) gets a plan of the experts."""
     architectures = (config or {}).get("architectures") or [None]
-    if engine == "sglang" and architectures[0] in SGLANG_EXPERTS_ONLY and params != ("experts",):
-        raise UsageError(f"--for sglang: SGLang's {architectures[0]} code offloads only the routed experts of each "
-                         "offloaded layer; add --params experts")
+    target = TARGETS.get(engine) if engine is not None else None
+    if target is not None and architectures[0] in target.experts_only_architectures and params != ("experts",):
+        raise UsageError(f"--for {engine}: {target.display_name}'s {architectures[0]} code offloads only the routed "
+                         "experts of each offloaded layer; add --params experts")

@@ -30,14 +30,18 @@ restates it exactly. A one-GPU plan exported with --tp is re-simulated with per-
 (1/TP each; all-reduces not modelled), an approximation its note says.
 Both engines capture decode in CUDA graphs of one step each and join the wrapped copies at every step's end;
 a plan made with --cuda-graph is predicted so (offload-plan's own replays run STEPS_PER_GRAPH steps, one today).
+
+Each engine's flag names, the plan field each flag carries and what the engine cannot express are one entry of
+planner.engine_targets (EngineTarget); this module fills an entry in from a plan and has no per-engine branch.
 """
 
 import math
 import shlex
 from dataclasses import dataclass
 
-from planner.engine_memory import SHARE_DECIMALS, VLLM_BLOCK_TOKENS, describe, sglang_memory, vllm_memory
+from planner.engine_memory import SHARE_DECIMALS, describe
 from planner.engine_plan import Loss, expressible_plan
+from planner.engine_targets import ENGINES, OFFLOAD_FLAGS, TARGETS, EngineTarget, check_segment, flag_values
 from planner.errors import PlanError, UsageError
 from planner.plan import Plan
 from planner.schedule import PrefetchSchedule, offloaded_by_rule
@@ -45,26 +49,8 @@ from planner.search import copy_ms_of
 from planner.simulate import join_every_steps_for, simulate
 from planner.units import format_bytes, format_ms
 
-ENGINES = ("vllm", "sglang")
-ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
 #: far above any tensor-parallel group (a node has 8 GPUs, an NVL72 rack 72); beyond it --tp is a typo
 MAX_TP_SIZE = 1024
-#: checkpoint name parts each engine fuses with others into one param: a segment naming one alone selects nothing
-FUSED_PARTS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
-               "up_proj": "gate_up_proj", "w1": "experts.w13_weight", "w3": "experts.w13_weight",
-               "w2": "experts.w2_weight"}
-#: architectures whose SGLang model code fixes the selection to the routed experts, whatever the flags say
-SGLANG_EXPERTS_ONLY = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
-VLLM_FIX = "PR 54975 (fixed 2026-09)"
-MODE_NOTES = {
-    "vllm": "vLLM runs its prefetch backend (static slots, copies on a side stream) because --offload-group-size "
-            "is above 0 (--offload-backend auto); the UVA backend (--cpu-offload-gb) reads weights in place instead",
-    "sglang": "--offload-mode cpu: each offloaded param lives in pinned host memory and is copied into its static "
-              "slot, "
-              "as planned (shm_cpu and sharded_gpu share one copy between data-parallel ranks and need TP size 1)",
-}
-
-
 @dataclass(frozen=True, kw_only=True)
 class Prediction:
     """One step of the exported configuration, per rank."""
@@ -111,34 +97,35 @@ def export_plan(plan: Plan, engine: str, *, tp_size: int = 1, exact: bool = Fals
         raise UsageError(f"--to {engine!r} is not an engine offload-plan exports to; choose {' or '.join(ENGINES)}")
     if not 1 <= tp_size <= MAX_TP_SIZE:
         raise UsageError(f"--tp {tp_size}: the tensor-parallel size must be from 1 to {MAX_TP_SIZE}")
+    target = TARGETS[engine]
     tp_size, divisor = _planned_tp(plan, tp_size)
     source = plan
     plan, loss = expressible_plan(source)
     losses: list[str] = []
     if loss is not None:
         if exact:
-            raise PlanError(f"{loss.statement(ENGINE_NAMES[engine])}; drop --exact to export that plan, or serve "
+            raise PlanError(f"{loss.statement(target.display_name)}; drop --exact to export that plan, or serve "
                             "this one with offload-plan run")
-        losses.append(loss.statement(ENGINE_NAMES[engine]))
+        losses.append(loss.statement(target.display_name))
     notes: list[str] = []
     warnings: list[str] = []
-    expert_note = experts_note(source, engine) if loss is None else f"experts: {ENGINE_EXPERTS[engine]}"
+    expert_note = experts_note(source, target) if loss is None else f"experts: {target.experts_note}"
     if expert_note is not None:
         notes.append(expert_note)
-    flags = list(_tp_flags(engine, tp_size))
+    flags = [target.tp_flag, str(tp_size)] if tp_size > 1 else []
     prefetch_step = plan.offload.prefetch_step
     if plan.offload.layers:
         check_rule(plan)
-        prefetch_step = _engine_prefetch_step(plan, engine, exact, losses, warnings)
-        flags += _offload_flags(plan, engine, prefetch_step)
-        notes.append(MODE_NOTES[engine])
-        flags += _params_flags(plan, engine, notes)
+        prefetch_step = _engine_prefetch_step(plan, target, exact, losses, warnings)
+        flags += _offload_flags(plan, target, prefetch_step)
+        notes.append(target.mode_note)
+        flags += _params_flags(plan, target, notes)
     else:
         notes.append("the plan offloads nothing: serve without offload flags")
     if plan.serving is not None:
-        flags += _serving_flags(plan, engine, tp_size, divisor, notes, warnings)
+        flags += _serving_flags(plan, target, tp_size, divisor, notes, warnings)
     if plan.adapters is not None:
-        flags += adapter_flags(plan, engine, notes)
+        flags += adapter_flags(plan, target, notes)
     if tp_size > 1:
         notes.append(_tp_note(plan, tp_size) if divisor > 1 else _rank_plan_note(plan))
     if plan.workload.cuda_graph and plan.offload.layers:
@@ -162,16 +149,7 @@ def recorded_prediction(plan: Plan) -> Prediction:
                       num_slots=memory.num_slots)
 
 
-#: what each engine's main branch can say of expert-granular offloading: nothing. Both offload whole params of
-#: chosen layers (vLLM's model_executor/offloader/, SGLang's OffloaderV2); vLLM PR 37190, a GPU cache of experts
-#: over pinned host experts, is open, not merged
-ENGINE_EXPERTS = {
-    "vllm": "vLLM offloads whole params of chosen layers; its expert cache (PR 37190) is not merged",
-    "sglang": "SGLang's OffloaderV2 copies whole params of chosen layers",
-}
-
-
-def experts_note(plan: Plan, engine: str) -> str | None:
+def experts_note(plan: Plan, target: EngineTarget) -> str | None:
     """What the engine expresses of a whole-layer plan's experts section (a routed plan's loss is stated by
     planner.engine_plan instead)."""
     experts = plan.experts
@@ -180,7 +158,7 @@ def experts_note(plan: Plan, engine: str) -> str | None:
     here = next((p for p in experts.points if p.concurrency == plan.workload.concurrency), None)
     routed = (f" (routed experts would take {format_ms(here.routed_step_ms)} per step here)"
               if here is not None and here.routed_step_ms is not None else "")
-    return f"experts: the plan streams whole layers, as {engine} can{routed}; {ENGINE_EXPERTS[engine]}"
+    return f"experts: the plan streams whole layers, as {target.name} can{routed}; {target.experts_note}"
 
 
 def check_rule(plan: Plan) -> None:
@@ -203,44 +181,38 @@ def _selects_nothing(plan: Plan, index: int) -> bool:
     return plan.layers[index].selected_bytes == 0
 
 
-def _tp_flags(engine: str, tp_size: int) -> tuple[str, ...]:
-    if tp_size == 1:
-        return ()
-    return ("--tensor-parallel-size" if engine == "vllm" else "--tp-size", str(tp_size))
-
-
-def _offload_flags(plan: Plan, engine: str, prefetch_step: int) -> list[str]:
+def _offload_flags(plan: Plan, target: EngineTarget, prefetch_step: int) -> list[str]:
+    """G, K and P as the engine's rule takes them, then its mode."""
     offload = plan.offload
-    flags = ["--offload-group-size", str(offload.group_size), "--offload-num-in-group", str(offload.num_in_group),
-             "--offload-prefetch-step", str(prefetch_step)]
-    return flags + (["--offload-mode", "cpu"] if engine == "sglang" else [])
+    values = {"group_size": str(offload.group_size), "num_in_group": str(offload.num_in_group),
+              "prefetch_step": str(prefetch_step)}
+    return flag_values(OFFLOAD_FLAGS, values) + list(target.offload_mode_flags)
 
 
-def _engine_prefetch_step(plan: Plan, engine: str, exact: bool, losses: list, warnings: list) -> int:
-    """The plan's P, or for SGLang the nearest P that divides N (its assertion) when the plan's does not."""
+def _engine_prefetch_step(plan: Plan, target: EngineTarget, exact: bool, losses: list, warnings: list) -> int:
+    """The plan's P, or for an engine that asserts P divides N (SGLang) the nearest P that does when the plan's
+    does not."""
     num_offloaded, prefetch_step = len(plan.offload.layers), plan.offload.prefetch_step
     if num_offloaded % prefetch_step == 0:
         return prefetch_step
     divisor = nearest_divisor(plan, prefetch_step)
     restated = predict(plan, 1, divisor).step_ms
-    if engine == "vllm":
-        warnings.append(
-            f"P={prefetch_step} does not divide the {num_offloaded} offloaded layers: vLLM builds before its "
-            f"{VLLM_FIX} "
-            f"corrupt weights then; on such a build use --offload-prefetch-step {divisor} (predicted step "
-            f"{format_ms(restated)} on one GPU)"
-        )
+    if not target.prefetch_must_divide:
+        if target.nondividing_warning is not None:
+            warnings.append(target.nondividing_warning.format(prefetch_step=prefetch_step, num_offloaded=num_offloaded,
+                                                              divisor=divisor, step=format_ms(restated)))
         return prefetch_step
     if exact:
         raise PlanError(
-            f"SGLang asserts that P divides the number of offloaded layers, and P={prefetch_step} does not divide "
-            f"{num_offloaded}; drop --exact to export P={divisor}, or make the plan with --prefetch-step {divisor}"
+            f"{target.display_name} asserts that P divides the number of offloaded layers, and P={prefetch_step} does "
+            f"not divide {num_offloaded}; drop --exact to export P={divisor}, or make the plan with --prefetch-step "
+            f"{divisor}"
         )
     loss = Loss(what=f"the prefetch depth P={prefetch_step} (it asserts that P divides the {num_offloaded} offloaded "
                      f"layers); it gets P={divisor}, the nearest divisor within the plan's budget",
                 num_tokens=plan.workload.tokens_per_step, plan_step_ms=plan.prediction.step_ms,
                 engine_step_ms=restated)
-    losses.append(loss.statement("SGLang"))
+    losses.append(loss.statement(target.display_name))
     return divisor
 
 
@@ -262,102 +234,75 @@ def _gpu_bytes(plan: Plan, prefetch_step: int) -> int:
     return plan.memory.gpu_bytes + (slots - plan.memory.num_slots) * plan.memory.slot_bytes
 
 
-def _params_flags(plan: Plan, engine: str, notes: list) -> list[str]:
+def _params_flags(plan: Plan, target: EngineTarget, notes: list) -> list[str]:
     """The selection flag, or an error when the engine cannot say the plan's selection."""
     segments = plan.offload.params
     for segment in segments:
         check_segment(segment)
-    if engine == "sglang" and plan.model.architecture in SGLANG_EXPERTS_ONLY:
+    architecture = plan.model.architecture
+    if architecture in target.experts_only_architectures:
         if segments != ("experts",):
             raise PlanError(
-                f"SGLang's {plan.model.architecture} code offloads only the routed experts of each offloaded layer, "
-                f"but this plan moves {' '.join(segments) or 'whole layers'}: make the plan with --params experts"
+                f"{target.display_name}'s {architecture} code offloads only the routed experts of each offloaded "
+                f"layer, but this plan moves {' '.join(segments) or 'whole layers'}: make the plan with --params "
+                "experts"
             )
-        notes.append(f"SGLang's {plan.model.architecture} code offloads the routed experts (experts.w13_weight, "
+        notes.append(f"{target.display_name}'s {architecture} code offloads the routed experts (experts.w13_weight, "
                      "w2_weight) itself: no selection flag; their FP8 block scales stay on the GPU")
         return []
     if not segments:
         return []
-    flag = "--offload-params" if engine == "vllm" else "--offload-param-names"
+    flag = target.params_flag
     notes.append(f"{flag} matches whole dot-separated segments of the engine's param names, as the plan did of the "
-                 f"checkpoint's: {' '.join(segments)!r} selects the same params"
-                 + ("; SGLang builds without this flag offload whole layers" if engine == "sglang" else ""))
+                 f"checkpoint's: {' '.join(segments)!r} selects the same params" + target.params_flag_caveat)
     return [flag, *segments]
 
 
-def check_segment(segment: str) -> None:
-    """Segments that name a fused checkpoint part or one expert cannot be said to an engine."""
-    parts = segment.split(".")
-    if any(part.isdigit() for part in parts):
-        raise PlanError(f"--params {segment!r} names one expert or layer by index, but the engines hold each layer's "
-                        "experts as one fused param: select 'experts' instead")
-    fused = [part for part in parts if part in FUSED_PARTS]
-    if fused:
-        raise PlanError(f"--params {segment!r}: the engines fuse {fused[0]} into {FUSED_PARTS[fused[0]]} with its "
-                        "siblings, so their matching cannot select it alone: select the enclosing module "
-                        "(e.g. 'self_attn', 'mlp' or 'experts') and make the plan again")
-
-
-#: the ranks vLLM's --max-lora-rank accepts (LoRAConfig's MaxLoRARanks)
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
-
-def adapter_flags(plan: Plan, engine: str, notes: list) -> list[str]:
+def adapter_flags(plan: Plan, target: EngineTarget, notes: list) -> list[str]:
     """The engine's LoRA settings for the plan's adapters: slots, the host pool (every adapter) and the modules."""
     adapters = plan.adapters
-    modules = [f"{row.name}={row.source}" for row in adapters.items]
-    slots, pool = str(adapters.num_slots), str(len(adapters.items))
-    if engine == "vllm":
-        rank = next((r for r in VLLM_LORA_RANKS if r >= adapters.max_rank), None)
+    rank = adapters.max_rank
+    if target.lora_ranks is not None:
+        rank = next((r for r in target.lora_ranks if r >= adapters.max_rank), None)
         if rank is None:
-            raise PlanError(f"the adapters' rank {adapters.max_rank} is above the {VLLM_LORA_RANKS[-1]} vLLM's "
-                            "--max-lora-rank accepts; serve them with SGLang, or use adapters of a lower rank")
-        flags = ["--enable-lora", "--max-loras", slots, "--max-cpu-loras", pool, "--max-lora-rank", str(rank),
-                 "--lora-modules", *modules]
+            raise PlanError(f"the adapters' rank {adapters.max_rank} is above the {target.lora_ranks[-1]} "
+                            f"{target.display_name}'s --max-lora-rank accepts; {target.lora_rank_fix}, or use "
+                            "adapters of a lower rank")
         if rank != adapters.max_rank:
-            notes.append(f"--max-lora-rank {rank}: vLLM accepts {', '.join(map(str, VLLM_LORA_RANKS))}, so the "
-                         f"adapters' rank {adapters.max_rank} is rounded up; vLLM sizes every slot at that rank for "
-                         "every module it supports, more than the plan's slot of the largest adapter")
-    else:
-        flags = ["--enable-lora", "--lora-paths", *modules, "--max-loras-per-batch", slots, "--max-loaded-loras", pool]
+            notes.append(f"--max-lora-rank {rank}: {target.display_name} accepts "
+                         f"{', '.join(map(str, target.lora_ranks))}, so the adapters' rank {adapters.max_rank} is "
+                         f"rounded up; {target.display_name} sizes every slot at that rank for every module it "
+                         "supports, more than the plan's slot of the largest adapter")
+    values = {"slots": str(adapters.num_slots), "pool": str(len(adapters.items)), "rank": str(rank),
+              "modules": [f"{row.name}={row.source}" for row in adapters.items]}
     notes.append(
         f"adapters: {adapters.num_slots} GPU slot(s) of {format_bytes(adapters.slot_bytes)} and all "
         f"{len(adapters.items)} adapter(s) in host memory ({format_bytes(adapters.host_pinned_bytes)}); relative paths "
         "are read from the folder the engine starts in. A batch missing "
         f"{adapters.num_missing} adapter(s) waits {format_ms(adapters.blocking_wait_ms)} when loading blocks"
-        + (" (vLLM loads a batch's adapters before it runs it)" if engine == "vllm" else
-           f"; with --enable-lora-overlap-loading (SGLang builds with asynchronous loading) its first request "
-           f"starts after {format_ms(adapters.pipelined_first_wait_ms)} and the last after "
-           f"{format_ms(adapters.pipelined_last_wait_ms)}")
+        + target.lora_loading_note.format(first=format_ms(adapters.pipelined_first_wait_ms),
+                                          last=format_ms(adapters.pipelined_last_wait_ms))
     )
-    return flags
+    return flag_values(target.lora_flags, values)
 
 
-#: --kv-cache-dtype values for the plan's KV dtype; bf16 and fp16 are the model's own: "auto"
-KV_CACHE_DTYPE_FLAGS = {"vllm": {"fp8": "fp8"}, "sglang": {"fp8": "fp8_e4m3"}}
-
-
-def _serving_flags(plan: Plan, engine: str, tp_size: int, divisor: int, notes: list, warnings: list) -> list[str]:
+def _serving_flags(plan: Plan, target: EngineTarget, tp_size: int, divisor: int, notes: list,
+                   warnings: list) -> list[str]:
     """Concurrency, context, the prefill chunk and the GPU memory share that leave the engine the plan's KV cache
     per rank of ``tp_size``, by the engine's own accounting (planner.engine_memory); ``divisor``: what divides the
     plan's figures into one rank's (1 for a make --tp plan)."""
     workload = plan.workload
-    chunk = str(max(workload.chunk_tokens, workload.concurrency))
-    if engine == "vllm":
-        memory = vllm_memory(plan, tp_size, divisor)
-        flags = ["--max-num-seqs", str(workload.concurrency), "--max-model-len", str(workload.context_tokens),
-                 "--max-num-batched-tokens", chunk, "--block-size", str(VLLM_BLOCK_TOKENS),
-                 "--gpu-memory-utilization", f"{memory.share:.{SHARE_DECIMALS}f}"]
-    else:
-        memory = sglang_memory(plan, tp_size, divisor)
-        flags = ["--max-running-requests", str(workload.concurrency), "--context-length", str(workload.context_tokens),
-                 "--chunked-prefill-size", chunk, "--mem-fraction-static", f"{memory.share:.{SHARE_DECIMALS}f}"]
-    kv_flag = KV_CACHE_DTYPE_FLAGS[engine].get(workload.kv_dtype)
+    memory = target.memory(plan, tp_size, divisor)
+    values = {"concurrency": str(workload.concurrency), "context_tokens": str(workload.context_tokens),
+              "chunk_tokens": str(max(workload.chunk_tokens, workload.concurrency)),
+              "memory_share": f"{memory.share:.{SHARE_DECIMALS}f}"}
+    flags = flag_values(target.serving_flags, values)
+    kv_flag = target.kv_cache_dtype(workload.kv_dtype)
     if kv_flag is not None:
         flags += ["--kv-cache-dtype", kv_flag]
-    notes.append(describe(engine, plan, tp_size, memory))
+    notes.append(describe(target.name, plan, tp_size, memory))
     if memory.kv_tokens < memory.needed_tokens:
-        warnings.append(f"{ENGINE_NAMES[engine]}'s memory accounting leaves a KV cache of {memory.kv_tokens:,} tokens "
+        warnings.append(f"{target.display_name}'s memory accounting leaves a KV cache of {memory.kv_tokens:,} tokens "
                         f"per rank, short of the {memory.needed_tokens:,} the plan's {workload.concurrency} sequences "
                         "need: make the plan with fewer --concurrency or a shorter --context for this engine")
     return flags

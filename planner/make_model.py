@@ -8,6 +8,7 @@ from planner.activations import ActivationShape, StepShape, estimate_activations
 from planner.adapters import Adapter, default_slots
 from planner.checkpoint import Checkpoint
 from planner.cost import ComputeTimes, Workload, estimate_compute, geometry_from_config
+from planner.engine_targets import TARGETS
 from planner.errors import PlanError, UsageError
 from planner.expert_choice import Comparison, ExpertModel, routed_choice
 from planner.kv_cache import KvCacheModel
@@ -71,7 +72,7 @@ class Model:
             copy_overhead_us=self.profile.copy_overhead_us.value,
             space=SearchSpace(
                 group_size=inputs.group_size, num_in_group=inputs.num_in_group, prefetch_step=inputs.prefetch_step,
-                prefetch_divides=inputs.engine == "sglang",
+                prefetch_divides=inputs.engine is not None and TARGETS[inputs.engine].prefetch_must_divide,
             ),
             join_every_steps=join_every_steps_for(inputs.cuda_graph),
         )

@@ -1,0 +1,151 @@
+"""The engines ``export`` writes flags for, and ``make --for`` plans within, as data: one EngineTarget each.
+
+An entry holds an engine's flag names, which plan field each flag carries, and what of a plan the engine cannot
+express (a prefetch depth that does not divide the offloaded layers, a selection its model code overrides, a
+LoRA rank it does not accept). planner.export reads the entry and holds no per-engine branch; the engines' own
+memory accounting stays in planner.engine_memory, and the nearest plan an engine can run in
+planner.engine_plan. A new engine is one entry here (its memory function in planner.engine_memory) plus tests.
+
+The facts, from the engines' sources, are in planner.export's docstring.
+"""
+
+from dataclasses import dataclass
+from typing import Callable
+
+from planner.engine_memory import VLLM_BLOCK_TOKENS, sglang_memory, vllm_memory
+from planner.errors import PlanError
+
+#: checkpoint name parts each engine fuses with others into one param: a segment naming one alone selects nothing
+FUSED_PARTS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+               "up_proj": "gate_up_proj", "w1": "experts.w13_weight", "w3": "experts.w13_weight",
+               "w2": "experts.w2_weight"}
+#: both engines' layer rule and prefetch depth (vLLM's model_executor/offloader/, SGLang's OffloaderV2):
+#: (flag, the plan's offload field it carries)
+OFFLOAD_FLAGS = (("--offload-group-size", "group_size"), ("--offload-num-in-group", "num_in_group"),
+                 ("--offload-prefetch-step", "prefetch_step"))
+#: the ranks vLLM's --max-lora-rank accepts (LoRAConfig's MaxLoRARanks)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+VLLM_FIX = "PR 54975 (fixed 2026-09)"
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineTarget:
+    """One engine: the flags that say a plan to it and what of a plan it cannot say.
+
+    Flag lists are (flag, field) pairs in the order written: ``field`` names the value planner.export fills in
+    (None: a bare switch; a field starting with "=" is the literal value after the "=").
+    """
+
+    #: the --to / --for value
+    name: str
+    #: the engine's name in sentences
+    display_name: str
+    #: the tensor-parallel size flag
+    tp_flag: str
+    #: flags after OFFLOAD_FLAGS that pick the engine's offloading mode (copies from pinned host memory)
+    offload_mode_flags: tuple[str, ...]
+    #: how the engine offloads, for the notes
+    mode_note: str
+    #: the flag that selects params by whole dot-separated segments of the engine's param names
+    params_flag: str
+    #: said after the selection note: builds where the flag does nothing
+    params_flag_caveat: str
+    #: architectures whose model code offloads the routed experts itself, whatever the selection flag says
+    experts_only_architectures: tuple[str, ...]
+    #: what the engine says of expert-granular offloading
+    experts_note: str
+    #: the engine asserts that the prefetch depth P divides the offloaded layers: export gives the nearest P that
+    #: does (a loss); else a P that does not divide is exported as planned (with nondividing_warning, if any)
+    prefetch_must_divide: bool
+    #: the warning for a P that does not divide, with {prefetch_step}, {num_offloaded}, {divisor}, {step}
+    nondividing_warning: str | None
+    #: (flag, field) of a serving plan; fields: concurrency, context_tokens, chunk_tokens, memory_share, or "=V"
+    serving_flags: tuple[tuple[str, str], ...]
+    #: the engine's memory accounting (planner.engine_memory): (plan, tp_size, divisor) -> EngineMemory
+    memory: Callable
+    #: the plan's KV dtype -> the engine's --kv-cache-dtype value (the model's own dtype: no flag)
+    kv_cache_dtypes: tuple[tuple[str, str], ...]
+    #: (flag, field) of a plan with LoRA adapters; fields: slots, pool, rank, modules (one value per adapter),
+    #: None for a bare switch
+    lora_flags: tuple[tuple[str, str | None], ...]
+    #: the LoRA ranks the engine accepts (a plan's rank is rounded up to one); None: any
+    lora_ranks: tuple[int, ...] | None
+    #: what to do with adapters above the largest of lora_ranks
+    lora_rank_fix: str = ""
+    #: how the engine loads a batch's adapters, appended to the adapters note; {first} and {last}: the pipelined
+    #: waits
+    lora_loading_note: str
+
+    def kv_cache_dtype(self, kv_dtype: str) -> str | None:
+        """The --kv-cache-dtype value for the plan's KV dtype, None for the model's own."""
+        return dict(self.kv_cache_dtypes).get(kv_dtype)
+
+
+VLLM = EngineTarget(
+    name="vllm", display_name="vLLM", tp_flag="--tensor-parallel-size", offload_mode_flags=(),
+    mode_note="vLLM runs its prefetch backend (static slots, copies on a side stream) because --offload-group-size "
+              "is above 0 (--offload-backend auto); the UVA backend (--cpu-offload-gb) reads weights in place instead",
+    params_flag="--offload-params", params_flag_caveat="", experts_only_architectures=(),
+    experts_note="vLLM offloads whole params of chosen layers; its expert cache (PR 37190) is not merged",
+    prefetch_must_divide=False,
+    nondividing_warning=(f"P={{prefetch_step}} does not divide the {{num_offloaded}} offloaded layers: vLLM builds "
+                         f"before its {VLLM_FIX} corrupt weights then; on such a build use --offload-prefetch-step "
+                         "{divisor} (predicted step {step} on one GPU)"),
+    serving_flags=(("--max-num-seqs", "concurrency"), ("--max-model-len", "context_tokens"),
+                   ("--max-num-batched-tokens", "chunk_tokens"), ("--block-size", f"={VLLM_BLOCK_TOKENS}"),
+                   ("--gpu-memory-utilization", "memory_share")),
+    memory=vllm_memory, kv_cache_dtypes=(("fp8", "fp8"),),
+    lora_flags=(("--enable-lora", None), ("--max-loras", "slots"), ("--max-cpu-loras", "pool"),
+                ("--max-lora-rank", "rank"), ("--lora-modules", "modules")),
+    lora_ranks=VLLM_LORA_RANKS, lora_rank_fix="serve them with SGLang",
+    lora_loading_note=" (vLLM loads a batch's adapters before it runs it)",
+)
+
+SGLANG = EngineTarget(
+    name="sglang", display_name="SGLang", tp_flag="--tp-size", offload_mode_flags=("--offload-mode", "cpu"),
+    mode_note="--offload-mode cpu: each offloaded param lives in pinned host memory and is copied into its static "
+              "slot, as planned (shm_cpu and sharded_gpu share one copy between data-parallel ranks and need TP "
+              "size 1)",
+    params_flag="--offload-param-names", params_flag_caveat="; SGLang builds without this flag offload whole layers",
+    experts_only_architectures=("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"),
+    experts_note="SGLang's OffloaderV2 copies whole params of chosen layers",
+    prefetch_must_divide=True, nondividing_warning=None,
+    serving_flags=(("--max-running-requests", "concurrency"), ("--context-length", "context_tokens"),
+                   ("--chunked-prefill-size", "chunk_tokens"), ("--mem-fraction-static", "memory_share")),
+    memory=sglang_memory, kv_cache_dtypes=(("fp8", "fp8_e4m3"),),
+    lora_flags=(("--enable-lora", None), ("--lora-paths", "modules"), ("--max-loras-per-batch", "slots"),
+                ("--max-loaded-loras", "pool")),
+    lora_ranks=None,
+    lora_loading_note="; with --enable-lora-overlap-loading (SGLang builds with asynchronous loading) its first "
+                      "request starts after {first} and the last after {last}",
+)
+
+#: every engine, by its --to name, in the order errors list them
+TARGETS = {target.name: target for target in (VLLM, SGLANG)}
+ENGINES = tuple(TARGETS)
+
+
+def check_segment(segment: str) -> None:
+    """Segments that name a fused checkpoint part or one expert cannot be said to an engine."""
+    parts = segment.split(".")
+    if any(part.isdigit() for part in parts):
+        raise PlanError(f"--params {segment!r} names one expert or layer by index, but the engines hold each layer's "
+                        "experts as one fused param: select 'experts' instead")
+    fused = [part for part in parts if part in FUSED_PARTS]
+    if fused:
+        raise PlanError(f"--params {segment!r}: the engines fuse {fused[0]} into {FUSED_PARTS[fused[0]]} with its "
+                        "siblings, so their matching cannot select it alone: select the enclosing module "
+                        "(e.g. 'self_attn', 'mlp' or 'experts') and make the plan again")
+
+
+def flag_values(pairs: tuple[tuple[str, str | None], ...], values: dict[str, str | list[str]]) -> list[str]:
+    """The flags of (flag, field) pairs with the plan's values: a bare switch, a literal "=V", one value, or the
+    values of a list field."""
+    flags: list[str] = []
+    for flag, field in pairs:
+        flags.append(flag)
+        if field is None:
+            continue
+        value = field[1:] if field.startswith("=") else values[field]
+        flags += value if isinstance(value, list) else [value]
+    return flags
