@@ -34,9 +34,9 @@ bounds them. Linear-attention and state-space layers are not modelled.
 
 from dataclasses import dataclass
 
-from planner.model_config import text_config
+from planner.model_config import model_config
 from planner.errors import ModelInputError, printable, shown
-from planner.experts import DEFAULT_TOP_K, config_routing
+from planner.experts import DEFAULT_TOP_K
 from planner.units import format_bytes
 
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -166,8 +166,10 @@ class ActivationPeak:
 
 
 def activation_shape(config: dict | None) -> ActivationShape:
-    """Tensor dims of one step from config.json (the language model's part of multimodal ones)."""
-    text = text_config(config)
+    """Tensor dims of one step from the model record of config.json (the language model's part of multimodal
+    ones): its typed routing and dtype, and its keys read with one-line errors."""
+    record = model_config(config)
+    text = record.text if record is not None else {}
     if not text:
         raise ModelInputError("activation estimate: the checkpoint has no config.json; it is estimated from it")
     model_type = text.get("model_type") or (config or {}).get("model_type")
@@ -200,7 +202,7 @@ def activation_shape(config: dict | None) -> ActivationShape:
 
     hidden = number("hidden_size")
     num_heads = number("num_attention_heads")
-    num_experts, config_top_k = config_routing(text)
+    num_experts, config_top_k = record.num_experts, record.top_k
     latent = text.get("kv_lora_rank") is not None
     if latent:
         qk_dim = number("qk_nope_head_dim") + number("qk_rope_head_dim")
@@ -210,7 +212,7 @@ def activation_shape(config: dict | None) -> ActivationShape:
     moe_inter = number("moe_intermediate_size", number("intermediate_size")) if num_experts else 0
     shared_width, num_shared = count("shared_expert_intermediate_size"), count("n_shared_experts")  # both checked
     shared = shared_width or moe_inter * num_shared
-    dtype = text.get("torch_dtype") or text.get("dtype") or "bfloat16"
+    dtype = record.dtype or "bfloat16"
     try:
         return ActivationShape(
             hidden_size=hidden, intermediate_size=number("intermediate_size"), num_heads=num_heads,
@@ -219,8 +221,7 @@ def activation_shape(config: dict | None) -> ActivationShape:
             top_k=config_top_k or (DEFAULT_TOP_K if num_experts else 0),
             moe_intermediate_size=moe_inter, shared_intermediate_size=shared, latent_attention=latent,
             qk_rope_head_dim=number("qk_rope_head_dim") if latent else 0,
-            activation_bytes=_DTYPE_BYTES.get(dtype, 2) if isinstance(dtype, str) else 2,
-            dtype=dtype if isinstance(dtype, str) and dtype in _DTYPE_BYTES else "bfloat16",
+            activation_bytes=_DTYPE_BYTES.get(dtype, 2), dtype=dtype if dtype in _DTYPE_BYTES else "bfloat16",
         )
     except ValueError as error:  # values each in range, but not together (top-k above the experts)
         raise ModelInputError(f"activation estimate of {name}: {error}; fix config.json") from None

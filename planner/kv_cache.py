@@ -21,7 +21,7 @@ wrong guess here would silently oversubscribe the GPU.
 
 from dataclasses import dataclass
 
-from planner.model_config import text_config
+from planner.model_config import model_config
 from planner.errors import ModelInputError, printable, shown
 from planner.units import format_bytes
 
@@ -175,18 +175,19 @@ def _describe_group(layers: list[CacheLayer], activation_dtype: str) -> str:
 
 
 class _Config:
-    """config.json's language-model part, read with one-line errors that name the architecture."""
+    """The model record's language model (planner.model_config), its keys read with one-line errors that name
+    the architecture; the record's typed fields (model type, architecture, dtype) where it has them."""
 
     def __init__(self, config: dict):
-        self.values = text_config(config)
-        top_architectures = config.get("architectures") or []
-        model_type = self.values.get("model_type") or config.get("model_type")
-        if model_type is not None and not isinstance(model_type, str):  # a list is unhashable in family lookups
-            raise ModelInputError(f"KV cache: config.json's model_type is {shown(model_type)}; expected a string "
+        record = model_config(config)
+        self.values = record.text
+        raw_type = self.values.get("model_type") or config.get("model_type")
+        if raw_type is not None and not isinstance(raw_type, str):  # the record drops it; a list is unhashable
+            raise ModelInputError(f"KV cache: config.json's model_type is {shown(raw_type)}; expected a string "
                                   "such as llama")
-        self.model_type = model_type or _model_type_of(top_architectures)
-        first = top_architectures[0] if isinstance(top_architectures, list) and top_architectures else None
-        self.name = printable(self.model_type or first or "unknown architecture")
+        self.model_type = record.model_type or record.outer_model_type or _model_type_of(record.architecture)
+        self.name = printable(self.model_type or record.architecture or "unknown architecture")
+        self.dtype = record.dtype
 
     def missing(self, what: str) -> ModelInputError:
         return ModelInputError(f"KV cache of {self.name}: config.json has no {what}; add it to plan its KV cache")
@@ -215,15 +216,14 @@ class _Config:
         return self.int("num_hidden_layers")
 
     def activation_dtype(self) -> str:
-        name = self.values.get("torch_dtype") or self.values.get("dtype")
-        return _CONFIG_DTYPES.get(name, DEFAULT_ACTIVATION_DTYPE) if isinstance(name, str) else DEFAULT_ACTIVATION_DTYPE
+        return _CONFIG_DTYPES.get(self.dtype, DEFAULT_ACTIVATION_DTYPE)
 
 
-def _model_type_of(architectures: object) -> str | None:
+def _model_type_of(architecture: str | None) -> str | None:
     """A config without model_type: the family its architecture class names (LlamaForCausalLM -> llama)."""
-    if not isinstance(architectures, list) or not architectures or not isinstance(architectures[0], str):
+    if architecture is None:
         return None
-    stem = architectures[0]
+    stem = architecture
     for suffix in ("ForCausalLM", "ForConditionalGeneration", "Model"):
         stem = stem.removesuffix(suffix)
     by_plain_name = {name.replace("_", ""): name for name in SUPPORTED_MODEL_TYPES}
