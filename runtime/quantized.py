@@ -17,9 +17,9 @@ its float32 block scale, rounded once to the activation dtype) and runs a bf16 m
 and offloaded layers alike, so logits are bitwise equal to the all-resident FP8 model; the planner's FP8 cost
 (planner.fp8_cost) prices that path's memory traffic.
 
-MXFP4 (gpt-oss) needs transformers' ``Mxfp4`` kernels from the hub (``kernels-community/triton_kernels``) to
-run quantized, and transformers dequantizes it to bf16 at load otherwise (2 bytes a weight, not the shipped
-0.53): refused in one line rather than run unlike its plan.
+MXFP4 (gpt-oss) runs quantized in transformers 5.17 and 5.24 only with the ``kernels`` package and a hub kernel
+(``kernels-community/gpt-oss-triton-kernels``; ``Mxfp4HfQuantizer``); without them transformers dequantizes it
+to bf16 at load (2 bytes a weight, not the shipped 0.53): refused in one line rather than run unlike its plan.
 """
 
 import functools
@@ -56,9 +56,9 @@ def check_runnable(section: dict, where: str) -> None:
     one line saying why."""
     method = section.get("quant_method")
     if method == "mxfp4":
-        raise ModelInputError(f"{where}: MXFP4 (gpt-oss) runs quantized only with transformers' hub kernels "
-                              "(kernels-community/triton_kernels), which this stack cannot fetch, and transformers "
-                              "dequantizes it to bf16 otherwise, unlike its plan: run a bf16 release of the model")
+        raise ModelInputError(f"{where}: MXFP4 (gpt-oss) runs quantized only with transformers' hub kernel "
+                              "(kernels-community/gpt-oss-triton-kernels), which this stack cannot fetch, and "
+                              "transformers dequantizes it to bf16 otherwise, unlike its plan: use a bf16 release")
     if method != "fp8":
         raise ModelInputError(f"{where}: quantization_config's quant_method {shown(method)} is not one run places; "
                               "it runs FP8 block-quantized checkpoints (quant_method fp8 with weight_block_size): "
@@ -88,6 +88,23 @@ def quantize_skeleton(model: nn.Module, section: dict) -> None:
     quantizer.preprocess_model(model, dtype=compute_dtype(model))
     model.hf_quantizer = quantizer
     use_compute_path(model, fp8_compute_path())
+
+
+def fill_random_fp8(model: nn.Module, device: torch.device, seed: int = 0) -> None:
+    """Random FP8 weights (N(0, 1) in FP8, scales 0.02) for every FP8Linear still on meta (make --measure times
+    them; values do not change the time)."""
+    from transformers.integrations.finegrained_fp8 import FP8Linear
+
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for module in model.modules():
+        if isinstance(module, FP8Linear) and module.weight.device.type == "meta":
+            weight = torch.randn(module.weight.shape, generator=generator, device=device)
+            module.weight = nn.Parameter(weight.to(torch.float8_e4m3fn), requires_grad=False)
+            module.weight_scale_inv = nn.Parameter(torch.full(module.weight_scale_inv.shape, 0.02, device=device),
+                                                   requires_grad=False)
+            if module.bias is not None and module.bias.device.type == "meta":
+                module.bias = nn.Parameter(torch.zeros(module.bias.shape, dtype=compute_dtype(model), device=device),
+                                           requires_grad=False)
 
 
 @functools.cache
