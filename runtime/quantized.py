@@ -87,7 +87,22 @@ def quantize_skeleton(model: nn.Module, section: dict) -> None:
     quantizer.quantization_config.dequantize = False
     quantizer.preprocess_model(model, dtype=compute_dtype(model))
     model.hf_quantizer = quantizer
-    use_compute_path(model, fp8_compute_path())
+    path = fp8_compute_path()
+    if path == DEQUANTIZE:
+        _refuse_fp8_experts(model)
+    use_compute_path(model, path)
+
+
+def _refuse_fp8_experts(model: nn.Module) -> None:
+    """transformers' fused FP8 experts (FP8Experts) compute only through its hub kernels: a MoE checkpoint whose
+    experts are FP8 is one line where those cannot load."""
+    from transformers.integrations.finegrained_fp8 import FP8Experts
+
+    experts = next((name for name, module in model.named_modules() if isinstance(module, FP8Experts)), None)
+    if experts is not None:
+        raise ModelInputError(f"{experts}: FP8 MoE experts run in transformers only through its hub kernels "
+                              "(the kernels package and kernels-community/finegrained-fp8), which this stack "
+                              "cannot load; run places FP8 dense linears: use a bf16 release of this MoE model")
 
 
 def fill_random_fp8(model: nn.Module, device: torch.device, seed: int = 0) -> None:

@@ -186,3 +186,29 @@ def test_the_plan_counts_fp8_bytes_from_the_headers(fp8_checkpoint):
                            (hidden, inner)))
     norm_bytes = 2 * (2 * hidden + 2 * 32)
     assert plan.layers[1].offloaded_bytes == linear_params + scale_bytes + norm_bytes
+
+
+def test_fp8_moe_experts_are_one_line_where_transformers_kernels_cannot_load(tmp_path):
+    """transformers' FP8Experts computes only through its hub kernels; run says so before reading weights."""
+    config = dict(TINY_FP8_CONFIG, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+                  moe_intermediate_size=64, num_hidden_layers=2, num_experts=4, num_experts_per_tok=2)
+    folder = write_fp8_checkpoint(tmp_path, config)
+    backend = CpuStandIn()
+    with pytest.raises(ModelInputError, match="FP8 MoE experts") as error:
+        stream_on_cpu(folder, resident_plan(folder), backend=backend)
+    assert "\n" not in str(error.value) and backend.pinned == {}
+
+
+def test_make_measure_builds_transformers_fp8_modules_and_refuses_mxfp4():
+    """make --measure times the FP8 linears as run computes them; MXFP4 is one line (built on the CPU here)."""
+    from runtime.measure import build_measure_model
+    from runtime.quantized import dequantized_class
+
+    model = build_measure_model(dict(TINY_FP8_CONFIG), ((0, 1, 2, 3),), "model.layers", device="cpu")
+    q_proj = model.model.layers[0].self_attn.q_proj
+    assert type(q_proj) is dequantized_class() and q_proj.weight.dtype == torch.float8_e4m3fn
+    assert model.model.layers[3].self_attn.q_proj.weight is q_proj.weight  # an alias of its kind's layer
+    with pytest.raises(ModelInputError, match="MXFP4") as error:
+        build_measure_model(dict(TINY_FP8_CONFIG, quantization_config={"quant_method": "mxfp4"}), ((0, 1, 2, 3),),
+                            "model.layers", device="cpu")
+    assert "\n" not in str(error.value)
