@@ -212,3 +212,32 @@ def test_make_measure_builds_transformers_fp8_modules_and_refuses_mxfp4():
         build_measure_model(dict(TINY_FP8_CONFIG, quantization_config={"quant_method": "mxfp4"}), ((0, 1, 2, 3),),
                             "model.layers", device="cpu")
     assert "\n" not in str(error.value)
+
+
+def test_bench_fp8_writes_qwen3_8b_fp8s_release_format(tmp_path):
+    """scripts/bench_fp8.py's checkpoint: Qwen3-8B-FP8's layout (FP8 linears with 128x128-block scales, bf16
+    embeddings and head), and its link figures from a plan (the H100 runs the rest)."""
+    from planner.release_format import release_specs
+    from scripts import bench_fp8
+
+    args = bench_fp8.parser().parse_args(["--out", str(tmp_path), "--layers", "2"])
+    config = json.loads(bench_fp8.fp8_config(args.config, args.layers, tmp_path).read_text())
+    assert config["num_hidden_layers"] == 2 and config["quantization_config"]["weight_block_size"] == [128, 128]
+    specs = {name: (dtype, shape) for name, dtype, shape in release_specs(config)}
+    assert specs["model.layers.1.mlp.down_proj.weight"] == ("F8_E4M3", [4096, 12288])
+    assert specs["model.layers.1.mlp.down_proj.weight_scale_inv"] == ("F32", [32, 96])
+    assert specs["lm_head.weight"][0] == "BF16" and specs["model.embed_tokens.weight"][0] == "BF16"
+
+
+def test_bench_fp8_link_figures(fp8_checkpoint):
+    from planner.checkpoint import load_checkpoint
+    from planner.layout import build_layout
+    from scripts import bench_fp8
+
+    plan = plan_with(fp8_checkpoint, 2, 1, 1)
+    figures = bench_fp8.link_bytes(build_layout(load_checkpoint(str(fp8_checkpoint))), plan)
+    weights = 2 * sum(out * inp for out, inp in ((128, 128), (64, 128), (64, 128), (128, 128), (256, 128),
+                                                 (256, 128), (128, 256)))
+    assert figures["fp8_weight_bytes"] == weights
+    assert figures["stored_bytes"] == 2 * plan.layers[1].offloaded_bytes
+    assert figures["bf16_equivalent_bytes"] == figures["stored_bytes"] + weights
