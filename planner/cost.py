@@ -11,13 +11,13 @@ from dataclasses import dataclass
 
 from planner.errors import ModelInputError
 from planner.experts import DEFAULT_TOP_K, count_experts, is_expert_param
+from planner.fp8_cost import DEQUANTIZED, FP8_DTYPES, Fp8Compute
 from planner.layout import LayerInfo, ModelLayout
 from planner.model_config import model_config
 from planner.profile import HardwareProfile
 
 # Bytes per cached K or V element: a bf16 KV cache.
 KV_ELEMENT_BYTES = 2
-_FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
 #: far beyond any step or context today; beyond them a value is a typo, and the FLOP counts would mislead
 MAX_STEP_TOKENS = 2**24
 MAX_CONTEXT = 2**32
@@ -95,26 +95,29 @@ def _logical_params(name: str, dtype: str, shape: tuple[int, ...]) -> int:
 
 
 #: id(layer.params) -> (params, sums): the sums of each layer's params, which do not change with the workload
-_SUMS_CACHE: dict[int, tuple[tuple, tuple[int, int, int, int, int]]] = {}
+_SUMS_CACHE: dict[int, tuple[tuple, tuple[int, int, int, int, int, int]]] = {}
 _SUMS_CACHE_SIZE = 65536
 
 
-def _param_sums(layer: LayerInfo) -> tuple[int, int, int, int, int]:
-    """(dense params, expert params, dense bytes, expert bytes, fp8 bytes) of a layer, computed once per layer: a
+def _param_sums(layer: LayerInfo) -> tuple[int, int, int, int, int, int]:
+    """(dense params, expert params, dense bytes, expert bytes, dense fp8 bytes, expert fp8 bytes) of a layer,
+    computed once per layer: a
     serving search costs every layer at each concurrency, and a DeepSeek-V3 layer has 1,500 params."""
     cached = _SUMS_CACHE.get(id(layer.params))
     if cached is not None and cached[0] is layer.params:
         return cached[1]
-    dense_params = expert_params = dense_bytes = expert_bytes = fp8_bytes = 0
+    dense_params = expert_params = dense_bytes = expert_bytes = dense_fp8_bytes = expert_fp8_bytes = 0
     for name, dtype, shape, nbytes in layer.params:
+        fp8_bytes = nbytes if dtype in FP8_DTYPES else 0
         if is_expert_param(name):
             expert_params += _logical_params(name, dtype, shape)
             expert_bytes += nbytes
+            expert_fp8_bytes += fp8_bytes
         else:
             dense_params += _logical_params(name, dtype, shape)
             dense_bytes += nbytes
-        fp8_bytes += nbytes if dtype in _FP8_DTYPES else 0
-    sums = (dense_params, expert_params, dense_bytes, expert_bytes, fp8_bytes)
+            dense_fp8_bytes += fp8_bytes
+    sums = (dense_params, expert_params, dense_bytes, expert_bytes, dense_fp8_bytes, expert_fp8_bytes)
     if len(_SUMS_CACHE) >= _SUMS_CACHE_SIZE:
         _SUMS_CACHE.clear()
     _SUMS_CACHE[id(layer.params)] = (layer.params, sums)
@@ -122,11 +125,12 @@ def _param_sums(layer: LayerInfo) -> tuple[int, int, int, int, int]:
 
 
 def layer_cost(layer: LayerInfo, geometry: ModelGeometry, workload: Workload,
-               kv_bytes: float | None = None) -> tuple[float, float, bool]:
-    """(FLOPs, HBM bytes, fp8) of one layer for one step; ``kv_bytes``: the KV cache the step reads and writes
-    in this layer, where a cache model knows it (sliding windows, latent attention), else from the geometry."""
+               kv_bytes: float | None = None, fp8: Fp8Compute = DEQUANTIZED) -> tuple[float, float, bool]:
+    """(FLOPs, HBM bytes, FP8 rate) of one layer for one step; ``kv_bytes``: the KV cache the step reads and
+    writes in this layer, where a cache model knows it (sliding windows, latent attention), else from the
+    geometry; ``fp8``: how the FP8 linears compute (planner.fp8_cost)."""
     tokens = workload.tokens_per_step
-    dense_params, expert_params, dense_bytes, expert_bytes, fp8_bytes = _param_sums(layer)
+    dense_params, expert_params, dense_bytes, expert_bytes, dense_fp8, expert_fp8 = _param_sums(layer)
     active_share = geometry.top_k / geometry.num_experts if expert_params and geometry.num_experts else 1.0
     # Experts any token of the step touches: each token picks top_k of num_experts.
     touched_share = 1 - (1 - active_share) ** tokens
@@ -141,7 +145,9 @@ def layer_cost(layer: LayerInfo, geometry: ModelGeometry, workload: Workload,
             * 2 * geometry.num_kv_heads * geometry.head_dim * KV_ELEMENT_BYTES
         )
     hbm_bytes = dense_bytes + touched_share * expert_bytes + kv_bytes
-    return flops, hbm_bytes, fp8_bytes * 2 > layer.nbytes
+    # the FP8 weights' traffic beyond their stored byte (dequantizing paths)
+    hbm_bytes += (fp8.hbm_bytes_per_fp8_byte - 1) * (dense_fp8 + touched_share * expert_fp8)
+    return flops, hbm_bytes, fp8.fp8_rate and (dense_fp8 + expert_fp8) * 2 > layer.nbytes
 
 
 def roofline_ms(flops: float, hbm_bytes: float, fp8: bool, profile: HardwareProfile) -> float:
@@ -169,14 +175,16 @@ def estimate_compute(
     profile: HardwareProfile,
     checkpoint_shapes: dict[str, tuple[int, ...]],
     kv_bytes_of: Callable[[int, Workload], float] | None = None,
+    fp8: Fp8Compute = DEQUANTIZED,
 ) -> ComputeTimes:
     """Roofline compute time of every layer, and of the LM head for the last token of each sequence.
 
     ``kv_bytes_of(layer_index, workload)``: KV cache bytes a layer reads and writes in one step, from a cache
-    model (planner.kv_cache); without one, every layer caches ``num_kv_heads x head_dim`` keys and values."""
+    model (planner.kv_cache); without one, every layer caches ``num_kv_heads x head_dim`` keys and values.
+    ``fp8``: how FP8 linears compute on the plan's target (planner.fp8_cost.fp8_compute_for)."""
     layer_ms = tuple(
-        roofline_ms(*layer_cost(layer, geometry, workload, None if kv_bytes_of is None else kv_bytes_of(i, workload)),
-                    profile)
+        roofline_ms(*layer_cost(layer, geometry, workload, None if kv_bytes_of is None else kv_bytes_of(i, workload),
+                                fp8), profile)
         for i, layer in enumerate(layout.layers)
     )
     head_ms = 0.0
@@ -189,4 +197,6 @@ def estimate_compute(
         f"estimated: roofline from layer shapes at {profile.name} datasheet rates x compute_efficiency "
         f"{profile.compute_efficiency.value:g}"
     )
+    if any(dtype in FP8_DTYPES for layer in layout.layers for _, dtype, _, _ in layer.params):
+        source += f"; {fp8.description}"
     return ComputeTimes(layer_ms=layer_ms, head_ms=head_ms, source=source)

@@ -95,6 +95,52 @@ def split_random_tensors(config_path: Path) -> list[dict[str, torch.Tensor]]:
     return shards
 
 
+def write_random_release(config_path: Path, folder: Path, *, device: str = "cuda", seed: int = 0) -> None:
+    """Random weights in the release's own format (planner.release_format: FP8 block-quantized linears with their
+    float32 weight_scale_inv where config.json's quantization_config says so), in 4 GiB shards; reused or
+    refused as write_random_checkpoint does."""
+    if marker_kind(folder) == RANDOM_WEIGHTS:
+        return
+
+    def fill(staging: Path) -> None:
+        from safetensors.torch import save_file
+
+        from planner.release_format import release_specs
+
+        (staging / "config.json").write_text(config_path.read_text())
+        generator = torch.Generator(device=device).manual_seed(seed)
+        shards, current, size = [], {}, 0
+        for name, dtype, shape in release_specs(json.loads(config_path.read_text())):
+            current[name] = random_release_tensor(name, dtype, shape, generator, device)
+            size += current[name].numel() * current[name].element_size()
+            if size > SHARD_BYTES:
+                shards.append(current)
+                current, size = {}, 0
+        shards.append(current)
+        weight_map = {}
+        for number, shard in enumerate(shards, start=1):
+            file = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(staging / file), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, file))
+        (staging / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+    write_owned_folder(folder, kind=RANDOM_WEIGHTS, fill=fill)
+
+
+def random_release_tensor(name: str, dtype: str, shape: list[int], generator, device: str) -> torch.Tensor:
+    """One tensor of write_random_release: FP8 weights drawn N(0, 1) (std 0.02 once scaled), block scales 0.02
+    (times a little noise, so a misplaced scale shows), norms 1, other float tensors N(0, 0.02)."""
+    draw = torch.randn(shape, generator=generator, device=device)
+    if dtype == "F8_E4M3":
+        return draw.to(torch.float8_e4m3fn).cpu()
+    if name.endswith("scale_inv"):
+        return (0.02 * (1 + 0.1 * draw)).float().cpu()
+    torch_dtype = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}[dtype]
+    if "norm" in name:
+        return torch.ones(shape, dtype=torch_dtype)
+    return (draw * 0.02).to(torch_dtype).cpu()
+
+
 def pinned_h2d_bytes_per_s() -> float:
     """The best pinned host-to-device rate: 256 MiB and 1 GiB copies, torch-pinned and registered memory.
 

@@ -26,6 +26,7 @@ from planner.errors import UsageError
 from planner.serving import DECODE_ROOM_TOKENS
 from planner.simulate import STEPS_PER_GRAPH
 from runtime.experts_impl import DECODE, PREFILL, phase_implementations, switch
+from runtime.quantized import compute_dtype
 
 NUM_WARMUP_CALLS = 2
 #: prefill at most this many tokens per forward (batch x chunk), to bound activation memory
@@ -163,7 +164,7 @@ class DecodeLoop:
         were carved out of freed activation blocks, and the rest of those blocks could then neither be returned
         nor taken by a graph's pool (on the H100 a planned 24 GiB serving process ran out of memory so)."""
         text = self.model.config.get_text_config()
-        dtype = next(p.dtype for p in self.model.parameters() if p.is_floating_point())
+        dtype = compute_dtype(self.model)
         if getattr(text, "kv_lora_rank", None):
             # multi-head latent attention (transformers >= 5.2, DeepSeek-V2/V3) caches one head of the compressed
             # latent as its "keys" and the shared rope key as its "values": two widths, which

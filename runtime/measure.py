@@ -30,6 +30,7 @@ from planner.layout import ModelLayout, config_num_layers, layer_kinds
 from planner.profile import HardwareProfile, load_profile
 from runtime.experts_impl import PREFILL, use_phase
 from runtime.graph import cache_argument
+from runtime.quantized import check_runnable, fill_random_fp8, quantize_skeleton
 
 NUM_WARMUP = 2
 NUM_TIMED = 5
@@ -121,10 +122,15 @@ def alias_module(module: nn.Module, layer_index: int) -> nn.Module:
 
 def build_measure_model(config: dict, kinds: tuple[tuple[int, ...], ...], stack: str,
                         device: str = "cuda") -> nn.Module:
-    """The model at full depth on the GPU with random bf16 weights for one layer per kind, aliases elsewhere."""
+    """The model at full depth on the GPU with random bf16 weights for one layer per kind, aliases elsewhere; an
+    FP8 block-quantized config's linears are transformers' FP8 modules with random FP8 weights, computed as run
+    computes them (runtime.quantized)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = {k: v for k, v in config.items() if k != "quantization_config"}  # measured in bf16
+    quantization = config.get("quantization_config") or text_config(config).get("quantization_config")
+    if quantization is not None:
+        check_runnable(quantization, "make --measure")  # what run cannot place is not timed either
+    config = {k: v for k, v in config.items() if k != "quantization_config"}
     hf_config = AutoConfig.for_model(**config)
     language = hf_config.get_text_config()
     num_layers = language.num_hidden_layers
@@ -136,6 +142,9 @@ def build_measure_model(config: dict, kinds: tuple[tuple[int, ...], ...], stack:
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16)
+    if quantization is not None:  # timed as run computes them: transformers' FP8 modules, random FP8 weights
+        quantize_skeleton(model, quantization)
+        fill_random_fp8(model, torch.device(device))
     layers = model.get_submodule(stack)
     owners = {index: layers[kind[0]] for kind in kinds for index in kind}
     representatives = {kind[0] for kind in kinds}

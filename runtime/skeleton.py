@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from planner.errors import ModelInputError
 from runtime.checkpoint_reader import Reader, SourceTensor
+from runtime.quantized import FP8_WEIGHT_DTYPES, check_runnable, compute_dtype, quantization_section, quantize_skeleton
 
 
 @contextlib.contextmanager
@@ -37,19 +37,21 @@ def params_on_meta():
 
 def build_skeleton(folder: Path, sources: dict[str, SourceTensor]) -> nn.Module:
     """The transformers model for the checkpoint, params on meta, in the dtype from_pretrained(dtype="auto")
-    would choose, weights tied as the config says. ``sources``: the checkpoint's tensors, from the headers
-    already read (a config without a dtype takes the first floating tensor's)."""
+    would choose, weights tied as the config says; an FP8 block-quantized checkpoint's linears are transformers'
+    FP8 modules (runtime.quantized), any other quantization one line. ``sources``: the checkpoint's tensors,
+    from the headers already read (a config without a dtype takes the first floating, unquantized tensor's)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config_folder = folder if folder.is_dir() else folder.parent
     config = AutoConfig.from_pretrained(config_folder)
-    if getattr(config, "quantization_config", None):
-        raise ModelInputError(f"{folder}: config.json has a quantization_config; run's loader places bf16/fp16/fp32 "
-                              "weights as stored and does not apply transformers' quantizers: use an unquantized "
-                              "checkpoint")
+    quantization = quantization_section(config)
+    if quantization is not None:
+        check_runnable(quantization, str(folder))
     dtype = _auto_dtype(config, sources)
     with params_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if quantization is not None:
+        quantize_skeleton(model, quantization)  # transformers' FP8 modules, weights placed as stored
     model.tie_weights()
     _load_generation_config(model, config_folder)
     return model.eval()
@@ -66,7 +68,8 @@ def _auto_dtype(config, sources: dict[str, SourceTensor]) -> torch.dtype:
     first_file = min((source.path for source in sources.values()), default=None)
     in_file_order = sorted((source.offset_bytes, source.dtype) for source in sources.values()
                            if source.path == first_file)
-    return next((dtype for _, dtype in in_file_order if dtype.is_floating_point), torch.get_default_dtype())
+    return next((dtype for _, dtype in in_file_order if dtype.is_floating_point and dtype not in FP8_WEIGHT_DTYPES),
+                torch.get_default_dtype())
 
 
 def _load_generation_config(model, folder: Path) -> None:
@@ -214,7 +217,7 @@ def convert_group(model: nn.Module, reader: Reader, group: list[SourceTensor], w
     from transformers.modeling_utils import LoadStateDictConfig
 
     state = {source.name: reader.read_tensor(source) for source in group}
-    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    dtype = compute_dtype(model)
     with lock:  # transformers sets params on the model: one group at a time
         before = {name for name, p in model.named_parameters() if p.device.type == "meta"}
         config = LoadStateDictConfig(device_map={"": "cpu"}, dtype=dtype, weight_mapping=weight_mapping)

@@ -490,12 +490,13 @@ def test_a_refused_staging_ring_starts_nothing_and_leaves_nothing_pinned(checkpo
 
 
 def test_a_quantized_checkpoint_is_refused_in_one_line(checkpoints, tmp_path):
-    """Its tensors would be placed as stored, without transformers' quantizer: refused, not run wrongly."""
+    """A method run does not place (FP8 block-quantized checkpoints load: tests/test_fp8_runtime.py): refused,
+    not run wrongly."""
     import json
 
     folder = _copy_checkpoint(checkpoints("llama"), tmp_path / "ckpt")
     config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
     (folder / "config.json").write_text(json.dumps(config))
     backend = CpuStandIn()
     with pytest.raises(ModelInputError, match="quantization_config") as error:

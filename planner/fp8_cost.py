@@ -1,0 +1,49 @@
+"""What an FP8 block-quantized layer costs to compute, by the path that computes it.
+
+``run`` builds FP8 checkpoints with transformers' own ``FP8Linear`` (runtime.quantized). Its matmul kernel
+(``kernels-community/finegrained-fp8``, or DeepGEMM) comes from the hub through the ``kernels`` package in
+transformers 5.17 to 5.24, which the supported stack does not have; there each FP8 linear dequantizes its weight
+every step instead: FP8 -> bf16 (read 1 byte, write 2), times its block scale into bf16 (read 2, write 2), then
+a bf16 matmul that reads the 2-byte weight. That is 9 bytes of HBM traffic per FP8 weight against the 1 byte
+stored, and the matmul's FLOPs at the bf16 rate: a memory-bound decode step costs about 4.5x its bf16 bytes,
+not half of them. An engine's FP8 kernel (vLLM, SGLang) reads the FP8 byte once and multiplies at the FP8 rate.
+
+The link is unaffected: an offloaded layer copies its stored bytes (1 a weight, its float32 scales beside it),
+as the layout counts them from the headers. ``make --measure`` times the path that actually runs.
+"""
+
+from dataclasses import dataclass
+
+#: the FP8 dtypes of safetensors headers
+FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
+#: HBM bytes one step moves per FP8 weight on the dequantizing path: 1 + 2 (widen), 2 + 2 (scale), 2 (matmul)
+DEQUANTIZED_BYTES_PER_FP8_BYTE = 9
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fp8Compute:
+    """How a step computes FP8 linears: HBM traffic per stored FP8 byte and the FLOP rate of the matmul."""
+
+    #: HBM bytes moved per byte of FP8 weight each step
+    hbm_bytes_per_fp8_byte: float
+    #: the matmul runs at the profile's FP8 rate (an FP8 kernel), else at its bf16 rate
+    fp8_rate: bool
+    #: recorded in the plan's compute source
+    description: str
+
+    def __post_init__(self):
+        if self.hbm_bytes_per_fp8_byte < 1:
+            raise ValueError("hbm_bytes_per_fp8_byte must be at least 1: the stored byte is read")
+
+
+#: offload-plan's runtime without transformers' hub FP8 kernel (the supported stack)
+DEQUANTIZED = Fp8Compute(hbm_bytes_per_fp8_byte=DEQUANTIZED_BYTES_PER_FP8_BYTE, fp8_rate=False,
+                         description="FP8 weights dequantized to bf16 each step (transformers' FP8Linear without its "
+                                     "hub kernel)")
+#: an engine's FP8 tensor-core kernel
+NATIVE = Fp8Compute(hbm_bytes_per_fp8_byte=1, fp8_rate=True, description="FP8 matmuls at the FP8 rate")
+
+
+def fp8_compute_for(engine: str | None) -> Fp8Compute:
+    """The FP8 path of the plan's target: ``run`` (no engine) dequantizes, vLLM and SGLang have FP8 kernels."""
+    return DEQUANTIZED if engine is None else NATIVE

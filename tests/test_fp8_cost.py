@@ -1,0 +1,58 @@
+"""The cost model's FP8 compute (planner.fp8_cost, issue 23): run dequantizes FP8 linears each step (9 HBM bytes
+per FP8 weight at the bf16 rate); an engine's FP8 kernel reads the byte once at the FP8 rate. Pure planner."""
+
+import pytest
+
+from planner.cost import Workload, layer_cost, roofline_ms
+from planner.fp8_cost import DEQUANTIZED, NATIVE, Fp8Compute, fp8_compute_for
+from planner.layout import LayerInfo
+from planner.profile import load_profile
+
+HIDDEN, INNER = 4096, 12288
+
+
+def _layer(dtype: str, nbytes_per_weight: int) -> LayerInfo:
+    """One Qwen3-8B-shaped MLP (gate, up, down) in ``dtype``."""
+    params = []
+    for name, shape in (("gate_proj", (INNER, HIDDEN)), ("up_proj", (INNER, HIDDEN)), ("down_proj", (HIDDEN, INNER))):
+        params.append((f"model.layers.0.mlp.{name}.weight", dtype, shape, shape[0] * shape[1] * nbytes_per_weight))
+        if dtype == "F8_E4M3":
+            scales = (shape[0] // 128, shape[1] // 128)
+            params.append((f"model.layers.0.mlp.{name}.weight_scale_inv", "F32", scales, 4 * scales[0] * scales[1]))
+    return LayerInfo(index=0, params=tuple(params))
+
+
+def _geometry():
+    from planner.cost import ModelGeometry
+
+    return ModelGeometry(num_heads=32, num_kv_heads=8, head_dim=128, num_experts=0, top_k=0)
+
+
+def test_run_pays_the_dequantized_traffic_and_the_bf16_rate():
+    decode = Workload(tokens_per_step=1, sequences_per_step=1, context_tokens=0)
+    weights = 3 * HIDDEN * INNER
+    fp8 = _layer("F8_E4M3", 1)
+    flops, hbm_bytes, fp8_rate = layer_cost(fp8, _geometry(), decode, kv_bytes=0, fp8=DEQUANTIZED)
+    assert not fp8_rate
+    scale_bytes = fp8.nbytes - weights
+    assert hbm_bytes == pytest.approx(9 * weights + scale_bytes)
+    _, native_bytes, native_rate = layer_cost(fp8, _geometry(), decode, kv_bytes=0, fp8=NATIVE)
+    assert native_rate and native_bytes == pytest.approx(weights + scale_bytes)
+    bf16_flops, bf16_bytes, _ = layer_cost(_layer("BF16", 2), _geometry(), decode, kv_bytes=0)
+    assert flops == bf16_flops and hbm_bytes > 4 * bf16_bytes  # decode on run's FP8 path: ~4.5x the bf16 bytes
+
+
+def test_prefill_of_the_dequantized_path_runs_at_the_bf16_rate():
+    profile = load_profile("h100-sxm")
+    prefill = Workload(tokens_per_step=8192)
+    fp8_ms = roofline_ms(*layer_cost(_layer("F8_E4M3", 1), _geometry(), prefill, kv_bytes=0), profile)
+    bf16_ms = roofline_ms(*layer_cost(_layer("BF16", 2), _geometry(), prefill, kv_bytes=0), profile)
+    native_ms = roofline_ms(*layer_cost(_layer("F8_E4M3", 1), _geometry(), prefill, kv_bytes=0, fp8=NATIVE), profile)
+    assert fp8_ms == pytest.approx(bf16_ms) and native_ms < 0.6 * bf16_ms
+
+
+def test_the_target_chooses_the_path():
+    assert fp8_compute_for(None) is DEQUANTIZED
+    assert fp8_compute_for("vllm") is NATIVE and fp8_compute_for("sglang") is NATIVE
+    with pytest.raises(ValueError, match="hbm_bytes_per_fp8_byte"):
+        Fp8Compute(hbm_bytes_per_fp8_byte=0.5, fp8_rate=True, description="")
