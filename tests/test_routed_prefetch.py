@@ -184,6 +184,30 @@ print("ok")
 """
 
 
+PERSISTENT_LOOP_SCRIPT = """
+import torch
+import triton
+import triton.language as tl
+
+@triton.jit
+def visit(out, n):
+    for item in range(tl.program_id(0), n, tl.num_programs(0)):
+        tl.store(out + item, item)
+
+out = torch.zeros(8, dtype=torch.int32)
+visit[(3,)](out, 8)
+assert out.tolist() == list(range(8))
+print("ok")
+"""
+
+
+def _interpreter_runs_persistent_loops(env: dict, root: str) -> bool:
+    """Whether Triton's interpreter here runs a loop bounded by program ids at all (a kernel of that loop alone)."""
+    probe = subprocess.run([sys.executable, "-c", PERSISTENT_LOOP_SCRIPT], env=env, capture_output=True, text=True,
+                           cwd=root, timeout=120)
+    return probe.returncode == 0 and "ok" in probe.stdout
+
+
 def test_bounded_grid_gather_in_the_interpreter():
     """The persistent gather covers every block of every slot with 1, 3 or one program per block (rows of
     three blocks of GATHER_BLOCK_WORDS: the loop strides over slots and blocks). Run by Triton's interpreter on
@@ -196,6 +220,11 @@ def test_bounded_grid_gather_in_the_interpreter():
                PYTHONPATH=os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])]))
     result = subprocess.run([sys.executable, "-c", BOUNDED_GATHER_SCRIPT], env=env, capture_output=True, text=True,
                             cwd=root, timeout=300)
+    if result.returncode != 0 and not _interpreter_runs_persistent_loops(env, root):
+        # the H100's Triton 3.6 interpreter: a program id is a 1-element array there, not a scalar, and range()
+        # refuses it; the compiled kernel is what runs on a GPU (tests/test_routed_experts_gpu.py)
+        pytest.skip("this Triton's interpreter cannot run a loop bounded by program ids (the gather's persistent "
+                    "loop); the compiled kernel is tested on the GPU")
     assert result.returncode == 0 and "ok" in result.stdout, \
         f"exit {result.returncode}; stdout: {result.stdout[-1000:]!r}; stderr: {result.stderr[-3000:]}"
 
