@@ -55,10 +55,12 @@ MAX_TP_SIZE = 1024
 #: fixed cost of one all-reduce on NVLink, on top of bytes / bandwidth. Assumed, not measured: the order of the
 #: small-message latency NVIDIA's nccl-tests all_reduce_perf reports within one NVLink node (about 10-20 us for a
 #: few KiB on 8 H100s), and of vLLM's custom one-shot all-reduce (csrc/custom_all_reduce.cuh) for decode-sized
-#: messages; scripts/bench_tp.py measures the step on two GPUs
+#: messages. make --tp N --measure measures it instead where N GPUs are visible (runtime.all_reduce)
 ALL_REDUCE_LATENCY_US = 10.0
-#: all-reduces per decoder layer: after attention's row-parallel o_proj and after the MLP's down_proj (a MoE
-#: layer's FusedMoE reduces its experts' and shared experts' sum once)
+#: all-reduces per decoder layer: after attention's row-parallel o_proj and after the MLP's down_proj. A MoE
+#: layer reduces once too: vLLM's FusedMoE reduces the routed experts' partial sums (reduce_results), and where
+#: there are shared experts (DeepSeek) SharedFusedMoE adds their partial output before that one reduce; transformers'
+#: Qwen3-MoE tp_plan ("moe_tp_experts") likewise reduces once after the experts
 ALL_REDUCES_PER_LAYER = 2
 
 # Module names (the part before .weight/.bias) by how vLLM splits them.
@@ -386,6 +388,53 @@ def rank_config(config: dict | None, tp: int) -> dict | None:
 # ---- all-reduces ----------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, kw_only=True)
+class AllReduceLink:
+    """What one all-reduce costs between the ranks: a fixed latency plus bytes over a bus bandwidth."""
+
+    latency_us: float
+    #: bytes per second of the ring's traffic (nccl-tests' "bus bandwidth": 2 (N - 1) / N of the bytes cross each
+    #: GPU's link)
+    bytes_per_s: float
+    #: "measured: ..." where timed on the local GPUs, "" for the profile's figure and the assumed latency
+    measured: str = ""
+    #: why an assumed figure stands where --measure asked for a measured one ("" otherwise)
+    assumed_why: str = ""
+
+    def describe(self, tp: int, num_per_step: int) -> str:
+        """How the plan's compute source states the all-reduces (unchanged for a plan without --measure)."""
+        text = (f"+ {num_per_step} all-reduces a step over {tp} GPUs at {self.bytes_per_s / 1e9:g} GB/s and "
+                f"{self.latency_us:g} us each")
+        if self.measured:
+            return f"{text} ({self.measured})"
+        if self.assumed_why:
+            return f"{text} (assumed: the profile's link and {ALL_REDUCE_LATENCY_US:g} us; {self.assumed_why})"
+        return text
+
+
+def assumed_link(profile, tp: int, why: str = "") -> AllReduceLink:
+    """The profile's gpu_link_bytes_per_s and the assumed latency (``why``: why no measured figure stands)."""
+    return AllReduceLink(latency_us=ALL_REDUCE_LATENCY_US, bytes_per_s=link_bytes_per_s(profile, tp),
+                         assumed_why=why)
+
+
+def link_from_timings(tp: int, timings: tuple[tuple[int, float], ...], measured: str) -> AllReduceLink:
+    """The latency and bus bandwidth through the smallest and the largest of ``timings`` ((message bytes, ms of one
+    all-reduce) on ``tp`` GPUs): the line t = latency + 2 (N - 1) / N x bytes / bandwidth through both."""
+    if tp < 2 or len(timings) < 2:
+        raise UsageError(f"an all-reduce link needs timings of two message sizes on 2 GPUs or more (got "
+                         f"{len(timings)} on {tp})")
+    (small_bytes, small_ms), (large_bytes, large_ms) = min(timings), max(timings)
+    if large_bytes <= small_bytes or large_ms <= small_ms:
+        raise UsageError(f"the all-reduce of {large_bytes} bytes took {large_ms:.4f} ms, no longer than "
+                         f"{small_bytes} bytes ({small_ms:.4f} ms): the timing is noise; measure again on idle GPUs")
+    ms_per_byte = (large_ms - small_ms) / (large_bytes - small_bytes)
+    latency_ms = max(0.0, small_ms - ms_per_byte * small_bytes)
+    bus_bytes_per_s = 1e3 * 2 * (tp - 1) / tp / ms_per_byte
+    return AllReduceLink(latency_us=round(1e3 * latency_ms, 2), bytes_per_s=round(bus_bytes_per_s, -7),
+                         measured=measured)
+
+
 def ring_all_reduce_ms(num_bytes: float, tp: int, link_bytes_per_s: float,
                        latency_us: float = ALL_REDUCE_LATENCY_US) -> float:
     """One all-reduce of ``num_bytes`` over ``tp`` GPUs: a ring moves 2 (N - 1) / N of the bytes over each GPU's
@@ -414,13 +463,15 @@ class AllReduces:
 
 
 def step_all_reduces(*, tp: int, num_layers: int, tokens_per_step: int, sequences_per_step: int, hidden_size: int,
-                     vocab_size: int, activation_bytes: int, link_bytes_per_s: float) -> AllReduces:
+                     vocab_size: int, activation_bytes: int, link_bytes_per_s: float,
+                     latency_us: float = ALL_REDUCE_LATENCY_US) -> AllReduces:
     """The all-reduces of one step: two per layer over the step's hidden states, one for the embedding, and the
     LM head's gather of the last token's logits of each sequence."""
     hidden_bytes = tokens_per_step * hidden_size * activation_bytes
-    layer_ms = ALL_REDUCES_PER_LAYER * ring_all_reduce_ms(hidden_bytes, tp, link_bytes_per_s)
+    layer_ms = ALL_REDUCES_PER_LAYER * ring_all_reduce_ms(hidden_bytes, tp, link_bytes_per_s, latency_us)
     logits_bytes = sequences_per_step * pad_vocab(vocab_size) * activation_bytes
-    head_ms = ring_all_reduce_ms(hidden_bytes, tp, link_bytes_per_s) + gather_ms(logits_bytes, tp, link_bytes_per_s)
+    head_ms = (ring_all_reduce_ms(hidden_bytes, tp, link_bytes_per_s, latency_us)
+               + gather_ms(logits_bytes, tp, link_bytes_per_s, latency_us))
     return AllReduces(layer_ms=layer_ms, head_ms=head_ms,
                       num_per_step=0 if tp == 1 else ALL_REDUCES_PER_LAYER * num_layers + 2)
 
@@ -440,36 +491,35 @@ def link_bytes_per_s(profile, tp: int) -> float:
 _ACTIVATION_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
-def with_all_reduces(compute: ComputeTimes, checkpoint: Checkpoint, workload, profile) -> ComputeTimes:
-    """``compute`` of one rank with the step's all-reduces added to each layer and to the head (a RankCheckpoint;
-    any other checkpoint's times come back as they are)."""
+def with_all_reduces(compute: ComputeTimes, checkpoint: Checkpoint, workload, profile,
+                     link: AllReduceLink | None = None) -> ComputeTimes:
+    """``compute`` of one rank with the step's all-reduces added to each layer and to the head, at ``link`` (default:
+    the profile's figure and the assumed latency); a checkpoint that is not a RankCheckpoint comes back as it is."""
     if not isinstance(checkpoint, RankCheckpoint):
         return compute
+    link = assumed_link(profile, checkpoint.tp_size) if link is None else link
     text = text_config(checkpoint.whole_config)
     dtype = text.get("torch_dtype") or text.get("dtype")
     reduces = step_all_reduces(
         tp=checkpoint.tp_size, num_layers=len(compute.layer_ms), tokens_per_step=workload.tokens_per_step,
         sequences_per_step=workload.sequences_per_step, hidden_size=int(text.get("hidden_size") or 0),
         vocab_size=int(text.get("vocab_size") or 0), activation_bytes=_ACTIVATION_BYTES.get(dtype, 2),
-        link_bytes_per_s=link_bytes_per_s(profile, checkpoint.tp_size))
+        link_bytes_per_s=link.bytes_per_s, latency_us=link.latency_us)
     return ComputeTimes(layer_ms=tuple(ms + reduces.layer_ms for ms in compute.layer_ms),
                         head_ms=compute.head_ms + reduces.head_ms,
-                        source=f"{compute.source}; + {reduces.num_per_step} all-reduces a step over "
-                               f"{checkpoint.tp_size} GPUs at {profile.gpu_link_bytes_per_s.value / 1e9:g} GB/s "
-                               f"and {ALL_REDUCE_LATENCY_US:g} us each")
+                        source=f"{compute.source}; {link.describe(checkpoint.tp_size, reduces.num_per_step)}")
 
 
 def check_tp_inputs(inputs, profile) -> None:
-    """--tp plans one rank from the checkpoint's headers: the profile must name its GPU link, and the inputs that
-    reach the local GPU or shard with the model in ways not modelled (--measure, --adapter) are refused."""
+    """--tp plans one rank from the checkpoint's headers: the profile must name its GPU link, and LoRA adapters,
+    whose shards are not modelled, are refused. --measure times the rank's own layers (rank_config's shapes)."""
     check_tp_size(inputs.tp)
     if inputs.tp == 1:
         return
     link_bytes_per_s(profile, inputs.tp)
-    for flag, given in (("--measure", inputs.measure), ("--adapter", bool(inputs.adapters))):
-        if given:
-            raise UsageError(f"{flag} with --tp {inputs.tp} is not planned yet (one rank's layers and LoRA shards "
-                             f"are not modelled); drop {flag} or plan with --tp 1")
+    if inputs.adapters:
+        raise UsageError(f"--adapter with --tp {inputs.tp} is not planned yet (LoRA shards per rank are not "
+                         "modelled); drop --adapter or plan with --tp 1")
 
 
 # ---- comparing GPU counts -------------------------------------------------------------------------------------

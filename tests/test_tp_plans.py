@@ -82,7 +82,7 @@ def test_tp_2_4_compares_gpu_counts_and_diff_restates_it(llama, monkeypatch):
     (("--tp", "0"), ("from 1 to",)),
     (("--tp", "2,4"), ("-o PATH",)),
     (("--tp", "2", "-g", "l40s"), ("gpu_link_bytes_per_s",)),
-    (("--tp", "2", "--measure"), ("--measure",)),
+    (("--tp", "2", "--adapter", "no-such-adapter"), ("--adapter", "--tp 1")),
     # the rank's offloaded share (about 50 GB of its 70.6) is more than its host memory
     (("--tp", "2", "-g", "gb200", "--budget", "20GiB", "--host-memory", "10GB"), ("host memory", "--host-memory")),
 ])
