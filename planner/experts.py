@@ -144,9 +144,10 @@ def count_experts(layer: LayerInfo) -> int:
     """Experts of a layer from its tensor names (``experts.7.``) or a fused tensor's leading dimension."""
     indices = set()
     for name, _, shape, _ in layer.params:
-        if not is_expert_param(name):
+        _, found, after = f".{name}.".partition(".experts.")  # is_expert_param, and what follows the segment
+        if not found:
             continue
-        tail = f".{name}.".split(".experts.", 1)[1].split(".")[0]
+        tail = after.partition(".")[0]
         if tail.isascii() and tail.isdigit():
             indices.add(int(tail))
         elif len(shape) == 3:

@@ -228,6 +228,8 @@ def _routed_ruled_out(inputs: Inputs, layout: ModelLayout, geometry) -> str | No
     if pinned:
         return f"{', '.join(pinned)} pinned: the plan evaluates whole-layer offloading with them"
     params = tuple(inputs.params)
+    if not params:  # no --params: every param is selected, the experts too (param_selected)
+        return None
     moe = {layer.index for layer in geometry.layers}
     for layer in layout.layers:
         if layer.index in moe and not all(param_selected(name, params) for name, *_ in layer.params
