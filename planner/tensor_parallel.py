@@ -92,12 +92,17 @@ class Split:
 
 def split_of(name: str, ndim: int) -> Split:
     """The split of tensor ``name`` (``ndim`` dims) under vLLM's tensor parallelism; ModelInputError if unknown."""
-    parent, _, leaf = name.rpartition(".")
-    split = _split_of_parts(parent.rpartition(".")[2], leaf, ndim)
+    split = _split_or_none(name, ndim)
     if split is None:
         raise ModelInputError(f"--tp: how vLLM shards {name!r} is not modelled (planner.tensor_parallel knows the "
                               "Llama, Qwen3, Qwen3-MoE, Mixtral, DeepSeek-V3 and gpt-oss layers); plan it with --tp 1")
     return split
+
+
+def _split_or_none(name: str, ndim: int) -> Split | None:
+    """The split of tensor ``name``, None where the rules do not name it."""
+    parent, _, leaf = name.rpartition(".")
+    return _split_of_parts(parent.rpartition(".")[2], leaf, ndim)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -216,13 +221,20 @@ def _check_fp8_blocks(weight: TensorEntry, rank: tuple[int, ...], split: Split, 
         raise _Refused(f"each rank's {rank[-1]} input columns are not a whole number of {block_k}-column FP8 blocks")
 
 
-def _scale_shape(scale: TensorEntry, weights: dict[str, tuple[int, ...]], block: tuple[int, int]) -> tuple[int, ...]:
-    """One inverse scale per FP8 block of the rank's weight."""
-    weight_name = scale.name.removesuffix(_SCALE_SUFFIX)
-    rank_weight = weights.get(weight_name)
-    if rank_weight is None or len(rank_weight) != 2:
-        return scale.shape
-    return (math.ceil(rank_weight[0] / block[0]), math.ceil(rank_weight[1] / block[1]))
+def _scale_shape(scale: TensorEntry, weights: dict[str, tuple[int, ...]], block: tuple[int, int],
+                 known: dict[tuple, tuple[int, ...]]) -> tuple[int, ...]:
+    """One inverse scale per FP8 block of the rank's weight (``known``: shapes already worked out, by the rank
+    weight's shape and the scale's)."""
+    rank_weight = weights.get(scale.name.removesuffix(_SCALE_SUFFIX))
+    key = (rank_weight, scale.shape)
+    shape = known.get(key)
+    if shape is None:
+        if rank_weight is None or len(rank_weight) != 2:
+            shape = scale.shape
+        else:
+            shape = (math.ceil(rank_weight[0] / block[0]), math.ceil(rank_weight[1] / block[1]))
+        known[key] = shape
+    return shape
 
 
 def shard_entries(tensors: tuple[TensorEntry, ...], config: dict | None, tp: int) -> tuple[TensorEntry, ...]:
@@ -237,19 +249,18 @@ def shard_entries(tensors: tuple[TensorEntry, ...], config: dict | None, tp: int
         _check_heads(model, tp)
     except _Refused as why:
         raise _refusal(Split(kind="kv", engine_class="QKVParallelLinear"), tp, str(why), tensors, config) from None
-    names = frozenset(t.name for t in tensors)
     rank_weights: dict[str, tuple[int, ...]] = {}
     out: list[TensorEntry | None] = []
     scales: list[int] = []
     shapes: dict[tuple, tuple[int, ...]] = {}
     nbytes_of = functools.lru_cache(maxsize=None)(tensor_nbytes)
-    for entry in tensors:
-        split = split_of(entry.name, len(entry.shape))
+    for entry, (split, fp8) in zip(tensors, _tensor_facts(tensors)):
+        if split is None:
+            split_of(entry.name, len(entry.shape))  # raises its one line
         if split.kind == "scale":
             scales.append(len(out))
             out.append(None)
             continue
-        fp8 = entry.name + _SCALE_SUFFIX in names
         key = (split.kind, entry.shape, fp8)
         shape = shapes.get(key)
         if shape is None:
@@ -262,18 +273,34 @@ def shard_entries(tensors: tuple[TensorEntry, ...], config: dict | None, tp: int
             shapes[key] = shape
         rank_weights[entry.name] = shape
         out.append(_resized(entry, shape, nbytes_of))
+    scale_shapes: dict[tuple, tuple[int, ...]] = {}
     for index in scales:
         scale = tensors[index]
-        shape = _scale_shape(scale, rank_weights, model.fp8_block) if tp > 1 else scale.shape
+        shape = _scale_shape(scale, rank_weights, model.fp8_block, scale_shapes) if tp > 1 else scale.shape
         out[index] = _resized(scale, shape, nbytes_of)
     return tuple(out)
+
+
+#: id(tensors) -> (tensors, each one's split and whether an FP8 scale goes with it): what does not change with the
+#: GPU count, worked out once for every size make --tp 2,4 shards the checkpoint for
+_FACTS: dict[int, tuple[tuple, tuple]] = {}
+
+
+def _tensor_facts(tensors: tuple[TensorEntry, ...]) -> tuple[tuple[Split | None, bool], ...]:
+    """(split, has an FP8 scale) of each tensor, in order; None where the rules do not name it."""
+    cached = _FACTS.get(id(tensors))
+    if cached is None or cached[0] is not tensors:
+        names = frozenset(t.name for t in tensors)
+        facts = tuple((_split_or_none(t.name, len(t.shape)), t.name + _SCALE_SUFFIX in names) for t in tensors)
+        _FACTS.clear()
+        cached = _FACTS[id(tensors)] = (tensors, facts)
+    return cached[1]
 
 
 def _resized(entry: TensorEntry, shape: tuple[int, ...], nbytes_of) -> TensorEntry:
     if shape == entry.shape:
         return entry
-    return TensorEntry(name=entry.name, dtype=entry.dtype, shape=shape, nbytes=nbytes_of(entry.dtype, shape),
-                       file=entry.file)
+    return entry.resized(shape, nbytes_of(entry.dtype, shape))
 
 
 def _check_heads(model: TpModel, tp: int) -> None:
