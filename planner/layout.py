@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from planner.checkpoint import Checkpoint
 from planner.errors import ModelInputError
-from planner.experts import count_experts, is_expert_param
+from planner.experts import is_expert_param, max_experts
 from planner.model_config import check_against_tensors, model_config
 from planner.safetensors_header import TensorEntry
 
@@ -148,7 +148,7 @@ def _check_config(checkpoint: Checkpoint, layers: list[LayerInfo], outside: list
     moe_layers = [layer for layer in layers if any(is_expert_param(p[0]) for p in layer.params)]
     check_against_tensors(model_config(checkpoint.config), source=checkpoint.source,
                           embedding_width=embedding.shape[1] if embedding else None, num_stack_layers=len(layers),
-                          num_experts_present=max(map(count_experts, moe_layers)) if moe_layers else None)
+                          num_experts_present=max_experts(moe_layers) if moe_layers else None)
 
 
 def _layer_info(index: int, tensors: list[TensorEntry], stack: str) -> LayerInfo:
