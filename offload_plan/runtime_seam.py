@@ -40,6 +40,15 @@ def measured_compute(checkpoint, layout, workload, profile, measured_on: str | N
     return measure(checkpoint, layout, workload, profile, measured_on, graphed)
 
 
+def measured_all_reduce(tp: int, profile, measured_on: str | None):
+    """``make --tp N --measure``: the all-reduce's latency and bandwidth between N local GPUs
+    (planner.tensor_parallel.AllReduceLink), or the profile's figure, with why, where it cannot be measured here."""
+    require_cuda("make --measure")
+    from runtime.all_reduce import measured_link
+
+    return measured_link(tp, profile, measured_on)
+
+
 def calibrate():
     """``calibrate``: (the measured profile, its YAML text, the H2D points behind it)."""
     require_cuda("offload-plan calibrate")

@@ -140,13 +140,25 @@ def moe_geometry(config: dict | None, layout: ModelLayout) -> MoeGeometry | None
                        unroutable_reason=_unroutable_reason(layers, num_experts))
 
 
+def max_experts(layers) -> int:
+    """The most experts any of ``layers`` holds (count_experts), counted once per distinct set of param names and
+    shapes: DeepSeek-V3's 58 MoE layers are one such set of 1,500 params, counted again for each GPU count."""
+    counts: dict[tuple, int] = {}
+    for layer in layers:
+        key = tuple((name, shape) for name, _, shape, _ in layer.params)
+        if key not in counts:
+            counts[key] = count_experts(layer)
+    return max(counts.values())
+
+
 def count_experts(layer: LayerInfo) -> int:
     """Experts of a layer from its tensor names (``experts.7.``) or a fused tensor's leading dimension."""
     indices = set()
     for name, _, shape, _ in layer.params:
-        if not is_expert_param(name):
+        _, found, after = f".{name}.".partition(".experts.")  # is_expert_param, and what follows the segment
+        if not found:
             continue
-        tail = f".{name}.".split(".experts.", 1)[1].split(".")[0]
+        tail = after.partition(".")[0]
         if tail.isascii() and tail.isdigit():
             indices.add(int(tail))
         elif len(shape) == 3:

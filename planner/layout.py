@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from planner.checkpoint import Checkpoint
 from planner.errors import ModelInputError
-from planner.experts import count_experts, is_expert_param
+from planner.experts import is_expert_param, max_experts
 from planner.model_config import check_against_tensors, model_config
 from planner.safetensors_header import TensorEntry
 
@@ -33,6 +33,8 @@ class LayerInfo:
 
     def matching_bytes(self, segments: tuple[str, ...]) -> int:
         """Bytes of the params selected by ``segments`` (all params when ``segments`` is empty)."""
+        if not segments:
+            return self.nbytes
         return sum(p[3] for p in self.params if param_selected(p[0], segments))
 
 
@@ -73,6 +75,7 @@ def param_selected(relative_name: str, segments: tuple[str, ...]) -> bool:
     return any(f".{segment}." in dotted for segment in segments)
 
 
+@functools.lru_cache(maxsize=2**18)
 def _split(name: str) -> tuple[str, int, str] | None:
     """'model.layers.3.mlp.w' -> ('model.layers', 3, 'mlp.w'); None when the name has no index segment."""
     parts = name.split(".")
@@ -124,7 +127,8 @@ def build_layout(checkpoint: Checkpoint, stack: str | None = None) -> ModelLayou
     unused = [layer for layer in layers if served is not None and layer.index >= served]
     if not used:
         raise ModelInputError(f"config.json says {served} layers but stack {stack} has none below that index")
-    in_stack = {f"{stack}.{layer.index}.{p[0]}" for layer in layers for p in layer.params}
+    # the names find_stacks grouped under the stack (each is "{stack}.{index}.{param}": _split's canonical digits)
+    in_stack = {t.name for tensors in stacks[stack].values() for t in tensors}
     outside = [t for t in checkpoint.tensors if t.name not in in_stack]
     if chosen:  # a stack named with --stack (a vision tower's, say) is not the one config.json describes
         _check_config(checkpoint, layers, outside)
@@ -144,7 +148,7 @@ def _check_config(checkpoint: Checkpoint, layers: list[LayerInfo], outside: list
     moe_layers = [layer for layer in layers if any(is_expert_param(p[0]) for p in layer.params)]
     check_against_tensors(model_config(checkpoint.config), source=checkpoint.source,
                           embedding_width=embedding.shape[1] if embedding else None, num_stack_layers=len(layers),
-                          num_experts_present=max(map(count_experts, moe_layers)) if moe_layers else None)
+                          num_experts_present=max_experts(moe_layers) if moe_layers else None)
 
 
 def _layer_info(index: int, tensors: list[TensorEntry], stack: str) -> LayerInfo:

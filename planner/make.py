@@ -19,7 +19,7 @@ from planner.kv_cache import kv_cache_model
 from planner.layout import ModelLayout, build_layout, param_selected
 from planner.make_inputs import (budget_bytes_for, budget_given, check_context, gpu_memory_bytes_for,
                                  host_memory_bytes_for, resolve_inputs, workload_of)
-from planner.make_model import MeasureActivations, MeasureFunction, Model, as_recorded
+from planner.make_model import MeasureActivations, MeasureFunction, MeasureLink, Model, as_recorded
 from planner.memory_accounting import (HostLimit, adapter_host_bytes, check_adapter_slots, check_gpu_total,
                                        check_host_memory, serving_other_bytes, weights_plan_other_bytes,
                                        whole_gpu_budget)
@@ -46,17 +46,18 @@ class Planned:
 def make_plan(inputs: Inputs, compute_override: ComputeTimes | None = None,
               measure: MeasureFunction | None = None,
               measure_activations: MeasureActivations | None = None,
-              checkpoint: Checkpoint | None = None) -> Planned:
+              checkpoint: Checkpoint | None = None, measure_link: MeasureLink | None = None) -> Planned:
     """Read the checkpoint and profile named by ``inputs`` and search the fastest plan that fits: for the
     weights alone within a budget, or (``inputs.concurrency``) for a serving target on the whole GPU.
 
     Compute times: ``compute_override`` when given (check passes a --measure plan's recorded times; not for a
     serving plan, whose search times every concurrency), else ``measure`` for --measure (the caller's, which
     reaches the GPU), else the roofline estimate. A serving plan with --measure also measures its activation
-    peaks with ``measure_activations`` where given (else estimates them). ``checkpoint``: the one --model names,
-    already read (make --tp 2,4 reads it once for every GPU count).
+    peaks with ``measure_activations`` where given (else estimates them), and with --tp N the all-reduce between
+    the local GPUs with ``measure_link`` (else the profile's link stands, said so in the plan). ``checkpoint``: the
+    one --model names, already read (make --tp 2,4 reads it once for every GPU count).
     """
-    model = _read_model(inputs, measure, measure_activations, checkpoint)
+    model = _read_model(inputs, measure, measure_activations, checkpoint, measure_link)
     if inputs.concurrency is not None:
         return make_serving_plan(model)
     workload = model.resolved.workload
@@ -148,7 +149,8 @@ def make_serving_plan(model: Model) -> Planned:
 
 
 def _read_model(inputs: Inputs, measure: MeasureFunction | None = None,
-                measure_activations: MeasureActivations | None = None, whole: Checkpoint | None = None) -> Model:
+                measure_activations: MeasureActivations | None = None, whole: Checkpoint | None = None,
+                measure_link: MeasureLink | None = None) -> Model:
     """Profile, checkpoint headers, layout, the bytes each layer would move, the KV cache model and adapters."""
     resolved = resolve_inputs(inputs)
     check_engine_input(inputs.engine, tuple(inputs.params))
@@ -174,7 +176,7 @@ def _read_model(inputs: Inputs, measure: MeasureFunction | None = None,
     return Model(inputs=inputs, resolved=resolved, profile=profile, checkpoint=checkpoint, layout=layout,
                  layer_bytes=layer_bytes, kv=kv, activation_shape=shape, warnings=warnings, measure=measure,
                  measure_activations=measure_activations, adapters=adapters,
-                 experts=_read_experts(inputs, checkpoint, layout))
+                 experts=_read_experts(inputs, checkpoint, layout), measure_link=measure_link)
 
 
 def _layer_bytes(params: tuple[str, ...], checkpoint: Checkpoint, layout: ModelLayout) -> LayerBytes:
@@ -226,6 +228,8 @@ def _routed_ruled_out(inputs: Inputs, layout: ModelLayout, geometry) -> str | No
     if pinned:
         return f"{', '.join(pinned)} pinned: the plan evaluates whole-layer offloading with them"
     params = tuple(inputs.params)
+    if not params:  # no --params: every param is selected, the experts too (param_selected)
+        return None
     moe = {layer.index for layer in geometry.layers}
     for layer in layout.layers:
         if layer.index in moe and not all(param_selected(name, params) for name, *_ in layer.params

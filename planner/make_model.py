@@ -19,13 +19,16 @@ from planner.plan import MS_DECIMALS, Inputs
 from planner.profile import HardwareProfile
 from planner.search import Choice, LayerBytes, Searcher, SearchSpace
 from planner.simulate import join_every_steps_for
-from planner.tensor_parallel import with_all_reduces
+from planner.tensor_parallel import AllReduceLink, assumed_link, with_all_reduces
 
 #: times layers on the local GPU for --measure: (checkpoint, layout, workload, profile, measured_on, graphed) ->
 #: ComputeTimes. The planner imports no runtime; the command line passes offload_plan.runtime_seam's.
 MeasureFunction = Callable[[Checkpoint, ModelLayout, Workload, HardwareProfile, "str | None", bool], ComputeTimes]
 #: measures a step's activation peak on the local GPU for --measure: (checkpoint, layout, workload, graphed) -> bytes
 MeasureActivations = Callable[[Checkpoint, ModelLayout, Workload, bool], int]
+#: measures the all-reduce between the local GPUs for make --tp N --measure: (tp, target profile, measured_on) ->
+#: the link (the profile's assumed figure, with why, where it cannot be measured here)
+MeasureLink = Callable[[int, HardwareProfile, "str | None"], AllReduceLink]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,6 +55,8 @@ class Model:
     adapters: tuple[Adapter, ...] = ()
     #: a MoE model's experts (planner.expert_choice; None for a dense model)
     experts: ExpertModel | None = None
+    #: the caller's all-reduce measurement for --tp N --measure (None: the profile's figure stands)
+    measure_link: MeasureLink | None = None
 
     def adapter_slots(self, num_sequences: int, free_bytes: int | None = None) -> int:
         """GPU slots for the adapters: --adapter-slots, else one per sequence of a batch (at most one per adapter)
@@ -129,7 +134,20 @@ class Model:
         graphed = self.inputs.cuda_graph if graphed is None else graphed
         compute = compute_times(self.inputs, self.checkpoint, self.layout, workload, self.profile, self.kv,
                                 self.measure, graphed, self.shapes)
-        return with_all_reduces(compute, self.checkpoint, workload, self.profile)
+        return with_all_reduces(compute, self.checkpoint, workload, self.profile, self.all_reduce_link)
+
+    @functools.cached_property
+    def all_reduce_link(self) -> AllReduceLink | None:
+        """The all-reduce's cost between ranks (None on one GPU): measured once on the local GPUs with --tp N
+        --measure where the caller can, else the profile's link and the assumed latency."""
+        inputs = self.inputs
+        if inputs.tp == 1:
+            return None
+        if not inputs.measure:
+            return assumed_link(self.profile, inputs.tp)
+        if self.measure_link is None:
+            return assumed_link(self.profile, inputs.tp, "the all-reduce is measured by the command line's runtime")
+        return self.measure_link(inputs.tp, self.profile, inputs.measured_on)
 
 
 def compute_times(inputs: Inputs, checkpoint, layout, workload, profile, kv: KvCacheModel | None,

@@ -55,10 +55,12 @@ MAX_TP_SIZE = 1024
 #: fixed cost of one all-reduce on NVLink, on top of bytes / bandwidth. Assumed, not measured: the order of the
 #: small-message latency NVIDIA's nccl-tests all_reduce_perf reports within one NVLink node (about 10-20 us for a
 #: few KiB on 8 H100s), and of vLLM's custom one-shot all-reduce (csrc/custom_all_reduce.cuh) for decode-sized
-#: messages; scripts/bench_tp.py measures the step on two GPUs
+#: messages. make --tp N --measure measures it instead where N GPUs are visible (runtime.all_reduce)
 ALL_REDUCE_LATENCY_US = 10.0
-#: all-reduces per decoder layer: after attention's row-parallel o_proj and after the MLP's down_proj (a MoE
-#: layer's FusedMoE reduces its experts' and shared experts' sum once)
+#: all-reduces per decoder layer: after attention's row-parallel o_proj and after the MLP's down_proj. A MoE
+#: layer reduces once too: vLLM's FusedMoE reduces the routed experts' partial sums (reduce_results), and where
+#: there are shared experts (DeepSeek) SharedFusedMoE adds their partial output before that one reduce; transformers'
+#: Qwen3-MoE tp_plan ("moe_tp_experts") likewise reduces once after the experts
 ALL_REDUCES_PER_LAYER = 2
 
 # Module names (the part before .weight/.bias) by how vLLM splits them.
@@ -90,12 +92,17 @@ class Split:
 
 def split_of(name: str, ndim: int) -> Split:
     """The split of tensor ``name`` (``ndim`` dims) under vLLM's tensor parallelism; ModelInputError if unknown."""
-    parent, _, leaf = name.rpartition(".")
-    split = _split_of_parts(parent.rpartition(".")[2], leaf, ndim)
+    split = _split_or_none(name, ndim)
     if split is None:
         raise ModelInputError(f"--tp: how vLLM shards {name!r} is not modelled (planner.tensor_parallel knows the "
                               "Llama, Qwen3, Qwen3-MoE, Mixtral, DeepSeek-V3 and gpt-oss layers); plan it with --tp 1")
     return split
+
+
+def _split_or_none(name: str, ndim: int) -> Split | None:
+    """The split of tensor ``name``, None where the rules do not name it."""
+    parent, _, leaf = name.rpartition(".")
+    return _split_of_parts(parent.rpartition(".")[2], leaf, ndim)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -214,13 +221,20 @@ def _check_fp8_blocks(weight: TensorEntry, rank: tuple[int, ...], split: Split, 
         raise _Refused(f"each rank's {rank[-1]} input columns are not a whole number of {block_k}-column FP8 blocks")
 
 
-def _scale_shape(scale: TensorEntry, weights: dict[str, tuple[int, ...]], block: tuple[int, int]) -> tuple[int, ...]:
-    """One inverse scale per FP8 block of the rank's weight."""
-    weight_name = scale.name.removesuffix(_SCALE_SUFFIX)
-    rank_weight = weights.get(weight_name)
-    if rank_weight is None or len(rank_weight) != 2:
-        return scale.shape
-    return (math.ceil(rank_weight[0] / block[0]), math.ceil(rank_weight[1] / block[1]))
+def _scale_shape(scale: TensorEntry, weights: dict[str, tuple[int, ...]], block: tuple[int, int],
+                 known: dict[tuple, tuple[int, ...]]) -> tuple[int, ...]:
+    """One inverse scale per FP8 block of the rank's weight (``known``: shapes already worked out, by the rank
+    weight's shape and the scale's)."""
+    rank_weight = weights.get(scale.name.removesuffix(_SCALE_SUFFIX))
+    key = (rank_weight, scale.shape)
+    shape = known.get(key)
+    if shape is None:
+        if rank_weight is None or len(rank_weight) != 2:
+            shape = scale.shape
+        else:
+            shape = (math.ceil(rank_weight[0] / block[0]), math.ceil(rank_weight[1] / block[1]))
+        known[key] = shape
+    return shape
 
 
 def shard_entries(tensors: tuple[TensorEntry, ...], config: dict | None, tp: int) -> tuple[TensorEntry, ...]:
@@ -235,19 +249,18 @@ def shard_entries(tensors: tuple[TensorEntry, ...], config: dict | None, tp: int
         _check_heads(model, tp)
     except _Refused as why:
         raise _refusal(Split(kind="kv", engine_class="QKVParallelLinear"), tp, str(why), tensors, config) from None
-    names = frozenset(t.name for t in tensors)
     rank_weights: dict[str, tuple[int, ...]] = {}
     out: list[TensorEntry | None] = []
     scales: list[int] = []
     shapes: dict[tuple, tuple[int, ...]] = {}
     nbytes_of = functools.lru_cache(maxsize=None)(tensor_nbytes)
-    for entry in tensors:
-        split = split_of(entry.name, len(entry.shape))
+    for entry, (split, fp8) in zip(tensors, _tensor_facts(tensors)):
+        if split is None:
+            split_of(entry.name, len(entry.shape))  # raises its one line
         if split.kind == "scale":
             scales.append(len(out))
             out.append(None)
             continue
-        fp8 = entry.name + _SCALE_SUFFIX in names
         key = (split.kind, entry.shape, fp8)
         shape = shapes.get(key)
         if shape is None:
@@ -260,18 +273,34 @@ def shard_entries(tensors: tuple[TensorEntry, ...], config: dict | None, tp: int
             shapes[key] = shape
         rank_weights[entry.name] = shape
         out.append(_resized(entry, shape, nbytes_of))
+    scale_shapes: dict[tuple, tuple[int, ...]] = {}
     for index in scales:
         scale = tensors[index]
-        shape = _scale_shape(scale, rank_weights, model.fp8_block) if tp > 1 else scale.shape
+        shape = _scale_shape(scale, rank_weights, model.fp8_block, scale_shapes) if tp > 1 else scale.shape
         out[index] = _resized(scale, shape, nbytes_of)
     return tuple(out)
+
+
+#: id(tensors) -> (tensors, each one's split and whether an FP8 scale goes with it): what does not change with the
+#: GPU count, worked out once for every size make --tp 2,4 shards the checkpoint for
+_FACTS: dict[int, tuple[tuple, tuple]] = {}
+
+
+def _tensor_facts(tensors: tuple[TensorEntry, ...]) -> tuple[tuple[Split | None, bool], ...]:
+    """(split, has an FP8 scale) of each tensor, in order; None where the rules do not name it."""
+    cached = _FACTS.get(id(tensors))
+    if cached is None or cached[0] is not tensors:
+        names = frozenset(t.name for t in tensors)
+        facts = tuple((_split_or_none(t.name, len(t.shape)), t.name + _SCALE_SUFFIX in names) for t in tensors)
+        _FACTS.clear()
+        cached = _FACTS[id(tensors)] = (tensors, facts)
+    return cached[1]
 
 
 def _resized(entry: TensorEntry, shape: tuple[int, ...], nbytes_of) -> TensorEntry:
     if shape == entry.shape:
         return entry
-    return TensorEntry(name=entry.name, dtype=entry.dtype, shape=shape, nbytes=nbytes_of(entry.dtype, shape),
-                       file=entry.file)
+    return entry.resized(shape, nbytes_of(entry.dtype, shape))
 
 
 def _check_heads(model: TpModel, tp: int) -> None:
@@ -386,6 +415,53 @@ def rank_config(config: dict | None, tp: int) -> dict | None:
 # ---- all-reduces ----------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, kw_only=True)
+class AllReduceLink:
+    """What one all-reduce costs between the ranks: a fixed latency plus bytes over a bus bandwidth."""
+
+    latency_us: float
+    #: bytes per second of the ring's traffic (nccl-tests' "bus bandwidth": 2 (N - 1) / N of the bytes cross each
+    #: GPU's link)
+    bytes_per_s: float
+    #: "measured: ..." where timed on the local GPUs, "" for the profile's figure and the assumed latency
+    measured: str = ""
+    #: why an assumed figure stands where --measure asked for a measured one ("" otherwise)
+    assumed_why: str = ""
+
+    def describe(self, tp: int, num_per_step: int) -> str:
+        """How the plan's compute source states the all-reduces (unchanged for a plan without --measure)."""
+        text = (f"+ {num_per_step} all-reduces a step over {tp} GPUs at {self.bytes_per_s / 1e9:g} GB/s and "
+                f"{self.latency_us:g} us each")
+        if self.measured:
+            return f"{text} ({self.measured})"
+        if self.assumed_why:
+            return f"{text} (assumed: the profile's link and {ALL_REDUCE_LATENCY_US:g} us; {self.assumed_why})"
+        return text
+
+
+def assumed_link(profile, tp: int, why: str = "") -> AllReduceLink:
+    """The profile's gpu_link_bytes_per_s and the assumed latency (``why``: why no measured figure stands)."""
+    return AllReduceLink(latency_us=ALL_REDUCE_LATENCY_US, bytes_per_s=link_bytes_per_s(profile, tp),
+                         assumed_why=why)
+
+
+def link_from_timings(tp: int, timings: tuple[tuple[int, float], ...], measured: str) -> AllReduceLink:
+    """The latency and bus bandwidth through the smallest and the largest of ``timings`` ((message bytes, ms of one
+    all-reduce) on ``tp`` GPUs): the line t = latency + 2 (N - 1) / N x bytes / bandwidth through both."""
+    if tp < 2 or len(timings) < 2:
+        raise UsageError(f"an all-reduce link needs timings of two message sizes on 2 GPUs or more (got "
+                         f"{len(timings)} on {tp})")
+    (small_bytes, small_ms), (large_bytes, large_ms) = min(timings), max(timings)
+    if large_bytes <= small_bytes or large_ms <= small_ms:
+        raise UsageError(f"the all-reduce of {large_bytes} bytes took {large_ms:.4f} ms, no longer than "
+                         f"{small_bytes} bytes ({small_ms:.4f} ms): the timing is noise; measure again on idle GPUs")
+    ms_per_byte = (large_ms - small_ms) / (large_bytes - small_bytes)
+    latency_ms = max(0.0, small_ms - ms_per_byte * small_bytes)
+    bus_bytes_per_s = 1e3 * 2 * (tp - 1) / tp / ms_per_byte
+    return AllReduceLink(latency_us=round(1e3 * latency_ms, 2), bytes_per_s=round(bus_bytes_per_s, -7),
+                         measured=measured)
+
+
 def ring_all_reduce_ms(num_bytes: float, tp: int, link_bytes_per_s: float,
                        latency_us: float = ALL_REDUCE_LATENCY_US) -> float:
     """One all-reduce of ``num_bytes`` over ``tp`` GPUs: a ring moves 2 (N - 1) / N of the bytes over each GPU's
@@ -414,13 +490,15 @@ class AllReduces:
 
 
 def step_all_reduces(*, tp: int, num_layers: int, tokens_per_step: int, sequences_per_step: int, hidden_size: int,
-                     vocab_size: int, activation_bytes: int, link_bytes_per_s: float) -> AllReduces:
+                     vocab_size: int, activation_bytes: int, link_bytes_per_s: float,
+                     latency_us: float = ALL_REDUCE_LATENCY_US) -> AllReduces:
     """The all-reduces of one step: two per layer over the step's hidden states, one for the embedding, and the
     LM head's gather of the last token's logits of each sequence."""
     hidden_bytes = tokens_per_step * hidden_size * activation_bytes
-    layer_ms = ALL_REDUCES_PER_LAYER * ring_all_reduce_ms(hidden_bytes, tp, link_bytes_per_s)
+    layer_ms = ALL_REDUCES_PER_LAYER * ring_all_reduce_ms(hidden_bytes, tp, link_bytes_per_s, latency_us)
     logits_bytes = sequences_per_step * pad_vocab(vocab_size) * activation_bytes
-    head_ms = ring_all_reduce_ms(hidden_bytes, tp, link_bytes_per_s) + gather_ms(logits_bytes, tp, link_bytes_per_s)
+    head_ms = (ring_all_reduce_ms(hidden_bytes, tp, link_bytes_per_s, latency_us)
+               + gather_ms(logits_bytes, tp, link_bytes_per_s, latency_us))
     return AllReduces(layer_ms=layer_ms, head_ms=head_ms,
                       num_per_step=0 if tp == 1 else ALL_REDUCES_PER_LAYER * num_layers + 2)
 
@@ -440,36 +518,35 @@ def link_bytes_per_s(profile, tp: int) -> float:
 _ACTIVATION_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
-def with_all_reduces(compute: ComputeTimes, checkpoint: Checkpoint, workload, profile) -> ComputeTimes:
-    """``compute`` of one rank with the step's all-reduces added to each layer and to the head (a RankCheckpoint;
-    any other checkpoint's times come back as they are)."""
+def with_all_reduces(compute: ComputeTimes, checkpoint: Checkpoint, workload, profile,
+                     link: AllReduceLink | None = None) -> ComputeTimes:
+    """``compute`` of one rank with the step's all-reduces added to each layer and to the head, at ``link`` (default:
+    the profile's figure and the assumed latency); a checkpoint that is not a RankCheckpoint comes back as it is."""
     if not isinstance(checkpoint, RankCheckpoint):
         return compute
+    link = assumed_link(profile, checkpoint.tp_size) if link is None else link
     text = text_config(checkpoint.whole_config)
     dtype = text.get("torch_dtype") or text.get("dtype")
     reduces = step_all_reduces(
         tp=checkpoint.tp_size, num_layers=len(compute.layer_ms), tokens_per_step=workload.tokens_per_step,
         sequences_per_step=workload.sequences_per_step, hidden_size=int(text.get("hidden_size") or 0),
         vocab_size=int(text.get("vocab_size") or 0), activation_bytes=_ACTIVATION_BYTES.get(dtype, 2),
-        link_bytes_per_s=link_bytes_per_s(profile, checkpoint.tp_size))
+        link_bytes_per_s=link.bytes_per_s, latency_us=link.latency_us)
     return ComputeTimes(layer_ms=tuple(ms + reduces.layer_ms for ms in compute.layer_ms),
                         head_ms=compute.head_ms + reduces.head_ms,
-                        source=f"{compute.source}; + {reduces.num_per_step} all-reduces a step over "
-                               f"{checkpoint.tp_size} GPUs at {profile.gpu_link_bytes_per_s.value / 1e9:g} GB/s "
-                               f"and {ALL_REDUCE_LATENCY_US:g} us each")
+                        source=f"{compute.source}; {link.describe(checkpoint.tp_size, reduces.num_per_step)}")
 
 
 def check_tp_inputs(inputs, profile) -> None:
-    """--tp plans one rank from the checkpoint's headers: the profile must name its GPU link, and the inputs that
-    reach the local GPU or shard with the model in ways not modelled (--measure, --adapter) are refused."""
+    """--tp plans one rank from the checkpoint's headers: the profile must name its GPU link, and LoRA adapters,
+    whose shards are not modelled, are refused. --measure times the rank's own layers (rank_config's shapes)."""
     check_tp_size(inputs.tp)
     if inputs.tp == 1:
         return
     link_bytes_per_s(profile, inputs.tp)
-    for flag, given in (("--measure", inputs.measure), ("--adapter", bool(inputs.adapters))):
-        if given:
-            raise UsageError(f"{flag} with --tp {inputs.tp} is not planned yet (one rank's layers and LoRA shards "
-                             f"are not modelled); drop {flag} or plan with --tp 1")
+    if inputs.adapters:
+        raise UsageError(f"--adapter with --tp {inputs.tp} is not planned yet (LoRA shards per rank are not "
+                         "modelled); drop --adapter or plan with --tp 1")
 
 
 # ---- comparing GPU counts -------------------------------------------------------------------------------------

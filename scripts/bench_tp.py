@@ -9,7 +9,12 @@ code as the command) and load it with transformers' own tensor parallelism (``fr
 its models' ``base_model_tp_plan`` splits q/k/v and gate/up column-wise and o/down row-wise, Qwen3-MoE's experts
 too, and the LM head by vocabulary, as vLLM does). Each rank then times prefill steps of --tokens tokens and
 prints its weight memory (torch.cuda.memory_allocated after loading, less before) against the plan's and the
-step time against the plan's prediction (roofline plus two all-reduces a layer at the profile's NVLink figure).
+step time against the plan's prediction. The plan is ``make --tp 2 --measure``'s: each rank times the rank's
+own layers (the config at heads / 2, KV heads / 2, MLP and experts' widths / 2) on its GPU, and both ranks time
+the NCCL all-reduce together in torchrun's group (runtime.all_reduce), whose latency and bandwidth price the two
+all-reduces a layer; the line prints that measured latency. ``--estimate`` plans with the roofline and the
+profile's link instead (the figures before issue 28's --measure). The TP model runs its experts through the
+implementation --measure timed (runtime.experts_impl, the prefill one).
 
 What runs is the all-resident plan: transformers' TP model cannot stream offloaded layers through the project's
 runtime (runtime/ places whole, unsharded params), so offloading under TP is planned (and exported to vLLM and
@@ -55,6 +60,8 @@ def parser() -> argparse.ArgumentParser:
     result.add_argument("--steps", type=int, default=10, help="timed steps (after 3 warm-up steps)")
     result.add_argument("--gpu", default=None, help="profile to plan with (default: from the GPU's name)")
     result.add_argument("--folder", default=None, help="where rank 0 saves the checkpoints (default: a temp dir)")
+    result.add_argument("--estimate", action="store_true",
+                        help="plan with the roofline and the profile's link instead of --measure")
     return result
 
 
@@ -80,20 +87,36 @@ def profile_for(device_name: str) -> str:
     return "h200" if "h200" in name else "b200" if "b200" in name else "h100-sxm"
 
 
-def plan_rank(folder: Path, gpu: str, tokens: int, tp: int = WORLD_SIZE) -> dict:
+def plan_rank(folder: Path, gpu: str, tokens: int, tp: int = WORLD_SIZE, measure: bool = False) -> dict:
     """make --tp ``tp`` of the checkpoint in ``folder`` for a prefill step of ``tokens`` tokens, all resident (the
-    whole GPU's budget): the rank's weight bytes, its predicted step, and what transformers holds beyond vLLM's
-    sharding (the input embedding whole on every rank)."""
+    whole GPU's budget): the rank's weight bytes, its predicted step, what transformers holds beyond vLLM's
+    sharding (the input embedding whole on every rank), and the all-reduce link the plan priced. ``measure``:
+    make --measure's (the rank's layers on this GPU, the all-reduce in torchrun's group; every rank calls it)."""
     from planner.make import make_plan
     from planner.plan import Inputs
 
-    planned = make_plan(Inputs(model=str(folder), gpu=gpu, tokens=tokens, sequences=1, context=0, tp=tp))
+    links = []
+    kwargs = {}
+    if measure:
+        from offload_plan import runtime_seam
+
+        def measure_link(size, profile, measured_on):
+            links.append(runtime_seam.measured_all_reduce(size, profile, measured_on))
+            return links[-1]
+
+        kwargs = {"measure": runtime_seam.measured_compute, "measure_link": measure_link}
+    inputs = Inputs(model=str(folder), gpu=gpu, tokens=tokens, sequences=1, context=0, tp=tp, measure=measure)
+    planned = make_plan(inputs, **kwargs)
     plan = planned.plan
     embedding = next((t for t in planned.checkpoint.tensors if t.name.endswith("embed_tokens.weight")), None)
     whole_embedding = 0 if embedding is None else embedding.nbytes * tp - embedding.nbytes
+    link = links[0] if links else None
     return {"weights_bytes": plan.memory.gpu_bytes - plan.memory.allocation_slack_bytes,
             "step_ms": plan.prediction.step_ms, "num_offloaded": len(plan.offload.layers),
-            "transformers_extra_bytes": whole_embedding, "compute_source": plan.workload.compute_source}
+            "transformers_extra_bytes": whole_embedding, "compute_source": plan.workload.compute_source,
+            "all_reduce_latency_us": None if link is None else link.latency_us,
+            "all_reduce_bus_bytes_per_s": None if link is None else link.bytes_per_s,
+            "all_reduce_measured": bool(link is not None and link.measured)}
 
 
 def save_random_model(name: str, folder: Path) -> None:
@@ -117,8 +140,11 @@ def load_tp_model(folder: Path):
 
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
+    from runtime.experts_impl import PREFILL, use_phase
+
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, tp_plan="auto")
     model.eval()
+    use_phase(model, PREFILL, torch.device("cuda", torch.cuda.current_device()))  # as --measure timed the experts
     torch.cuda.synchronize()
     return model, torch.cuda.memory_allocated() - before
 
@@ -152,7 +178,7 @@ def bench_shape(name: str, root: Path, args, rank: int, gpu: str) -> dict:
     if rank == 0:
         save_random_model(name, folder)
     dist.barrier()
-    planned = plan_rank(folder, gpu, args.tokens)
+    planned = plan_rank(folder, gpu, args.tokens, measure=not args.estimate)
     model, measured_bytes = load_tp_model(folder)
     step_ms = time_steps(model, args.tokens, args.steps)
     del model
@@ -164,7 +190,9 @@ def bench_shape(name: str, root: Path, args, rank: int, gpu: str) -> dict:
             "memory_error": measured_bytes / expected_bytes - 1,
             "measured_step_ms": round(step_ms, 3), "predicted_step_ms": round(planned["step_ms"], 3),
             "step_error": step_ms / planned["step_ms"] - 1, "num_offloaded": planned["num_offloaded"],
-            "compute_source": planned["compute_source"]}
+            "compute_source": planned["compute_source"], "all_reduce_latency_us": planned["all_reduce_latency_us"],
+            "all_reduce_bus_bytes_per_s": planned["all_reduce_bus_bytes_per_s"],
+            "all_reduce_measured": planned["all_reduce_measured"]}
 
 
 def report_line(row: dict) -> str:
@@ -176,8 +204,13 @@ def report_line(row: dict) -> str:
               f"({row['memory_error']:+.1%}, {_verdict(row['memory_error'])})")
     step = (f"step {row['measured_step_ms']:.2f} ms measured against {row['predicted_step_ms']:.2f} ms predicted "
             f"({row['step_error']:+.1%}, {_verdict(row['step_error'])})")
+    if row.get("all_reduce_latency_us") is None:
+        link = "all-reduce: the profile's link and the assumed latency (--estimate)"
+    else:
+        link = (f"all-reduce {'measured' if row['all_reduce_measured'] else 'ASSUMED'}: "
+                f"{row['all_reduce_latency_us']:.1f} us + bytes at {row['all_reduce_bus_bytes_per_s'] / 1e9:.0f} GB/s")
     return (f"{row['shape']} rank {row['rank']} ({row['gpu']}, TP=2, {row['tokens']}-token step, all resident): "
-            f"{memory}; {step}")
+            f"{memory}; {step}; {link}")
 
 
 def _verdict(error: float) -> str:

@@ -39,6 +39,19 @@ def test_plan_rank_of_a_transformers_checkpoint_is_vllms_sharding(tmp_path, name
     assert planned["transformers_extra_bytes"] == 1024 * 256 * 2 // 2  # the half of embed_tokens vLLM would not hold
 
 
+def test_the_line_states_the_all_reduce_the_plan_priced():
+    row = {"shape": "llama", "rank": 1, "gpu": "h100-sxm", "tokens": 2048, "measured_weights_bytes": 2 * 2**30,
+           "planned_weights_bytes": 2 * 2**30, "planned_plus_whole_embedding_bytes": 2 * 2**30, "memory_error": 0.0,
+           "measured_step_ms": 13.0, "predicted_step_ms": 12.5, "step_error": 0.04, "all_reduce_latency_us": 17.25,
+           "all_reduce_bus_bytes_per_s": 361e9, "all_reduce_measured": True}
+    line = bench_tp.report_line(row)
+    assert "step 13.00 ms measured against 12.50 ms predicted (+4.0%, within 10%)" in line
+    assert line.endswith("all-reduce measured: 17.2 us + bytes at 361 GB/s")
+    assumed = bench_tp.report_line(dict(row, all_reduce_measured=False, step_error=0.2))
+    assert "all-reduce ASSUMED" in assumed and "OFF by more than 10%" in assumed
+    assert "--estimate" in bench_tp.report_line(dict(row, all_reduce_latency_us=None))
+
+
 def test_without_two_gpus_it_says_so_in_one_line():
     result = subprocess.run([sys.executable, "scripts/bench_tp.py"], cwd=REPO_ROOT, capture_output=True, text=True,
                             env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO_ROOT), "CUDA_VISIBLE_DEVICES": ""},
@@ -57,4 +70,4 @@ def test_two_gpus_measure_the_rank_within_10_percent_of_the_plan(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [line for line in result.stdout.splitlines() if " rank " in line]
     assert len(lines) == 4, result.stdout
-    assert all(line.count("within 10%") == 2 for line in lines), result.stdout
+    assert all(line.count("within 10%") == 2 and "all-reduce measured" in line for line in lines), result.stdout

@@ -82,7 +82,7 @@ def test_tp_2_4_compares_gpu_counts_and_diff_restates_it(llama, monkeypatch):
     (("--tp", "0"), ("from 1 to",)),
     (("--tp", "2,4"), ("-o PATH",)),
     (("--tp", "2", "-g", "l40s"), ("gpu_link_bytes_per_s",)),
-    (("--tp", "2", "--measure"), ("--measure",)),
+    (("--tp", "2", "--adapter", "no-such-adapter"), ("--adapter", "--tp 1")),
     # the rank's offloaded share (about 50 GB of its 70.6) is more than its host memory
     (("--tp", "2", "-g", "gb200", "--budget", "20GiB", "--host-memory", "10GB"), ("host memory", "--host-memory")),
 ])
@@ -92,16 +92,19 @@ def test_bad_tp_input_is_one_line(llama, monkeypatch, args, words):
 
 
 def test_deepseek_v3_on_gb200_two_and_four_gpus(tmp_path, monkeypatch):
-    """The issue's target: both plans stated, in seconds (5 s on a quiet machine; the bound is generous for a
-    shared one)."""
+    """The issue's target: both plans stated in under 5 s. The command (`python3 -m offload_plan make ...`, imports
+    included) took 5.0 s on this 2-core machine when quiet before session 10's cuts; with them, 5.2-6.6 s of CPU
+    (user + sys) against 5.9-7.0 s before, alternated runs at a load average of 10. Held here by the CPU this
+    process spends (what other processes on a shared machine inflate least) with a generous bound, and by the
+    wall clock with a looser one."""
     real_checkpoints.write_checkpoint("deepseek-v3", tmp_path)
     monkeypatch.chdir(tmp_path)
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     result = invoke(["make", "-m", "deepseek-v3", "-g", "gb200", "--concurrency", "auto", "--context", "8192",
                      "--tp", "2,4", "-o", "ds.yaml"])
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - start_cpu
     assert result.exit_code == 0, result.stderr
-    assert elapsed < 60, elapsed
+    assert cpu < 15 and elapsed < 60, (cpu, elapsed)
     lines = result.stderr.splitlines()
     assert any("2 GPU(s)" in line and "pinned per rank" in line for line in lines)  # 2 GB200s must offload
     assert any("4 GPU(s)" in line for line in lines)

@@ -39,8 +39,7 @@ def make(**values):
     if len(sizes) > 1:
         _make_tp_comparison(inputs, sizes, output)
         return
-    planned = make_plan(inputs, measure=runtime_seam.measured_compute if inputs.measure else None,
-                        measure_activations=runtime_seam.measured_activation_bytes if inputs.measure else None)
+    planned = make_plan(inputs, **_measurers(inputs))
     for warning in planned.warnings:
         warn(warning)
     text = render_plan(planned.plan, regenerate_command(inputs, str(output) if output else None))
@@ -49,6 +48,14 @@ def make(**values):
     else:
         write_atomic(output, text)
     _print_outcome(planned.plan, output)
+
+
+def _measurers(inputs: Inputs) -> dict:
+    """--measure's functions on the local GPU(s): the layers, the activation peaks and, with --tp, the all-reduce."""
+    if not inputs.measure:
+        return {}
+    return {"measure": runtime_seam.measured_compute, "measure_activations": runtime_seam.measured_activation_bytes,
+            "measure_link": runtime_seam.measured_all_reduce if inputs.tp > 1 else None}
 
 
 def _make_tp_comparison(inputs: Inputs, sizes: list[int], output: Path | None) -> None:
@@ -72,7 +79,7 @@ def _make_tp_comparison(inputs: Inputs, sizes: list[int], output: Path | None) -
     for size in sizes:
         sized = replace(inputs, tp=size)
         try:
-            planned = make_plan(sized, checkpoint=whole)
+            planned = make_plan(sized, checkpoint=whole, **_measurers(sized))
         except InfeasibleError as error:  # this GPU count does not fit; the others are still compared
             warn(f"tp {size}: no plan fits: {error}")
             continue
