@@ -48,12 +48,11 @@ ROUTED_FETCH_EFFICIENCY = 0.89
 #: weights, 64 greedy steps; benchmarks/2026-11-25-prefetch-h100.md). Trained routers differ by model: make
 #: --prefetch-accuracy overrides it, and the plan records the figure used
 PREFETCH_ACCURACY = 0.78
-#: the default per-rank accuracy of that prediction (rank 1: the predicting router's highest score), which the
-#: planner's prefetch depth is chosen from where no trace measured it: linear in the rank, from
-#: PREFETCH_ACCURACY + PREFETCH_RANK_SPREAD at rank 1 to PREFETCH_ACCURACY - PREFETCH_RANK_SPREAD at rank k, so
-#: its mean stays the measured 0.78. The mean is the H100's; the slope is assumed (a lower router score predicts
-#: worse) until scripts/bench_experts.py --prefetch-depth measures the per-rank figures there
-PREFETCH_RANK_SPREAD = 0.14
+#: the per-rank accuracy of that prediction (rank 1: the predicting router's highest score) measured on the H100 by
+#: scripts/bench_experts.py --prefetch-depth (same shape and run as above, 64 steps x 47 predicted layers;
+#: benchmarks/2026-11-25-prefetch-depth-h100.md): the planner's prefetch depth is chosen from this curve where no
+#: trace measured one, resampled to the router's top-k and scaled to mean PREFETCH_ACCURACY
+MEASURED_RANK_ACCURACY = (0.9641, 0.9388, 0.9076, 0.8620, 0.7832, 0.7028, 0.5864, 0.4817)
 #: the plan's experts.prefetch where routed layers prefetch the next routed layer's predicted experts
 NEXT_LAYER_ROUTER = "next_layer_router"
 #: the MoE block modules whose experts transformers 5 holds as the fused params of its experts interface, which
@@ -289,13 +288,27 @@ class RoutedPlacement:
         return sum(len(layer.resident) for layer in self.layers)
 
 
-def default_rank_accuracy(top_k: int, mean: float = PREFETCH_ACCURACY,
-                          spread: float = PREFETCH_RANK_SPREAD) -> tuple[float, ...]:
-    """The default per-rank prediction accuracy for a top-``top_k`` router: linear from mean + spread (rank 1)
-    to mean - spread (rank k), clipped to [0, 1]; one rank: the mean."""
+def default_rank_accuracy(top_k: int, mean: float = PREFETCH_ACCURACY) -> tuple[float, ...]:
+    """The default per-rank prediction accuracy for a top-``top_k`` router: MEASURED_RANK_ACCURACY read at each
+    rank's relative position ((rank + 1/2) / k, linear between the measured ranks' positions), scaled so the
+    ranks average ``mean``, clipped to [0, 1]; one rank: the mean."""
     if top_k == 1:
         return (mean,)
-    return tuple(min(1.0, max(0.0, mean + spread * (1 - 2 * rank / (top_k - 1)))) for rank in range(top_k))
+    measured = MEASURED_RANK_ACCURACY
+    positions = [(rank + 0.5) / len(measured) for rank in range(len(measured))]
+
+    def at(position: float) -> float:
+        if position <= positions[0]:
+            return measured[0]
+        if position >= positions[-1]:
+            return measured[-1]
+        upper = next(i for i, p in enumerate(positions) if p >= position)
+        share = (position - positions[upper - 1]) / (positions[upper] - positions[upper - 1])
+        return measured[upper - 1] + share * (measured[upper] - measured[upper - 1])
+
+    shape = [at((rank + 0.5) / top_k) for rank in range(top_k)]
+    scale = mean * top_k / math.fsum(shape)
+    return tuple(min(1.0, max(0.0, a * scale)) for a in shape)
 
 
 def prefetch_shares(rank_accuracy: tuple[float, ...], depth: int) -> tuple[float, float]:
