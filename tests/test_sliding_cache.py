@@ -157,3 +157,23 @@ def test_graphed_sliding_decode_bitwise_equal_to_eager_resident(family, shape, d
     for result in (resident_graphed, planned):
         assert torch.equal(result[0], reference[0])
         assert all(torch.equal(a, b) for a, b in zip(result[1], reference[1]))
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 1), (1, 1, 2)])
+@pytest.mark.parametrize("family", ["gemma3", "gpt_oss"])
+def test_offloaded_sliding_decode_equals_resident_on_the_cpu_stand_in(family, shape, tmp_path):
+    """A plan applied through the CPU stand-in of the copy engine (graph mode: copies wrap as in a replay):
+    decode past the window gives the resident model's ids and logits bit for bit."""
+    from runtime.load import apply_plan_on_cpu, build_model
+    from tests.runtime_models import plan_with
+
+    path = {"gemma3": save_tiny_gemma3, "gpt_oss": save_tiny_gpt_oss}[family](tmp_path)
+    prompt = torch.randint(0, 256, (2, 13), generator=torch.Generator().manual_seed(3))
+    expected = _decode(build_model(str(path), None), prompt, 12, 32)
+    model = build_model(str(path), None)
+    engine = apply_plan_on_cpu(model, plan_with(path, *shape, tokens=2, sequences=2, context=13, cuda_graph=True))
+    loop = DecodeLoop(model, batch=2, max_cache_tokens=32, device=CPU, engine=engine, steps_per_call=1)
+    loop.prefill(prompt)
+    engine.set_graph_mode(True)
+    ids, logits = loop.generate(12)
+    assert torch.equal(ids, expected[0]) and all(torch.equal(a, b) for a, b in zip(logits, expected[1]))
