@@ -177,3 +177,19 @@ def test_offloaded_sliding_decode_equals_resident_on_the_cpu_stand_in(family, sh
     engine.set_graph_mode(True)
     ids, logits = loop.generate(12)
     assert torch.equal(ids, expected[0]) and all(torch.equal(a, b) for a, b in zip(logits, expected[1]))
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gpt_oss"])
+def test_compiled_steps_trace_the_ring_as_one_graph(family, tmp_path):
+    """torch.compile(fullgraph=True) takes the ring's step (slot and mask offset computed from tensors, no
+    Python value read): the compiled decode gives the eager ids past the window."""
+    path = {"gemma3": save_tiny_gemma3, "gpt_oss": save_tiny_gpt_oss}[family](tmp_path)
+    model = _model(path)
+    prompt = torch.randint(0, 256, (2, 13), generator=torch.Generator().manual_seed(1))
+    expected = _decode(model, prompt, 10, 30)
+    loop = DecodeLoop(model, batch=2, max_cache_tokens=30, device=CPU, steps_per_call=1, compile_backend="aot_eager")
+    loop.prefill(prompt)
+    loop.warm_up()
+    ids, logits = loop.generate(10)
+    assert torch.equal(ids, expected[0])
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(logits, expected[1]))
