@@ -2,7 +2,8 @@
 
 A replay must do exactly what the eager steps do with no help from Python, so everything that changes
 between steps lives on the GPU at fixed addresses: the token ids (each step writes its argmax back into
-them), the KV cache and its length counter (transformers' StaticCache advances it in place), the ids and
+them), the KV cache and its length counter (transformers' StaticCache advances it in place; sliding-window
+layers are rings indexed from that counter, runtime.static_cache), the ids and
 logits of each step (output buffers) and the offloaded weights (fixed slots). The offload copies and their
 event waits are captured with the forward. Inside a replay the copies wrap from step to step as eagerly;
 those that wrap past its last step are joined before it ends (OffloadEngine.finish_step); the planner models
