@@ -28,8 +28,10 @@ a layer the peak falls in one of these phases, and the estimate is the largest o
 
 FlashAttention and memory-efficient SDPA keep no score matrix; their workspace is the log-sum-exp, float32,
 per head and query rounded up to 32. Kernel workspaces that persist (cuBLAS's per stream) belong to the
-allocator reserve, not here. Which layers slide, and their shorter windows, are ignored: the full length
-bounds them. Linear-attention and state-space layers are not modelled.
+allocator reserve, not here. Models whose attention has no SDPA path (gpt-oss: its sinks join the softmax)
+run transformers' eager attention, which materialises the scores. Which layers slide, and their shorter
+windows, are ignored: the full length bounds them (the hybrid families have full layers, whose step is the
+peak). Linear-attention and state-space layers are not modelled.
 """
 
 from dataclasses import dataclass
@@ -65,6 +67,12 @@ INDEX = 8  # int64 indices
 KERNEL_SCRATCH_BYTES = 2**20
 #: SDPA kernels keep a float32 log-sum-exp per head and query, queries rounded up to this block
 _LSE_BLOCK = 32
+#: model types whose transformers attention has no SDPA path (GptOssPreTrainedModel._supports_sdpa is False: its
+#: attention sinks join the softmax), so it runs eager_attention_forward
+EAGER_ATTENTION_MODEL_TYPES = ("gpt_oss",)
+#: score-sized tensors alive at once in gpt-oss's eager_attention_forward (modeling_gpt_oss.py, 5.17 and 5.24):
+#: the masked logits, the logits with the sink column, and their shifted copy or its softmax
+_EAGER_SCORE_COPIES = 3
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,6 +97,8 @@ class ActivationShape:
     latent_attention: bool = False
     #: MLA: the rope part of qk_head_dim (the keys assembled per head are nope + rope wide)
     qk_rope_head_dim: int = 0
+    #: attention runs transformers' eager path (no SDPA kernel: gpt-oss's sinks), whose scores are materialised
+    eager_attention: bool = False
     #: the weights' dtype name ("bfloat16", ...): which experts implementation runs depends on it
     dtype: str = "bfloat16"
     #: bytes per activation element
@@ -221,6 +231,7 @@ def activation_shape(config: dict | None) -> ActivationShape:
             top_k=config_top_k or (DEFAULT_TOP_K if num_experts else 0),
             moe_intermediate_size=moe_inter, shared_intermediate_size=shared, latent_attention=latent,
             qk_rope_head_dim=number("qk_rope_head_dim") if latent else 0,
+            eager_attention=model_type in EAGER_ATTENTION_MODEL_TYPES,
             activation_bytes=_DTYPE_BYTES.get(dtype, 2), dtype=dtype if dtype in _DTYPE_BYTES else "bfloat16",
         )
     except ValueError as error:  # values each in range, but not together (top-k above the experts)
@@ -268,7 +279,14 @@ def _attention_phase(shape: ActivationShape, step: StepShape, expand_kv_heads: b
              "attention output and its transposed copy": 2 * out,
              "SDPA log-sum-exp": seqs * shape.num_heads * _round_up(step.tokens_per_sequence, _LSE_BLOCK) * FP32}
     grouped = shape.num_kv_heads < shape.num_heads
-    if shape.latent_attention:
+    if shape.eager_attention:
+        # no fused kernel and no log-sum-exp: repeat_kv runs always, the scores (one sink column more) live
+        del terms["SDPA log-sum-exp"]
+        terms["attention scores, with the sink column (eager attention)"] = (
+            _EAGER_SCORE_COPIES * seqs * shape.num_heads * step.tokens_per_sequence * (step.attended_tokens + 1) * a)
+        if grouped:
+            terms["K/V repeated to every head"] = seqs * step.attended_tokens * per_token_all_heads
+    elif shape.latent_attention:
         # transformers (DeepseekV2Attention.expand_kv) runs kv_b_proj over every cached latent, giving per head
         # nope + v, then assembles keys of nope + rope beside it: both alive into SDPA (measured on the H100)
         nope = shape.qk_head_dim - shape.qk_rope_head_dim

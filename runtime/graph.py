@@ -2,7 +2,8 @@
 
 A replay must do exactly what the eager steps do with no help from Python, so everything that changes
 between steps lives on the GPU at fixed addresses: the token ids (each step writes its argmax back into
-them), the KV cache and its length counter (transformers' StaticCache advances it in place), the ids and
+them), the KV cache and its length counter (transformers' StaticCache advances it in place; sliding-window
+layers are rings indexed from that counter, runtime.static_cache), the ids and
 logits of each step (output buffers) and the offloaded weights (fixed slots). The offload copies and their
 event waits are captured with the forward. Inside a replay the copies wrap from step to step as eagerly;
 those that wrap past its last step are joined before it ends (OffloadEngine.finish_step); the planner models
@@ -102,13 +103,14 @@ class DecodeLoop:
     def __init__(self, model, *, batch: int, max_cache_tokens: int, device: torch.device, engine=None,
                  compile_backend: str | None = None, steps_per_call: int = STEPS_PER_GRAPH):
         """``compile_backend``: run the steps under torch.compile with this backend ("inductor"), or eagerly."""
-        from transformers import StaticCache
+        from runtime.static_cache import static_cache
 
         self.model, self.engine, self.device = model, engine, device
         self.forward = model if compile_backend is None else compile_forward(model, compile_backend)
         #: a MoE model's experts run decode's implementation in the steps and prefill's in the prefill (None: dense)
         self.experts_implementations = phase_implementations(model, device)
-        self.cache = StaticCache(config=model.config, max_cache_len=max_cache_tokens)
+        #: full-attention layers hold max_cache_tokens, sliding ones min(window, max_cache_tokens) (a ring)
+        self.cache = static_cache(model.config, max_cache_tokens)
         self._allocate_cache(batch)
         self.steps_per_call = steps_per_call
         self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)  # [batch, 1]: the next step's input
@@ -154,6 +156,7 @@ class DecodeLoop:
         with torch.inference_mode():
             for layer in self.cache.layers:
                 for tensor in (layer.keys, layer.values):  # [batch, kv heads, cache tokens, head dim]
+                    # a sliding ring holds min(window, context) tokens; past the window it is full
                     tensor[:, :, :context_tokens].normal_(generator=generator)
                 layer.cumulative_length.fill_(context_tokens)
         self.free_tokens -= context_tokens - 1
@@ -184,12 +187,13 @@ class DecodeLoop:
             torch.cuda.empty_cache()
 
     def _check_static_cache(self) -> None:
+        from runtime.static_cache import is_graph_safe
+
         layers = getattr(self.cache, "layers", [])
-        if not layers or any(getattr(layer, "is_sliding", False) or not hasattr(layer, "cumulative_length")
-                             for layer in layers):
-            raise UsageError("--cuda-graph needs a full-attention static KV cache whose length lives on the GPU "
-                             "(transformers >= 5 StaticCache); this model or transformers version has another; "
-                             "run without --cuda-graph")
+        if not layers or not all(is_graph_safe(layer) for layer in layers):
+            raise UsageError("--cuda-graph needs a static KV cache whose length lives on the GPU (full-attention "
+                             "or sliding-window layers of transformers >= 5); this model's cache has another kind "
+                             "(chunked attention, linear attention or state layers); run without --cuda-graph")
 
     def _step(self, index: int, join: bool) -> None:
         """Step ``index`` of a call; ``join``: the call's last step, which joins the copies wrapping past it."""
@@ -270,15 +274,26 @@ class DecodeLoop:
     @torch.inference_mode()
     def save_state(self) -> list:
         """What a call changes: the next ids, the cache length (the cache's tensors are inference tensors, so
-        saving and restoring run in inference mode) and the free-token count."""
-        return [self.ids.clone(), self.free_tokens, *(layer.cumulative_length.clone() for layer in self.cache.layers)]
+        saving and restoring run in inference mode), the free-token count, and a sliding ring's entries (a step
+        overwrites the oldest token of its window, which the length alone cannot give back), kept on the host so
+        that saving adds nothing to the GPU's peak."""
+        from runtime.static_cache import RingSlidingLayer
+
+        rings = {index: (layer.keys.to("cpu", copy=True), layer.values.to("cpu", copy=True))
+                 for index, layer in enumerate(self.cache.layers) if isinstance(layer, RingSlidingLayer)}
+        return [self.ids.clone(), self.free_tokens, rings,
+                *(layer.cumulative_length.clone() for layer in self.cache.layers)]
 
     @torch.inference_mode()
     def restore_state(self, saved: list) -> None:
-        """Put ids and cache length back; entries written past it are masked and overwritten."""
+        """Put ids, cache length and the rings' entries back; full-attention entries written past the length
+        are masked and overwritten."""
         self.ids.copy_(saved[0])
         self.free_tokens = saved[1]
-        for layer, length in zip(self.cache.layers, saved[2:]):
+        for index, (keys, values) in saved[2].items():
+            self.cache.layers[index].keys.copy_(keys)
+            self.cache.layers[index].values.copy_(values)
+        for layer, length in zip(self.cache.layers, saved[3:]):
             layer.cumulative_length.copy_(length)
 
     def step(self) -> None:

@@ -403,13 +403,13 @@ def prefill_activation_peak(model: nn.Module, *, chunk_tokens: int, context_toke
                             device: torch.device | None = None) -> ActivationMeasurement:
     """One prefill chunk of ``chunk_tokens`` tokens of one sequence after ``context_tokens``, over a static cache
     of context + chunk + the decode room, allocated (and a chunk run to warm up) before the measured one."""
-    from transformers import StaticCache
-
     from runtime.graph import cache_tokens_for
+    from runtime.static_cache import static_cache
 
     device = device or torch.device("cuda")
     vocab = model.config.get_text_config().vocab_size
-    cache = StaticCache(config=model.config, max_cache_len=cache_tokens_for(context_tokens + chunk_tokens))
+    # the cache the runtime serves with: sliding layers as rings of their window (runtime.static_cache)
+    cache = static_cache(model.config, cache_tokens_for(context_tokens + chunk_tokens))
     ids = torch.randint(0, vocab, (1, context_tokens + chunk_tokens), device=device)
 
     def forward(chunk):

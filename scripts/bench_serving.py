@@ -12,6 +12,12 @@ shared by every arm); plans are made from header-only checkpoints with the calib
 
     PYTHONPATH=. python3 scripts/bench_serving.py --points 8b-24g-4k 8b-24g-16k      # on a machine with a GPU
     PYTHONPATH=. python3 scripts/bench_serving.py --points 30b-a3b-24g-4k v2-lite-16g-4k   # the MoE points
+    PYTHONPATH=. python3 scripts/bench_serving.py --points gemma3-16g-8k gpt-oss-16g-8k   # sliding-window caches
+
+The sliding-window points are cut from the releases' configs (``Point.changes``): Gemma-3-27B's language model
+(gemma3_text; five sliding layers of 1,024 tokens to one global) at 24 of its 62 layers, and gpt-oss at
+gpt-oss-20b's 32 experts (top-4) and 12 layers, its experts in bf16 (no MXFP4), sliding layers of 128 tokens
+alternating with full ones.
 """
 
 import argparse
@@ -36,6 +42,9 @@ class Point:
     config: str
     gpu_memory_gib: int
     context_tokens: int
+    #: config.json keys replaced (None: removed) to cut the release's shape down; the point's own config is
+    #: written beside its checkpoint
+    changes: tuple[tuple[str, object], ...] = ()
 
 
 POINTS = {
@@ -47,18 +56,52 @@ POINTS = {
     # forces offloading
     "30b-a3b-24g-4k": Point("examples/qwen3-30b-a3b/config.json", 24, 4096),
     "v2-lite-16g-4k": Point("examples/deepseek-v2-lite/config.json", 16, 4096),
+    # sliding-window and hybrid caches (issue 23): 24 GB and 21 GB of bf16 weights against 16 GiB at 8k context
+    "gemma3-16g-8k": Point("examples/gemma-3-27b-it/config.json", 16, 8192, changes=(
+        ("text_config", None), ("num_hidden_layers", 24), ("architectures", ["Gemma3ForCausalLM"]),
+        ("model_type", "gemma3_text"))),
+    "gpt-oss-16g-8k": Point("plans/models/gpt-oss-120b/config.json", 16, 8192, changes=(
+        ("quantization_config", None), ("num_hidden_layers", 12), ("num_local_experts", 32), ("layer_types", None))),
 }
 
 
-def header_checkpoint(config: str, root: Path) -> Path:
-    """A header-only checkpoint of ``config`` (names, dtypes and shapes; no weights) for planning."""
+def point_config(point: Point, folder: Path) -> Path:
+    """The point's config.json: the release's, or with ``changes`` applied (a nested text_config lifted to the
+    top, as the language model alone is benchmarked) and written under ``folder``."""
+    if not point.changes:
+        return Path(point.config)
+    config = json.loads(Path(point.config).read_text())
+    changes = dict(point.changes)
+    if "text_config" in changes and isinstance(config.get("text_config"), dict):
+        config = {"torch_dtype": config.get("torch_dtype"), **config["text_config"]}
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "config.json"
+    path.write_text(json.dumps(config, indent=1, sort_keys=True))
+    return path
+
+
+def header_checkpoint(config: str, root: Path, name: str | None = None) -> Path:
+    """A header-only checkpoint of ``config`` (names, dtypes and shapes; no weights) for planning, in
+    ``root``/``name`` (default: the config's folder name)."""
     from planner.header_checkpoint import marker_kind
     from runtime.header_checkpoint import write_header_checkpoint
 
-    folder = root / Path(config).parent.name
+    folder = root / (name or Path(config).parent.name)
     if marker_kind(folder) is None:
         write_header_checkpoint(config, folder)
     return folder
+
+
+def point_checkpoint(name: str, point: Point, root: Path) -> Path:
+    """The point's header-only checkpoint: of the release's config, or of the cut one under the point's name."""
+    if not point.changes:
+        return header_checkpoint(point.config, root)
+    return header_checkpoint(str(point_config(point, root / "configs" / name)), root, name)
 
 
 #: measure layer times on this GPU (False: roofline estimates, for --plan-only on a machine without one)
@@ -122,13 +165,14 @@ def alternatives(pick, checkpoint: Path, profile: Path, point: Point) -> dict:
     return arms
 
 
-def host_model(config: str):
-    """The model with random bf16 weights on the host (drawn on the GPU: faster), built once per shape."""
+def host_model(checkpoint: Path):
+    """The model of the header checkpoint's config with random bf16 weights on the host (drawn on the GPU:
+    faster), built once per shape."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(Path(config).parent), dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(checkpoint), dtype=torch.bfloat16)
     model = model.to("cpu").eval()
     free()
     return model
@@ -184,7 +228,7 @@ def run_arm(master, plan, reference: torch.Tensor) -> dict:
 def run_point(name: str, point: Point, profile: Path, root: Path, plan_only: bool = False,
               progress=None) -> list[dict]:
     """Every arm of one point: planned, and (unless ``plan_only``) run; ``progress(rows)`` after each arm."""
-    checkpoint = header_checkpoint(point.config, root)
+    checkpoint = point_checkpoint(name, point, root)
     pick = make(checkpoint, profile, point, "auto")
     if isinstance(pick, str):
         log(f"{name}: no plan: {pick}")
@@ -195,7 +239,7 @@ def run_point(name: str, point: Point, profile: Path, root: Path, plan_only: boo
     if plan_only:
         return [{"point": name, "arm": arm} | ({"error": plan} if isinstance(plan, str) else plan_figures(plan))
                 for arm, plan in arms.items()]
-    master = host_model(point.config)
+    master = host_model(checkpoint)
     references = {}
     rows = []
     for arm, plan in arms.items():
@@ -222,13 +266,14 @@ def plan_figures(plan) -> dict:
     return {"concurrency": plan.workload.concurrency, "offloaded": len(offload.layers),
             "knobs": [offload.group_size, offload.num_in_group, offload.prefetch_step, offload.replay_start_copies],
             "predicted_tokens_per_s": plan.prediction.decode_tokens_per_s,
-            "predicted_total_gpu_bytes": plan.memory.total_gpu_bytes}
+            "predicted_total_gpu_bytes": plan.memory.total_gpu_bytes,
+            "predicted_activation_bytes": plan.memory.activation_bytes}
 
 
 def table(rows: list[dict]) -> list[str]:
     """Markdown: one line per arm, and each point's regret (fastest measured over the pick's tokens/s)."""
     lines = ["| point | arm | sequences | offloaded (G,K,P,left) | tokens/s | predicted | error | per token ms | "
-             "peak GPU GiB / cap | bitwise |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "peak GPU GiB / planned / cap | bitwise |", "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         if "decode_tokens_per_s" not in row:
             planned = (f"{row['concurrency']} | {row['offloaded']} ({','.join(map(str, row['knobs']))}) | - | "
@@ -240,7 +285,8 @@ def table(rows: list[dict]) -> list[str]:
             f"| {row['point']} | {row['arm']} | {row['concurrency']} | "
             f"{row['offloaded']} ({','.join(map(str, row['knobs']))}) | {measured:,.1f} | {predicted:,.1f} | "
             f"{(predicted - measured) / measured:+.1%} | {row['decode_step_ms']:.2f} | "
-            f"{row['peak_gpu_bytes'] / 2**30:.2f} / {row['gpu_memory_bytes'] / 2**30:.0f} | "
+            f"{row['peak_gpu_bytes'] / 2**30:.2f} / {row['predicted_total_gpu_bytes'] / 2**30:.2f} / "
+            f"{row['gpu_memory_bytes'] / 2**30:.0f} | "
             f"{row['first_step_bitwise']} |")
     lines.append("")
     for point in dict.fromkeys(row["point"] for row in rows):

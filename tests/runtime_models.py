@@ -32,6 +32,30 @@ def save_tiny_moe(folder: Path, *, hidden: int = 64, num_layers: int = 7, seed: 
     return _save(AutoModelForCausalLM.from_config(config), folder, seed)
 
 
+def save_tiny_gemma3(folder: Path, *, hidden: int = 64, num_layers: int = 6, window: int = 8, seed: int = 0,
+                     dtype: torch.dtype = torch.float32) -> Path:
+    """A Gemma-3 text checkpoint: every third layer global, the rest sliding over ``window`` tokens."""
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig
+
+    types = ["full_attention" if (i + 1) % 3 == 0 else "sliding_attention" for i in range(num_layers)]
+    config = Gemma3TextConfig(vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden,
+                              num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                              head_dim=16, sliding_window=window, layer_types=types)
+    return _save(AutoModelForCausalLM.from_config(config).to(dtype), folder, seed)
+
+
+def save_tiny_gpt_oss(folder: Path, *, hidden: int = 64, num_layers: int = 4, window: int = 8, seed: int = 0,
+                      dtype: torch.dtype = torch.float32) -> Path:
+    """A gpt-oss-shaped checkpoint (sliding and full layers alternating, attention sinks, routed experts),
+    written unquantized (no MXFP4)."""
+    from transformers import AutoModelForCausalLM, GptOssConfig
+
+    config = GptOssConfig(vocab_size=256, hidden_size=hidden, intermediate_size=hidden, num_hidden_layers=num_layers,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=window,
+                          num_local_experts=4, num_experts_per_tok=2)
+    return _save(AutoModelForCausalLM.from_config(config).to(dtype), folder, seed)
+
+
 def _save(model, folder: Path, seed: int) -> Path:
     torch.manual_seed(seed)
     with torch.no_grad():

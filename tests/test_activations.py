@@ -268,3 +268,21 @@ def test_activation_model_keeps_one_layer_per_kind():
     with torch.inference_mode():
         output = model(input_ids=torch.zeros(2, 12, dtype=torch.long), use_cache=True)
     assert len(output.past_key_values.layers) == 2 and output.past_key_values.layers[0].keys.shape[-2] == 7
+
+
+def test_gpt_oss_attention_is_eager_with_its_scores():
+    """gpt-oss has no SDPA path (its sinks join the softmax): K/V are repeated to every head and three
+    score-sized tensors, one sink column wider, are alive; a Llama of the same shape keeps the log-sum-exp."""
+    from planner.activations import activation_shape, prefill_activations
+
+    shape = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
+                 num_key_value_heads=2, head_dim=16, vocab_size=128)
+    gpt_oss = dict(shape, model_type="gpt_oss", sliding_window=8, num_local_experts=4, num_experts_per_tok=2)
+    assert activation_shape(gpt_oss).eager_attention and not activation_shape(dict(shape, model_type="llama"))\
+        .eager_attention
+    estimate = prefill_activations(gpt_oss, chunk_tokens=512, context_tokens=0, static_cache_tokens=576)
+    terms = dict(estimate.terms)
+    assert estimate.phase == "attention"
+    assert terms["attention scores, with the sink column (eager attention)"] == 3 * 8 * 512 * 577 * 2
+    assert terms["K/V repeated to every head"] == 576 * 8 * 32 * 2
+    assert not any("log-sum-exp" in name for name in terms)

@@ -152,6 +152,77 @@ def test_moe_prefill_chunk_peak(moe_two_layers):
     assert 1.0 <= ratio <= BOUND, estimate.describe()
 
 
+#: sliding-window shapes (issue 23): Gemma-3-27B's language model at 6 layers (five sliding of 1,024 tokens, one
+#: global), gpt-oss at 2 layers (one sliding of 128, one full; eager attention with sinks, 32 bf16 experts)
+SLIDING_CONTEXT_TOKENS = 2048  # past both windows
+
+
+def _sliding_config(name: str) -> dict:
+    if name == "gemma3":
+        release = json.loads((REPO_ROOT / "examples/gemma-3-27b-it/config.json").read_text())
+        return dict(release["text_config"], model_type="gemma3_text", num_hidden_layers=6, torch_dtype="bfloat16")
+    config = json.loads((REPO_ROOT / "plans/models/gpt-oss-120b/config.json").read_text())
+    for key in ("quantization_config", "layer_types"):
+        config.pop(key)
+    return dict(config, num_hidden_layers=2, num_local_experts=32)
+
+
+@pytest.fixture(scope="module", params=["gemma3", "gpt_oss"])
+def sliding_model(request):
+    """A sliding-window model, bf16 on the GPU, experts (gpt-oss) as run's loader leaves them."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from runtime.experts_impl import PREFILL, use_phase
+
+    config = _sliding_config(request.param)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.bfloat16).eval()
+    use_phase(model, PREFILL, torch.device("cuda"))
+    yield request.param, config, model
+    del model
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
+@pytest.mark.parametrize("num_sequences", [1, 16, 64])
+def test_sliding_decode_step_peak(sliding_model, num_sequences, graphed):
+    """Decode over the runtime's cache (sliding layers as rings of their window): the full layer's step is the
+    peak, and the estimate (windows ignored) holds it."""
+    from runtime.experts_impl import DECODE, implementation_for
+    from runtime.graph import cache_tokens_for
+    from runtime.measure import decode_activation_peak
+
+    name, config, model = sliding_model
+    torch.cuda.empty_cache()
+    measured = decode_activation_peak(model, num_sequences=num_sequences, context_tokens=SLIDING_CONTEXT_TOKENS,
+                                      graphed=graphed)
+    estimate = decode_activations(config, num_sequences=num_sequences, context_tokens=SLIDING_CONTEXT_TOKENS,
+                                  static_cache_tokens=cache_tokens_for(SLIDING_CONTEXT_TOKENS),
+                                  expand_kv_heads=_expands_kv_heads(),
+                                  experts_implementation=implementation_for(DECODE, torch.device("cuda")))
+    ratio = _record(f"{name} decode B={num_sequences} C={SLIDING_CONTEXT_TOKENS} {'graphed' if graphed else 'eager'}",
+                    estimate, measured)
+    assert 1.0 <= ratio <= BOUND, estimate.describe()
+
+
+@pytest.mark.parametrize("context_tokens", [0, SLIDING_CONTEXT_TOKENS])
+def test_sliding_prefill_chunk_peak(sliding_model, context_tokens):
+    from runtime.experts_impl import PREFILL, implementation_for
+    from runtime.graph import cache_tokens_for
+    from runtime.measure import prefill_activation_peak
+
+    name, config, model = sliding_model
+    torch.cuda.empty_cache()
+    measured = prefill_activation_peak(model, chunk_tokens=CHUNK_TOKENS, context_tokens=context_tokens)
+    estimate = prefill_activations(config, chunk_tokens=CHUNK_TOKENS, context_tokens=context_tokens,
+                                   static_cache_tokens=cache_tokens_for(context_tokens + CHUNK_TOKENS),
+                                   expand_kv_heads=_expands_kv_heads(),
+                                   experts_implementation=implementation_for(PREFILL, torch.device("cuda")))
+    ratio = _record(f"{name} prefill {CHUNK_TOKENS} after {context_tokens}", estimate, measured)
+    assert 1.0 <= ratio <= BOUND, estimate.describe()
+
+
 def test_cuda_context_and_table(qwen3_8b_two_layers):
     """Memory the process holds outside the allocator (CUDA context, module images, library handles); then the
     table of every case above."""
