@@ -68,6 +68,7 @@ def check_decode_flags(plan, cuda_graph: bool, compile_backend: str | None) -> N
 
 def open_source(plan, model: str | None, plan_path):
     """The checkpoint ``run`` loads, resolved and its headers and config.json read once (runtime.load.LoadSource)."""
+    require_runtime("offload-plan run")  # runtime.load imports torch
     from runtime.load import open_source as open_checkpoint
 
     return open_checkpoint(plan, model, plan_path)
