@@ -82,7 +82,9 @@ def test_fp8_prefill_bitwise_equal_to_all_resident_on_gpu(fp8_checkpoint, refere
 
 @pytest.mark.parametrize("graphed", [False, True])
 def test_fp8_decode_bitwise_equal_to_all_resident_on_gpu(fp8_checkpoint, reference, graphed):
-    plan = plan_with(fp8_checkpoint, 3, 2, 1, cuda_graph=graphed)
+    # a graphed plan is made for decode steps: one new token per sequence of the loop's batch of 2
+    batch = {"tokens": 2, "sequences": 2} if graphed else {}
+    plan = plan_with(fp8_checkpoint, 3, 2, 1, cuda_graph=graphed, **batch)
     model, engine = _load(fp8_checkpoint, plan)
     ids, logits = _decode(model, engine, graphed=graphed)
     engine.close()
