@@ -44,6 +44,22 @@ DEQUANTIZED = Fp8Compute(hbm_bytes_per_fp8_byte=DEQUANTIZED_BYTES_PER_FP8_BYTE, 
 NATIVE = Fp8Compute(hbm_bytes_per_fp8_byte=1, fp8_rate=True, description="FP8 matmuls at the FP8 rate")
 
 
-def fp8_compute_for(engine: str | None) -> Fp8Compute:
-    """The FP8 path of the plan's target: ``run`` (no engine) dequantizes, vLLM and SGLang have FP8 kernels."""
-    return DEQUANTIZED if engine is None else NATIVE
+#: a checkpoint with FP8 routed experts planned for run: run refuses them (transformers' FP8Experts computes only
+#: through its hub kernels), so only an engine serves it, at the FP8 rate
+ENGINE_ONLY = Fp8Compute(
+    hbm_bytes_per_fp8_byte=1, fp8_rate=True,
+    description="FP8 matmuls at the FP8 rate (FP8 experts: run cannot compute them, an engine can)")
+
+
+def fp8_compute_for(engine: str | None, fp8_experts: bool = False) -> Fp8Compute:
+    """The FP8 path of the plan's target: ``run`` (no engine) dequantizes, vLLM and SGLang have FP8 kernels. A
+    checkpoint with FP8 routed experts (``fp8_experts``) is priced as an engine computes it: run refuses it, and
+    pricing a path that cannot run would describe nothing."""
+    if engine is not None:
+        return NATIVE
+    return ENGINE_ONLY if fp8_experts else DEQUANTIZED
+
+
+def has_fp8_experts(tensors) -> bool:
+    """Whether any routed-expert tensor (an ``.experts.`` segment in its name) is stored in FP8."""
+    return any(t.dtype in FP8_DTYPES and ".experts." in f".{t.name}." for t in tensors)

@@ -9,7 +9,7 @@ from planner.adapters import Adapter, default_slots
 from planner.checkpoint import Checkpoint
 from planner.cost import ComputeTimes, Workload, estimate_compute, geometry_from_config
 from planner.engine_targets import TARGETS
-from planner.fp8_cost import fp8_compute_for
+from planner.fp8_cost import fp8_compute_for, has_fp8_experts
 from planner.errors import PlanError, UsageError
 from planner.expert_choice import Comparison, ExpertModel, routed_choice
 from planner.kv_cache import KvCacheModel
@@ -164,7 +164,7 @@ def compute_times(inputs: Inputs, checkpoint, layout, workload, profile, kv: KvC
     shapes = {t.name: t.shape for t in checkpoint.tensors} if shapes is None else shapes
     kv_bytes_of = None if kv is None else functools.partial(kv_step_bytes, kv, kv_dtype=inputs.kv_dtype)
     return estimate_compute(layout, geometry_from_config(checkpoint.config, layout), workload, profile, shapes,
-                            kv_bytes_of, fp8_compute_for(inputs.engine))
+                            kv_bytes_of, fp8_compute_for(inputs.engine, has_fp8_experts(checkpoint.tensors)))
 
 
 def as_recorded(compute: ComputeTimes, num_layers: int) -> ComputeTimes:

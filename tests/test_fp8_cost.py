@@ -54,5 +54,21 @@ def test_prefill_of_the_dequantized_path_runs_at_the_bf16_rate():
 def test_the_target_chooses_the_path():
     assert fp8_compute_for(None) is DEQUANTIZED
     assert fp8_compute_for("vllm") is NATIVE and fp8_compute_for("sglang") is NATIVE
+    # FP8 routed experts: run refuses them, so an engine's rate prices them whatever the target
+    assert fp8_compute_for(None, fp8_experts=True).fp8_rate and fp8_compute_for("vllm", fp8_experts=True) is NATIVE
+
+
+def test_fp8_experts_are_found_by_name_and_dtype():
+    from planner.fp8_cost import has_fp8_experts
+    from planner.safetensors_header import TensorEntry
+
+    def entry(name, dtype):
+        return TensorEntry(name=name, dtype=dtype, shape=(2, 2), nbytes=4, file="a.safetensors")
+
+    dense = [entry("model.layers.0.mlp.down_proj.weight", "F8_E4M3"),
+             entry("model.layers.0.mlp.shared_experts.down_proj.weight", "F8_E4M3"),
+             entry("model.layers.0.mlp.experts.0.down_proj.weight", "BF16")]
+    assert not has_fp8_experts(dense)
+    assert has_fp8_experts(dense + [entry("model.layers.1.mlp.experts.7.up_proj.weight", "F8_E4M3")])
     with pytest.raises(ValueError, match="hbm_bytes_per_fp8_byte"):
         Fp8Compute(hbm_bytes_per_fp8_byte=0.5, fp8_rate=True, description="")
