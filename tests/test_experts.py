@@ -267,17 +267,24 @@ def test_trace_command_records_a_tiny_qwen3_moe_on_the_cpu(tmp_path):
     assert again.stdout.split("\n", 2)[2] == (tmp_path / "trace.yaml").read_text().split("\n", 2)[2]
 
 
-def test_trace_counts_match_the_routers_own_choice():
+def _tiny_routed_model():
+    """A two-layer Qwen3-MoE, 4 experts, top-2, random weights (seeded)."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
-
-    from runtime.trace import count_routing
 
     config = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
                             num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                             num_experts=4, num_experts_per_tok=2)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval()
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def test_trace_counts_match_the_routers_own_choice():
+    import torch
+
+    from runtime.trace import count_routing
+
+    model = _tiny_routed_model()
     ids = torch.tensor([[1, 5, 9, 13, 17, 21]])
     expected = {}
 
@@ -297,15 +304,10 @@ def test_trace_counts_match_the_routers_own_choice():
 
 def test_decode_trace_counts_only_the_generated_tokens_routing():
     import torch
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
     from runtime.trace import count_routing
 
-    config = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                            num_experts=4, num_experts_per_tok=2)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval()
+    model = _tiny_routed_model()
     prompts = [torch.tensor([[1, 5, 9, 13, 17, 21]]), torch.tensor([[2, 4, 8]])]
     seen = {0: [], 1: []}
 
