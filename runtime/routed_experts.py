@@ -57,6 +57,8 @@ from runtime.fetch_planning import fused_fetch_plan
 
 #: 32-bit words each Triton program copies (4 warps: 32 words, eight 16-byte loads, per thread)
 GATHER_BLOCK_WORDS = 4096
+#: warps per program of the gather (Triton's default; scripts/bench_experts.py --gather-shapes sweeps both)
+GATHER_NUM_WARPS = 4
 #: persistent programs of the side stream's prefetch gather: few enough to leave the SMs to the compute the
 #: prefetch overlaps, enough to keep the link busy. On an H100 (scripts/bench_experts.py --gather-programs) 16,
 #: 32, 64 and 128 programs gathered at 0.992, 0.995, 0.986 and 0.986 of the full grid's rate (47.3 GB/s); the
@@ -644,31 +646,34 @@ def _rescaling_refusal(norm: nn.Module, following: nn.Module, ratio: torch.Tenso
 
 
 def gather_rows(source: torch.Tensor, destination: torch.Tensor, source_ids: torch.Tensor,
-                max_programs: int | None = None) -> None:
+                max_programs: int | None = None, block_words: int = GATHER_BLOCK_WORDS,
+                num_warps: int = GATHER_NUM_WARPS) -> None:
     """destination[k] = source[source_ids[k]] for every k with source_ids[k] >= 0; the others untouched.
     ``source`` [E, ...] may be host memory mapped into the device (UVA): on CUDA a Triton kernel reads only the
     rows asked for, with at most ``max_programs`` persistent programs (None: one per block of every slot, the
-    full grid); on the CPU (tests) the same semantics in torch."""
+    full grid) of ``num_warps`` warps, each copying ``block_words`` 32-bit words at a time (a power of two); on
+    the CPU (tests) the same semantics in torch."""
     if destination.device.type == "cuda":
-        _gather_rows_triton(source, destination, source_ids, max_programs)
+        _gather_rows_triton(source, destination, source_ids, max_programs, block_words, num_warps)
         return
     take = (source_ids >= 0).nonzero().flatten()
     destination[take] = source[source_ids[take]]
 
 
 def _gather_rows_triton(source: torch.Tensor, destination: torch.Tensor, source_ids: torch.Tensor,
-                        max_programs: int | None = None) -> None:
+                        max_programs: int | None = None, block_words: int = GATHER_BLOCK_WORDS,
+                        num_warps: int = GATHER_NUM_WARPS) -> None:
     row_bytes = source[0].numel() * source.element_size()
     words = 4 if row_bytes % 4 == 0 else 1
     dtype = torch.int32 if words == 4 else torch.uint8
     row_words = row_bytes // words
     source_words = source.view(torch.uint8).view(dtype) if source.dtype != dtype else source
     destination_words = destination.view(torch.uint8).view(dtype) if destination.dtype != dtype else destination
-    chunks_per_row = -(-row_words // GATHER_BLOCK_WORDS)
+    chunks_per_row = -(-row_words // block_words)
     num_items = source_ids.numel() * chunks_per_row
     grid = (max(1, min(num_items, max_programs or num_items)),)
     _gather_kernel()[grid](source_words, destination_words, source_ids, row_words, chunks_per_row, num_items,
-                           BLOCK=GATHER_BLOCK_WORDS)
+                           BLOCK=block_words, num_warps=num_warps)
 
 
 _KERNEL = {}

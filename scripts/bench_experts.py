@@ -369,7 +369,7 @@ def all_resident(master, setting: Setting) -> dict:
 
 
 def routed_arm(master, setting: Setting, resident: dict, fetch_slots: int, reference: dict, prefetch: bool = False,
-               gather_programs: tuple[int, ...] = ()) -> dict:
+               gather_programs: tuple[int, ...] = (), gather_shapes: tuple[tuple[int, int], ...] = ()) -> dict:
     """Every layer routed with ``resident`` (layer -> ids), capped; the host copy is the master's own, pinned
     in place. ``prefetch``: next-layer prefetch; ``gather_programs``: the bounded grid's rates to measure."""
     from runtime.routed_experts import apply_routed_experts
@@ -389,6 +389,8 @@ def routed_arm(master, setting: Setting, resident: dict, fetch_slots: int, refer
                 rates = gather_rate(routed, setting)
                 rates["gather_sweep"] = {n: gather_rate(routed, setting, n)["gather_bytes_per_s"]
                                          for n in gather_programs}
+                rates["gather_shapes"] = {f"{words}x{warps}": gather_rate(routed, setting, shape=(words, warps))
+                                          ["gather_bytes_per_s"] for words, warps in gather_shapes}
             result = decode(model, setting, routed=routed)
             return figures(result) | compare(result, reference) | cap.peak() | rates | {
                 "expert_bytes": routed.expert_bytes, "device_expert_bytes": routed.device_bytes,
@@ -439,10 +441,12 @@ def planner_plan(setting: Setting, work: Path, force_whole: bool = True):
     return max(made, key=lambda plan: plan.prediction.decode_tokens_per_s) if made else plans[0]
 
 
-def gather_rate(routed, setting: Setting, max_programs: int | None = None) -> dict:
+def gather_rate(routed, setting: Setting, max_programs: int | None = None, shape: tuple[int, int] | None = None
+                ) -> dict:
     """The routed gather's rate: a decode step's k distinct experts of layer 0 read from mapped host memory
     (the Triton kernel), all non-resident; ``max_programs``: the bounded grid of a prefetch (None: the full
-    grid of a miss gather)."""
+    grid of a miss gather); ``shape``: (32-bit words a program copies at a time, warps) in place of the
+    runtime's."""
     from runtime.calibrate import median_event_ms
     from runtime.routed_experts import gather_rows
 
@@ -452,10 +456,12 @@ def gather_rate(routed, setting: Setting, max_programs: int | None = None) -> di
     ids[:min(len(candidates), routed.fetch_slots)] = torch.tensor(candidates[:routed.fetch_slots])
     ids = ids.to(setting.device)
 
+    tuning = {} if shape is None else {"block_words": shape[0], "num_warps": shape[1]}
+
     def gather():
         for name in routed.param_names:
             gather_rows(routed.host_device[layer, name], routed.buffer[name][:routed.fetch_slots], ids,
-                        max_programs=max_programs)
+                        max_programs=max_programs, **tuning)
 
     ms = median_event_ms(gather, repeats=10, warmups=2)
     num_bytes = int((ids >= 0).sum()) * routed.expert_bytes
@@ -508,6 +514,7 @@ def _short(value):
 
 def uniform_rows(master, setting: Setting, rows: Rows, h2d_bytes_per_s: float, work: Path,
                  prefetch: tuple[str, ...] = ("off",), gather_programs: tuple[int, ...] = (),
+                 gather_shapes: tuple[tuple[int, int], ...] = (),
                  plans: bool = True) -> tuple[dict, int]:
     """The all-resident reference, routed with uniform residency (prefetch off and/or on, the same resident
     experts in both: the count that fits two slot sets where prefetch is on), today's whole-layer plan."""
@@ -520,8 +527,8 @@ def uniform_rows(master, setting: Setting, rows: Rows, h2d_bytes_per_s: float, w
     resident = {index: tuple(range(num_resident)) for index in range(num_layers)}
     for mode in prefetch:
         routed = routed_arm(master, setting, resident, fetch_slots, reference, prefetch=mode == "on",
-                            gather_programs=gather_programs)
-        gather_programs = ()  # swept once
+                            gather_programs=gather_programs, gather_shapes=gather_shapes)
+        gather_programs, gather_shapes = (), ()  # swept once
         expected = num_layers * top_k * (num_experts - num_resident) / num_experts * routed["expert_bytes"]
         link_ms = 1e3 * routed["routed_bytes_per_step"] / h2d_bytes_per_s
         floor_ms = max(reference["step_ms"], link_ms)
@@ -541,6 +548,10 @@ def uniform_rows(master, setting: Setting, rows: Rows, h2d_bytes_per_s: float, w
                   else modelled(measured_accuracy)})
         for programs, rate in routed.get("gather_sweep", {}).items():
             rows.add({"arm": f"gather, {programs} programs", "gather_bytes_per_s": rate,
+                      "gather_over_full_grid": rate / routed["gather_bytes_per_s"]})
+        for shape, rate in routed.get("gather_shapes", {}).items():
+            words, warps = shape.split("x")
+            rows.add({"arm": f"gather, {words} words x {warps} warps a program", "gather_bytes_per_s": rate,
                       "gather_over_full_grid": rate / routed["gather_bytes_per_s"]})
     if not plans:
         return reference, num_resident
@@ -973,10 +984,15 @@ def main() -> None:
     parser.add_argument("--prefetch-depth", type=int, nargs="+", default=[],
                         help="instead: one routed model with next-layer prefetch decoded at each of these depths "
                              "(ranks of each prediction gathered ahead, 0 to top-k), the model's pick marked")
+    parser.add_argument("--gather-shapes", nargs="+", default=[], metavar="WORDSxWARPS",
+                        help="the gather's rate with each program copying WORDS 32-bit words at a time (a power of "
+                             "two) with WARPS warps, e.g. 4096x4 8192x8 (the runtime's: "
+                             "runtime.routed_experts.GATHER_BLOCK_WORDS x GATHER_NUM_WARPS)")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/bench_experts")))
     args = parser.parse_args()
     if any(n < 1 for n in args.gather_programs):
         parser.error("--gather-programs takes counts of programs, each at least 1")
+    gather_shapes = tuple(_gather_shape(parser, text) for text in args.gather_shapes)
     if any(n < 0 for n in args.prefetch_depth):
         parser.error("--prefetch-depth takes numbers of ranks, each 0 or more (deeper than top-k: top-k)")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -1018,6 +1034,7 @@ def main() -> None:
     if not args.no_uniform:
         _, num_resident = uniform_rows(master, setting, rows, h2d, args.out / "work",
                                        tuple(dict.fromkeys(args.prefetch)), tuple(args.gather_programs),
+                                       gather_shapes,
                                        plans=not args.no_plans)
     if args.skew_trace:
         trace_rows(master, setting, rows, args.out / "work")
@@ -1025,6 +1042,16 @@ def main() -> None:
         skewed_rows(master, setting, rows, num_resident)
     log(f"done in {time.perf_counter() - started:.0f} s; {rows.path}")
     print_table(rows.data)
+
+
+def _gather_shape(parser, text: str) -> tuple[int, int]:
+    """WORDSxWARPS as (words, warps), or the parser's one-line error."""
+    words, _, warps = text.partition("x")
+    if not (words.isdigit() and warps.isdigit()) or int(words) < 1 or int(words) & (int(words) - 1) \
+            or int(warps) not in (1, 2, 4, 8, 16, 32):
+        parser.error(f"--gather-shapes takes WORDSxWARPS, words a power of two and warps 1 to 32 (a power of "
+                     f"two), e.g. 4096x4; not {text[:40]!r}")
+    return int(words), int(warps)
 
 
 def pinned_rate(setting: Setting) -> float:
