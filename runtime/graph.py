@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from planner.errors import UsageError
+from planner.errors import RuntimeUnavailableError, UsageError
 # cache room past the context for warm-up and timed steps. transformers' static cache attends over its whole
 # length (masked), so step time grows with it: measuring, planning and running use the same room.
 from planner.serving import DECODE_ROOM_TOKENS
@@ -94,6 +94,22 @@ def warm_up_stream(device: torch.device) -> "torch.cuda.Stream":
     if device not in _WARM_UP_STREAMS:
         _WARM_UP_STREAMS[device] = torch.cuda.Stream(device=device)
     return _WARM_UP_STREAMS[device]
+
+
+def capture_steps(graph, steps, model_name: str) -> None:
+    """Capture ``steps()`` into ``graph``; an op the capture forbids (a host copy or synchronisation inside the
+    model's own code: transformers 5.17's eager attention mask builds a CPU scalar on the GPU each step, which
+    gpt-oss's attention uses) is one line naming the model, not a traceback."""
+    try:
+        with torch.inference_mode(), torch.cuda.graph(graph):
+            steps()
+    except torch.OutOfMemoryError:
+        raise  # the caller's memory handling says what to do
+    except RuntimeError as error:
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
+        raise RuntimeUnavailableError(
+            f"{model_name}'s decode step cannot be captured as a CUDA graph on this stack ({reason}); run it "
+            "without --cuda-graph (plan it without --cuda-graph), or with a newer transformers") from None
 
 
 class DecodeLoop:
@@ -266,8 +282,7 @@ class DecodeLoop:
         self._release_cached()
         started = time.perf_counter()
         self.graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(self.graph):
-            self._steps()
+        capture_steps(self.graph, self._steps, type(self.model).__name__)
         torch.cuda.synchronize(self.device)
         self.capture_s = time.perf_counter() - started
 

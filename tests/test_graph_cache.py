@@ -25,3 +25,33 @@ def test_a_latent_attention_cache_is_allocated_at_its_two_widths_and_decodes():
     with torch.inference_mode():
         grown = model(input_ids=torch.cat([prompt, ids[:, :3]], dim=1)).logits[:, -1, :]
     assert torch.allclose(grown, logits[-1], atol=1e-5)
+
+
+def test_an_op_the_capture_forbids_is_one_line(monkeypatch):
+    """A model whose step does what a CUDA-graph capture forbids (transformers 5.17's eager attention mask copies a
+    CPU scalar to the GPU each step) gets one line naming the model and the way out; running out of memory is
+    left to the caller's handling."""
+    import contextlib
+
+    import pytest
+
+    from planner.errors import RuntimeUnavailableError
+    from runtime.graph import capture_steps
+
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph: contextlib.nullcontext())
+
+    def forbidden():
+        raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture unless the CPU "
+                           "tensor is pinned.\nsecond line")
+
+    with pytest.raises(RuntimeUnavailableError) as caught:
+        capture_steps(object(), forbidden, "GptOssForCausalLM")
+    message = str(caught.value)
+    assert "\n" not in message and len(message) <= 300
+    assert "GptOssForCausalLM" in message and "--cuda-graph" in message and "second line" not in message
+
+    def out_of_memory():
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    with pytest.raises(torch.OutOfMemoryError):
+        capture_steps(object(), out_of_memory, "GptOssForCausalLM")
