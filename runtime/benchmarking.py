@@ -65,10 +65,14 @@ def write_random_checkpoint(config_path: Path, folder: Path) -> None:
 
 def fill_random(config_path: Path, folder: Path) -> None:
     """config.json, shards of random weights and their index, into ``folder``."""
+    (folder / "config.json").write_text(config_path.read_text())
+    write_shards(folder, split_random_tensors(config_path))
+
+
+def write_shards(folder: Path, shards: list[dict[str, torch.Tensor]]) -> None:
+    """The shards as model-NNNNN-of-NNNNN.safetensors files and their index, into ``folder``."""
     from safetensors.torch import save_file
 
-    (folder / "config.json").write_text(config_path.read_text())
-    shards = split_random_tensors(config_path)
     weight_map = {}
     for number, shard in enumerate(shards, start=1):
         file = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
@@ -77,22 +81,30 @@ def fill_random(config_path: Path, folder: Path) -> None:
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
-def split_random_tensors(config_path: Path) -> list[dict[str, torch.Tensor]]:
-    """Every parameter as a random CPU tensor (drawn on the GPU: faster), grouped into shards."""
-    generator = torch.Generator(device="cuda").manual_seed(0)
+def in_shards(tensors) -> list[dict[str, torch.Tensor]]:
+    """(name, tensor) pairs grouped in order into shards, each closed once it passes SHARD_BYTES."""
     shards, current, size = [], {}, 0
-    for name, _, shape in tensor_specs(config_path, "BF16"):
-        if "norm" in name:
-            tensor = torch.ones(shape, dtype=torch.bfloat16)
-        else:
-            tensor = (torch.randn(shape, generator=generator, device="cuda") * 0.02).to(torch.bfloat16).cpu()
+    for name, tensor in tensors:
         current[name] = tensor
-        size += tensor.numel() * 2
+        size += tensor.numel() * tensor.element_size()
         if size > SHARD_BYTES:
             shards.append(current)
             current, size = {}, 0
     shards.append(current)
     return shards
+
+
+def split_random_tensors(config_path: Path) -> list[dict[str, torch.Tensor]]:
+    """Every parameter as a random CPU tensor (drawn on the GPU: faster), grouped into shards."""
+    generator = torch.Generator(device="cuda").manual_seed(0)
+
+    def tensors():
+        for name, _, shape in tensor_specs(config_path, "BF16"):
+            if "norm" in name:
+                yield name, torch.ones(shape, dtype=torch.bfloat16)
+            else:
+                yield name, (torch.randn(shape, generator=generator, device="cuda") * 0.02).to(torch.bfloat16).cpu()
+    return in_shards(tensors())
 
 
 def write_random_release(config_path: Path, folder: Path, *, device: str = "cuda", seed: int = 0) -> None:
@@ -103,26 +115,13 @@ def write_random_release(config_path: Path, folder: Path, *, device: str = "cuda
         return
 
     def fill(staging: Path) -> None:
-        from safetensors.torch import save_file
-
         from planner.release_format import release_specs
 
         (staging / "config.json").write_text(config_path.read_text())
         generator = torch.Generator(device=device).manual_seed(seed)
-        shards, current, size = [], {}, 0
-        for name, dtype, shape in release_specs(json.loads(config_path.read_text())):
-            current[name] = random_release_tensor(name, dtype, shape, generator, device)
-            size += current[name].numel() * current[name].element_size()
-            if size > SHARD_BYTES:
-                shards.append(current)
-                current, size = {}, 0
-        shards.append(current)
-        weight_map = {}
-        for number, shard in enumerate(shards, start=1):
-            file = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(staging / file), metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(shard, file))
-        (staging / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+        specs = release_specs(json.loads(config_path.read_text()))
+        write_shards(staging, in_shards((name, random_release_tensor(name, dtype, shape, generator, device))
+                                        for name, dtype, shape in specs))
 
     write_owned_folder(folder, kind=RANDOM_WEIGHTS, fill=fill)
 
