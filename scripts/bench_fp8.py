@@ -31,11 +31,11 @@ from scripts.bench_decode import all_equal, decode_run  # sets the deterministic
 import torch  # noqa: E402
 
 from runtime.backend import CudaBackend  # noqa: E402
-from runtime.bench import random_ids, time_steps  # noqa: E402
+from runtime.bench import random_ids  # noqa: E402
 from runtime.benchmarking import (CONTEXT_TOKENS, DEFAULT_CONFIG, checkpoint_parser, deterministic_decode,  # noqa: E402
                                   free, log, pinned_h2d_bytes_per_s, plan_for, write_calibrated, write_random_release,
                                   write_report)
-from scripts.bench_runtime import timed  # noqa: E402
+from scripts.bench_runtime import copy_stats, timed  # noqa: E402
 
 BUDGET_SHARES = (0.75, 0.5, 0.25)
 #: the all-resident reference's budget, in shares of the layer bytes (beside the non-layer weights)
@@ -85,12 +85,7 @@ def prefill_row(checkpoint: Path, plan, reference, h2d: float, layout) -> dict:
     model, engine = load(checkpoint, plan)
     ids = random_ids(model, (1, PREFILL_TOKENS), torch.device("cuda"), seed=PREFILL_TOKENS)
     step_ms, logits = timed(model, ids, NUM_PREFILL_STEPS)
-    engine.take_stats()
-    engine.timing = True
-    with torch.inference_mode():
-        time_steps(model, ids, 2)
-    engine.timing = False
-    stats = engine.take_stats()
+    stats = copy_stats(model, engine, ids)
     packed = sum(sum(item.num_bytes for item in layout_) for layout_ in engine.layouts)
     copy_bytes = engine.copy_bytes_per_step
     engine.close()

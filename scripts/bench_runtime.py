@@ -46,6 +46,17 @@ def timed(model, input_ids, num_steps: int) -> tuple[float, torch.Tensor]:
     return step_ms, logits
 
 
+def copy_stats(model, engine, input_ids):
+    """The engine's copy statistics over two steps timed copy by copy (timing adds events, so it stays off while
+    step times are taken)."""
+    engine.take_stats()
+    engine.timing = True
+    with torch.inference_mode():
+        time_steps(model, input_ids, 2)
+    engine.timing = False
+    return engine.take_stats()
+
+
 def run_accelerate(checkpoint: Path, offloaded: tuple[int, ...], num_layers: int, input_ids) -> float:
     """Accelerate's dispatch_model with the plan's offloaded layers on "cpu" (its synchronous hooks)."""
     from accelerate import dispatch_model
@@ -107,12 +118,7 @@ def main(argv: list[str] | None = None) -> None:
             input_ids = inputs_for(tokens, vocab)
             step_ms, logits = timed(model, input_ids, NUM_STEPS)
             peak_bytes = torch.cuda.max_memory_allocated() - baseline_bytes
-            engine.take_stats()
-            engine.timing = True
-            with torch.inference_mode():
-                time_steps(model, input_ids, 2)
-            engine.timing = False
-            stats = engine.take_stats()
+            stats = copy_stats(model, engine, input_ids)
             engine.close()
             del model, engine
             free()
