@@ -98,19 +98,26 @@ def test_prefill_chunk_peak(qwen3_8b_two_layers, context_tokens):
 MOE_SHAPES = ("qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v2-lite")
 
 
-@pytest.fixture(scope="module", params=MOE_SHAPES)
-def moe_two_layers(request):
-    """A MoE model of a public shape, two layers, bf16 on the GPU, its experts as run's loader leaves them."""
+def _gpu_model(config: dict):
+    """The model of ``config`` with seeded random weights, bf16 on the GPU, its experts (if any) running the
+    prefill implementation, as run's loader leaves them."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from runtime.experts_impl import PREFILL, use_phase
 
-    config = json.loads((REPO_ROOT / "examples" / request.param / "config.json").read_text())
-    config["num_hidden_layers"] = 2
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.bfloat16).eval()
     use_phase(model, PREFILL, torch.device("cuda"))
+    return model
+
+
+@pytest.fixture(scope="module", params=MOE_SHAPES)
+def moe_two_layers(request):
+    """A MoE model of a public shape, two layers, bf16 on the GPU, its experts as run's loader leaves them."""
+    config = json.loads((REPO_ROOT / "examples" / request.param / "config.json").read_text())
+    config["num_hidden_layers"] = 2
+    model = _gpu_model(config)
     yield request.param, config, model
     del model
     torch.cuda.empty_cache()
@@ -170,15 +177,8 @@ def _sliding_config(name: str) -> dict:
 @pytest.fixture(scope="module", params=["gemma3", "gpt_oss"])
 def sliding_model(request):
     """A sliding-window model, bf16 on the GPU, experts (gpt-oss) as run's loader leaves them."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from runtime.experts_impl import PREFILL, use_phase
-
     config = _sliding_config(request.param)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.bfloat16).eval()
-    use_phase(model, PREFILL, torch.device("cuda"))
+    model = _gpu_model(config)
     yield request.param, config, model
     del model
     torch.cuda.empty_cache()
