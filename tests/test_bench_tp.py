@@ -15,9 +15,10 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 
-def _tiny(name: str) -> dict:
+def _tiny(name: str, vocab_size: int = 1024) -> dict:
     """The bench's shape, shrunk to build in a second on the CPU."""
-    small = dict(bench_tp.SHAPES[name], hidden_size=256, intermediate_size=512, num_hidden_layers=2, vocab_size=1024)
+    small = dict(bench_tp.SHAPES[name], hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                 vocab_size=vocab_size)
     if name == "qwen3_moe":
         small.update(moe_intermediate_size=128, head_dim=32, num_experts=4, num_experts_per_tok=2)
     return small

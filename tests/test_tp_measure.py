@@ -19,23 +19,16 @@ from planner.profile import load_profile
 from planner.plan_file import read_plan
 from scripts import bench_tp
 from tests.conftest import REPO_ROOT, assert_one_line_error, invoke
+from tests.test_bench_tp import _tiny
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 
-def _tiny(name: str) -> dict:
-    """The bench's shape, shrunk to build in a second on the CPU."""
-    small = dict(bench_tp.SHAPES[name], hidden_size=256, intermediate_size=512, num_hidden_layers=2, vocab_size=1000)
-    if name == "qwen3_moe":
-        small.update(moe_intermediate_size=128, head_dim=32, num_experts=4, num_experts_per_tok=2)
-    return small
-
-
 @pytest.fixture(scope="module", params=["llama", "qwen3_moe"])
 def tiny(request, tmp_path_factory):
     """(shape name, folder) of a transformers-saved checkpoint of the bench's shape, shrunk."""
-    values = _tiny(request.param)
+    values = _tiny(request.param, vocab_size=1000)
     folder = tmp_path_factory.mktemp(request.param)
     config = transformers.AutoConfig.for_model(**{k: v for k, v in values.items() if k != "architectures"})
     config.architectures = values["architectures"]
