@@ -118,3 +118,18 @@ def routed_moe_model(*, hidden: int = 64, num_layers: int = 4, num_experts: int 
         for param in model.parameters():
             param.normal_(0, 0.1)
     return model.eval()
+
+
+def exactly_predictable(model):
+    """A copy of ``model`` whose layer 1 sees layer 0's residual unchanged (layer 0's experts and layer 1's
+    attention add nothing) behind a norm of twice layer 0's weights: the next-layer prediction from layer 0's
+    router input, rescaled by the norms' ratio, is exactly layer 1's routing."""
+    import copy
+
+    changed = copy.deepcopy(model)
+    layers = changed.model.layers
+    with torch.no_grad():
+        layers[1].post_attention_layernorm.weight.copy_(2 * layers[0].post_attention_layernorm.weight)
+        layers[0].mlp.experts.down_proj.zero_()
+        layers[1].self_attn.o_proj.weight.zero_()
+    return changed

@@ -14,7 +14,7 @@ from runtime.backend import CpuStandIn
 from runtime.graph import DecodeLoop
 from runtime.routed_experts import (FETCH_KINDS, apply_routed_experts, next_layer_predictor, plan_fetch_after_prefetch,
                                     prefetch_from_plan)
-from tests.runtime_models import routed_moe_model
+from tests.runtime_models import exactly_predictable, routed_moe_model
 
 #: layer -> resident ids over 16 experts: layer 0 (first routed: nothing predicts it), 1 none resident, 2 most
 ROUTED = {0: (1, 5, 9), 1: (), 2: tuple(range(12))}
@@ -74,12 +74,7 @@ def test_predicted_ids_equal_the_router_when_the_hidden_state_is_unchanged(model
     """Layer 0's experts add nothing and layer 1's attention adds nothing, so layer 1's norm sees layer 0's
     residual: its router, applied to layer 0's router input rescaled by the norms' weights (here x2, exact),
     picks exactly what layer 1 then routes to: every fetch of layer 1 is a prefetched hit."""
-    changed = copy.deepcopy(model)
-    layers = changed.model.layers
-    with torch.no_grad():
-        layers[1].post_attention_layernorm.weight.copy_(2 * layers[0].post_attention_layernorm.weight)
-        layers[0].mlp.experts.down_proj.zero_()
-        layers[1].self_attn.o_proj.weight.zero_()
+    changed = exactly_predictable(model)
     routed_model, routed = _routed(changed, {0: (), 1: ()}, fetch_slots=8)
     calls = _record_gates(routed_model, [1])
     loop = DecodeLoop(routed_model, batch=4, max_cache_tokens=64, device=torch.device("cpu"), steps_per_call=1)

@@ -1,7 +1,6 @@
 """Prediction accuracy by rank in routing traces: recorded with the runtime's next-layer predictor, written and
 read back byte for byte, checked in one line, and the rank accuracies the planner chooses its prefetch depth from."""
 
-import copy
 from dataclasses import replace
 
 import pytest
@@ -16,7 +15,7 @@ from planner.plan import Inputs
 from planner.routing_trace import RoutingTrace, read_trace, render_trace, trace_from_dict
 from runtime.trace import count_routing
 from tests.conftest import make_checkpoint
-from tests.runtime_models import routed_moe_model
+from tests.runtime_models import exactly_predictable, routed_moe_model
 
 
 def test_prefetch_hits_round_trip_and_give_the_rank_accuracy(tmp_path):
@@ -51,12 +50,7 @@ def test_count_routing_counts_the_predictions_by_rank():
     nothing): the prediction is exact at every rank. The untouched model: counts from 0 to the tokens, rank by
     rank as the predictor's own top-k compared with the routed ids."""
     model = routed_moe_model(top_k=4)
-    exact = copy.deepcopy(model)
-    layers = exact.model.layers
-    with torch.no_grad():
-        layers[1].post_attention_layernorm.weight.copy_(2 * layers[0].post_attention_layernorm.weight)
-        layers[0].mlp.experts.down_proj.zero_()
-        layers[1].self_attn.o_proj.weight.zero_()
+    exact = exactly_predictable(model)
     prompts = [torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(n)) for n in (7, 12)]
     hits: dict = {}
     num_tokens, _ = count_routing(exact, prompts, "model.layers", 16, prefetch_hits=hits)
