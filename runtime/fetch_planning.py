@@ -18,10 +18,6 @@ import torch
 _KERNELS = {}
 
 
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def fused_fetch_plan(top_k_index: torch.Tensor, resident_row: torch.Tensor, fetch_slots: int, slot_base: int,
                      counts: torch.Tensor, prefetched: torch.Tensor | None = None, sources_out: torch.Tensor | None
                      = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,10 +31,12 @@ def fused_fetch_plan(top_k_index: torch.Tensor, resident_row: torch.Tensor, fetc
     sources = sources_out if sources_out is not None else torch.empty(fetch_slots, dtype=torch.int64,
                                                                       device=ids.device)
     with_prefetch = prefetched is not None
+    from triton import next_power_of_2  # with the kernel: triton ships with CUDA builds of torch
+
     _kernel()[(1,)](ids, resident_row, prefetched if with_prefetch else sources, pair_rows, sources, counts,
                     num_pairs, num_experts, fetch_slots, slot_base, WITH_PREFETCH=with_prefetch,
-                    BLOCK_S=_next_power_of_2(num_pairs), BLOCK_E=_next_power_of_2(num_experts),
-                    BLOCK_F=_next_power_of_2(fetch_slots))
+                    BLOCK_S=next_power_of_2(num_pairs), BLOCK_E=next_power_of_2(num_experts),
+                    BLOCK_F=next_power_of_2(fetch_slots))
     return pair_rows, sources
 
 
