@@ -27,6 +27,8 @@ MAKE_FLAGS = {
     "--kv-dtype": (("auto", "bf16", "fp8", "int3", "", "a\nb"), ("int3", "", "a\nb")),
     "--max-tpot-ms": (("50", "0", "-1", "nan", "inf", "x", "1e400"), ("0", "-1", "nan", "inf", "x", "1e400")),
     "--gpu-memory": (("24GiB", "0GiB", "1e400GiB", "40", "x", "-1GiB"), ("0GiB", "1e400GiB", "40", "x", "-1GiB")),
+    # the base model is dense: any prefetch depth is refused (it is for routed experts)
+    "--prefetch-depth": (("0", "2", "-1", "9" * 30, "x"), ("0", "2", "-1", "9" * 30, "x")),
 }
 OUTPUTS = ((GUARD_NAME, False), ("missing/plan.yaml", True), ("ckpt", True), ("out.yaml/plan.yaml", True),
            ("ckpt/config.json/x.yaml", True), ("", True), ("plan\n.yaml", False))

@@ -57,6 +57,28 @@ def valid_trace(rng, base_: Base) -> dict:
             "top_k": top_k, "num_tokens": num_tokens, "layers": layers}
 
 
+def add_prefetch_hits(rng, trace: dict) -> None:
+    """Valid per-rank prefetch hits on every layer after the first (0 to num_tokens per rank)."""
+    for row in trace["layers"][1:]:
+        row["prefetch_hits"] = [rng.randint(0, trace["num_tokens"]) for _ in range(trace["top_k"])]
+
+
+def _prefetch_hits(rng, trace: dict) -> str:
+    """Prefetch hits that break a rule: on the first layer (nothing predicts it), a rank too many or too few, a
+    count above num_tokens, below 0 or not a count."""
+    add_prefetch_hits(rng, trace)
+    kind = rng.choice(("first layer", "ranks", "count"))
+    if kind == "first layer":
+        trace["layers"][0]["prefetch_hits"] = [0] * trace["top_k"]
+    elif kind == "ranks":
+        row = trace["layers"][1]
+        row["prefetch_hits"] = row["prefetch_hits"][:-1] if rng.random() < 0.5 else [*row["prefetch_hits"], 0]
+    else:
+        row = rng.choice(trace["layers"][1:])
+        row["prefetch_hits"][rng.randrange(trace["top_k"])] = rng.choice((trace["num_tokens"] + 1, *BAD_NUMBERS))
+    return f"prefetch_hits: {kind}"
+
+
 def _set_count(rng, trace: dict) -> str:
     row = rng.choice(trace["layers"])
     value = rng.choice((trace["num_tokens"] + 1, -1, *BAD_NUMBERS))
@@ -135,7 +157,8 @@ def _consistent_other_geometry(rng, trace: dict) -> str:
     return f"geometry {num_experts}x{top_k}"
 
 
-TRACE_MUTATIONS = (_set_count, _counts_length, _layer_rows, _header_field, _keys, _consistent_other_geometry)
+TRACE_MUTATIONS = (_set_count, _counts_length, _layer_rows, _header_field, _keys, _consistent_other_geometry,
+                   _prefetch_hits)
 TEXT_KINDS = ("truncated", "truncated", "garbage", "empty", "list", "deep", "not utf-8")
 
 
@@ -159,6 +182,7 @@ def _trace_command_case(rng) -> Case:
     """offload-plan trace with a prompt file that is special, empty, or the base checkpoint (no tokenizer)."""
     kind = rng.choice((*SPECIAL_KINDS, "empty", "blank lines", "no tokenizer"))
     args = ["trace", "--model", "ckpt", "--prompts", "prompts.txt", "--device", "cpu", "-o", GUARD_NAME]
+    args += rng.choice(([], [], ["--decode-tokens", rng.choice(("0", "4", "-1", "65537", "9" * 30, "x", ""))]))
     files, special = {}, {}
     if kind in SPECIAL_KINDS:
         special["prompts.txt"] = kind
@@ -178,6 +202,9 @@ def gen_traces(rng, base_: Base) -> Case:
     args, invalid, special, then, moe = [*MAKE_ARGS, "-o", GUARD_NAME], True, {}, (), True
     if roll < 0.25:
         mutation = "valid" if rng.random() < 0.5 else _shift_count(rng, trace)
+        if rng.random() < 0.3:  # the measured accuracy per rank: make chooses the prefetch depth from it
+            add_prefetch_hits(rng, trace)
+            mutation += " with prefetch_hits"
         invalid = any(c > trace["num_tokens"] for row in trace["layers"] for c in row["counts"])
         if not invalid:  # a weights budget that routes experts (60KB), streams whole layers (40KB) or keeps all
             args = [*MAKE_ARGS, *rng.choice((["--budget", "60KB"], ["--budget", "60KB"], ["--budget", "40KB"], [])),
