@@ -179,6 +179,12 @@ class RoutedExperts:
         #: whether decode steps count the prediction's hits per rank (rank_counts): a few small kernels per
         #: predicted layer in the captured step; set before capturing, off where nobody reads the figures
         self.count_ranks = True
+        #: (32-bit words a program copies at a time, warps a program) of every gather a decode step runs: a
+        #: tuning knob that scripts/bench_experts.py sweeps; capture again after changing it
+        self.gather_shape = (GATHER_BLOCK_WORDS, GATHER_NUM_WARPS)
+        #: whether a layer starts the next layer's prefetch after its own misses' gather (the misses alone on
+        #: the link first) rather than before it (both share the link); capture again after changing it
+        self.prefetch_after_misses = False
         #: routed layers whose prefetch was started this step and not yet joined
         self._pending: set[int] = set()
         #: the side stream of the prefetches (CUDA only) and the router input it reads, copied on the main stream
@@ -379,9 +385,10 @@ class RoutedExperts:
         base = self._slot_base(ordinal)
         resident_row = self.tables[index].resident_row
         predicted = self._join(index)
-        # the next layer's prefetch first: the link stays busy while this layer plans its misses, and the misses'
-        # full grid takes most of the link from the prefetch's bounded one while both run
-        self._prefetch_next(ordinal, hidden)
+        # the next layer's prefetch first (by default): the link stays busy while this layer plans its misses,
+        # and the misses' full grid takes most of the link from the prefetch's bounded one while both run
+        if not self.prefetch_after_misses:
+            self._prefetch_next(ordinal, hidden)
         if predicted and self.count_ranks:
             self._count_ranks(ordinal, top_k_index)
         ahead = predicted and self.prefetch_depth[index] > 0  # depth 0: predicted, nothing gathered ahead
@@ -395,8 +402,12 @@ class RoutedExperts:
         else:
             pair_rows, source_ids = plan_fetch(top_k_index, resident_row, self.fetch_slots, slot_base=base)
             self.fetch_counts.add_(torch.nn.functional.pad((source_ids >= 0).sum().view(1), (len(FETCH_KINDS) - 1, 0)))
+        words, warps = self.gather_shape
         for name in self.param_names:  # the misses, on the critical path: the full grid
-            gather_rows(self.host_device[index, name], self.buffer[name][base:base + self.fetch_slots], source_ids)
+            gather_rows(self.host_device[index, name], self.buffer[name][base:base + self.fetch_slots], source_ids,
+                        block_words=words, num_warps=warps)
+        if self.prefetch_after_misses:
+            self._prefetch_next(ordinal, hidden)
         proxy = _Proxy(module, {name: self.buffer[name] for name in self.param_names})
         return batched_mm_forward()(proxy, hidden, pair_rows.view_as(top_k_index), top_k_weights)
 
@@ -448,9 +459,10 @@ class RoutedExperts:
                                  self._prefetch_counts, sources_out=source_ids)
             else:
                 source_ids.copy_(plan_fetch(predicted, self.tables[following].resident_row, self.fetch_slots)[1])
+            words, warps = self.gather_shape
             for name in self.param_names:
                 gather_rows(self.host_device[following, name], self.buffer[name][base:base + self.fetch_slots],
-                            source_ids, max_programs=self.prefetch_programs)
+                            source_ids, max_programs=self.prefetch_programs, block_words=words, num_warps=warps)
 
         if self.stream is None:
             work()

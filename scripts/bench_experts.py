@@ -580,7 +580,41 @@ def model_step_ms(resident_step_ms: float, num_layers: int, fetched_bytes_per_la
                                   for index in range(num_layers))
 
 
-def depth_rows(master, setting: Setting, rows: Rows, h2d_bytes_per_s: float, depths: tuple[int, ...],
+@dataclass(frozen=True, kw_only=True)
+class StepVariant:
+    """How a routed decode step gathers (runtime.routed_experts.RoutedExperts' knobs): prefetch depth, the
+    gather's program shape, whether the next layer's prefetch starts after this layer's misses, and the
+    prefetch gather's persistent programs. None: the runtime's default."""
+
+    depth: int
+    gather_shape: tuple[int, int] | None = None
+    prefetch_after_misses: bool = False
+    prefetch_programs: int | None = None
+
+    def label(self) -> str:
+        """The arm's name: the depth, then whatever differs from the runtime's defaults."""
+        extra = ([f"gather {self.gather_shape[0]}x{self.gather_shape[1]}"] if self.gather_shape else []) + \
+            (["prefetch after misses"] if self.prefetch_after_misses else []) + \
+            ([f"{self.prefetch_programs} prefetch programs"] if self.prefetch_programs else [])
+        return f"prefetch depth {self.depth}" + (f" ({', '.join(extra)})" if extra else "")
+
+    def apply(self, routed, top_k: int) -> None:
+        """Set the knobs on a RoutedExperts (capture again afterwards)."""
+        from runtime.routed_experts import GATHER_BLOCK_WORDS, GATHER_NUM_WARPS, PREFETCH_GATHER_PROGRAMS
+
+        routed.set_prefetch_depth(min(self.depth, top_k))
+        routed.gather_shape = self.gather_shape or (GATHER_BLOCK_WORDS, GATHER_NUM_WARPS)
+        routed.prefetch_after_misses = self.prefetch_after_misses
+        routed.prefetch_programs = self.prefetch_programs or PREFETCH_GATHER_PROGRAMS
+
+
+def step_variants(depths, gather_shapes=(None,), orders=(False,), programs=(None,)) -> tuple[StepVariant, ...]:
+    """Every combination of the knobs, depth outermost (the first depth with the defaults first)."""
+    return tuple(StepVariant(depth=d, gather_shape=g, prefetch_after_misses=o, prefetch_programs=n)
+                 for d in depths for g in gather_shapes for o in orders for n in programs)
+
+
+def depth_rows(master, setting: Setting, rows: Rows, h2d_bytes_per_s: float, depths: "tuple[int | StepVariant, ...]",
                work: Path, plans: bool = True) -> None:
     """The prefetch depth sweep: one routed model with next-layer prefetch (resident experts as many as fit two
     slot sets), decoded at each depth m (the top m ranks of each token's predicted k gathered ahead; 0: predicted
@@ -595,6 +629,8 @@ def depth_rows(master, setting: Setting, rows: Rows, h2d_bytes_per_s: float, dep
     from scripts.bench_serving import sharing_copy
 
     num_layers, num_experts, top_k = expert_shape(master)
+    variants = [v if isinstance(v, StepVariant) else StepVariant(depth=v) for v in depths]
+    variants = [replace(v, depth=min(v.depth, top_k)) for v in variants]
     fetch_slots = min(top_k * setting.batch, num_experts)
     num_resident = max(0, resident_count(master, setting, 2 * fetch_slots))
     log(f"{num_resident} of {num_experts} experts resident per layer with two slot sets")
@@ -608,11 +644,11 @@ def depth_rows(master, setting: Setting, rows: Rows, h2d_bytes_per_s: float, dep
                                       adopt_host=setting.device.type == "cuda", prefetch=True)
         try:
             model.to(setting.device)
-            for depth in depths:
-                routed.set_prefetch_depth(min(depth, top_k))
+            for variant in variants:
+                variant.apply(routed, top_k)
                 result = decode(model, setting, routed=routed)
-                swept.append((min(depth, top_k), figures(result) | compare(result, reference) | cap.peak()))
-                log(f"prefetch depth {min(depth, top_k)}: {result['tokens_per_s']:.2f} tokens/s")
+                swept.append((variant, figures(result) | compare(result, reference) | cap.peak()))
+                log(f"{variant.label()}: {result['tokens_per_s']:.2f} tokens/s")
         finally:
             routed.close()
             del model, routed
@@ -627,9 +663,13 @@ def depth_rows(master, setting: Setting, rows: Rows, h2d_bytes_per_s: float, dep
 
     pick = min(range(top_k + 1), key=lambda depth: (round(predicted_step_ms(depth), 6), depth))
     rows.data["model_pick_depth"] = pick  # written with the rows that follow
-    for depth, result in swept:
+    for variant, result in swept:
+        depth = variant.depth
         floor_ms = max(reference["step_ms"], 1e3 * result["routed_bytes_per_step"] / h2d_bytes_per_s)
-        rows.add({"arm": f"prefetch depth {depth}", "prefetch_depth": depth, "resident_per_layer": num_resident,
+        rows.add({"arm": variant.label(), "prefetch_depth": depth, "resident_per_layer": num_resident,
+                  "gather_shape": list(variant.gather_shape) if variant.gather_shape else None,
+                  "prefetch_after_misses": variant.prefetch_after_misses,
+                  "prefetch_programs": variant.prefetch_programs,
                   **result, "floor_step_ms": floor_ms, "floor_tokens_per_s": 1e3 / floor_ms,
                   "measured_over_floor": floor_ms / result["step_ms"],
                   "predicted_tokens_per_s": setting.batch * 1e3 / predicted_step_ms(depth),
@@ -650,7 +690,7 @@ def routed_expert_bytes(master) -> int:
 
 def print_depth_table(data: dict) -> None:
     """The depth sweep as a table on stdout: one row per depth, the model's pick marked."""
-    print(f"{'depth':>5} {'tok/s':>7} {'pred':>7} {'of floor':>8} {'useful MB':>9} {'wasted MB':>9} "
+    print(f"{'arm':<44} {'tok/s':>7} {'pred':>7} {'of floor':>8} {'useful MB':>9} {'wasted MB':>9} "
           f"{'missed MB':>9} {'unpred MB':>9} {'bitwise':>7}  accuracy by rank")
     for row in data["rows"]:
         if "prefetch_depth" not in row or "tokens_per_s" not in row:
@@ -660,7 +700,7 @@ def print_depth_table(data: dict) -> None:
             continue
         ranks = " ".join("-" if a is None else f"{a:.2f}" for a in row["rank_accuracy"])
         mb = {kind: row[f"{kind}_bytes_per_step"] / 1e6 for kind in ("prefetched", "wasted", "missed", "unpredicted")}
-        print(f"{row['prefetch_depth']:>5} {row['tokens_per_s']:>7.2f} {row['predicted_tokens_per_s']:>7.2f} "
+        print(f"{row['arm']:<44} {row['tokens_per_s']:>7.2f} {row['predicted_tokens_per_s']:>7.2f} "
               f"{row['measured_over_floor']:>8.3f} {mb['prefetched']:>9.1f} {mb['wasted']:>9.1f} "
               f"{mb['missed']:>9.1f} {mb['unpredicted']:>9.1f} {str(row['greedy_logits_bitwise']):>7}  {ranks}"
               f"{'  <- pick' if row['model_pick'] else ''}")
@@ -988,11 +1028,22 @@ def main() -> None:
                         help="the gather's rate with each program copying WORDS 32-bit words at a time (a power of "
                              "two) with WARPS warps, e.g. 4096x4 8192x8 (the runtime's: "
                              "runtime.routed_experts.GATHER_BLOCK_WORDS x GATHER_NUM_WARPS)")
+    parser.add_argument("--step-gather-shapes", nargs="+", default=[], metavar="WORDSxWARPS",
+                        help="with --prefetch-depth: decode each depth with each gather shape in the step itself "
+                             "(default: the runtime's)")
+    parser.add_argument("--prefetch-order", nargs="+", choices=("before", "after"), default=["before"],
+                        help="with --prefetch-depth: start the next layer's prefetch before or after this layer's "
+                             "miss gather (each one decoded)")
+    parser.add_argument("--step-prefetch-programs", type=int, nargs="+", default=[],
+                        help="with --prefetch-depth: the prefetch gather's persistent programs (each decoded)")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/bench_experts")))
     args = parser.parse_args()
     if any(n < 1 for n in args.gather_programs):
         parser.error("--gather-programs takes counts of programs, each at least 1")
     gather_shapes = tuple(_gather_shape(parser, text) for text in args.gather_shapes)
+    if any(n < 1 for n in args.step_prefetch_programs):
+        parser.error("--step-prefetch-programs takes counts of programs, each at least 1")
+    step_shapes = tuple(_gather_shape(parser, text) for text in args.step_gather_shapes) or (None,)
     if any(n < 0 for n in args.prefetch_depth):
         parser.error("--prefetch-depth takes numbers of ranks, each 0 or more (deeper than top-k: top-k)")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -1011,8 +1062,10 @@ def main() -> None:
     master = build_master(setting)
     log(f"model built in {time.perf_counter() - started:.0f} s")
     if args.prefetch_depth:
-        depth_rows(master, setting, rows, h2d, tuple(dict.fromkeys(args.prefetch_depth)), args.out / "work",
-                   plans=not args.no_plans)
+        variants = step_variants(tuple(dict.fromkeys(args.prefetch_depth)), step_shapes,
+                                 tuple(order == "after" for order in dict.fromkeys(args.prefetch_order)),
+                                 tuple(dict.fromkeys(args.step_prefetch_programs)) or (None,))
+        depth_rows(master, setting, rows, h2d, variants, args.out / "work", plans=not args.no_plans)
         if args.skew_trace:  # the same model build (the skew biases the routers: after the uniform sweep)
             trace_rows(master, setting, rows, args.out / "work")
         log(f"done in {time.perf_counter() - started:.0f} s; {rows.path}")

@@ -70,3 +70,26 @@ def test_tiny_depth_sweep_reuses_one_model_and_splits_the_link_by_depth(tmp_path
     bad = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_experts.py"), "--tiny", "--prefetch-depth",
                           "-1", "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=300)
     assert bad.returncode != 0 and "--prefetch-depth takes numbers of ranks" in bad.stderr
+
+
+def test_tiny_step_variants_decode_bitwise_with_the_same_routing(tmp_path):
+    """--prefetch-order after (the next layer's prefetch after this layer's misses) and a prefetch-programs
+    setting are decoded as arms of their own, named by what differs, with the same routing and link split as
+    the default order, and the logits still bitwise."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_experts.py"), "--tiny", "--no-plans",
+                           "--prefetch-depth", "1", "--prefetch-order", "before", "after",
+                           "--step-prefetch-programs", "8", "--out", str(tmp_path)], capture_output=True, text=True,
+                          env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {row["arm"]: row for row in json.loads((tmp_path / "bench_experts.json").read_text())["rows"]}
+    before = rows["prefetch depth 1 (8 prefetch programs)"]
+    after = rows["prefetch depth 1 (prefetch after misses, 8 prefetch programs)"]
+    assert before["greedy_logits_bitwise"] and after["greedy_logits_bitwise"]
+    assert after["prefetch_after_misses"] and not before["prefetch_after_misses"]
+    kinds = ("routed", "prefetched", "wasted", "missed", "unpredicted")
+    assert [before[f"{k}_bytes_per_step"] for k in kinds] == [after[f"{k}_bytes_per_step"] for k in kinds]
+    bad = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_experts.py"), "--tiny", "--prefetch-depth",
+                          "1", "--step-prefetch-programs", "0", "--out", str(tmp_path)], capture_output=True,
+                         text=True, env=env, timeout=300)
+    assert bad.returncode != 0 and "--step-prefetch-programs takes counts" in bad.stderr
