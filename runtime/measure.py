@@ -25,7 +25,8 @@ from torch import nn
 from planner.checkpoint import Checkpoint
 from planner.cost import ComputeTimes, Workload, estimate_compute, geometry_from_config
 from planner.model_config import text_config
-from planner.errors import UsageError
+from planner.errors import OffloadPlanError, UsageError
+from planner.kv_cache import kv_cache_model
 from planner.layout import ModelLayout, config_num_layers, layer_kinds
 from planner.profile import HardwareProfile, load_profile
 from runtime.experts_impl import PREFILL, use_phase
@@ -98,13 +99,27 @@ def _save_cache(cache: dict) -> None:
 
 def measured_kinds(layout: ModelLayout, config: dict) -> tuple[tuple[int, ...], ...]:
     """Layer indices grouped by params and attention type (sliding-window and full layers time differently)."""
-    layer_types = text_config(config).get("layer_types") or []
+    attention = _attention_kinds(config)
     groups: dict[tuple, list[int]] = {}
     for kind in layer_kinds(layout.layers):
         for index in kind:
-            attention = layer_types[index] if index < len(layer_types) else None
-            groups.setdefault((kind[0], attention), []).append(index)
+            groups.setdefault((kind[0], attention.get(index)), []).append(index)
     return tuple(tuple(indices) for indices in sorted(groups.values()))
+
+
+def _attention_kinds(config: dict) -> dict[int, object]:
+    """Layer index -> its attention's cache kinds, as the KV cache model derives them (a Gemma-3 config.json
+    names no layer_types: transformers derives them from sliding_window_pattern); config.json's explicit
+    layer_types where the cache model does not know the architecture."""
+    try:
+        cache = kv_cache_model(config)
+    except OffloadPlanError:
+        explicit = text_config(config).get("layer_types")
+        return dict(enumerate(explicit)) if isinstance(explicit, list) else {}
+    kinds: dict[int, tuple] = {}
+    for entry in cache.layers:
+        kinds[entry.layer_index] = kinds.get(entry.layer_index, ()) + ((entry.kind, entry.window_tokens),)
+    return kinds
 
 
 def alias_module(module: nn.Module, layer_index: int) -> nn.Module:
@@ -136,6 +151,8 @@ def build_measure_model(config: dict, kinds: tuple[tuple[int, ...], ...], stack:
     num_layers = language.num_hidden_layers
     layer_types = getattr(language, "layer_types", None)
     built = max(kind[0] for kind in kinds) + 1  # enough layers to hold one of each kind
+    if layer_types:  # and one of each attention type: the model builds its rotary tables per type it holds
+        built = max(built, *(layer_types.index(kind) + 1 for kind in set(layer_types)))
     language.num_hidden_layers = built
     if layer_types:
         language.layer_types = layer_types[:built]

@@ -479,3 +479,28 @@ def test_meminfo_reads_the_hosts_memory():
     total, available = meminfo_bytes("MemTotal"), meminfo_bytes("MemAvailable")
     assert total == pytest.approx(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), rel=0.01)
     assert 0 < available <= total and meminfo_bytes("NoSuchKey") is None
+
+
+def test_measure_kinds_of_a_config_without_layer_types_follow_transformers_pattern():
+    """Gemma-3's config.json names no layer_types (transformers derives every sixth layer global): measure
+    still times the sliding and the global layers apart, and its model holds one of each, so the rotary
+    tables of both types exist (transformers 5.17 keys them by the types the built layers have)."""
+    import json
+    from types import SimpleNamespace
+
+    from planner.layout import LayerInfo
+    from runtime.measure import build_measure_model, measured_kinds
+
+    from pathlib import Path
+
+    release = json.loads((Path(__file__).parent.parent / "examples/gemma-3-27b-it/config.json").read_text())
+    config = dict(release["text_config"], model_type="gemma3_text", num_hidden_layers=12, hidden_size=64,
+                  intermediate_size=96, num_attention_heads=2, num_key_value_heads=1, head_dim=32, vocab_size=128,
+                  torch_dtype="bfloat16")
+    dense = (("mlp.w", "BF16", (4, 4), 32),)
+    layout = SimpleNamespace(layers=tuple(LayerInfo(index=i, params=dense) for i in range(12)))
+    kinds = measured_kinds(layout, config)
+    assert kinds == ((0, 1, 2, 3, 4, 6, 7, 8, 9, 10), (5, 11))
+    model = build_measure_model(config, ((0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 5, 11),), "model.layers", device="cpu")
+    logits = model(torch.tensor([[1, 2, 3]])).logits  # every layer type has its rotary table
+    assert logits.shape == (1, 3, 128) and torch.isfinite(logits.float()).all()
