@@ -10,11 +10,12 @@ nothing whole at decode, so its fetches have the link to themselves.
 """
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from planner.experts import (NEXT_LAYER_ROUTER, PREFETCH_ACCURACY, LayerRouting, MoeGeometry, RoutedPlacement,
-                             default_rank_accuracy, non_resident_bytes, prefetch_shares, routed_fetch_bytes_per_s,
-                             routed_placement, routed_stalls_ms, uniform_routing)
+from planner.experts import (NEXT_LAYER_ROUTER, PREFETCH_ACCURACY, ExpertPrediction, LayerRouting, MoeGeometry,
+                             RoutedPlacement, default_rank_accuracy, non_resident_bytes, routed_fetch_bytes_per_s,
+                             routed_placement, routed_stalls_ms, uniform_routing, wasted_prefetch_bytes,
+                             with_prefetch_depth)
 from planner.plan import ExpertLayer, ExpertsPlan, ExpertsPoint
 from planner.search import STEP_MS_DECIMALS, Choice, LayerBytes, Searcher, copy_ms_of
 from planner.simulate import Interval, Simulation, simulate
@@ -46,22 +47,32 @@ class ExpertModel:
     rank_accuracy: tuple[float, ...] = ()
     #: make --prefetch-depth: the depth the plan must use (0: no prefetch); None: the planner chooses
     prefetch_depth: int | None = None
+    #: per predicted MoE layer index, a trace's per-expert prediction statistics: each layer's prefetch is priced
+    #: over its own non-resident experts (the rank curve serves the layers without them); None: the curve alone
+    predictions: dict[int, ExpertPrediction] | None = None
+    #: where the prediction's accuracy comes from (the plan's experts.prefetch_accuracy_source): "assumed" (the
+    #: default curve or --prefetch-accuracy), "trace_per_rank" or "trace_per_expert"
+    accuracy_source: str = "assumed"
 
 
 def expert_model(geometry: MoeGeometry, routing: tuple[LayerRouting, ...] | None, routing_label: str,
                  unavailable: str | None, prefetch_accuracy: float | None = None,
-                 rank_accuracy: tuple[float, ...] | None = None, prefetch_depth: int | None = None) -> ExpertModel:
+                 rank_accuracy: tuple[float, ...] | None = None, prefetch_depth: int | None = None,
+                 predictions: dict[int, ExpertPrediction] | None = None) -> ExpertModel:
     """The model's experts with uniform routing unless ``routing`` is given; the prediction's per-rank accuracy
-    ``prefetch_accuracy`` at every rank if given, else ``rank_accuracy`` (a trace's) if given, else the
-    default curve; ``prefetch_depth``: pinned by make --prefetch-depth."""
+    ``prefetch_accuracy`` at every rank if given (the trace's figures unused), else ``rank_accuracy`` (a trace's)
+    if given, else the default curve, and per layer a trace's per-expert ``predictions`` where given;
+    ``prefetch_depth``: pinned by make --prefetch-depth."""
     if prefetch_accuracy is not None:
-        ranks = (prefetch_accuracy,) * geometry.top_k
+        ranks, predictions, source = (prefetch_accuracy,) * geometry.top_k, None, "assumed"
     else:
         ranks = tuple(rank_accuracy) if rank_accuracy else default_rank_accuracy(geometry.top_k)
+        source = "trace_per_expert" if predictions else "trace_per_rank" if rank_accuracy else "assumed"
     return ExpertModel(geometry=geometry, routing=routing or uniform_routing(geometry), routing_label=routing_label,
                        unavailable=unavailable or geometry.unroutable_reason,
                        prefetch_accuracy=round(math.fsum(ranks) / len(ranks), 4) if prefetch_accuracy is None
-                       else prefetch_accuracy, rank_accuracy=ranks, prefetch_depth=prefetch_depth)
+                       else prefetch_accuracy, rank_accuracy=ranks, prefetch_depth=prefetch_depth,
+                       predictions=predictions or None, accuracy_source=source)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,9 +137,7 @@ def routed_choice(experts: ExpertModel, *, searcher: Searcher, compute: ComputeT
                 placement, simulation = prefetching, with_prefetch
         # the link carries the ranks gathered ahead (hits and wasted) and the misses: as many as the step routes
         # to, plus the wasted ones
-        accuracy = placement.prefetch_accuracy
-        wasted = 0.0 if accuracy is None else (placement.prefetch_ahead_share - accuracy) * _predicted_bytes(placement)
-        copy_bytes = round(placement.expected_fetched_bytes + wasted)
+        copy_bytes = round(placement.expected_fetched_bytes + wasted_prefetch_bytes(placement))
     else:
         simulation = prefill_simulation(experts.geometry, placement, compute, h2d_bytes_per_s, copy_overhead_us)
         copy_bytes = sum(non_resident_bytes(experts.geometry, placement).values())
@@ -142,23 +151,17 @@ def choose_prefetch_depth(experts: ExpertModel, compute: ComputeTimes,
     """The prefetching ``placement`` at the depth m (ranks of each token's prediction gathered ahead, 1..k) whose
     decode step is predicted fastest, with its simulation; make --prefetch-depth pins m. Ties go to the smaller m
     (fewer bytes on the link). Each rank gathered in one layer's compute shadow only saves; past it, a rank costs
-    its wasted bytes on the critical path (planner.experts.prefetch_layer_stall_ms), so poor deep ranks lower m."""
+    its wasted bytes on the critical path (planner.experts.prefetch_layer_stall_ms), so poor deep ranks lower m.
+    With a trace's per-expert figures each layer's shares are its non-resident experts' (with_prefetch_depth)."""
     pinned = experts.prefetch_depth
     depths = range(1, len(experts.rank_accuracy) + 1) if pinned is None else (pinned,)
     best = None
     for depth in depths:
-        hit, ahead = prefetch_shares(experts.rank_accuracy, depth)
-        candidate = replace(placement, prefetch_accuracy=hit, prefetch_ahead_share=ahead, prefetch_depth=depth)
+        candidate = with_prefetch_depth(placement, experts.rank_accuracy, depth, experts.predictions)
         simulation = decode_simulation(compute, candidate)
         if best is None or round(simulation.step_ms, STEP_MS_DECIMALS) < round(best[1].step_ms, STEP_MS_DECIMALS):
             best = (candidate, simulation)
     return best
-
-
-def _predicted_bytes(placement: RoutedPlacement) -> float:
-    """Bytes a step's predictions fetch: every routed layer's but the first (nothing predicts it), as many
-    experts as the step routes to."""
-    return math.fsum(layer.expected_fetched_bytes for layer in placement.layers[1:])
 
 
 def decode_simulation(compute: ComputeTimes, placement: RoutedPlacement) -> Simulation:
@@ -201,11 +204,16 @@ def experts_section(experts: ExpertModel, chosen: Choice, layers: LayerBytes, po
     if isinstance(chosen, RoutedChoice):
         placement = chosen.placement
         rows = tuple(ExpertLayer(index=row.index, regime="routed", resident=row.resident,
-                                 expected_fetched_bytes=round(row.expected_fetched_bytes), hit_rate=row.hit_rate)
+                                 expected_fetched_bytes=round(row.expected_fetched_bytes), hit_rate=row.hit_rate,
+                                 prefetch_hit_share=_share(row.prefetch_hit_share),
+                                 prefetch_ahead_share=_share(row.prefetch_ahead_share))
                      for row in placement.layers)
         buffers = (placement.fetch_slots, placement.fetch_buffer_bytes, placement.staging_buffer_bytes)
-        prefetch = (None if placement.prefetch_accuracy is None else NEXT_LAYER_ROUTER, experts.prefetch_accuracy,
-                    placement.prefetch_depth, tuple(round(a, 4) for a in experts.rank_accuracy))
+        accuracy, ranks = experts.prefetch_accuracy, experts.rank_accuracy
+        if experts.predictions:
+            accuracy, ranks = cold_accuracy(experts, placement)
+        prefetch = (None if placement.prefetch_accuracy is None else NEXT_LAYER_ROUTER, accuracy,
+                    placement.prefetch_depth, tuple(round(a, 4) for a in ranks), experts.accuracy_source)
     else:
         offloaded = set(chosen.offloaded)
         rows = tuple(ExpertLayer(index=layer.index, regime="whole_layer", resident=(),
@@ -213,7 +221,7 @@ def experts_section(experts: ExpertModel, chosen: Choice, layers: LayerBytes, po
                                  hit_rate=0.0 if layer.index in offloaded else 1.0)
                      for layer in geometry.layers)
         buffers = (0, 0, 0)
-        prefetch = (None, None, None, None)
+        prefetch = (None, None, None, None, None)
     regimes = {row.regime for row in rows}
     return ExpertsPlan(
         regime=regimes.pop() if len(regimes) == 1 else "mixed", routing=experts.routing_label,
@@ -221,4 +229,25 @@ def experts_section(experts: ExpertModel, chosen: Choice, layers: LayerBytes, po
         expert_bytes=geometry.max_expert_bytes, fetch_buffer_bytes=buffers[1], staging_buffer_bytes=buffers[2],
         routed_fetch_bytes_per_s=routed_fetch_bytes_per_s(h2d_bytes_per_s), routed_unavailable=experts.unavailable,
         points=points, prefetch=prefetch[0], prefetch_accuracy=prefetch[1], prefetch_depth=prefetch[2],
-        prefetch_rank_accuracy=prefetch[3])
+        prefetch_rank_accuracy=prefetch[3], prefetch_accuracy_source=prefetch[4])
+
+
+def _share(value: float | None) -> float | None:
+    """A share as the plan holds it (4 decimals, as the rank accuracies)."""
+    return None if value is None else round(value, 4)
+
+
+def cold_accuracy(experts: ExpertModel, placement: RoutedPlacement) -> tuple[float, tuple[float, ...]]:
+    """Over the trace's predicted layers' non-resident experts (``placement``'s resident sets): (the share of
+    their routed assignments predicted at any rank, per rank the share of their predictions the layer routed
+    to). The accuracy where a prefetch matters: the resident experts' predictions save nothing."""
+    top_k = experts.geometry.top_k
+    hits, made, routed = [0] * top_k, [0] * top_k, 0
+    for row in placement.layers:
+        if row.index in experts.predictions:
+            row_hits, row_made, row_routed = experts.predictions[row.index].cold_rank_counts(row.resident)
+            hits = [a + b for a, b in zip(hits, row_hits)]
+            made = [a + b for a, b in zip(made, row_made)]
+            routed += row_routed
+    return (round(sum(hits) / routed, 4) if routed else 0.0,
+            tuple(h / m if m else 0.0 for h, m in zip(hits, made)))

@@ -24,7 +24,7 @@ The MoE geometry of a checkpoint is read here and only here (``moe_geometry``; t
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from planner.errors import ModelInputError
@@ -246,6 +246,10 @@ class RoutedLayer:
     hit_rate: float
     #: the fetch, after the router, on the critical path
     fetch_ms: float
+    #: next-layer prefetch from a trace's per-expert prediction statistics: this layer's hit and ahead shares of
+    #: its own non-resident experts' routed assignments (ExpertPrediction.shares); None: the placement's shares
+    prefetch_hit_share: float | None = None
+    prefetch_ahead_share: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -288,6 +292,45 @@ class RoutedPlacement:
         return sum(len(layer.resident) for layer in self.layers)
 
 
+@dataclass(frozen=True, kw_only=True)
+class ExpertPrediction:
+    """One predicted layer's next-layer prediction, per expert and rank, from a routing trace: enough to price a
+    prefetch for any resident set. Under skew the hot experts are resident and predicted well, so what a
+    prefetch saves depends on the cold (non-resident) experts' predictions alone."""
+
+    #: per expert, the tokens routed to it (the trace's counts)
+    counts: tuple[int, ...]
+    #: per expert, per rank: the tokens whose prediction at that rank was this expert and that the layer then
+    #: routed to it
+    hits: tuple[tuple[int, ...], ...]
+    #: per expert, per rank: the tokens whose prediction at that rank was this expert
+    predicted: tuple[tuple[int, ...], ...]
+
+    def _cold(self, resident: tuple[int, ...]) -> list[int]:
+        kept = set(resident)
+        return [e for e in range(len(self.counts)) if e not in kept]
+
+    def shares(self, resident: tuple[int, ...], depth: int) -> tuple[float, float]:
+        """(hit share, ahead share) of a depth-``depth`` prefetch as shares of the non-resident experts' routed
+        assignments (what prefetch_shares gives from a per-rank curve): the non-resident experts' hits at ranks
+        1..depth, and their predictions there (hits and wasted: a resident expert predicted is not gathered).
+        (0, 0) where no assignment routes to a non-resident expert: nothing to fetch."""
+        cold = self._cold(resident)
+        routed = sum(self.counts[e] for e in cold)
+        if not routed:
+            return 0.0, 0.0
+        return (sum(sum(self.hits[e][:depth]) for e in cold) / routed,
+                sum(sum(self.predicted[e][:depth]) for e in cold) / routed)
+
+    def cold_rank_counts(self, resident: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+        """(per rank the non-resident experts' hits, per rank their predictions, their routed assignments)."""
+        cold = self._cold(resident)
+        top_k = len(self.hits[0]) if self.hits else 0
+        return (tuple(sum(self.hits[e][rank] for e in cold) for rank in range(top_k)),
+                tuple(sum(self.predicted[e][rank] for e in cold) for rank in range(top_k)),
+                sum(self.counts[e] for e in cold))
+
+
 def default_rank_accuracy(top_k: int, mean: float = PREFETCH_ACCURACY) -> tuple[float, ...]:
     """The default per-rank prediction accuracy for a top-``top_k`` router: MEASURED_RANK_ACCURACY read at each
     rank's relative position ((rank + 1/2) / k, linear between the measured ranks' positions), scaled so the
@@ -321,6 +364,46 @@ def prefetch_shares(rank_accuracy: tuple[float, ...], depth: int) -> tuple[float
     if not 0 <= depth <= top_k:
         raise ValueError(f"prefetch depth {depth} is not from 0 to top_k {top_k}")
     return math.fsum(rank_accuracy[:depth]) / top_k, depth / top_k
+
+
+def with_prefetch_depth(placement: RoutedPlacement, rank_accuracy: tuple[float, ...], depth: int,
+                        predictions: dict[int, ExpertPrediction] | None = None) -> RoutedPlacement:
+    """``placement`` prefetching the top ``depth`` ranks: its shares from the per-rank curve (prefetch_shares),
+    and, per layer a trace's ``predictions`` cover, that layer's own shares over its non-resident experts
+    (ExpertPrediction.shares); the placement's shares are then the predicted layers' fetch-weighted mean."""
+    hit, ahead = prefetch_shares(rank_accuracy, depth)
+    if not predictions:
+        return replace(placement, prefetch_accuracy=hit, prefetch_ahead_share=ahead, prefetch_depth=depth)
+    rows = []
+    for row in placement.layers:
+        if row.index in predictions:
+            row_hit, row_ahead = predictions[row.index].shares(row.resident, depth)
+            row = replace(row, prefetch_hit_share=row_hit, prefetch_ahead_share=row_ahead)
+        rows.append(row)
+    predicted = rows[1:]  # the first routed layer: nothing predicts it
+    weight = math.fsum(row.expected_fetched_bytes for row in predicted)
+    if weight:
+        shares = [(_row_shares(row, hit, ahead), row.expected_fetched_bytes) for row in predicted]
+        hit = math.fsum(row_hit * nbytes for (row_hit, _), nbytes in shares) / weight
+        ahead = math.fsum(row_ahead * nbytes for (_, row_ahead), nbytes in shares) / weight
+    return replace(placement, layers=tuple(rows), prefetch_accuracy=hit, prefetch_ahead_share=ahead,
+                   prefetch_depth=depth)
+
+
+def _row_shares(row: RoutedLayer, hit: float, ahead: float) -> tuple[float, float]:
+    """A layer's (hit, ahead) shares: its own where a trace gave them, else the placement's."""
+    if row.prefetch_hit_share is None:
+        return hit, ahead
+    return row.prefetch_hit_share, row.prefetch_ahead_share
+
+
+def wasted_prefetch_bytes(placement: RoutedPlacement) -> float:
+    """Bytes a decode step's predictions gather that the step does not route to: per predicted layer (every
+    routed layer but the first), (ahead - hit) x its routed, non-resident bytes; 0 without prefetch."""
+    if placement.prefetch_accuracy is None:
+        return 0.0
+    return math.fsum((ahead - hit) * row.expected_fetched_bytes for row in placement.layers[1:]
+                     for hit, ahead in (_row_shares(row, placement.prefetch_accuracy, placement.prefetch_ahead_share),))
 
 
 def routed_fetch_bytes_per_s(h2d_bytes_per_s: float) -> float:
@@ -427,8 +510,10 @@ def routed_stalls_ms(placement: RoutedPlacement, layer_ms: tuple[float, ...] | N
     stalls, predicted = {}, False
     for layer in placement.layers:
         compute_ms = 0.0 if layer_ms is None else layer_ms[layer.index]
-        stalls[layer.index] = prefetch_layer_stall_ms(compute_ms, layer.fetch_ms, placement.prefetch_accuracy,
-                                                      predicted, placement.prefetch_ahead_share)
+        accuracy, ahead = placement.prefetch_accuracy, placement.prefetch_ahead_share
+        if accuracy is not None:
+            accuracy, ahead = _row_shares(layer, accuracy, ahead)
+        stalls[layer.index] = prefetch_layer_stall_ms(compute_ms, layer.fetch_ms, accuracy, predicted, ahead)
         predicted = True
     return stalls
 

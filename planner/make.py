@@ -206,16 +206,17 @@ def _read_experts(inputs: Inputs, checkpoint: Checkpoint, layout: ModelLayout) -
                 raise UsageError(f"{flag} applies to MoE models; {shown(inputs.model)} has no routed experts: "
                                  "drop it")
         return None
-    routing, label, rank_accuracy = None, "uniform", None
+    routing, label, rank_accuracy, predictions = None, "uniform", None, None
     if inputs.routing_trace is not None:
         trace = read_trace(inputs.routing_trace)
         check_against(trace, geometry, checkpoint.fingerprint(), shown(inputs.routing_trace))
         routing, label, rank_accuracy = trace.routing(), f"trace {trace.content_hash}", trace.rank_accuracy()
+        predictions = trace.expert_predictions()
     if inputs.prefetch_depth is not None and inputs.prefetch_depth > geometry.top_k:
         raise UsageError(f"--prefetch-depth {inputs.prefetch_depth} is deeper than the router's top-k "
                          f"({geometry.top_k}); give one from 0 (no prefetch) to {geometry.top_k}")
     return expert_model(geometry, routing, label, _routed_ruled_out(inputs, layout, geometry), accuracy,
-                        rank_accuracy, inputs.prefetch_depth)
+                        rank_accuracy, inputs.prefetch_depth, predictions)
 
 
 def _routed_ruled_out(inputs: Inputs, layout: ModelLayout, geometry) -> str | None:

@@ -426,6 +426,9 @@ EXPERT_REGIMES = ("routed", "whole_layer", "mixed")
 
 #: experts.prefetch: none, or the next routed layer's router predicting its experts (runtime.routed_experts)
 EXPERT_PREFETCH = (None, "next_layer_router")
+#: experts.prefetch_accuracy_source: the default curve or make --prefetch-accuracy, a trace's per-rank figures over
+#: every expert, or a trace's per-expert figures over each layer's non-resident experts
+PREFETCH_ACCURACY_SOURCES = ("assumed", "trace_per_rank", "trace_per_expert")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -442,6 +445,11 @@ class ExpertLayer:
     expected_fetched_bytes: int
     #: share of routed (token, expert) pairs served by experts already on the GPU
     hit_rate: float
+    #: prefetching plans priced from a trace's per-expert figures only (experts.prefetch_accuracy_source
+    #: trace_per_expert): the layer's prefetch hits and predictions gathered ahead as shares of its non-resident
+    #: experts' routed assignments (None elsewhere, and not written)
+    prefetch_hit_share: float | None = None
+    prefetch_ahead_share: float | None = None
 
     def __post_init__(self):
         if self.regime not in EXPERT_REGIMES[:2]:
@@ -452,6 +460,12 @@ class ExpertLayer:
             raise ValueError("experts.layers: only routed layers keep resident experts")
         if not 0 <= self.hit_rate <= 1:
             raise ValueError("experts.layers hit_rate must be a share in [0, 1]")
+        if (self.prefetch_hit_share is None) != (self.prefetch_ahead_share is None):
+            raise ValueError("experts.layers prefetch_hit_share and prefetch_ahead_share come together")
+        if self.prefetch_hit_share is not None and not 0 <= self.prefetch_hit_share <= min(
+                1.0, self.prefetch_ahead_share):
+            raise ValueError("experts.layers prefetch_hit_share must be a share in [0, 1], at most "
+                             "prefetch_ahead_share")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -507,12 +521,23 @@ class ExpertsPlan:
     #: routed plans only: per rank of the prediction, the accuracy the depth was chosen from (a trace's, the
     #: planner's default curve, or --prefetch-accuracy at every rank)
     prefetch_rank_accuracy: tuple[float, ...] | None = None
+    #: routed plans only: where the accuracy comes from (PREFETCH_ACCURACY_SOURCES); with trace_per_expert,
+    #: prefetch_accuracy and prefetch_rank_accuracy are the non-resident experts' (their assignments predicted at
+    #: any rank; per rank, the share of their predictions routed) and each predicted layer row holds its shares.
+    #: None in plans made before it
+    prefetch_accuracy_source: str | None = None
 
     def prefetch_shares(self) -> tuple[float, float] | None:
         """(hit share, ahead share) of the routed, non-resident experts (planner.experts.prefetch_shares) at the
-        plan's depth; None without prefetch. Plans made before the depth gather every rank at their accuracy."""
+        plan's depth; None without prefetch. Plans made before the depth gather every rank at their accuracy.
+        Layers priced from a trace's per-expert figures: their shares, weighted by their expected bytes."""
         if self.prefetch is None:
             return None
+        rows = [row for row in self.layers[1:] if row.prefetch_hit_share is not None]
+        weight = math.fsum(row.expected_fetched_bytes for row in rows)
+        if rows and weight:
+            return (math.fsum(row.prefetch_hit_share * row.expected_fetched_bytes for row in rows) / weight,
+                    math.fsum(row.prefetch_ahead_share * row.expected_fetched_bytes for row in rows) / weight)
         if self.prefetch_depth is None or self.prefetch_rank_accuracy is None:
             return self.prefetch_accuracy, 1.0
         return (math.fsum(self.prefetch_rank_accuracy[:self.prefetch_depth]) / len(self.prefetch_rank_accuracy),
@@ -531,6 +556,13 @@ class ExpertsPlan:
         if self.prefetch_depth is not None and (self.prefetch is None or not 1 <= self.prefetch_depth <= self.top_k):
             raise ValueError(f"experts.prefetch_depth must be from 1 to top_k ({self.top_k}) with prefetch on, "
                              "null with it off")
+        if self.prefetch_accuracy_source not in (None, *PREFETCH_ACCURACY_SOURCES):
+            raise ValueError(f"experts.prefetch_accuracy_source {self.prefetch_accuracy_source!r} is not null or "
+                             f"one of {', '.join(PREFETCH_ACCURACY_SOURCES)}")
+        if any(row.prefetch_hit_share is not None for row in self.layers) and (
+                self.prefetch is None or self.prefetch_accuracy_source != "trace_per_expert"):
+            raise ValueError("experts.layers prefetch shares belong to prefetching plans priced from a trace's "
+                             "per-expert figures (prefetch_accuracy_source trace_per_expert)")
         if self.regime not in EXPERT_REGIMES:
             raise ValueError(f"experts.regime {self.regime!r} is not one of {', '.join(EXPERT_REGIMES)}")
         regimes = {row.regime for row in self.layers}
@@ -597,7 +629,11 @@ OPTIONAL_INPUTS = {"adapters": (), "adapter_slots": None, "routing_trace": None,
 
 #: experts keys written only where the plan routes layers (whole-layer MoE plans keep their bytes)
 OPTIONAL_EXPERTS = {"prefetch": None, "prefetch_accuracy": None, "prefetch_depth": None,
-                    "prefetch_rank_accuracy": None}
+                    "prefetch_rank_accuracy": None, "prefetch_accuracy_source": None}
+
+
+#: experts.layers keys written only where set (a plan priced from a trace's per-expert figures)
+OPTIONAL_EXPERT_LAYER = {"prefetch_hit_share": None, "prefetch_ahead_share": None}
 
 
 #: top-level sections a plan holds only when they apply

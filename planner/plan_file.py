@@ -18,10 +18,10 @@ from typing import Any
 import yaml
 
 from planner.errors import PlanError, printable, shown
-from planner.plan import (MAX_PLAN_BYTES, MAX_PLAN_FLOAT, MAX_PLAN_INT, MS_DECIMALS, OPTIONAL_EXPERTS,
-                          OPTIONAL_INPUTS, OPTIONAL_SECTIONS, READABLE_SCHEMA_VERSIONS, SCHEMA_VERSION, SECTIONS,
-                          AdapterRow, AdaptersSection, ExpertLayer, ExpertsPlan, ExpertsPoint, LayerRow, Plan,
-                          ServingRow, ServingSection)
+from planner.plan import (MAX_PLAN_BYTES, MAX_PLAN_FLOAT, MAX_PLAN_INT, MS_DECIMALS, OPTIONAL_EXPERT_LAYER,
+                          OPTIONAL_EXPERTS, OPTIONAL_INPUTS, OPTIONAL_SECTIONS, READABLE_SCHEMA_VERSIONS,
+                          SCHEMA_VERSION, SECTIONS, AdapterRow, AdaptersSection, ExpertLayer, ExpertsPlan, ExpertsPoint,
+                          LayerRow, Plan, ServingRow, ServingSection)
 from planner.plan_migration import upgraded_from_1
 from planner.plan_rules import first_broken_rule
 from planner.untrusted import checked_path, load_yaml, read_capped
@@ -75,7 +75,8 @@ def plan_to_dict(plan: Plan) -> dict:
         out["experts"] = {key: _plain(value) for key, value in asdict(plan.experts).items() if key not in rows
                           and not (key in OPTIONAL_EXPERTS and plan.experts.fetch_slots == 0)}
         for name in sorted(rows):
-            out["experts"][name] = [{key: _plain(value) for key, value in asdict(row).items()}
+            out["experts"][name] = [{key: _plain(value) for key, value in asdict(row).items()
+                                     if not (key in OPTIONAL_EXPERT_LAYER and value is None)}
                                     for row in getattr(plan.experts, name)]
     return out
 
@@ -184,6 +185,9 @@ def plan_from_dict(data: object, origin: str) -> Plan:
         experts = data["experts"]
         if isinstance(experts, dict):
             experts = {**OPTIONAL_EXPERTS, **experts}
+            if isinstance(experts["layers"], list):
+                experts["layers"] = [{**OPTIONAL_EXPERT_LAYER, **row} if isinstance(row, dict) else row
+                                     for row in experts["layers"]]
         kwargs["experts"] = _section(ExpertsPlan, experts, f"{origin}: experts",
                                      rows={"layers": ExpertLayer, "points": ExpertsPoint})
     misplaced = [i for i, row in enumerate(kwargs["layers"]) if row.index != i]

@@ -46,10 +46,16 @@ def _routed_simulation(plan: Plan) -> Simulation:
     experts = plan.experts
     routed = [row for row in experts.layers if row.regime == "routed"]
     accuracy, ahead = experts.prefetch_shares() or (None, 1.0)
+
+    def shares(row) -> tuple[float | None, float]:  # a layer priced from a trace's per-expert figures: its own
+        if accuracy is None or row.prefetch_hit_share is None:
+            return accuracy, ahead
+        return row.prefetch_hit_share, row.prefetch_ahead_share
+
     fetch_ms = {row.index: prefetch_layer_stall_ms(plan.layers[row.index].compute_ms,
                                                    1e3 * row.expected_fetched_bytes / experts.routed_fetch_bytes_per_s,
-                                                   accuracy, predicted=row is not routed[0], ahead_share=ahead)
-                for row in routed}
+                                                   row_hit, predicted=row is not routed[0], ahead_share=row_ahead)
+                for row in routed for row_hit, row_ahead in (shares(row),)}
     head = plan.prediction.head_ms
     intervals, stalls, now = [Interval(layer=-1, start_ms=0.0, end_ms=head)], [], head
     for row in plan.layers:
@@ -117,8 +123,19 @@ def _fetch_line(experts: ExpertsPlan, fetch_ms: float, prefetch_off: bool = Fals
                  f" (next-layer prefetch at {100 * experts.prefetch_accuracy:.0f}% accuracy was not faster)")
         return f"  The fetch starts after each layer's router, on the critical path{tried}:"
     return (f"  Each routed layer predicts the next one's experts with that layer's router and prefetches them "
-            f"behind its compute ({100 * experts.prefetch_accuracy:.0f}% accuracy assumed){_depth_words(experts)}; "
-            "the misses are fetched after the router, on the critical path:")
+            f"behind its compute ({100 * experts.prefetch_accuracy:.0f}% accuracy{_source_words(experts)})"
+            f"{_depth_words(experts)}; the misses are fetched after the router, on the critical path:")
+
+
+def _source_words(experts: ExpertsPlan) -> str:
+    """Where the prediction's accuracy comes from, in words."""
+    source = experts.prefetch_accuracy_source
+    if source == "trace_per_expert":
+        return (" over each layer's non-resident experts, from the trace's per-expert figures: predicting a "
+                "resident expert saves nothing")
+    if source == "trace_per_rank":
+        return " over all experts, from the trace's per-rank figures"
+    return " assumed"
 
 
 def _depth_words(experts: ExpertsPlan) -> str:
@@ -128,8 +145,9 @@ def _depth_words(experts: ExpertsPlan) -> str:
     ranks = experts.prefetch_rank_accuracy
     shown = ", ".join(f"{100 * a:.0f}" for a in ranks)
     hit, ahead = experts.prefetch_shares()
-    return (f", the top {experts.prefetch_depth} of each token's {len(ranks)} predicted experts (accuracy by rank "
-            f"{shown}%): {100 * ahead:.0f}% of the routed experts' bytes cross ahead, {100 * hit:.0f}% of them "
+    over = " of the non-resident experts' predictions" if experts.prefetch_accuracy_source == "trace_per_expert" else ""
+    return (f", the top {experts.prefetch_depth} of each token's {len(ranks)} predicted experts (accuracy by rank"
+            f"{over} {shown}%): {100 * ahead:.0f}% of the routed experts' bytes cross ahead, {100 * hit:.0f}% of them "
             f"useful, {100 * (ahead - hit):.0f}% wasted")
 
 

@@ -11,11 +11,20 @@ names the file by the sha256 of its bytes, so ``check`` finds a changed trace. A
     layers:
     - {index: 0, counts: [...]}     # one int per expert; each row sums to num_tokens x top_k
     - {index: 1, counts: [...], prefetch_hits: [...]}   # optional: one int per rank (below)
+    - {index: 2, counts: [...], prefetch_hits: [...], expert_predicted: [[...], ...], expert_hits: [[...], ...]}
 
 ``prefetch_hits`` (optional, a layer that the previous MoE layer predicts): per rank r of the prediction (the
 runtime's next-layer router on the previous MoE layer's router input, rank 1 its highest score), how many of the
 num_tokens tokens the layer then routed to the expert predicted at rank r. The planner chooses its prefetch depth
 from these accuracies (planner.experts.prefetch_shares); traces without them leave it the default curve.
+
+``expert_predicted`` and ``expert_hits`` (optional, together, on a layer with prefetch_hits): per expert a list
+of one int per rank: how many tokens the prediction put at that rank on the expert, and how many of those the
+layer then routed to it. Under skew the hot experts are resident, so a prefetch's worth is the cold experts'
+accuracy, which differs from the all-expert per-rank figure; with these the planner prices each layer's prefetch
+over its own non-resident experts (planner.experts.ExpertPrediction). Each rank predicts one expert per token
+(a rank's expert_predicted sum to num_tokens), a token's ranks name distinct experts (an expert's sum to at most
+num_tokens), and each rank's expert_hits sum to its prefetch_hits.
 
 A trace from another model (fingerprint), with other layers, or with impossible counts is one line of error.
 """
@@ -27,7 +36,7 @@ from pathlib import Path
 import yaml
 
 from planner.errors import ModelInputError, printable, shown
-from planner.experts import LayerRouting, MoeGeometry
+from planner.experts import ExpertPrediction, LayerRouting, MoeGeometry
 from planner.untrusted import load_yaml, read_capped
 
 TRACE_SCHEMA_VERSION = 1
@@ -35,6 +44,8 @@ TRACE_SCHEMA_VERSION = 1
 MAX_TRACE_BYTES = 64 * 2**20
 #: counts are per token; more tokens than this is a typo or a corrupt file
 MAX_TRACE_TOKENS = 2**40
+#: a layer row's optional keys: per-rank, then per-expert prediction figures
+_OPTIONAL_ROW_KEYS = ("prefetch_hits", "expert_predicted", "expert_hits")
 _KEYS = ("schema_version", "model_fingerprint", "num_experts", "top_k", "num_tokens", "layers")
 
 
@@ -53,6 +64,9 @@ class RoutingTrace:
     #: (layer index, per rank the tokens whose prediction at that rank the layer routed to), for the layers
     #: predicted from the MoE layer before them; empty in traces recorded without prediction
     prefetch_hits: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    #: (layer index, per expert per rank the tokens predicted there, per expert per rank those routed to it), for
+    #: layers with prefetch_hits; empty in traces recorded without per-expert figures
+    expert_prediction: tuple[tuple[int, tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]], ...] = ()
 
     def __post_init__(self):
         if not 1 <= self.top_k <= self.num_experts:
@@ -70,6 +84,17 @@ class RoutingTrace:
             if len(hits) != self.top_k or any(not 0 <= h <= self.num_tokens for h in hits):
                 raise ValueError(f"layer {index}'s prefetch_hits must be top_k ({self.top_k}) counts from 0 to "
                                  f"num_tokens ({self.num_tokens})")
+        rank_hits, counts = dict(self.prefetch_hits), dict(self.layers)
+        for index, predicted, hits in self.expert_prediction:
+            if index not in rank_hits:
+                raise ValueError(f"layer {index} has expert_predicted but no prefetch_hits")
+            _check_expert_prediction(index, predicted, hits, counts[index], rank_hits[index], self.num_tokens)
+
+    def expert_predictions(self) -> dict[int, ExpertPrediction]:
+        """Per layer with per-expert figures, its ExpertPrediction (empty: none)."""
+        counts = dict(self.layers)
+        return {index: ExpertPrediction(counts=counts[index], hits=hits, predicted=predicted)
+                for index, predicted, hits in self.expert_prediction}
 
     def rank_accuracy(self) -> tuple[float, ...] | None:
         """Per rank of the prediction, the share of predictions the layer then routed the token to, over every
@@ -93,6 +118,34 @@ def _check_counts(index: int, counts: tuple[int, ...], num_experts: int, top_k: 
                          "at most once")
     if sum(counts) != num_tokens * top_k:
         raise ValueError(f"layer {index}'s counts sum to {sum(counts)}, not num_tokens x top_k = {num_tokens * top_k}")
+
+
+def _check_expert_prediction(index: int, predicted: tuple, hits: tuple, counts: tuple[int, ...],
+                             rank_hits: tuple[int, ...], num_tokens: int) -> None:
+    """One layer's per-expert figures: shapes, then counts no run can produce."""
+    num_experts, top_k = len(counts), len(rank_hits)
+    for name, rows in (("expert_predicted", predicted), ("expert_hits", hits)):
+        if len(rows) != num_experts or any(len(row) != top_k for row in rows):
+            raise ValueError(f"layer {index}'s {name} must be num_experts ({num_experts}) lists of top_k ({top_k}) "
+                             "counts")
+    for expert, (made, hit) in enumerate(zip(predicted, hits)):
+        if any(h > m for h, m in zip(hit, made)):
+            raise ValueError(f"layer {index}, expert {expert}: expert_hits exceed expert_predicted at a rank (a hit "
+                             "is a prediction the layer routed)")
+        if sum(hit) > counts[expert]:
+            raise ValueError(f"layer {index}, expert {expert}: {sum(hit)} expert_hits, beyond its {counts[expert]} "
+                             "routed tokens")
+        if sum(made) > num_tokens:
+            raise ValueError(f"layer {index}, expert {expert}: predicted {sum(made)} times, beyond num_tokens "
+                             f"({num_tokens}): a token's ranks name distinct experts")
+    for rank in range(top_k):
+        if sum(row[rank] for row in predicted) != num_tokens:
+            raise ValueError(f"layer {index}'s expert_predicted at rank {rank + 1} sum to "
+                             f"{sum(row[rank] for row in predicted)}, not num_tokens ({num_tokens}): each rank "
+                             "predicts one expert per token")
+        if sum(row[rank] for row in hits) != rank_hits[rank]:
+            raise ValueError(f"layer {index}'s expert_hits at rank {rank + 1} sum to {sum(row[rank] for row in hits)}"
+                             f", not its prefetch_hits ({rank_hits[rank]})")
 
 
 def read_trace(path: Path) -> RoutingTrace:
@@ -125,14 +178,17 @@ def trace_from_dict(data: object, origin: str, *, content_hash: str = "") -> Rou
     rows = data["layers"]
     if not isinstance(rows, list) or not all(_row(row) for row in rows):
         raise ModelInputError(f"{origin}: layers must be a list of {{index, counts}} rows of whole numbers (and an "
-                              f"optional prefetch_hits list); {fix}")
+                              f"optional prefetch_hits list, expert_predicted and expert_hits lists of lists); {fix}")
     try:
         return RoutingTrace(model_fingerprint=data["model_fingerprint"], num_experts=data["num_experts"],
                             top_k=data["top_k"], num_tokens=data["num_tokens"],
                             layers=tuple((row["index"], tuple(row["counts"])) for row in rows),
                             content_hash=content_hash,
                             prefetch_hits=tuple((row["index"], tuple(row["prefetch_hits"])) for row in rows
-                                                if "prefetch_hits" in row))
+                                                if "prefetch_hits" in row),
+                            expert_prediction=tuple((row["index"], _nested(row["expert_predicted"]),
+                                                     _nested(row["expert_hits"]))
+                                                    for row in rows if "expert_predicted" in row))
     except ValueError as error:
         raise ModelInputError(f"{origin}: {error}; {fix}") from None
 
@@ -141,10 +197,20 @@ def _whole(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TRACE_TOKENS
 
 
+def _nested(rows: list) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(row) for row in rows)
+
+
 def _row(row: object) -> bool:
-    return (isinstance(row, dict) and set(row) - {"prefetch_hits"} == {"index", "counts"} and _whole(row["index"])
-            and all(isinstance(row[key], list) and all(_whole(c) for c in row[key])
-                    for key in ("counts", "prefetch_hits") if key in row))
+    if not isinstance(row, dict) or set(row) - set(_OPTIONAL_ROW_KEYS) != {"index", "counts"}:
+        return False
+    if ("expert_predicted" in row) != ("expert_hits" in row) or not _whole(row["index"]):
+        return False
+    return (all(isinstance(row[key], list) and all(_whole(c) for c in row[key])
+                for key in ("counts", "prefetch_hits") if key in row)
+            and all(isinstance(row[key], list) and all(isinstance(r, list) and all(_whole(c) for c in r)
+                                                       for r in row[key])
+                    for key in ("expert_predicted", "expert_hits") if key in row))
 
 
 def check_against(trace: RoutingTrace, geometry: MoeGeometry, fingerprint: str, origin: str) -> None:
@@ -167,6 +233,11 @@ def _span(indices: list[int]) -> str:
     return f"{indices[0]}..{indices[-1]}" if indices else "none"
 
 
+def _flow(rows: tuple[tuple[int, ...], ...]) -> str:
+    """Lists of ints as one flow-style YAML line: [[1, 2], [3, 4]]."""
+    return "[" + ", ".join("[" + ", ".join(map(str, row)) + "]" for row in rows) + "]"
+
+
 def render_trace(trace: RoutingTrace, command: str) -> str:
     """The trace file's text: a header with the command that records it again, then the fields, one layer a
     line. Same trace, same bytes."""
@@ -181,8 +252,11 @@ def render_trace(trace: RoutingTrace, command: str) -> str:
         "layers:",
     ]
     hits = dict(trace.prefetch_hits)
+    experts = {index: (predicted, expert_hits) for index, predicted, expert_hits in trace.expert_prediction}
     lines += [f"- {{index: {index}, counts: [{', '.join(map(str, counts))}]"
-              + (f", prefetch_hits: [{', '.join(map(str, hits[index]))}]" if index in hits else "") + "}"
+              + (f", prefetch_hits: [{', '.join(map(str, hits[index]))}]" if index in hits else "")
+              + (f", expert_predicted: {_flow(experts[index][0])}, expert_hits: {_flow(experts[index][1])}"
+                 if index in experts else "") + "}"
               for index, counts in trace.layers]
     text = "\n".join(lines) + "\n"
     assert yaml.safe_load(text)["num_tokens"] == trace.num_tokens  # the hand-written YAML parses as meant

@@ -46,6 +46,9 @@ class RoutingCounter:
         self.tokens: dict[int, int] = {}
         #: predicted layer index -> [top_k] tokens routed to the expert predicted at each rank
         self.prefetch_hits: dict[int, torch.Tensor] = {}
+        #: predicted layer index -> ([E, top_k] tokens predicted at each rank on each expert, [E, top_k] of those
+        #: routed to it): the per-expert figures the planner prices a prefetch of non-resident experts from
+        self.expert_prediction: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._predictors: dict[int, tuple[int, object]] = {}  # MoE layer -> (the next one, its predictor)
         self._predicted: dict[int, torch.Tensor] = {}  # predicted layer -> this prompt's prediction [T, k]
         self._handles = []
@@ -83,8 +86,10 @@ class RoutingCounter:
             self.tokens[index] += ids.shape[0]
             predicted = self._predicted.pop(index, None)
             if predicted is not None:  # per rank: the predicted expert among the token's routed ones
-                hits = (predicted.unsqueeze(-1) == ids.unsqueeze(1)).any(-1).sum(0).to("cpu", torch.int64)
-                self.prefetch_hits[index] = self.prefetch_hits.get(index, 0) + hits
+                rank_hits, made, hits = prediction_counts(predicted, ids, self.num_experts)
+                self.prefetch_hits[index] = self.prefetch_hits.get(index, 0) + rank_hits.cpu()
+                before = self.expert_prediction.get(index, (0, 0))
+                self.expert_prediction[index] = (before[0] + made.cpu(), before[1] + hits.cpu())
             if index in self._predictors:
                 hidden = args[0] if args else kwargs.get("hidden_states")
                 following, predictor = self._predictors[index]
@@ -97,14 +102,30 @@ class RoutingCounter:
             handle.remove()
 
 
+def prediction_counts(predicted: torch.Tensor, ids: torch.Tensor, num_experts: int
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One call's prediction figures from the predicted and the routed expert ids ([tokens, top_k] each), on
+    their device with no host synchronisation (a captured step may call it): per rank the tokens whose
+    prediction there was routed [top_k]; per expert and rank the tokens predicted there [E, top_k], and of those
+    the ones routed to it [E, top_k]."""
+    hit = (predicted.unsqueeze(-1) == ids.unsqueeze(1)).any(-1).to(torch.int64)  # [T, k]
+    made = torch.zeros(num_experts, predicted.shape[1], dtype=torch.int64, device=predicted.device)
+    hits = torch.zeros_like(made)
+    index = predicted.to(torch.int64)
+    made.scatter_add_(0, index, torch.ones_like(hit))
+    hits.scatter_add_(0, index, hit)
+    return hit.sum(0), made, hits
+
+
 def count_routing(model: nn.Module, prompts: list[torch.Tensor], stack: str, num_experts: int,
-                  decode_tokens: int = 0, prefetch_hits: dict | None = None
+                  decode_tokens: int = 0, prefetch_hits: dict | None = None, expert_prediction: dict | None = None
                   ) -> tuple[int, dict[int, tuple[int, ...]]]:
     """(tokens routed per layer, per MoE layer index the assignments per expert) of running ``prompts`` ([1, T]
     token ids each, on the model's device) through ``model``: their own tokens, or with ``decode_tokens`` > 0
     only the tokens greedily generated after each (module docstring). ``prefetch_hits``: a dict filled with, per
     MoE layer the one before it predicts, the counted tokens routed to the expert predicted at each rank
-    (RoutingCounter)."""
+    (RoutingCounter); ``expert_prediction``: with it, a dict filled with, per such layer, (per expert per rank the
+    tokens predicted there, per expert per rank those routed to it)."""
     counter = RoutingCounter(model, stack, num_experts, predict=prefetch_hits is not None)
     if not counter.counts:
         raise ModelInputError(f"the model has no {stack}.N.mlp.experts modules: its MoE block is not transformers "
@@ -125,7 +146,15 @@ def count_routing(model: nn.Module, prompts: list[torch.Tensor], stack: str, num
     if prefetch_hits is not None:
         prefetch_hits.update({index: tuple(int(h) for h in hits)
                               for index, hits in sorted(counter.prefetch_hits.items())})
+    if expert_prediction is not None:
+        expert_prediction.update({index: (_rows(made), _rows(hits))
+                                  for index, (made, hits) in sorted(counter.expert_prediction.items())})
     return tokens.pop(), {index: tuple(int(c) for c in counts) for index, counts in sorted(counter.counts.items())}
+
+
+def _rows(table: torch.Tensor) -> tuple[tuple[int, ...], ...]:
+    """An [E, top_k] count table as a trace holds it."""
+    return tuple(tuple(int(c) for c in row) for row in table.tolist())
 
 
 def _count_decode(model: nn.Module, ids: torch.Tensor, counter: RoutingCounter, decode_tokens: int) -> None:
@@ -176,8 +205,11 @@ def record_trace(model_path: str, prompts: list[str], device: str | None = None,
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype="auto").to(device).eval()
     ids = [tokenizer(prompt, return_tensors="pt")["input_ids"].to(device) for prompt in prompts]
     hits: dict[int, tuple[int, ...]] = {}
+    experts: dict[int, tuple] = {}
     num_tokens, counts = count_routing(model, ids, layout.stack, geometry.num_experts, decode_tokens,
-                                       prefetch_hits=hits)
+                                       prefetch_hits=hits, expert_prediction=experts)
     return RoutingTrace(model_fingerprint=checkpoint.fingerprint(), num_experts=geometry.num_experts,
                         top_k=geometry.top_k, num_tokens=num_tokens, layers=tuple(counts.items()),
-                        prefetch_hits=tuple(sorted(hits.items())))
+                        prefetch_hits=tuple(sorted(hits.items())),
+                        expert_prediction=tuple((index, made, expert_hits)
+                                                for index, (made, expert_hits) in sorted(experts.items())))

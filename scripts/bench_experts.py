@@ -178,8 +178,57 @@ def count_routing(model) -> list:
 
 
 def _count(gate, args, output):
+    if not getattr(gate, "counting", True):  # a next-layer prediction calling this router (count_prediction)
+        return
     indices = output[2].flatten()
     gate.routing_counts.index_add_(0, indices, torch.ones_like(indices))
+
+
+def count_prediction(model) -> tuple[list, dict]:
+    """Per MoE layer but the first, its next-layer prediction counted on the device (graph-capturable) by expert
+    and rank, as ``offload-plan trace`` records it (runtime.trace): the runtime's predictor
+    (runtime.routed_experts.next_layer_predictor: this layer's router on the previous layer's router input, the
+    skew's hook included, as the routed runtime predicts) against the ids the layer routes. The predicting call
+    is left out of the routers' own counts. Returns the hooks and, per predicted layer index, [top_k] hits per
+    rank, [E, top_k] predictions and [E, top_k] hits per expert and rank (runtime.trace.prediction_counts)."""
+    from runtime.routed_experts import next_layer_predictor
+
+    layers = list(model.model.layers)
+    _, num_experts, top_k = expert_shape(model)
+    device = next(model.parameters()).device
+    tables = {index: [torch.zeros(top_k, dtype=torch.int64, device=device),
+                      torch.zeros(num_experts, top_k, dtype=torch.int64, device=device),
+                      torch.zeros(num_experts, top_k, dtype=torch.int64, device=device)]
+              for index in range(1, len(layers))}
+    pending: dict[int, torch.Tensor] = {}  # predicted layer -> this step's prediction [tokens, top_k]
+    hooks = []
+    for index, (layer, following) in enumerate(zip(layers, [*layers[1:], None])):
+        predictor = None if following is None else next_layer_predictor(layer, following, num_experts, device)
+        if isinstance(predictor, str):
+            raise RuntimeError(f"layer {index + 1}'s routing cannot be predicted: {predictor}")
+        hook = _prediction_hook(index, predictor, following, tables, pending, num_experts)
+        hooks.append(layer.mlp.experts.register_forward_pre_hook(hook, with_kwargs=True))
+    return hooks, tables
+
+
+def _prediction_hook(index: int, predictor, following, tables: dict, pending: dict, num_experts: int):
+    from runtime.trace import prediction_counts
+
+    def hook(_module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        ids = args[1] if len(args) > 1 else kwargs["top_k_index"]
+        ids = ids.reshape(ids.shape[0], -1)  # [tokens, top_k]
+        if index in pending:
+            for total, part in zip(tables[index], prediction_counts(pending.pop(index), ids, num_experts)):
+                total.add_(part)
+        if predictor is not None:
+            gate = following.mlp.gate
+            gate.counting = False
+            try:
+                pending[index + 1] = predictor.top_k_index(hidden.reshape(ids.shape[0], -1))
+            finally:
+                gate.counting = True
+    return hook
 
 
 # ---- memory and residency ----
@@ -798,15 +847,22 @@ def record_skewed_trace(master, setting: Setting, checkpoint: Path, path: Path) 
     recording = replace(setting, num_greedy_steps=steps, forced_tokens_seed=TRACE_SEED)
     model = sharing_copy(master).to(setting.device)
     hooks = count_routing(model)
+    prediction_hooks, tables = count_prediction(model)
+    hooks += prediction_hooks
     try:
         loop = decode_loop(model, recording, seed=TRACE_SEED)
         for gate in gates(model):
             gate.routing_counts.zero_()  # the capture's warm-up steps are not the workload's
+        for table in tables.values():
+            for total in table:
+                total.zero_()
         feed = token_feed(loop, recording)
         for _ in range(steps):
             feed()
             loop.step()
         counts = tuple((index, tuple(gate.routing_counts.tolist())) for index, gate in enumerate(gates(model)))
+        rank_hits = tuple((index, tuple(table[0].tolist())) for index, table in sorted(tables.items()))
+        experts = tuple((index, _table(table[1]), _table(table[2])) for index, table in sorted(tables.items()))
         del loop
     finally:
         for hook in hooks:
@@ -814,9 +870,15 @@ def record_skewed_trace(master, setting: Setting, checkpoint: Path, path: Path) 
         del model
         _free(setting)
     trace = RoutingTrace(model_fingerprint=load_checkpoint(str(checkpoint)).fingerprint(), num_experts=num_experts,
-                         top_k=top_k, num_tokens=steps * setting.batch, layers=counts)
+                         top_k=top_k, num_tokens=steps * setting.batch, layers=counts, prefetch_hits=rank_hits,
+                         expert_prediction=experts)
     path.write_text(render_trace(trace, "scripts/bench_experts.py --skew-trace"))
     return path
+
+
+def _table(table: torch.Tensor) -> tuple[tuple[int, ...], ...]:
+    """An [E, top_k] count table as a trace holds it."""
+    return tuple(tuple(row) for row in table.tolist())
 
 
 def trace_plan(setting: Setting, checkpoint: Path, profile, trace: Path | None, budget_bytes: int | None):
@@ -883,9 +945,15 @@ def _missed_bytes(result: dict) -> float:
 def predicted(plan) -> dict:
     """The plan's own prediction: tokens/s and the mean hit rate of its routed layers."""
     rows = [layer.hit_rate for layer in plan.experts.layers if layer.regime == "routed"] if plan.experts else []
+    shares = plan.experts.prefetch_shares() if plan.experts else None
     return {"predicted_tokens_per_s": plan.prediction.decode_tokens_per_s,
             "predicted_hit_rate": statistics.mean(rows) if rows else None, "routed_layers": len(rows),
-            "routing": plan.experts.routing if plan.experts else None}
+            "routing": plan.experts.routing if plan.experts else None,
+            # the prefetch's hits as a share of the routed, non-resident experts (what decode's
+            # prediction_accuracy measures), and where the plan took its accuracy from
+            "predicted_prediction_accuracy": None if shares is None else shares[0],
+            "prefetch_depth": plan.experts.prefetch_depth if plan.experts else None,
+            "accuracy_source": plan.experts.prefetch_accuracy_source if plan.experts else None}
 
 
 def against_prediction(row: dict) -> dict:

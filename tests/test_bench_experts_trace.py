@@ -42,6 +42,11 @@ def test_tiny_skew_trace_arm_end_to_end(tmp_path):
     # the skew is in the recorded counts: the hottest fifth of the experts take most assignments
     hot = [sum(sorted(counts)[-3:]) / sum(counts) for _, counts in trace.layers]
     assert min(hot) > 0.5
+    # the runtime's next-layer prediction recorded per expert and rank (the trace validated it), so the plan
+    # prices its prefetch over its own non-resident experts
+    assert [index for index, *_ in trace.expert_prediction] == [index for index, _ in trace.layers][1:]
+    assert traced["accuracy_source"] == "trace_per_expert"
+    assert rows["plan without the trace (uniform)"]["accuracy_source"] == "assumed"
     for row in (traced, uniform, rows["plan without the trace (uniform)"]):
         assert row["greedy_logits_bitwise"] and row["greedy_ids_equal"]
     # the trace's residency hits more than the same memory held by uniform ids, and predicts more than uniform
