@@ -63,6 +63,68 @@ def add_prefetch_hits(rng, trace: dict) -> None:
         row["prefetch_hits"] = [rng.randint(0, trace["num_tokens"]) for _ in range(trace["top_k"])]
 
 
+def add_expert_prediction(rng, trace: dict) -> None:
+    """Per-expert prediction figures on every layer after the first, consistent with its counts and per-rank
+    hits: each token's routed experts and predicted ranks drawn again (a prediction is right at a rank with a
+    chance), the layer's counts, prefetch_hits, expert_predicted and expert_hits counted from them."""
+    num_experts, top_k, num_tokens = trace["num_experts"], trace["top_k"], trace["num_tokens"]
+    right = rng.random()
+    for row in trace["layers"][1:]:
+        counts, rank_hits = [0] * num_experts, [0] * top_k
+        made = [[0] * top_k for _ in range(num_experts)]
+        hits = [[0] * top_k for _ in range(num_experts)]
+        for _ in range(num_tokens):
+            routed = rng.sample(range(num_experts), top_k)
+            others = [e for e in range(num_experts) if e not in routed]
+            rng.shuffle(others)
+            pool = [*routed] if rng.random() < right else []
+            ranks = (pool + others)[:top_k] if pool else rng.sample(range(num_experts), top_k)
+            rng.shuffle(ranks)
+            for expert in routed:
+                counts[expert] += 1
+            for rank, expert in enumerate(ranks):
+                made[expert][rank] += 1
+                if expert in routed:
+                    hits[expert][rank] += 1
+                    rank_hits[rank] += 1
+        row.update(counts=counts, prefetch_hits=rank_hits, expert_predicted=made, expert_hits=hits)
+
+
+def _expert_prediction(rng, trace: dict) -> str:
+    """Per-expert prediction figures that break a rule: hits above the predictions or the expert's routed
+    tokens, a rank not predicting one expert per token, a list too short or long, a value not a count, without
+    their prefetch_hits or one without the other, or on the first layer (nothing predicts it)."""
+    add_expert_prediction(rng, trace)
+    row = rng.choice(trace["layers"][1:])
+    expert, rank = rng.randrange(trace["num_experts"]), rng.randrange(trace["top_k"])
+    kind = rng.choice(("hits above predicted", "hits beyond counts", "rank sum", "length", "number",
+                       "no prefetch_hits", "one of the two", "first layer"))
+    if kind == "hits above predicted":
+        row["expert_hits"][expert][rank] = row["expert_predicted"][expert][rank] + 1
+    elif kind == "hits beyond counts":
+        row["expert_hits"][expert][rank] = row["counts"][expert] + 1
+    elif kind == "rank sum":
+        row["expert_predicted"][expert][rank] += 1
+    elif kind == "length":
+        key = rng.choice(("expert_predicted", "expert_hits"))
+        if rng.random() < 0.5:
+            row[key] = row[key][:-1] if rng.random() < 0.5 else [*row[key], [0] * trace["top_k"]]
+        else:
+            row[key][expert] = row[key][expert][:-1] if rng.random() < 0.5 else [*row[key][expert], 0]
+    elif kind == "number":
+        row[rng.choice(("expert_predicted", "expert_hits"))][expert][rank] = rng.choice(BAD_NUMBERS)
+    elif kind == "no prefetch_hits":
+        del row["prefetch_hits"]
+    elif kind == "one of the two":
+        del row[rng.choice(("expert_predicted", "expert_hits"))]
+    else:
+        first = trace["layers"][0]
+        first.update(expert_predicted=row["expert_predicted"], expert_hits=row["expert_hits"])
+        if rng.random() < 0.5:
+            first["prefetch_hits"] = list(row["prefetch_hits"])
+    return f"expert prediction: {kind}"
+
+
 def _prefetch_hits(rng, trace: dict) -> str:
     """Prefetch hits that break a rule: on the first layer (nothing predicts it), a rank too many or too few, a
     count above num_tokens, below 0 or not a count."""
@@ -158,7 +220,7 @@ def _consistent_other_geometry(rng, trace: dict) -> str:
 
 
 TRACE_MUTATIONS = (_set_count, _counts_length, _layer_rows, _header_field, _keys, _consistent_other_geometry,
-                   _prefetch_hits)
+                   _prefetch_hits, _expert_prediction)
 TEXT_KINDS = ("truncated", "truncated", "garbage", "empty", "list", "deep", "not utf-8")
 
 
@@ -202,9 +264,13 @@ def gen_traces(rng, base_: Base) -> Case:
     args, invalid, special, then, moe = [*MAKE_ARGS, "-o", GUARD_NAME], True, {}, (), True
     if roll < 0.25:
         mutation = "valid" if rng.random() < 0.5 else _shift_count(rng, trace)
-        if rng.random() < 0.3:  # the measured accuracy per rank: make chooses the prefetch depth from it
+        extra = rng.random()
+        if extra < 0.3:  # the measured accuracy per rank: make chooses the prefetch depth from it
             add_prefetch_hits(rng, trace)
             mutation += " with prefetch_hits"
+        elif extra < 0.5:  # per expert and rank: make prices each layer's prefetch over its cold experts
+            add_expert_prediction(rng, trace)
+            mutation += " with expert_predicted"
         invalid = any(c > trace["num_tokens"] for row in trace["layers"] for c in row["counts"])
         if not invalid:  # a weights budget that routes experts (60KB), streams whole layers (40KB) or keeps all
             args = [*MAKE_ARGS, *rng.choice((["--budget", "60KB"], ["--budget", "60KB"], ["--budget", "40KB"], [])),
