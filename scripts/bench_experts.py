@@ -30,8 +30,10 @@ finish:
   missed), the accuracy per rank, the planner's model's tokens/s, and the depth it picks (depth_rows);
 - --skew-trace, in place of the skewed rows: the skewed routers' routing over 512 decode steps of another draw
   of the workload (a random token stream: a random model's greedy decode loops over a few tokens) recorded into
-  a trace file, the plan made with --routing-trace through planner.make.make_plan and run on the measured stream;
-  its measured hit rate and tokens/s beside the plan's predicted ones (issue 22: within 5 points, within 10%),
+  a trace file, with the runtime's next-layer prediction per expert and rank (count_prediction), the plan made
+  with --routing-trace through planner.make.make_plan (its prefetch priced over each layer's non-resident
+  experts) and run on the measured stream; its measured hit rate, prediction accuracy and tokens/s beside the
+  plan's predicted ones (issue 22: within 5 points, within 10%),
   beside uniform residency at the same memory, and beside the plan made without the trace;
 - --machinery, first: the routed machinery's own cost, every expert resident (the whole GPU), prefetch off and on.
 
@@ -952,7 +954,7 @@ def predicted(plan) -> dict:
             # the prefetch's hits as a share of the routed, non-resident experts (what decode's
             # prediction_accuracy measures), and where the plan took its accuracy from
             "predicted_prediction_accuracy": None if shares is None else shares[0],
-            "prefetch_depth": plan.experts.prefetch_depth if plan.experts else None,
+            "plan_prefetch_depth": plan.experts.prefetch_depth if plan.experts else None,
             "accuracy_source": plan.experts.prefetch_accuracy_source if plan.experts else None}
 
 
@@ -963,6 +965,11 @@ def against_prediction(row: dict) -> dict:
     if hit is not None and row.get("predicted_hit_rate") is not None:
         out["hit_rate_points_off"] = 100 * (hit - row["predicted_hit_rate"])
         out["hit_rate_within_5_points"] = abs(out["hit_rate_points_off"]) <= 5
+    if row.get("prediction_accuracy") is not None and row.get("predicted_prediction_accuracy") is not None:
+        # the prefetch's hits over the routed, non-resident experts: measured against the plan's (its source:
+        # accuracy_source), the cause when tokens/s misses
+        measured, planned = row["prediction_accuracy"], row["predicted_prediction_accuracy"]
+        out["prediction_accuracy_points_off"] = 100 * (measured - planned)
     if tps and row.get("predicted_tokens_per_s"):
         out["tokens_per_s_over_predicted"] = tps / row["predicted_tokens_per_s"]
         out["tokens_per_s_within_10_percent"] = abs(out["tokens_per_s_over_predicted"] - 1) <= 0.10
@@ -1047,7 +1054,7 @@ def print_table(data: dict) -> None:
 
     print(f"{'arm':<40} {'tok/s':>8} {'pred':>8} {'step ms':>8} {'fetched MB/step':>16} {'meas/floor':>10} "
           f"{'hit':>6} {'bitwise':>8} {'regret':>7} {'floor tok/s':>11} {'accuracy':>8} {'wasted MB':>9} "
-          f"{'missed MB':>9}")
+          f"{'missed MB':>9} {'pred acc':>8} {'acc source':>16}")
     for row in data["rows"]:
         if "error" in row:
             print(f"{row['arm']:<40} {row['error']}")
@@ -1062,7 +1069,8 @@ def print_table(data: dict) -> None:
               f"{cell(row, 'measured_hit_rate'):>6} {cell(row, 'greedy_logits_bitwise'):>8} "
               f"{cell(row, 'regret', fmt='.3f'):>7} {cell(row, 'floor_tokens_per_s'):>11} "
               f"{cell(row, 'prediction_accuracy', fmt='.3f'):>8} {cell(row, 'wasted_bytes_per_step', 1e6, '.1f'):>9} "
-              f"{cell(row, 'missed_bytes_per_step', 1e6, '.1f'):>9}")
+              f"{cell(row, 'missed_bytes_per_step', 1e6, '.1f'):>9} "
+              f"{cell(row, 'predicted_prediction_accuracy', fmt='.3f'):>8} {row.get('accuracy_source') or '':>16}")
 
 
 def main() -> None:

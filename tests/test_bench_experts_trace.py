@@ -21,6 +21,8 @@ def test_against_prediction_states_issue_22s_targets():
     out = against_prediction(row | {"measured_hit_rate": 0.60, "tokens_per_s": 85.0})
     assert not out["hit_rate_within_5_points"] and not out["tokens_per_s_within_10_percent"]
     assert against_prediction({"tokens_per_s": 1.0}) == {}
+    accuracy = against_prediction({"prediction_accuracy": 0.724, "predicted_prediction_accuracy": 0.78})
+    assert round(accuracy["prediction_accuracy_points_off"], 6) == -5.6
 
 
 def test_tiny_skew_trace_arm_end_to_end(tmp_path):
