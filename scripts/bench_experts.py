@@ -948,7 +948,13 @@ def predicted(plan) -> dict:
     """The plan's own prediction: tokens/s and the mean hit rate of its routed layers."""
     rows = [layer.hit_rate for layer in plan.experts.layers if layer.regime == "routed"] if plan.experts else []
     shares = plan.experts.prefetch_shares() if plan.experts else None
+    step = plan.prediction
     return {"predicted_tokens_per_s": plan.prediction.decode_tokens_per_s,
+            # the step's parts as the plan models them: compute of the all-resident stack and outside it, the
+            # fetch stalls, and the link's floor (what a gap to the measured step is made of)
+            "predicted_step_ms": step.decode_step_ms, "predicted_resident_step_ms": step.resident_step_ms,
+            "predicted_head_ms": step.head_ms, "predicted_stall_ms": step.stall_ms,
+            "predicted_link_floor_ms": step.link_floor_ms, "predicted_copy_bytes_per_step": step.copy_bytes_per_step,
             "predicted_hit_rate": statistics.mean(rows) if rows else None, "routed_layers": len(rows),
             "routing": plan.experts.routing if plan.experts else None,
             # the prefetch's hits as a share of the routed, non-resident experts (what decode's
@@ -996,6 +1002,7 @@ def trace_rows(master, setting: Setting, rows: Rows, work: Path) -> None:
     if isinstance(plan, str):
         rows.add({"arm": "traced plan", "error": plan})
         return
+    save_plan(plan, work / "traced-plan.yaml")
     reference = decode(sharing_copy_on(master, setting), setting)
     _free(setting)
     rows.add({"arm": "all-resident, skewed (trace)", **figures(reference), "trace": str(trace)})
@@ -1011,8 +1018,16 @@ def trace_rows(master, setting: Setting, rows: Rows, work: Path) -> None:
                   **plan_arm(master, setting, uniform, reference)})
     untraced = trace_plan(setting, checkpoint, profile, None, budget)
     if not isinstance(untraced, str):
+        save_plan(untraced, work / "untraced-plan.yaml")
         row = {"arm": "plan without the trace (uniform)", **predicted(untraced)}
         rows.add(row | plan_arm(master, setting, untraced, reference))
+
+
+def save_plan(plan, path: Path) -> None:
+    """The plan as a YAML file beside the run's other outputs (what its prediction was made of)."""
+    from planner.plan_file import render_plan, write_atomic
+
+    write_atomic(path, render_plan(plan, "scripts/bench_experts.py (see the run's JSON for the command)"))
 
 
 def uniform_residency(plan):
