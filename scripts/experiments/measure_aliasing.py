@@ -25,8 +25,9 @@ from runtime.graph import DecodeLoop, cache_tokens_for
 from runtime.measure import _set_layers, alias_module
 
 
-def step_ms(model, context: int) -> float:
-    loop = DecodeLoop(model, batch=1, max_cache_tokens=cache_tokens_for(context), device=torch.device("cuda"))
+def step_ms(model, context: int, **loop_options) -> float:
+    loop = DecodeLoop(model, batch=1, max_cache_tokens=cache_tokens_for(context), device=torch.device("cuda"),
+                      **loop_options)
     loop.fill(context)
     loop.capture()
     loop.timed_steps(5)
@@ -76,6 +77,16 @@ def main() -> None:
         _set_layers(model, "model.layers", stack)
         ms = step_ms(model, args.context)
         rows[name] = {"step_ms": ms, "per_layer_ms": ms / len(layers), **routed_experts(model, stack)}
+        print(name, json.dumps(rows[name]))
+    # what else differs from scripts/bench_experts.py's all-resident arm (28 ms a step on the same GPU): one step
+    # per replay, and deterministic algorithms (its bitwise checks turn them on for the whole process)
+    _set_layers(model, "model.layers", layers)
+    rows["distinct, one step per replay"] = {"step_ms": step_ms(model, args.context, steps_per_call=1)}
+    from runtime.benchmarking import deterministic_decode
+
+    deterministic_decode()
+    rows["distinct, deterministic algorithms"] = {"step_ms": step_ms(model, args.context)}
+    for name in ("distinct, one step per replay", "distinct, deterministic algorithms"):
         print(name, json.dumps(rows[name]))
     result = {"device": torch.cuda.get_device_name(), "config": args.config, "context": args.context, "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
