@@ -113,24 +113,15 @@ def sglang_memory(plan: Plan, tp_size: int, divisor: int | None = None) -> Engin
                         token_bytes=per_token, free_at_start_bytes=free_at_start, max_share=max_share)
 
 
-def describe(engine: str, plan: Plan, tp_size: int, result: EngineMemory) -> str:
-    """One note: the share's parts, the KV tokens the engine will report, the decode room, any shortfall."""
+def describe(memory_note: str, plan: Plan, tp_size: int, result: EngineMemory) -> str:
+    """One note: the share's parts (``memory_note``, the engine's template in planner.engine_targets), the KV
+    tokens the engine will report, the decode room, any shortfall."""
     workload = plan.workload
-    if engine == "vllm":
-        how = (f"--gpu-memory-utilization {result.share:.{SHARE_DECIMALS}f} of the GPU's "
-               f"{format_bytes(plan.hardware.gpu_memory_bytes)} covers the weights, the activations of its "
-               f"{_chunk(plan)}-token profile and the KV cache (gpu_worker.py determine_available_memory); the CUDA "
-               f"context, NCCL, the CUDA graphs and vLLM's 150 MiB profile allowance stay outside it (at most "
-               f"{result.max_share:.{SHARE_DECIMALS}f}); vLLM should log \"GPU KV cache size: {result.kv_tokens:,} "
-               f"tokens\" (blocks of {VLLM_BLOCK_TOKENS} x {format_bytes(result.token_bytes)} per token, "
-               "kv_cache_utils.py get_num_blocks)")
-    else:
-        how = (f"--mem-fraction-static {result.share:.{SHARE_DECIMALS}f} of the "
-               f"{format_bytes(result.free_at_start_bytes)} free after the CUDA context"
-               f"{' and NCCL' if tp_size > 1 else ''} covers the weights and the KV pool (model_runner.py "
-               f"profile_max_num_token); the activations and CUDA graphs use the rest (at most "
-               f"{result.max_share:.{SHARE_DECIMALS}f}); SGLang should report max_total_num_tokens="
-               f"{result.kv_tokens:,} ({format_bytes(result.token_bytes)} per token)")
+    how = memory_note.format(
+        share=f"{result.share:.{SHARE_DECIMALS}f}", max_share=f"{result.max_share:.{SHARE_DECIMALS}f}",
+        gpu_memory=format_bytes(plan.hardware.gpu_memory_bytes), chunk=_chunk(plan), kv_tokens=f"{result.kv_tokens:,}",
+        token_bytes=format_bytes(result.token_bytes), free_at_start=format_bytes(result.free_at_start_bytes),
+        and_nccl=" and NCCL" if tp_size > 1 else "")
     room = (f"; the plan's KV figure also holds {DECODE_ROOM_TOKENS} tokens per sequence of decode room that "
             "offload-plan's own runtime keeps past the context (DECODE_ROOM_TOKENS), which the engines do not need")
     short = ""

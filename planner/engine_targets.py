@@ -2,9 +2,10 @@
 
 An entry holds an engine's flag names, which plan field each flag carries, and what of a plan the engine cannot
 express (a prefetch depth that does not divide the offloaded layers, a selection its model code overrides, a
-LoRA rank it does not accept). planner.export reads the entry and holds no per-engine branch; the engines' own
-memory accounting stays in planner.engine_memory, and the nearest plan an engine can run in
-planner.engine_plan. A new engine is one entry here (its memory function in planner.engine_memory) plus tests.
+LoRA rank it does not accept), and the wording of its memory note. planner.export and planner.engine_memory
+read the entry and hold no per-engine branch; the engines' own memory accounting stays in planner.engine_memory,
+and the nearest plan an engine can run in planner.engine_plan. A new engine is one entry here (its memory
+function in planner.engine_memory) plus tests.
 
 The facts, from the engines' sources, are in planner.export's docstring.
 """
@@ -63,6 +64,9 @@ class EngineTarget:
     serving_flags: tuple[tuple[str, str], ...]
     #: the engine's memory accounting (planner.engine_memory): (plan, tp_size, divisor) -> EngineMemory
     memory: Callable
+    #: what the share covers and what the engine will report, for planner.engine_memory.describe; fields: share,
+    #: max_share, gpu_memory, chunk (the profile's tokens), kv_tokens, token_bytes, free_at_start, and_nccl
+    memory_note: str
     #: the plan's KV dtype -> the engine's --kv-cache-dtype value (the model's own dtype: no flag)
     kv_cache_dtypes: tuple[tuple[str, str], ...]
     #: (flag, field) of a plan with LoRA adapters; fields: slots, pool, rank, modules (one value per adapter),
@@ -95,6 +99,11 @@ VLLM = EngineTarget(
                    ("--max-num-batched-tokens", "chunk_tokens"), ("--block-size", f"={VLLM_BLOCK_TOKENS}"),
                    ("--gpu-memory-utilization", "memory_share")),
     memory=vllm_memory, kv_cache_dtypes=(("fp8", "fp8"),),
+    memory_note=("--gpu-memory-utilization {share} of the GPU's {gpu_memory} covers the weights, the activations of "
+                 "its {chunk}-token profile and the KV cache (gpu_worker.py determine_available_memory); the CUDA "
+                 "context, NCCL, the CUDA graphs and vLLM's 150 MiB profile allowance stay outside it (at most "
+                 "{max_share}); vLLM should log \"GPU KV cache size: {kv_tokens} tokens\" (blocks of "
+                 f"{VLLM_BLOCK_TOKENS} x {{token_bytes}} per token, kv_cache_utils.py get_num_blocks)"),
     lora_flags=(("--enable-lora", None), ("--max-loras", "slots"), ("--max-cpu-loras", "pool"),
                 ("--max-lora-rank", "rank"), ("--lora-modules", "modules")),
     lora_ranks=VLLM_LORA_RANKS, lora_rank_fix="serve them with SGLang",
@@ -113,6 +122,10 @@ SGLANG = EngineTarget(
     serving_flags=(("--max-running-requests", "concurrency"), ("--context-length", "context_tokens"),
                    ("--chunked-prefill-size", "chunk_tokens"), ("--mem-fraction-static", "memory_share")),
     memory=sglang_memory, kv_cache_dtypes=(("fp8", "fp8_e4m3"),),
+    memory_note=("--mem-fraction-static {share} of the {free_at_start} free after the CUDA context{and_nccl} covers "
+                 "the weights and the KV pool (model_runner.py profile_max_num_token); the activations and CUDA "
+                 "graphs use the rest (at most {max_share}); SGLang should report max_total_num_tokens={kv_tokens} "
+                 "({token_bytes} per token)"),
     lora_flags=(("--enable-lora", None), ("--lora-paths", "modules"), ("--max-loras-per-batch", "slots"),
                 ("--max-loaded-loras", "pool")),
     lora_ranks=None,

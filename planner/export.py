@@ -300,7 +300,7 @@ def _serving_flags(plan: Plan, target: EngineTarget, tp_size: int, divisor: int,
     kv_flag = target.kv_cache_dtype(workload.kv_dtype)
     if kv_flag is not None:
         flags += ["--kv-cache-dtype", kv_flag]
-    notes.append(describe(target.name, plan, tp_size, memory))
+    notes.append(describe(target.memory_note, plan, tp_size, memory))
     if memory.kv_tokens < memory.needed_tokens:
         warnings.append(f"{target.display_name}'s memory accounting leaves a KV cache of {memory.kv_tokens:,} tokens "
                         f"per rank, short of the {memory.needed_tokens:,} the plan's {workload.concurrency} sequences "

@@ -45,21 +45,24 @@ def write_header_checkpoint(config_path: str | Path, out_dir: str | Path, *, dty
                               f"{', '.join(sorted(LAYERS))} only, and writes no silent bf16; plan from the "
                               "release's own headers (--model ORG/NAME)")
     else:
-        specs = tensor_specs(config_path, safetensors_dtype)
+        specs = tensor_specs(config_path, safetensors_dtype, config=config)
     return write_checkpoint_folder(config_path=config_path, specs=specs, out_dir=out_dir, shard_bytes=shard_bytes)
 
 
-def tensor_specs(config_path: Path, dtype: str) -> list[TensorSpec]:
-    """(name, dtype, shape) of every parameter the model has, as transformers names them in checkpoints."""
+def tensor_specs(config_path: Path, dtype: str, *, config: dict | None = None) -> list[TensorSpec]:
+    """(name, dtype, shape) of every parameter the model has, as transformers names them in checkpoints;
+    ``config``: config_path's mapping where the caller has read it (else read here, once)."""
     try:
         import torch
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
+
+        from runtime.skeleton import transformers_config
     except ImportError as error:
         raise RuntimeUnavailableError(
             f"building a header checkpoint needs torch and transformers ({error}); "
             "install them with: pip install 'offload-plan[runtime]'") from None
     try:
-        config = AutoConfig.from_pretrained(config_path.parent)
+        config = transformers_config(read_config(config_path) if config is None else config, config_path.parent)
     except (ValueError, KeyError, OSError) as error:
         raise ModelInputError(f"{config_path}: transformers cannot build this config ({brief(error)})") from None
     try:

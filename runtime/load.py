@@ -419,7 +419,7 @@ def stream_model(folder: Path, plan: Plan, backend, on_bytes=None, check=None,
     """
     checkpoint = load_checkpoint(str(folder)) if checkpoint is None else checkpoint
     sources = sources_of(checkpoint, folder)
-    model = build_skeleton(folder, sources)
+    model = build_skeleton(folder, sources, checkpoint.config)
     # forwards outside a decode loop are prefills (a decode loop switches its own steps)
     use_phase(model, PREFILL, getattr(backend, "device", torch.device("cpu")))
     work = plan_reads(model, sources)

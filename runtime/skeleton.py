@@ -4,6 +4,7 @@ per-expert tensors that are read straight into their range of a fused param.
 """
 
 import contextlib
+import copy
 import math
 import re
 import threading
@@ -13,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from planner.errors import ModelInputError, shown
 from runtime.checkpoint_reader import Reader, SourceTensor
 from runtime.quantized import FP8_WEIGHT_DTYPES, check_runnable, compute_dtype, quantization_section, quantize_skeleton
 
@@ -35,15 +37,16 @@ def params_on_meta():
         nn.Module.register_parameter = register
 
 
-def build_skeleton(folder: Path, sources: dict[str, SourceTensor]) -> nn.Module:
+def build_skeleton(folder: Path, sources: dict[str, SourceTensor], config: dict | None) -> nn.Module:
     """The transformers model for the checkpoint, params on meta, in the dtype from_pretrained(dtype="auto")
     would choose, weights tied as the config says; an FP8 block-quantized checkpoint's linears are transformers'
     FP8 modules (runtime.quantized), any other quantization one line. ``sources``: the checkpoint's tensors,
-    from the headers already read (a config without a dtype takes the first floating, unquantized tensor's)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from the headers already read (a config without a dtype takes the first floating, unquantized tensor's);
+    ``config``: config.json as the planner parsed it (Checkpoint.config), not read again here."""
+    from transformers import AutoModelForCausalLM
 
     config_folder = folder if folder.is_dir() else folder.parent
-    config = AutoConfig.from_pretrained(config_folder)
+    config = transformers_config(config, config_folder)
     quantization = quantization_section(config)
     if quantization is not None:
         check_runnable(quantization, str(folder))
@@ -55,6 +58,29 @@ def build_skeleton(folder: Path, sources: dict[str, SourceTensor]) -> nn.Module:
     model.tie_weights()
     _load_generation_config(model, config_folder)
     return model.eval()
+
+
+def transformers_config(config: dict | None, folder: Path):
+    """What ``AutoConfig.from_pretrained(folder)`` returns, built from config.json's mapping already parsed: the
+    class transformers' AutoConfig picks (CONFIG_MAPPING by model_type, with its one heuristic: a mistral config
+    with layer_types is ministral) and its ``from_dict``, on a copy (config classes rewrite nested sections such as
+    rope_scaling in place, and the planner's record keeps the mapping). Multimodal configs build their
+    text_config the same way from_pretrained does. Custom code (a model_type transformers does not ship) is one
+    line: run builds transformers' own classes and never runs a checkpoint's code."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if config is None:
+        raise ModelInputError(f"{folder}: no config.json; run builds the model config.json describes: put the "
+                              "model's own config.json beside its weights")
+    mapping = copy.deepcopy(config)
+    model_type = mapping.get("model_type")
+    if model_type == "mistral" and "layer_types" in mapping:
+        mapping["model_type"] = model_type = "ministral"  # AutoConfig.from_pretrained's heuristic, as it applies it
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        raise ModelInputError(f"{folder}: config.json's model_type {shown(model_type)} is not one this transformers "
+                              "ships; run builds transformers' own model classes: upgrade transformers, or give a "
+                              "model it supports")
+    return CONFIG_MAPPING[model_type].from_dict(mapping, name_or_path=str(folder))
 
 
 def _auto_dtype(config, sources: dict[str, SourceTensor]) -> torch.dtype:

@@ -25,7 +25,6 @@ import contextlib
 import json
 import math
 import os
-import struct
 import subprocess
 import sys
 import time
@@ -99,28 +98,6 @@ def meta_model(config):
 SHARD_BYTES = 5 * 10**9
 
 
-def write_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], make) -> None:
-    """A bf16 safetensors file of ``shapes``, each tensor made by ``make(name, shape)`` (a CPU bf16 tensor) and
-    written as soon as it is made: the header first (names, shapes, offsets are known in advance), then the
-    bytes, so no more than one tensor is held at a time and nothing is copied on the way to the file."""
-    import torch
-
-    header, offset = {}, 0
-    for name, shape in shapes.items():
-        num_bytes = math.prod(shape) * 2
-        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + num_bytes]}
-        offset += num_bytes
-    header["__metadata__"] = {"format": "pt"}
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-    with open(path, "wb") as file:
-        file.write(struct.pack("<Q", len(blob)) + blob)
-        for name, shape in shapes.items():
-            tensor = make(name, shape)
-            assert tensor.dtype == torch.bfloat16 and tuple(tensor.shape) == shape and tensor.device.type == "cpu"
-            file.write(tensor.contiguous().view(torch.uint8).numpy().data)
-
-
 def _random_bf16(device: str, generator, shape: tuple[int, ...], *, scale: float, offset: float = 0.0):
     """Normal values x ``scale`` + ``offset``, drawn on ``device``, bf16 on the CPU."""
     import torch
@@ -137,30 +114,17 @@ def write_base(config_fields: dict, folder: Path, device: str) -> None:
     import torch
     from transformers import GenerationConfig
 
+    from scripts.benchmarking import write_random_shards
+
     config = qwen3_config(config_fields)
-    shapes = {name: tuple(t.shape) for name, t in meta_model(config).state_dict().items()}
-    shards, current, current_bytes = [], {}, 0
-    for name, shape in shapes.items():
-        num_bytes = math.prod(shape) * 2
-        if current and current_bytes + num_bytes > SHARD_BYTES:
-            shards.append(current)
-            current, current_bytes = {}, 0
-        current[name], current_bytes = shape, current_bytes + num_bytes
-    shards.append(current)
+    specs = [(name, "BF16", list(t.shape)) for name, t in meta_model(config).state_dict().items()]
     folder.mkdir(parents=True, exist_ok=True)
     generator = torch.Generator(device=device).manual_seed(0)
 
-    def make(name: str, shape: tuple[int, ...]):
+    def make(name: str, dtype: str, shape: list[int]):
         return _random_bf16(device, generator, shape, scale=0.02, offset=1.0 if len(shape) == 1 else 0.0)
 
-    weight_map = {}
-    for number, shard in enumerate(shards, 1):
-        file_name = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-        write_safetensors(folder / file_name, shard, make)
-        weight_map.update(dict.fromkeys(shard, file_name))
-    total = sum(math.prod(shape) * 2 for shape in shapes.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    write_random_shards(folder, specs, make, shard_bytes=SHARD_BYTES)
     config.dtype = torch.bfloat16
     config.save_pretrained(folder)
     GenerationConfig.from_model_config(config).save_pretrained(folder)
@@ -220,13 +184,15 @@ def write_random_adapters(base, folder: Path, names: list[str], *, rank: int, al
 
     from tests.adapter_models import ALL_LINEAR
 
-    shapes = adapter_shapes(base, rank)
+    from scripts.benchmarking import write_safetensors
+
+    specs = [(name, "BF16", list(shape)) for name, shape in adapter_shapes(base, rank).items()]
     folders = {}
     for number, name in enumerate(names):
         generator = torch.Generator(device=device).manual_seed(number)
         (folder / name).mkdir(parents=True, exist_ok=True)
-        write_safetensors(folder / name / "adapter_model.safetensors", shapes,
-                          lambda _, shape: _random_bf16(device, generator, shape, scale=scale))
+        write_safetensors(folder / name / "adapter_model.safetensors", specs,
+                          lambda _, dtype, shape: _random_bf16(device, generator, shape, scale=scale))
         config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(ALL_LINEAR),
                   "base_model_name_or_path": None}
         (folder / name / "adapter_config.json").write_text(json.dumps(config) + "\n")

@@ -60,7 +60,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuB
 
 import torch  # noqa: E402
 
-from runtime.benchmarking import log  # noqa: E402
+from scripts.benchmarking import log  # noqa: E402
 
 CONFIG = "examples/qwen3-30b-a3b/config.json"
 TINY_CONFIG = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 256,
@@ -105,7 +105,7 @@ def build_master(setting: Setting):
     """The model with random bf16 weights on the host (drawn on the GPU where there is one: faster)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from runtime.benchmarking import free
+    from scripts.benchmarking import free
 
     torch.manual_seed(0)
     with torch.device(setting.device):
@@ -416,7 +416,7 @@ class Capped:
 
     def __exit__(self, *exc):
         if self.setting.device.type == "cuda":
-            from runtime.benchmarking import free
+            from scripts.benchmarking import free
             from runtime.serving import release_cap
 
             free()
@@ -494,7 +494,7 @@ def planner_plan(setting: Setting, work: Path, force_whole: bool = True):
     ``force_whole``: whole layers only (a pinned prefetch depth rules routed layers out; the faster of depths 1
     and 2); else the planner's own pick, routed where it predicts that faster."""
     import scripts.bench_serving as serving
-    from runtime.benchmarking import write_calibrated
+    from scripts.benchmarking import write_calibrated
 
     serving.MEASURE["on"] = setting.measure and setting.device.type == "cuda"
     setting = replace(setting, forced_tokens_seed=0)  # every arm decodes the same random token stream
@@ -542,7 +542,7 @@ def gather_rate(routed, setting: Setting, max_programs: int | None = None, shape
 
 def _free(setting: Setting) -> None:
     if setting.device.type == "cuda":
-        from runtime.benchmarking import free
+        from scripts.benchmarking import free
 
         free()
 
@@ -1008,7 +1008,7 @@ def trace_rows(master, setting: Setting, rows: Rows, work: Path) -> None:
     measured hit rate and tokens/s beside the plan's, and beside uniform residency at the same memory (the
     same number of resident experts per layer, ids 0..R-1) and the plan made without the trace."""
     import scripts.bench_serving as serving
-    from runtime.benchmarking import write_calibrated
+    from scripts.benchmarking import write_calibrated
 
     serving.MEASURE["on"] = setting.measure and setting.device.type == "cuda"
     setting = replace(setting, forced_tokens_seed=0)  # every arm decodes the same random token stream
@@ -1160,7 +1160,7 @@ def main() -> None:
         parser.error("--prefetch-depth takes numbers of ranks, each 0 or more (deeper than top-k: top-k)")
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.tiny:
-        from runtime.benchmarking import deterministic_decode
+        from scripts.benchmarking import deterministic_decode
 
         deterministic_decode()
     setting = setting_for(args)
@@ -1223,7 +1223,7 @@ def pinned_rate(setting: Setting) -> float:
     """The copy engine's pinned H2D rate on a GPU; on the CPU stand-in a nominal 50 GB/s (no link there)."""
     if setting.device.type != "cuda":
         return 50e9
-    from runtime.benchmarking import pinned_h2d_bytes_per_s
+    from scripts.benchmarking import pinned_h2d_bytes_per_s
 
     return pinned_h2d_bytes_per_s()
 

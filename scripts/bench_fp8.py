@@ -32,7 +32,7 @@ import torch  # noqa: E402
 
 from runtime.backend import CudaBackend  # noqa: E402
 from runtime.bench import random_ids  # noqa: E402
-from runtime.benchmarking import (CONTEXT_TOKENS, DEFAULT_CONFIG, checkpoint_parser, deterministic_decode,  # noqa: E402
+from scripts.benchmarking import (CONTEXT_TOKENS, DEFAULT_CONFIG, checkpoint_parser, deterministic_decode,  # noqa: E402
                                   free, log, pinned_h2d_bytes_per_s, plan_for, write_calibrated, write_random_release,
                                   write_report)
 from scripts.bench_runtime import copy_stats, timed  # noqa: E402

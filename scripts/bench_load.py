@@ -71,38 +71,23 @@ def log(message: str) -> None:
 
 
 def write_checkpoint(folder: Path, config: dict, shard_bytes: int, device: str) -> int:
-    """Random bf16 weights (generated on ``device``), saved with safetensors' save_file in shards; returns
-    the checkpoint's bytes. Norm weights are random too, so a misplaced tensor always shows in the logits."""
+    """Random bf16 weights (generated on ``device``), written tensor by tensor in shards
+    (scripts.benchmarking.write_random_shards); returns the checkpoint's bytes. Norm weights are random too, so a
+    misplaced tensor always shows in the logits."""
     import torch
-    from safetensors.torch import save_file
 
     from runtime.header_checkpoint import tensor_specs
+    from scripts.benchmarking import write_random_shards
 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    specs = hub_expert_specs(tensor_specs(folder / "config.json", "BF16"))
-    shards, current, size = [], [], 0
-    for name, _, shape in specs:
-        num_bytes = 2 * _numel(shape)
-        if current and size + num_bytes > shard_bytes:
-            shards.append(current)
-            current, size = [], 0
-        current.append((name, shape))
-        size += num_bytes
-    shards.append(current)
     generator = torch.Generator(device=device).manual_seed(0)
-    weight_map, total = {}, 0
-    for number, shard in enumerate(shards, start=1):
-        file = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {name: (torch.randn(shape, generator=generator, device=device, dtype=torch.bfloat16) * 0.02).cpu()
-                   for name, shape in shard}
-        save_file(tensors, str(folder / file), metadata={"format": "pt"})
-        total += sum(t.numel() * 2 for t in tensors.values())
-        weight_map.update({name: file for name, _ in shard})
-        del tensors
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return total
+
+    def make(name: str, dtype: str, shape: list[int]) -> torch.Tensor:
+        return (torch.randn(shape, generator=generator, device=device, dtype=torch.bfloat16) * 0.02).cpu()
+
+    specs = hub_expert_specs(tensor_specs(folder / "config.json", "BF16", config=config))
+    return write_random_shards(folder, specs, make, shard_bytes=shard_bytes)
 
 
 def hub_expert_specs(specs: list) -> list:
@@ -123,13 +108,6 @@ def hub_expert_specs(specs: list) -> list:
             else:
                 split.append((f"{prefix}.{expert}.down_proj.weight", dtype, [rows, cols]))
     return sorted(split)
-
-
-def _numel(shape) -> int:
-    count = 1
-    for dim in shape:
-        count *= dim
-    return count
 
 
 # ---- rates measured in this run ----------------------------------------------------------------------------

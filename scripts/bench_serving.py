@@ -32,7 +32,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuB
 import torch  # noqa: E402
 
 from planner.errors import OffloadPlanError  # noqa: E402
-from runtime.benchmarking import deterministic_decode, free, log, write_calibrated  # noqa: E402
+from scripts.benchmarking import deterministic_decode, free, log, write_calibrated  # noqa: E402
 
 
 @dataclass(frozen=True)

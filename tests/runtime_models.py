@@ -95,6 +95,16 @@ def save_word_tokenizer(folder: Path, vocab_size: int = 256) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]").save_pretrained(folder)
 
 
+def skeleton(folder: Path):
+    """The checkpoint's meta skeleton as run builds it: headers and config.json from one planner read."""
+    from planner.checkpoint import load_checkpoint
+    from runtime.checkpoint_reader import sources_of
+    from runtime.skeleton import build_skeleton
+
+    checkpoint = load_checkpoint(str(folder))
+    return build_skeleton(folder, sources_of(checkpoint, folder), checkpoint.config)
+
+
 def write_plan(plan: Plan, path: Path) -> Path:
     """Write a plan file as make would."""
     from planner.plan_file import render_plan, write_atomic

@@ -29,7 +29,7 @@ LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_att
 
 def write_fp8_checkpoint(folder: Path, config: dict = TINY_FP8_CONFIG, seed: int = 0) -> Path:
     """Random weights in the release format (FP8 linears, float32 weight_scale_inv) into ``folder``/ckpt."""
-    from runtime.benchmarking import write_random_release
+    from scripts.benchmarking import write_random_release
 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config))

@@ -1,7 +1,8 @@
 """One command, one read: ``run`` (the load that --bench and --prompt share) and ``make --measure`` parse each
 safetensors header once, read config.json once in the planner, and resolve the checkpoint path once; the
-loader takes the parsed record (runtime.load.LoadSource) instead of reading again. Counted here by wrapping the
-readers and by the interpreter's audit hook on every file open, so a second read anywhere fails."""
+loader takes the parsed record (runtime.load.LoadSource) instead of reading again, and the transformers config
+is built from that record's mapping (runtime.skeleton.transformers_config), not from the file. Counted here by
+wrapping the readers and by the interpreter's audit hook on every file open, so a second read anywhere fails."""
 
 import sys
 from collections import Counter
@@ -121,7 +122,7 @@ def test_run_reads_each_header_once_and_resolves_the_path_once(sharded, tmp_path
     assert {name: counted[("header", name)] for name in shards} == dict.fromkeys(shards, 1)
     assert {name: counted["opens"][name] for name in shards} == dict.fromkeys(shards, 2)
     assert counted["from the plan's folder"] == counted["to a local folder"] == counted["checkpoint reads"] == 1
-    assert counted["config.json parses"] == 1
+    assert counted["config.json parses"] == 1 and counted["opens"]["config.json"] == 1
     assert loads[0].source.folder == sharded  # --prompt's tokenizer is read from the same folder
 
 
@@ -134,7 +135,7 @@ def test_the_loader_reads_no_header_when_handed_the_checkpoint(sharded, counted)
     _reset(counted)
     stream_model(source.folder, plan, CpuStandIn(), checkpoint=source.checkpoint)
     assert not [key for key in counted if isinstance(key, tuple)], counted
-    assert counted["config.json parses"] == 0
+    assert counted["config.json parses"] == 0 and counted["opens"]["config.json"] == 0
 
 
 def test_make_measure_reads_each_header_and_config_once(sharded, tmp_path, monkeypatch, counted):

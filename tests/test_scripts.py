@@ -1,7 +1,7 @@
 """scripts/: the maintained tools' argument parsing and logic on the CPU, and the layout rules of the folder.
 
 The GPU benchmarks themselves need CUDA; here their parsers, report writers and the shared helpers in
-runtime.benchmarking run with made-up rows, so a broken script fails in CI, not on the lent GPU.
+scripts.benchmarking run with made-up rows, so a broken script fails in CI, not on the lent GPU.
 """
 
 import ast
@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from planner.errors import UsageError
-from runtime import benchmarking
+from scripts import benchmarking
 from scripts import bench_decode, bench_runtime, real_checkpoints
 from tests.conftest import ERROR_PREFIX, REPO_ROOT, cli_env
 
@@ -78,6 +78,33 @@ def test_replay_arms_follow_the_plan_split():
     assert benchmarking.NUM_ARM_STEPS % 4 == 0
 
 
+def test_random_shards_are_written_one_tensor_at_a_time_with_the_index(tmp_path):
+    """The one random-checkpoint writer: shards of at most shard_bytes (a larger tensor alone), each tensor made
+    when its turn comes and written at once, an index with total_size; safetensors reads back what was made."""
+    import torch
+    from safetensors import safe_open
+
+    specs = [("a.weight", "BF16", [8, 8]), ("b.scale", "F32", [3]), ("c.weight", "F8_E4M3", [16, 4]),
+             ("d.big", "BF16", [40, 4]), ("e.norm", "F16", [5])]
+    made = {}
+
+    def make(name, dtype, shape):
+        made[name] = torch.arange(int(torch.tensor(shape).prod())).reshape(shape).to(benchmarking.TORCH_DTYPES[dtype])
+        return made[name]
+
+    total = benchmarking.write_random_shards(tmp_path, specs, make, shard_bytes=200)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    files = sorted(tmp_path.glob("*.safetensors"))
+    assert total == index["metadata"]["total_size"] == 128 + 12 + 64 + 320 + 10
+    assert list(made) == [name for name, _, _ in specs]  # made in spec order: a seeded generator draws the same
+    assert [sorted(n for n, f in index["weight_map"].items() if f == file.name) for file in files] == [
+        ["a.weight", "b.scale"], ["c.weight"], ["d.big"], ["e.norm"]]
+    for file in files:
+        with safe_open(file, "pt") as opened:
+            assert all(torch.equal(opened.get_tensor(name).view(torch.uint8), made[name].view(torch.uint8))
+                       for name in opened.keys())
+
+
 def test_random_checkpoint_refuses_a_foreign_folder_before_any_gpu_work(tmp_path):
     folder = tmp_path / "model"
     folder.mkdir()
@@ -125,8 +152,8 @@ def test_no_sys_path_edits_anywhere():
 @pytest.mark.parametrize("path", sorted(SCRIPTS.glob("*.py")) + sorted(EXPERIMENTS.glob("*.py")),
                          ids=lambda p: str(p.relative_to(SCRIPTS)))
 def test_each_script_says_how_it_is_run(path):
-    if path.name == "__init__.py":
-        return
+    if path.name == "__init__.py" or "__main__" not in path.read_text():
+        return  # a module the scripts share (scripts/benchmarking.py) is imported, not run
     docstring = ast.get_docstring(ast.parse(path.read_text())) or ""
     relative = path.relative_to(REPO_ROOT)
     # a script for several GPUs is launched by torchrun, one process per GPU

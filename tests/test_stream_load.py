@@ -11,7 +11,7 @@ from planner.errors import ModelInputError, PlanError, RuntimeUnavailableError
 from runtime.backend import CpuStandIn, pin_error
 from runtime.load import (build_model, check_fingerprint, check_host_memory, local_weights, open_source,
                           stream_on_cpu)
-from tests.runtime_models import plan_with, save_tiny_llama, save_tiny_moe
+from tests.runtime_models import plan_with, save_tiny_llama, save_tiny_moe, skeleton
 
 transformers = pytest.importorskip("transformers")
 
@@ -286,13 +286,13 @@ def test_a_failure_after_pinning_unpins_everything(checkpoints, monkeypatch):
 def test_host_memory_check_counts_pinned_bytes_and_working_set_not_the_checkpoint(checkpoints):
     from runtime.load import loading_working_set_bytes
     from runtime.checkpoint_reader import checkpoint_files, read_sources
-    from runtime.skeleton import build_skeleton, plan_reads
+    from runtime.skeleton import plan_reads
     from runtime.stream_load import NUM_READERS, STAGING_BYTES
 
     folder = checkpoints("moe")
     plan = plan_with(folder, 1, 1, 2)
     files = checkpoint_files(folder)
-    work = plan_reads(build_skeleton(folder, read_sources(files)), read_sources(files))
+    work = plan_reads(skeleton(folder), read_sources(files))
     working_set = loading_working_set_bytes(work)
     # the hub's per-expert tensors are read straight into the fused params: no conversion holds host memory
     assert not work.converted and work.sliced
@@ -389,12 +389,12 @@ def test_reads_go_device_bound_first_then_piece_by_piece_largest_first(checkpoin
     """So each piece fills early and is page-locked while the later ones are read; per-expert tensors (read
     into their fused params) are ordered with their layer's piece."""
     from runtime.checkpoint_reader import checkpoint_files, read_sources
-    from runtime.skeleton import build_skeleton, plan_reads
+    from runtime.skeleton import plan_reads
     from runtime.stream_load import read_order
 
     folder = checkpoints("qwen3-moe")
     files = checkpoint_files(folder)
-    model = build_skeleton(folder, read_sources(files))
+    model = skeleton(folder)
     work = plan_reads(model, read_sources(files))
     placement = _placement(folder, plan_with(folder, 4, 3, 2), CpuStandIn())
     destinations = placement.destinations
@@ -442,12 +442,12 @@ def test_a_persistent_buffer_in_the_checkpoint_is_loaded_like_from_pretrained(ch
     from safetensors.torch import save_file
 
     from runtime.checkpoint_reader import checkpoint_files, read_sources
-    from runtime.skeleton import build_skeleton, plan_reads
+    from runtime.skeleton import plan_reads
     from runtime.stream_load import _load_buffer
 
     folder = checkpoints("llama")
     files = checkpoint_files(folder)
-    model = build_skeleton(folder, read_sources(files))
+    model = skeleton(folder)
     model.model.register_buffer("scale", torch.zeros(4))  # persistent: it is in the state dict
     extra = tmp_path / "extra.safetensors"
     save_file({"model.scale": torch.arange(4, dtype=torch.float64)}, str(extra))
@@ -531,10 +531,8 @@ def test_a_short_last_piece_does_not_shrink_the_staging_ring(tmp_path):
 def _placement(folder: Path, plan, backend):
     """place_plan over the checkpoint's meta skeleton, nothing pinned yet."""
     from runtime.load import place_plan
-    from runtime.checkpoint_reader import checkpoint_files, read_sources
-    from runtime.skeleton import build_skeleton
 
-    return place_plan(build_skeleton(folder, read_sources(checkpoint_files(folder))), plan, backend, pin=False)
+    return place_plan(skeleton(folder), plan, backend, pin=False)
 
 
 def test_host_pieces_are_the_layer_spans_page_aligned_and_disjoint(checkpoints):
@@ -766,7 +764,7 @@ def test_per_expert_tensors_land_in_the_fused_params_in_expert_order(tmp_path):
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
     from runtime.checkpoint_reader import checkpoint_files, read_sources
-    from runtime.skeleton import build_skeleton, plan_reads
+    from runtime.skeleton import plan_reads
     from tests.runtime_models import _save
 
     config = Qwen3MoeConfig(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
@@ -774,7 +772,7 @@ def test_per_expert_tensors_land_in_the_fused_params_in_expert_order(tmp_path):
                             num_experts=12, num_experts_per_tok=2)
     folder = _save(AutoModelForCausalLM.from_config(config), tmp_path / "moe12", seed=3)
     files = checkpoint_files(folder)
-    work = plan_reads(build_skeleton(folder, read_sources(files)), read_sources(files))
+    work = plan_reads(skeleton(folder), read_sources(files))
     assert not work.converted and len(work.sliced) == 2 * 12 * 3
     reference = build_model(str(folder), None).state_dict()
     model, engine = stream_on_cpu(folder, _resident_plan(folder))

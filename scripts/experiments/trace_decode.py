@@ -3,7 +3,7 @@
     PYTHONPATH=. python3 scripts/experiments/trace_decode.py --out DIR [--batch 64] [--shape 5 3 2] [--steps 1 4]
         [--label NAME]                                                  # on a machine with a GPU
 
-Builds the model and plan of bench_replay_steps.py (runtime.benchmarking) (Qwen3-8B shape, random bf16
+Builds the model and plan of bench_replay_steps.py (scripts.benchmarking) (Qwen3-8B shape, random bf16
 weights), prefills an eager loop,
 a graphed one (one step per replay, the wrapped copies split as the plan says) and, if the plan leaves some
 to the replay's start, a graphed one that joins them all at its end; times 24 steps of each, then traces a
@@ -24,7 +24,7 @@ import torch
 
 from runtime.backend import CudaBackend
 from runtime.bench import random_ids
-from runtime.benchmarking import (CONTEXT_TOKENS, NUM_ARM_STEPS, PLAN_SHAPE, arm_loops, arms_for, checkpoint_parser,
+from scripts.benchmarking import (CONTEXT_TOKENS, NUM_ARM_STEPS, PLAN_SHAPE, arm_loops, arms_for, checkpoint_parser,
                                   deterministic_decode, enter, pinned_plan, time_arm, write_random_checkpoint)
 from runtime.graph import calls_for
 from runtime.load import apply_plan, build_model

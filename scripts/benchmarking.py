@@ -1,9 +1,14 @@
 """Helpers the GPU benchmark scripts share (scripts/bench_*.py and scripts/experiments/*.py).
 
-A random-weight checkpoint with a real model's names and shapes, the best pinned host-to-device rate (the
-floor's link term), a calibrated profile, plans at a share of the layer bytes, the decode settings that make
-bitwise checks meaningful, report files, and the interleaved replay arms of the decode experiments. Nothing
-here runs at import; every function that touches the GPU needs CUDA.
+Random-weight checkpoints with a real model's names and shapes (one writer, one tensor held at a time), the best
+pinned host-to-device rate (the floor's link term), a calibrated profile, plans at a share of the layer bytes,
+the decode settings that make bitwise checks meaningful, report files, and the interleaved replay arms of the
+decode experiments. Nothing here runs at import; every function that touches the GPU needs CUDA.
+
+Here, beside the scripts, not in the runtime package: only the benchmarks and their tests import it, and
+``pip install offload-plan[runtime]`` ships offload_plan, planner and runtime only (pyproject's packages), so
+users' runtime carries no benchmark code; the scripts and tests run from the repository root, where
+``scripts`` imports.
 """
 
 from __future__ import annotations
@@ -11,8 +16,10 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import statistics
+import struct
 import sys
 import time
 from dataclasses import dataclass
@@ -66,45 +73,69 @@ def write_random_checkpoint(config_path: Path, folder: Path) -> None:
 def fill_random(config_path: Path, folder: Path) -> None:
     """config.json, shards of random weights and their index, into ``folder``."""
     (folder / "config.json").write_text(config_path.read_text())
-    write_shards(folder, split_random_tensors(config_path))
+    generator = torch.Generator(device="cuda").manual_seed(0)  # drawn on the GPU: faster
+
+    def make(name: str, dtype: str, shape: list[int]) -> torch.Tensor:
+        if "norm" in name:
+            return torch.ones(shape, dtype=torch.bfloat16)
+        return (torch.randn(shape, generator=generator, device="cuda") * 0.02).to(torch.bfloat16).cpu()
+
+    write_random_shards(folder, tensor_specs(config_path, "BF16"), make)
 
 
-def write_shards(folder: Path, shards: list[dict[str, torch.Tensor]]) -> None:
-    """The shards as model-NNNNN-of-NNNNN.safetensors files and their index, into ``folder``."""
-    from safetensors.torch import save_file
+#: safetensors dtype names of the random checkpoints -> torch dtypes
+TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F8_E4M3": torch.float8_e4m3fn}
 
+
+def write_random_shards(folder: Path, specs, make, *, shard_bytes: int = SHARD_BYTES) -> int:
+    """The tensors of ``specs`` ((name, safetensors dtype, shape), in order) as model-NNNNN-of-NNNNN.safetensors
+    shards of at most ``shard_bytes`` (a larger tensor alone), with save_pretrained's index (total_size and the
+    weight map); each tensor made by ``make(name, dtype, shape)`` (a CPU tensor) in spec order and written at once,
+    so one tensor is held at a time whatever the model's size. Returns the bytes of tensor data written."""
+    shards, current, current_bytes = [], [], 0
+    for spec in specs:
+        num_bytes = _num_bytes(spec)
+        if current and current_bytes + num_bytes > shard_bytes:
+            shards.append(current)
+            current, current_bytes = [], 0
+        current.append(spec)
+        current_bytes += num_bytes
+    shards.append(current)
     weight_map = {}
     for number, shard in enumerate(shards, start=1):
         file = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(folder / file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, file))
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+        write_safetensors(folder / file, shard, make)
+        weight_map.update(dict.fromkeys((name for name, _, _ in shard), file))
+    total = sum(_num_bytes(spec) for shard in shards for spec in shard)
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return total
 
 
-def in_shards(tensors) -> list[dict[str, torch.Tensor]]:
-    """(name, tensor) pairs grouped in order into shards, each closed once it passes SHARD_BYTES."""
-    shards, current, size = [], {}, 0
-    for name, tensor in tensors:
-        current[name] = tensor
-        size += tensor.numel() * tensor.element_size()
-        if size > SHARD_BYTES:
-            shards.append(current)
-            current, size = {}, 0
-    shards.append(current)
-    return shards
+def write_safetensors(path: Path, specs, make) -> None:
+    """One safetensors file of ``specs`` ((name, dtype, shape)), each tensor made by ``make(name, dtype, shape)``
+    and written as soon as it is made: the header first (names, shapes and offsets are known in advance), then
+    the bytes, so no more than one tensor is held at a time and nothing is copied on the way to the file."""
+    header, offset = {}, 0
+    for spec in specs:
+        name, dtype, shape = spec
+        end = offset + _num_bytes(spec)
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, end]}
+        offset = end
+    header["__metadata__"] = {"format": "pt"}
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    with open(path, "wb") as file:
+        file.write(struct.pack("<Q", len(blob)) + blob)
+        for name, dtype, shape in specs:
+            tensor = make(name, dtype, shape)
+            assert tensor.dtype == TORCH_DTYPES[dtype] and list(tensor.shape) == list(shape), name
+            file.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
 
 
-def split_random_tensors(config_path: Path) -> list[dict[str, torch.Tensor]]:
-    """Every parameter as a random CPU tensor (drawn on the GPU: faster), grouped into shards."""
-    generator = torch.Generator(device="cuda").manual_seed(0)
-
-    def tensors():
-        for name, _, shape in tensor_specs(config_path, "BF16"):
-            if "norm" in name:
-                yield name, torch.ones(shape, dtype=torch.bfloat16)
-            else:
-                yield name, (torch.randn(shape, generator=generator, device="cuda") * 0.02).to(torch.bfloat16).cpu()
-    return in_shards(tensors())
+def _num_bytes(spec) -> int:
+    _, dtype, shape = spec
+    return math.prod(shape) * TORCH_DTYPES[dtype].itemsize
 
 
 def write_random_release(config_path: Path, folder: Path, *, device: str = "cuda", seed: int = 0) -> None:
@@ -119,9 +150,8 @@ def write_random_release(config_path: Path, folder: Path, *, device: str = "cuda
 
         (staging / "config.json").write_text(config_path.read_text())
         generator = torch.Generator(device=device).manual_seed(seed)
-        specs = release_specs(json.loads(config_path.read_text()))
-        write_shards(staging, in_shards((name, random_release_tensor(name, dtype, shape, generator, device))
-                                        for name, dtype, shape in specs))
+        write_random_shards(staging, release_specs(json.loads(config_path.read_text())),
+                            lambda name, dtype, shape: random_release_tensor(name, dtype, shape, generator, device))
 
     write_owned_folder(folder, kind=RANDOM_WEIGHTS, fill=fill)
 
@@ -134,7 +164,7 @@ def random_release_tensor(name: str, dtype: str, shape: list[int], generator, de
         return draw.to(torch.float8_e4m3fn).cpu()
     if name.endswith("scale_inv"):
         return (0.02 * (1 + 0.1 * draw)).float().cpu()
-    torch_dtype = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}[dtype]
+    torch_dtype = TORCH_DTYPES[dtype]
     if "norm" in name:
         return torch.ones(shape, dtype=torch_dtype)
     return (draw * 0.02).to(torch_dtype).cpu()
