@@ -4,7 +4,7 @@ A Qwen3-30B-A3B shape (examples/qwen3-30b-a3b/config.json, random bf16 weights h
 sequence, a static cache filled to 4096 tokens, graphed greedy decode. Rows, appended to the JSON as they
 finish:
 
-- rates: the pinned host-to-device rate of the copy engine (runtime.benchmarking.pinned_h2d_bytes_per_s) and
+- rates: the pinned host-to-device rate of the copy engine (scripts.benchmarking.pinned_h2d_bytes_per_s) and
   the rate of the routed gather (the Triton kernel reading mapped host memory, a decode step's k experts);
 - all-resident: the whole model on the GPU, uncapped (it fits an 80 GB H100): the reference ids and logits
   (batched_mm) and the all-resident decode step;

@@ -82,7 +82,7 @@ def main() -> None:
     # per replay, and deterministic algorithms (its bitwise checks turn them on for the whole process)
     _set_layers(model, "model.layers", layers)
     rows["distinct, one step per replay"] = {"step_ms": step_ms(model, args.context, steps_per_call=1)}
-    from runtime.benchmarking import deterministic_decode
+    from scripts.benchmarking import deterministic_decode
 
     deterministic_decode()
     rows["distinct, deterministic algorithms"] = {"step_ms": step_ms(model, args.context)}
