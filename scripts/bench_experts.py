@@ -303,20 +303,25 @@ def decode(model, setting: Setting, engine=None, routed=None) -> dict:
 @contextlib.contextmanager
 def product_kernels(loop, setting: Setting):
     """Timed steps run the kernels `run` runs: deterministic algorithms (on in this process for the bitwise
-    checks) off and the step captured again, then back on. On an H200 the deterministic kernels took a
-    Qwen3-30B-A3B decode step from 16.6 to 27.0 ms (scripts/experiments/measure_aliasing.py): timing them would
-    measure a cost the product never pays, and `make --measure` times the product's kernels."""
+    checks) off, cuDNN attention allowed, and the step captured again; then both as they were. On an H200 the
+    deterministic kernels took a Qwen3-30B-A3B decode step from 16.6 to 27.0 ms
+    (scripts/experiments/measure_aliasing.py): timing them would measure a cost the product never pays, and
+    `make --measure` times the product's kernels."""
     deterministic = torch.are_deterministic_algorithms_enabled()
-    if not deterministic or setting.device.type != "cuda":
+    cudnn_attention = torch.backends.cuda.cudnn_sdp_enabled()
+    if (not deterministic and cudnn_attention) or setting.device.type != "cuda":
         yield
         return
+    # cuDNN attention too (deterministic_decode turns it off: nondeterministic from batch 16), as run leaves it
     torch.use_deterministic_algorithms(False)
+    torch.backends.cuda.enable_cudnn_sdp(True)
     try:
         if setting.graphed:
             loop.capture()
         yield
     finally:
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.use_deterministic_algorithms(deterministic, warn_only=True)
+        torch.backends.cuda.enable_cudnn_sdp(cudnn_attention)
 
 
 def decode_loop(model, setting: Setting, engine=None, seed: int = 0):
