@@ -57,12 +57,17 @@ class TensorEntry:
     offset_bytes: int | None = None
 
     def resized(self, shape: tuple[int, ...], nbytes: int) -> "TensorEntry":
-        """This tensor with another shape and size (as one tensor-parallel rank holds it). Built without the frozen
-        dataclass's __init__, whose five object.__setattr__ calls were 40% of sharding DeepSeek-V3's 92k
-        tensors for each GPU count; the fields are the same."""
-        clone = object.__new__(TensorEntry)
-        clone.__dict__.update(self.__dict__, shape=shape, nbytes=nbytes)
-        return clone
+        """This tensor with another shape and size (as one tensor-parallel rank holds it)."""
+        return _built(self.__dict__, shape=shape, nbytes=nbytes)
+
+
+def _built(fields: dict, **changes) -> TensorEntry:
+    """A TensorEntry of ``fields`` (every field, checked by the caller) with ``changes``. Built without the frozen
+    dataclass's __init__, whose six object.__setattr__ calls were 40% of sharding DeepSeek-V3's 92k tensors for
+    each GPU count, and a third of turning its headers into entries; the fields are the same."""
+    entry = object.__new__(TensorEntry)
+    entry.__dict__.update(fields, **changes)
+    return entry
 
 
 def tensor_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
@@ -137,10 +142,11 @@ def entries_from_header(header: dict, file: str, origin: str, data_bytes: int | 
     ``data_start_bytes``: where the data area begins in the file (each entry's offset_bytes counts from there).
     """
     entries, spans = [], []
+    nbytes_of: dict[tuple, int] = {}  # by (dtype, shape): a checkpoint repeats a few dozen of them
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        tensor, span = _entry(name, entry, file, origin, data_start_bytes)
+        tensor, span = _entry(name, entry, file, origin, data_start_bytes, nbytes_of)
         entries.append(tensor)
         spans.append((span, name))
     _check_tiling(spans, origin)
@@ -167,9 +173,9 @@ def _check_tiling(spans: list[tuple[tuple[int, int], str]], origin: str) -> None
         expected_start, previous = end, name
 
 
-def _entry(name: str, entry: object, file: str, origin: str,
-           data_start_bytes: int | None) -> tuple[TensorEntry, tuple[int, int]]:
-    """One validated tensor and its (start, end) data offsets."""
+def _entry(name: str, entry: object, file: str, origin: str, data_start_bytes: int | None,
+           nbytes_of: dict[tuple, int]) -> tuple[TensorEntry, tuple[int, int]]:
+    """One validated tensor and its (start, end) data offsets (``nbytes_of``: sizes already worked out)."""
     if not name or not name.isprintable():
         raise ModelInputError(f"{origin}: tensor name {name!r} is empty or holds control characters; the header "
                               "is corrupt")
@@ -181,28 +187,34 @@ def _entry(name: str, entry: object, file: str, origin: str,
             f"{origin}: tensor {name!r} has unknown dtype {shown(dtype)}; known: {', '.join(sorted(DTYPE_BITS))}"
         )
     shape = entry.get("shape")
-    if not (isinstance(shape, list) and len(shape) <= MAX_DIMS and all(_is_count(d, MAX_DIM) for d in shape)):
+    if not (isinstance(shape, list) and len(shape) <= MAX_DIMS and _are_counts(shape, MAX_DIM)):
         raise ModelInputError(f"{origin}: tensor {name!r} has invalid shape {shown(shape)}; the header is corrupt")
     offsets = entry.get("data_offsets")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o, MAX_OFFSET) for o in offsets)
+    if not (isinstance(offsets, list) and len(offsets) == 2 and _are_counts(offsets, MAX_OFFSET)
             and offsets[0] <= offsets[1]):
         raise ModelInputError(f"{origin}: tensor {name!r} has invalid data_offsets {shown(offsets)} (two byte offsets, "
                               "start <= end); the header is corrupt")
-    nbytes = tensor_nbytes(dtype, tuple(shape))
+    shape = tuple(shape)  # plain ints now (no bool, which would hash as 0 or 1), so a key for the sizes
+    nbytes = nbytes_of.get((dtype, shape))
+    if nbytes is None:
+        nbytes = nbytes_of[dtype, shape] = tensor_nbytes(dtype, shape)
     if offsets[1] - offsets[0] != nbytes:
         raise ModelInputError(
-            f"{origin}: tensor {name!r} ({dtype} {shape}) needs {nbytes} bytes but its data_offsets span "
+            f"{origin}: tensor {name!r} ({dtype} {list(shape)}) needs {nbytes} bytes but its data_offsets span "
             f"{offsets[1] - offsets[0]}; the header is corrupt"
         )
     offset_bytes = None if data_start_bytes is None else data_start_bytes + offsets[0]
-    tensor = TensorEntry(name=name, dtype=dtype, shape=tuple(shape), nbytes=nbytes, file=file,
-                         offset_bytes=offset_bytes)
+    tensor = _built({"name": name, "dtype": dtype, "shape": shape, "nbytes": nbytes, "file": file,
+                     "offset_bytes": offset_bytes})
     return tensor, (offsets[0], offsets[1])
 
 
-def _is_count(value: object, limit: int) -> bool:
-    """A JSON integer in [0, limit] (JSON's true and false are not counts)."""
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= limit
+def _are_counts(values: list, limit: int) -> bool:
+    """Every value a JSON integer in [0, limit] (JSON's true and false are not counts), checked by C calls: a
+    shape or offset pair is two or three numbers, and a checkpoint has hundreds of thousands of them."""
+    if not values:
+        return True
+    return set(map(type, values)) == {int} and min(values) >= 0 and max(values) <= limit
 
 
 def read_entries(path: Path, file: str) -> list[TensorEntry]:
