@@ -155,12 +155,13 @@ def _load_local(path: Path, source: str) -> Checkpoint:
 
 @contextlib.contextmanager
 def collector_paused():
-    """Python's cyclic garbage collector off for the block, as it was after.
+    """Python's cyclic garbage collector off for the block, as it was after (planning nests them).
 
     Parsing headers allocates millions of objects that live on (DeepSeek-V3: 92k tensors, each a dict, two lists
     and an entry), and every few thousand allocations the collector walks the ones already made, to find
     reference cycles that JSON trees and frozen entries never form: half the time of parsing DeepSeek-V3's
-    129 headers went to it. Reference counting still frees everything the block drops."""
+    129 headers went to it. Reference counting still frees everything the block drops; a cycle made inside
+    waits for the next collection after it."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:

@@ -58,15 +58,17 @@ class TensorEntry:
 
     def resized(self, shape: tuple[int, ...], nbytes: int) -> "TensorEntry":
         """This tensor with another shape and size (as one tensor-parallel rank holds it)."""
-        return _built(self.__dict__, shape=shape, nbytes=nbytes)
+        fields = self.__dict__.copy()
+        fields["shape"], fields["nbytes"] = shape, nbytes
+        return _built(fields)
 
 
-def _built(fields: dict, **changes) -> TensorEntry:
-    """A TensorEntry of ``fields`` (every field, checked by the caller) with ``changes``. Built without the frozen
-    dataclass's __init__, whose six object.__setattr__ calls were 40% of sharding DeepSeek-V3's 92k tensors for
-    each GPU count, and a third of turning its headers into entries; the fields are the same."""
+def _built(fields: dict) -> TensorEntry:
+    """A TensorEntry of ``fields`` (every field, checked by the caller). Built without the frozen dataclass's
+    __init__, whose six object.__setattr__ calls were 40% of sharding DeepSeek-V3's 92k tensors for each GPU
+    count, and a third of turning its headers into entries; the fields are the same."""
     entry = object.__new__(TensorEntry)
-    entry.__dict__.update(fields, **changes)
+    entry.__dict__.update(fields)
     return entry
 
 

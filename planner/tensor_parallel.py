@@ -249,11 +249,11 @@ def shard_entries(tensors: tuple[TensorEntry, ...], config: dict | None, tp: int
         _check_heads(model, tp)
     except _Refused as why:
         raise _refusal(Split(kind="kv", engine_class="QKVParallelLinear"), tp, str(why), tensors, config) from None
-    rank_weights: dict[str, tuple[int, ...]] = {}
+    rank_weights: dict[str, tuple[int, ...]] = {}  # the rank's shape of each weight an FP8 scale goes with
     out: list[TensorEntry | None] = []
     scales: list[int] = []
-    shapes: dict[tuple, tuple[int, ...]] = {}
-    nbytes_of = functools.lru_cache(maxsize=None)(tensor_nbytes)
+    # (split, shape, dtype, FP8) -> (rank's shape, its bytes): DeepSeek-V3's 92k tensors are a few dozen kinds
+    sized: dict[tuple, tuple[tuple[int, ...], int]] = {}
     for entry, (split, fp8) in zip(tensors, _tensor_facts(tensors)):
         if split is None:
             split_of(entry.name, len(entry.shape))  # raises its one line
@@ -261,24 +261,38 @@ def shard_entries(tensors: tuple[TensorEntry, ...], config: dict | None, tp: int
             scales.append(len(out))
             out.append(None)
             continue
-        key = (split.kind, entry.shape, fp8)
-        shape = shapes.get(key)
-        if shape is None:
-            try:
-                shape = _rank_shape(entry, split, model, tp)
-                if fp8:
-                    _check_fp8_blocks(entry, shape, split, model.fp8_block, tp)
-            except _Refused as why:
-                raise _refusal(split, tp, f"cannot split {entry.name}: {why}", tensors, config) from None
-            shapes[key] = shape
-        rank_weights[entry.name] = shape
-        out.append(_resized(entry, shape, nbytes_of))
+        key = (split.kind, entry.shape, entry.dtype, fp8)
+        known = sized.get(key)
+        if known is None:
+            known = sized[key] = _sized(entry, split, fp8, model, tp, tensors, config)
+        shape, nbytes = known
+        if fp8:
+            rank_weights[entry.name] = shape
+        out.append(entry if shape == entry.shape else entry.resized(shape, nbytes))
     scale_shapes: dict[tuple, tuple[int, ...]] = {}
+    scale_bytes: dict[tuple, int] = {}
     for index in scales:
         scale = tensors[index]
         shape = _scale_shape(scale, rank_weights, model.fp8_block, scale_shapes) if tp > 1 else scale.shape
-        out[index] = _resized(scale, shape, nbytes_of)
+        if shape == scale.shape:
+            out[index] = scale
+            continue
+        nbytes = scale_bytes.get((scale.dtype, shape))
+        if nbytes is None:
+            nbytes = scale_bytes[scale.dtype, shape] = tensor_nbytes(scale.dtype, shape)
+        out[index] = scale.resized(shape, nbytes)
     return tuple(out)
+
+
+def _sized(entry: TensorEntry, split: Split, fp8: bool, model: TpModel, tp: int, tensors, config) -> tuple:
+    """(shape, bytes) of ``entry`` on rank 0; a size the engine cannot split is its one line."""
+    try:
+        shape = _rank_shape(entry, split, model, tp)
+        if fp8:
+            _check_fp8_blocks(entry, shape, split, model.fp8_block, tp)
+    except _Refused as why:
+        raise _refusal(split, tp, f"cannot split {entry.name}: {why}", tensors, config) from None
+    return shape, tensor_nbytes(entry.dtype, shape)
 
 
 #: id(tensors) -> (tensors, each one's split and whether an FP8 scale goes with it): what does not change with the
@@ -295,12 +309,6 @@ def _tensor_facts(tensors: tuple[TensorEntry, ...]) -> tuple[tuple[Split | None,
         _FACTS.clear()
         cached = _FACTS[id(tensors)] = (tensors, facts)
     return cached[1]
-
-
-def _resized(entry: TensorEntry, shape: tuple[int, ...], nbytes_of) -> TensorEntry:
-    if shape == entry.shape:
-        return entry
-    return entry.resized(shape, nbytes_of(entry.dtype, shape))
 
 
 def _check_heads(model: TpModel, tp: int) -> None:

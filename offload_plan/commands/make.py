@@ -4,7 +4,6 @@ Its options are not written here: each comes from a field of planner.plan.Inputs
 field's metadata), the one declaration that also gives the plan's inputs section and its regenerate command.
 """
 
-import gc
 import inspect
 import sys
 import typing
@@ -72,9 +71,6 @@ def _make_tp_comparison(inputs: Inputs, sizes: list[int], output: Path | None) -
     from planner.checkpoint import load_checkpoint
 
     whole = load_checkpoint(inputs.model, inputs.revision)  # read once, sharded for each GPU count
-    # its header entries (92k for DeepSeek-V3) live to the end of the command: keep the collector from rescanning
-    # them at every generation-2 collection while each GPU count's shard and search allocate
-    gc.freeze()
     plans = []
     for size in sizes:
         sized = replace(inputs, tp=size)
