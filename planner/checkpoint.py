@@ -57,10 +57,14 @@ class Checkpoint:
 
     def fingerprint(self) -> str:
         """A hash of every tensor's name, dtype and shape: equal for the same model however it is sharded."""
-        digest = hashlib.sha256()
+        shapes: dict[tuple[int, ...], str] = {}  # each shape written once: 92k tensors, a few dozen shapes
+        lines = []
         for tensor in self.tensors:
-            digest.update(f"{tensor.name}\0{tensor.dtype}\0{','.join(map(str, tensor.shape))}\n".encode())
-        return "sha256:" + digest.hexdigest()
+            shape = shapes.get(tensor.shape)
+            if shape is None:
+                shape = shapes[tensor.shape] = ",".join(map(str, tensor.shape))
+            lines.append(f"{tensor.name}\0{tensor.dtype}\0{shape}\n")
+        return "sha256:" + hashlib.sha256("".join(lines).encode()).hexdigest()
 
 
 def load_checkpoint(model: str, revision: str | None = None) -> Checkpoint:

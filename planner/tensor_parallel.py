@@ -308,8 +308,11 @@ def _kinds_of(tensors: tuple[TensorEntry, ...]) -> _Kinds:
 
 
 def _group_kinds(tensors: tuple[TensorEntry, ...]) -> _Kinds:
-    names = frozenset(t.name for t in tensors)
+    scaled = {t.name.removesuffix(_SCALE_SUFFIX) for t in tensors if t.name.endswith(_SCALE_SUFFIX)}
     weights: dict[tuple, list[int]] = {}
+    # grouped by the Split object's identity (the rules' cache hands out one per module name: hashing the
+    # dataclass for each of 92k tensors took longer than the grouping), then keyed by the Split itself
+    by_identity: dict[tuple, tuple] = {}
     key_of: dict[str, tuple] = {}  # the key of each weight an FP8 scale goes with
     scale_positions = []
     for position, tensor in enumerate(tensors):
@@ -317,8 +320,11 @@ def _group_kinds(tensors: tuple[TensorEntry, ...]) -> _Kinds:
         if split is not None and split.kind == "scale":
             scale_positions.append(position)
             continue
-        fp8 = tensor.name + _SCALE_SUFFIX in names
-        key = (split, tensor.shape, tensor.dtype, fp8)
+        fp8 = tensor.name in scaled
+        fast_key = (id(split), tensor.shape, tensor.dtype, fp8)
+        key = by_identity.get(fast_key)
+        if key is None:
+            key = by_identity[fast_key] = (split, tensor.shape, tensor.dtype, fp8)
         weights.setdefault(key, []).append(position)
         if fp8:
             key_of[tensor.name] = key
