@@ -126,10 +126,11 @@ def test_bad_tp_input_is_one_line(llama, monkeypatch, args, words):
 
 def test_deepseek_v3_on_gb200_two_and_four_gpus(tmp_path, monkeypatch):
     """The issue's target: both plans stated in under 5 s. The command (`python3 -m offload_plan make ...`, imports
-    included) took 5.0 s on this 2-core machine when quiet before session 10's cuts; with them, 5.2-6.6 s of CPU
-    (user + sys) against 5.9-7.0 s before, alternated runs at a load average of 10. Held here by the CPU this
-    process spends (what other processes on a shared machine inflate least) with a generous bound, and by the
-    wall clock with a looser one."""
+    included) took 6.0-7.6 s wall (6.0-7.5 s of CPU, user + sys) on this 2-core machine when quiet before session
+    11's cuts (headers checked in bulk, tensors sharded by kind, the cyclic collector paused); with them, 4.1-4.6 s
+    of CPU against 6.5-7.9 s for the code before, alternated runs at a load average of 5 to 6.
+    scripts/bench_make_tp.py times it as a user runs it. Held here by the CPU this process spends (what other
+    processes on a shared machine inflate least) with a generous bound, and by the wall clock with a looser one."""
     real_checkpoints.write_checkpoint("deepseek-v3", tmp_path)
     monkeypatch.chdir(tmp_path)
     start, start_cpu = time.perf_counter(), time.process_time()
