@@ -142,5 +142,6 @@ def _options(
 
 
 def main() -> None:
-    """Entry point of the ``offload-plan`` script and of ``python -m offload_plan``."""
+    """Entry point of the ``offload-plan`` script and of ``python -m offload_plan``: the process runs one command."""
+    make.ONE_COMMAND_PROCESS = True
     app()

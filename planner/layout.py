@@ -7,6 +7,7 @@ experts inside a layer (``mlp.experts.7.``) stay inside their layer. No per-arch
 
 import functools
 import itertools
+import re
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -75,15 +76,19 @@ def param_selected(relative_name: str, segments: tuple[str, ...]) -> bool:
     return any(f".{segment}." in dotted for segment in segments)
 
 
+#: a layer index: a whole dot-separated part that is not the first or the last, in ASCII digits and canonical form
+#: (int('²') fails, '٣' and '01' would alias other names' indices)
+_INDEX_PART = re.compile(r"\.(0|[1-9][0-9]*)\.")
+
+
 @functools.lru_cache(maxsize=2**18)
 def _split(name: str) -> tuple[str, int, str] | None:
-    """'model.layers.3.mlp.w' -> ('model.layers', 3, 'mlp.w'); None when the name has no index segment."""
-    parts = name.split(".")
-    for position, part in enumerate(parts[:-1]):
-        # ASCII digits in canonical form only: int('²') fails, '٣' and '01' would alias other names' indices
-        if part.isascii() and part.isdigit() and (part == "0" or part[0] != "0") and position > 0:
-            return ".".join(parts[:position]), int(part), ".".join(parts[position + 1 :])
-    return None
+    """'model.layers.3.mlp.w' -> ('model.layers', 3, 'mlp.w'); None when the name has no index segment. The
+    first index part decides (re.search: the leftmost; a '.01.' before it does not match, as it is no index)."""
+    found = _INDEX_PART.search(name)
+    if found is None:
+        return None
+    return name[:found.start()], int(found.group(1)), name[found.end():]
 
 
 def find_stacks(tensors: tuple[TensorEntry, ...]) -> dict[str, dict[int, list[TensorEntry]]]:
@@ -120,7 +125,8 @@ def build_layout(checkpoint: Checkpoint, stack: str | None = None) -> ModelLayou
     elif stack not in stacks:
         raise ModelInputError(
             f"--stack {stack!r} is not a layer stack of this checkpoint; choose from {sorted(stacks)}")
-    layers = [_layer_info(index, tensors, stack) for index, tensors in sorted(stacks[stack].items())]
+    same: dict[tuple, tuple] = {}
+    layers = [_layer_info(index, tensors, stack, same) for index, tensors in sorted(stacks[stack].items())]
     _check_contiguous(layers, stack)
     served = config_num_layers(checkpoint.config)
     used = [layer for layer in layers if served is None or layer.index < served]
@@ -151,10 +157,13 @@ def _check_config(checkpoint: Checkpoint, layers: list[LayerInfo], outside: list
                           num_experts_present=max_experts(moe_layers) if moe_layers else None)
 
 
-def _layer_info(index: int, tensors: list[TensorEntry], stack: str) -> LayerInfo:
+def _layer_info(index: int, tensors: list[TensorEntry], stack: str, same: dict[tuple, tuple]) -> LayerInfo:
+    """A layer's params; ``same``: the params of layers seen already, so that layers alike (DeepSeek-V3's 58 MoE
+    layers) share one tuple, and what is worked out per layer's params (its cost sums, its experts) is worked
+    out once per kind of layer."""
     cut = len(stack) + len(str(index)) + 2
-    params = sorted((t.name[cut:], t.dtype, t.shape, t.nbytes) for t in tensors)
-    return LayerInfo(index=index, params=tuple(params))
+    params = tuple(sorted((t.name[cut:], t.dtype, t.shape, t.nbytes) for t in tensors))
+    return LayerInfo(index=index, params=same.setdefault(params, params))
 
 
 def _check_contiguous(layers: list[LayerInfo], stack: str) -> None:

@@ -4,12 +4,13 @@ The inputs are checked in planner.make_inputs, the memory besides the weights ac
 planner.memory_accounting, and the plan's sections built in planner.assemble; this module reads the model and
 runs the search (the weights within a budget, or a serving target on the whole GPU)."""
 
+import contextlib
 from dataclasses import dataclass, replace
 
 from planner.adapters import Adapter, load_adapters, slot_bytes_of
 from planner.activations import activation_shape
 from planner.assemble import assemble, serving_section
-from planner.checkpoint import Checkpoint, load_checkpoint
+from planner.checkpoint import Checkpoint, collector_paused, load_checkpoint
 from planner.cost import ComputeTimes, Workload, is_expert_param
 from planner.engine_plan import check_engine_architecture, check_engine_input
 from planner.errors import InfeasibleError, ModelInputError, UsageError, shown
@@ -57,6 +58,17 @@ def make_plan(inputs: Inputs, compute_override: ComputeTimes | None = None,
     the local GPUs with ``measure_link`` (else the profile's link stands, said so in the plan). ``checkpoint``: the
     one --model names, already read (make --tp 2,4 reads it once for every GPU count).
     """
+    # planning DeepSeek-V3 shards and groups its 92k tensors and searches hundreds of placements: objects that
+    # form no reference cycles, which the cyclic collector would walk again and again (a fifth of make --tp 2,4).
+    # Not while --measure builds models on the GPU, whose memory a collected cycle may be holding
+    measuring = measure is not None or measure_activations is not None or measure_link is not None
+    with contextlib.nullcontext() if measuring else collector_paused():
+        return _make_plan(inputs, compute_override, measure, measure_activations, checkpoint, measure_link)
+
+
+def _make_plan(inputs: Inputs, compute_override: ComputeTimes | None, measure: MeasureFunction | None,
+               measure_activations: MeasureActivations | None, checkpoint: Checkpoint | None,
+               measure_link: MeasureLink | None) -> Planned:
     model = _read_model(inputs, measure, measure_activations, checkpoint, measure_link)
     if inputs.concurrency is not None:
         return make_serving_plan(model)

@@ -221,27 +221,21 @@ def _check_fp8_blocks(weight: TensorEntry, rank: tuple[int, ...], split: Split, 
         raise _Refused(f"each rank's {rank[-1]} input columns are not a whole number of {block_k}-column FP8 blocks")
 
 
-def _scale_shape(scale: TensorEntry, weights: dict[str, tuple[int, ...]], block: tuple[int, int],
-                 known: dict[tuple, tuple[int, ...]]) -> tuple[int, ...]:
-    """One inverse scale per FP8 block of the rank's weight (``known``: shapes already worked out, by the rank
-    weight's shape and the scale's)."""
-    rank_weight = weights.get(scale.name.removesuffix(_SCALE_SUFFIX))
-    key = (rank_weight, scale.shape)
-    shape = known.get(key)
-    if shape is None:
-        if rank_weight is None or len(rank_weight) != 2:
-            shape = scale.shape
-        else:
-            shape = (math.ceil(rank_weight[0] / block[0]), math.ceil(rank_weight[1] / block[1]))
-        known[key] = shape
-    return shape
+def _scale_shape(scale_shape: tuple[int, ...], rank_weight: tuple[int, ...] | None,
+                 block: tuple[int, int]) -> tuple[int, ...]:
+    """One inverse scale per FP8 block of the rank's weight (``rank_weight``: its shape on the rank; None where the
+    scale has no weight beside it)."""
+    if rank_weight is None or len(rank_weight) != 2:
+        return scale_shape
+    return (math.ceil(rank_weight[0] / block[0]), math.ceil(rank_weight[1] / block[1]))
 
 
 def shard_entries(tensors: tuple[TensorEntry, ...], config: dict | None, tp: int) -> tuple[TensorEntry, ...]:
     """Every tensor as rank 0 of ``tp`` holds it (name, dtype, shape and bytes of the rank's part), in order.
 
     A size the engine cannot split is one ModelInputError line naming the tensor, the vLLM layer and the sizes
-    that do split.
+    that do split. Worked out once per kind of tensor (_Kinds), the first of each kind in order, so the line
+    names the first tensor that does not split, as a walk over every tensor would.
     """
     check_tp_size(tp)
     model = tp_model(config)
@@ -249,58 +243,97 @@ def shard_entries(tensors: tuple[TensorEntry, ...], config: dict | None, tp: int
         _check_heads(model, tp)
     except _Refused as why:
         raise _refusal(Split(kind="kv", engine_class="QKVParallelLinear"), tp, str(why), tensors, config) from None
-    rank_weights: dict[str, tuple[int, ...]] = {}
-    out: list[TensorEntry | None] = []
-    scales: list[int] = []
-    shapes: dict[tuple, tuple[int, ...]] = {}
-    nbytes_of = functools.lru_cache(maxsize=None)(tensor_nbytes)
-    for entry, (split, fp8) in zip(tensors, _tensor_facts(tensors)):
+    kinds = _kinds_of(tensors)
+    out = list(tensors)
+    rank_shapes: dict[tuple, tuple[int, ...]] = {}
+    for key, positions in kinds.weights.items():
+        split, shape, dtype, fp8 = key
+        first = tensors[positions[0]]
         if split is None:
-            split_of(entry.name, len(entry.shape))  # raises its one line
-        if split.kind == "scale":
-            scales.append(len(out))
-            out.append(None)
-            continue
-        key = (split.kind, entry.shape, fp8)
-        shape = shapes.get(key)
-        if shape is None:
-            try:
-                shape = _rank_shape(entry, split, model, tp)
-                if fp8:
-                    _check_fp8_blocks(entry, shape, split, model.fp8_block, tp)
-            except _Refused as why:
-                raise _refusal(split, tp, f"cannot split {entry.name}: {why}", tensors, config) from None
-            shapes[key] = shape
-        rank_weights[entry.name] = shape
-        out.append(_resized(entry, shape, nbytes_of))
-    scale_shapes: dict[tuple, tuple[int, ...]] = {}
-    for index in scales:
-        scale = tensors[index]
-        shape = _scale_shape(scale, rank_weights, model.fp8_block, scale_shapes) if tp > 1 else scale.shape
-        out[index] = _resized(scale, shape, nbytes_of)
+            split_of(first.name, len(shape))  # raises its one line
+        rank_shape = rank_shapes[key] = _rank_shape_checked(first, split, fp8, model, tp, tensors, config)
+        _resize(out, tensors, positions, shape, rank_shape, dtype)
+    for (weight_key, shape, dtype), positions in kinds.scales.items():
+        rank_weight = rank_shapes[weight_key] if weight_key is not None else None
+        rank_shape = _scale_shape(shape, rank_weight, model.fp8_block) if tp > 1 else shape
+        _resize(out, tensors, positions, shape, rank_shape, dtype)
     return tuple(out)
 
 
-#: id(tensors) -> (tensors, each one's split and whether an FP8 scale goes with it): what does not change with the
-#: GPU count, worked out once for every size make --tp 2,4 shards the checkpoint for
-_FACTS: dict[int, tuple[tuple, tuple]] = {}
+def _resize(out: list, tensors: tuple[TensorEntry, ...], positions: list[int], shape: tuple[int, ...],
+            rank_shape: tuple[int, ...], dtype: str) -> None:
+    """Tensors at ``positions`` (all of ``shape`` and ``dtype``) as the rank holds them, into ``out``."""
+    if rank_shape == shape:
+        return  # replicated: the same entries
+    nbytes = tensor_nbytes(dtype, rank_shape)
+    for position in positions:
+        out[position] = tensors[position].resized(rank_shape, nbytes)
 
 
-def _tensor_facts(tensors: tuple[TensorEntry, ...]) -> tuple[tuple[Split | None, bool], ...]:
-    """(split, has an FP8 scale) of each tensor, in order; None where the rules do not name it."""
-    cached = _FACTS.get(id(tensors))
+def _rank_shape_checked(entry: TensorEntry, split: Split, fp8: bool, model: TpModel, tp: int, tensors,
+                        config) -> tuple[int, ...]:
+    """Rank 0's shape of ``entry``; a size the engine cannot split is its one line."""
+    try:
+        shape = _rank_shape(entry, split, model, tp)
+        if fp8:
+            _check_fp8_blocks(entry, shape, split, model.fp8_block, tp)
+    except _Refused as why:
+        raise _refusal(split, tp, f"cannot split {entry.name}: {why}", tensors, config) from None
+    return shape
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Kinds:
+    """A checkpoint's tensors by what decides their shape on a rank, with their positions in order of first
+    appearance: DeepSeek-V3's 92k tensors are a few dozen kinds, each sized once for each GPU count."""
+
+    #: (split or None where the rules do not name it, shape, dtype, has an FP8 scale) -> positions
+    weights: dict[tuple, list[int]]
+    #: FP8 inverse scales: (their weight's key in ``weights``, or None; shape, dtype) -> positions
+    scales: dict[tuple, list[int]]
+
+
+#: id(tensors) -> (tensors, their kinds): what does not change with the GPU count, worked out once for every size
+#: make --tp 2,4 shards the checkpoint for
+_KINDS: dict[int, tuple[tuple, _Kinds]] = {}
+
+
+def _kinds_of(tensors: tuple[TensorEntry, ...]) -> _Kinds:
+    """The tensors' kinds (cached for the last tensors asked about)."""
+    cached = _KINDS.get(id(tensors))
     if cached is None or cached[0] is not tensors:
-        names = frozenset(t.name for t in tensors)
-        facts = tuple((_split_or_none(t.name, len(t.shape)), t.name + _SCALE_SUFFIX in names) for t in tensors)
-        _FACTS.clear()
-        cached = _FACTS[id(tensors)] = (tensors, facts)
+        _KINDS.clear()
+        cached = _KINDS[id(tensors)] = (tensors, _group_kinds(tensors))
     return cached[1]
 
 
-def _resized(entry: TensorEntry, shape: tuple[int, ...], nbytes_of) -> TensorEntry:
-    if shape == entry.shape:
-        return entry
-    return entry.resized(shape, nbytes_of(entry.dtype, shape))
+def _group_kinds(tensors: tuple[TensorEntry, ...]) -> _Kinds:
+    scaled = {t.name.removesuffix(_SCALE_SUFFIX) for t in tensors if t.name.endswith(_SCALE_SUFFIX)}
+    weights: dict[tuple, list[int]] = {}
+    # grouped by the Split object's identity (the rules' cache hands out one per module name: hashing the
+    # dataclass for each of 92k tensors took longer than the grouping), then keyed by the Split itself
+    by_identity: dict[tuple, tuple] = {}
+    key_of: dict[str, tuple] = {}  # the key of each weight an FP8 scale goes with
+    scale_positions = []
+    for position, tensor in enumerate(tensors):
+        split = _split_or_none(tensor.name, len(tensor.shape))
+        if split is not None and split.kind == "scale":
+            scale_positions.append(position)
+            continue
+        fp8 = tensor.name in scaled
+        fast_key = (id(split), tensor.shape, tensor.dtype, fp8)
+        key = by_identity.get(fast_key)
+        if key is None:
+            key = by_identity[fast_key] = (split, tensor.shape, tensor.dtype, fp8)
+        weights.setdefault(key, []).append(position)
+        if fp8:
+            key_of[tensor.name] = key
+    scales: dict[tuple, list[int]] = {}
+    for position in scale_positions:
+        scale = tensors[position]
+        key = (key_of.get(scale.name.removesuffix(_SCALE_SUFFIX)), scale.shape, scale.dtype)
+        scales.setdefault(key, []).append(position)
+    return _Kinds(weights=weights, scales=scales)
 
 
 def _check_heads(model: TpModel, tp: int) -> None:

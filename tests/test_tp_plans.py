@@ -1,6 +1,7 @@
 """make --tp: plans of one tensor-parallel rank, GPU-count comparisons, and what show, diff, check, export and run
 say of them (issue 28). Figures of the sharding itself: tests/test_tensor_parallel.py."""
 
+import json
 import time
 
 import pytest
@@ -65,6 +66,38 @@ def test_a_one_gpu_plan_exported_with_tp_says_how_to_make_it_exact(llama, monkey
     assert exported.exit_code == 0 and "make the plan with --tp 2 for exact per-rank flags" in exported.stderr
 
 
+def test_tp_2_4_reads_the_checkpoint_once_and_sizes_each_kind_of_tensor_once_per_gpu_count(llama, monkeypatch):
+    """The work make --tp 2,4 does, counted: each shard header read and parsed once for both GPU counts, the
+    tensors grouped into kinds once, and each kind (not each tensor) given its rank shape once per GPU count."""
+    from planner import checkpoint, tensor_parallel
+
+    read, parsed, grouped, sized = [], [], [], []
+
+    def counted(calls: list, function, record=lambda args, result: args[-1]):
+        def wrapper(*args):
+            result = function(*args)
+            calls.append(record(args, result))
+            return result
+        return wrapper
+
+    monkeypatch.setattr(checkpoint, "read_header_bytes", counted(read, checkpoint.read_header_bytes,
+                                                                 lambda args, result: args[0].name))
+    monkeypatch.setattr(checkpoint, "entries_from_bytes", counted(parsed, checkpoint.entries_from_bytes))
+    monkeypatch.setattr(tensor_parallel, "_group_kinds", counted(grouped, tensor_parallel._group_kinds,
+                                                                 lambda args, result: result))
+    monkeypatch.setattr(tensor_parallel, "_rank_shape_checked", counted(sized, tensor_parallel._rank_shape_checked,
+                                                                        lambda args, result: args[4]))
+    result = _make(llama, monkeypatch, "--tp", "2,4", "--concurrency", "auto", "--context", "8192", "-o", "once.yaml")
+    assert result.exit_code == 0, result.stderr
+    index = json.loads((llama / "llama-3.1-70b" / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert sorted(read) == sorted(parsed) == shards  # every shard once, for both GPU counts
+    assert len(grouped) == 1
+    num_kinds = len(grouped[0].weights)
+    assert num_kinds < len(index["weight_map"]) / 10  # 723 tensors, a few kinds
+    assert sorted(sized) == [2] * num_kinds + [4] * num_kinds
+
+
 def test_tp_2_4_compares_gpu_counts_and_diff_restates_it(llama, monkeypatch):
     result = _make(llama, monkeypatch, "--tp", "2,4", "--concurrency", "auto", "--context", "8192", "-o", "cmp.yaml")
     assert result.exit_code == 0, result.stderr
@@ -93,10 +126,12 @@ def test_bad_tp_input_is_one_line(llama, monkeypatch, args, words):
 
 def test_deepseek_v3_on_gb200_two_and_four_gpus(tmp_path, monkeypatch):
     """The issue's target: both plans stated in under 5 s. The command (`python3 -m offload_plan make ...`, imports
-    included) took 5.0 s on this 2-core machine when quiet before session 10's cuts; with them, 5.2-6.6 s of CPU
-    (user + sys) against 5.9-7.0 s before, alternated runs at a load average of 10. Held here by the CPU this
-    process spends (what other processes on a shared machine inflate least) with a generous bound, and by the
-    wall clock with a looser one."""
+    included) took 6.0-7.6 s wall (6.0-7.5 s of CPU, user + sys) on this 2-core machine when quiet before session
+    11's cuts (headers checked in bulk, tensors sharded by kind, the cyclic collector paused); with them, 3.9-4.6 s
+    wall against 6.1-7.3 s for the code before, alternated runs at a load average of 2 (a core free), and 4.1-4.6 s
+    of CPU against 6.5-7.9 s at a load average of 5 to 6.
+    scripts/bench_make_tp.py times it as a user runs it. Held here by the CPU this process spends (what other
+    processes on a shared machine inflate least) with a generous bound, and by the wall clock with a looser one."""
     real_checkpoints.write_checkpoint("deepseek-v3", tmp_path)
     monkeypatch.chdir(tmp_path)
     start, start_cpu = time.perf_counter(), time.process_time()

@@ -4,7 +4,7 @@ Its options are not written here: each comes from a field of planner.plan.Inputs
 field's metadata), the one declaration that also gives the plan's inputs section and its regenerate command.
 """
 
-import gc
+import contextlib
 import inspect
 import sys
 import typing
@@ -16,10 +16,16 @@ import typer
 
 from offload_plan import runtime_seam
 from offload_plan.console import say, warn
+from planner.checkpoint import collector_paused
 from planner.errors import InfeasibleError, UsageError
 from planner.plan import Inputs
 from planner.plan_file import render_plan, write_atomic
 from planner.tensor_parallel import parse_tp_sizes
+
+
+#: set by offload_plan.app.main: this process runs one command and ends (the script, python -m offload_plan), so
+#: what planning built is frozen for the collector (planner.checkpoint.collector_paused); False in-process (tests)
+ONE_COMMAND_PROCESS = False
 
 
 def make(**values):
@@ -27,18 +33,25 @@ def make(**values):
 
     Example: offload-plan make -m org/model -g h100-sxm --budget 40GiB -o plan.yaml
     """
-    from planner.make import make_plan
-    from planner.make_inputs import regenerate_command
-
     output = values.pop("output")
     tp = values.pop("tp")
     sizes = list(tp) if isinstance(tp, tuple) else [tp]
     repeated = {spec.name for spec in fields(Inputs) if typing.get_origin(spec.type) is tuple}
     inputs = Inputs(tp=sizes[0], **{name: tuple(value or ()) if name in repeated else value
                                     for name, value in values.items()})
-    if len(sizes) > 1:
-        _make_tp_comparison(inputs, sizes, output)
-        return
+    # --measure builds models on the GPU: the collector stays on for the cycles that may hold its memory
+    with contextlib.nullcontext() if inputs.measure else collector_paused(freeze=ONE_COMMAND_PROCESS):
+        if len(sizes) > 1:
+            _make_tp_comparison(inputs, sizes, output)
+        else:
+            _make_one(inputs, output)
+
+
+def _make_one(inputs: Inputs, output: Path | None) -> None:
+    """make: one plan, to -o PATH or stdout."""
+    from planner.make import make_plan
+    from planner.make_inputs import regenerate_command
+
     planned = make_plan(inputs, **_measurers(inputs))
     for warning in planned.warnings:
         warn(warning)
@@ -72,9 +85,6 @@ def _make_tp_comparison(inputs: Inputs, sizes: list[int], output: Path | None) -
     from planner.checkpoint import load_checkpoint
 
     whole = load_checkpoint(inputs.model, inputs.revision)  # read once, sharded for each GPU count
-    # its header entries (92k for DeepSeek-V3) live to the end of the command: keep the collector from rescanning
-    # them at every generation-2 collection while each GPU count's shard and search allocate
-    gc.freeze()
     plans = []
     for size in sizes:
         sized = replace(inputs, tp=size)
