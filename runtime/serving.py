@@ -5,6 +5,7 @@ When the plan was made for less GPU memory than this GPU has (a 24 GiB card plan
 the process caps its allocator to the plan's memory, so a plan that does not fit fails here as it would there.
 """
 
+import contextlib
 import statistics
 from dataclasses import asdict, dataclass
 
@@ -118,9 +119,12 @@ def run_serving_bench(loaded, cuda_graph: bool, compile_backend: str | None = No
 
 
 def serve_and_time(loaded, cuda_graph: bool, compile_backend: str | None = None, memory_fraction: float | None = None,
-                   reference_logits: torch.Tensor | None = None, seed: int = 0) -> tuple[ServingBench, torch.Tensor]:
+                   reference_logits: torch.Tensor | None = None, seed: int = 0,
+                   timing_kernels=None) -> tuple[ServingBench, torch.Tensor]:
     """run_serving_bench, also returning the first decode step's logits [concurrency, vocab] (on the CPU) and
-    comparing them with ``reference_logits`` (another model's over the same seeded cache)."""
+    comparing them with ``reference_logits`` (another model's over the same seeded cache). ``timing_kernels``: a
+    context manager factory the timed steps run in, the step captured again inside it (a benchmark that checks
+    bits with deterministic kernels and times the ones serving runs)."""
     from runtime.bench import model_device
     from runtime.graph import DecodeLoop, cache_tokens_for
 
@@ -144,8 +148,13 @@ def serve_and_time(loaded, cuda_graph: bool, compile_backend: str | None = None,
         saved = loop.save_state()
         first_logits = loop.generate(1)[1][0].cpu()
         loop.restore_state(saved)
-        loop.timed_steps(NUM_WARMUP_STEPS)
-        step_ms = loop.timed_steps(NUM_TIMED_STEPS)
+        with contextlib.nullcontext() if timing_kernels is None else timing_kernels():
+            if timing_kernels is not None and cuda_graph:
+                loop.graph = None  # its private pool goes back before the second capture takes one
+                torch.cuda.empty_cache()
+                loop.capture()
+            loop.timed_steps(NUM_WARMUP_STEPS)
+            step_ms = loop.timed_steps(NUM_TIMED_STEPS)
         if engine is not None:
             engine.set_graph_mode(False)
         # with the cache and the captured step still held, as a server prefills between decode steps

@@ -292,7 +292,7 @@ def decode(model, setting: Setting, engine=None, routed=None) -> dict:
         if routed.top_k:  # per rank of the prediction, every rank whatever the depth (greedy steps only)
             result["rank_accuracy"] = list(routed.rank_accuracy())
     loop.restore_state(saved)
-    with product_kernels(loop, setting):
+    with timed_with_product_kernels(loop, setting):
         step_ms = timed_ms(loop, setting, token_feed(loop, setting, offset=setting.num_greedy_steps))
     # decode tokens/s of the batch (the planner's decode_tokens_per_s): every step emits one token per sequence
     result.update(step_ms=statistics.median(step_ms), tokens_per_s=setting.batch * 1e3 / statistics.median(step_ms))
@@ -301,27 +301,18 @@ def decode(model, setting: Setting, engine=None, routed=None) -> dict:
 
 
 @contextlib.contextmanager
-def product_kernels(loop, setting: Setting):
-    """Timed steps run the kernels `run` runs: deterministic algorithms (on in this process for the bitwise
-    checks) off, cuDNN attention allowed, and the step captured again; then both as they were. On an H200 the
-    deterministic kernels took a Qwen3-30B-A3B decode step from 16.6 to 27.0 ms
-    (scripts/experiments/measure_aliasing.py): timing them would measure a cost the product never pays, and
-    `make --measure` times the product's kernels."""
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    cudnn_attention = torch.backends.cuda.cudnn_sdp_enabled()
-    if (not deterministic and cudnn_attention) or setting.device.type != "cuda":
+def timed_with_product_kernels(loop, setting: Setting):
+    """Timed steps run the kernels `run` runs (scripts.benchmarking.product_kernels), the step captured again
+    with them; the bitwise checks before stay deterministic."""
+    if setting.device.type != "cuda":
         yield
         return
-    # cuDNN attention too (deterministic_decode turns it off: nondeterministic from batch 16), as run leaves it
-    torch.use_deterministic_algorithms(False)
-    torch.backends.cuda.enable_cudnn_sdp(True)
-    try:
+    from scripts.benchmarking import product_kernels as kernels
+
+    with kernels():
         if setting.graphed:
             loop.capture()
         yield
-    finally:
-        torch.use_deterministic_algorithms(deterministic, warn_only=True)
-        torch.backends.cuda.enable_cudnn_sdp(cudnn_attention)
 
 
 def decode_loop(model, setting: Setting, engine=None, seed: int = 0):

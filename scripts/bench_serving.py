@@ -32,7 +32,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuB
 import torch  # noqa: E402
 
 from planner.errors import OffloadPlanError  # noqa: E402
-from scripts.benchmarking import deterministic_decode, free, log, write_calibrated  # noqa: E402
+from scripts.benchmarking import deterministic_decode, free, log, product_kernels, write_calibrated  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -212,8 +212,10 @@ def run_arm(master, plan, reference: torch.Tensor) -> dict:
             engine = apply_plan(model, plan, CudaBackend(device))
         else:
             model = model.cuda()
+        # the first step's bits checked with deterministic kernels, the steps timed with serving's
         bench, _ = serve_and_time(Loaded(model=model, engine=engine, plan=plan, weights_gpu_bytes=0),
-                                  cuda_graph=True, memory_fraction=fraction, reference_logits=reference)
+                                  cuda_graph=True, memory_fraction=fraction, reference_logits=reference,
+                                  timing_kernels=product_kernels)
         return baseline | bench.as_dict()
     except (OffloadPlanError, torch.OutOfMemoryError) as error:
         return baseline | {"error": str(error).splitlines()[0]}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import contextlib
 import json
 import math
 import os
@@ -243,6 +244,24 @@ def deterministic_decode(*, cudnn_attention: bool = False) -> None:
     torch.utils.deterministic.fill_uninitialized_memory = False
     if not cudnn_attention:
         torch.backends.cuda.enable_cudnn_sdp(False)
+
+
+@contextlib.contextmanager
+def product_kernels():
+    """The kernels `run` runs, inside a process where deterministic_decode holds the bitwise checks:
+    deterministic algorithms off and cuDNN attention allowed, then both as they were. Capture a step again
+    inside it before timing: a CUDA graph keeps the kernels of its capture. On an H200 deterministic kernels
+    took a Qwen3-30B-A3B decode step from 16.6 to 27.0 ms (scripts/experiments/measure_aliasing.py), a cost
+    `run` never pays and `make --measure` does not time."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    cudnn_attention = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.use_deterministic_algorithms(False)
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(deterministic, warn_only=True)
+        torch.backends.cuda.enable_cudnn_sdp(cudnn_attention)
 
 
 def write_report(out: Path, header: str, lines: list[str], rows: list[dict]) -> None:
