@@ -246,6 +246,8 @@ class RoutedLayer:
     hit_rate: float
     #: the fetch, after the router, on the critical path
     fetch_ms: float
+    #: one expert's bytes (the fetch comes in whole experts: prefetch_layer_stall_ms)
+    expert_bytes: int = 0
     #: next-layer prefetch from a trace's per-expert prediction statistics: this layer's hit and ahead shares of
     #: its own non-resident experts' routed assignments (ExpertPrediction.shares); None: the placement's shares
     prefetch_hit_share: float | None = None
@@ -390,6 +392,12 @@ def with_prefetch_depth(placement: RoutedPlacement, rank_accuracy: tuple[float, 
                    prefetch_depth=depth)
 
 
+def _expert_ms(row: RoutedLayer) -> float | None:
+    """One expert's fetch time in a routed layer (None where the layer fetches nothing)."""
+    experts = row.expert_bytes and row.expected_fetched_bytes / row.expert_bytes
+    return row.fetch_ms / experts if experts else None
+
+
 def _row_shares(row: RoutedLayer, hit: float, ahead: float) -> tuple[float, float]:
     """A layer's (hit, ahead) shares: its own where a trace gave them, else the placement's."""
     if row.prefetch_hit_share is None:
@@ -469,7 +477,8 @@ def routed_placement(geometry: MoeGeometry, routing: tuple[LayerRouting, ...], *
         fetched = layer_routing.expected_fetched(ids, num_tokens) * layer.expert_bytes
         resident_bytes += len(ids) * layer.expert_bytes
         rows.append(RoutedLayer(index=layer.index, resident=ids, expected_fetched_bytes=fetched,
-                                hit_rate=layer_routing.hit_rate(ids), fetch_ms=1e3 * fetched / rate))
+                                hit_rate=layer_routing.hit_rate(ids), fetch_ms=1e3 * fetched / rate,
+                                expert_bytes=layer.expert_bytes))
     # the runtime pins every expert of a routed layer, resident ones too: the loader writes whole fused params,
     # and a prefill chunk copies the layer's experts from one place (runtime.routed_experts)
     host = sum(layer.expert_bytes * geometry.num_experts for layer in geometry.layers)
@@ -484,7 +493,8 @@ def routed_step_ms(layer_ms: tuple[float, ...], head_ms: float, placement: Route
 
 
 def prefetch_layer_stall_ms(compute_ms: float, fetch_ms: float, accuracy: float | None, predicted: bool,
-                            ahead_share: float = 1.0) -> float:
+                            ahead_share: float = 1.0, expert_ms: float | None = None,
+                            num_slots: int | None = None) -> float:
     """What a routed layer waits for its experts in a decode step. Without a prediction (no prefetch, or the
     first routed layer: nothing before it predicts it), the whole fetch, after its router. With one, the
     previous routed layer's prefetch of the predicted experts (as many as the step routes to: ``fetch_ms`` of
@@ -498,10 +508,38 @@ def prefetch_layer_stall_ms(compute_ms: float, fetch_ms: float, accuracy: float 
     hits among them as a share of the fetch: planner.experts.prefetch_shares): max(0, ahead x fetch - compute) +
     (1 - accuracy) x fetch. A rank whose prediction rides in the compute's shadow only helps; beyond it, a link-
     bound step pays a rank's wasted bytes in full and gains nothing from its hits (they would have crossed after
-    the router anyway), so the best depth fills one layer's compute with the most accurate ranks."""
+    the router anyway), so the best depth fills one layer's compute with the most accurate ranks.
+
+    ``expert_ms`` (one expert's fetch) and ``num_slots`` (the distinct experts a step can route a layer to,
+    min(tokens x k, E)): the step's fetch is a whole number N of experts, not its mean. A batch-1 step fetches 0
+    to 4 experts a layer where the mean is 1.3, and the part of the prefetch beyond one layer's compute is
+    convex in N, so the step waits E[max(0, ahead x N x expert - compute)], over N ~ Binomial(num_slots,
+    mean / num_slots), more than the same at the mean (without them: at the mean)."""
     if accuracy is None or not predicted:
         return fetch_ms
-    return max(0.0, ahead_share * fetch_ms - compute_ms) + (1 - accuracy) * fetch_ms
+    beyond = max(0.0, ahead_share * fetch_ms - compute_ms) if not expert_ms or not num_slots else \
+        expected_excess_ms(ahead_share * expert_ms, compute_ms, fetch_ms / expert_ms, num_slots)
+    return beyond + (1 - accuracy) * fetch_ms
+
+
+def expected_excess_ms(ms_per_expert: float, compute_ms: float, mean_experts: float, num_slots: int) -> float:
+    """E[max(0, N x ms_per_expert - compute_ms)] for N ~ Binomial(num_slots, mean_experts / num_slots): the
+    expected part of a layer's prefetch that outlasts its compute window."""
+    if ms_per_expert <= 0.0 or mean_experts <= 0.0:
+        return 0.0
+    p = min(1.0, mean_experts / num_slots)
+    if p >= 1.0:
+        return max(0.0, num_slots * ms_per_expert - compute_ms)
+    first = math.floor(compute_ms / ms_per_expert) + 1  # the fewest experts that outlast the window
+    if first > num_slots:
+        return 0.0
+    log_q = math.log1p(-p)
+    total = 0.0
+    for count in range(first, num_slots + 1):
+        log_pmf = (math.lgamma(num_slots + 1) - math.lgamma(count + 1) - math.lgamma(num_slots - count + 1)
+                   + count * math.log(p) + (num_slots - count) * log_q)
+        total += math.exp(log_pmf) * (count * ms_per_expert - compute_ms)
+    return total
 
 
 def routed_stalls_ms(placement: RoutedPlacement, layer_ms: tuple[float, ...] | None = None) -> dict[int, float]:
@@ -513,7 +551,8 @@ def routed_stalls_ms(placement: RoutedPlacement, layer_ms: tuple[float, ...] | N
         accuracy, ahead = placement.prefetch_accuracy, placement.prefetch_ahead_share
         if accuracy is not None:
             accuracy, ahead = _row_shares(layer, accuracy, ahead)
-        stalls[layer.index] = prefetch_layer_stall_ms(compute_ms, layer.fetch_ms, accuracy, predicted, ahead)
+        stalls[layer.index] = prefetch_layer_stall_ms(compute_ms, layer.fetch_ms, accuracy, predicted, ahead,
+                                                      _expert_ms(layer), placement.fetch_slots)
         predicted = True
     return stalls
 

@@ -52,9 +52,12 @@ def _routed_simulation(plan: Plan) -> Simulation:
             return accuracy, ahead
         return row.prefetch_hit_share, row.prefetch_ahead_share
 
+    rate = experts.routed_fetch_bytes_per_s
     fetch_ms = {row.index: prefetch_layer_stall_ms(plan.layers[row.index].compute_ms,
-                                                   1e3 * row.expected_fetched_bytes / experts.routed_fetch_bytes_per_s,
-                                                   row_hit, predicted=row is not routed[0], ahead_share=row_ahead)
+                                                   1e3 * row.expected_fetched_bytes / rate,
+                                                   row_hit, predicted=row is not routed[0], ahead_share=row_ahead,
+                                                   expert_ms=1e3 * experts.expert_bytes / rate,
+                                                   num_slots=experts.fetch_slots)
                 for row in routed for row_hit, row_ahead in (shares(row),)}
     head = plan.prediction.head_ms
     intervals, stalls, now = [Interval(layer=-1, start_ms=0.0, end_ms=head)], [], head

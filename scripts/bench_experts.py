@@ -604,7 +604,8 @@ def uniform_rows(master, setting: Setting, rows: Rows, h2d_bytes_per_s: float, w
 
         def modelled(accuracy):
             step_ms = model_step_ms(reference["step_ms"], num_layers, expected / num_layers, h2d_bytes_per_s,
-                                    accuracy if mode == "on" else None)
+                                    accuracy if mode == "on" else None, expert_bytes=routed["expert_bytes"],
+                                    num_slots=fetch_slots)
             return setting.batch * 1e3 / step_ms
 
         measured_accuracy = routed["prediction_accuracy"]
@@ -634,7 +635,8 @@ def uniform_rows(master, setting: Setting, rows: Rows, h2d_bytes_per_s: float, w
 
 
 def model_step_ms(resident_step_ms: float, num_layers: int, fetched_bytes_per_layer: float, h2d_bytes_per_s: float,
-                  accuracy: float | None, ahead_share: float = 1.0) -> float:
+                  accuracy: float | None, ahead_share: float = 1.0, expert_bytes: int | None = None,
+                  num_slots: int | None = None) -> float:
     """The planner's routed decode step (planner.experts) for this run: the all-resident step split evenly
     over the layers, each layer's expected fetch at the planner's gather rate, with prefetch at ``accuracy``
     (None: no prefetch; the first layer is unpredicted either way) gathering ``ahead_share`` of the fetch ahead
@@ -642,9 +644,12 @@ def model_step_ms(resident_step_ms: float, num_layers: int, fetched_bytes_per_la
     from planner.experts import prefetch_layer_stall_ms, routed_fetch_bytes_per_s
 
     layer_ms = resident_step_ms / num_layers
-    fetch_ms = 1e3 * fetched_bytes_per_layer / routed_fetch_bytes_per_s(h2d_bytes_per_s)
+    rate = routed_fetch_bytes_per_s(h2d_bytes_per_s)
+    fetch_ms = 1e3 * fetched_bytes_per_layer / rate
+    expert_ms = None if expert_bytes is None else 1e3 * expert_bytes / rate
     return resident_step_ms + sum(prefetch_layer_stall_ms(layer_ms, fetch_ms, accuracy, predicted=index > 0,
-                                                          ahead_share=ahead_share)
+                                                          ahead_share=ahead_share, expert_ms=expert_ms,
+                                                          num_slots=num_slots)
                                   for index in range(num_layers))
 
 
@@ -727,7 +732,8 @@ def depth_rows(master, setting: Setting, rows: Rows, h2d_bytes_per_s: float, dep
 
     def predicted_step_ms(depth: int) -> float:
         hit, ahead = prefetch_shares(tuple(ranks), depth) if depth else (None, 1.0)
-        return model_step_ms(reference["step_ms"], num_layers, expected / num_layers, h2d_bytes_per_s, hit, ahead)
+        return model_step_ms(reference["step_ms"], num_layers, expected / num_layers, h2d_bytes_per_s, hit, ahead,
+                             expert_bytes=routed_expert_bytes(master), num_slots=fetch_slots)
 
     pick = min(range(top_k + 1), key=lambda depth: (round(predicted_step_ms(depth), 6), depth))
     rows.data["model_pick_depth"] = pick  # written with the rows that follow

@@ -44,8 +44,12 @@ def test_prefetch_doubles_the_fetch_slots_in_gpu_bytes_at_the_cost_of_resident_e
     assert with_prefetch.weight_bytes == without.weight_bytes
     assert with_prefetch.prefetch_accuracy == 0.8 and without.prefetch_accuracy is None
     layer_ms = (0.5, 0.5, 0.5)
-    # the first layer waits for its whole fetch either way; the others overlap with their compute
-    stalls = [prefetch_layer_stall_ms(0.5, row.fetch_ms, 0.8, predicted=i > 0)
+    # the first layer waits for its whole fetch either way; the others overlap with their compute, a step
+    # fetching 0 or 1 whole expert (1000 bytes at the gather's rate; one slot)
+    from planner.experts import routed_fetch_bytes_per_s
+
+    expert_ms = 1e3 * 1000 / routed_fetch_bytes_per_s(1e6)
+    stalls = [prefetch_layer_stall_ms(0.5, row.fetch_ms, 0.8, predicted=i > 0, expert_ms=expert_ms, num_slots=1)
               for i, row in enumerate(with_prefetch.layers)]
     assert routed_step_ms(layer_ms, 0.1, with_prefetch) == pytest.approx(0.1 + 1.5 + sum(stalls))
     assert routed_step_ms(layer_ms, 0.1, without) == pytest.approx(0.1 + 1.5 + without.fetch_ms)
@@ -204,3 +208,24 @@ def test_plans_made_before_the_depth_read_as_every_rank():
     assert old.prefetch_shares() == (0.7, 1.0)
     with pytest.raises(ValueError, match="prefetch_depth"):
         ExpertsPlan(**{**vars(old), "prefetch_depth": 9, "prefetch_rank_accuracy": (0.5,) * 8})
+
+
+def test_a_fetch_of_whole_experts_outlasts_the_window_more_than_its_mean():
+    """A batch-1 step fetches a whole number of experts: the prefetch beyond one layer's compute is priced over
+    N ~ Binomial(slots, mean / slots), not at the mean (convex: never less)."""
+    from planner.experts import expected_excess_ms
+
+    # one slot, half the steps fetch the expert (1 ms) against a 0.6 ms window: 0.5 x 0.4, where the mean
+    # (0.5 ms) fits the window
+    assert expected_excess_ms(1.0, 0.6, 0.5, 1) == pytest.approx(0.2)
+    # two slots, mean 1: P(1) = 0.5 (0.4 ms over), P(2) = 0.25 (1.4 ms over)
+    assert expected_excess_ms(1.0, 0.6, 1.0, 2) == pytest.approx(0.5 * 0.4 + 0.25 * 1.4)
+    assert expected_excess_ms(1.0, 2.5, 1.0, 2) == 0.0  # no count outlasts the window
+    assert expected_excess_ms(1.0, 0.5, 3.0, 3) == pytest.approx(2.5)  # every slot, every step
+    for mean in (0.3, 1.3, 5.5):
+        spread = prefetch_layer_stall_ms(0.35, 0.19 * mean, 0.7, predicted=True, expert_ms=0.19, num_slots=8)
+        at_mean = prefetch_layer_stall_ms(0.35, 0.19 * mean, 0.7, predicted=True)
+        assert spread >= at_mean - 1e-12
+    # many slots and a large mean: the spread narrows toward the mean's figure
+    wide = prefetch_layer_stall_ms(1.0, 0.01 * 400, 0.9, predicted=True, expert_ms=0.01, num_slots=4096)
+    assert wide == pytest.approx(prefetch_layer_stall_ms(1.0, 4.0, 0.9, predicted=True), rel=0.02)

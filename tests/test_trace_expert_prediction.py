@@ -122,14 +122,18 @@ def test_the_planner_prices_the_prefetch_from_the_cold_experts_accuracy():
     chosen, simulation = choose_prefetch_depth(per_expert, compute, placement)
     assert [(row.prefetch_hit_share, row.prefetch_ahead_share) for row in chosen.layers] == [
         (None, None), (0.25, 1.0), (0.25, 1.0)]
-    stall = prefetch_layer_stall_ms(0.2, fetch_ms, 0.25, predicted=True, ahead_share=1.0)
-    assert stall == pytest.approx(fetch_ms - 0.2 + 0.75 * fetch_ms)
+    # a step fetches 0 or 1 whole expert (one slot): 0.4 of the steps gather one (1.124 ms) past the 0.2 ms
+    # compute, where the mean's 0.449 ms would outlast it by less
+    expert_ms = 1e3 * 1000 / 0.89e6
+    stall = prefetch_layer_stall_ms(0.2, fetch_ms, 0.25, predicted=True, ahead_share=1.0, expert_ms=expert_ms,
+                                    num_slots=1)
+    assert stall == pytest.approx(0.4 * (expert_ms - 0.2) + 0.75 * fetch_ms)
     assert simulation.layer_stall_ms == pytest.approx((fetch_ms, stall, stall))
     assert wasted_prefetch_bytes(chosen) == pytest.approx(2 * 0.75 * 400)
     assert cold_accuracy(per_expert, chosen) == (0.25, (0.25,))
     # the all-expert figure would have predicted a faster step: the 0.86 of issue 22's skewed run
     _, optimistic = choose_prefetch_depth(per_rank, compute, placement)
-    assert optimistic.layer_stall_ms[1] == pytest.approx(fetch_ms - 0.2 + 0.3 * fetch_ms)
+    assert optimistic.layer_stall_ms[1] == pytest.approx(0.4 * (expert_ms - 0.2) + 0.3 * fetch_ms)
     assert optimistic.step_ms < simulation.step_ms
     # --prefetch-accuracy overrides the trace's figures: assumed
     pinned = expert_model(geometry, routing, "trace", None, 0.9, trace.rank_accuracy(), None,
@@ -151,8 +155,11 @@ def test_at_more_sequences_the_cold_shares_scale_the_layer_fetch_as_the_rank_cur
     row = chosen.layers[1]
     share = trace.expert_predictions()[1].shares(row.resident, 1)
     assert (row.prefetch_hit_share, row.prefetch_ahead_share) == share
+    expert_ms = 1e3 * 1000 / 0.89e6  # the step routes to up to 4 distinct experts (4 tokens, top-1)
     assert simulation.layer_stall_ms[1] == pytest.approx(
-        prefetch_layer_stall_ms(0.2, row.fetch_ms, share[0], predicted=True, ahead_share=share[1]))
+        prefetch_layer_stall_ms(0.2, row.fetch_ms, share[0], predicted=True, ahead_share=share[1],
+                                expert_ms=expert_ms, num_slots=placement.fetch_slots))
+    assert placement.fetch_slots == 4
 
 
 def test_the_routed_choice_carries_the_cold_figures_into_the_plan_section():
