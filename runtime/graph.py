@@ -98,8 +98,9 @@ def warm_up_stream(device: torch.device) -> "torch.cuda.Stream":
 
 def capture_steps(graph, steps, model_name: str) -> None:
     """Capture ``steps()`` into ``graph``; an op the capture forbids (a host copy or synchronisation inside the
-    model's own code: transformers 5.17's eager attention mask builds a CPU scalar on the GPU each step, which
-    gpt-oss's attention uses) is one line naming the model, not a traceback."""
+    model's own code, such as transformers 5.17's eager attention mask, which copies a CPU scalar each step; the
+    loop's steps now take their eager masks from runtime.step_masks instead) is one line naming the model, not a
+    traceback."""
     try:
         with torch.inference_mode(), torch.cuda.graph(graph):
             steps()

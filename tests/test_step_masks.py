@@ -130,7 +130,7 @@ class HostTensorMade(AssertionError):
 MASK_BUILDERS = ("create_causal_mask", "create_sliding_window_causal_mask", "sdpa_mask", "eager_mask")
 
 
-def _guard(monkeypatch) -> None:
+def guard_host_tensors(monkeypatch) -> None:
     """Make transformers' mask builders (wherever a module imported them) and host tensor constructors raise."""
     import transformers.masking_utils as masking_utils
 
@@ -169,13 +169,13 @@ def test_the_step_body_builds_no_mask_and_no_host_tensor(family, tmp_path, monke
     assert loop.step_masks is not None
     saved = loop.save_state()
     with monkeypatch.context() as guarded:
-        _guard(guarded)
+        guard_host_tensors(guarded)
         for _ in range(4):
             loop.step()
     loop.restore_state(saved)
     loop.step_masks = None
     with monkeypatch.context() as guarded, pytest.raises(HostTensorMade):
-        _guard(guarded)
+        guard_host_tensors(guarded)
         loop.step()
 
 
