@@ -192,3 +192,27 @@ def test_steps_with_step_masks_equal_transformers_masks_bitwise(family, dtype, t
     theirs = theirs_loop.generate(12)
     assert torch.equal(ours[0], theirs[0])
     assert all(torch.equal(a, b) for a, b in zip(ours[1], theirs[1]))
+
+
+def test_the_measure_model_of_the_gpt_oss_point_takes_the_step_masks(tmp_path, monkeypatch):
+    """make --measure's graphed timing (runtime.measure._time_graphed) decodes the measure model, one layer per
+    kind and aliases elsewhere: bench_serving's gpt-oss point, narrowed, gets the step masks there too, and its
+    steps make no host tensor."""
+    import json
+
+    from runtime.measure import build_measure_model
+    from scripts import bench_serving
+
+    point = bench_serving.POINTS["gpt-oss-16g-8k"]
+    config = json.loads(bench_serving.point_config(point, tmp_path).read_text())
+    config.update(hidden_size=64, intermediate_size=64, head_dim=16, vocab_size=512, pad_token_id=0,
+                  num_key_value_heads=1, num_attention_heads=8)
+    kinds = (tuple(range(0, 12, 2)), tuple(range(1, 12, 2)))  # sliding, full
+    model = build_measure_model(config, kinds, "model.layers", device="cpu")
+    loop = DecodeLoop(model, batch=2, max_cache_tokens=300, device=CPU, steps_per_call=1)
+    loop.fill(200)
+    assert loop.step_masks is not None
+    with monkeypatch.context() as guarded:
+        guard_host_tensors(guarded)
+        ids, logits = loop.generate(3)
+    assert ids.shape == (2, 3) and all(torch.isfinite(step.float()).all() for step in logits)
