@@ -78,6 +78,8 @@ class StepMasks:
             if layer_type not in types:
                 if layer_type == SLIDING and (window is None or not isinstance(layer, RingSlidingLayer)):
                     return None
+                if layer_type == FULL and getattr(layer, "is_sliding", False):  # keys not from position 0
+                    return None
                 types[layer_type] = _TypeMask(layer, window if layer_type == SLIDING else None, batch,
                                               compute_dtype(model), device)
         return cls(types, by_type=len(types) > 1)
