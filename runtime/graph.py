@@ -98,8 +98,9 @@ def warm_up_stream(device: torch.device) -> "torch.cuda.Stream":
 
 def capture_steps(graph, steps, model_name: str) -> None:
     """Capture ``steps()`` into ``graph``; an op the capture forbids (a host copy or synchronisation inside the
-    model's own code: transformers 5.17's eager attention mask builds a CPU scalar on the GPU each step, which
-    gpt-oss's attention uses) is one line naming the model, not a traceback."""
+    model's own code, such as transformers 5.17's eager attention mask, which copies a CPU scalar each step; the
+    loop's steps now take their eager masks from runtime.step_masks instead) is one line naming the model, not a
+    traceback."""
     try:
         with torch.inference_mode(), torch.cuda.graph(graph):
             steps()
@@ -120,6 +121,7 @@ class DecodeLoop:
                  compile_backend: str | None = None, steps_per_call: int = STEPS_PER_GRAPH):
         """``compile_backend``: run the steps under torch.compile with this backend ("inductor"), or eagerly."""
         from runtime.static_cache import static_cache
+        from runtime.step_masks import StepMasks
 
         self.model, self.engine, self.device = model, engine, device
         self.forward = model if compile_backend is None else compile_forward(model, compile_backend)
@@ -128,6 +130,9 @@ class DecodeLoop:
         #: full-attention layers hold max_cache_tokens, sliding ones min(window, max_cache_tokens) (a ring)
         self.cache = static_cache(model.config, max_cache_tokens)
         self._allocate_cache(batch)
+        #: a step's attention masks made from the cache's device length where transformers' own cannot be captured
+        #: (eager attention on 5.17: gpt-oss); None: the model builds its masks
+        self.step_masks = StepMasks.for_model(model, self.cache, batch, device)
         self.steps_per_call = steps_per_call
         self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)  # [batch, 1]: the next step's input
         #: each step's input ids [batch, steps_per_call] and output logits [steps_per_call, batch, vocab] of
@@ -216,7 +221,8 @@ class DecodeLoop:
         self.step_ids[:, index : index + 1].copy_(self.ids)
         if self.engine is not None:
             self.engine.start_step(first=index == 0, last=join)
-        output = self.forward(input_ids=self.ids, use_cache=True, **cache_argument(self.model, self.cache))
+        masks = {} if self.step_masks is None else {"attention_mask": self.step_masks.update()}
+        output = self.forward(input_ids=self.ids, use_cache=True, **masks, **cache_argument(self.model, self.cache))
         logits = output.logits[:, -1, :]
         if self.engine is not None:
             self.engine.finish_step(join)
