@@ -35,8 +35,9 @@ step is the peak). But the families that mix sliding and full layers and mask th
 Qwen2/3 with max_window_layers: MASK_PER_LAYER_TYPE_MODEL_TYPES) build a mask per layer type before the first
 layer and hold both to the end (the sliding one spans the window's cached tokens and the step's), and Gemma-3
 builds a rotary table per layer type (its local and global layers rotate with different bases): those are
-step-wide too. A model whose layers all attend one way (Llama, Mistral with a window) builds one mask and one
-table. Linear-attention and state-space layers are not modelled.
+step-wide too, as is the sliding mask Qwen2-MoE builds over every key with its window off (window 0, unread).
+A model whose layers all attend one way (Llama, Mistral with a window) builds one mask and one table.
+Linear-attention and state-space layers are not modelled.
 """
 
 from dataclasses import dataclass
@@ -87,6 +88,10 @@ ROTARY_PER_LAYER_TYPE_MODEL_TYPES = ("gemma3", "gemma3_text")
 #: one, 5.17 and 5.24), both held to its end: Gemma 2/3, gpt-oss and Qwen2-MoE always, Qwen2/3 where a layer
 #: slides. Mistral, Mixtral and Qwen3-MoE build one mask for every layer, sliding where the config has a window.
 MASK_PER_LAYER_TYPE_MODEL_TYPES = ("gemma2", "gemma3", "gemma3_text", "gpt_oss", "qwen2", "qwen2_moe", "qwen3")
+#: model types whose forward builds the sliding mask even with the window off: Qwen2MoeConfig then sets
+#: sliding_window to 0, a local size no key length is below, so masking_utils never skips it and it spans every
+#: key of the (full) first layer; nothing reads it (every layer is full attention)
+WINDOW_OFF_MASK_MODEL_TYPES = ("qwen2_moe",)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,6 +129,8 @@ class ActivationShape:
     #: rotary cos/sin pairs the forward builds and holds: one per layer type where the types rotate differently
     #: (Gemma-3), else 1
     num_rotary_tables: int = 1
+    #: the forward also builds a sliding mask of window 0 over every key, unread (WINDOW_OFF_MASK_MODEL_TYPES)
+    window_off_mask: bool = False
 
     def __post_init__(self):
         for name in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "qk_head_dim", "v_head_dim",
@@ -266,6 +273,9 @@ def activation_shape(config: dict | None) -> ActivationShape:
     # sliding layers beside full ones in a family that masks them apart: a sliding mask beside the full one
     mixed = family in MASK_PER_LAYER_TYPE_MODEL_TYPES and {"full_attention", "sliding_attention"} <= layer_types
     per_type_rotary = family in ROTARY_PER_LAYER_TYPE_MODEL_TYPES
+    # Qwen2MoeConfig's use_sliding_window defaults to False: only true switches the window on
+    window_off_mask = family in WINDOW_OFF_MASK_MODEL_TYPES and text.get("use_sliding_window") is not True
+    mixed = mixed and not window_off_mask
     try:
         return ActivationShape(
             hidden_size=hidden, intermediate_size=number("intermediate_size"), num_heads=num_heads,
@@ -278,6 +288,7 @@ def activation_shape(config: dict | None) -> ActivationShape:
             activation_bytes=_DTYPE_BYTES.get(dtype, 2), dtype=dtype if dtype in _DTYPE_BYTES else "bfloat16",
             sliding_mask_window_tokens=number("sliding_window") if mixed else 0,
             num_rotary_tables=len(layer_types) if per_type_rotary and layer_types else 1,
+            window_off_mask=window_off_mask,
         )
     except ValueError as error:  # values each in range, but not together (top-k above the experts)
         raise ModelInputError(f"activation estimate of {name}: {error}; fix config.json") from None
@@ -297,6 +308,8 @@ def _step_wide(shape: ActivationShape, step: StepShape) -> dict[str, int]:
     window = shape.sliding_mask_window_tokens
     if window and step.window_masked(window):
         terms["sliding-window mask"] = tokens * step.window_tokens(window)  # bool
+    if shape.window_off_mask:
+        terms["unread window-0 sliding mask"] = tokens * step.attended_tokens  # bool
     return terms
 
 
