@@ -3,7 +3,7 @@
 The estimate follows what a transformers model allocates when run eagerly under ``torch.inference_mode`` (the
 project's runtime): tensors die as soon as Python drops them, so the peak is the largest set alive at one
 moment. Through every layer some tensors stay alive (the embedding output, which the model's forward holds to
-the end; the layer's input, which is also its residual; the rotary tables, position ids and the mask); inside
+the end; the layer's input, which is also its residual; the rotary tables, position ids and the masks); inside
 a layer the peak falls in one of these phases, and the estimate is the largest of them plus those tensors:
 
 - ``norm``: RMSNorm upcasts its input to float32 (two float32 copies alive while it scales).
@@ -30,8 +30,14 @@ FlashAttention and memory-efficient SDPA keep no score matrix; their workspace i
 per head and query rounded up to 32. Kernel workspaces that persist (cuBLAS's per stream) belong to the
 allocator reserve, not here. Models whose attention has no SDPA path (gpt-oss: its sinks join the softmax)
 run transformers' eager attention, which materialises the scores. Which layers slide, and their shorter
-windows, are ignored: the full length bounds them (the hybrid families have full layers, whose step is the
-peak). Linear-attention and state-space layers are not modelled.
+windows, are ignored inside a layer: the full length bounds them (the hybrid families have full layers, whose
+step is the peak). But the families that mix sliding and full layers and mask them apart (Gemma 2/3, gpt-oss,
+Qwen2/3 with max_window_layers: MASK_PER_LAYER_TYPE_MODEL_TYPES) build a mask per layer type before the first
+layer and hold both to the end (the sliding one spans the window's cached tokens and the step's), and Gemma-3
+builds a rotary table per layer type (its local and global layers rotate with different bases): those are
+step-wide too, as is the sliding mask Qwen2-MoE builds over every key with its window off (window 0, unread).
+A model whose layers all attend one way (Llama, Mistral with a window) builds one mask and one table.
+Linear-attention and state-space layers are not modelled.
 """
 
 from dataclasses import dataclass
@@ -39,6 +45,7 @@ from dataclasses import dataclass
 from planner.model_config import model_config
 from planner.errors import ModelInputError, printable, shown
 from planner.experts import DEFAULT_TOP_K
+from planner.kv_cache import attention_layer_types
 from planner.units import format_bytes
 
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -73,6 +80,18 @@ EAGER_ATTENTION_MODEL_TYPES = ("gpt_oss",)
 #: score-sized tensors alive at once in gpt-oss's eager_attention_forward (modeling_gpt_oss.py, 5.17 and 5.24):
 #: the masked logits, the logits with the sink column, and their shifted copy or its softmax
 _EAGER_SCORE_COPIES = 3
+#: model types whose forward builds a rotary cos/sin pair per layer type present (Gemma3TextModel.forward,
+#: 5.17 and 5.24: ``for layer_type in set(self.config.layer_types)``; local layers rotate with base 10,000,
+#: global ones with 1,000,000); every other family builds one pair
+ROTARY_PER_LAYER_TYPE_MODEL_TYPES = ("gemma3", "gemma3_text")
+#: model types whose forward builds a mask per layer type (causal_mask_mapping: a full one and a sliding-window
+#: one, 5.17 and 5.24), both held to its end: Gemma 2/3, gpt-oss and Qwen2-MoE always, Qwen2/3 where a layer
+#: slides. Mistral, Mixtral and Qwen3-MoE build one mask for every layer, sliding where the config has a window.
+MASK_PER_LAYER_TYPE_MODEL_TYPES = ("gemma2", "gemma3", "gemma3_text", "gpt_oss", "qwen2", "qwen2_moe", "qwen3")
+#: model types whose forward builds the sliding mask even with the window off: Qwen2MoeConfig then sets
+#: sliding_window to 0, a local size no key length is below, so masking_utils never skips it and it spans every
+#: key of the (full) first layer; nothing reads it (every layer is full attention)
+WINDOW_OFF_MASK_MODEL_TYPES = ("qwen2_moe",)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,12 +122,23 @@ class ActivationShape:
     dtype: str = "bfloat16"
     #: bytes per activation element
     activation_bytes: int = 2
+    #: the window of the sliding layers of a model that mixes them with full-attention layers: its forward
+    #: builds a sliding-window mask beside the full one and holds both through the step (0: one mask, every
+    #: layer attends the same way)
+    sliding_mask_window_tokens: int = 0
+    #: rotary cos/sin pairs the forward builds and holds: one per layer type where the types rotate differently
+    #: (Gemma-3), else 1
+    num_rotary_tables: int = 1
+    #: the forward also builds a sliding mask of window 0 over every key, unread (WINDOW_OFF_MASK_MODEL_TYPES)
+    window_off_mask: bool = False
 
     def __post_init__(self):
         for name in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "qk_head_dim", "v_head_dim",
-                     "vocab_size", "activation_bytes"):
+                     "vocab_size", "activation_bytes", "num_rotary_tables"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.sliding_mask_window_tokens < 0:
+            raise ValueError("sliding_mask_window_tokens must be >= 0")
         if self.num_experts and not 1 <= self.top_k <= self.num_experts:
             raise ValueError("top_k must be from 1 to num_experts")
 
@@ -152,6 +182,21 @@ class StepShape:
             return self.static_cache_tokens is not None
         return self.context_tokens > 0
 
+    def window_tokens(self, window_tokens: int) -> int:
+        """Key/value length a sliding layer of a ``window_tokens`` window attends per sequence, which its mask
+        spans: a static cache's decode step reads its whole ring (runtime.static_cache.RingSlidingLayer holds
+        min(window, cache)); otherwise the window's cached tokens, then the step's (transformers'
+        DynamicSlidingWindowLayer keeps one token fewer: this bounds it)."""
+        if self.tokens_per_sequence == 1 and self.static_cache_tokens is not None:
+            return min(window_tokens, self.static_cache_tokens)
+        return min(self.context_tokens, window_tokens) + self.tokens_per_sequence
+
+    def window_masked(self, window_tokens: int) -> bool:
+        """Whether transformers passes a sliding layer a mask: where it passes a full layer one, and wherever the
+        keys reach the window, which ``is_causal`` cannot express (masking_utils._ignore_causal_mask_sdpa never
+        skips a local size at or below the key length): a first chunk at least a window long."""
+        return self.masked or self.window_tokens(window_tokens) >= window_tokens
+
 
 @dataclass(frozen=True, kw_only=True)
 class ActivationPeak:
@@ -190,6 +235,7 @@ def activation_shape(config: dict | None) -> ActivationShape:
     if text.get("model_type") in _UNMODELLED:
         raise ModelInputError(f"activation estimate of {name}: linear-attention/state-space layers are not "
                               "modelled; measure them with make --measure")
+    layer_types = set(attention_layer_types(config))
 
     def number(key: str, default: int | None = None) -> int:
         value = text.get(key, default)
@@ -223,6 +269,13 @@ def activation_shape(config: dict | None) -> ActivationShape:
     shared_width, num_shared = count("shared_expert_intermediate_size"), count("n_shared_experts")  # both checked
     shared = shared_width or moe_inter * num_shared
     dtype = record.dtype or "bfloat16"
+    family = record.model_type or record.outer_model_type
+    # sliding layers beside full ones in a family that masks them apart: a sliding mask beside the full one
+    mixed = family in MASK_PER_LAYER_TYPE_MODEL_TYPES and {"full_attention", "sliding_attention"} <= layer_types
+    per_type_rotary = family in ROTARY_PER_LAYER_TYPE_MODEL_TYPES
+    # Qwen2MoeConfig's use_sliding_window defaults to False: only true switches the window on
+    window_off_mask = family in WINDOW_OFF_MASK_MODEL_TYPES and text.get("use_sliding_window") is not True
+    mixed = mixed and not window_off_mask
     try:
         return ActivationShape(
             hidden_size=hidden, intermediate_size=number("intermediate_size"), num_heads=num_heads,
@@ -233,6 +286,9 @@ def activation_shape(config: dict | None) -> ActivationShape:
             qk_rope_head_dim=number("qk_rope_head_dim") if latent else 0,
             eager_attention=model_type in EAGER_ATTENTION_MODEL_TYPES,
             activation_bytes=_DTYPE_BYTES.get(dtype, 2), dtype=dtype if dtype in _DTYPE_BYTES else "bfloat16",
+            sliding_mask_window_tokens=number("sliding_window") if mixed else 0,
+            num_rotary_tables=len(layer_types) if per_type_rotary and layer_types else 1,
+            window_off_mask=window_off_mask,
         )
     except ValueError as error:  # values each in range, but not together (top-k above the experts)
         raise ModelInputError(f"activation estimate of {name}: {error}; fix config.json") from None
@@ -240,13 +296,20 @@ def activation_shape(config: dict | None) -> ActivationShape:
 
 def _step_wide(shape: ActivationShape, step: StepShape) -> dict[str, int]:
     """Tensors alive through every layer: the embedding output (the model's forward holds it to the end), the
-    layer's input (also its residual), the rotary tables and the mask."""
+    layer's input (also its residual), the rotary tables and the masks (a model mixing sliding and full layers
+    holds one of each)."""
     a, tokens = shape.activation_bytes, step.num_tokens
     hidden = tokens * shape.hidden_size * a
+    rotary = "rotary cos/sin" if shape.num_rotary_tables == 1 else "rotary cos/sin, a pair per layer type"
     terms = {"embedding output": hidden, "layer input (residual)": hidden,
-             "rotary cos/sin": 2 * tokens * shape.qk_head_dim * a, "position ids": 2 * tokens * INDEX}
+             rotary: shape.num_rotary_tables * 2 * tokens * shape.qk_head_dim * a, "position ids": 2 * tokens * INDEX}
     if step.masked:
         terms["attention mask"] = tokens * step.attended_tokens  # bool
+    window = shape.sliding_mask_window_tokens
+    if window and step.window_masked(window):
+        terms["sliding-window mask"] = tokens * step.window_tokens(window)  # bool
+    if shape.window_off_mask:
+        terms["unread window-0 sliding mask"] = tokens * step.attended_tokens  # bool
     return terms
 
 

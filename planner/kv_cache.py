@@ -285,6 +285,19 @@ def _attention_layer_types(cfg: _Config, num_layers: int, family: str) -> list[s
     return ["sliding_attention"] * num_layers  # Mistral-7B-v0.1: every layer slides
 
 
+def attention_layer_types(config: dict | None) -> tuple[str, ...]:
+    """Each decoder layer's attention type ("full_attention", "sliding_attention") for a config of the attention
+    families, as transformers' config classes derive them; () for the other families (latent attention, linear
+    attention hybrids), architectures not modelled and configs without num_hidden_layers."""
+    if not config:
+        return ()
+    cfg = _Config(config)
+    family = _ATTENTION_FAMILIES.get(cfg.model_type)
+    if family is None or not cfg.has("num_hidden_layers"):
+        return ()
+    return tuple(_attention_layer_types(cfg, cfg.num_layers(), family))
+
+
 def _attention_entry(cfg: _Config, index: int, layer_type: str) -> CacheLayer:
     num_kv_heads, head_dim = _attention_shape(cfg)
     if layer_type == "full_attention":

@@ -9,12 +9,15 @@ its persistent workspace and FlashAttention / memory-efficient SDPA keep only th
 """
 
 import json
+from pathlib import Path
 
 import pytest
 
 from planner.activations import (ActivationShape, StepShape, activation_shape, decode_activations,
                                  estimate_activations, prefill_activations)
 from planner.errors import ModelInputError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 QWEN3_8B = {"model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
             "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
@@ -94,6 +97,101 @@ def test_peak_grows_with_batch_and_chunk():
     with pytest.raises(ValueError):
         ActivationShape(hidden_size=0, intermediate_size=1, num_heads=1, num_kv_heads=1, qk_head_dim=1,
                         v_head_dim=1, vocab_size=1)
+
+
+# --- masks and rotary tables per layer type (issue 23) -----------------------------------------------------------
+
+GEMMA3_TINY = dict(model_type="gemma3_text", hidden_size=64, intermediate_size=1024, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=32, num_hidden_layers=6, sliding_window=64, vocab_size=512,
+                   query_pre_attn_scalar=32, torch_dtype="bfloat16")
+#: Qwen3 with its window switched on from layer 1: one full layer, one sliding
+QWEN3_MIXED_TINY = dict(hidden_size=256, intermediate_size=768, num_attention_heads=8, num_key_value_heads=2,
+                        head_dim=32, model_type="qwen3", num_hidden_layers=2, vocab_size=512,
+                        use_sliding_window=True, sliding_window=64, max_window_layers=1, torch_dtype="bfloat16")
+
+
+def _step_wide_terms(config: dict, *, tokens: int, context: int, static_extra: int | None = 16) -> dict[str, int]:
+    static = None if static_extra is None else context + tokens + static_extra
+    peak = prefill_activations(config, chunk_tokens=tokens, context_tokens=context, static_cache_tokens=static)
+    return {name: value for name, value in peak.terms if "mask" in name and "additive" not in name
+            or name.startswith("rotary")}
+
+
+def test_one_layer_type_keeps_one_mask_and_one_rotary_table():
+    """Llama, Qwen3 with its window off, Mistral sliding everywhere, Qwen3-MoE with max_window_layers (one mask
+    for every layer, sliding): one mask, one rotary pair, as before."""
+    mistral = dict(QWEN3_8B, model_type="mistral", sliding_window=4096)
+    qwen3_moe = dict(QWEN3_MIXED_TINY, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                     moe_intermediate_size=128, head_dim=128)
+    for config in (dict(QWEN3_8B, model_type="llama"), dict(QWEN3_8B, sliding_window=4096), mistral, qwen3_moe):
+        shape = activation_shape(config)
+        assert (shape.sliding_mask_window_tokens, shape.num_rotary_tables) == (0, 1)
+        assert _step_wide_terms(config, tokens=2048, context=2048) == {
+            "rotary cos/sin": 2 * 2048 * 128 * 2, "attention mask": 2048 * (4096 + 16)}
+
+
+def test_gemma3_holds_a_mask_and_a_rotary_table_per_layer_type():
+    """Gemma-3-27B's text model: five sliding layers of 1,024 per global one. A first chunk of 2,048 needs no
+    full mask (is_causal) but a sliding one (the keys reach the window); after 2,048 cached tokens the full mask
+    spans the static cache and the sliding one the window's 1,024 cached tokens and the chunk's."""
+    config = json.loads((REPO_ROOT / "examples/gemma-3-27b-it/config.json").read_text())
+    shape = activation_shape(config)
+    assert (shape.sliding_mask_window_tokens, shape.num_rotary_tables) == (1024, 2)
+    pair = 2 * 2048 * 128 * 2
+    assert _step_wide_terms(config, tokens=2048, context=0) == {
+        "rotary cos/sin, a pair per layer type": 2 * pair, "sliding-window mask": 2048 * 2048}
+    assert _step_wide_terms(config, tokens=2048, context=2048, static_extra=64) == {
+        "rotary cos/sin, a pair per layer type": 2 * pair, "attention mask": 2048 * 4160,
+        "sliding-window mask": 2048 * (1024 + 2048)}
+    # a first chunk shorter than the window: is_causal covers both types, no mask at all
+    assert _step_wide_terms(config, tokens=512, context=0) == {
+        "rotary cos/sin, a pair per layer type": 2 * 512 * 128 * 4}
+    # a growing cache reads the window's cached tokens too (transformers keeps one fewer: bounded)
+    assert _step_wide_terms(config, tokens=16, context=300, static_extra=None)["sliding-window mask"] == 16 * 316
+    # decode over the runtime's static cache: the full mask spans the cache, the sliding one the ring
+    decode = dict(decode_activations(config, num_sequences=8, context_tokens=2048, static_cache_tokens=2112).terms)
+    assert (decode["attention mask"], decode["sliding-window mask"]) == (8 * 2112, 8 * 1024)
+    # fewer than six layers: sliding layers only, one type, one table and one mask
+    five = activation_shape(dict(config, text_config=dict(config["text_config"], num_hidden_layers=5)))
+    assert (five.sliding_mask_window_tokens, five.num_rotary_tables) == (0, 1)
+
+
+def test_mixed_families_hold_two_masks_and_one_rotary_table():
+    """gpt-oss (alternating), Gemma 2 (alternating), Qwen3 with max_window_layers: two masks, one table."""
+    gpt_oss = json.loads((REPO_ROOT / "plans/models/gpt-oss-120b/config.json").read_text())
+    gemma2 = dict(QWEN3_8B, model_type="gemma2", sliding_window=4096, num_hidden_layers=4)
+    for config, window in ((gpt_oss, 128), (gemma2, 4096), (dict(QWEN3_MIXED_TINY, sliding_window=4096), 4096)):
+        shape = activation_shape(config)
+        assert (shape.sliding_mask_window_tokens, shape.num_rotary_tables) == (window, 1)
+        terms = _step_wide_terms(config, tokens=2048, context=8192)
+        assert terms["sliding-window mask"] == 2048 * (min(8192, window) + 2048)
+        assert terms["attention mask"] == 2048 * (8192 + 2048 + 16)
+
+
+def test_qwen2_moe_builds_its_sliding_mask_with_the_window_off():
+    """Qwen2MoeConfig sets a switched-off window to 0, and masking_utils builds (never skips) a mask of local size
+    0 over every key of the first (full) layer, which no layer reads: a first chunk holds it too."""
+    qwen2_moe = dict(QWEN3_MIXED_TINY, model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2,
+                     moe_intermediate_size=128, sliding_window=4096)
+    for use_sliding_window in (False, None):
+        config = {key: value for key, value in qwen2_moe.items() if key != "use_sliding_window"}
+        if use_sliding_window is not None:
+            config["use_sliding_window"] = use_sliding_window
+        shape = activation_shape(config)
+        assert shape.window_off_mask and not shape.sliding_mask_window_tokens
+        assert _step_wide_terms(config, tokens=2048, context=0)["unread window-0 sliding mask"] \
+            == 2048 * (2048 + 16)
+        assert _step_wide_terms(config, tokens=512, context=1024, static_extra=None) == {
+            "rotary cos/sin": 2 * 512 * 32 * 2, "attention mask": 512 * 1536,
+            "unread window-0 sliding mask": 512 * 1536}
+    switched_on = activation_shape(qwen2_moe)  # use_sliding_window true, layer 0 full and layer 1 sliding
+    assert not switched_on.window_off_mask and switched_on.sliding_mask_window_tokens == 4096
+
+
+def test_bad_sliding_window_of_a_mixed_model_is_refused():
+    with pytest.raises(ModelInputError, match="sliding_window"):
+        activation_shape(dict(QWEN3_MIXED_TINY, sliding_window=0, layer_types=["full_attention",
+                                                                              "sliding_attention"]))
 
 
 # --- measured on the CPU ----------------------------------------------------------------------------------------
@@ -286,3 +384,53 @@ def test_gpt_oss_attention_is_eager_with_its_scores():
     assert terms["attention scores, with the sink column (eager attention)"] == 3 * 8 * 512 * 577 * 2
     assert terms["K/V repeated to every head"] == 576 * 8 * 32 * 2
     assert not any("log-sum-exp" in name for name in terms)
+
+
+
+QWEN2_MOE_TINY = dict(model_type="qwen2_moe", hidden_size=64, intermediate_size=256, num_attention_heads=4,
+                      num_key_value_heads=2, num_hidden_layers=2, vocab_size=512, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=64, shared_expert_intermediate_size=128, torch_dtype="bfloat16")
+
+
+@pytest.mark.parametrize("name", ["gemma3", "qwen3_mixed", "qwen2_moe"])
+@pytest.mark.parametrize("context", [0, 128])
+def test_mixed_layer_types_live_set_at_the_mlp(name, context):
+    """What a forward over the runtime's static cache holds while its last layer's MLP runs, observed tensor by
+    tensor (runtime.live_tensors), against the estimate: a 128-token chunk of a model whose sliding layers see 64
+    tokens keeps a sliding mask beside the full one (no full one for a first chunk: is_causal) and, for Gemma-3,
+    a rotary pair per layer type; a window-off Qwen2-MoE keeps its unread window-0 mask. Before issue 23 the
+    estimate counted one mask and one pair. The dense models' MLP phase is their peak: it must hold the set."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from runtime.graph import cache_argument, cache_tokens_for
+    from runtime.live_tensors import LiveTensors
+    from runtime.static_cache import static_cache
+
+    config = {"gemma3": GEMMA3_TINY, "qwen3_mixed": QWEN3_MIXED_TINY, "qwen2_moe": QWEN2_MOE_TINY}[name]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.bfloat16).eval()
+    tokens, cache_tokens = 128, cache_tokens_for(context + 128)
+    cache = static_cache(model.config, cache_tokens)
+    ids = torch.randint(0, config["vocab_size"], (1, context + tokens), generator=torch.Generator().manual_seed(0))
+
+    def forward(chunk):
+        model(input_ids=chunk, use_cache=True, logits_to_keep=1, **cache_argument(model, cache))
+
+    tracker, peaks = LiveTensors(), []
+    with torch.inference_mode():
+        forward(ids[:, context:])  # allocates the cache
+        cache.reset()
+        if context:
+            forward(ids[:, :context])
+        with tracker, tracker.window(model.model.layers[-1].mlp, peaks):
+            forward(ids[:, context:])
+    (observed, live), = peaks
+    estimate = prefill_activations(config, chunk_tokens=tokens, context_tokens=context,
+                                   static_cache_tokens=cache_tokens)
+    masks = sorted(s.num_bytes for s in live if s.source.startswith("masking_utils.py"))
+    terms = dict(estimate.terms)
+    print(f"\n{name} C={context}: estimate {estimate.peak_bytes} ({estimate.phase}), live at the MLP {observed}: "
+          + ", ".join(f"{s.num_bytes} {s.operator} {s.source}" for s in live))
+    assert masks == sorted(value for key, value in terms.items() if key.endswith(" mask") and "additive" not in key)
+    if name != "qwen2_moe":  # the MoE phase's terms are bounds, not the live set
+        assert estimate.phase == "mlp" and 1.0 <= estimate.peak_bytes / observed <= 1.01, estimate.describe()
