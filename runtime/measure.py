@@ -140,13 +140,16 @@ def build_measure_model(config: dict, kinds: tuple[tuple[int, ...], ...], stack:
     """The model at full depth on the GPU with random bf16 weights for one layer per kind, aliases elsewhere; an
     FP8 block-quantized config's linears are transformers' FP8 modules with random FP8 weights, computed as run
     computes them (runtime.quantized)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    from runtime.skeleton import transformers_config
 
     quantization = config.get("quantization_config") or text_config(config).get("quantization_config")
     if quantization is not None:
         check_runnable(quantization, "make --measure")  # what run cannot place is not timed either
     config = {k: v for k, v in config.items() if k != "quantization_config"}
-    hf_config = AutoConfig.for_model(**config)
+    # the config class run's skeleton builds (runtime.skeleton), so measure times the model run loads
+    hf_config = transformers_config(config, Path("config.json"))
     language = hf_config.get_text_config()
     num_layers = language.num_hidden_layers
     layer_types = getattr(language, "layer_types", None)
