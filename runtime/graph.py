@@ -272,6 +272,14 @@ class DecodeLoop:
             raise UsageError(f"torch.compile could not compile this model's decode step as one graph ({reason}); "
                              "run without --compile") from None
 
+    def capture_again(self) -> None:
+        """Capture the steps anew, after what picks their kernels changed (a graph keeps its capture's: a
+        benchmark that checks bits with deterministic kernels and then times serving's); the old graph's
+        private pool goes back first, so the second capture does not hold a second pool."""
+        self.graph = None
+        torch.cuda.empty_cache()
+        self.capture()
+
     def capture(self) -> None:
         """Warm up on a side stream, then capture one call's steps; the cache and ids are left as they were."""
         if self.engine is not None:

@@ -150,9 +150,7 @@ def serve_and_time(loaded, cuda_graph: bool, compile_backend: str | None = None,
         loop.restore_state(saved)
         with contextlib.nullcontext() if timing_kernels is None else timing_kernels():
             if timing_kernels is not None and cuda_graph:
-                loop.graph = None  # its private pool goes back before the second capture takes one
-                torch.cuda.empty_cache()
-                loop.capture()
+                loop.capture_again()
             loop.timed_steps(NUM_WARMUP_STEPS)
             step_ms = loop.timed_steps(NUM_TIMED_STEPS)
         if engine is not None:

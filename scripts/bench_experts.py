@@ -311,7 +311,7 @@ def timed_with_product_kernels(loop, setting: Setting):
 
     with kernels():
         if setting.graphed:
-            loop.capture()
+            loop.capture_again()
         yield
 
 
