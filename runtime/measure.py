@@ -26,7 +26,7 @@ from planner.checkpoint import Checkpoint
 from planner.cost import ComputeTimes, Workload, estimate_compute, geometry_from_config
 from planner.model_config import text_config
 from planner.errors import OffloadPlanError, UsageError
-from planner.kv_cache import kv_cache_model
+from planner.kv_cache import attention_layer_types
 from planner.layout import ModelLayout, config_num_layers, layer_kinds
 from planner.profile import HardwareProfile, load_profile
 from runtime.experts_impl import PREFILL, use_phase
@@ -99,27 +99,25 @@ def _save_cache(cache: dict) -> None:
 
 def measured_kinds(layout: ModelLayout, config: dict) -> tuple[tuple[int, ...], ...]:
     """Layer indices grouped by params and attention type (sliding-window and full layers time differently)."""
-    attention = _attention_kinds(config)
+    layer_types = _layer_types(config)
     groups: dict[tuple, list[int]] = {}
     for kind in layer_kinds(layout.layers):
         for index in kind:
-            groups.setdefault((kind[0], attention.get(index)), []).append(index)
+            attention = layer_types[index] if index < len(layer_types) else None
+            groups.setdefault((kind[0], attention), []).append(index)
     return tuple(tuple(indices) for indices in sorted(groups.values()))
 
 
-def _attention_kinds(config: dict) -> dict[int, object]:
-    """Layer index -> its attention's cache kinds, as the KV cache model derives them (a Gemma-3 config.json
-    names no layer_types: transformers derives them from sliding_window_pattern); config.json's explicit
-    layer_types where the cache model does not know the architecture."""
+def _layer_types(config: dict) -> tuple:
+    """Each layer's attention type as transformers derives it (planner.kv_cache.attention_layer_types: a
+    Gemma-3 config.json names no layer_types, they follow from sliding_window_pattern); config.json's explicit
+    layer_types for the families that function leaves out (linear-attention hybrids)."""
     try:
-        cache = kv_cache_model(config)
+        derived = attention_layer_types(config)
     except OffloadPlanError:
-        explicit = text_config(config).get("layer_types")
-        return dict(enumerate(explicit)) if isinstance(explicit, list) else {}
-    kinds: dict[int, tuple] = {}
-    for entry in cache.layers:
-        kinds[entry.layer_index] = kinds.get(entry.layer_index, ()) + ((entry.kind, entry.window_tokens),)
-    return kinds
+        derived = ()
+    explicit = text_config(config).get("layer_types")
+    return derived or (tuple(explicit) if isinstance(explicit, list) else ())
 
 
 def alias_module(module: nn.Module, layer_index: int) -> nn.Module:
