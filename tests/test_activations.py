@@ -396,14 +396,14 @@ QWEN2_MOE_TINY = dict(model_type="qwen2_moe", hidden_size=64, intermediate_size=
 @pytest.mark.parametrize("context", [0, 128])
 def test_mixed_layer_types_live_set_at_the_mlp(name, context):
     """What a forward over the runtime's static cache holds while its last layer's MLP runs, observed tensor by
-    tensor (runtime.live_tensors), against the estimate: a 128-token chunk of a model whose sliding layers see 64
+    tensor (tests.live_tensors), against the estimate: a 128-token chunk of a model whose sliding layers see 64
     tokens keeps a sliding mask beside the full one (no full one for a first chunk: is_causal) and, for Gemma-3,
     a rotary pair per layer type; a window-off Qwen2-MoE keeps its unread window-0 mask. Before issue 23 the
     estimate counted one mask and one pair. The dense models' MLP phase is their peak: it must hold the set."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from runtime.graph import cache_argument, cache_tokens_for
-    from runtime.live_tensors import LiveTensors
+    from tests.live_tensors import LiveTensors
     from runtime.static_cache import static_cache
 
     config = {"gemma3": GEMMA3_TINY, "qwen3_mixed": QWEN3_MIXED_TINY, "qwen2_moe": QWEN2_MOE_TINY}[name]
