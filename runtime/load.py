@@ -20,10 +20,11 @@ from planner.plan import Plan
 from planner.units import format_bytes
 from runtime.backend import CpuStandIn, CudaBackend
 from runtime.experts_impl import PREFILL, use_phase
+from runtime.host_pages import huge_page_empty
 from runtime.routed_experts import RoutedExperts, allocate_for_plan
 from planner.placement import align_up
 from planner.schedule import PrefetchSchedule
-from runtime.engine import (HOST_PIECE_ALIGN_BYTES, OffloadEngine, PackedParam, host_offsets, host_pieces,
+from runtime.engine import (OffloadEngine, PackedParam, host_offsets, host_pieces,
                             offloaded_layouts, pack_layout, packed_bytes, view_as_param)
 from runtime.checkpoint_reader import Destination, sources_of
 from runtime.skeleton import LoadWork, build_skeleton, param_owners, plan_reads, set_param
@@ -354,18 +355,16 @@ def alloc_device_or_fail(backend, num_bytes: int, what: str = "weights and slots
 
 def host_allocation_or_fail(num_bytes: int, what: str = "the offloaded layers",
                             fix: str = "make a plan with a larger --budget") -> torch.Tensor:
-    """A host allocation to be pinned (the offloaded layers, piece by piece), or a one-line error. It starts
-    on a page boundary and ``num_bytes`` (host_offsets' total) is whole pages, so no piece shares a page with
-    another or with any other allocation (torch's allocator aligns to 64 bytes only: one page more is taken)."""
+    """A host allocation to be pinned (the offloaded layers, piece by piece), or a one-line error. Its storage
+    starts on a huge-page boundary (runtime.host_pages: GPU threads read such memory faster), and ``num_bytes``
+    (host_offsets' total) is whole pages, so no piece shares a page with another or with any other allocation."""
     try:
-        allocation = torch.empty(num_bytes + HOST_PIECE_ALIGN_BYTES, dtype=torch.uint8)
-    except RuntimeError:  # torch's CPU allocator raises a bare RuntimeError when malloc fails
+        return huge_page_empty(num_bytes)
+    except OSError:  # mmap's ENOMEM
         raise RuntimeUnavailableError(
             f"cannot allocate {num_bytes} bytes ({format_bytes(num_bytes)}) of host memory for {what}; free host "
             f"memory or {fix}"
         ) from None
-    skip_bytes = -allocation.data_ptr() % HOST_PIECE_ALIGN_BYTES
-    return allocation[skip_bytes:skip_bytes + num_bytes]
 
 
 def finish_placement(model: nn.Module, plan: Plan, placement: Placement, backend) -> OffloadEngine:

@@ -213,14 +213,12 @@ class RoutedExperts:
 
     def _allocate_host(self) -> torch.Tensor:
         """One host allocation for every routed layer's E experts per param, back to back (each param's rows
-        on an aligned offset), page-aligned; a tensor whose storage begins there: torch asks is_pinned about a
-        storage's first byte, and prefill's copies from it are asynchronous only when pinned."""
-        from runtime.engine import _own_storage
+        on an aligned offset), on huge pages; its storage begins at its first byte: torch asks is_pinned about
+        a storage's first byte, and prefill's copies from it are asynchronous only when pinned."""
         from runtime.load import host_allocation_or_fail
 
         num_bytes = align_up(len(self.layers) * len(self.param_names) * ALIGN_BYTES + self.host_bytes)
-        allocation = host_allocation_or_fail(num_bytes, "the routed experts", "make a plan that routes fewer layers")
-        return _own_storage(allocation, 0, num_bytes)
+        return host_allocation_or_fail(num_bytes, "the routed experts", "make a plan that routes fewer layers")
 
     def _host_layout(self) -> dict[tuple[int, str], PackedParam]:
         items, offset = {}, 0

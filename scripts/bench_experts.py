@@ -53,6 +53,7 @@ import math
 import os
 import statistics
 import time
+import types
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -111,10 +112,23 @@ def build_master(setting: Setting):
     with torch.device(setting.device):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(setting.config.parent),
                                                  dtype=torch.bfloat16)
+    if setting.device.type == "cuda":
+        experts_on_huge_pages(model)
     model = model.to("cpu").eval()
     if setting.device.type == "cuda":
         free()
     return model
+
+
+def experts_on_huge_pages(model) -> None:
+    """Each layer's expert params moved to host huge-page memory (runtime.host_pages), where run's loader puts
+    routed experts: the routed arms page-lock these tensors in place, and GPU threads read huge pages about 3%
+    faster than torch's 4 KiB ones (benchmarks/2026-11-26-huge-pages-h100.md)."""
+    from runtime.host_pages import huge_page_copy
+
+    for layer in model.model.layers:
+        for param in layer.mlp.experts.parameters(recurse=False):
+            param.data = huge_page_copy(param.data)
 
 
 def gates(model) -> list:
@@ -143,30 +157,47 @@ def skew_bias_for(num_experts: int, top_k: int, hot: int, share: float) -> float
 
 
 def skew_routers(model, seed: int = 0) -> None:
-    """Bias every router of ``model`` (buffers and forward hooks, kept by copies and moved with the model):
-    a seeded 20% of each layer's experts take about 80% of the assignments."""
+    """Bias every router of ``model`` (a buffer kept by copies and moved with the model): a seeded 20% of each
+    layer's experts take about 80% of the assignments. The bias is the router linear's own bias (one cuBLAS
+    epilogue, no extra kernel), so the skewed model's step costs what the plan measures for the unbiased one;
+    it is sized in units of the layer's expected logit spread (logit_spread)."""
     _, num_experts, top_k = expert_shape(model)
     hot = max(1, round(HOT_EXPERT_SHARE * num_experts))
     bias = skew_bias_for(num_experts, top_k, hot, HOT_ASSIGNMENT_SHARE)
     generator = torch.Generator().manual_seed(seed)
-    for gate in gates(model):
+    for layer in model.model.layers:
+        gate = layer.mlp.gate
         routing_bias = torch.zeros(num_experts)
-        routing_bias[torch.randperm(num_experts, generator=generator)[:hot]] = bias
-        gate.register_buffer("routing_bias", routing_bias, persistent=False)
-        gate.register_forward_hook(_skewed)
+        routing_bias[torch.randperm(num_experts, generator=generator)[:hot]] = bias * logit_spread(layer)
+        gate.register_buffer("routing_bias", routing_bias.to(gate.weight.dtype), persistent=False)
+        gate.forward = types.MethodType(_biased_router_forward, gate)
 
 
-def _skewed(gate, args, output):
-    """The router's output recomputed over logits shifted by its bias (the same top-k arithmetic as
-    Qwen3MoeTopKRouter.forward)."""
-    logits = output[0]  # [tokens, experts]
-    spread = logits.float().std(dim=-1, keepdim=True)
-    shifted = (logits.float() + gate.routing_bias * spread).to(logits.dtype)
-    probs = torch.softmax(shifted, dtype=torch.float, dim=-1)
+def logit_spread(layer) -> float:
+    """The expected spread (standard deviation over experts) of a token's router logits in a random model:
+    the router input is RMS-normalised and scaled by the norm's weight, so its length is sqrt(H) times the
+    weight's RMS, and a random router row's dot product with it spreads by that length times the rows' std."""
+    weight = layer.mlp.gate.weight.float()
+    norm = layer.post_attention_layernorm.weight.float()
+    return math.sqrt(weight.shape[1]) * norm.pow(2).mean().sqrt().item() * weight.std().item()
+
+
+def _biased_router_forward(gate, hidden_states):
+    """Qwen3MoeTopKRouter.forward with the routing bias added by the linear itself (transformers 5.17-5.24)."""
+    hidden_states = hidden_states.reshape(-1, gate.hidden_dim)
+    logits = torch.nn.functional.linear(hidden_states, gate.weight, gate.routing_bias)
+    probs = torch.softmax(logits, dtype=torch.float, dim=-1)
     top, indices = torch.topk(probs, gate.top_k, dim=-1)
     if gate.norm_topk_prob:
-        top = top / top.sum(dim=-1, keepdim=True)
-    return shifted, top.to(logits.dtype), indices
+        top /= top.sum(dim=-1, keepdim=True)
+    return logits, top.to(logits.dtype), indices
+
+
+def hot_assignment_share(model, counts: list[torch.Tensor]) -> float:
+    """Of the assignments counted per layer ([E] per gate), the mean share the biased (hot) experts took."""
+    shares = [c[gate.routing_bias.cpu() > 0].sum().item() / max(1, c.sum().item())
+              for gate, c in zip(gates(model), counts)]
+    return statistics.mean(shares)
 
 
 def count_routing(model) -> list:
@@ -856,13 +887,14 @@ TRACE_STEPS = {"cuda": 512, "cpu": 16}
 TRACE_SEED = 1
 
 
-def record_skewed_trace(master, setting: Setting, checkpoint: Path, path: Path) -> Path:
+def record_skewed_trace(master, setting: Setting, checkpoint: Path, path: Path) -> tuple[Path, float]:
     """The skewed model's routing over decode steps of the same workload as the measured arms (a cache filled
     to the context, a random token stream) but other draws (TRACE_SEED), counted on the device by the routers'
     hooks, written as a trace file of ``checkpoint``'s model (planner.routing_trace, as ``offload-plan trace``
     writes it). Decode steps, not a prompt's tokens: a random model's prompt tokens route unlike its decode
     steps (on the H100 a trace of 8,192 prompt tokens put 93.4% of the assignments on the 43 experts per layer
-    that served 83.1% of the decode steps)."""
+    that served 83.1% of the decode steps). Returns the path and the share of the assignments the hot experts
+    took."""
     from planner.checkpoint import load_checkpoint
     from planner.routing_trace import RoutingTrace, render_trace
     from scripts.bench_serving import sharing_copy
@@ -886,6 +918,7 @@ def record_skewed_trace(master, setting: Setting, checkpoint: Path, path: Path) 
             feed()
             loop.step()
         counts = tuple((index, tuple(gate.routing_counts.tolist())) for index, gate in enumerate(gates(model)))
+        hot_share = hot_assignment_share(model, [gate.routing_counts.cpu() for gate in gates(model)])
         rank_hits = tuple((index, tuple(table[0].tolist())) for index, table in sorted(tables.items()))
         experts = tuple((index, _table(table[1]), _table(table[2])) for index, table in sorted(tables.items()))
         del loop
@@ -898,7 +931,7 @@ def record_skewed_trace(master, setting: Setting, checkpoint: Path, path: Path) 
                          top_k=top_k, num_tokens=steps * setting.batch, layers=counts, prefetch_hits=rank_hits,
                          expert_prediction=experts)
     path.write_text(render_trace(trace, "scripts/bench_experts.py --skew-trace"))
-    return path
+    return path, hot_share
 
 
 def _table(table: torch.Tensor) -> tuple[tuple[int, ...], ...]:
@@ -913,7 +946,7 @@ def trace_plan(setting: Setting, checkpoint: Path, profile, trace: Path | None, 
     from planner.errors import OffloadPlanError
     from planner.make import make_plan
     from planner.plan import Inputs
-    from runtime.measure import measured_compute
+    from scripts.benchmarking import served_measure
 
     measure = serving.MEASURE["on"]
     inputs = Inputs(model=str(checkpoint), gpu=str(profile), context=setting.context_tokens, cuda_graph=True,
@@ -922,7 +955,7 @@ def trace_plan(setting: Setting, checkpoint: Path, profile, trace: Path | None, 
                     measured_on="h100-sxm" if measure else None,
                     routing_trace=None if trace is None else str(trace))
     try:
-        return make_plan(inputs, measure=measured_compute if measure else None).plan
+        return make_plan(inputs, measure=served_measure() if measure else None).plan
     except OffloadPlanError as error:
         return str(error)
 
@@ -935,9 +968,10 @@ def tiny_weights_budget(master) -> int:
     return param_bytes(master.parameters()) - expert_bytes + 2 * expert_bytes // 3
 
 
-def plan_arm(master, setting: Setting, plan, reference: dict) -> dict:
+def plan_arm(master, setting: Setting, plan, reference: dict, prefetch_after_misses: bool | None = None) -> dict:
     """Run ``plan`` (run's loader: routed layers gather from mapped host memory) and measure the hit rate: the
-    share of the routed (token, expert) pairs the resident experts served."""
+    share of the routed (token, expert) pairs the resident experts served. ``prefetch_after_misses``: the
+    routed layers' prefetch order (None: the runtime's default)."""
     from runtime.load import apply_plan
     from scripts.bench_serving import sharing_copy
 
@@ -950,6 +984,8 @@ def plan_arm(master, setting: Setting, plan, reference: dict) -> dict:
         engine = apply_plan(model, plan, backend_for(setting))
         try:
             routed = engine.routed_experts
+            if routed is not None and prefetch_after_misses is not None:
+                routed.prefetch_after_misses = prefetch_after_misses
             result = decode(model, setting, engine=engine, routed=routed)
             row = figures(result) | compare(result, reference) | cap.peak()
             if routed is not None:
@@ -1005,10 +1041,11 @@ def against_prediction(row: dict) -> dict:
     return out
 
 
-def trace_rows(master, setting: Setting, rows: Rows, work: Path) -> None:
+def trace_rows(master, setting: Setting, rows: Rows, work: Path, orders: tuple[bool | None, ...] = (None,)) -> None:
     """Skewed routers, their routing recorded into a trace file, the plan made with --routing-trace and run:
     measured hit rate and tokens/s beside the plan's, and beside uniform residency at the same memory (the
-    same number of resident experts per layer, ids 0..R-1) and the plan made without the trace."""
+    same number of resident experts per layer, ids 0..R-1) and the plan made without the trace. ``orders``: the
+    traced plan decoded with each prefetch order (True: after the misses; None: the runtime's default)."""
     import scripts.bench_serving as serving
     from scripts.benchmarking import write_calibrated
 
@@ -1019,7 +1056,7 @@ def trace_rows(master, setting: Setting, rows: Rows, work: Path) -> None:
     checkpoint = serving.header_checkpoint(str(setting.config), work)
     if not hasattr(gates(master)[0], "routing_bias"):
         skew_routers(master)
-    trace = record_skewed_trace(master, setting, checkpoint, work / "skewed-trace.yaml")
+    trace, hot_share = record_skewed_trace(master, setting, checkpoint, work / "skewed-trace.yaml")
     budget = tiny_weights_budget(master) if setting.device.type == "cpu" else None
     plan = trace_plan(setting, checkpoint, profile, trace, budget)
     if isinstance(plan, str):
@@ -1028,11 +1065,14 @@ def trace_rows(master, setting: Setting, rows: Rows, work: Path) -> None:
     save_plan(plan, work / "traced-plan.yaml")
     reference = decode(sharing_copy_on(master, setting), setting)
     _free(setting)
-    rows.add({"arm": "all-resident, skewed (trace)", **figures(reference), "trace": str(trace)})
-    traced = {"arm": "traced plan (--routing-trace)", **predicted(plan),
-              "resident_experts": sum(len(row.resident) for row in plan.experts.layers) if plan.experts else 0}
-    traced |= plan_arm(master, setting, plan, reference)
-    rows.add(traced | against_prediction(traced))
+    rows.add({"arm": "all-resident, skewed (trace)", **figures(reference), "trace": str(trace),
+              "hot_assignment_share": hot_share})
+    for order in orders:
+        label = "" if order is None else f", prefetch {'after' if order else 'before'} the misses"
+        traced = {"arm": f"traced plan (--routing-trace){label}", **predicted(plan), "prefetch_after_misses": order,
+                  "resident_experts": sum(len(row.resident) for row in plan.experts.layers) if plan.experts else 0}
+        traced |= plan_arm(master, setting, plan, reference, order)
+        rows.add(traced | against_prediction(traced))
     if plan.experts is not None and traced["routed_layers"]:
         # the traced plan itself with ids 0..R-1 resident in place of the trace's choice: the same loader, the same
         # memory, only which experts stay differs
@@ -1146,8 +1186,8 @@ def main() -> None:
                         help="with --prefetch-depth: decode each depth with each gather shape in the step itself "
                              "(default: the runtime's)")
     parser.add_argument("--prefetch-order", nargs="+", choices=("before", "after"), default=["before"],
-                        help="with --prefetch-depth: start the next layer's prefetch before or after this layer's "
-                             "miss gather (each one decoded)")
+                        help="with --prefetch-depth (and --skew-trace's traced plan): start the next layer's "
+                             "prefetch before or after this layer's miss gather (each one decoded)")
     parser.add_argument("--step-prefetch-programs", type=int, nargs="+", default=[],
                         help="with --prefetch-depth: the prefetch gather's persistent programs (each decoded)")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/bench_experts")))
@@ -1181,7 +1221,7 @@ def main() -> None:
                                  tuple(dict.fromkeys(args.step_prefetch_programs)) or (None,))
         depth_rows(master, setting, rows, h2d, variants, args.out / "work", plans=not args.no_plans)
         if args.skew_trace:  # the same model build (the skew biases the routers: after the uniform sweep)
-            trace_rows(master, setting, rows, args.out / "work")
+            trace_rows(master, setting, rows, args.out / "work", trace_orders(args.prefetch_order))
         log(f"done in {time.perf_counter() - started:.0f} s; {rows.path}")
         print_depth_table(rows.data)
         if args.skew_trace:
@@ -1204,11 +1244,17 @@ def main() -> None:
                                        gather_shapes,
                                        plans=not args.no_plans)
     if args.skew_trace:
-        trace_rows(master, setting, rows, args.out / "work")
+        trace_rows(master, setting, rows, args.out / "work", trace_orders(args.prefetch_order))
     elif not args.no_skew and num_resident is not None:
         skewed_rows(master, setting, rows, num_resident)
     log(f"done in {time.perf_counter() - started:.0f} s; {rows.path}")
     print_table(rows.data)
+
+
+def trace_orders(names: list[str]) -> tuple[bool | None, ...]:
+    """--prefetch-order for the traced plan: the runtime's default alone unless both orders are asked for."""
+    names = list(dict.fromkeys(names))
+    return (None,) if names == ["before"] else tuple(name == "after" for name in names)
 
 
 def _gather_shape(parser, text: str) -> tuple[int, int]:

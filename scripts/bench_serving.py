@@ -32,7 +32,8 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuB
 import torch  # noqa: E402
 
 from planner.errors import OffloadPlanError  # noqa: E402
-from scripts.benchmarking import deterministic_decode, free, log, product_kernels, write_calibrated  # noqa: E402
+from scripts.benchmarking import (deterministic_decode, free, log, product_kernels, served_measure,  # noqa: E402
+                                  write_calibrated)
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,6 @@ def make(checkpoint: Path, profile: Path, point: Point, concurrency: str, knobs=
     the weights), or the one-line reason why none fits."""
     from planner.make import make_plan
     from planner.plan import Inputs
-    from runtime.measure import measured_compute
 
     group_size, num_in_group, prefetch_step = knobs
     inputs = Inputs(
@@ -124,7 +124,7 @@ def make(checkpoint: Path, profile: Path, point: Point, concurrency: str, knobs=
         measured_on="h100-sxm" if MEASURE["on"] else None, cuda_graph=True, concurrency=concurrency,
         gpu_memory=f"{point.gpu_memory_gib}GiB")
     try:
-        return make_plan(inputs, measure=measured_compute if MEASURE["on"] else None).plan
+        return make_plan(inputs, measure=served_measure() if MEASURE["on"] else None).plan
     except OffloadPlanError as error:
         return str(error)
 

@@ -44,6 +44,8 @@ def test_tiny_skew_trace_arm_end_to_end(tmp_path):
     # the skew is in the recorded counts: the hottest fifth of the experts take most assignments
     hot = [sum(sorted(counts)[-3:]) / sum(counts) for _, counts in trace.layers]
     assert min(hot) > 0.5
+    # the biased experts themselves take them: the bias is the router linear's own (no hook)
+    assert rows["all-resident, skewed (trace)"]["hot_assignment_share"] > 0.5
     # the runtime's next-layer prediction recorded per expert and rank (the trace validated it), so the plan
     # prices its prefetch over its own non-resident experts
     assert [index for index, *_ in trace.expert_prediction] == [index for index, _ in trace.layers][1:]

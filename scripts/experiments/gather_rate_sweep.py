@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import pathlib
 import subprocess
@@ -70,12 +71,37 @@ def _kernel(modifier: str):
     return _KERNELS[modifier]
 
 
-def host_experts(backend: CudaBackend, pin_first: bool) -> dict[str, torch.Tensor]:
-    """[E, *row] bf16 per param, page-locked: locked before random_() fills it (``pin_first``) or after."""
+#: how the host rows are placed: page-locked before random_() fills them, after, or in an anonymous mapping
+#: advised MADV_HUGEPAGE (transparent 2 MiB pages where the kernel allows them), filled, then page-locked
+PLACEMENTS = {"locked-first": "page-locked, then filled", "filled-first": "filled, then page-locked",
+              "huge-pages": "huge pages, filled, then page-locked"}
+
+
+def huge_page_tensor(shape: tuple[int, ...]) -> torch.Tensor:
+    """A bf16 tensor over an anonymous mapping advised MADV_HUGEPAGE (the mapping lives as long as the tensor)."""
+    num_bytes = torch.Size(shape).numel() * 2
+    mapping = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    mapping.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(mapping, dtype=torch.bfloat16).view(shape)
+
+
+def transparent_huge_pages() -> str:
+    """The kernel's transparent huge page mode (the bracketed word), or why it is unknown."""
+    try:
+        return pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
+    except OSError as error:
+        return f"unknown ({error})"
+
+
+def host_experts(backend: CudaBackend, placement: str) -> dict[str, torch.Tensor]:
+    """[E, *row] bf16 per param, page-locked and mapped, placed as PLACEMENTS[placement] says."""
     experts = {}
     for name, shape in ROWS.items():
-        host = torch.empty(NUM_EXPERTS, *shape, dtype=torch.bfloat16)
-        if pin_first:
+        if placement == "huge-pages":
+            host = huge_page_tensor((NUM_EXPERTS, *shape))
+        else:
+            host = torch.empty(NUM_EXPERTS, *shape, dtype=torch.bfloat16)
+        if placement == "locked-first":
             host = backend.pin(host, mapped=True)
             host.view(torch.int16).random_()
         else:
@@ -106,15 +132,15 @@ def copy_engine_ms(host: dict, destinations: dict, ids_list: list[int]) -> float
     return median_event_ms(run, repeats=REPEATS, warmups=2)
 
 
-def placement_rows(backend: CudaBackend, pin_first: bool, device: torch.device) -> list[dict]:
-    host = host_experts(backend, pin_first)
+def placement_rows(backend: CudaBackend, placement_key: str, device: torch.device, shapes=SHAPES) -> list[dict]:
+    host = host_experts(backend, placement_key)
     sources = {name: device_view(tensor, device) for name, tensor in host.items()}
     destinations = {name: torch.empty(TOP_K, *shape, dtype=torch.bfloat16, device=device)
                     for name, shape in ROWS.items()}
     ids_list = list(range(3, 3 + 16 * TOP_K, 16))  # 8 experts spread over the allocation
     ids = torch.tensor(ids_list, device=device)
     num_bytes = TOP_K * sum(torch.Size(shape).numel() * 2 for shape in ROWS.values())
-    placement = "page-locked, then filled" if pin_first else "filled, then page-locked"
+    placement = PLACEMENTS[placement_key]
     big = host["gate_up"].view(-1)
     big_device = torch.empty_like(big, device=device)
     whole_ms = median_event_ms(lambda: big_device.copy_(big, non_blocking=True), repeats=REPEATS, warmups=2)
@@ -122,7 +148,7 @@ def placement_rows(backend: CudaBackend, pin_first: bool, device: torch.device) 
              "gb_per_s": big.numel() * 2 / whole_ms / 1e6},
             {"placement": placement, "method": "copy engine, 16 row copies", "bytes": num_bytes,
              "gb_per_s": num_bytes / copy_engine_ms(host, destinations, ids_list) / 1e6}]
-    for words, warps in SHAPES:
+    for words, warps in shapes:
         for modifier in MODIFIERS if (words, warps) == (4096, 4) else ("",):
             ms = gather_ms(sources, destinations, ids, words, warps, modifier)
             rows.append({"placement": placement, "method": f"gather {words}x{warps} {modifier or 'default'}",
@@ -147,15 +173,20 @@ def topology() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(os.environ.get("OUT", "/tmp")))
+    parser.add_argument("--placements", nargs="+", choices=tuple(PLACEMENTS), default=list(PLACEMENTS))
+    parser.add_argument("--runtime-shape-only", action="store_true",
+                        help="gather in the runtime's 4096x4 shape only (the other shapes moved the rate under 1%%)")
     args = parser.parse_args()
     device = torch.device("cuda")
     backend = CudaBackend(device)
-    rows = placement_rows(backend, True, device) + placement_rows(backend, False, device)
+    shapes = ((4096, 4),) if args.runtime_shape_only else SHAPES
+    rows = [row for key in args.placements for row in placement_rows(backend, key, device, shapes)]
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "affinity": os.sched_getaffinity(0)
-              .__len__(), "topology": topology(), "rows": rows}
+              .__len__(), "transparent_huge_pages": transparent_huge_pages(), "topology": topology(), "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gather_rate_sweep.json").write_text(json.dumps(result, indent=1))
     print(result["topology"])
+    print("transparent huge pages:", result["transparent_huge_pages"])
     print(f"{'placement':<26} {'method':<30} {'GB/s':>6}")
     for row in rows:
         print(f"{row['placement']:<26} {row['method']:<30} {row['gb_per_s']:>6.1f}")
