@@ -1,4 +1,5 @@
-"""The prefetch schedule, the simulator and the search, against cases computed by hand.
+"""The simulator (planner.simulate) against cases computed by hand; the schedule's tables are in
+tests/planner/test_schedule.py, the search's cases in tests/planner/test_search.py.
 
 Times are small integers (exact in binary floating point), so step times compare with ==.
 """
@@ -8,11 +9,8 @@ import random
 import pytest
 
 from planner import simulate as simulate_module
-from planner.cost import ComputeTimes
-from planner.errors import InfeasibleError
-from planner.schedule import PrefetchSchedule, offloaded_by_rule
-from planner.search import LayerBytes, SearchSpace, copy_ms_of, gpu_bytes_of, search
-from planner.simulate import STEPS_PER_GRAPH, simulate, simulate_fastest_boundary
+from planner.schedule import PrefetchSchedule
+from planner.simulate import simulate, simulate_fastest_boundary
 
 
 def sim(layer_ms, offloaded, copy_ms, prefetch_step, head_ms=0.0):
@@ -90,38 +88,6 @@ def test_depth_at_least_n_never_recopies(num_offloaded, prefetch_step):
 
 
 # ---- (iv): depth not dividing the number offloaded ---------------------------------------------------------------
-
-
-def test_schedule_tables_n5_p2():
-    schedule = PrefetchSchedule(5, 2)
-    assert schedule.num_slots == 2 and schedule.recopies
-    assert [schedule.slot_of(k) for k in range(5)] == [0, 1, 0, 1, 0]
-    # slot 0 holds positions 0, 2, 4: position 0's previous reader is position 4 of the previous step
-    assert [schedule.previous_reader(k) for k in range(5)] == [(1, 4), (1, 3), (0, 0), (0, 1), (0, 2)]
-    # vLLM would copy 0 after position 3 (while 4 still needs slot 0); here 0 and 1 both wait for 4
-    assert schedule.issue_after() == ((2,), (3,), (4,), (), (0, 1))
-
-
-def test_schedule_tables_n4_p2():
-    schedule = PrefetchSchedule(4, 2)
-    assert [schedule.slot_of(k) for k in range(4)] == [0, 1, 0, 1]
-    assert [schedule.previous_reader(k) for k in range(4)] == [(1, 2), (1, 3), (0, 0), (0, 1)]
-    assert schedule.issue_after() == ((2,), (3,), (0,), (1,))
-
-
-def test_schedule_tables_n3_p1_and_n7_p3():
-    assert PrefetchSchedule(3, 1).issue_after() == ((1,), (2,), (0,))
-    assert [PrefetchSchedule(3, 1).previous_reader(k) for k in range(3)] == [(1, 2), (0, 0), (0, 1)]
-    # N=7, S=3: slots 0,1,2,0,1,2,0; position 0 waits for 6, 1 for 4, 2 for 5; FIFO keeps 1 and 2 behind 0.
-    schedule = PrefetchSchedule(7, 3)
-    assert [schedule.previous_reader(k) for k in range(3)] == [(1, 6), (1, 4), (1, 5)]
-    assert schedule.issue_after() == ((3,), (4,), (5,), (6,), (), (), (0, 1, 2))
-
-
-@pytest.mark.parametrize("n, p", [(2, 1), (4, 2), (6, 3), (6, 2), (8, 4), (9, 3)])
-def test_issue_after_is_vllms_rule_when_depth_divides(n, p):
-    """vLLM issues the copy of (k + P) mod N after position k; that is right when P divides N."""
-    assert PrefetchSchedule(n, p).issue_after() == tuple(((k + p) % n,) for k in range(n))
 
 
 def _check_slot_discipline(s, offloaded, num_slots):
@@ -211,111 +177,6 @@ def test_prediction_never_beats_link_or_compute():
         assert s.step_ms >= link - tolerance, (num_layers, offloaded, depth, s.step_ms, link)
         assert s.stall_ms >= -tolerance
         assert abs(s.step_ms - (compute + s.stall_ms)) <= 1e-6 * max(1.0, s.step_ms)
-
-
-# ---- search -------------------------------------------------------------------------------------------------------
-
-
-def _compute(num_layers, layer_ms=1.0, head_ms=0.0):
-    return ComputeTimes(layer_ms=(layer_ms,) * num_layers, head_ms=head_ms, source="test")
-
-
-def _layers(num_layers, nbytes):
-    return LayerBytes(total=(nbytes,) * num_layers, selected=(nbytes,) * num_layers)
-
-
-def test_search_everything_fits_offloads_nothing():
-    layers = _layers(6, 1000)
-    # 6500 bytes of weights in an arena rounded to 512 bytes: 6656 (planner.placement)
-    choice = search(layers=layers, fixed_bytes=500, compute=_compute(6), h2d_bytes_per_s=1e9, copy_overhead_us=0,
-                    budget_bytes=6656)
-    assert choice.offloaded == () and choice.prefetch_step == 0 and choice.group_size == 0
-    assert choice.gpu_bytes == 6656 and choice.host_pinned_bytes == 0 and choice.copy_bytes == 0
-    assert choice.simulation.step_ms == 6.0 and choice.simulation.stall_ms == 0
-
-
-def test_search_infeasible_names_bytes_needed_and_given():
-    layers = _layers(6, 1000)
-    # least possible: 500 fixed + one 1000-byte slot = 1500, in an arena rounded to 512 bytes: 1536
-    with pytest.raises(InfeasibleError, match=r"1536 bytes .* budget is 1535 bytes"):
-        search(layers=layers, fixed_bytes=500, compute=_compute(6), h2d_bytes_per_s=1e9, copy_overhead_us=0,
-               budget_bytes=1535)
-    choice = search(layers=layers, fixed_bytes=500, compute=_compute(6), h2d_bytes_per_s=1e9, copy_overhead_us=0,
-                    budget_bytes=1536)
-    assert choice.offloaded == (0, 1, 2, 3, 4, 5) and choice.prefetch_step == 1 and choice.gpu_bytes == 1536
-
-
-@pytest.mark.parametrize("resident", [0, 1, 3, 5, 6])
-def test_search_budget_for_k_resident_layers(resident):
-    num_layers, nbytes, fixed = 8, 1000, 300
-    layers = _layers(num_layers, nbytes)
-    budget = fixed + resident * nbytes + nbytes  # k resident layers plus one slot
-    budget = -(-budget // 512) * 512  # the arena's allocator rounding (planner.placement)
-    choice = search(layers=layers, fixed_bytes=fixed, compute=_compute(num_layers), h2d_bytes_per_s=1e6,
-                    copy_overhead_us=0, budget_bytes=budget)
-    assert choice.gpu_bytes <= budget
-    assert choice.gpu_bytes == gpu_bytes_of(fixed, layers, choice.offloaded, choice.prefetch_step)
-    assert len(choice.offloaded) - choice.prefetch_step >= num_layers - resident - 1
-    assert choice.offloaded == offloaded_by_rule(num_layers, choice.group_size, choice.num_in_group)
-    assert 1 <= choice.prefetch_step < len(choice.offloaded)
-
-
-def test_search_pinned_knobs_that_cannot_work_are_infeasible():
-    layers = _layers(4, 1000)
-    with pytest.raises(InfeasibleError, match="pinned"):
-        # G=4, K=2 offloads 2 layers; depth 2 would keep both in slots: nothing saved, never a candidate
-        search(layers=layers, fixed_bytes=0, compute=_compute(4), h2d_bytes_per_s=1e9, copy_overhead_us=0,
-               budget_bytes=10_000, space=SearchSpace(group_size=4, num_in_group=2, prefetch_step=2))
-
-
-def test_search_pinned_knobs_are_used_even_when_everything_fits():
-    layers = _layers(8, 1000)
-    choice = search(layers=layers, fixed_bytes=0, compute=_compute(8), h2d_bytes_per_s=1e9, copy_overhead_us=0,
-                    budget_bytes=10**9, space=SearchSpace(group_size=4, num_in_group=2, prefetch_step=1))
-    assert (choice.group_size, choice.num_in_group, choice.prefetch_step) == (4, 2, 1)
-    assert choice.offloaded == (2, 3, 6, 7)
-
-
-@pytest.mark.parametrize("graphed", [False, True])
-def test_search_finds_the_brute_force_optimum(graphed):
-    """The bound-ordered search with early exit returns the fastest of all feasible (G, K, P)."""
-    rng = random.Random(99)
-    for _ in range(25):
-        num_layers = rng.randint(3, 9)
-        sizes = tuple(rng.choice([800, 1000, 1200]) for _ in range(num_layers))
-        layers = LayerBytes(total=sizes, selected=sizes)
-        compute = ComputeTimes(layer_ms=tuple(rng.choice([0.2, 0.5, 1.0, 2.0]) for _ in range(num_layers)),
-                               head_ms=0.1, source="test")
-        fixed = 100
-        budget = fixed + sum(sizes) - rng.randint(1, sum(sizes) - max(sizes) - 1)
-        h2d, overhead = 1e6, 5.0
-        choice = search(layers=layers, fixed_bytes=fixed, compute=compute, h2d_bytes_per_s=h2d,
-                        copy_overhead_us=overhead, budget_bytes=budget,
-                        join_every_steps=STEPS_PER_GRAPH if graphed else 0)
-        assert choice.gpu_bytes <= budget
-        best = None
-        for g in range(1, num_layers + 1):
-            for k in range(1, g + 1):
-                offloaded = offloaded_by_rule(num_layers, g, k)
-                for p in range(1, len(offloaded)):
-                    if gpu_bytes_of(fixed, layers, offloaded, p) > budget:
-                        continue
-                    for count in range(p + 1 if graphed else 1):
-                        s = simulate(layer_ms=compute.layer_ms, head_ms=compute.head_ms, offloaded=offloaded,
-                                     copy_ms=tuple(copy_ms_of(sizes[i], h2d, overhead) for i in offloaded),
-                                     prefetch_step=p, join_every_steps=STEPS_PER_GRAPH if graphed else 0,
-                                     replay_start_copies=count)
-                        best = s.step_ms if best is None else min(best, s.step_ms)
-        assert best is not None
-        assert round(choice.simulation.step_ms, 4) == round(best, 4)
-
-
-def test_copied_positions_match_needs_copy():
-    for num_offloaded in range(0, 13):
-        for depth in range(1, 14):
-            schedule = PrefetchSchedule(num_offloaded, depth)
-            expected = [k for k in range(num_offloaded) if schedule.needs_copy(k)]
-            assert list(schedule.copied_positions()) == expected
 
 
 def test_graph_replays_join_the_wrapped_copies_by_hand():
