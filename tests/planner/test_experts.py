@@ -1,24 +1,20 @@
-"""Expert-granular offloading: the routing model (planner.experts), routing traces (planner.routing_trace,
-runtime.trace, ``offload-plan trace``), and the routed placement in plans (make, show, check, diff, export)."""
+"""Expert-granular offloading: the routing model (planner.experts) and the routed placement in plans (make, show,
+check, diff, export). Routing trace files: tests/planner/test_routing_trace.py; recording them (runtime.trace,
+``offload-plan trace``): tests/runtime/test_trace.py."""
 
-import math
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from planner.checkpoint import load_checkpoint
-from planner.errors import ModelInputError
 from planner.experts import (LayerRouting, MoeGeometry, MoeLayer, ROUTED_FETCH_EFFICIENCY, choose_resident,
                              expected_distinct_uniform, moe_geometry, routed_placement, uniform_routing)
 from planner.layout import build_layout
 from planner.make import make_plan
 from planner.plan import Inputs
 from planner.plan_file import plan_from_dict, plan_to_dict, read_plan
-from planner.routing_trace import (RoutingTrace, check_against, read_trace, render_trace, trace_from_dict)
 from planner.units import format_rate
-from tests.conftest import assert_one_line_error, make_checkpoint, run_cli
-
+from tests.conftest import make_checkpoint, run_cli
 
 
 def geometry_of(folder: Path) -> MoeGeometry:
@@ -164,180 +160,6 @@ def test_pinned_knobs_keep_whole_layers(qwen3_30b):
     plan = make_plan(serving_inputs(qwen3_30b, "1", gpu_memory="24GiB", prefetch_step=2)).plan
     assert plan.experts.regime == "whole_layer"
     assert "--prefetch-step" in plan.experts.routed_unavailable
-
-
-# ---- routing traces --------------------------------------------------------------------------------------------
-
-
-def a_trace(geometry: MoeGeometry, fingerprint: str, num_tokens: int = 10) -> RoutingTrace:
-    """Every token of every layer routes to experts 0..top_k-1."""
-    counts = tuple(num_tokens if e < geometry.top_k else 0 for e in range(geometry.num_experts))
-    return RoutingTrace(model_fingerprint=fingerprint, num_experts=geometry.num_experts, top_k=geometry.top_k,
-                        num_tokens=num_tokens, layers=tuple((layer.index, counts) for layer in geometry.layers))
-
-
-def test_trace_round_trip_and_one_line_errors(tmp_path):
-    written = make_checkpoint(tmp_path / "moe", moe={"num_experts": 4, "top_k": 2, "expert_intermediate": 32})
-    checkpoint = load_checkpoint(str(written.path))
-    geometry = moe_geometry(checkpoint.config, build_layout(checkpoint, None))
-    trace = a_trace(geometry, checkpoint.fingerprint())
-    path = tmp_path / "trace.yaml"
-    path.write_text(render_trace(trace, "offload-plan trace --model m --prompts p"))
-    read = read_trace(path)
-    assert replace(read, content_hash="") == trace and read.content_hash.startswith("sha256:")
-    check_against(read, geometry, checkpoint.fingerprint(), "trace.yaml")
-    with pytest.raises(ModelInputError, match="another model"):
-        check_against(read, geometry, "sha256:" + "0" * 64, "trace.yaml")
-    fewer = replace(read, layers=read.layers[:-1])
-    with pytest.raises(ModelInputError, match="MoE layers"):
-        check_against(fewer, geometry, checkpoint.fingerprint(), "trace.yaml")
-    data = {"schema_version": 1, "model_fingerprint": "x", "num_experts": 4, "top_k": 2, "num_tokens": 10,
-            "layers": [{"index": 0, "counts": [10, 10, 0, 1]}]}
-    with pytest.raises(ModelInputError, match="sum to 21"):
-        trace_from_dict(data, "t")
-    data["layers"] = [{"index": 0, "counts": [11, 9, 0, 0]}]
-    with pytest.raises(ModelInputError, match="at most once"):
-        trace_from_dict(data, "t")
-    data["layers"] = [{"index": 0, "counts": [10, 10, 0]}]
-    with pytest.raises(ModelInputError, match="3 counts for 4 experts"):
-        trace_from_dict(data, "t")
-
-
-def test_make_with_a_trace_records_its_hash_keeps_hot_experts_and_check_finds_a_changed_trace(tmp_path):
-    written = make_checkpoint(tmp_path / "moe", moe={"num_experts": 4, "top_k": 1, "expert_intermediate": 32})
-    checkpoint = load_checkpoint(str(written.path))
-    geometry = moe_geometry(checkpoint.config, build_layout(checkpoint, None))
-    # experts 3 takes every token in every layer
-    counts = (0, 0, 0, 20)
-    trace = RoutingTrace(model_fingerprint=checkpoint.fingerprint(), num_experts=4, top_k=1, num_tokens=20,
-                         layers=tuple((layer.index, counts) for layer in geometry.layers))
-    (tmp_path / "trace.yaml").write_text(render_trace(trace, "offload-plan trace"))
-    words = ["make", "--model", "moe", "--gpu", "h100-sxm", "--tokens", "1", "--context", "64", "--budget"]
-    # a budget with room for the non-expert weights, both buffers and one resident expert per layer
-    layer = geometry.layers[0]
-    budget = (written.non_layer_bytes + 4 * layer.other_bytes + (1 + 4 + 1) * layer.expert_bytes) * 1.5
-    words += [f"{math.ceil(budget)}B", "--routing-trace", "trace.yaml", "-o", "plan.yaml"]
-    result = run_cli(words, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
-    plan = read_plan(tmp_path / "plan.yaml")
-    assert plan.inputs.routing_trace == "trace.yaml"
-    assert plan.experts.routing == f"trace {read_trace(tmp_path / 'trace.yaml').content_hash}"
-    assert plan.experts.regime == "routed"
-    assert all(3 in row.resident and row.hit_rate == 1.0 for row in plan.experts.layers)
-    assert run_cli(["check", "plan.yaml"], cwd=tmp_path).returncode == 0
-    other = RoutingTrace(model_fingerprint=checkpoint.fingerprint(), num_experts=4, top_k=1, num_tokens=20,
-                         layers=tuple((layer.index, (20, 0, 0, 0)) for layer in geometry.layers))
-    (tmp_path / "trace.yaml").write_text(render_trace(other, "offload-plan trace"))
-    stale = run_cli(["check", "plan.yaml"], cwd=tmp_path)
-    assert stale.returncode != 0 and "routing: trace sha256:" in stale.stdout + stale.stderr
-
-
-def test_make_refuses_a_trace_of_another_model_in_one_line(tmp_path):
-    written = make_checkpoint(tmp_path / "moe", moe={"num_experts": 4, "top_k": 2, "expert_intermediate": 32})
-    checkpoint = load_checkpoint(str(written.path))
-    geometry = moe_geometry(checkpoint.config, build_layout(checkpoint, None))
-    (tmp_path / "trace.yaml").write_text(render_trace(a_trace(geometry, "sha256:" + "1" * 64), "x"))
-    result = run_cli(["make", "--model", "moe", "--gpu", "h100-sxm", "--budget", "1MiB", "--routing-trace",
-                      "trace.yaml"], cwd=tmp_path)
-    assert_one_line_error(result.returncode, result.stderr, contains=("another model",))
-    dense = make_checkpoint(tmp_path / "dense")
-    result = run_cli(["make", "--model", str(dense.path), "--gpu", "h100-sxm", "--budget", "1MiB",
-                      "--routing-trace", "trace.yaml"], cwd=tmp_path)
-    assert_one_line_error(result.returncode, result.stderr, contains=("MoE",))
-
-
-def test_trace_command_records_a_tiny_qwen3_moe_on_the_cpu(tmp_path):
-    from tests.runtime_models import save_tiny_moe, save_word_tokenizer
-
-    folder = save_tiny_moe(tmp_path / "tiny", num_layers=3)
-    save_word_tokenizer(folder)
-    (tmp_path / "prompts.txt").write_text("w1 w2 w3 w4 w5\n\nw9 w8 w7\n")
-    result = run_cli(["trace", "--model", "tiny", "--prompts", "prompts.txt", "--device", "cpu", "-o", "trace.yaml"],
-                     cwd=tmp_path, timeout=300)
-    assert result.returncode == 0, result.stderr
-    trace = read_trace(tmp_path / "trace.yaml")
-    assert (trace.num_experts, trace.top_k, trace.num_tokens) == (4, 2, 8)
-    assert [index for index, _ in trace.layers] == [0, 1, 2]
-    assert all(sum(counts) == 16 for _, counts in trace.layers)
-    checkpoint = load_checkpoint(str(folder))
-    assert trace.model_fingerprint == checkpoint.fingerprint()
-    check_against(trace, geometry_of(folder), checkpoint.fingerprint(), "trace.yaml")
-    again = run_cli(["trace", "--model", "tiny", "--prompts", "prompts.txt", "--device", "cpu"], cwd=tmp_path,
-                    timeout=300)
-    assert again.stdout.split("\n", 2)[2] == (tmp_path / "trace.yaml").read_text().split("\n", 2)[2]
-
-
-def _tiny_routed_model():
-    """A two-layer Qwen3-MoE, 4 experts, top-2, random weights (seeded)."""
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
-
-    config = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                            num_experts=4, num_experts_per_tok=2)
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config).eval()
-
-
-def test_trace_counts_match_the_routers_own_choice():
-    import torch
-
-    from runtime.trace import count_routing
-
-    model = _tiny_routed_model()
-    ids = torch.tensor([[1, 5, 9, 13, 17, 21]])
-    expected = {}
-
-    def gate_hook(index):
-        def record(_module, _args, output):
-            _, _, chosen = output  # Qwen3-MoE's router: (logits, scores, indices)
-            expected[index] = tuple(torch.bincount(chosen.flatten(), minlength=4).tolist())
-        return record
-
-    handles = [layer.mlp.gate.register_forward_hook(gate_hook(i)) for i, layer in enumerate(model.model.layers)]
-    num_tokens, counts = count_routing(model, [ids], "model.layers", 4)
-    for handle in handles:
-        handle.remove()
-    assert num_tokens == 6
-    assert counts == expected and all(sum(c) == 12 for c in counts.values())
-
-
-def test_decode_trace_counts_only_the_generated_tokens_routing():
-    import torch
-
-    from runtime.trace import count_routing
-
-    model = _tiny_routed_model()
-    prompts = [torch.tensor([[1, 5, 9, 13, 17, 21]]), torch.tensor([[2, 4, 8]])]
-    seen = {0: [], 1: []}
-
-    def gate_hook(index):
-        def record(_module, args, output):
-            seen[index].append((args[0].shape[0], output[2]))  # (tokens in the call, the router's choice)
-        return record
-
-    handles = [layer.mlp.gate.register_forward_hook(gate_hook(i)) for i, layer in enumerate(model.model.layers)]
-    num_tokens, counts = count_routing(model, prompts, "model.layers", 4, decode_tokens=5)
-    for handle in handles:
-        handle.remove()
-    assert num_tokens == 2 * 5  # the prompts' 9 tokens are not counted
-    for index, calls in seen.items():
-        # per prompt: its prefill (all its tokens at once), then 5 one-token decode steps
-        assert [tokens for tokens, _ in calls] == [6, 1, 1, 1, 1, 1, 3, 1, 1, 1, 1, 1]
-        decode_choice = torch.cat([chosen for tokens, chosen in calls if tokens == 1])
-        assert counts[index] == tuple(torch.bincount(decode_choice.flatten(), minlength=4).tolist())
-
-
-def test_trace_decode_tokens_out_of_range_is_one_line(tmp_path):
-    (tmp_path / "prompts.txt").write_text("hello\n")
-    result = run_cli(["trace", "--model", "x", "--prompts", "prompts.txt", "--decode-tokens", "-3"], cwd=tmp_path)
-    assert_one_line_error(result.returncode, result.stderr, contains=("--decode-tokens",))
-
-
-def test_trace_without_prompts_is_one_line(tmp_path):
-    (tmp_path / "empty.txt").write_text("\n\n")
-    result = run_cli(["trace", "--model", "x", "--prompts", "empty.txt"], cwd=tmp_path)
-    assert_one_line_error(result.returncode, result.stderr, contains=("no prompt",))
 
 
 def test_diff_and_export_of_routed_and_whole_layer_plans(qwen3_30b, tmp_path):
