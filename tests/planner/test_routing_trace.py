@@ -159,7 +159,7 @@ def test_make_takes_the_rank_accuracy_from_the_trace(tmp_path):
                          layers=tuple((i, (0, 0, 0, 20)) for i in indices),
                          prefetch_hits=tuple((i, (15,)) for i in indices[1:]))
     (tmp_path / "trace.yaml").write_text(render_trace(trace, "offload-plan trace"))
-    # as tests/planner/test_experts.py's trace plan: room for one resident expert per layer
+    # as make's trace plan above: room for one resident expert per layer
     layer = geometry.layers[0]
     budget = (written.non_layer_bytes + 4 * layer.other_bytes + (1 + 4 + 1) * layer.expert_bytes) * 1.5
     plan = make_plan(Inputs(model=str(written.path), gpu="h100-sxm", tokens=1, context=64, budget=f"{int(budget)}B",
