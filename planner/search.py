@@ -8,7 +8,7 @@ set can beat the best plan found.
 A serving plan searches once per candidate concurrency, so Searcher holds what the searches share (the
 O(num_layers^2) candidate sets, their bytes and copy times) and search() is a Searcher used once. The walk
 makes the same comparisons, on the same floats, as it always has (tests/search_reference.py keeps the old
-code and tests/test_searcher.py compares the two); what changed is their cost: simulate.fast_step_ms gives
+code and tests/planner/test_search.py compares the two); what changed is their cost: simulate.fast_step_ms gives
 simulate()'s step time bit for bit without building a trace, sums run over tuple slices in C, and runs of
 depths or whole sets that the walk would skip one by one are skipped at once.
 """

@@ -78,7 +78,7 @@ def compile_forward(model, backend: str):
     # intermediates in fp32 where eager rounds them to bf16, so without this the numerics would depend on
     # which layers are offloaded (measured: a bf16 plan's logits off the compiled all-resident model's by up
     # to 0.18 on Qwen3-8B). Rounded where eager rounds, a bf16 plan's compiled step equals the compiled
-    # resident one bit for bit (tests/test_runtime_cpu.py, test_runtime_gpu.py). Older torch lacks the switch.
+    # resident one bit for bit (tests/runtime/test_engine.py, test_engine_gpu.py). Older torch lacks the switch.
     if hasattr(torch._inductor.config, "emulate_precision_casts"):
         torch._inductor.config.emulate_precision_casts = True
     return torch.compile(model.forward, backend=backend, dynamic=False, fullgraph=True)

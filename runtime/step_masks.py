@@ -14,7 +14,7 @@ Each step writes the masks in place into buffers allocated before any capture: a
 is at most the query's and, for a sliding layer, after the query's minus the window, with the key positions
 of a ring offset as runtime.static_cache.RingSlidingLayer lays them out. The values are transformers' own
 (0 where allowed, the dtype's minimum elsewhere), so a step's logits are bit for bit those of the masks
-transformers would build; tests/test_step_masks.py holds them equal at positions before, at and past the
+transformers would build; tests/runtime/test_step_masks.py holds them equal at positions before, at and past the
 window's wrap.
 """
 

@@ -3,7 +3,7 @@
 Checkpoints are written byte by byte here (no transformers), so golden plans do not move when transformers
 changes how it names or shards tensors. Everything is tiny: a whole checkpoint is a few hundred KB.
 
-Regenerate the golden plans with:  UPDATE_GOLDEN=1 python -m pytest tests/test_golden.py
+Regenerate the golden plans with:  UPDATE_GOLDEN=1 python -m pytest tests/contract/test_golden.py
 """
 
 import difflib
@@ -335,8 +335,8 @@ def test_gpu(workdir) -> str:
 
 #: modules that need the runtime extra (torch, transformers): not collected where it is not installed, so the
 #: planner's tests run in a planner-only install (pip install -e ".[test]")
-RUNTIME_TEST_MODULES = ["test_runtime_cpu.py", "test_runtime_gpu.py", "test_transformers_checkpoints.py",
-                        "test_llama70b.py"]
+RUNTIME_TEST_MODULES = ["runtime/test_engine.py", "runtime/test_engine_gpu.py",
+                        "planner/test_checkpoint_transformers.py", "contract/test_llama70b.py"]
 if any(importlib.util.find_spec(name) is None for name in ("torch", "transformers", "safetensors")):
     collect_ignore = RUNTIME_TEST_MODULES
 

@@ -1,4 +1,4 @@
-"""Is the tiny MoE test model's eager forward bitwise repeatable on this GPU? (tests/test_runtime_gpu.py's
+"""Is the tiny MoE test model's eager forward bitwise repeatable on this GPU? (tests/runtime/test_engine_gpu.py's
 MoE cases compare an offloaded model with a resident one bit for bit.)
 
     PYTHONPATH=. python3 scripts/experiments/moe_eager_determinism.py

@@ -1,8 +1,8 @@
 """A seeded fuzzer of offload-plan's input boundaries, run in-process through the CLI as a user would.
 
 One module per family of inputs (tests/fuzz/core.py runs and classifies a case; see its docstring for the
-verdicts). ``case_for(family, seed, index)`` rebuilds any case; tests/test_fuzz.py runs a bounded slice of every
-family in CI and scripts/fuzz_campaign.py the full campaign.
+verdicts). ``case_for(family, seed, index)`` rebuilds any case; tests/contract/test_fuzz.py runs a bounded slice of
+every family in CI and scripts/fuzz_campaign.py the full campaign.
 """
 
 from tests.fuzz.adapters import gen_adapters

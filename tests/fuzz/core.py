@@ -16,7 +16,7 @@ wrote) and is classified:
 - ``round-trip``: a plan the first command wrote that a reading command (show, check, diff, export) refused.
 
 The generator is the project's own (``random.Random(seed)``): no dependency, and a case is reproduced by its
-seed and index alone (``case_for(family, seed, index)``). tests/test_fuzz.py runs a bounded slice in CI;
+seed and index alone (``case_for(family, seed, index)``). tests/contract/test_fuzz.py runs a bounded slice in CI;
 scripts/fuzz_campaign.py runs the full campaign and prints the table.
 """
 

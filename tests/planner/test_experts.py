@@ -1,0 +1,235 @@
+"""Expert-granular offloading: the routing model (planner.experts) and the routed placement in plans (make, show,
+check, diff, export). Routing trace files: tests/planner/test_routing_trace.py; recording them (runtime.trace,
+``offload-plan trace``): tests/runtime/test_trace.py."""
+
+from pathlib import Path
+
+import pytest
+
+from planner.checkpoint import load_checkpoint
+from planner.experts import (LayerRouting, MoeGeometry, MoeLayer, ROUTED_FETCH_EFFICIENCY, choose_resident,
+                             expected_distinct_uniform, moe_geometry, routed_placement, uniform_routing)
+from planner.layout import build_layout
+from planner.make import make_plan
+from planner.plan import Inputs
+from planner.plan_file import plan_from_dict, plan_to_dict, read_plan
+from planner.units import format_rate
+from tests.conftest import make_checkpoint, run_cli
+
+
+def geometry_of(folder: Path) -> MoeGeometry:
+    checkpoint = load_checkpoint(str(folder))
+    return moe_geometry(checkpoint.config, build_layout(checkpoint, None))
+
+
+# ---- the routing model -----------------------------------------------------------------------------------------
+
+
+def test_distinct_experts_of_qwen3_30b_at_1_4_16_64_sequences(qwen3_30b):
+    geometry = geometry_of(qwen3_30b)
+    assert (geometry.num_experts, geometry.top_k, len(geometry.layers)) == (128, 8, 48)
+    assert geometry.unroutable_reason is None
+    # 128 experts of [2 x 768, 2048] + [2048, 768] bf16 weights, read from the tensors
+    assert geometry.layers[0].expert_bytes == 3 * 768 * 2048 * 2
+    routing = uniform_routing(geometry)[0]
+    distinct = [round(routing.expected_distinct(b)) for b in (1, 4, 16, 64)]
+    assert distinct == [8, 29, 82, 126]
+    assert [round(expected_distinct_uniform(128, 8, b)) for b in (1, 4, 16, 64)] == distinct
+
+
+def test_skewed_routing_keeps_the_hottest_experts_and_hits_more():
+    # 20% of the experts take 80% of the assignments
+    num_experts, top_k = 10, 2
+    hot, cold = 0.8 * top_k / 2, 0.2 * top_k / 8
+    shares = tuple(hot if e in (3, 7) else cold for e in range(num_experts))
+    routing = LayerRouting(index=0, shares=shares)
+    assert routing.hottest(2) == (3, 7)
+    assert routing.hit_rate((3, 7)) == pytest.approx(0.8)
+    uniform = LayerRouting(index=0, shares=(top_k / num_experts,) * num_experts)
+    assert uniform.hottest(2) == (0, 1)
+    assert uniform.hit_rate((0, 1)) == pytest.approx(0.2)
+    # at one token, the hot pair saves more of the expected fetch than the first two ids would
+    assert routing.expected_fetched((3, 7), 1) < routing.expected_fetched((0, 1), 1)
+    assert routing.expected_distinct(1) == pytest.approx(sum(1 - (1 - p) for p in shares))
+
+
+def test_resident_experts_spread_over_layers_and_follow_the_savings():
+    layers = tuple(MoeLayer(index=i, expert_bytes=100, other_bytes=50) for i in range(3))
+    geometry = MoeGeometry(num_experts=8, top_k=2, layers=layers, unroutable_reason=None)
+    # uniform: the layers take turns, each its first ids
+    assert choose_resident(geometry, uniform_routing(geometry), 1, 700) == ((0, 1, 2), (0, 1), (0, 1))
+    skewed = list(uniform_routing(geometry))
+    skewed[2] = LayerRouting(index=2, shares=(0.9, 0.9, 0.05, 0.05, 0.025, 0.025, 0.025, 0.025))
+    chosen = choose_resident(geometry, tuple(skewed), 1, 300)
+    assert chosen[2] == (0, 1) and sum(map(len, chosen)) == 3
+    assert choose_resident(geometry, uniform_routing(geometry), 1, 99) == ((), (), ())
+
+
+def test_routed_placement_counts_buffers_and_fetch_rate():
+    layers = tuple(MoeLayer(index=i, expert_bytes=1000, other_bytes=500) for i in range(2))
+    geometry = MoeGeometry(num_experts=4, top_k=1, layers=layers, unroutable_reason=None)
+    totals = (4500, 4500)
+    # base: non-layer 100 + 2 x 500 non-expert + fetch buffer (1 slot) 1000 + staging (4 slots) 4000
+    base = 100 + 1000 + 1000 + 4000
+    assert routed_placement(geometry, uniform_routing(geometry), num_tokens=1, layer_total_bytes=totals,
+                            non_layer_bytes=100, weight_limit_bytes=base - 1, h2d_bytes_per_s=1e9) is None
+    placement = routed_placement(geometry, uniform_routing(geometry), num_tokens=1, layer_total_bytes=totals,
+                                 non_layer_bytes=100, weight_limit_bytes=base + 2000, h2d_bytes_per_s=1e9)
+    assert [row.resident for row in placement.layers] == [(0,), (0,)]
+    # every expert pinned on the host, resident ones too (the runtime pins whole fused params)
+    assert placement.weight_bytes == base + 2000 and placement.host_pinned_bytes == 2 * 4 * 1000
+    # one token touches one of 4 experts: 3/4 of the time a non-resident one, fetched at the derated rate
+    assert placement.layers[0].expected_fetched_bytes == pytest.approx(750)
+    assert placement.layers[0].fetch_ms == pytest.approx(1e3 * 750 / (1e9 * ROUTED_FETCH_EFFICIENCY))
+    assert placement.layers[0].hit_rate == pytest.approx(0.25)
+
+
+# ---- plans -----------------------------------------------------------------------------------------------------
+
+
+def serving_inputs(model: Path, concurrency: str, **extra) -> Inputs:
+    return Inputs(model=str(model), gpu="h100-sxm", context=4096, concurrency=concurrency, cuda_graph=True, **extra)
+
+
+def test_qwen3_30b_routed_at_one_sequence_whole_layers_at_64(qwen3_30b):
+    one = make_plan(serving_inputs(qwen3_30b, "1", gpu_memory="24GiB")).plan
+    assert one.experts.regime == "routed" and one.offload.layers == ()
+    point = one.experts.points[0]
+    assert point.routed_step_ms < point.whole_layer_step_ms / 5
+    assert one.prediction.step_ms == pytest.approx(point.routed_step_ms)
+    # prefetch at the depth predicted fastest (one or two slot sets)
+    slot_sets = 2 if one.experts.prefetch else 1
+    assert one.experts.fetch_slots == 8 and one.experts.fetch_buffer_bytes == slot_sets * 8 * one.experts.expert_bytes
+    assert all(row.regime == "routed" and row.resident for row in one.experts.layers)
+    total = one.memory.total_gpu_bytes
+    assert total <= one.memory.gpu_memory_bytes
+    sixty_four = make_plan(serving_inputs(qwen3_30b, "64")).plan
+    assert sixty_four.experts.regime == "whole_layer" and sixty_four.offload.layers
+    point = sixty_four.experts.points[0]
+    assert point.whole_layer_step_ms < point.routed_step_ms
+
+
+def test_a_routed_plan_reads_back_equal_and_check_regenerates_it(qwen3_30b, tmp_path):
+    planned = make_plan(serving_inputs(qwen3_30b, "1", gpu_memory="24GiB")).plan
+    assert plan_to_dict(plan_from_dict(plan_to_dict(planned), "test")) == plan_to_dict(planned)
+    path = tmp_path / "plan.yaml"
+    result = run_cli(["make", "--model", str(qwen3_30b), "--gpu", "h100-sxm", "--context", "4096", "--concurrency",
+                      "1", "--cuda-graph", "--gpu-memory", "24GiB", "-o", "plan.yaml"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "routed experts fetched in 48/48 layers" in result.stderr
+    assert plan_to_dict(read_plan(path))["experts"] == plan_to_dict(planned)["experts"]
+    checked = run_cli(["check", "plan.yaml"], cwd=tmp_path)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    shown = run_cli(["show", "plan.yaml", "--no-layers"], cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    text = " ".join(shown.stdout.split())
+    fetch_words = ("after each layer's router" if planned.experts.prefetch is None else
+                   f"the top {planned.experts.prefetch_depth} of each token's 8 predicted experts")
+    for words in ("Experts: routed", "hit rate", fetch_words, "streaming whole layers",
+                  "fetch 8 experts", "routed-expert fetch buffer"):
+        assert words in text, words
+
+
+def test_dense_plans_have_no_experts_section(tmp_path):
+    written = make_checkpoint(tmp_path / "dense")
+    plan = make_plan(Inputs(model=str(written.path), gpu="h100-sxm", budget="1MiB")).plan
+    assert plan.experts is None and "experts" not in plan_to_dict(plan)
+
+
+def test_an_architecture_the_runtime_cannot_route_fetch_falls_back_to_whole_layers(tmp_path):
+    written = make_checkpoint(tmp_path / "moe", moe={"num_experts": 4, "top_k": 2, "expert_intermediate": 32})
+    # gpt-oss style MXFP4 experts: packed U8 blocks and scales, fused
+    folder = tmp_path / "mxfp4"
+    folder.mkdir()
+    import json
+    from tests.conftest import write_safetensors
+
+    tensors = {name: spec for name, spec in written.tensors.items() if ".experts." not in name}
+    for layer in range(4):
+        tensors[f"model.layers.{layer}.mlp.experts.gate_up_proj_blocks"] = ("U8", (4, 64, 2, 16))
+        tensors[f"model.layers.{layer}.mlp.experts.gate_up_proj_scales"] = ("U8", (4, 64, 2))
+    write_safetensors(folder / "model.safetensors", tensors, data=False)
+    (folder / "config.json").write_text((written.path / "config.json").read_text())
+    plan = make_plan(Inputs(model=str(folder), gpu="h100-sxm", budget="1MiB", tokens=1, context=64)).plan
+    assert plan.experts.regime == "whole_layer"
+    assert "quantized" in plan.experts.routed_unavailable
+    assert json.dumps(plan_to_dict(plan))  # plain data
+
+
+def test_pinned_knobs_keep_whole_layers(qwen3_30b):
+    plan = make_plan(serving_inputs(qwen3_30b, "1", gpu_memory="24GiB", prefetch_step=2)).plan
+    assert plan.experts.regime == "whole_layer"
+    assert "--prefetch-step" in plan.experts.routed_unavailable
+
+
+def test_diff_and_export_of_routed_and_whole_layer_plans(qwen3_30b, tmp_path):
+    from planner.compare import compare_plans, summary_sentences
+    from planner.errors import PlanError
+    from planner.export import export_plan
+
+    routed = make_plan(serving_inputs(qwen3_30b, "1", gpu_memory="24GiB")).plan
+    whole = make_plan(serving_inputs(qwen3_30b, "64")).plan
+    data = compare_plans(whole, routed)
+    assert data["experts"]["regime"] == {"old": "whole_layer", "new": "routed"}
+    assert data["experts"]["num_resident"]["new"] == routed.experts.points[0].num_resident
+    sentence = next(s for s in summary_sentences(data) if s.startswith("Experts:"))
+    assert "whole_layer -> routed" in sentence and "hit rate" in sentence
+    dense = make_checkpoint(tmp_path / "dense")
+    dense_plan = make_plan(Inputs(model=str(dense.path), gpu="h100-sxm", budget="1MiB")).plan
+    assert "experts" not in compare_plans(dense_plan, dense_plan)
+    with pytest.raises(PlanError, match="cannot express routed experts") as refused:
+        export_plan(routed, "vllm", exact=True)
+    message = str(refused.value)
+    assert f"{format_rate(1e3 / routed.prediction.step_ms)} -> " in message and "\n" not in message
+    exported = export_plan(whole, "sglang")
+    assert any(note.startswith("experts: the plan streams whole layers") for note in exported.notes)
+
+
+def test_export_of_a_routed_plan_gives_the_planners_whole_layer_plan_and_its_loss(qwen3_30b, tmp_path):
+    """Neither engine fetches routed experts: export emits the whole-layer plan make would have made at the same
+    workload and weight budget (the plan's own recorded whole-layer step), and states the loss in tokens/s."""
+    from planner.engine_plan import expressible_plan
+    from planner.export import export_plan
+    from planner.plan_file import render_plan
+
+    routed = make_plan(serving_inputs(qwen3_30b, "1", gpu_memory="24GiB")).plan
+    whole, loss = expressible_plan(routed)
+    (point,) = routed.experts.points
+    # the re-search from the plan's rows finds make's own whole-layer step (rows rounded to 0.1 us)
+    assert whole.prediction.step_ms == pytest.approx(point.whole_layer_step_ms, rel=1e-5)
+    assert whole.memory.gpu_bytes <= routed.memory.budget_bytes and whole.experts is None
+    assert whole.offload.layers and loss.plan_step_ms == routed.prediction.step_ms
+    for engine, name in (("vllm", "vLLM"), ("sglang", "SGLang")):
+        exported = export_plan(routed, engine)
+        assert exported.flags[:6] == ("--offload-group-size", str(whole.offload.group_size),
+                                      "--offload-num-in-group", str(whole.offload.num_in_group),
+                                      "--offload-prefetch-step", str(whole.offload.prefetch_step))
+        (line,) = exported.losses
+        assert line.startswith(f"{name} cannot express routed experts in 48 MoE layers")
+        assert f"{format_rate(1e3 / routed.prediction.step_ms)} -> {format_rate(1e3 / point.whole_layer_step_ms)} " \
+            "tokens/s" in line
+        assert exported.plan_prediction.step_ms == routed.prediction.step_ms
+    (tmp_path / "routed.yaml").write_text(render_plan(routed, "offload-plan make"))
+    result = run_cli(["export", "routed.yaml", "--to", "vllm"], cwd=tmp_path)
+    assert result.returncode == 0 and result.stdout.count("\n") == 1 and "cannot express" in result.stderr
+    explained = run_cli(["export", "routed.yaml", "--to", "vllm", "--explain"], cwd=tmp_path)
+    assert explained.stdout.splitlines() == [result.stdout.strip(), exported_line(result.stderr)]
+
+
+def exported_line(stderr: str) -> str:
+    """export's loss line on stderr, without its prefix."""
+    return next(line for line in stderr.splitlines() if "cannot express" in line).removeprefix("offload-plan: loss: ")
+
+
+def test_show_of_a_plan_whose_steps_round_to_zero_names_the_regime_without_a_ratio():
+    """A tiny model's steps round to 0 ms: the crossover line must not divide by them (the round-trip fuzz
+    found `show` exiting 70 on such a weights plan with --params experts)."""
+    from types import SimpleNamespace as NS
+
+    from planner.report import _crossover_lines
+
+    point = NS(concurrency=1, regime="whole_layer", routed_step_ms=0.0, whole_layer_step_ms=0.0, num_resident=24)
+    plan = NS(workload=NS(concurrency=1))
+    experts = NS(points=(point,), routed_unavailable=None)
+    (line,) = _crossover_lines(plan, experts)
+    assert "whole layers chosen" in line and "x" not in line.split(":")[-1]

@@ -1,0 +1,181 @@
+"""make --tp N --measure (issue 28): the rank's config and the model --measure builds from it, the all-reduce
+link measured or assumed and what the plan says of it; on GPUs, the measurement itself."""
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from planner import tensor_parallel
+from planner.checkpoint import load_checkpoint
+from planner.cost import ComputeTimes
+from planner.errors import UsageError
+from planner.layout import build_layout
+from planner.make import make_plan
+from planner.plan import Inputs
+from planner.profile import load_profile
+from planner.plan_file import read_plan
+from scripts import bench_tp
+from tests.conftest import REPO_ROOT, assert_one_line_error, invoke
+from tests.scripts.test_bench_tp import _tiny
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3_moe"])
+def tiny(request, tmp_path_factory):
+    """(shape name, folder) of a transformers-saved checkpoint of the bench's shape, shrunk."""
+    values = _tiny(request.param, vocab_size=1000)
+    folder = tmp_path_factory.mktemp(request.param)
+    config = transformers.AutoConfig.for_model(**{k: v for k, v in values.items() if k != "architectures"})
+    config.architectures = values["architectures"]
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
+    return request.param, folder
+
+
+# ---- the rank's config (pure) ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tp, heads, kv_heads, intermediate, vocab", [
+    (2, 16, 4, 7168, 16000), (4, 8, 2, 3584, 8000), (8, 4, 1, 1792, 4000)])
+def test_rank_config_of_the_llama_shape(tp, heads, kv_heads, intermediate, vocab):
+    """QKVParallelLinear: query heads / N, the 8 KV heads / N; MergedColumnParallelLinear: the MLP / N;
+    VocabParallelEmbedding: the padded vocabulary / N; the hidden size and head_dim stay whole."""
+    config = tensor_parallel.rank_config(bench_tp.SHAPES["llama"], tp)
+    assert (config["num_attention_heads"], config["num_key_value_heads"]) == (heads, kv_heads)
+    assert (config["intermediate_size"], config["vocab_size"]) == (intermediate, vocab)
+    assert (config["hidden_size"], config["head_dim"], config["num_hidden_layers"]) == (4096, 128, 8)
+
+
+@pytest.mark.parametrize("tp, heads, kv_heads, expert_width", [(2, 16, 2, 384), (4, 8, 1, 192), (8, 4, 1, 96)])
+def test_rank_config_of_the_qwen3_moe_shape(tp, heads, kv_heads, expert_width):
+    """FusedMoE without expert parallelism: every expert on every rank, each one's intermediate / N; at TP 8 the
+    4 KV heads are fewer than the ranks, so each rank holds one, replicated."""
+    config = tensor_parallel.rank_config(bench_tp.SHAPES["qwen3_moe"], tp)
+    assert (config["num_attention_heads"], config["num_key_value_heads"]) == (heads, kv_heads)
+    assert config["moe_intermediate_size"] == expert_width
+    assert (config["num_experts"], config["num_experts_per_tok"], config["head_dim"]) == (32, 8, 128)
+
+
+def test_the_model_measure_builds_holds_the_ranks_shapes(tiny):
+    """--measure builds the model from the rank's config: each of its tensors has the shape rank 0 holds under
+    vLLM's sharding (planner.tensor_parallel.shard_entries), the padded vocabulary / N included."""
+    from runtime.measure import build_measure_model, measured_kinds
+
+    _, folder = tiny
+    rank = tensor_parallel.shard_checkpoint(load_checkpoint(str(folder)), 2)
+    layout = build_layout(rank, None)
+    model = build_measure_model(rank.config, measured_kinds(layout, rank.config), layout.stack, device="cpu")
+    built = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    planned = {t.name: t.shape for t in rank.tensors}
+    named_alike = {name for name in planned if name in built}
+    assert "model.layers.0.self_attn.q_proj.weight" in named_alike and "model.embed_tokens.weight" in named_alike
+    assert {name: built[name] for name in named_alike} == {name: planned[name] for name in named_alike}
+    # transformers 5 fuses each layer's experts ([experts, 2 x width, hidden]) where the checkpoint keeps one tensor
+    # per expert: the layer's elements agree
+    for prefix in ("model.layers.0.", "model.layers.1."):
+        assert sum(math.prod(shape) for name, shape in built.items() if name.startswith(prefix)) == \
+            sum(math.prod(shape) for name, shape in planned.items() if name.startswith(prefix))
+
+
+# ---- the link ------------------------------------------------------------------------------------------------
+
+def test_the_link_through_two_timings_recovers_latency_and_bandwidth():
+    latency_us, bus = 14.0, 380e9
+    timings = tuple((size, latency_us / 1e3 + 1e3 * size / bus) for size in (4096, 64 * 2**20))  # tp 2: 2(N-1)/N = 1
+    link = tensor_parallel.link_from_timings(2, timings, "measured: test")
+    assert link.latency_us == pytest.approx(latency_us, abs=0.01)
+    assert link.bytes_per_s == pytest.approx(bus, rel=1e-3)
+    four = tensor_parallel.link_from_timings(4, tuple((s, latency_us / 1e3 + 1e3 * 1.5 * s / bus) for s, _ in timings),
+                                             "measured: test")
+    assert four.bytes_per_s == pytest.approx(bus, rel=1e-3)  # the ring's 2 (N - 1) / N of the bytes
+
+
+def test_timings_that_do_not_grow_with_size_are_refused_in_one_line():
+    with pytest.raises(UsageError, match="noise") as refused:
+        tensor_parallel.link_from_timings(2, ((4096, 0.02), (64 * 2**20, 0.01)), "measured: test")
+    assert "\n" not in str(refused.value)
+
+
+def _fake_measure(checkpoint, layout, workload, profile, measured_on, graphed):
+    return ComputeTimes(layer_ms=tuple(1.0 for _ in layout.layers), head_ms=0.5, source="measured: fake GPU")
+
+
+def _fake_link(tp, profile, measured_on):
+    return tensor_parallel.AllReduceLink(latency_us=20.0, bytes_per_s=200e9, measured="measured: fake NCCL")
+
+
+def _plan(folder, **kwargs):
+    inputs = Inputs(model=str(folder), gpu="h100-sxm", tokens=2048, sequences=1, context=0, tp=2, measure=True)
+    return make_plan(inputs, measure=_fake_measure, **kwargs).plan
+
+
+def test_a_measured_rank_plan_adds_the_measured_all_reduces_and_says_so(tiny):
+    _, folder = tiny
+    plan = _plan(folder, measure_link=_fake_link)
+    hidden_bytes = 2048 * 256 * 2
+    all_reduce_ms = 20e-3 + 1e3 * hidden_bytes / 200e9
+    assert all(row.compute_ms == pytest.approx(1.0 + 2 * all_reduce_ms) for row in plan.layers)
+    source = plan.workload.compute_source
+    assert source.startswith("measured: fake GPU") and "at 200 GB/s and 20 us each (measured: fake NCCL)" in source
+
+
+def test_without_a_link_measurement_the_plan_says_the_link_is_assumed(tiny):
+    _, folder = tiny
+    source = _plan(folder).workload.compute_source
+    assert "at 450 GB/s and 10 us each (assumed: the profile's link and 10 us;" in source
+
+
+def test_a_link_not_measurable_here_is_assumed_with_why():
+    from runtime.all_reduce import measured_link
+
+    other = measured_link(2, load_profile("gb200"), "h100-sxm")
+    assert other.measured == "" and "the GPUs here are h100-sxm, the plan is for gb200" in other.assumed_why
+    if torch.cuda.device_count() < 2:
+        few = measured_link(2, load_profile("h100-sxm"), "h100-sxm")
+        assert few.measured == "" and "fewer than the 2 ranks" in few.assumed_why
+        assert few.bytes_per_s == load_profile("h100-sxm").gpu_link_bytes_per_s.value
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="measures on a GPU there")
+def test_tp_measure_without_a_gpu_is_one_line(tiny, monkeypatch):
+    _, folder = tiny
+    monkeypatch.chdir(folder)
+    result = invoke(["make", "-m", str(folder), "-g", "h100-sxm", "--tp", "2", "--measure"])
+    assert_one_line_error(result.exit_code, result.stderr, contains=("--measure", "CUDA"))
+
+
+# ---- on GPUs ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_make_tp_measure_times_the_ranks_layers_on_the_gpu(tiny, tmp_path):
+    """One GPU: the layers measured, the link assumed (said why); two: both measured."""
+    _, folder = tiny
+    gpu = bench_tp.profile_for(torch.cuda.get_device_name())
+    result = subprocess.run([sys.executable, "-m", "offload_plan", "make", "-m", str(folder), "-g", gpu, "--tp", "2",
+                             "--measure", "--tokens", "512", "--context", "0", "-o", str(tmp_path / "r.yaml")],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+                            env=dict(os.environ, PYTHONPATH=str(REPO_ROOT), OFFLOAD_PLAN_CACHE=str(tmp_path)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    plan = read_plan(tmp_path / "r.yaml")
+    source = plan.workload.compute_source
+    assert source.startswith("measured: ") and all(row.compute_ms > 0 for row in plan.layers)
+    if torch.cuda.device_count() >= 2:
+        assert "(measured: NCCL all-reduce on 2 x" in source
+    else:
+        assert "(assumed: the profile's link and 10 us; 1 GPU(s) visible here" in source
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_the_all_reduce_between_two_gpus_is_measured(tmp_path, monkeypatch):
+    from runtime.all_reduce import measured_link
+    from runtime.measure import local_profile_name
+
+    monkeypatch.setenv("OFFLOAD_PLAN_CACHE", str(tmp_path))
+    link = measured_link(2, load_profile(local_profile_name()), None)
+    assert link.measured.startswith("measured: NCCL all-reduce on 2 x")
+    assert 1 <= link.latency_us <= 500 and 10e9 <= link.bytes_per_s <= 2e12, link
