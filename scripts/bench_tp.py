@@ -2,6 +2,7 @@
 
     PYTHONPATH=. torchrun --nproc-per-node 2 scripts/bench_tp.py     # both shapes, a few minutes on 2 H100s
     PYTHONPATH=. torchrun --nproc-per-node 2 scripts/bench_tp.py --shape llama --tokens 4096
+    PYTHONPATH=. torchrun --nproc-per-node 2 scripts/bench_tp.py --device cpu --tiny   # the path, on gloo (CPU)
 
 For each shape (a Llama-shape dense model and a Qwen3-MoE-shape model, random bf16 weights), rank 0 builds the
 model on its GPU and saves it as a checkpoint; both ranks plan it with ``make --tp 2`` (planner.make, the same
@@ -24,15 +25,16 @@ does transformers 5.24 (the JSON's embedding_sharded).
 
 Each shape is then taken apart, per decoder layer, to attribute a miss (issue 28: the Qwen3-MoE rank step was
 +90% on two H200s). Beside the TP model each rank builds the rank's config alone on its GPU, as --measure builds
-it (runtime.measure.build_measure_model), and times both with the same code: each layer's attention and MLP/MoE
-block through forward hooks, host ms (the Python and launches inside the part, until it returns) and device ms
-(CUDA events at the part's entry and exit: its kernels, its collectives, any wait for the host or the peer rank).
-A device figure no larger than the host one says the host bounds that part. One forward of each model is also
-counted op by op (a TorchDispatchMode): the collectives with their bytes and the part they ran in, the ops on
-DTensors, and the experts' kernels (the implementation each model ran). And one all-reduce of a layer's hidden
-states is timed alone. So the TP step's excess over the plan splits into its collectives (2 a layer, as the plan
-prices them), what transformers' TP wrappers add around the same kernels (the ops and host ms beyond the rank's
-config), and the kernels' own time.
+it (runtime.measure.build_measure_model), and times three runs with the same code: the TP model, the TP model with
+its layers' all-reduces skipped (``dist.all_reduce`` a no-op: wrong outputs, the rest's time), and the rank's
+config alone. Each layer's attention and MLP/MoE block is timed through forward hooks: host ms (the Python and
+launches inside the part, until it returns) and device ms (CUDA events at the part's entry and exit: its kernels,
+its collectives, any wait for the host or the peer rank); a device figure no larger than the host one says the
+host bounds that part. TP minus skipped is what the all-reduces cost in place; skipped minus alone is what
+transformers' TP adds beside them. torch.profiler names each run's top kernels (ms a step), one forward of each
+is counted op by op (a TorchDispatchMode: the collectives with their bytes and part, the ops on DTensors, the
+experts' kernels), and one all-reduce of a layer's hidden states is timed alone. The table prints after each
+rank's line; the JSON under $OUT holds every figure.
 
 What transformers' ``tp_plan="auto"`` runs for Qwen3-MoE (5.17 and 5.24, ``distributed/tensor_parallel.py``):
 q/k/v colwise and o_proj rowwise (one all-reduce of the hidden states, ``dist.all_reduce`` on the local output);
@@ -50,6 +52,7 @@ op counts are transformers' own there, the times are not a GPU's.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -441,20 +444,73 @@ def _experts_implementation(model) -> str | None:
     return getattr(model.config, "_experts_implementation", None) if has_experts(model) else None
 
 
+@contextlib.contextmanager
+def all_reduces_skipped():
+    """``torch.distributed.all_reduce`` as a no-op, for a timing: transformers' TP layers call it for o_proj's and
+    the experts' partial sums (the LM head's gather, and 5.24's embedding all-reduce, go through DTensor's functional
+    collectives and still run). The outputs are wrong; the time is everything but those all-reduces. Every rank
+    skips the same calls, so none waits on the other."""
+    import torch.distributed as dist
+
+    original = dist.all_reduce
+    dist.all_reduce = lambda tensor, *args, **kwargs: None
+    try:
+        yield
+    finally:
+        dist.all_reduce = original
+
+
+def top_ops(model, tokens: int, device, num_steps: int = 2, num_top: int = 12) -> list[dict]:
+    """torch.profiler over ``num_steps`` forwards: the ``num_top`` kernels by device ms a step on a GPU (the ops by
+    host ms on the CPU), each with its calls a step."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    input_ids = _step_ids(model.config.vocab_size, tokens, device)
+    with torch.inference_mode(), profile(activities=activities) as prof:
+        for _ in range(num_steps):
+            model(input_ids=input_ids, use_cache=False, logits_to_keep=1)
+            _synchronize(device)
+    rows = []
+    for event in prof.key_averages():
+        if on_gpu:
+            if str(getattr(event, "device_type", "")).rsplit(".", 1)[-1] != "CUDA":
+                continue
+            us = getattr(event, "self_device_time_total", None)
+            us = getattr(event, "self_cuda_time_total", 0) if us is None else us
+        else:
+            us = event.self_cpu_time_total
+        if us > 0:
+            rows.append({"name": event.key, "ms": round(us / 1e3 / num_steps, 4),
+                         "num_calls": event.count // num_steps})
+    return sorted(rows, key=lambda row: -row["ms"])[:num_top]
+
+
+def _timed_run(model, tokens: int, steps: int, device) -> dict:
+    """One model's hooked steps: the step's wall and host ms, each part's per layer, and its top kernels."""
+    parts = PartTimes(model, device)
+    try:
+        step = time_steps(model, tokens, steps, device, parts)
+    finally:
+        parts.remove()
+    return {"step": {k: round(v, 3) for k, v in step.items()}, "per_layer": parts.per_layer(),
+            "top_ops": top_ops(model, tokens, device)}
+
+
 def breakdown(tp_model, alone_model, tokens: int, steps: int, device) -> dict:
-    """Where the TP rank's step goes against the rank's config alone on this device, per layer: each part's host
-    and device ms in both models, the ops each dispatches, the TP forward's collectives, and one all-reduce of a
-    layer's hidden states timed alone."""
-    figures = {}
+    """Where the TP rank's step goes, per layer, against the rank's config alone on this device: each part's host
+    and device ms in the TP model, in the TP model with its layer all-reduces skipped, and alone; the ops each
+    dispatches (the collectives among them); the top kernels; one all-reduce of a layer's hidden states alone."""
+    figures = {"tp": _timed_run(tp_model, tokens, steps, device)}
+    with all_reduces_skipped():
+        figures["tp_skipped"] = _timed_run(tp_model, tokens, steps, device)
+        figures["tp_skipped"]["ops"] = count_ops(tp_model, tokens, device)
+    figures["alone"] = _timed_run(alone_model, tokens, steps, device)
     for label, model in (("tp", tp_model), ("alone", alone_model)):
-        parts = PartTimes(model, device)
-        try:
-            step = time_steps(model, tokens, steps, device, parts)
-        finally:
-            parts.remove()
-        figures[label] = {"step": {k: round(v, 3) for k, v in step.items()}, "per_layer": parts.per_layer(),
-                          "ops": count_ops(model, tokens, device),
-                          "experts_implementation": _experts_implementation(model)}
+        figures[label]["ops"] = count_ops(model, tokens, device)
+        figures[label]["experts_implementation"] = _experts_implementation(model)
     hidden_bytes = tokens * tp_model.config.hidden_size * 2  # [1, tokens, hidden] bf16
     figures["all_reduce_alone_ms"] = round(time_all_reduce(hidden_bytes, device), 4)
     figures["all_reduce_bytes"] = hidden_bytes
@@ -479,7 +535,7 @@ def bench_shape(name: str, root: Path, args, rank: int, gpu: str, device) -> dic
     _empty_cache(device.type)
     expected_bytes = planned["weights_bytes"] + (0 if sharded_embedding else planned["transformers_extra_bytes"])
     step_ms = step["wall_ms"]
-    return {"shape": name, "rank": rank, "gpu": gpu, "tokens": args.tokens,
+    return {"shape": name, "rank": rank, "gpu": gpu, "device": device.type, "tokens": args.tokens,
             "measured_weights_bytes": measured_bytes, "planned_weights_bytes": planned["weights_bytes"],
             "planned_plus_whole_embedding_bytes": expected_bytes, "embedding_sharded": sharded_embedding,
             "memory_error": measured_bytes / expected_bytes - 1,
@@ -518,31 +574,41 @@ def _verdict(error: float) -> str:
 
 
 def breakdown_table(row: dict) -> str:
-    """The rank's step taken apart, per layer, as a few lines: the TP model against the rank's config alone."""
-    parts, tp, alone = row["breakdown"], row["breakdown"]["tp"], row["breakdown"]["alone"]
+    """The rank's step taken apart, per layer, as a few lines: the TP model, the TP model with its layer all-reduces
+    skipped, and the rank's config alone; the differences are what the all-reduces cost in place (TP - skipped) and
+    what transformers' TP adds beside them (skipped - alone: its wrappers' host time, any kernel that differs)."""
+    parts, tp, skipped, alone = (row["breakdown"][key] for key in ("all_reduce_alone_ms", "tp", "tp_skipped", "alone"))
     names = {"self_attn": "attention", "mlp": "MLP/MoE block"}
-    lines = [f"{row['shape']} rank {row['rank']}: ms a layer (median forward / layers)   TP model   rank's config "
-             "alone   TP - alone"]
+    lines = [f"{row['shape']} rank {row['rank']}, ms a layer (median forward / layers):",
+             f"  {'':<21} {'TP':>8} {'TP, no AR':>10} {'alone':>8} {'AR in TP':>9} {'TP rest':>8}"]
     for part in PARTS:
         for clock in ("device_ms", "host_ms"):
-            there, here = tp["per_layer"][part][clock], alone["per_layer"][part][clock]
-            lines.append(f"  {names[part]:<14} {clock.removesuffix('_ms'):<6} {there:10.3f} {here:10.3f} "
-                         f"{there - here:+10.3f}")
+            figures = [run["per_layer"][part][clock] for run in (tp, skipped, alone)]
+            lines.append(_table_row(f"{names[part]} {clock.removesuffix('_ms')}", figures))
     for clock in ("wall_ms", "host_ms"):
-        there, here = tp["step"][clock], alone["step"][clock]
-        lines.append(f"  step (hooked)  {clock.removesuffix('_ms'):<6} {there:10.3f} {here:10.3f} "
-                     f"{there - here:+10.3f}")
+        lines.append(_table_row(f"step {clock.removesuffix('_ms')} (hooked)", [run["step"][clock]
+                                                                              for run in (tp, skipped, alone)]))
+    lines.append(f"  (AR in TP = TP - TP with the layer all-reduces skipped; TP rest = that - alone; one all-reduce "
+                 f"of a layer's {row['breakdown']['all_reduce_bytes'] / 2**20:.2f} MiB alone: {parts:.3f} ms)")
     lines.append("  " + collectives_line(tp["ops"]["collectives"], len_layers(tp)))
-    lines.append(f"  one all-reduce of a layer's hidden states ({parts['all_reduce_bytes'] / 2**20:.2f} MiB) alone: "
-                 f"{parts['all_reduce_alone_ms']:.3f} ms")
     lines.append("  ops a forward (on DTensors): " + ", ".join(
         f"{names.get(part, part)} {tp['ops']['num_ops'][part]} ({tp['ops']['num_dtensor_ops'][part]}) vs "
-        f"{alone['ops']['num_ops'][part]}" for part in (*PARTS, "other")))
+        f"{alone['ops']['num_ops'][part]} alone" for part in (*PARTS, "other")))
     if tp["experts_implementation"] or alone["experts_implementation"]:
         lines.append(f"  experts: {tp['experts_implementation']} in the TP model ("
                      f"{experts_kernels(tp['ops']['ops']['mlp'])}), {alone['experts_implementation']} alone ("
                      f"{experts_kernels(alone['ops']['ops']['mlp'])})")
+    lines.append(f"  top {'ops' if row.get('device') == 'cpu' else 'kernels'}, ms a step (calls), TP | alone:")
+    for there, here in zip(tp["top_ops"][:6], alone["top_ops"][:6]):
+        lines.append(f"    {there['ms']:8.3f} ({there['num_calls']:4d}) {there['name'][:44]:<44} | "
+                     f"{here['ms']:8.3f} ({here['num_calls']:4d}) {here['name'][:44]}")
     return "\n".join(lines)
+
+
+def _table_row(label: str, figures: list[float]) -> str:
+    """One breakdown row: TP, TP without its layer all-reduces, alone, and the two differences."""
+    tp, skipped, alone = figures
+    return f"  {label:<21} {tp:8.3f} {skipped:10.3f} {alone:8.3f} {tp - skipped:+9.3f} {skipped - alone:+8.3f}"
 
 
 def len_layers(figures: dict) -> int:

@@ -59,7 +59,8 @@ def _cpu_run(tmp_path, *extra: str) -> list[dict]:
                              "--folder", str(tmp_path / "ck"), *extra],
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "rank's config alone" in result.stdout and "collectives a forward (2 layers)" in result.stdout
+    assert "ms a layer (median forward / layers)" in result.stdout
+    assert "collectives a forward (2 layers)" in result.stdout
     return [row for rank in (0, 1) for row in json.loads((tmp_path / f"bench_tp_rank{rank}.json").read_text())]
 
 
@@ -82,6 +83,9 @@ def test_on_two_cpu_ranks_transformers_tp_moe_is_vllms_split_and_collectives(tmp
         assert collectives == {("self_attn", "allreduce", hidden_bytes): 2, ("mlp", "allreduce", hidden_bytes): 2,
                                ("other", "allgatherintotensor", logits_bytes): 1, **embedding}
         assert alone["ops"]["collectives"] == []
+        skipped = row["breakdown"]["tp_skipped"]["ops"]["collectives"]  # dist.all_reduce skipped: the layers' go
+        assert [c for c in skipped if c["part"] in bench_tp.PARTS] == [] and len(skipped) == len(embedding) + 1
+        assert all(run["top_ops"] and run["top_ops"][0]["ms"] > 0 for run in (tp, alone))
         assert tp["experts_implementation"] == alone["experts_implementation"] is not None
         assert bench_tp.experts_kernels(tp["ops"]["ops"]["mlp"]) == bench_tp.experts_kernels(alone["ops"]["ops"]["mlp"])
         assert tp["ops"]["num_ops"]["mlp"] > alone["ops"]["num_ops"]["mlp"]  # the TP wrappers' own ops, counted
@@ -91,28 +95,31 @@ def test_on_two_cpu_ranks_transformers_tp_moe_is_vllms_split_and_collectives(tmp
 
 
 def test_the_breakdown_table_attributes_per_layer():
-    def figures(attention_ms: float, moe_ms: float, collectives: list[dict]) -> dict:
+    def run(attention_ms: float, moe_ms: float, collectives: list[dict]) -> dict:
         ops = {"num_ops": {"self_attn": 10, "mlp": 20, "other": 5},
                "num_dtensor_ops": {"self_attn": 0, "mlp": 0, "other": 0}, "collectives": collectives,
                "ops": {"self_attn": {}, "mlp": {"aten._grouped_mm.default": 4, "aten.sort.default": 2}, "other": {}}}
         return {"step": {"wall_ms": 8 * (attention_ms + moe_ms), "host_ms": 4.0},
-                "experts_implementation": "grouped_mm",
+                "experts_implementation": "grouped_mm", "ops": ops,
                 "per_layer": {"self_attn": {"host_ms": 0.1, "device_ms": attention_ms},
-                              "mlp": {"host_ms": 0.2, "device_ms": moe_ms}}, "ops": ops}
+                              "mlp": {"host_ms": 0.2, "device_ms": moe_ms}},
+                "top_ops": [{"name": "nvjet_gemm", "ms": 3.5, "num_calls": 16}]}
 
     reduce = {"op": "c10d.allreduce_.default", "bytes": 8 * 2**20}
-    tp = figures(0.5, 2.5, [dict(reduce, part="self_attn"), dict(reduce, part="mlp")] * 2)
-    row = {"shape": "qwen3_moe", "rank": 0, "breakdown": {"tp": tp, "alone": figures(0.4, 1.0, []),
-                                                          "all_reduce_alone_ms": 0.06, "all_reduce_bytes": 8 * 2**20}}
+    tp = run(0.5, 2.5, [dict(reduce, part="self_attn"), dict(reduce, part="mlp")] * 2)
+    row = {"shape": "qwen3_moe", "rank": 0, "device": "cuda",
+           "breakdown": {"tp": tp, "tp_skipped": run(0.45, 2.0, []), "alone": run(0.4, 1.0, []),
+                         "all_reduce_alone_ms": 0.06, "all_reduce_bytes": 8 * 2**20}}
     table = bench_tp.breakdown_table(row)
-    assert "  MLP/MoE block  device      2.500      1.000     +1.500" in table
+    assert "  MLP/MoE block device     2.500      2.000    1.000    +0.500   +1.000" in table
+    assert "  step wall (hooked)      24.000     19.600   11.200    +4.400   +8.400" in table
     assert "collectives a forward (2 layers): 2 x c10d.allreduce_.default of 8192.0 KiB in mlp, " in table
-    assert "one all-reduce of a layer's hidden states (8.00 MiB) alone: 0.060 ms" in table
+    assert "one all-reduce of a layer's 8.00 MiB alone: 0.060 ms" in table
     assert "experts: grouped_mm in the TP model (4 x aten._grouped_mm.default), grouped_mm alone" in table
-    dense = bench_tp.breakdown_table({**row, "breakdown": {**row["breakdown"],
-                                                           "tp": dict(tp, experts_implementation=None),
-                                                           "alone": dict(tp, experts_implementation=None)}})
-    assert "experts:" not in dense
+    assert "top kernels, ms a step (calls), TP | alone:\n       3.500 (  16) nvjet_gemm" in table
+    dense = {**row["breakdown"], **{key: dict(row["breakdown"][key], experts_implementation=None)
+                                    for key in ("tp", "alone")}}
+    assert "experts:" not in bench_tp.breakdown_table({**row, "breakdown": dense})
 
 
 def test_without_two_gpus_it_says_so_in_one_line():
@@ -131,6 +138,6 @@ def test_two_gpus_measure_the_rank_within_10_percent_of_the_plan(tmp_path):
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
                             env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
     assert result.returncode == 0, result.stderr[-3000:]
-    lines = [line for line in result.stdout.splitlines() if " rank " in line]
+    lines = [line for line in result.stdout.splitlines() if "all resident" in line]
     assert len(lines) == 4, result.stdout
     assert all(line.count("within 10%") == 2 and "all-reduce measured" in line for line in lines), result.stdout
