@@ -33,8 +33,9 @@ its collectives, any wait for the host or the peer rank); a device figure no lar
 host bounds that part. TP minus skipped is what the all-reduces cost in place; skipped minus alone is what
 transformers' TP adds beside them. torch.profiler names each run's top kernels (ms a step), one forward of each
 is counted op by op (a TorchDispatchMode: the collectives with their bytes and part, the ops on DTensors, the
-experts' kernels), and one all-reduce of a layer's hidden states is timed alone. The table prints after each
-rank's line; the JSON under $OUT holds every figure.
+experts' kernels), the router's spread of the tokens over the experts is read from one forward of each (the
+two models route with different random weights), and one all-reduce of a layer's hidden states is timed alone.
+The table prints after each rank's line; the JSON under $OUT holds every figure.
 
 What transformers' ``tp_plan="auto"`` runs for Qwen3-MoE (5.17 and 5.24, ``distributed/tensor_parallel.py``):
 q/k/v colwise and o_proj rowwise (one all-reduce of the hidden states, ``dist.all_reduce`` on the local output);
@@ -488,6 +489,38 @@ def top_ops(model, tokens: int, device, num_steps: int = 2, num_top: int = 12) -
     return sorted(rows, key=lambda row: -row["ms"])[:num_top]
 
 
+def routing_load(model, tokens: int, device) -> dict | None:
+    """How one forward's router spread the tokens over the experts, the median over the MoE layers: the experts hit
+    and the busiest expert's tokens over the mean (1.0: even). The grouped GEMMs' time follows the spread, and the TP
+    model and the rank's config alone route with different random weights. None for a dense model (no
+    ``mlp.gate`` returning the top-k expert indices last)."""
+    import torch
+
+    loads: list[tuple[int, float]] = []
+
+    def record(module, args, output) -> None:
+        indices = output[-1] if isinstance(output, tuple) else None
+        if indices is None or indices.dtype not in (torch.int64, torch.int32):
+            return
+        counts = torch.bincount(indices.flatten().long()).float()  # [experts up to the highest hit]
+        hit = counts[counts > 0]
+        loads.append((int(hit.numel()), float(counts.max() / hit.sum() * hit.numel())))
+
+    gates = [layer.mlp.gate for layer in decoder_layers(model) if isinstance(getattr(layer.mlp, "gate", None),
+                                                                            torch.nn.Module)]
+    handles = [gate.register_forward_hook(record) for gate in gates]
+    try:
+        with torch.inference_mode():
+            model(input_ids=_step_ids(model.config.vocab_size, tokens, device), use_cache=False, logits_to_keep=1)
+    finally:
+        for handle in handles:
+            handle.remove()
+    if not loads:
+        return None
+    return {"num_experts_hit": statistics.median(hit for hit, _ in loads),
+            "busiest_over_mean": round(statistics.median(ratio for _, ratio in loads), 3)}
+
+
 def _timed_run(model, tokens: int, steps: int, device) -> dict:
     """One model's hooked steps: the step's wall and host ms, each part's per layer, and its top kernels."""
     parts = PartTimes(model, device)
@@ -511,6 +544,7 @@ def breakdown(tp_model, alone_model, tokens: int, steps: int, device) -> dict:
     for label, model in (("tp", tp_model), ("alone", alone_model)):
         figures[label]["ops"] = count_ops(model, tokens, device)
         figures[label]["experts_implementation"] = _experts_implementation(model)
+        figures[label]["routing"] = routing_load(model, tokens, device)
     hidden_bytes = tokens * tp_model.config.hidden_size * 2  # [1, tokens, hidden] bf16
     figures["all_reduce_alone_ms"] = round(time_all_reduce(hidden_bytes, device), 4)
     figures["all_reduce_bytes"] = hidden_bytes
@@ -598,11 +632,18 @@ def breakdown_table(row: dict) -> str:
         lines.append(f"  experts: {tp['experts_implementation']} in the TP model ("
                      f"{experts_kernels(tp['ops']['ops']['mlp'])}), {alone['experts_implementation']} alone ("
                      f"{experts_kernels(alone['ops']['ops']['mlp'])})")
+    if tp.get("routing") and alone.get("routing"):
+        lines.append(f"  routing, median MoE layer: {_routing_text(tp['routing'])} in the TP model, "
+                     f"{_routing_text(alone['routing'])} alone")
     lines.append(f"  top {'ops' if row.get('device') == 'cpu' else 'kernels'}, ms a step (calls), TP | alone:")
     for there, here in zip(tp["top_ops"][:6], alone["top_ops"][:6]):
         lines.append(f"    {there['ms']:8.3f} ({there['num_calls']:4d}) {there['name'][:44]:<44} | "
                      f"{here['ms']:8.3f} ({here['num_calls']:4d}) {here['name'][:44]}")
     return "\n".join(lines)
+
+
+def _routing_text(routing: dict) -> str:
+    return f"{routing['num_experts_hit']:g} experts hit, the busiest {routing['busiest_over_mean']:.2f} x the mean"
 
 
 def _table_row(label: str, figures: list[float]) -> str:

@@ -86,6 +86,8 @@ def test_on_two_cpu_ranks_transformers_tp_moe_is_vllms_split_and_collectives(tmp
         skipped = row["breakdown"]["tp_skipped"]["ops"]["collectives"]  # dist.all_reduce skipped: the layers' go
         assert [c for c in skipped if c["part"] in bench_tp.PARTS] == [] and len(skipped) == len(embedding) + 1
         assert all(run["top_ops"] and run["top_ops"][0]["ms"] > 0 for run in (tp, alone))
+        for routing in (tp["routing"], alone["routing"]):  # 32 tokens x top-2 over 4 experts
+            assert 1 <= routing["num_experts_hit"] <= 4 and 1.0 <= routing["busiest_over_mean"] <= 4.0
         assert tp["experts_implementation"] == alone["experts_implementation"] is not None
         assert bench_tp.experts_kernels(tp["ops"]["ops"]["mlp"]) == bench_tp.experts_kernels(alone["ops"]["ops"]["mlp"])
         assert tp["ops"]["num_ops"]["mlp"] > alone["ops"]["num_ops"]["mlp"]  # the TP wrappers' own ops, counted
@@ -101,6 +103,7 @@ def test_the_breakdown_table_attributes_per_layer():
                "ops": {"self_attn": {}, "mlp": {"aten._grouped_mm.default": 4, "aten.sort.default": 2}, "other": {}}}
         return {"step": {"wall_ms": 8 * (attention_ms + moe_ms), "host_ms": 4.0},
                 "experts_implementation": "grouped_mm", "ops": ops,
+                "routing": {"num_experts_hit": 32, "busiest_over_mean": 1.5},
                 "per_layer": {"self_attn": {"host_ms": 0.1, "device_ms": attention_ms},
                               "mlp": {"host_ms": 0.2, "device_ms": moe_ms}},
                 "top_ops": [{"name": "nvjet_gemm", "ms": 3.5, "num_calls": 16}]}
@@ -116,6 +119,7 @@ def test_the_breakdown_table_attributes_per_layer():
     assert "collectives a forward (2 layers): 2 x c10d.allreduce_.default of 8192.0 KiB in mlp, " in table
     assert "one all-reduce of a layer's 8.00 MiB alone: 0.060 ms" in table
     assert "experts: grouped_mm in the TP model (4 x aten._grouped_mm.default), grouped_mm alone" in table
+    assert "routing, median MoE layer: 32 experts hit, the busiest 1.50 x the mean in the TP model" in table
     assert "top kernels, ms a step (calls), TP | alone:\n       3.500 (  16) nvjet_gemm" in table
     dense = {**row["breakdown"], **{key: dict(row["breakdown"][key], experts_implementation=None)
                                     for key in ("tp", "alone")}}
