@@ -31,7 +31,7 @@ config alone. Each layer's attention and MLP/MoE block is timed through forward 
 launches inside the part, until it returns) and device ms (CUDA events at the part's entry and exit: its kernels,
 its collectives, any wait for the host or the peer rank); a device figure no larger than the host one says the
 host bounds that part. TP minus skipped is what the all-reduces cost in place; skipped minus alone is what
-transformers' TP adds beside them. torch.profiler names each run's top kernels (ms a step), one forward of each
+transformers' TP adds beside them. torch.profiler names the kernels whose ms a step differ most, one forward of each
 is counted op by op (a TorchDispatchMode: the collectives with their bytes and part, the ops on DTensors, the
 experts' kernels), the router's spread of the tokens over the experts is read from one forward of each (the
 two models route with different random weights), and one all-reduce of a layer's hidden states is timed alone.
@@ -461,7 +461,7 @@ def all_reduces_skipped():
         dist.all_reduce = original
 
 
-def top_ops(model, tokens: int, device, num_steps: int = 2, num_top: int = 12) -> list[dict]:
+def top_ops(model, tokens: int, device, num_steps: int = 2, num_top: int = 40) -> list[dict]:
     """torch.profiler over ``num_steps`` forwards: the ``num_top`` kernels by device ms a step on a GPU (the ops by
     host ms on the CPU), each with its calls a step."""
     import torch
@@ -635,11 +635,21 @@ def breakdown_table(row: dict) -> str:
     if tp.get("routing") and alone.get("routing"):
         lines.append(f"  routing, median MoE layer: {_routing_text(tp['routing'])} in the TP model, "
                      f"{_routing_text(alone['routing'])} alone")
-    lines.append(f"  top {'ops' if row.get('device') == 'cpu' else 'kernels'}, ms a step (calls), TP | alone:")
-    for there, here in zip(tp["top_ops"][:6], alone["top_ops"][:6]):
-        lines.append(f"    {there['ms']:8.3f} ({there['num_calls']:4d}) {there['name'][:44]:<44} | "
-                     f"{here['ms']:8.3f} ({here['num_calls']:4d}) {here['name'][:44]}")
+    lines.append(f"  {'ops' if row.get('device') == 'cpu' else 'kernels'} that differ most, ms a step (calls): "
+                 "TP, alone, TP - alone")
+    for name, there, here in kernel_differences(tp["top_ops"], alone["top_ops"]):
+        lines.append(f"    {there['ms']:8.3f} ({there['num_calls']:4d}) {here['ms']:8.3f} ({here['num_calls']:4d}) "
+                     f"{there['ms'] - here['ms']:+8.3f}  {name[:70]}")
     return "\n".join(lines)
+
+
+def kernel_differences(tp_ops: list[dict], alone_ops: list[dict], num_top: int = 8) -> list[tuple[str, dict, dict]]:
+    """The kernels (ops on the CPU) whose ms a step differ most between the TP model and the rank's config alone:
+    (name, TP's figures, alone's), a kernel missing from one side at 0 ms there."""
+    absent = {"ms": 0.0, "num_calls": 0}
+    tp, alone = {op["name"]: op for op in tp_ops}, {op["name"]: op for op in alone_ops}
+    rows = [(name, tp.get(name, absent), alone.get(name, absent)) for name in {*tp, *alone}]
+    return sorted(rows, key=lambda row: (-abs(row[1]["ms"] - row[2]["ms"]), row[0]))[:num_top]
 
 
 def _routing_text(routing: dict) -> str:

@@ -97,7 +97,7 @@ def test_on_two_cpu_ranks_transformers_tp_moe_is_vllms_split_and_collectives(tmp
 
 
 def test_the_breakdown_table_attributes_per_layer():
-    def run(attention_ms: float, moe_ms: float, collectives: list[dict]) -> dict:
+    def run(attention_ms: float, moe_ms: float, collectives: list[dict], extra_kernels: tuple = ()) -> dict:
         ops = {"num_ops": {"self_attn": 10, "mlp": 20, "other": 5},
                "num_dtensor_ops": {"self_attn": 0, "mlp": 0, "other": 0}, "collectives": collectives,
                "ops": {"self_attn": {}, "mlp": {"aten._grouped_mm.default": 4, "aten.sort.default": 2}, "other": {}}}
@@ -106,10 +106,11 @@ def test_the_breakdown_table_attributes_per_layer():
                 "routing": {"num_experts_hit": 32, "busiest_over_mean": 1.5},
                 "per_layer": {"self_attn": {"host_ms": 0.1, "device_ms": attention_ms},
                               "mlp": {"host_ms": 0.2, "device_ms": moe_ms}},
-                "top_ops": [{"name": "nvjet_gemm", "ms": 3.5, "num_calls": 16}]}
+                "top_ops": [{"name": "nvjet_gemm", "ms": 3.5, "num_calls": 16}, *extra_kernels]}
 
     reduce = {"op": "c10d.allreduce_.default", "bytes": 8 * 2**20}
-    tp = run(0.5, 2.5, [dict(reduce, part="self_attn"), dict(reduce, part="mlp")] * 2)
+    nccl = {"name": "ncclDevKernel_AllReduce_Sum_bf16_RING_LL", "ms": 0.8, "num_calls": 16}
+    tp = run(0.5, 2.5, [dict(reduce, part="self_attn"), dict(reduce, part="mlp")] * 2, (nccl,))
     row = {"shape": "qwen3_moe", "rank": 0, "device": "cuda",
            "breakdown": {"tp": tp, "tp_skipped": run(0.45, 2.0, []), "alone": run(0.4, 1.0, []),
                          "all_reduce_alone_ms": 0.06, "all_reduce_bytes": 8 * 2**20}}
@@ -120,7 +121,9 @@ def test_the_breakdown_table_attributes_per_layer():
     assert "one all-reduce of a layer's 8.00 MiB alone: 0.060 ms" in table
     assert "experts: grouped_mm in the TP model (4 x aten._grouped_mm.default), grouped_mm alone" in table
     assert "routing, median MoE layer: 32 experts hit, the busiest 1.50 x the mean in the TP model" in table
-    assert "top kernels, ms a step (calls), TP | alone:\n       3.500 (  16) nvjet_gemm" in table
+    assert ("kernels that differ most, ms a step (calls): TP, alone, TP - alone\n"
+            "       0.800 (  16)    0.000 (   0)   +0.800  ncclDevKernel_AllReduce_Sum_bf16_RING_LL\n"
+            "       3.500 (  16)    3.500 (  16)   +0.000  nvjet_gemm") in table
     dense = {**row["breakdown"], **{key: dict(row["breakdown"][key], experts_implementation=None)
                                     for key in ("tp", "alone")}}
     assert "experts:" not in bench_tp.breakdown_table({**row, "breakdown": dense})
