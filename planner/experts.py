@@ -23,11 +23,13 @@ The MoE geometry of a checkpoint is read here and only here (``moe_geometry``; t
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from planner.errors import ModelInputError
+from planner.selection_bias import SelectionOptimism
 
 if TYPE_CHECKING:
     from planner.layout import LayerInfo, ModelLayout
@@ -197,6 +199,8 @@ class LayerRouting:
 
     index: int
     shares: tuple[float, ...]
+    #: the tokens a trace counted the shares over; None: shares known exactly (uniform routing)
+    num_counted_tokens: int | None = None
 
     def touched(self, num_tokens: int) -> tuple[float, ...]:
         """Per expert, the chance a step of ``num_tokens`` independently routed tokens touches it."""
@@ -220,6 +224,23 @@ class LayerRouting:
         """Expected distinct experts a step touches that are not resident (each crosses the link once)."""
         kept = set(resident)
         return math.fsum(p for e, p in enumerate(self.touched(num_tokens)) if e not in kept)
+
+    def out_of_sample(self, resident: tuple[int, ...], num_tokens: int) -> tuple[float, float]:
+        """(hit rate, expected fetched experts) of the ``resident`` experts chosen as the hottest by these
+        shares, on steps of ``num_tokens`` tokens the trace did not see: the counted figures less the optimism of
+        choosing by the same counts (planner.selection_bias). Exact shares (uniform routing) need none."""
+        hit, fetched = self.hit_rate(resident), self.expected_fetched(resident, num_tokens)
+        if self.num_counted_tokens is None:
+            return hit, fetched
+        optimism = self._optimism
+        hit -= optimism.hit_rate_gap(len(resident), num_tokens)
+        fetched -= optimism.fetched_gap(len(resident), num_tokens)
+        return min(1.0, max(0.0, hit)), max(0.0, fetched)
+
+    @functools.cached_property
+    def _optimism(self) -> SelectionOptimism:
+        counts = tuple(round(share * self.num_counted_tokens) for share in self.shares)
+        return SelectionOptimism(counts=counts, num_tokens=self.num_counted_tokens)
 
 
 def uniform_routing(geometry: MoeGeometry) -> tuple[LayerRouting, ...]:
@@ -474,11 +495,12 @@ def routed_placement(geometry: MoeGeometry, routing: tuple[LayerRouting, ...], *
     rate = routed_fetch_bytes_per_s(h2d_bytes_per_s)
     rows, resident_bytes = [], 0
     for layer, layer_routing, ids in zip(geometry.layers, routing, resident):
-        fetched = layer_routing.expected_fetched(ids, num_tokens) * layer.expert_bytes
+        # chosen as the hottest by the shares: priced on steps the trace did not see
+        hit_rate, fetched_experts = layer_routing.out_of_sample(ids, num_tokens)
+        fetched = fetched_experts * layer.expert_bytes
         resident_bytes += len(ids) * layer.expert_bytes
         rows.append(RoutedLayer(index=layer.index, resident=ids, expected_fetched_bytes=fetched,
-                                hit_rate=layer_routing.hit_rate(ids), fetch_ms=1e3 * fetched / rate,
-                                expert_bytes=layer.expert_bytes))
+                                hit_rate=hit_rate, fetch_ms=1e3 * fetched / rate, expert_bytes=layer.expert_bytes))
     # the runtime pins every expert of a routed layer, resident ones too: the loader writes whole fused params,
     # and a prefill chunk copies the layer's experts from one place (runtime.routed_experts)
     host = sum(layer.expert_bytes * geometry.num_experts for layer in geometry.layers)

@@ -105,8 +105,10 @@ class RoutingTrace:
         return tuple(sum(hits[rank] for _, hits in self.prefetch_hits) / made for rank in range(self.top_k))
 
     def routing(self) -> tuple[LayerRouting, ...]:
-        """Per layer, each expert's share of tokens: count / num_tokens."""
-        return tuple(LayerRouting(index=index, shares=tuple(c / self.num_tokens for c in counts))
+        """Per layer, each expert's share of tokens: count / num_tokens, counted over num_tokens (the plan prices
+        the hottest on steps the trace did not see: LayerRouting.out_of_sample)."""
+        return tuple(LayerRouting(index=index, shares=tuple(c / self.num_tokens for c in counts),
+                                  num_counted_tokens=self.num_tokens)
                      for index, counts in self.layers)
 
 
