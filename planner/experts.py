@@ -55,6 +55,17 @@ PREFETCH_ACCURACY = 0.78
 #: benchmarks/2026-11-25-prefetch-depth-h100.md): the planner's prefetch depth is chosen from this curve where no
 #: trace measured one, resampled to the router's top-k and scaled to mean PREFETCH_ACCURACY
 MEASURED_RANK_ACCURACY = (0.9641, 0.9388, 0.9076, 0.8620, 0.7832, 0.7028, 0.5864, 0.4817)
+#: a predicting routed layer's own cost in a decode step, beyond its fetches: the next layer's predictor (that
+#: router on this layer's router input), the fetch plans and the side stream's join. Measured on the H100 by
+#: scripts/bench_experts.py --machinery, every expert resident so nothing crosses the link: 19.13 ms a step with
+#: prefetch against 17.79 ms all-resident (17.64 routed without prefetch), 1.34 ms over 47 predicting layers
+#: (Qwen3-30B-A3B shape, one sequence, serving's kernels; benchmarks/2026-11-26-routed-machinery-h100.json)
+PREFETCH_MACHINERY_MS = 0.0285
+#: how much slower a decode step's compute runs while a prefetch gather reads host memory beside it (its
+#: programs share the SMs and the memory system): decode-sized bf16 products took 110.9 us alone and 125.4,
+#: 128.2 and 132.1 us beside a gather of 1, 2 and 4 experts on the H100 (+13% to +19%;
+#: scripts/experiments/gather_contention.py, benchmarks/2026-11-26-gather-contention-h100.json)
+GATHER_COMPUTE_SLOWDOWN = 0.15
 #: the plan's experts.prefetch where routed layers prefetch the next routed layer's predicted experts
 NEXT_LAYER_ROUTER = "next_layer_router"
 #: the MoE block modules whose experts transformers 5 holds as the fused params of its experts interface, which
@@ -516,7 +527,8 @@ def routed_step_ms(layer_ms: tuple[float, ...], head_ms: float, placement: Route
 
 def prefetch_layer_stall_ms(compute_ms: float, fetch_ms: float, accuracy: float | None, predicted: bool,
                             ahead_share: float = 1.0, expert_ms: float | None = None,
-                            num_slots: int | None = None) -> float:
+                            num_slots: int | None = None, compute_slowdown: float = 0.0,
+                            machinery_ms: float = 0.0) -> float:
     """What a routed layer waits for its experts in a decode step. Without a prediction (no prefetch, or the
     first routed layer: nothing before it predicts it), the whole fetch, after its router. With one, the
     previous routed layer's prefetch of the predicted experts (as many as the step routes to: ``fetch_ms`` of
@@ -536,23 +548,51 @@ def prefetch_layer_stall_ms(compute_ms: float, fetch_ms: float, accuracy: float 
     min(tokens x k, E)): the step's fetch is a whole number N of experts, not its mean. A batch-1 step fetches 0
     to 4 experts a layer where the mean is 1.3, and the part of the prefetch beyond one layer's compute is
     convex in N, so the step waits E[max(0, ahead x N x expert - compute)], over N ~ Binomial(num_slots,
-    mean / num_slots), more than the same at the mean (without them: at the mean)."""
+    mean / num_slots), more than the same at the mean (without them: at the mean).
+
+    ``compute_slowdown`` s: the compute the prefetch overlaps runs (1 + s) slower (GATHER_COMPUTE_SLOWDOWN), so a
+    prefetch X shorter than the compute c costs s x X, and a longer one max(X - c, s x c): a link-bound layer
+    hides the slower compute behind the link. ``machinery_ms``: the predicting layer's own cost
+    (PREFETCH_MACHINERY_MS). Both 0 by default: the plan passes the measured figures (routed_stalls_ms)."""
     if accuracy is None or not predicted:
         return fetch_ms
-    beyond = max(0.0, ahead_share * fetch_ms - compute_ms) if not expert_ms or not num_slots else \
-        expected_excess_ms(ahead_share * expert_ms, compute_ms, fetch_ms / expert_ms, num_slots)
-    return beyond + (1 - accuracy) * fetch_ms
+    if expert_ms and num_slots:
+        beyond = expected_excess_ms(ahead_share * expert_ms, compute_ms, fetch_ms / expert_ms, num_slots,
+                                    compute_slowdown)
+    else:
+        beyond = _overlap_excess_ms(ahead_share * fetch_ms, compute_ms, compute_slowdown)
+    return beyond + (1 - accuracy) * fetch_ms + machinery_ms
 
 
-def expected_excess_ms(ms_per_expert: float, compute_ms: float, mean_experts: float, num_slots: int) -> float:
-    """E[max(0, N x ms_per_expert - compute_ms)] for N ~ Binomial(num_slots, mean_experts / num_slots): the
-    expected part of a layer's prefetch that outlasts its compute window."""
+def planned_layer_stall_ms(compute_ms: float, fetch_ms: float, accuracy: float | None, predicted: bool,
+                           ahead_share: float = 1.0, expert_ms: float | None = None,
+                           num_slots: int | None = None) -> float:
+    """prefetch_layer_stall_ms with a prefetch's measured costs beside its bytes: the compute it slows
+    (GATHER_COMPUTE_SLOWDOWN) and its machinery (PREFETCH_MACHINERY_MS). What a plan, show and the benchmarks
+    price."""
+    return prefetch_layer_stall_ms(compute_ms, fetch_ms, accuracy, predicted, ahead_share, expert_ms, num_slots,
+                                   GATHER_COMPUTE_SLOWDOWN, PREFETCH_MACHINERY_MS)
+
+
+def _overlap_excess_ms(prefetch_ms: float, compute_ms: float, compute_slowdown: float) -> float:
+    """What a layer adds to its compute when a prefetch of ``prefetch_ms`` overlaps it and slows it by
+    ``compute_slowdown``: s x X under the compute, max(X - c, s x c) beyond it."""
+    if prefetch_ms < compute_ms:
+        return compute_slowdown * prefetch_ms
+    return max(prefetch_ms - compute_ms, compute_slowdown * compute_ms)
+
+
+def expected_excess_ms(ms_per_expert: float, compute_ms: float, mean_experts: float, num_slots: int,
+                       compute_slowdown: float = 0.0) -> float:
+    """E[excess(N x ms_per_expert)] for N ~ Binomial(num_slots, mean_experts / num_slots), excess the prefetch's
+    part beyond its compute window (_overlap_excess_ms; without a slowdown, max(0, X - compute))."""
     if ms_per_expert <= 0.0 or mean_experts <= 0.0:
         return 0.0
     p = min(1.0, mean_experts / num_slots)
     if p >= 1.0:
-        return max(0.0, num_slots * ms_per_expert - compute_ms)
-    first = math.floor(compute_ms / ms_per_expert) + 1  # the fewest experts that outlast the window
+        return _overlap_excess_ms(num_slots * ms_per_expert, compute_ms, compute_slowdown)
+    # without a slowdown only the counts that outlast the window cost anything
+    first = 1 if compute_slowdown else math.floor(compute_ms / ms_per_expert) + 1
     if first > num_slots:
         return 0.0
     log_q = math.log1p(-p)
@@ -560,7 +600,7 @@ def expected_excess_ms(ms_per_expert: float, compute_ms: float, mean_experts: fl
     for count in range(first, num_slots + 1):
         log_pmf = (math.lgamma(num_slots + 1) - math.lgamma(count + 1) - math.lgamma(num_slots - count + 1)
                    + count * math.log(p) + (num_slots - count) * log_q)
-        total += math.exp(log_pmf) * (count * ms_per_expert - compute_ms)
+        total += math.exp(log_pmf) * _overlap_excess_ms(count * ms_per_expert, compute_ms, compute_slowdown)
     return total
 
 
@@ -573,8 +613,8 @@ def routed_stalls_ms(placement: RoutedPlacement, layer_ms: tuple[float, ...] | N
         accuracy, ahead = placement.prefetch_accuracy, placement.prefetch_ahead_share
         if accuracy is not None:
             accuracy, ahead = _row_shares(layer, accuracy, ahead)
-        stalls[layer.index] = prefetch_layer_stall_ms(compute_ms, layer.fetch_ms, accuracy, predicted, ahead,
-                                                      _expert_ms(layer), placement.fetch_slots)
+        stalls[layer.index] = planned_layer_stall_ms(compute_ms, layer.fetch_ms, accuracy, predicted, ahead,
+                                                     _expert_ms(layer), placement.fetch_slots)
         predicted = True
     return stalls
 

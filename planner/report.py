@@ -41,7 +41,7 @@ def _routed_simulation(plan: Plan) -> Simulation:
     """A routed decode step: each routed layer waits for its fetch after its router (planner.expert_choice)."""
     from planner.simulate import Interval
 
-    from planner.experts import prefetch_layer_stall_ms
+    from planner.experts import planned_layer_stall_ms
 
     experts = plan.experts
     routed = [row for row in experts.layers if row.regime == "routed"]
@@ -53,7 +53,7 @@ def _routed_simulation(plan: Plan) -> Simulation:
         return row.prefetch_hit_share, row.prefetch_ahead_share
 
     rate = experts.routed_fetch_bytes_per_s
-    fetch_ms = {row.index: prefetch_layer_stall_ms(plan.layers[row.index].compute_ms,
+    fetch_ms = {row.index: planned_layer_stall_ms(plan.layers[row.index].compute_ms,
                                                    1e3 * row.expected_fetched_bytes / rate,
                                                    row_hit, predicted=row is not routed[0], ahead_share=row_ahead,
                                                    expert_ms=1e3 * experts.expert_bytes / rate,

@@ -672,13 +672,13 @@ def model_step_ms(resident_step_ms: float, num_layers: int, fetched_bytes_per_la
     over the layers, each layer's expected fetch at the planner's gather rate, with prefetch at ``accuracy``
     (None: no prefetch; the first layer is unpredicted either way) gathering ``ahead_share`` of the fetch ahead
     (a prefetch depth m of k: m / k, ``accuracy`` then the hits' share: planner.experts.prefetch_shares)."""
-    from planner.experts import prefetch_layer_stall_ms, routed_fetch_bytes_per_s
+    from planner.experts import planned_layer_stall_ms, routed_fetch_bytes_per_s
 
     layer_ms = resident_step_ms / num_layers
     rate = routed_fetch_bytes_per_s(h2d_bytes_per_s)
     fetch_ms = 1e3 * fetched_bytes_per_layer / rate
     expert_ms = None if expert_bytes is None else 1e3 * expert_bytes / rate
-    return resident_step_ms + sum(prefetch_layer_stall_ms(layer_ms, fetch_ms, accuracy, predicted=index > 0,
+    return resident_step_ms + sum(planned_layer_stall_ms(layer_ms, fetch_ms, accuracy, predicted=index > 0,
                                                           ahead_share=ahead_share, expert_ms=expert_ms,
                                                           num_slots=num_slots)
                                   for index in range(num_layers))

@@ -7,7 +7,8 @@ stream with a bounded grid (PREFETCH_GATHER_PROGRAMS persistent programs) and th
 the main stream with the full grid; the layer's experts wait for the misses. The planner prices a miss at the
 gather's full rate. This measures, on Qwen3-30B-A3B expert rows in huge-page host memory as run places them,
 the miss gather's time alone and with a prefetch of P experts started just before it, and the prefetch's time,
-each case captured as a CUDA graph and timed by GPU timestamps taken in stream order.
+each case captured as a CUDA graph and timed by GPU timestamps taken in stream order; and how much a
+concurrent prefetch gather slows decode-sized matrix products on the main stream (the step's compute).
 Prints a table; writes JSON to --out.
 """
 
@@ -108,6 +109,53 @@ def one_case(sources, buffers, misses: int, prefetches: int, side: torch.cuda.St
     return statistics.median(miss_us), statistics.median(prefetch_us)
 
 
+#: the compute probe: decode-sized bf16 products, one token against Qwen3-30B-A3B-sized weights (memory-bound,
+#: as a batch-1 decode step's kernels are), chained so the probe lasts about a layer's compute
+PROBE_WEIGHTS = ((2048, 4096), (4096, 2048), (2048, 1536), (768, 2048))
+PROBE_CHAIN = 4
+
+
+def compute_probe_us(side: torch.cuda.Stream, sources, buffers, prefetches: int) -> float:
+    """GPU time of a chain of decode-sized products captured as a graph, alone or with a bounded prefetch gather
+    of ``prefetches`` experts started on the side stream just before it (what the routed step overlaps)."""
+    device = buffers["gate_up"].device
+    weights = [torch.randn(shape, dtype=torch.bfloat16, device=device) for shape in PROBE_WEIGHTS * PROBE_CHAIN]
+    hidden = torch.randn(1, 2048, dtype=torch.bfloat16, device=device)
+    prefetch_ids = slot_ids(prefetches, 70, device)
+    stamps = torch.zeros(3, dtype=torch.int64, device=device)
+    stamp = stamp_kernel()
+
+    def case():
+        main = torch.cuda.current_stream(device)
+        stamp[(1,)](stamps, 0)
+        if prefetches:
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                for name, source in sources.items():
+                    gather_rows(source, buffers[name][SLOTS:], prefetch_ids, max_programs=PREFETCH_GATHER_PROGRAMS)
+        x = hidden
+        for weight in weights:
+            x = x[:, :weight.shape[0]] @ weight if x.shape[1] >= weight.shape[0] else \
+                torch.nn.functional.pad(x, (0, weight.shape[0] - x.shape[1])) @ weight
+        stamp[(1,)](stamps, 1)
+        if prefetches:
+            main.wait_stream(side)
+
+    case()
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        case()
+    times = []
+    for repeat in range(REPEATS + 2):
+        graph.replay()
+        torch.cuda.synchronize(device)
+        start, end, _ = stamps.tolist()
+        if repeat >= 2:
+            times.append((end - start) / 1e3)
+    return statistics.median(times)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(os.environ.get("OUT", "/tmp")))
@@ -126,8 +174,9 @@ def main() -> None:
             rows.append({"misses": misses, "prefetches": prefetches, "miss_us": miss_us,
                          "prefetch_us": prefetch_us if prefetches else None,
                          "miss_gb_per_s": misses * expert_bytes / miss_us / 1e3 if misses else None})
+    probe = {prefetches: compute_probe_us(side, sources, buffers, prefetches) for prefetches in (0, 1, 2, 4)}
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "expert_bytes": expert_bytes,
-              "prefetch_programs": PREFETCH_GATHER_PROGRAMS, "rows": rows}
+              "prefetch_programs": PREFETCH_GATHER_PROGRAMS, "rows": rows, "compute_probe_us": probe}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gather_contention.json").write_text(json.dumps(result, indent=1))
     print(f"{'misses':>6} {'prefetch':>8} {'miss us':>8} {'miss GB/s':>9} {'prefetch us':>11}")
@@ -135,6 +184,8 @@ def main() -> None:
         rate = f"{row['miss_gb_per_s']:.1f}" if row["miss_gb_per_s"] else "-"
         pre = f"{row['prefetch_us']:.1f}" if row["prefetch_us"] else "-"
         print(f"{row['misses']:>6} {row['prefetches']:>8} {row['miss_us']:>8.1f} {rate:>9} {pre:>11}")
+    print("compute probe (decode-sized products) us, by experts a concurrent prefetch gathers:",
+          ", ".join(f"{n}: {us:.1f}" for n, us in probe.items()))
 
 
 if __name__ == "__main__":

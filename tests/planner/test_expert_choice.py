@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from planner.experts import (PREFETCH_ACCURACY, MoeGeometry, MoeLayer, prefetch_layer_stall_ms, routed_placement,
+from planner.experts import (GATHER_COMPUTE_SLOWDOWN, PREFETCH_ACCURACY, PREFETCH_MACHINERY_MS,
+                              MoeGeometry, MoeLayer, prefetch_layer_stall_ms, routed_placement,
                              routed_step_ms, uniform_routing)
 from planner.make import make_plan
 from planner.plan import Inputs
@@ -49,9 +50,15 @@ def test_prefetch_doubles_the_fetch_slots_in_gpu_bytes_at_the_cost_of_resident_e
     from planner.experts import routed_fetch_bytes_per_s
 
     expert_ms = 1e3 * 1000 / routed_fetch_bytes_per_s(1e6)
-    stalls = [prefetch_layer_stall_ms(0.5, row.fetch_ms, 0.8, predicted=i > 0, expert_ms=expert_ms, num_slots=1)
+    stalls = [prefetch_layer_stall_ms(0.5, row.fetch_ms, 0.8, predicted=i > 0, expert_ms=expert_ms, num_slots=1,
+                                      compute_slowdown=GATHER_COMPUTE_SLOWDOWN,
+                                      machinery_ms=PREFETCH_MACHINERY_MS)
               for i, row in enumerate(with_prefetch.layers)]
+    # the plan prices the prefetch's measured costs beside its bytes: slower compute under it, its machinery
     assert routed_step_ms(layer_ms, 0.1, with_prefetch) == pytest.approx(0.1 + 1.5 + sum(stalls))
+    bare = [prefetch_layer_stall_ms(0.5, row.fetch_ms, 0.8, predicted=i > 0, expert_ms=expert_ms, num_slots=1)
+            for i, row in enumerate(with_prefetch.layers)]
+    assert sum(stalls) >= sum(bare) + 2 * PREFETCH_MACHINERY_MS - 1e-12
     assert routed_step_ms(layer_ms, 0.1, without) == pytest.approx(0.1 + 1.5 + without.fetch_ms)
 
 
@@ -229,3 +236,19 @@ def test_a_fetch_of_whole_experts_outlasts_the_window_more_than_its_mean():
     # many slots and a large mean: the spread narrows toward the mean's figure
     wide = prefetch_layer_stall_ms(1.0, 0.01 * 400, 0.9, predicted=True, expert_ms=0.01, num_slots=4096)
     assert wide == pytest.approx(prefetch_layer_stall_ms(1.0, 4.0, 0.9, predicted=True), rel=0.02)
+
+
+def test_a_prefetch_slows_the_compute_it_overlaps_and_a_link_bound_layer_hides_it():
+    """Hand-computed, one slot (a step fetches 0 or 1 expert, half the steps each), compute 0.6 ms, s = 0.15."""
+    from planner.experts import expected_excess_ms
+
+    # an expert of 0.4 ms under the compute costs s x 0.4; none costs nothing
+    assert expected_excess_ms(0.4, 0.6, 0.5, 1, 0.15) == pytest.approx(0.5 * 0.15 * 0.4)
+    # an expert of 1.0 ms outlasts it: max(1.0 - 0.6, 0.15 x 0.6) = 0.4, the slower compute hidden behind it
+    assert expected_excess_ms(1.0, 0.6, 0.5, 1, 0.15) == pytest.approx(0.5 * 0.4)
+    # a prefetch barely past the compute: the slowed compute, not the link, sets the layer's time
+    assert expected_excess_ms(0.62, 0.6, 1.0, 1, 0.15) == pytest.approx(0.15 * 0.6)
+    # the machinery is the predicting layer's own, on top; an unpredicted layer waits for its fetch alone
+    assert prefetch_layer_stall_ms(0.6, 0.4, 1.0, predicted=True, compute_slowdown=0.15, machinery_ms=0.03) == \
+        pytest.approx(0.15 * 0.4 + 0.03)
+    assert prefetch_layer_stall_ms(0.6, 0.4, 1.0, predicted=False, compute_slowdown=0.15, machinery_ms=0.03) == 0.4

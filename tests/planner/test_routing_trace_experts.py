@@ -12,7 +12,8 @@ from planner.cost import ComputeTimes
 from planner.errors import ModelInputError
 from planner.checkpoint import load_checkpoint
 from planner.expert_choice import choose_prefetch_depth, cold_accuracy, expert_model
-from planner.experts import (ExpertPrediction, MoeGeometry, MoeLayer, prefetch_layer_stall_ms,
+from planner.experts import (PREFETCH_MACHINERY_MS, ExpertPrediction, MoeGeometry, MoeLayer, planned_layer_stall_ms,
+                             prefetch_layer_stall_ms,
                              moe_geometry, routed_placement, wasted_prefetch_bytes)
 from planner.layout import build_layout
 from planner.plan_file import read_plan
@@ -131,12 +132,18 @@ def test_the_planner_prices_the_prefetch_from_the_cold_experts_accuracy():
     stall = prefetch_layer_stall_ms(0.2, fetch_ms, 0.25, predicted=True, ahead_share=1.0, expert_ms=expert_ms,
                                     num_slots=1)
     assert stall == pytest.approx(fetched_experts * (expert_ms - 0.2) + 0.75 * fetch_ms)
-    assert simulation.layer_stall_ms == pytest.approx((fetch_ms, stall, stall))
+    # the plan adds the prefetch's measured costs: its machinery, and the compute it slows (hidden here: the
+    # expert outlasts the compute by more than the slowdown)
+    planned = planned_layer_stall_ms(0.2, fetch_ms, 0.25, predicted=True, ahead_share=1.0, expert_ms=expert_ms,
+                                     num_slots=1)
+    assert planned == pytest.approx(stall + PREFETCH_MACHINERY_MS)
+    assert simulation.layer_stall_ms == pytest.approx((fetch_ms, planned, planned))
     assert wasted_prefetch_bytes(chosen) == pytest.approx(2 * 0.75 * fetched_experts * 1000)
     assert cold_accuracy(per_expert, chosen) == (0.25, (0.25,))
     # the all-expert figure would have predicted a faster step: the 0.86 of issue 22's skewed run
     _, optimistic = choose_prefetch_depth(per_rank, compute, placement)
-    assert optimistic.layer_stall_ms[1] == pytest.approx(fetched_experts * (expert_ms - 0.2) + 0.3 * fetch_ms)
+    assert optimistic.layer_stall_ms[1] == pytest.approx(fetched_experts * (expert_ms - 0.2) + 0.3 * fetch_ms +
+                                                          PREFETCH_MACHINERY_MS)
     assert optimistic.step_ms < simulation.step_ms
     # --prefetch-accuracy overrides the trace's figures: assumed
     pinned = expert_model(geometry, routing, "trace", None, 0.9, trace.rank_accuracy(), None,
@@ -160,8 +167,8 @@ def test_at_more_sequences_the_cold_shares_scale_the_layer_fetch_as_the_rank_cur
     assert (row.prefetch_hit_share, row.prefetch_ahead_share) == share
     expert_ms = 1e3 * 1000 / 0.89e6  # the step routes to up to 4 distinct experts (4 tokens, top-1)
     assert simulation.layer_stall_ms[1] == pytest.approx(
-        prefetch_layer_stall_ms(0.2, row.fetch_ms, share[0], predicted=True, ahead_share=share[1],
-                                expert_ms=expert_ms, num_slots=placement.fetch_slots))
+        planned_layer_stall_ms(0.2, row.fetch_ms, share[0], predicted=True, ahead_share=share[1],
+                               expert_ms=expert_ms, num_slots=placement.fetch_slots))
     assert placement.fetch_slots == 4
 
 
@@ -194,7 +201,9 @@ def test_make_check_and_show_a_plan_priced_from_the_expert_figures(tmp_path):
     """make with the trace (prefetch pinned at depth 1: a tiny model's compute hides nothing, so the planner
     would not choose it), the plan's rows hold the cold shares, check regenerates it byte for byte and show
     says where the accuracy comes from."""
-    written = make_checkpoint(tmp_path / "moe", moe={"num_experts": 4, "top_k": 1, "expert_intermediate": 32})
+    # experts of 1.5 MB: a routed step saves more link time than the prefetch's own machinery costs a layer
+    # (planner.experts.PREFETCH_MACHINERY_MS), so the routed regime is the plan's
+    written = make_checkpoint(tmp_path / "moe", moe={"num_experts": 4, "top_k": 1, "expert_intermediate": 4096})
     checkpoint = load_checkpoint(str(written.path))
     geometry = moe_geometry(checkpoint.config, build_layout(checkpoint, None))
     trace = replace(_trace(len(geometry.layers)), model_fingerprint=checkpoint.fingerprint())

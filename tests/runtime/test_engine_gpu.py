@@ -248,7 +248,7 @@ def test_cli_run_cuda_graph_bench_and_prompt(llama, tmp_path):
     result = json.loads(graphed.stdout)
     assert result["mode"] == "decode graphed" and result["step_ms"] > 0 and result["capture_s"] > 0
     assert result["stall_ms"] is None and result["tokens_per_s"] == pytest.approx(4e3 / result["step_ms"])
-    eager = _cli("run", str(plan_path), "--bench", "--json")
+    eager = _cli("run", str(plan_path), "--bench", "--eager", "--json")  # run follows the plan's graphs unless told
     assert eager.returncode == 0 and json.loads(eager.stdout)["mode"] == "decode eager"
     assert "predicts graph replays" in eager.stderr
     text = _cli("run", str(plan_path), "--prompt", "w1 w2 w3", "--max-new-tokens", "8", "--cuda-graph")
