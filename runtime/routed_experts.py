@@ -52,6 +52,7 @@ from torch import nn
 from planner.errors import PlanError, RuntimeUnavailableError
 from planner.placement import ALIGN_BYTES, align_up
 from planner.units import format_bytes
+from runtime.allocation import alloc_device_or_fail, host_allocation_or_fail
 from runtime.engine import PackedParam, backend_unpin, view_as_param
 from runtime.fetch_planning import fused_fetch_plan
 
@@ -215,8 +216,6 @@ class RoutedExperts:
         """One host allocation for every routed layer's E experts per param, back to back (each param's rows
         on an aligned offset), on huge pages; its storage begins at its first byte: torch asks is_pinned about
         a storage's first byte, and prefill's copies from it are asynchronous only when pinned."""
-        from runtime.load import host_allocation_or_fail
-
         num_bytes = align_up(len(self.layers) * len(self.param_names) * ALIGN_BYTES + self.host_bytes)
         return host_allocation_or_fail(num_bytes, "the routed experts", "make a plan that routes fewer layers")
 
@@ -244,8 +243,6 @@ class RoutedExperts:
         return host
 
     def _device_rows(self, name: str, num_rows: int) -> torch.Tensor:
-        from runtime.load import alloc_device_or_fail
-
         dtype, shape = self.rows[name]
         raw = alloc_device_or_fail(self.backend, num_rows * self.row_bytes[name], f"routed experts ({name})",
                                    "make a plan with fewer resident experts")

@@ -41,14 +41,14 @@ def test_advice_is_a_hint_never_a_failure():
 
 
 def test_a_mapping_the_system_refuses_is_one_line(monkeypatch):
-    import runtime.load as load
+    import runtime.allocation as allocation
 
     def refuse(num_bytes):
         raise OSError(12, "Cannot allocate memory")
 
-    monkeypatch.setattr(load, "huge_page_empty", refuse)
+    monkeypatch.setattr(allocation, "huge_page_empty", refuse)
     with pytest.raises(RuntimeUnavailableError) as error:
-        load.host_allocation_or_fail(1 << 40, "the routed experts", "make a plan that routes fewer layers")
+        allocation.host_allocation_or_fail(1 << 40, "the routed experts", "make a plan that routes fewer layers")
     message = str(error.value)
     assert "\n" not in message and "host memory for the routed experts" in message
     assert "routes fewer layers" in message
