@@ -42,15 +42,12 @@ Linear-attention and state-space layers are not modelled.
 
 from dataclasses import dataclass
 
-from planner.model_config import model_config
+from planner.model_config import CONFIG_LIMITS, DTYPE_BYTES, model_config
 from planner.errors import ModelInputError, printable, shown
 from planner.experts import DEFAULT_TOP_K
 from planner.kv_cache import attention_layer_types
 from planner.units import format_bytes
 
-_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-#: far above any model's shared-expert width or count: beyond it the arithmetic on it only overflows
-MAX_CONFIG_COUNT = 2**31
 _UNMODELLED = ("qwen3_next", "jamba", "falcon_h1", "mamba", "mamba2", "zamba", "zamba2", "nemotron_h", "lfm2")
 EXPERT_IMPLEMENTATIONS = ("grouped_mm", "eager", "batched_mm")
 #: what the runtime runs a MoE model's experts through, per phase, and so what plans set memory aside for:
@@ -238,23 +235,19 @@ def activation_shape(config: dict | None) -> ActivationShape:
     layer_types = set(attention_layer_types(config))
 
     def number(key: str, default: int | None = None) -> int:
+        """A size the estimate needs, in planner.model_config.CONFIG_LIMITS' range."""
         value = text.get(key, default)
         if value is None:
             raise ModelInputError(f"activation estimate of {name}: config.json has no {key}")
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        low, high = CONFIG_LIMITS[key]
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
             raise ModelInputError(f"activation estimate of {name}: config.json's {key} is {shown(value)}; "
-                                  "expected a positive integer")
+                                  f"expected an integer from {low} to {high}")
         return value
 
     def count(key: str) -> int:
-        """An optional size or count: absent or null is 0; a string, float or negative number is refused."""
-        value = text.get(key)
-        if value is None:
-            return 0
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_CONFIG_COUNT:
-            raise ModelInputError(f"activation estimate of {name}: config.json's {key} is {shown(value)}; "
-                                  f"expected an integer from 0 to {MAX_CONFIG_COUNT}")
-        return value
+        """An optional size or count: absent, null or 0 is 0; else as ``number``."""
+        return 0 if text.get(key) in (None, 0) and not isinstance(text.get(key), bool) else number(key)
 
     hidden = number("hidden_size")
     num_heads = number("num_attention_heads")
@@ -285,7 +278,7 @@ def activation_shape(config: dict | None) -> ActivationShape:
             moe_intermediate_size=moe_inter, shared_intermediate_size=shared, latent_attention=latent,
             qk_rope_head_dim=number("qk_rope_head_dim") if latent else 0,
             eager_attention=model_type in EAGER_ATTENTION_MODEL_TYPES,
-            activation_bytes=_DTYPE_BYTES.get(dtype, 2), dtype=dtype if dtype in _DTYPE_BYTES else "bfloat16",
+            activation_bytes=DTYPE_BYTES.get(dtype, 2), dtype=dtype if dtype in DTYPE_BYTES else "bfloat16",
             sliding_mask_window_tokens=number("sliding_window") if mixed else 0,
             num_rotary_tables=len(layer_types) if per_type_rotary and layer_types else 1,
             window_off_mask=window_off_mask,

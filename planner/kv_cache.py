@@ -21,7 +21,7 @@ wrong guess here would silently oversubscribe the GPU.
 
 from dataclasses import dataclass
 
-from planner.model_config import model_config
+from planner.model_config import CONFIG_LIMITS, model_config
 from planner.errors import ModelInputError, printable, shown
 from planner.units import format_bytes
 
@@ -34,8 +34,6 @@ _CONFIG_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 DEFAULT_ACTIVATION_DTYPE = "bf16"
 RECURRENT_STATE_BYTES = 4  # float32
 KINDS = ("full", "sliding", "latent", "state")
-# Plausibility limit of the sizes planner.bounds.CONFIG_COUNTS does not list: a config beyond it is corrupt.
-_MAX_DIM = 65536
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -197,11 +195,10 @@ class _Config:
 
     def int(self, key: str, *, maximum: int | None = None, default: int | None = None) -> int:
         """A positive integer (bools and floats refused), at most ``maximum`` (default: the key's bound in
-        planner.bounds.CONFIG_COUNTS, the one table config.json is checked against, else ``_MAX_DIM``)."""
+        planner.model_config.CONFIG_LIMITS, the one table config.json is checked against; a bound that depends on
+        another key, such as a period of at most the layer count, is given)."""
         if maximum is None:
-            from planner.bounds import CONFIG_COUNTS  # planner.bounds imports this module
-
-            maximum = CONFIG_COUNTS.get(key, (1, _MAX_DIM))[1]
+            maximum = CONFIG_LIMITS[key][1]
         value = self.values.get(key)
         if value is None:
             if default is None:
@@ -250,7 +247,7 @@ def _sliding_window(cfg: _Config) -> int | None:
     """The window in tokens, or None where config.json sets none (Mixtral, later Mistral configs)."""
     if cfg.values.get("use_sliding_window") is False:  # Qwen2/Qwen3 switch the window off this way
         return None
-    return cfg.int("sliding_window", maximum=2**31) if cfg.has("sliding_window") else None
+    return cfg.int("sliding_window") if cfg.has("sliding_window") else None
 
 
 def _explicit_layer_types(cfg: _Config, num_layers: int) -> list[str] | None:
@@ -326,10 +323,10 @@ def _latent_layers(cfg: _Config) -> list[CacheLayer]:
 
 def _gated_deltanet_state(cfg: _Config, index: int) -> CacheLayer:
     """Qwen3-Next's Gated DeltaNet: conv over q, k, v channels; one k x v matrix per value head."""
-    key_dim = cfg.int("linear_num_key_heads", maximum=_MAX_DIM) * cfg.int("linear_key_head_dim")
-    num_value_heads = cfg.int("linear_num_value_heads", maximum=_MAX_DIM)
+    key_dim = cfg.int("linear_num_key_heads") * cfg.int("linear_key_head_dim")
+    num_value_heads = cfg.int("linear_num_value_heads")
     value_dim = num_value_heads * cfg.int("linear_value_head_dim")
-    conv = (2 * key_dim + value_dim) * cfg.int("linear_conv_kernel_dim", maximum=64)
+    conv = (2 * key_dim + value_dim) * cfg.int("linear_conv_kernel_dim")
     recurrent = num_value_heads * cfg.int("linear_key_head_dim") * cfg.int("linear_value_head_dim")
     return CacheLayer(layer_index=index, kind="state", conv_state_elements=conv, recurrent_state_elements=recurrent)
 
@@ -352,8 +349,8 @@ def _jamba_layers(cfg: _Config) -> list[CacheLayer]:
     if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset < period:
         raise ModelInputError(f"KV cache of {cfg.name}: config.json's attn_layer_offset is {offset!r}; expected "
                               f"an integer from 0 to attn_layer_period - 1 ({period - 1})")
-    inner = cfg.int("mamba_expand", maximum=64) * cfg.int("hidden_size")
-    conv = inner * cfg.int("mamba_d_conv", maximum=64)
+    inner = cfg.int("mamba_expand") * cfg.int("hidden_size")
+    conv = inner * cfg.int("mamba_d_conv")
     recurrent = inner * cfg.int("mamba_d_state")
     return [_attention_entry(cfg, i, "full_attention") if i % period == offset else
             CacheLayer(layer_index=i, kind="state", conv_state_elements=conv, recurrent_state_elements=recurrent)
@@ -363,12 +360,12 @@ def _jamba_layers(cfg: _Config) -> list[CacheLayer]:
 def _falcon_h1_layers(cfg: _Config) -> list[CacheLayer]:
     """Falcon-H1: every layer runs attention and Mamba-2 side by side, so it keeps K/V and a state."""
     hidden = cfg.int("hidden_size")
-    inner = cfg.int("mamba_d_ssm", maximum=_MAX_DIM * 4, default=cfg.int("mamba_expand", maximum=64) * hidden)
-    num_heads = cfg.int("mamba_n_heads", maximum=_MAX_DIM)
+    inner = cfg.int("mamba_d_ssm", default=cfg.int("mamba_expand") * hidden)
+    num_heads = cfg.int("mamba_n_heads")
     head_dim = cfg.values.get("mamba_d_head")
     head_dim = inner // num_heads if head_dim in (None, "auto") else cfg.int("mamba_d_head")
     d_state = cfg.int("mamba_d_state")
-    conv = (inner + 2 * cfg.int("mamba_n_groups", maximum=_MAX_DIM) * d_state) * cfg.int("mamba_d_conv", maximum=64)
+    conv = (inner + 2 * cfg.int("mamba_n_groups") * d_state) * cfg.int("mamba_d_conv")
     recurrent = num_heads * head_dim * d_state
     entries = []
     for i in range(cfg.num_layers()):
