@@ -39,8 +39,9 @@ POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_l
 _UNSCALED_ROPE_TYPES = ("su", "longrope", "llama3")
 #: quantization_config methods the planner knows the release layout of
 KNOWN_QUANT_METHODS = ("fp8", "mxfp4", "compressed-tensors")
-#: config.json dtype names -> bytes per element
+#: config.json dtype names -> bytes per element, and the safetensors dtype of that name
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 #: config.json keys that give the number of routed experts, and the experts each token picks
 EXPERT_COUNT_KEYS = ("num_local_experts", "n_routed_experts", "num_experts", "moe_num_experts")
 TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k")

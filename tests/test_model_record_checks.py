@@ -1,6 +1,8 @@
 """config.json's one limits table (planner.model_config.CONFIG_LIMITS): the KV cache model and the activation
 estimate refuse a key beyond the same bound, each in one line naming the range; every key they read is listed."""
 
+from pathlib import Path
+
 import pytest
 
 from planner.activations import activation_shape
@@ -70,3 +72,14 @@ def test_load_checks_the_counts_of_the_table():
         check_config({**LLAMA, key: high}, "cfg")
         with pytest.raises(ModelInputError, match=f"{key} is {high + 1}; it must be a whole number from {low}"):
             check_config({**LLAMA, key: high + 1}, "cfg")
+
+
+def test_only_the_model_record_reads_the_dtype_the_sections_and_the_routing_keys():
+    """The dtype names and their byte sizes, the multimodal sections and the routing keys are read in
+    planner.model_config alone (the dtype tables were written out in four planner modules)."""
+    words = ('"torch_dtype"', '"text_config"', '"language_config"', '"num_experts_per_tok"', '"bfloat16": 2',
+             '"bfloat16": "BF16"')
+    planner = Path(__file__).resolve().parent.parent / "planner"
+    found = {f"{path.name}: {word}" for path in planner.glob("*.py") if path.name != "model_config.py"
+             for word in words if word in path.read_text()}
+    assert not found
