@@ -42,7 +42,7 @@ Linear-attention and state-space layers are not modelled.
 
 from dataclasses import dataclass
 
-from planner.model_config import CONFIG_LIMITS, DTYPE_BYTES, model_config
+from planner.model_config import DTYPE_BYTES, ConfigSizes, model_config
 from planner.errors import ModelInputError, printable, shown
 from planner.experts import DEFAULT_TOP_K
 from planner.kv_cache import attention_layer_types
@@ -234,20 +234,10 @@ def activation_shape(config: dict | None) -> ActivationShape:
                               "modelled; measure them with make --measure")
     layer_types = set(attention_layer_types(config))
 
-    def number(key: str, default: int | None = None) -> int:
-        """A size the estimate needs, in planner.model_config.CONFIG_LIMITS' range."""
-        value = text.get(key, default)
-        if value is None:
-            raise ModelInputError(f"activation estimate of {name}: config.json has no {key}")
-        low, high = CONFIG_LIMITS[key]
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-            raise ModelInputError(f"activation estimate of {name}: config.json's {key} is {shown(value)}; "
-                                  f"expected an integer from {low} to {high}")
-        return value
+    sizes = ConfigSizes(text, f"activation estimate of {name}")
 
-    def count(key: str) -> int:
-        """An optional size or count: absent, null or 0 is 0; else as ``number``."""
-        return 0 if text.get(key) in (None, 0) and not isinstance(text.get(key), bool) else number(key)
+    def number(key: str, default: int | None = None) -> int:
+        return sizes.size(key, default=default)
 
     hidden = number("hidden_size")
     num_heads = number("num_attention_heads")
@@ -259,7 +249,8 @@ def activation_shape(config: dict | None) -> ActivationShape:
     else:
         qk_dim = v_dim = number("head_dim", hidden // num_heads)
     moe_inter = number("moe_intermediate_size", number("intermediate_size")) if num_experts else 0
-    shared_width, num_shared = count("shared_expert_intermediate_size"), count("n_shared_experts")  # both checked
+    shared_width = sizes.count("shared_expert_intermediate_size")
+    num_shared = sizes.count("n_shared_experts")  # checked even where the width is given
     shared = shared_width or moe_inter * num_shared
     dtype = record.dtype or "bfloat16"
     family = record.model_type or record.outer_model_type

@@ -21,7 +21,7 @@ wrong guess here would silently oversubscribe the GPU.
 
 from dataclasses import dataclass
 
-from planner.model_config import CONFIG_LIMITS, model_config
+from planner.model_config import ConfigSizes, model_config
 from planner.errors import ModelInputError, printable, shown
 from planner.units import format_bytes
 
@@ -186,28 +186,17 @@ class _Config:
         self.model_type = record.model_type or record.outer_model_type or _model_type_of(record.architecture)
         self.name = printable(self.model_type or record.architecture or "unknown architecture")
         self.dtype = record.dtype
+        self.sizes = ConfigSizes(self.values, f"KV cache of {self.name}", "; add it to plan its KV cache")
 
     def missing(self, what: str) -> ModelInputError:
-        return ModelInputError(f"KV cache of {self.name}: config.json has no {what}; add it to plan its KV cache")
+        return self.sizes.missing(what)
 
     def has(self, key: str) -> bool:
-        return self.values.get(key) is not None
+        return self.sizes.has(key)
 
     def int(self, key: str, *, maximum: int | None = None, default: int | None = None) -> int:
-        """A positive integer (bools and floats refused), at most ``maximum`` (default: the key's bound in
-        planner.model_config.CONFIG_LIMITS, the one table config.json is checked against; a bound that depends on
-        another key, such as a period of at most the layer count, is given)."""
-        if maximum is None:
-            maximum = CONFIG_LIMITS[key][1]
-        value = self.values.get(key)
-        if value is None:
-            if default is None:
-                raise self.missing(key)
-            return default
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= maximum:
-            raise ModelInputError(f"KV cache of {self.name}: config.json's {key} is {value!r}; "
-                                  f"expected an integer from 1 to {maximum}")
-        return value
+        """planner.model_config.ConfigSizes.size: in CONFIG_LIMITS' range, or at most ``maximum``."""
+        return self.sizes.size(key, default=default, maximum=maximum)
 
     def num_layers(self) -> int:
         return self.int("num_hidden_layers")

@@ -15,6 +15,7 @@ positions already include it (rope types ``su``/``longrope``/``llama3``, and Gem
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -129,6 +130,44 @@ class ModelConfig:
     sliding_window_tokens: int | None
     quantization: Quantization | None
     context: ContextLimit | None
+
+
+class ConfigSizes:
+    """The language model's whole-number keys, read against CONFIG_LIMITS by the KV cache model and the activation
+    estimate alike: null is "not given", and each refusal is one line that begins with ``what`` (such as "KV cache
+    of llama") and names the key, its value and the range."""
+
+    def __init__(self, values: Mapping, what: str, missing_fix: str = ""):
+        self.values = values
+        self.what = what
+        #: said after "config.json has no KEY" (e.g. "; add it to plan its KV cache")
+        self.missing_fix = missing_fix
+
+    def missing(self, key: str) -> ModelInputError:
+        """The error for a key the reader needs and the config does not give."""
+        return ModelInputError(f"{self.what}: config.json has no {key}{self.missing_fix}")
+
+    def has(self, key: str) -> bool:
+        return self.values.get(key) is not None
+
+    def size(self, key: str, *, default: int | None = None, maximum: int | None = None) -> int:
+        """A whole number in CONFIG_LIMITS[key] (bools and floats refused), ``default`` where the config is silent
+        (else an error); ``maximum`` for a bound that depends on another key (a period of at most the layers)."""
+        value = self.values.get(key)
+        if value is None:
+            if default is None:
+                raise self.missing(key)
+            return default
+        low, high = CONFIG_LIMITS[key] if maximum is None else (1, maximum)
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ModelInputError(f"{self.what}: config.json's {key} is {shown(value)}; expected an integer from "
+                                  f"{low} to {high}")
+        return value
+
+    def count(self, key: str) -> int:
+        """An optional size or count: absent, null or 0 is 0; else as ``size``."""
+        value = self.values.get(key)
+        return 0 if value is None or (value == 0 and not isinstance(value, bool)) else self.size(key)
 
 
 def text_config(config: dict | None) -> dict:

@@ -83,3 +83,13 @@ def test_only_the_model_record_reads_the_dtype_the_sections_and_the_routing_keys
     found = {f"{path.name}: {word}" for path in planner.glob("*.py") if path.name != "model_config.py"
              for word in words if word in path.read_text()}
     assert not found
+
+
+def test_both_readers_take_null_as_not_given_and_echo_a_long_value_cut():
+    """One reader (planner.model_config.ConfigSizes): a null head_dim is hidden / heads in both (the estimate
+    refused it as missing), and a 10,000-element list is echoed cut (the KV cache wrote its repr whole)."""
+    config = {**LLAMA, "head_dim": None}
+    assert kv_cache_model(config).layers[0].head_dim == activation_shape(config).qk_head_dim == 16
+    for read in (kv_cache_model, activation_shape):
+        message = _refusal(read, {**LLAMA, "num_key_value_heads": list(range(10_000))})
+        assert "num_key_value_heads is [0, 1," in message and len(message) < 300
