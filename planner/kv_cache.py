@@ -15,12 +15,13 @@ Every decoder layer keeps one or two cache entries:
   model overstates the recurrent state by 2x. ``--kv-cache-dtype`` does not apply to these states.
 
 Layers past ``num_hidden_layers`` (multi-token-prediction heads) are not served by default and not counted.
-Only families listed in ``_FAMILIES`` are modelled; any other architecture is refused in one line, because a
-wrong guess here would silently oversubscribe the GPU.
+Only architectures whose entry in planner.architectures names a cache are modelled; any other is refused in one
+line, because a wrong guess here would silently oversubscribe the GPU.
 """
 
 from dataclasses import dataclass
 
+from planner.architectures import architecture, model_types_with
 from planner.model_config import ConfigSizes, model_config
 from planner.errors import ModelInputError, printable, shown
 from planner.units import format_bytes
@@ -249,7 +250,7 @@ def _explicit_layer_types(cfg: _Config, num_layers: int) -> list[str] | None:
     return types[:num_layers]
 
 
-def _attention_layer_types(cfg: _Config, num_layers: int, family: str) -> list[str]:
+def _attention_layer_types(cfg: _Config, num_layers: int, rule: str) -> list[str]:
     """'full_attention' or 'sliding_attention' per layer, as transformers' config classes derive them."""
     explicit = _explicit_layer_types(cfg, num_layers)
     if explicit is not None:
@@ -257,12 +258,12 @@ def _attention_layer_types(cfg: _Config, num_layers: int, family: str) -> list[s
     window = _sliding_window(cfg)
     if window is None:
         return ["full_attention"] * num_layers
-    if family == "alternating":  # Gemma 2, gpt-oss: even layers slide
+    if rule == "alternating":  # Gemma 2, gpt-oss: even layers slide
         return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
-    if family == "pattern":  # Gemma 3: every sliding_window_pattern-th layer is global (transformers' default 6)
+    if rule == "pattern":  # Gemma 3: every sliding_window_pattern-th layer is global (transformers' default 6)
         period = cfg.int("sliding_window_pattern", maximum=num_layers + 1, default=6)
         return ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(num_layers)]
-    if family == "qwen":  # layers from max_window_layers on slide
+    if rule == "qwen":  # layers from max_window_layers on slide
         first = cfg.values.get("max_window_layers", 0)
         if isinstance(first, bool) or not isinstance(first, int) or first < 0:
             raise ModelInputError(f"KV cache of {cfg.name}: config.json's max_window_layers is {first!r}; "
@@ -278,10 +279,10 @@ def attention_layer_types(config: dict | None) -> tuple[str, ...]:
     if not config:
         return ()
     cfg = _Config(config)
-    family = _ATTENTION_FAMILIES.get(cfg.model_type)
-    if family is None or not cfg.has("num_hidden_layers"):
+    rule = architecture(cfg.model_type).sliding_rule
+    if rule is None or not cfg.has("num_hidden_layers"):
         return ()
-    return tuple(_attention_layer_types(cfg, cfg.num_layers(), family))
+    return tuple(_attention_layer_types(cfg, cfg.num_layers(), rule))
 
 
 def _attention_entry(cfg: _Config, index: int, layer_type: str) -> CacheLayer:
@@ -298,9 +299,9 @@ def _attention_entry(cfg: _Config, index: int, layer_type: str) -> CacheLayer:
                           "modelled; known: full_attention, sliding_attention")
 
 
-def _attention_layers(cfg: _Config, family: str) -> list[CacheLayer]:
+def _attention_layers(cfg: _Config, rule: str) -> list[CacheLayer]:
     num_layers = cfg.num_layers()
-    types = _attention_layer_types(cfg, num_layers, family)
+    types = _attention_layer_types(cfg, num_layers, rule)
     return [_attention_entry(cfg, i, t) for i, t in enumerate(types)]
 
 
@@ -364,16 +365,9 @@ def _falcon_h1_layers(cfg: _Config) -> list[CacheLayer]:
     return entries
 
 
-# model_type -> how its layers cache. Attention families name how sliding layers are laid out when
-# config.json has no layer_types (the rule of the family's transformers config class).
-_ATTENTION_FAMILIES = {
-    "llama": "all", "mistral": "all", "mixtral": "all", "qwen2": "qwen", "qwen2_moe": "qwen", "qwen3": "qwen",
-    "qwen3_moe": "qwen", "gemma": "all", "gemma2": "alternating", "gemma3": "pattern", "gemma3_text": "pattern",
-    "gpt_oss": "alternating",
-}
-_LATENT_FAMILIES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
-_HYBRID_FAMILIES = {"qwen3_next": _qwen3_next_layers, "jamba": _jamba_layers, "falcon_h1": _falcon_h1_layers}
-SUPPORTED_MODEL_TYPES = tuple(sorted((*_ATTENTION_FAMILIES, *_LATENT_FAMILIES, *_HYBRID_FAMILIES)))
+#: the layers of each hybrid architecture (planner.architectures' cache "hybrid")
+HYBRID_LAYERS = {"qwen3_next": _qwen3_next_layers, "jamba": _jamba_layers, "falcon_h1": _falcon_h1_layers}
+SUPPORTED_MODEL_TYPES = tuple(sorted(set(model_types_with()) - set(model_types_with(cache=None))))
 
 
 def kv_cache_model(config: dict | None) -> KvCacheModel:
@@ -381,12 +375,13 @@ def kv_cache_model(config: dict | None) -> KvCacheModel:
     if not config:
         raise ModelInputError("KV cache: the checkpoint has no config.json; the KV cache is planned from it")
     cfg = _Config(config)
-    if cfg.model_type in _ATTENTION_FAMILIES:
-        layers = _attention_layers(cfg, _ATTENTION_FAMILIES[cfg.model_type])
-    elif cfg.model_type in _LATENT_FAMILIES:
+    entry = architecture(cfg.model_type)
+    if entry.cache == "attention":
+        layers = _attention_layers(cfg, entry.sliding_rule)
+    elif entry.cache == "latent":
         layers = _latent_layers(cfg)
-    elif cfg.model_type in _HYBRID_FAMILIES:
-        layers = _HYBRID_FAMILIES[cfg.model_type](cfg)
+    elif entry.cache == "hybrid":
+        layers = HYBRID_LAYERS[cfg.model_type](cfg)
     else:
         raise ModelInputError(f"KV cache of {cfg.name}: this architecture's cache is not modelled (model_type "
                               f"{cfg.model_type!r}); supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
