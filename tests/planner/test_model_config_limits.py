@@ -1,7 +1,6 @@
 """config.json's one limits table (planner.model_config.CONFIG_LIMITS): the KV cache model and the activation
 estimate refuse a key beyond the same bound, each in one line naming the range; every key they read is listed."""
 
-from pathlib import Path
 
 import pytest
 
@@ -10,6 +9,7 @@ from planner.checkpoint import check_config
 from planner.errors import ModelInputError
 from planner.kv_cache import kv_cache_model
 from planner.model_config import CONFIG_COUNTS, CONFIG_LIMITS
+from tests.conftest import REPO_ROOT
 
 LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
          "num_key_value_heads": 2, "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 100,
@@ -79,7 +79,7 @@ def test_only_the_model_record_reads_the_dtype_the_sections_and_the_routing_keys
     planner.model_config alone (the dtype tables were written out in four planner modules)."""
     words = ('"torch_dtype"', '"text_config"', '"language_config"', '"num_experts_per_tok"', '"bfloat16": 2',
              '"bfloat16": "BF16"')
-    planner = Path(__file__).resolve().parent.parent / "planner"
+    planner = REPO_ROOT / "planner"
     found = {f"{path.name}: {word}" for path in planner.glob("*.py") if path.name != "model_config.py"
              for word in words if word in path.read_text()}
     assert not found

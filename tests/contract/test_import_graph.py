@@ -9,11 +9,10 @@ run nowhere and are not counted.
 """
 
 import ast
-from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from tests.conftest import REPO_ROOT
 
 
 def import_graph(package: str) -> dict[str, set[str]]:
