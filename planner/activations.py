@@ -42,8 +42,8 @@ Linear-attention and state-space layers are not modelled.
 
 from dataclasses import dataclass
 
-from planner.architectures import architecture
-from planner.model_config import DTYPE_BYTES, ConfigSizes, model_config
+from planner.architectures import Architecture, architecture
+from planner.model_config import DTYPE_BYTES, ConfigSizes, ModelConfig, model_config
 from planner.errors import ModelInputError, printable, shown
 from planner.experts import DEFAULT_TOP_K
 from planner.kv_cache import attention_layer_types
@@ -204,8 +204,25 @@ class ActivationPeak:
 
 def activation_shape(config: dict | None) -> ActivationShape:
     """Tensor dims of one step from the model record of config.json (the language model's part of multimodal
-    ones): its typed routing and dtype, and its keys read with one-line errors."""
+    ones): its typed routing and dtype, its architecture's entry, and its sizes read with one-line errors."""
     record = model_config(config)
+    name, entry = _modelled(record, config)
+    sizes = ConfigSizes(record.text, f"activation estimate of {name}")
+    dtype = record.dtype or "bfloat16"
+    try:
+        return ActivationShape(
+            **_attention_dims(sizes), **_moe_dims(sizes, record), **_step_wide_traits(sizes, entry, config),
+            intermediate_size=sizes.size("intermediate_size"), vocab_size=sizes.size("vocab_size"),
+            eager_attention=entry.eager_attention,
+            activation_bytes=DTYPE_BYTES.get(dtype, 2), dtype=dtype if dtype in DTYPE_BYTES else "bfloat16",
+        )
+    except ValueError as error:  # values each in range, but not together (top-k above the experts)
+        raise ModelInputError(f"activation estimate of {name}: {error}; fix config.json") from None
+
+
+def _modelled(record: ModelConfig | None, config: dict | None) -> tuple[str, Architecture]:
+    """The architecture's printable name and its entry, or one line: no config, a model_type that is not a
+    string, or linear-attention/state-space layers (not modelled)."""
     text = record.text if record is not None else {}
     if not text:
         raise ModelInputError("activation estimate: the checkpoint has no config.json; it is estimated from it")
@@ -218,48 +235,47 @@ def activation_shape(config: dict | None) -> ActivationShape:
     if not entry.activations_modelled:
         raise ModelInputError(f"activation estimate of {name}: linear-attention/state-space layers are not "
                               "modelled; measure them with make --measure")
-    layer_types = set(attention_layer_types(config))
+    return name, entry
 
-    sizes = ConfigSizes(text, f"activation estimate of {name}")
 
-    def number(key: str, default: int | None = None) -> int:
-        return sizes.size(key, default=default)
+def _attention_dims(sizes: ConfigSizes) -> dict:
+    """Width, heads and head dims; multi-head latent attention (kv_lora_rank given) has as many K/V heads as
+    query heads, each of qk_nope + qk_rope dims, and values of v_head_dim."""
+    hidden = sizes.size("hidden_size")
+    num_heads = sizes.size("num_attention_heads")
+    dims = {"hidden_size": hidden, "num_heads": num_heads, "latent_attention": sizes.has("kv_lora_rank")}
+    if dims["latent_attention"]:
+        rope = sizes.size("qk_rope_head_dim")
+        return {**dims, "qk_head_dim": sizes.size("qk_nope_head_dim") + rope, "v_head_dim": sizes.size("v_head_dim"),
+                "num_kv_heads": num_heads, "qk_rope_head_dim": rope}
+    head_dim = sizes.size("head_dim", default=hidden // num_heads)
+    return {**dims, "qk_head_dim": head_dim, "v_head_dim": head_dim,
+            "num_kv_heads": sizes.size("num_key_value_heads", default=num_heads), "qk_rope_head_dim": 0}
 
-    hidden = number("hidden_size")
-    num_heads = number("num_attention_heads")
-    num_experts, config_top_k = record.num_experts, record.top_k
-    latent = text.get("kv_lora_rank") is not None
-    if latent:
-        qk_dim = number("qk_nope_head_dim") + number("qk_rope_head_dim")
-        v_dim = number("v_head_dim")
-    else:
-        qk_dim = v_dim = number("head_dim", hidden // num_heads)
-    moe_inter = number("moe_intermediate_size", number("intermediate_size")) if num_experts else 0
+
+def _moe_dims(sizes: ConfigSizes, record: ModelConfig) -> dict:
+    """Routed experts (the record's count and top-k, DEFAULT_TOP_K where a MoE config is silent), their width,
+    and the shared experts' width (given, else routed width x shared count; both keys checked)."""
+    num_experts = record.num_experts
+    moe_width = sizes.size("moe_intermediate_size", default=sizes.size("intermediate_size")) if num_experts else 0
     shared_width = sizes.count("shared_expert_intermediate_size")
-    num_shared = sizes.count("n_shared_experts")  # checked even where the width is given
-    shared = shared_width or moe_inter * num_shared
-    dtype = record.dtype or "bfloat16"
-    # sliding layers beside full ones in a family that masks them apart: a sliding mask beside the full one
-    mixed = entry.mask_per_layer_type and {"full_attention", "sliding_attention"} <= layer_types
+    num_shared = sizes.count("n_shared_experts")
+    return {"num_experts": num_experts, "top_k": record.top_k or (DEFAULT_TOP_K if num_experts else 0),
+            "moe_intermediate_size": moe_width, "shared_intermediate_size": shared_width or moe_width * num_shared}
+
+
+def _step_wide_traits(sizes: ConfigSizes, entry: Architecture, config: dict | None) -> dict:
+    """The masks and rotary tables the forward holds from its start: a sliding mask beside the full one where
+    the architecture masks sliding and full layers apart and has both, a rotary pair per layer type where it
+    builds them so, and Qwen2-MoE's unread window-0 mask."""
+    layer_types = set(attention_layer_types(config))
     # Qwen2MoeConfig's use_sliding_window defaults to False: only true switches the window on
-    window_off_mask = entry.window_off_mask and text.get("use_sliding_window") is not True
-    mixed = mixed and not window_off_mask
-    try:
-        return ActivationShape(
-            hidden_size=hidden, intermediate_size=number("intermediate_size"), num_heads=num_heads,
-            num_kv_heads=num_heads if latent else number("num_key_value_heads", num_heads), qk_head_dim=qk_dim,
-            v_head_dim=v_dim, vocab_size=number("vocab_size"), num_experts=num_experts,
-            top_k=config_top_k or (DEFAULT_TOP_K if num_experts else 0),
-            moe_intermediate_size=moe_inter, shared_intermediate_size=shared, latent_attention=latent,
-            qk_rope_head_dim=number("qk_rope_head_dim") if latent else 0,
-            eager_attention=entry.eager_attention,
-            activation_bytes=DTYPE_BYTES.get(dtype, 2), dtype=dtype if dtype in DTYPE_BYTES else "bfloat16",
-            sliding_mask_window_tokens=number("sliding_window") if mixed else 0,
-            num_rotary_tables=len(layer_types) if entry.rotary_per_layer_type and layer_types else 1,
-            window_off_mask=window_off_mask,
-        )
-    except ValueError as error:  # values each in range, but not together (top-k above the experts)
-        raise ModelInputError(f"activation estimate of {name}: {error}; fix config.json") from None
+    window_off_mask = entry.window_off_mask and sizes.values.get("use_sliding_window") is not True
+    mixed = (entry.mask_per_layer_type and {"full_attention", "sliding_attention"} <= layer_types
+             and not window_off_mask)
+    return {"sliding_mask_window_tokens": sizes.size("sliding_window") if mixed else 0,
+            "num_rotary_tables": len(layer_types) if entry.rotary_per_layer_type and layer_types else 1,
+            "window_off_mask": window_off_mask}
 
 
 def _step_wide(shape: ActivationShape, step: StepShape) -> dict[str, int]:
