@@ -8,10 +8,14 @@ For issue 24's note (the tree before and after), and rerunnable at any commit or
 
 It reads the packages the product ships (planner/, runtime/, offload_plan/ with its commands) as text and parses
 them with ``ast``; nothing is imported or run. A function's length is its lines from ``def`` to its last line
-(decorators and the docstring out and in respectively, blank lines and comments inside it counted), every def
-counted once: methods and nested functions too, a nested one also inside its parent's length. Percentiles are
-nearest-rank (p90: the length 90% of functions are at or under). A module "has a test file" where a file named
-``test_<module>.py`` lies anywhere under tests/.
+(decorators not counted; its docstring, blank lines and comments counted), every def counted once: methods and
+nested functions too, a nested one also inside its parent's length. Percentiles are nearest-rank (p90: the
+length 90% of functions are at or under). A module "has a test file" where a file named ``test_<module>.py``
+lies anywhere under tests/.
+
+1d7cc5a is the tree issue 24 describes: its figures are the issue's (planner/make.py 709 lines, planner/plan.py
+724, runtime/stream_load.py 627 in 46 functions, _assemble 83 lines, 15 of 24 planner modules without a test
+file, median 8 lines).
 """
 
 import argparse
