@@ -85,7 +85,7 @@ def generate(loaded, prompt: str, max_new_tokens: int, cuda_graph: bool, compile
              adapter: str | None = None, plan_path=None):
     """(generated text, tokens per second) with the plan applied, and ``adapter`` (one of the plan's) if given;
     the tokenizer comes from the folder the weights were loaded from (resolved once, by the load)."""
-    from runtime.bench import generate as run_generate
+    from runtime.generate import generate as run_generate
 
     return run_generate(loaded, prompt, str(loaded.source.folder), max_new_tokens, cuda_graph, compile_backend,
                         adapter, plan_path)

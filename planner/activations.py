@@ -32,7 +32,7 @@ allocator reserve, not here. Models whose attention has no SDPA path (gpt-oss: i
 run transformers' eager attention, which materialises the scores. Which layers slide, and their shorter
 windows, are ignored inside a layer: the full length bounds them (the hybrid families have full layers, whose
 step is the peak). But the families that mix sliding and full layers and mask them apart (Gemma 2/3, gpt-oss,
-Qwen2/3 with max_window_layers: MASK_PER_LAYER_TYPE_MODEL_TYPES) build a mask per layer type before the first
+Qwen2/3 with max_window_layers: planner.architectures' mask_per_layer_type) build a mask per layer type before the first
 layer and hold both to the end (the sliding one spans the window's cached tokens and the step's), and Gemma-3
 builds a rotary table per layer type (its local and global layers rotate with different bases): those are
 step-wide too, as is the sliding mask Qwen2-MoE builds over every key with its window off (window 0, unread).
@@ -42,16 +42,13 @@ Linear-attention and state-space layers are not modelled.
 
 from dataclasses import dataclass
 
-from planner.model_config import model_config
+from planner.architectures import Architecture, architecture
+from planner.model_config import DTYPE_BYTES, ConfigSizes, ModelConfig, model_config
 from planner.errors import ModelInputError, printable, shown
 from planner.experts import DEFAULT_TOP_K
 from planner.kv_cache import attention_layer_types
 from planner.units import format_bytes
 
-_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-#: far above any model's shared-expert width or count: beyond it the arithmetic on it only overflows
-MAX_CONFIG_COUNT = 2**31
-_UNMODELLED = ("qwen3_next", "jamba", "falcon_h1", "mamba", "mamba2", "zamba", "zamba2", "nemotron_h", "lfm2")
 EXPERT_IMPLEMENTATIONS = ("grouped_mm", "eager", "batched_mm")
 #: what the runtime runs a MoE model's experts through, per phase, and so what plans set memory aside for:
 #: grouped_mm is capturable (no host synchronisation) and holds only the pairs' activations, where batched_mm
@@ -74,24 +71,9 @@ INDEX = 8  # int64 indices
 KERNEL_SCRATCH_BYTES = 2**20
 #: SDPA kernels keep a float32 log-sum-exp per head and query, queries rounded up to this block
 _LSE_BLOCK = 32
-#: model types whose transformers attention has no SDPA path (GptOssPreTrainedModel._supports_sdpa is False: its
-#: attention sinks join the softmax), so it runs eager_attention_forward
-EAGER_ATTENTION_MODEL_TYPES = ("gpt_oss",)
 #: score-sized tensors alive at once in gpt-oss's eager_attention_forward (modeling_gpt_oss.py, 5.17 and 5.24):
 #: the masked logits, the logits with the sink column, and their shifted copy or its softmax
 _EAGER_SCORE_COPIES = 3
-#: model types whose forward builds a rotary cos/sin pair per layer type present (Gemma3TextModel.forward,
-#: 5.17 and 5.24: ``for layer_type in set(self.config.layer_types)``; local layers rotate with base 10,000,
-#: global ones with 1,000,000); every other family builds one pair
-ROTARY_PER_LAYER_TYPE_MODEL_TYPES = ("gemma3", "gemma3_text")
-#: model types whose forward builds a mask per layer type (causal_mask_mapping: a full one and a sliding-window
-#: one, 5.17 and 5.24), both held to its end: Gemma 2/3, gpt-oss and Qwen2-MoE always, Qwen2/3 where a layer
-#: slides. Mistral, Mixtral and Qwen3-MoE build one mask for every layer, sliding where the config has a window.
-MASK_PER_LAYER_TYPE_MODEL_TYPES = ("gemma2", "gemma3", "gemma3_text", "gpt_oss", "qwen2", "qwen2_moe", "qwen3")
-#: model types whose forward builds the sliding mask even with the window off: Qwen2MoeConfig then sets
-#: sliding_window to 0, a local size no key length is below, so masking_utils never skips it and it spans every
-#: key of the (full) first layer; nothing reads it (every layer is full attention)
-WINDOW_OFF_MASK_MODEL_TYPES = ("qwen2_moe",)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,7 +111,7 @@ class ActivationShape:
     #: rotary cos/sin pairs the forward builds and holds: one per layer type where the types rotate differently
     #: (Gemma-3), else 1
     num_rotary_tables: int = 1
-    #: the forward also builds a sliding mask of window 0 over every key, unread (WINDOW_OFF_MASK_MODEL_TYPES)
+    #: the forward also builds a sliding mask of window 0 over every key, unread (Architecture.window_off_mask)
     window_off_mask: bool = False
 
     def __post_init__(self):
@@ -222,8 +204,25 @@ class ActivationPeak:
 
 def activation_shape(config: dict | None) -> ActivationShape:
     """Tensor dims of one step from the model record of config.json (the language model's part of multimodal
-    ones): its typed routing and dtype, and its keys read with one-line errors."""
+    ones): its typed routing and dtype, its architecture's entry, and its sizes read with one-line errors."""
     record = model_config(config)
+    name, entry = _modelled(record, config)
+    sizes = ConfigSizes(record.text, f"activation estimate of {name}")
+    dtype = record.dtype or "bfloat16"
+    try:
+        return ActivationShape(
+            **_attention_dims(sizes), **_moe_dims(sizes, record), **_step_wide_traits(sizes, entry, config),
+            intermediate_size=sizes.size("intermediate_size"), vocab_size=sizes.size("vocab_size"),
+            eager_attention=entry.eager_attention,
+            activation_bytes=DTYPE_BYTES.get(dtype, 2), dtype=dtype if dtype in DTYPE_BYTES else "bfloat16",
+        )
+    except ValueError as error:  # values each in range, but not together (top-k above the experts)
+        raise ModelInputError(f"activation estimate of {name}: {error}; fix config.json") from None
+
+
+def _modelled(record: ModelConfig | None, config: dict | None) -> tuple[str, Architecture]:
+    """The architecture's printable name and its entry, or one line: no config, a model_type that is not a
+    string, or linear-attention/state-space layers (not modelled)."""
     text = record.text if record is not None else {}
     if not text:
         raise ModelInputError("activation estimate: the checkpoint has no config.json; it is estimated from it")
@@ -232,66 +231,51 @@ def activation_shape(config: dict | None) -> ActivationShape:
         raise ModelInputError(f"activation estimate: config.json's model_type is {shown(model_type)}; expected a "
                               "string such as llama")
     name = printable(model_type or "this architecture")
-    if text.get("model_type") in _UNMODELLED:
+    entry = architecture(model_type)
+    if not entry.activations_modelled:
         raise ModelInputError(f"activation estimate of {name}: linear-attention/state-space layers are not "
                               "modelled; measure them with make --measure")
+    return name, entry
+
+
+def _attention_dims(sizes: ConfigSizes) -> dict:
+    """Width, heads and head dims; multi-head latent attention (kv_lora_rank given) has as many K/V heads as
+    query heads, each of qk_nope + qk_rope dims, and values of v_head_dim."""
+    hidden = sizes.size("hidden_size")
+    num_heads = sizes.size("num_attention_heads")
+    dims = {"hidden_size": hidden, "num_heads": num_heads, "latent_attention": sizes.has("kv_lora_rank")}
+    if dims["latent_attention"]:
+        rope = sizes.size("qk_rope_head_dim")
+        return {**dims, "qk_head_dim": sizes.size("qk_nope_head_dim") + rope, "v_head_dim": sizes.size("v_head_dim"),
+                "num_kv_heads": num_heads, "qk_rope_head_dim": rope}
+    head_dim = sizes.size("head_dim", default=hidden // num_heads)
+    return {**dims, "qk_head_dim": head_dim, "v_head_dim": head_dim,
+            "num_kv_heads": sizes.size("num_key_value_heads", default=num_heads), "qk_rope_head_dim": 0}
+
+
+def _moe_dims(sizes: ConfigSizes, record: ModelConfig) -> dict:
+    """Routed experts (the record's count and top-k, DEFAULT_TOP_K where a MoE config is silent), their width,
+    and the shared experts' width (given, else routed width x shared count; both keys checked)."""
+    num_experts = record.num_experts
+    moe_width = sizes.size("moe_intermediate_size", default=sizes.size("intermediate_size")) if num_experts else 0
+    shared_width = sizes.count("shared_expert_intermediate_size")
+    num_shared = sizes.count("n_shared_experts")
+    return {"num_experts": num_experts, "top_k": record.top_k or (DEFAULT_TOP_K if num_experts else 0),
+            "moe_intermediate_size": moe_width, "shared_intermediate_size": shared_width or moe_width * num_shared}
+
+
+def _step_wide_traits(sizes: ConfigSizes, entry: Architecture, config: dict | None) -> dict:
+    """The masks and rotary tables the forward holds from its start: a sliding mask beside the full one where
+    the architecture masks sliding and full layers apart and has both, a rotary pair per layer type where it
+    builds them so, and Qwen2-MoE's unread window-0 mask."""
     layer_types = set(attention_layer_types(config))
-
-    def number(key: str, default: int | None = None) -> int:
-        value = text.get(key, default)
-        if value is None:
-            raise ModelInputError(f"activation estimate of {name}: config.json has no {key}")
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ModelInputError(f"activation estimate of {name}: config.json's {key} is {shown(value)}; "
-                                  "expected a positive integer")
-        return value
-
-    def count(key: str) -> int:
-        """An optional size or count: absent or null is 0; a string, float or negative number is refused."""
-        value = text.get(key)
-        if value is None:
-            return 0
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_CONFIG_COUNT:
-            raise ModelInputError(f"activation estimate of {name}: config.json's {key} is {shown(value)}; "
-                                  f"expected an integer from 0 to {MAX_CONFIG_COUNT}")
-        return value
-
-    hidden = number("hidden_size")
-    num_heads = number("num_attention_heads")
-    num_experts, config_top_k = record.num_experts, record.top_k
-    latent = text.get("kv_lora_rank") is not None
-    if latent:
-        qk_dim = number("qk_nope_head_dim") + number("qk_rope_head_dim")
-        v_dim = number("v_head_dim")
-    else:
-        qk_dim = v_dim = number("head_dim", hidden // num_heads)
-    moe_inter = number("moe_intermediate_size", number("intermediate_size")) if num_experts else 0
-    shared_width, num_shared = count("shared_expert_intermediate_size"), count("n_shared_experts")  # both checked
-    shared = shared_width or moe_inter * num_shared
-    dtype = record.dtype or "bfloat16"
-    family = record.model_type or record.outer_model_type
-    # sliding layers beside full ones in a family that masks them apart: a sliding mask beside the full one
-    mixed = family in MASK_PER_LAYER_TYPE_MODEL_TYPES and {"full_attention", "sliding_attention"} <= layer_types
-    per_type_rotary = family in ROTARY_PER_LAYER_TYPE_MODEL_TYPES
     # Qwen2MoeConfig's use_sliding_window defaults to False: only true switches the window on
-    window_off_mask = family in WINDOW_OFF_MASK_MODEL_TYPES and text.get("use_sliding_window") is not True
-    mixed = mixed and not window_off_mask
-    try:
-        return ActivationShape(
-            hidden_size=hidden, intermediate_size=number("intermediate_size"), num_heads=num_heads,
-            num_kv_heads=num_heads if latent else number("num_key_value_heads", num_heads), qk_head_dim=qk_dim,
-            v_head_dim=v_dim, vocab_size=number("vocab_size"), num_experts=num_experts,
-            top_k=config_top_k or (DEFAULT_TOP_K if num_experts else 0),
-            moe_intermediate_size=moe_inter, shared_intermediate_size=shared, latent_attention=latent,
-            qk_rope_head_dim=number("qk_rope_head_dim") if latent else 0,
-            eager_attention=model_type in EAGER_ATTENTION_MODEL_TYPES,
-            activation_bytes=_DTYPE_BYTES.get(dtype, 2), dtype=dtype if dtype in _DTYPE_BYTES else "bfloat16",
-            sliding_mask_window_tokens=number("sliding_window") if mixed else 0,
-            num_rotary_tables=len(layer_types) if per_type_rotary and layer_types else 1,
-            window_off_mask=window_off_mask,
-        )
-    except ValueError as error:  # values each in range, but not together (top-k above the experts)
-        raise ModelInputError(f"activation estimate of {name}: {error}; fix config.json") from None
+    window_off_mask = entry.window_off_mask and sizes.values.get("use_sliding_window") is not True
+    mixed = (entry.mask_per_layer_type and {"full_attention", "sliding_attention"} <= layer_types
+             and not window_off_mask)
+    return {"sliding_mask_window_tokens": sizes.size("sliding_window") if mixed else 0,
+            "num_rotary_tables": len(layer_types) if entry.rotary_per_layer_type and layer_types else 1,
+            "window_off_mask": window_off_mask}
 
 
 def _step_wide(shape: ActivationShape, step: StepShape) -> dict[str, int]:

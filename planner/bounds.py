@@ -7,7 +7,6 @@ could not have written (``offload-plan show`` of a hand-edited ``chunk_tokens: 0
 
 from planner.adapters import MAX_ADAPTERS, MAX_RANK
 from planner.cost import MAX_CONTEXT, MAX_STEP_TOKENS
-from planner.experts import EXPERT_COUNT_KEYS, TOP_K_KEYS
 from planner.kv_cache import KV_DTYPE_BYTES, KV_DTYPES
 from planner.serving import MAX_CONCURRENCY
 
@@ -29,18 +28,6 @@ BOUNDS: dict[str, tuple[int, int]] = {
     "prefetch_step": (1, MAX_KNOB),
     "adapter_slots": (1, MAX_ADAPTERS),
     "rank": (1, MAX_RANK),
-}
-
-#: config.json keys read as counts (planner.checkpoint checks every config against them at load; the KV cache
-#: model reads the same bounds), with the range a real model's value lies in: wider than any model today, narrow
-#: enough that the arithmetic on them stays small and fast. Expert counts and top-k may be 0 (a dense model, or
-#: "not given").
-CONFIG_COUNTS: dict[str, tuple[int, int]] = {
-    **dict.fromkeys(("hidden_size", "n_embd"), (1, 2**20)),
-    **dict.fromkeys(("num_attention_heads", "n_head", "num_key_value_heads", "head_dim"), (1, 2**16)),
-    **dict.fromkeys(("num_hidden_layers", "n_layer", "num_layers"), (1, 100_000)),
-    **dict.fromkeys(EXPERT_COUNT_KEYS, (0, 2**20)),
-    **dict.fromkeys(TOP_K_KEYS, (0, 2**20)),
 }
 
 #: --kv-dtype's choices, and the element types a plan's workload.kv_dtype may name (auto resolved)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from planner.errors import ModelInputError, shown
-from planner.model_config import TEXT_SECTIONS
+from planner.model_config import CONFIG_COUNTS, TEXT_SECTIONS
 from planner.safetensors_header import (TensorEntry, entries_from_bytes, entries_from_header, read_entries,
                                        read_header_bytes)
 from planner.untrusted import checked_path, load_json, read_capped
@@ -294,8 +294,6 @@ def _read_config(folder: Path) -> dict | None:
 
 def check_config(config: dict, origin: str) -> None:
     """Every config.json key the planner reads has the type and range a real model's has (null: not given)."""
-    from planner.bounds import CONFIG_COUNTS  # planner.bounds imports the planner modules that import this one
-
     sections = [("", config)]
     for key in TEXT_SECTIONS:
         section = config.get(key)

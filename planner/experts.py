@@ -17,8 +17,9 @@ layer's experts and their gather overlaps one layer's compute; only the mispredi
 router. A prefill chunk copies each routed layer's non-resident experts whole, through one staging
 buffer of E experts, as streaming the layer would.
 
-The MoE geometry of a checkpoint is read here and only here (``moe_geometry``; the config keys through
-``config_routing``), for the cost model, the activation estimate and the checkpoint's config checks alike.
+The MoE geometry of a checkpoint is read here and only here (``moe_geometry``; the config keys through the model
+record, planner.model_config), for the cost model, the activation estimate and the checkpoint's config checks
+alike.
 """
 
 from __future__ import annotations
@@ -29,14 +30,12 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from planner.errors import ModelInputError
+from planner.model_config import model_config
 from planner.selection_bias import SelectionOptimism
 
 if TYPE_CHECKING:
     from planner.layout import LayerInfo, ModelLayout
 
-#: config.json keys that give the number of routed experts, and the experts each token picks
-EXPERT_COUNT_KEYS = ("num_local_experts", "n_routed_experts", "num_experts", "moe_num_experts")
-TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k")
 #: top-k assumed where a MoE config does not say it
 DEFAULT_TOP_K = 2
 #: the routed fetch's rate over the copy engine's (profile h2d_bytes_per_s): GPU threads reading pinned host
@@ -75,14 +74,6 @@ ROUTED_EXPERT_MODULES = ("mlp", "block_sparse_moe")
 SAVING_DECIMALS = 12
 
 REGIMES = ("routed", "whole_layer", "mixed")
-
-
-def config_routing(text: dict) -> tuple[int, int]:
-    """(num_experts, top_k) as a language model's config says them, 0 where it is silent: the first key of each
-    list that holds an integer (config checks in planner.checkpoint bound them)."""
-    num_experts = next((text[k] for k in EXPERT_COUNT_KEYS if isinstance(text.get(k), int)), 0)
-    top_k = next((text[k] for k in TOP_K_KEYS if isinstance(text.get(k), int)), 0)
-    return num_experts, top_k
 
 
 def is_expert_param(relative_name: str) -> bool:
@@ -129,8 +120,6 @@ class MoeGeometry:
 def moe_geometry(config: dict | None, layout: ModelLayout) -> MoeGeometry | None:
     """The MoE geometry of a checkpoint: experts and top-k from config.json (counted from the tensors where it
     is silent), each MoE layer's expert bytes from its tensors; None for a dense model."""
-    from planner.model_config import model_config  # planner.model_config imports this module
-
     record = model_config(config)
     num_experts, top_k = (record.num_experts, record.top_k) if record else (0, 0)
     layers = [layer for layer in layout.layers if any(is_expert_param(p[0]) for p in layer.params)]

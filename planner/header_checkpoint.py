@@ -26,14 +26,13 @@ from pathlib import Path
 
 from planner.checkpoint import MAX_CONFIG_BYTES
 from planner.errors import ModelInputError, UsageError
+from planner.model_config import SAFETENSORS_DTYPES
 from planner.untrusted import checked_path, load_json, read_capped
 
 #: written into every folder this module makes: what kind of checkpoint, and the files written there
 MARKER_NAME = ".offload-plan-checkpoint"
 HEADER_ONLY = "header-only"
 DEFAULT_SHARD_BYTES = 5 * 2**30
-#: config.json dtype names -> safetensors dtypes
-DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 BITS = {"BF16": 16, "F16": 16, "F32": 32, "F8_E4M3": 8, "U8": 8}
 
 #: (name, safetensors dtype, shape)
@@ -70,9 +69,9 @@ def read_config(config_path: Path) -> dict:
 
 def dtype_for(name: str) -> str:
     """The safetensors dtype for a config.json dtype name."""
-    if name not in DTYPES:
-        raise UsageError(f"dtype {name!r} is not supported; choose one of {', '.join(DTYPES)}")
-    return DTYPES[name]
+    if name not in SAFETENSORS_DTYPES:
+        raise UsageError(f"dtype {name!r} is not supported; choose one of {', '.join(SAFETENSORS_DTYPES)}")
+    return SAFETENSORS_DTYPES[name]
 
 
 def write_checkpoint_folder(*, config_path: Path, specs: list[TensorSpec], out_dir: Path,

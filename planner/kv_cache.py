@@ -15,13 +15,14 @@ Every decoder layer keeps one or two cache entries:
   model overstates the recurrent state by 2x. ``--kv-cache-dtype`` does not apply to these states.
 
 Layers past ``num_hidden_layers`` (multi-token-prediction heads) are not served by default and not counted.
-Only families listed in ``_FAMILIES`` are modelled; any other architecture is refused in one line, because a
-wrong guess here would silently oversubscribe the GPU.
+Only architectures whose entry in planner.architectures names a cache are modelled; any other is refused in one
+line, because a wrong guess here would silently oversubscribe the GPU.
 """
 
 from dataclasses import dataclass
 
-from planner.model_config import model_config
+from planner.architectures import architecture, model_types_with
+from planner.model_config import ConfigSizes, model_config
 from planner.errors import ModelInputError, printable, shown
 from planner.units import format_bytes
 
@@ -34,8 +35,6 @@ _CONFIG_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 DEFAULT_ACTIVATION_DTYPE = "bf16"
 RECURRENT_STATE_BYTES = 4  # float32
 KINDS = ("full", "sliding", "latent", "state")
-# Plausibility limit of the sizes planner.bounds.CONFIG_COUNTS does not list: a config beyond it is corrupt.
-_MAX_DIM = 65536
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -188,29 +187,17 @@ class _Config:
         self.model_type = record.model_type or record.outer_model_type or _model_type_of(record.architecture)
         self.name = printable(self.model_type or record.architecture or "unknown architecture")
         self.dtype = record.dtype
+        self.sizes = ConfigSizes(self.values, f"KV cache of {self.name}", "; add it to plan its KV cache")
 
     def missing(self, what: str) -> ModelInputError:
-        return ModelInputError(f"KV cache of {self.name}: config.json has no {what}; add it to plan its KV cache")
+        return self.sizes.missing(what)
 
     def has(self, key: str) -> bool:
-        return self.values.get(key) is not None
+        return self.sizes.has(key)
 
     def int(self, key: str, *, maximum: int | None = None, default: int | None = None) -> int:
-        """A positive integer (bools and floats refused), at most ``maximum`` (default: the key's bound in
-        planner.bounds.CONFIG_COUNTS, the one table config.json is checked against, else ``_MAX_DIM``)."""
-        if maximum is None:
-            from planner.bounds import CONFIG_COUNTS  # planner.bounds imports this module
-
-            maximum = CONFIG_COUNTS.get(key, (1, _MAX_DIM))[1]
-        value = self.values.get(key)
-        if value is None:
-            if default is None:
-                raise self.missing(key)
-            return default
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= maximum:
-            raise ModelInputError(f"KV cache of {self.name}: config.json's {key} is {value!r}; "
-                                  f"expected an integer from 1 to {maximum}")
-        return value
+        """planner.model_config.ConfigSizes.size: in CONFIG_LIMITS' range, or at most ``maximum``."""
+        return self.sizes.size(key, default=default, maximum=maximum)
 
     def num_layers(self) -> int:
         return self.int("num_hidden_layers")
@@ -250,7 +237,7 @@ def _sliding_window(cfg: _Config) -> int | None:
     """The window in tokens, or None where config.json sets none (Mixtral, later Mistral configs)."""
     if cfg.values.get("use_sliding_window") is False:  # Qwen2/Qwen3 switch the window off this way
         return None
-    return cfg.int("sliding_window", maximum=2**31) if cfg.has("sliding_window") else None
+    return cfg.int("sliding_window") if cfg.has("sliding_window") else None
 
 
 def _explicit_layer_types(cfg: _Config, num_layers: int) -> list[str] | None:
@@ -263,7 +250,7 @@ def _explicit_layer_types(cfg: _Config, num_layers: int) -> list[str] | None:
     return types[:num_layers]
 
 
-def _attention_layer_types(cfg: _Config, num_layers: int, family: str) -> list[str]:
+def _attention_layer_types(cfg: _Config, num_layers: int, rule: str) -> list[str]:
     """'full_attention' or 'sliding_attention' per layer, as transformers' config classes derive them."""
     explicit = _explicit_layer_types(cfg, num_layers)
     if explicit is not None:
@@ -271,12 +258,12 @@ def _attention_layer_types(cfg: _Config, num_layers: int, family: str) -> list[s
     window = _sliding_window(cfg)
     if window is None:
         return ["full_attention"] * num_layers
-    if family == "alternating":  # Gemma 2, gpt-oss: even layers slide
+    if rule == "alternating":  # Gemma 2, gpt-oss: even layers slide
         return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
-    if family == "pattern":  # Gemma 3: every sliding_window_pattern-th layer is global (transformers' default 6)
+    if rule == "pattern":  # Gemma 3: every sliding_window_pattern-th layer is global (transformers' default 6)
         period = cfg.int("sliding_window_pattern", maximum=num_layers + 1, default=6)
         return ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(num_layers)]
-    if family == "qwen":  # layers from max_window_layers on slide
+    if rule == "qwen":  # layers from max_window_layers on slide
         first = cfg.values.get("max_window_layers", 0)
         if isinstance(first, bool) or not isinstance(first, int) or first < 0:
             raise ModelInputError(f"KV cache of {cfg.name}: config.json's max_window_layers is {first!r}; "
@@ -292,10 +279,10 @@ def attention_layer_types(config: dict | None) -> tuple[str, ...]:
     if not config:
         return ()
     cfg = _Config(config)
-    family = _ATTENTION_FAMILIES.get(cfg.model_type)
-    if family is None or not cfg.has("num_hidden_layers"):
+    rule = architecture(cfg.model_type).sliding_rule
+    if rule is None or not cfg.has("num_hidden_layers"):
         return ()
-    return tuple(_attention_layer_types(cfg, cfg.num_layers(), family))
+    return tuple(_attention_layer_types(cfg, cfg.num_layers(), rule))
 
 
 def _attention_entry(cfg: _Config, index: int, layer_type: str) -> CacheLayer:
@@ -312,9 +299,9 @@ def _attention_entry(cfg: _Config, index: int, layer_type: str) -> CacheLayer:
                           "modelled; known: full_attention, sliding_attention")
 
 
-def _attention_layers(cfg: _Config, family: str) -> list[CacheLayer]:
+def _attention_layers(cfg: _Config, rule: str) -> list[CacheLayer]:
     num_layers = cfg.num_layers()
-    types = _attention_layer_types(cfg, num_layers, family)
+    types = _attention_layer_types(cfg, num_layers, rule)
     return [_attention_entry(cfg, i, t) for i, t in enumerate(types)]
 
 
@@ -326,10 +313,10 @@ def _latent_layers(cfg: _Config) -> list[CacheLayer]:
 
 def _gated_deltanet_state(cfg: _Config, index: int) -> CacheLayer:
     """Qwen3-Next's Gated DeltaNet: conv over q, k, v channels; one k x v matrix per value head."""
-    key_dim = cfg.int("linear_num_key_heads", maximum=_MAX_DIM) * cfg.int("linear_key_head_dim")
-    num_value_heads = cfg.int("linear_num_value_heads", maximum=_MAX_DIM)
+    key_dim = cfg.int("linear_num_key_heads") * cfg.int("linear_key_head_dim")
+    num_value_heads = cfg.int("linear_num_value_heads")
     value_dim = num_value_heads * cfg.int("linear_value_head_dim")
-    conv = (2 * key_dim + value_dim) * cfg.int("linear_conv_kernel_dim", maximum=64)
+    conv = (2 * key_dim + value_dim) * cfg.int("linear_conv_kernel_dim")
     recurrent = num_value_heads * cfg.int("linear_key_head_dim") * cfg.int("linear_value_head_dim")
     return CacheLayer(layer_index=index, kind="state", conv_state_elements=conv, recurrent_state_elements=recurrent)
 
@@ -352,8 +339,8 @@ def _jamba_layers(cfg: _Config) -> list[CacheLayer]:
     if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset < period:
         raise ModelInputError(f"KV cache of {cfg.name}: config.json's attn_layer_offset is {offset!r}; expected "
                               f"an integer from 0 to attn_layer_period - 1 ({period - 1})")
-    inner = cfg.int("mamba_expand", maximum=64) * cfg.int("hidden_size")
-    conv = inner * cfg.int("mamba_d_conv", maximum=64)
+    inner = cfg.int("mamba_expand") * cfg.int("hidden_size")
+    conv = inner * cfg.int("mamba_d_conv")
     recurrent = inner * cfg.int("mamba_d_state")
     return [_attention_entry(cfg, i, "full_attention") if i % period == offset else
             CacheLayer(layer_index=i, kind="state", conv_state_elements=conv, recurrent_state_elements=recurrent)
@@ -363,12 +350,12 @@ def _jamba_layers(cfg: _Config) -> list[CacheLayer]:
 def _falcon_h1_layers(cfg: _Config) -> list[CacheLayer]:
     """Falcon-H1: every layer runs attention and Mamba-2 side by side, so it keeps K/V and a state."""
     hidden = cfg.int("hidden_size")
-    inner = cfg.int("mamba_d_ssm", maximum=_MAX_DIM * 4, default=cfg.int("mamba_expand", maximum=64) * hidden)
-    num_heads = cfg.int("mamba_n_heads", maximum=_MAX_DIM)
+    inner = cfg.int("mamba_d_ssm", default=cfg.int("mamba_expand") * hidden)
+    num_heads = cfg.int("mamba_n_heads")
     head_dim = cfg.values.get("mamba_d_head")
     head_dim = inner // num_heads if head_dim in (None, "auto") else cfg.int("mamba_d_head")
     d_state = cfg.int("mamba_d_state")
-    conv = (inner + 2 * cfg.int("mamba_n_groups", maximum=_MAX_DIM) * d_state) * cfg.int("mamba_d_conv", maximum=64)
+    conv = (inner + 2 * cfg.int("mamba_n_groups") * d_state) * cfg.int("mamba_d_conv")
     recurrent = num_heads * head_dim * d_state
     entries = []
     for i in range(cfg.num_layers()):
@@ -378,16 +365,9 @@ def _falcon_h1_layers(cfg: _Config) -> list[CacheLayer]:
     return entries
 
 
-# model_type -> how its layers cache. Attention families name how sliding layers are laid out when
-# config.json has no layer_types (the rule of the family's transformers config class).
-_ATTENTION_FAMILIES = {
-    "llama": "all", "mistral": "all", "mixtral": "all", "qwen2": "qwen", "qwen2_moe": "qwen", "qwen3": "qwen",
-    "qwen3_moe": "qwen", "gemma": "all", "gemma2": "alternating", "gemma3": "pattern", "gemma3_text": "pattern",
-    "gpt_oss": "alternating",
-}
-_LATENT_FAMILIES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
-_HYBRID_FAMILIES = {"qwen3_next": _qwen3_next_layers, "jamba": _jamba_layers, "falcon_h1": _falcon_h1_layers}
-SUPPORTED_MODEL_TYPES = tuple(sorted((*_ATTENTION_FAMILIES, *_LATENT_FAMILIES, *_HYBRID_FAMILIES)))
+#: the layers of each hybrid architecture (planner.architectures' cache "hybrid")
+HYBRID_LAYERS = {"qwen3_next": _qwen3_next_layers, "jamba": _jamba_layers, "falcon_h1": _falcon_h1_layers}
+SUPPORTED_MODEL_TYPES = tuple(sorted(set(model_types_with()) - set(model_types_with(cache=None))))
 
 
 def kv_cache_model(config: dict | None) -> KvCacheModel:
@@ -395,12 +375,13 @@ def kv_cache_model(config: dict | None) -> KvCacheModel:
     if not config:
         raise ModelInputError("KV cache: the checkpoint has no config.json; the KV cache is planned from it")
     cfg = _Config(config)
-    if cfg.model_type in _ATTENTION_FAMILIES:
-        layers = _attention_layers(cfg, _ATTENTION_FAMILIES[cfg.model_type])
-    elif cfg.model_type in _LATENT_FAMILIES:
+    entry = architecture(cfg.model_type)
+    if entry.cache == "attention":
+        layers = _attention_layers(cfg, entry.sliding_rule)
+    elif entry.cache == "latent":
         layers = _latent_layers(cfg)
-    elif cfg.model_type in _HYBRID_FAMILIES:
-        layers = _HYBRID_FAMILIES[cfg.model_type](cfg)
+    elif entry.cache == "hybrid":
+        layers = HYBRID_LAYERS[cfg.model_type](cfg)
     else:
         raise ModelInputError(f"KV cache of {cfg.name}: this architecture's cache is not modelled (model_type "
                               f"{cfg.model_type!r}); supported: {', '.join(SUPPORTED_MODEL_TYPES)}")

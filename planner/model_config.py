@@ -15,11 +15,11 @@ positions already include it (rope types ``su``/``longrope``/``llama3``, and Gem
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
 from planner.errors import ModelInputError, shown
-from planner.experts import config_routing
 
 #: sub-configs of multimodal models that hold the language model's keys
 TEXT_SECTIONS = ("text_config", "language_config")
@@ -40,8 +40,39 @@ POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_l
 _UNSCALED_ROPE_TYPES = ("su", "longrope", "llama3")
 #: quantization_config methods the planner knows the release layout of
 KNOWN_QUANT_METHODS = ("fp8", "mxfp4", "compressed-tensors")
-#: config.json dtype names -> bytes per element
+#: config.json dtype names -> bytes per element, and the safetensors dtype of that name
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+#: config.json keys that give the number of routed experts, and the experts each token picks
+EXPERT_COUNT_KEYS = ("num_local_experts", "n_routed_experts", "num_experts", "moe_num_experts")
+TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k")
+
+#: The one limits table of config.json: every whole-number key the planner reads, with the range a real model's
+#: value lies in (wider than any model today, narrow enough that the arithmetic on them stays small and fast).
+#: The counts every plan reads (CONFIG_COUNTS) are checked for every config at load (planner.checkpoint); the
+#: sizes only some architectures' KV cache or activation estimate read are checked where they are read, with a
+#: line naming the architecture. Expert counts and top-k may be 0 (a dense model, or "not given").
+CONFIG_COUNTS: dict[str, tuple[int, int]] = {
+    **dict.fromkeys(("hidden_size", "n_embd"), (1, 2**20)),
+    **dict.fromkeys(("num_attention_heads", "n_head", "num_key_value_heads", "head_dim"), (1, 2**16)),
+    **dict.fromkeys(("num_hidden_layers", "n_layer", "num_layers"), (1, 100_000)),
+    **dict.fromkeys(EXPERT_COUNT_KEYS, (0, 2**20)),
+    **dict.fromkeys(TOP_K_KEYS, (0, 2**20)),
+}
+CONFIG_LIMITS: dict[str, tuple[int, int]] = {
+    **CONFIG_COUNTS,
+    # widths and lengths in elements or tokens
+    **dict.fromkeys(("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size", "vocab_size",
+                     "sliding_window"), (1, 2**31)),
+    "n_shared_experts": (1, 2**20),
+    # per-head and latent dims, and the heads and groups of linear-attention and state-space layers
+    **dict.fromkeys(("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "linear_num_key_heads",
+                     "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "mamba_d_state",
+                     "mamba_d_head", "mamba_n_heads", "mamba_n_groups"), (1, 2**16)),
+    "mamba_d_ssm": (1, 2**18),
+    # convolution widths and expansion factors
+    **dict.fromkeys(("linear_conv_kernel_dim", "mamba_d_conv", "mamba_expand"), (1, 64)),
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,6 +132,44 @@ class ModelConfig:
     context: ContextLimit | None
 
 
+class ConfigSizes:
+    """The language model's whole-number keys, read against CONFIG_LIMITS by the KV cache model and the activation
+    estimate alike: null is "not given", and each refusal is one line that begins with ``what`` (such as "KV cache
+    of llama") and names the key, its value and the range."""
+
+    def __init__(self, values: Mapping, what: str, missing_fix: str = ""):
+        self.values = values
+        self.what = what
+        #: said after "config.json has no KEY" (e.g. "; add it to plan its KV cache")
+        self.missing_fix = missing_fix
+
+    def missing(self, key: str) -> ModelInputError:
+        """The error for a key the reader needs and the config does not give."""
+        return ModelInputError(f"{self.what}: config.json has no {key}{self.missing_fix}")
+
+    def has(self, key: str) -> bool:
+        return self.values.get(key) is not None
+
+    def size(self, key: str, *, default: int | None = None, maximum: int | None = None) -> int:
+        """A whole number in CONFIG_LIMITS[key] (bools and floats refused), ``default`` where the config is silent
+        (else an error); ``maximum`` for a bound that depends on another key (a period of at most the layers)."""
+        value = self.values.get(key)
+        if value is None:
+            if default is None:
+                raise self.missing(key)
+            return default
+        low, high = CONFIG_LIMITS[key] if maximum is None else (1, maximum)
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ModelInputError(f"{self.what}: config.json's {key} is {shown(value)}; expected an integer from "
+                                  f"{low} to {high}")
+        return value
+
+    def count(self, key: str) -> int:
+        """An optional size or count: absent, null or 0 is 0; else as ``size``."""
+        value = self.values.get(key)
+        return 0 if value is None or (value == 0 and not isinstance(value, bool)) else self.size(key)
+
+
 def text_config(config: dict | None) -> dict:
     """The language model's part of config.json with its class's defaults applied (``TEXT_DEFAULTS``)."""
     if not config:
@@ -154,6 +223,14 @@ def model_config(config: dict | None) -> ModelConfig | None:
         quantization=_quantization(config),
         context=context_limit(text),
     )
+
+
+def config_routing(text: dict) -> tuple[int, int]:
+    """(num_experts, top_k) as a language model's config says them, 0 where it is silent: the first key of each
+    list that holds an integer (planner.checkpoint bounds them at load)."""
+    num_experts = next((text[k] for k in EXPERT_COUNT_KEYS if isinstance(text.get(k), int)), 0)
+    top_k = next((text[k] for k in TOP_K_KEYS if isinstance(text.get(k), int)), 0)
+    return num_experts, top_k
 
 
 def _first_int(section: dict, keys: tuple[str, ...]) -> int | None:

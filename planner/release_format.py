@@ -30,11 +30,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from planner.errors import ModelInputError, shown
-from planner.model_config import Quantization, model_config, text_config
+from planner.model_config import SAFETENSORS_DTYPES, Quantization, model_config, text_config
 
 BF16, F16, F32, FP8, U8 = "BF16", "F16", "F32", "F8_E4M3", "U8"
-#: config.json dtype names -> safetensors dtypes
-FLOAT_DTYPES = {"bfloat16": BF16, "float16": F16, "float32": F32}
 MXFP4_BLOCK = 32
 
 #: (name, safetensors dtype, shape)
@@ -296,9 +294,9 @@ def release_specs(config: dict, *, dtype: str | None = None) -> list[TensorSpec]
 def _format(config: dict, record, dtype: str | None) -> _Format:
     """The float dtype and quantization of the release; an unknown quantization method is one line."""
     name = dtype or record.dtype or "bfloat16"
-    if name not in FLOAT_DTYPES:
+    if name not in SAFETENSORS_DTYPES:
         raise ModelInputError(f"dtype {shown(name)} is not one header-checkpoint writes; choose one of "
-                              f"{', '.join(FLOAT_DTYPES)}")
+                              f"{', '.join(SAFETENSORS_DTYPES)}")
     quant = record.quantization
     if quant is not None and not quant.known:
         raise ModelInputError(f"quantization_config's quant_method {shown(quant.method)} is not a layout "
@@ -308,7 +306,7 @@ def _format(config: dict, record, dtype: str | None) -> _Format:
         raise ModelInputError("quantization_config is fp8 without weight_block_size: per-tensor FP8 scales are "
                               "not a layout header-checkpoint writes; plan from the release's own headers")
     strategy = _compressed_strategy(config) if quant is not None and quant.method == "compressed-tensors" else None
-    return _Format(dtype=FLOAT_DTYPES[name], quantization=quant, compressed_strategy=strategy)
+    return _Format(dtype=SAFETENSORS_DTYPES[name], quantization=quant, compressed_strategy=strategy)
 
 
 def _compressed_strategy(config: dict) -> str:

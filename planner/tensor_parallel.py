@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from planner.checkpoint import Checkpoint
 from planner.cost import ComputeTimes
 from planner.errors import ModelInputError, ProfileError, UsageError
-from planner.model_config import TEXT_SECTIONS, text_config
+from planner.model_config import DTYPE_BYTES, TEXT_SECTIONS, model_config
 from planner.safetensors_header import TensorEntry, tensor_nbytes
 
 #: vocab_parallel_embedding.py DEFAULT_VOCAB_PADDING_SIZE: the vocabulary is padded to a multiple of this
@@ -141,17 +141,14 @@ class TpModel:
 
 
 def tp_model(config: dict | None) -> TpModel:
-    """Attention heads, KV heads and the FP8 block size from config.json (its language-model part)."""
-    text = text_config(config)
-    heads = text.get("num_attention_heads")
-    if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1:
+    """Attention heads, KV heads and the FP8 block size from the model record of config.json."""
+    record = model_config(config)
+    if record is None or record.num_heads is None or record.num_heads < 1:
         raise ModelInputError("--tp: config.json has no num_attention_heads; vLLM splits attention by heads, so "
                               "tensor-parallel plans need it")
-    kv = text.get("num_key_value_heads") or heads
-    quant = text.get("quantization_config") or (config or {}).get("quantization_config") or {}
-    block = quant.get("weight_block_size") if isinstance(quant, dict) else None
-    fp8_block = tuple(block) if isinstance(block, list) and len(block) == 2 else DEFAULT_FP8_BLOCK
-    return TpModel(num_heads=heads, num_kv_heads=kv, fp8_block=fp8_block)
+    block = record.quantization.weight_block if record.quantization else None
+    return TpModel(num_heads=record.num_heads, num_kv_heads=record.num_kv_heads or record.num_heads,
+                   fp8_block=block or DEFAULT_FP8_BLOCK)
 
 
 def _text_section(config: dict) -> dict:
@@ -548,9 +545,6 @@ def link_bytes_per_s(profile, tp: int) -> float:
     return figure.value
 
 
-_ACTIVATION_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-
-
 def with_all_reduces(compute: ComputeTimes, checkpoint: Checkpoint, workload, profile,
                      link: AllReduceLink | None = None) -> ComputeTimes:
     """``compute`` of one rank with the step's all-reduces added to each layer and to the head, at ``link`` (default:
@@ -558,12 +552,12 @@ def with_all_reduces(compute: ComputeTimes, checkpoint: Checkpoint, workload, pr
     if not isinstance(checkpoint, RankCheckpoint):
         return compute
     link = assumed_link(profile, checkpoint.tp_size) if link is None else link
-    text = text_config(checkpoint.whole_config)
-    dtype = text.get("torch_dtype") or text.get("dtype")
+    record = model_config(checkpoint.whole_config)
+    hidden, vocab, dtype = (record.hidden_size, record.vocab_size, record.dtype) if record else (None, None, None)
     reduces = step_all_reduces(
         tp=checkpoint.tp_size, num_layers=len(compute.layer_ms), tokens_per_step=workload.tokens_per_step,
-        sequences_per_step=workload.sequences_per_step, hidden_size=int(text.get("hidden_size") or 0),
-        vocab_size=int(text.get("vocab_size") or 0), activation_bytes=_ACTIVATION_BYTES.get(dtype, 2),
+        sequences_per_step=workload.sequences_per_step, hidden_size=hidden or 0,
+        vocab_size=vocab or 0, activation_bytes=DTYPE_BYTES.get(dtype, 2),
         link_bytes_per_s=link.bytes_per_s, latency_us=link.latency_us)
     return ComputeTimes(layer_ms=tuple(ms + reduces.layer_ms for ms in compute.layer_ms),
                         head_ms=compute.head_ms + reduces.head_ms,

@@ -11,7 +11,7 @@ import torch
 from planner.adapter_stream import (STREAM_NUM_BATCHES, StreamSchedule, StreamTimes, pure_compute_ms, schedule_stream,
                                     simulate, stream_batches, stream_requests_per_batch, weights_on_link)
 from runtime.adapters import AdapterPool, LoraHooks, ServedStream, load_pool, serve_stream
-from runtime.bench import random_ids
+from runtime.timing import random_ids
 from runtime.load import Loaded
 
 #: timed rounds per mode (each: the forwards alone, then the stream with its copies)

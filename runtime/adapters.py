@@ -23,7 +23,8 @@ from planner.adapters import CONFIG_NAME, WEIGHTS_NAME, lora_scaling, parse_adap
 from planner.errors import ModelInputError
 from planner.placement import align_up
 from runtime.engine import PackedParam, view_as_param
-from runtime.load import alloc_device_or_fail, cached_snapshot, host_allocation_or_fail
+from runtime.allocation import alloc_device_or_fail, host_allocation_or_fail
+from runtime.load import cached_snapshot
 from runtime.checkpoint_reader import FileHandles, SourceTensor, read_exact, read_sources
 
 _PEFT_PREFIX = "base_model.model."

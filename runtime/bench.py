@@ -7,6 +7,7 @@ import torch
 
 from planner.errors import UsageError
 from runtime.load import Loaded
+from runtime.timing import forward_step, model_device, random_ids, time_steps
 
 NUM_WARMUP_STEPS = 3
 NUM_TIMED_STEPS = 10
@@ -43,47 +44,11 @@ class BenchResult:
         return asdict(self)
 
 
-def random_ids(model, shape: tuple[int, int], device: torch.device, seed: int = 0) -> torch.Tensor:
-    """Reproducible random token ids of ``shape`` within the model's vocabulary."""
-    vocab = model.config.get_text_config().vocab_size
-    generator = torch.Generator(device="cpu").manual_seed(seed)
-    return torch.randint(0, vocab, shape, generator=generator).to(device)
-
-
 def bench_inputs(loaded: Loaded, device: torch.device) -> torch.Tensor:
     """Random token ids of the plan's prefill workload shape: [sequences, tokens per sequence]."""
     workload = loaded.plan.workload
     shape = (workload.sequences_per_step, workload.tokens_per_step // workload.sequences_per_step)
     return random_ids(loaded.model, shape, device)
-
-
-def forward_step(model, input_ids: torch.Tensor) -> torch.Tensor:
-    """One forward step without KV cache, logits for the last token of each sequence (as servers do)."""
-    return model(input_ids=input_ids, use_cache=False, logits_to_keep=1).logits
-
-
-def time_calls(step, num_steps: int, device: torch.device | None = None) -> list[float]:
-    """Milliseconds of each of ``num_steps`` back-to-back calls of ``step()``, from CUDA events between them.
-
-    No synchronisation between calls: prefetches that wrap into the next step overlap as in serving.
-    """
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(num_steps + 1)]
-    events[0].record()
-    for index in range(num_steps):
-        step()
-        events[index + 1].record()
-    torch.cuda.synchronize(device)
-    return [events[i].elapsed_time(events[i + 1]) for i in range(num_steps)]
-
-
-def time_steps(model, input_ids: torch.Tensor, num_steps: int) -> list[float]:
-    """Milliseconds of each of ``num_steps`` back-to-back forward steps (time_calls)."""
-    return time_calls(lambda: forward_step(model, input_ids), num_steps)
-
-
-def model_device(model) -> torch.device:
-    """The CUDA device the model's resident weights are on."""
-    return next(p.device for p in model.parameters() if p.device.type == "cuda")
 
 
 def check_decode_flags(plan, cuda_graph: bool, compile_backend: str | None) -> None:
@@ -169,74 +134,3 @@ def run_decode_bench(loaded: Loaded, num_steps: int, cuda_graph: bool,
     mode = "decode " + ("graphed" if cuda_graph else "eager") + (", compiled" if compile_backend else "")
     return _result(loaded, step_ms, engine.take_stats(), device, timed=not cuda_graph, mode=mode,
                    warmup_s=loop.warmup_s, compile_s=loop.compile_s, capture_s=loop.capture_s)
-
-
-def generate(loaded: Loaded, prompt: str, model_path: str, max_new_tokens: int,
-             cuda_graph: bool = False, compile_backend: str | None = None, adapter: str | None = None,
-             plan_path=None) -> tuple[str, float]:
-    """Generate greedily with the plan applied (and, given ``adapter``, that one of the plan's LoRA adapters);
-    returns (text, tokens per second)."""
-    if adapter is None:
-        return _generate(loaded, prompt, model_path, max_new_tokens, cuda_graph, compile_backend)
-    from runtime.adapters import attach_adapter
-
-    pool, hooks = attach_adapter(loaded.model, loaded.plan, loaded.engine.backend, adapter, plan_path)
-    try:
-        return _generate(loaded, prompt, model_path, max_new_tokens, cuda_graph, compile_backend)
-    finally:
-        hooks.remove()
-        pool.close()
-
-
-def _generate(loaded: Loaded, prompt: str, model_path: str, max_new_tokens: int, cuda_graph: bool,
-              compile_backend: str | None) -> tuple[str, float]:
-    import time
-
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
-    except (OSError, ValueError):
-        raise UsageError(
-            f"{model_path} has no tokenizer; use --bench, or point --model at a checkpoint with one") from None
-    device = model_device(loaded.model)
-    inputs = tokenizer(prompt, return_tensors="pt").to(device)
-    if cuda_graph or compile_backend:
-        return _generate_static(loaded, tokenizer, inputs["input_ids"], max_new_tokens, cuda_graph, compile_backend)
-    with torch.inference_mode():
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        output = loaded.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
-        torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
-    new_tokens = output.shape[1] - inputs["input_ids"].shape[1]
-    return tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True), new_tokens / seconds
-
-
-def _generate_static(loaded: Loaded, tokenizer, prompt_ids: torch.Tensor, max_new_tokens: int, cuda_graph: bool,
-                     compile_backend: str | None) -> tuple[str, float]:
-    """Greedy decode over a static cache, replayed from a CUDA graph and/or compiled; the text stops at the
-    first end-of-sequence token. Tokens/s counts the steps only (not compilation or capture)."""
-    import time
-
-    from runtime.graph import NUM_WARMUP_CALLS, DecodeLoop, calls_for, steps_per_call_for
-
-    steps = steps_per_call_for(cuda_graph)
-    room_tokens = max(NUM_WARMUP_CALLS, calls_for(max_new_tokens, steps)) * steps
-    loop = DecodeLoop(loaded.model, batch=1, max_cache_tokens=prompt_ids.shape[1] + room_tokens,
-                      device=prompt_ids.device, engine=loaded.engine, compile_backend=compile_backend,
-                      steps_per_call=steps)
-    loop.prefill(prompt_ids)
-    if cuda_graph:
-        loop.capture()
-    else:
-        loop.warm_up()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    ids, _ = loop.generate(max_new_tokens)
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    tokens = ids[0].tolist()
-    if tokenizer.eos_token_id in tokens:
-        tokens = tokens[: tokens.index(tokenizer.eos_token_id)]
-    return tokenizer.decode(tokens, skip_special_tokens=True), max_new_tokens / seconds

@@ -28,6 +28,7 @@ from planner.serving import DECODE_ROOM_TOKENS
 from planner.simulate import STEPS_PER_GRAPH
 from runtime.experts_impl import DECODE, PREFILL, phase_implementations, switch
 from runtime.quantized import compute_dtype
+from runtime.timing import time_calls
 
 NUM_WARMUP_CALLS = 2
 #: prefill at most this many tokens per forward (batch x chunk), to bound activation memory
@@ -343,8 +344,6 @@ class DecodeLoop:
     def timed_steps(self, num_steps: int) -> list[float]:
         """Milliseconds per decode step of back-to-back calls covering ``num_steps`` steps (no host
         synchronisation between them): each call's time over its steps."""
-        from runtime.bench import time_calls
-
         num_calls = calls_for(num_steps, self.steps_per_call)
         return [ms / self.steps_per_call for ms in time_calls(self.step, num_calls, self.device)]
 

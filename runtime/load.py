@@ -18,14 +18,14 @@ from planner.checkpoint import Checkpoint, load_checkpoint, resolve_local_source
 from planner.errors import ModelInputError, PlanError, RuntimeUnavailableError
 from planner.plan import Plan
 from planner.units import format_bytes
+from runtime.allocation import alloc_device_or_fail, host_allocation_or_fail
 from runtime.backend import CpuStandIn, CudaBackend
 from runtime.experts_impl import PREFILL, use_phase
-from runtime.host_pages import huge_page_empty
 from runtime.routed_experts import RoutedExperts, allocate_for_plan
 from planner.placement import align_up
 from planner.schedule import PrefetchSchedule
-from runtime.engine import (OffloadEngine, PackedParam, host_offsets, host_pieces,
-                            offloaded_layouts, pack_layout, packed_bytes, view_as_param)
+from runtime.engine import (OffloadEngine, PackedParam, host_offsets, host_pieces, offloaded_layouts, pack_layout,
+                            packed_bytes, view_as_param)
 from runtime.checkpoint_reader import Destination, sources_of
 from runtime.skeleton import LoadWork, build_skeleton, param_owners, plan_reads, set_param
 from runtime.stream_load import CONVERSIONS_IN_FLIGHT, NUM_READERS, STAGING_BYTES, LoadPhases, stream_weights
@@ -338,33 +338,6 @@ def place_plan(model: nn.Module, plan: Plan, backend, pin: bool = True) -> Place
             placement.release(backend)
             raise
     return placement
-
-
-def alloc_device_or_fail(backend, num_bytes: int, what: str = "weights and slots",
-                         fix: str = "make a plan with a smaller --budget") -> torch.Tensor:
-    """A device buffer, or a one-line error when the GPU cannot hold it (another process took memory since
-    the check, or the allocator is fragmented)."""
-    try:
-        return backend.alloc_device(num_bytes)
-    except torch.OutOfMemoryError:
-        raise RuntimeUnavailableError(
-            f"the GPU ran out of memory allocating the plan's {num_bytes} bytes ({format_bytes(num_bytes)}) of "
-            f"{what}; free GPU memory (other processes?) or {fix}"
-        ) from None
-
-
-def host_allocation_or_fail(num_bytes: int, what: str = "the offloaded layers",
-                            fix: str = "make a plan with a larger --budget") -> torch.Tensor:
-    """A host allocation to be pinned (the offloaded layers, piece by piece), or a one-line error. Its storage
-    starts on a huge-page boundary (runtime.host_pages: GPU threads read such memory faster), and ``num_bytes``
-    (host_offsets' total) is whole pages, so no piece shares a page with another or with any other allocation."""
-    try:
-        return huge_page_empty(num_bytes)
-    except OSError:  # mmap's ENOMEM
-        raise RuntimeUnavailableError(
-            f"cannot allocate {num_bytes} bytes ({format_bytes(num_bytes)}) of host memory for {what}; free host "
-            f"memory or {fix}"
-        ) from None
 
 
 def finish_placement(model: nn.Module, plan: Plan, placement: Placement, backend) -> OffloadEngine:

@@ -52,6 +52,7 @@ from torch import nn
 from planner.errors import PlanError, RuntimeUnavailableError
 from planner.placement import ALIGN_BYTES, align_up
 from planner.units import format_bytes
+from runtime.allocation import alloc_device_or_fail, host_allocation_or_fail
 from runtime.engine import PackedParam, backend_unpin, view_as_param
 from runtime.fetch_planning import fused_fetch_plan
 
@@ -143,10 +144,16 @@ class RoutedExperts:
         self.expert_bytes = sum(self.row_bytes.values())
         self._unpin = lambda: None
         self.adopt_host = adopt_host
+        self._allocate()
+        self._prediction_state()
+
+    def _allocate(self) -> None:
+        """The host allocation (unless adopting the params' own), the device rows, the prefill staging buffer and
+        the fetch counter: nothing read, nothing pinned."""
         #: None when adopting the params' own host tensors
-        self.host_allocation = None if adopt_host else self._allocate_host()
+        self.host_allocation = None if self.adopt_host else self._allocate_host()
         #: (layer, param) -> where its [E, *row] tensor sits in host_allocation (the loader's destinations)
-        self.host_items = {} if adopt_host else self._host_layout()
+        self.host_items = {} if self.adopt_host else self._host_layout()
         num_rows = self.slot_rows + sum(len(r) for r in self.resident.values())
         #: param -> [slot rows + resident rows, *row] on the device: fetch slots first (one set, or two when
         #: prefetching), then each routed layer's resident experts in layer order
@@ -156,9 +163,12 @@ class RoutedExperts:
         #: [4] int64 on the device: distinct non-resident experts gathered by decode steps since reset, by kind
         #: (FETCH_KINDS)
         self.fetch_counts = torch.zeros(len(FETCH_KINDS), dtype=torch.int64, device=self.device)
+
+    def _prediction_state(self) -> None:
+        """The next-layer prediction's buffers, counters and knobs (filled by ``start``), and the host views."""
         #: [routed layers, fetch_slots] int64 on the device: the expert prefetched into each slot of the layer's
         #: set (-1: none), written by the previous routed layer's prediction
-        self.prefetched = torch.full((len(self.layers), fetch_slots), -1, dtype=torch.int64, device=self.device)
+        self.prefetched = torch.full((len(self.layers), self.fetch_slots), -1, dtype=torch.int64, device=self.device)
         #: where the fused fetch plan of a prediction adds counts nobody reads
         self._prefetch_counts = torch.zeros(len(FETCH_KINDS), dtype=torch.int64, device=self.device)
         #: routed ordinal -> how to predict the next routed layer's routing (filled by start)
@@ -215,8 +225,6 @@ class RoutedExperts:
         """One host allocation for every routed layer's E experts per param, back to back (each param's rows
         on an aligned offset), on huge pages; its storage begins at its first byte: torch asks is_pinned about
         a storage's first byte, and prefill's copies from it are asynchronous only when pinned."""
-        from runtime.load import host_allocation_or_fail
-
         num_bytes = align_up(len(self.layers) * len(self.param_names) * ALIGN_BYTES + self.host_bytes)
         return host_allocation_or_fail(num_bytes, "the routed experts", "make a plan that routes fewer layers")
 
@@ -244,8 +252,6 @@ class RoutedExperts:
         return host
 
     def _device_rows(self, name: str, num_rows: int) -> torch.Tensor:
-        from runtime.load import alloc_device_or_fail
-
         dtype, shape = self.rows[name]
         raw = alloc_device_or_fail(self.backend, num_rows * self.row_bytes[name], f"routed experts ({name})",
                                    "make a plan with fewer resident experts")

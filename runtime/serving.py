@@ -102,7 +102,7 @@ def out_of_memory(what: str, plan) -> RuntimeUnavailableError:
 
 def time_prefill_chunk(loaded, chunk_tokens: int, device: torch.device) -> float:
     """Median ms of a forward over one new sequence's ``chunk_tokens`` tokens (no cache), offload hooks eager."""
-    from runtime.bench import forward_step, random_ids, time_steps
+    from runtime.timing import forward_step, random_ids, time_steps
 
     ids = random_ids(loaded.model, (1, chunk_tokens), device, seed=1)
     use_phase(loaded.model, PREFILL, device)  # the decode loop left its own implementation set
@@ -125,7 +125,7 @@ def serve_and_time(loaded, cuda_graph: bool, compile_backend: str | None = None,
     comparing them with ``reference_logits`` (another model's over the same seeded cache). ``timing_kernels``: a
     context manager factory the timed steps run in, the step captured again inside it (a benchmark that checks
     bits with deterministic kernels and times the ones serving runs)."""
-    from runtime.bench import model_device
+    from runtime.timing import model_device
     from runtime.graph import DecodeLoop, cache_tokens_for
 
     plan, engine = loaded.plan, loaded.engine

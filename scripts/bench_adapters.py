@@ -202,7 +202,7 @@ def write_random_adapters(base, folder: Path, names: list[str], *, rank: int, al
 
 class PeftReference:
     """PEFT's outputs over the all-resident model, each computed once: both placements serve the same prompts
-    (runtime.bench.random_ids is seeded) in the same schedules, so their expected logits and tokens are the
+    (runtime.timing.random_ids is seeded) in the same schedules, so their expected logits and tokens are the
     same, and a second placement reuses the first's instead of running PEFT again."""
 
     def __init__(self, model):
@@ -344,7 +344,7 @@ def forward_costs(model, pool, hooks, prompts) -> dict:
 
     import torch
 
-    from runtime.bench import time_calls
+    from runtime.timing import time_calls
 
     names = sorted(pool.layouts)
     costs = {}

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 
 from planner.simulate import STEPS_PER_GRAPH  # noqa: E402
 from runtime.backend import CudaBackend  # noqa: E402
-from runtime.bench import random_ids  # noqa: E402
+from runtime.timing import random_ids  # noqa: E402
 from scripts.benchmarking import (CONTEXT_TOKENS, checkpoint_parser, deterministic_decode, free, log,  # noqa: E402
                                   pinned_h2d_bytes_per_s, plan_for, product_kernels, write_calibrated,
                                   write_random_checkpoint, write_report)

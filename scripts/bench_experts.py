@@ -394,7 +394,7 @@ def timed_ms(loop, setting: Setting, feed) -> list[float]:
         loop.step()
 
     if setting.device.type == "cuda":
-        from runtime.bench import time_calls
+        from runtime.timing import time_calls
 
         time_calls(step, 3, setting.device)
         return time_calls(step, setting.num_timed_steps, setting.device)

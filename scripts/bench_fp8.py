@@ -31,7 +31,7 @@ from scripts.bench_decode import all_equal, decode_run  # sets the deterministic
 import torch  # noqa: E402
 
 from runtime.backend import CudaBackend  # noqa: E402
-from runtime.bench import random_ids  # noqa: E402
+from runtime.timing import random_ids  # noqa: E402
 from scripts.benchmarking import (CONTEXT_TOKENS, DEFAULT_CONFIG, checkpoint_parser, deterministic_decode,  # noqa: E402
                                   free, log, pinned_h2d_bytes_per_s, plan_for, write_calibrated, write_random_release,
                                   write_report)

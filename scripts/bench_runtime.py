@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from runtime.backend import CudaBackend
-from runtime.bench import forward_step, time_steps
+from runtime.timing import forward_step, time_steps
 from scripts.benchmarking import (checkpoint_parser, free, log, pinned_h2d_bytes_per_s, plan_for, write_calibrated,
                                   write_random_checkpoint, write_report)
 from runtime.load import apply_plan, build_model

@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 from planner.errors import OffloadPlanError
-from planner.header_checkpoint import DEFAULT_SHARD_BYTES, DTYPES
+from planner.header_checkpoint import DEFAULT_SHARD_BYTES
+from planner.model_config import SAFETENSORS_DTYPES
 from runtime.header_checkpoint import write_header_checkpoint
 
 
@@ -22,7 +23,7 @@ def parser() -> argparse.ArgumentParser:
     result = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     result.add_argument("config", type=Path, help="a config.json")
     result.add_argument("output", type=Path, help="folder to write: new, empty, or written by this tool before")
-    result.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: the config's dtype")
+    result.add_argument("--dtype", choices=sorted(SAFETENSORS_DTYPES), default=None, help="default: the config's dtype")
     result.add_argument("--shard-gib", type=float, default=DEFAULT_SHARD_BYTES / 2**30, help="shard size (GiB)")
     return result
 

@@ -52,24 +52,9 @@ def run(
     if bench == (prompt is not None):
         raise UsageError("give exactly one of --bench or --prompt TEXT")
     loaded_plan = read_plan(plan)
-    if loaded_plan.inputs.tp > 1:
-        raise UsageError(f"{plan} is one rank of TP={loaded_plan.inputs.tp} (make --tp); run serves a one-GPU plan: "
-                         "serve it with the flags of offload-plan export, or measure it with torchrun "
-                         "scripts/bench_tp.py")
     cuda_graph = graphed_steps(cuda_graph, loaded_plan)
-    if bench and cuda_graph != loaded_plan.workload.cuda_graph:
-        made, running = ("graph replays", "eager steps")
-        if not loaded_plan.workload.cuda_graph:
-            made, running = running, made
-        warn(f"the plan predicts {made} and this runs {running}; for a like-for-like prediction make the plan "
-             f"{'with' if cuda_graph else 'without'} --cuda-graph")
-    check_adapter_flags(loaded_plan, bench, adapter, adapter_mode)
-    if adapter is not None and compile_steps:
-        # the LoRA hooks read Python state at each call, which a compiled step would bake in
-        raise UsageError("--adapter with --compile is not built; drop --compile (eager or --cuda-graph steps)")
-    if loaded_plan.adapters is not None and prompt is not None and adapter is None:
-        warn(f"--prompt runs the base model without the plan's {len(loaded_plan.adapters.items)} LoRA adapter(s); "
-             "give --adapter NAME to generate with one")
+    _check_run_flags(plan, loaded_plan, bench=bench, prompt=prompt, cuda_graph=cuda_graph,
+                     compile_steps=compile_steps, adapter=adapter, adapter_mode=adapter_mode)
     source = runtime_seam.open_source(loaded_plan, model, plan)  # resolved and read once, from any directory
     runtime_seam.require_cuda("offload-plan run")
     memory_fraction = runtime_seam.cap_gpu_memory(loaded_plan.memory.gpu_memory_bytes)
@@ -86,10 +71,41 @@ def run(
         say(f"{format_rate(tokens_per_s)} tokens/s with the plan applied "
             f"({'CUDA graph replays' if cuda_graph else 'eager steps'})")
         return
-    if loaded_plan.adapters is not None:
-        result = runtime_seam.run_adapter_bench(loaded, plan, adapter_mode or loaded_plan.adapters.mode)
+    _bench(loaded, loaded_plan, plan, adapter_mode, cuda_graph, compile_backend, memory_fraction, json_output)
+
+
+def _check_run_flags(plan_path, plan, *, bench: bool, prompt: str | None, cuda_graph: bool, compile_steps: bool,
+                     adapter: str | None, adapter_mode: str | None) -> None:
+    """What the plan cannot run is refused, and what it runs other than planned is warned, before anything is
+    read: a rank of a TP plan, adapter flags the plan or the command does not take, --adapter with --compile;
+    graph replays against eager steps, and --prompt without the plan's adapters."""
+    if plan.inputs.tp > 1:
+        raise UsageError(f"{plan_path} is one rank of TP={plan.inputs.tp} (make --tp); run serves a one-GPU plan: "
+                         "serve it with the flags of offload-plan export, or measure it with torchrun "
+                         "scripts/bench_tp.py")
+    if bench and cuda_graph != plan.workload.cuda_graph:
+        made, running = ("graph replays", "eager steps")
+        if not plan.workload.cuda_graph:
+            made, running = running, made
+        warn(f"the plan predicts {made} and this runs {running}; for a like-for-like prediction make the plan "
+             f"{'with' if cuda_graph else 'without'} --cuda-graph")
+    check_adapter_flags(plan, bench, adapter, adapter_mode)
+    if adapter is not None and compile_steps:
+        # the LoRA hooks read Python state at each call, which a compiled step would bake in
+        raise UsageError("--adapter with --compile is not built; drop --compile (eager or --cuda-graph steps)")
+    if plan.adapters is not None and prompt is not None and adapter is None:
+        warn(f"--prompt runs the base model without the plan's {len(plan.adapters.items)} LoRA adapter(s); "
+             "give --adapter NAME to generate with one")
+
+
+def _bench(loaded, plan, plan_path, adapter_mode: str | None, cuda_graph: bool, compile_backend: str | None,
+           memory_fraction: float | None, json_output: bool) -> None:
+    """--bench: the plan's adapters served, its serving point, or its workload, timed against the prediction;
+    a table on stdout, or --json."""
+    if plan.adapters is not None:
+        result = runtime_seam.run_adapter_bench(loaded, plan_path, adapter_mode or plan.adapters.mode)
         table = _adapter_table
-    elif loaded_plan.serving is not None:
+    elif plan.serving is not None:
         result = runtime_seam.run_serving_bench(loaded, cuda_graph, compile_backend, memory_fraction)
         table = _serving_table
     else:

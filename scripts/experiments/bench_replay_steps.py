@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from runtime.backend import CudaBackend
-from runtime.bench import random_ids
+from runtime.timing import random_ids
 from scripts.benchmarking import (CONTEXT_TOKENS, NUM_ARM_STEPS, arm_loops, arms_for, checkpoint_parser,
                                   deterministic_decode, free, log, pinned_h2d_bytes_per_s, pinned_plan, time_arm,
                                   write_random_checkpoint)

@@ -16,7 +16,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuB
 import torch  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
-from runtime.bench import random_ids  # noqa: E402
+from runtime.timing import random_ids  # noqa: E402
 from scripts.benchmarking import CONTEXT_TOKENS, checkpoint_parser, log, write_random_checkpoint  # noqa: E402
 from runtime.graph import DecodeLoop, cache_tokens_for  # noqa: E402
 from runtime.load import build_model  # noqa: E402

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from runtime.backend import CudaBackend
-from runtime.bench import random_ids
+from runtime.timing import random_ids
 from scripts.benchmarking import (CONTEXT_TOKENS, NUM_ARM_STEPS, PLAN_SHAPE, arm_loops, arms_for, checkpoint_parser,
                                   deterministic_decode, enter, pinned_plan, time_arm, write_random_checkpoint)
 from runtime.graph import calls_for

@@ -3,7 +3,7 @@
 import json
 import struct
 
-from planner.bounds import CONFIG_COUNTS
+from planner.model_config import CONFIG_COUNTS
 from planner.model_config import model_config
 from tests.fuzz.core import (
     Base, Case, DEEP_LEVELS, HUGE_INT, JUNK, NASTY_TEXT, SHARDS, _deep, _framed, _header_of, _json, _make_case,

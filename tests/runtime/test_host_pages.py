@@ -5,7 +5,6 @@ import mmap
 import pytest
 import torch
 
-from planner.errors import RuntimeUnavailableError
 from runtime.host_pages import HUGE_PAGE_BYTES, advise_huge_pages, huge_page_copy, huge_page_empty
 
 
@@ -38,17 +37,3 @@ def test_copy_is_equal_contiguous_and_aligned():
 def test_advice_is_a_hint_never_a_failure():
     mapping = mmap.mmap(-1, HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     assert advise_huge_pages(mapping) in (True, False)
-
-
-def test_a_mapping_the_system_refuses_is_one_line(monkeypatch):
-    import runtime.load as load
-
-    def refuse(num_bytes):
-        raise OSError(12, "Cannot allocate memory")
-
-    monkeypatch.setattr(load, "huge_page_empty", refuse)
-    with pytest.raises(RuntimeUnavailableError) as error:
-        load.host_allocation_or_fail(1 << 40, "the routed experts", "make a plan that routes fewer layers")
-    message = str(error.value)
-    assert "\n" not in message and "host memory for the routed experts" in message
-    assert "routes fewer layers" in message

@@ -215,7 +215,7 @@ def _own_pages(tensor: torch.Tensor) -> torch.Tensor:
     import mmap
 
     from runtime.engine import _own_storage
-    from runtime.load import host_allocation_or_fail
+    from runtime.allocation import host_allocation_or_fail
 
     num_bytes = tensor.numel() * tensor.element_size()
     pages = -(-num_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
