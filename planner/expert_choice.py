@@ -38,8 +38,11 @@ class ExpertModel:
     routing: tuple[LayerRouting, ...]
     #: the plan's experts.routing: "uniform" or "trace sha256:<hex>"
     routing_label: str
-    #: why routed placements are not considered (None: they are)
+    #: why routed placements are not chosen (None: they are considered)
     unavailable: str | None
+    #: unavailable only because the runtime cannot gather these (quantized) experts: routed placements are priced
+    #: beside whole layers, on paper, never chosen
+    on_paper: bool = False
     #: next-layer prefetch's accuracy over every rank (make --prefetch-accuracy, else the rank curve's mean)
     prefetch_accuracy: float = PREFETCH_ACCURACY
     #: per rank of the prediction (top_k of them), its accuracy: --prefetch-accuracy at every rank, a trace's
@@ -70,6 +73,7 @@ def expert_model(geometry: MoeGeometry, routing: tuple[LayerRouting, ...] | None
         source = "trace_per_expert" if predictions else "trace_per_rank" if rank_accuracy else "assumed"
     return ExpertModel(geometry=geometry, routing=routing or uniform_routing(geometry), routing_label=routing_label,
                        unavailable=unavailable or geometry.unroutable_reason,
+                       on_paper=unavailable is None and geometry.priced_on_paper,
                        prefetch_accuracy=round(math.fsum(ranks) / len(ranks), 4) if prefetch_accuracy is None
                        else prefetch_accuracy, rank_accuracy=ranks, prefetch_depth=prefetch_depth,
                        predictions=predictions or None, accuracy_source=source)
@@ -82,11 +86,13 @@ class Comparison:
     num_tokens: int
     whole: Choice | None
     routed: RoutedChoice | None
+    #: False: the routed placement is priced on paper only (ExpertModel.on_paper) and never chosen
+    routed_runnable: bool = True
 
     @property
     def chosen(self) -> Choice | None:
         """The faster (at the search's rounding); a tie, or routed alone absent, goes to whole layers."""
-        if self.routed is None:
+        if self.routed is None or not self.routed_runnable:
             return self.whole
         if self.whole is None:
             return self.routed
@@ -109,11 +115,12 @@ def routed_choice(experts: ExpertModel, *, searcher: Searcher, compute: ComputeT
                   num_tokens: int, decode: bool, non_layer_bytes: int, h2d_bytes_per_s: float,
                   copy_overhead_us: float) -> RoutedChoice | None:
     """Every MoE layer routed, with the most resident experts whose arena fits ``budget_bytes``; None where
-    routed placements are unavailable or even none resident does not fit. ``decode``: steps of one token per
-    sequence gather routed experts, with next-layer prefetch where that is predicted faster (its second slot set
-    costs resident experts; a tie keeps one set) at the depth predicted fastest (``choose_prefetch_depth``);
+    routed placements are unavailable (unless priced on paper) or even none resident does not fit. ``decode``:
+    steps of one token per sequence gather routed experts, with next-layer prefetch where that is predicted
+    faster (its second slot set costs resident experts; a tie keeps one set) at the depth predicted fastest
+    (``choose_prefetch_depth``);
     other steps (prefill) copy each layer's non-resident experts whole."""
-    if experts.unavailable is not None:
+    if experts.unavailable is not None and not experts.on_paper:
         return None
     layers = searcher.layers
 

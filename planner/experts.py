@@ -102,6 +102,9 @@ class MoeGeometry:
     layers: tuple[MoeLayer, ...]
     #: why the runtime cannot route-fetch this model's experts (its plans stream whole layers); None: it can
     unroutable_reason: str | None
+    #: unroutable only because the experts are quantized (whole experts all the same): plans price the routed
+    #: regime beside whole layers, on paper, and never choose it
+    priced_on_paper: bool = False
 
     def __post_init__(self):
         if not 1 <= self.top_k <= self.num_experts:
@@ -137,8 +140,9 @@ def moe_geometry(config: dict | None, layout: ModelLayout) -> MoeGeometry | None
         expert_total = sum(p[3] for p in layer.params if is_expert_param(p[0]))
         rows.append(MoeLayer(index=layer.index, expert_bytes=math.ceil(expert_total / num_experts),
                              other_bytes=layer.nbytes - expert_total))
+    reason, quantized = _unroutable_reason(layers, num_experts)
     return MoeGeometry(num_experts=num_experts, top_k=top_k, layers=tuple(rows),
-                       unroutable_reason=_unroutable_reason(layers, num_experts))
+                       unroutable_reason=reason, priced_on_paper=quantized)
 
 
 def max_experts(layers) -> int:
@@ -167,12 +171,14 @@ def count_experts(layer: LayerInfo) -> int:
     return len(indices)
 
 
-def _unroutable_reason(layers: list[LayerInfo], num_experts: int) -> str | None:
-    """Why the runtime cannot route-fetch these experts. It gathers rows of the fused params of transformers 5's
-    experts interface (``mlp.experts.gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I], biases): a checkpoint
-    holds them fused (E leading rows), or one expert at a time under ``mlp.experts.N.`` (or Mixtral's
-    ``block_sparse_moe.experts.N.``), which transformers 5 fuses on load. Quantized experts (MXFP4 blocks, FP8
-    block scales) are not gathered: their scales are no experts-interface params."""
+def _unroutable_reason(layers: list[LayerInfo], num_experts: int) -> tuple[str | None, bool]:
+    """Why the runtime cannot route-fetch these experts (None: it can), and whether that is only because they
+    are quantized. It gathers rows of the fused params of transformers 5's experts interface
+    (``mlp.experts.gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I], biases): a checkpoint holds them fused (E
+    leading rows), or one expert at a time under ``mlp.experts.N.`` (or Mixtral's ``block_sparse_moe.experts.N.``),
+    which transformers 5 fuses on load. Quantized experts (MXFP4 blocks, FP8 block scales) are not gathered: their
+    scales are no experts-interface params; their bytes still come in whole experts, so plans price them."""
+    quantized = None
     for layer in layers:
         for name, dtype, shape, _ in layer.params:
             if not is_expert_param(name):
@@ -180,14 +186,15 @@ def _unroutable_reason(layers: list[LayerInfo], num_experts: int) -> str | None:
             where = f"layer {layer.index}'s {name}"
             module, _, tail = name.partition(".experts.")
             if module not in ROUTED_EXPERT_MODULES:
-                return f"{where} lies outside mlp.experts, the MoE block of transformers 5's experts interface"
-            if dtype in ("U8", "I8") or "scale" in tail.rsplit(".", 1)[-1] or tail.endswith("_blocks"):
-                return (f"{where} belongs to quantized experts (FP8 block scales or MXFP4 blocks), which the "
-                        "routed gather of fused experts does not move")
+                return f"{where} lies outside mlp.experts, the MoE block of transformers 5's experts interface", False
             first = tail.split(".")[0]
             if not (first.isascii() and first.isdigit()) and (not shape or shape[0] != num_experts):
-                return f"{where} has shape {list(shape)}, not one row per expert ({num_experts})"
-    return None
+                return f"{where} has shape {list(shape)}, not one row per expert ({num_experts})", False
+            if quantized is None and (dtype in ("U8", "I8") or "scale" in tail.rsplit(".", 1)[-1]
+                                      or tail.endswith("_blocks")):
+                quantized = (f"{where} belongs to quantized experts (FP8 block scales or MXFP4 blocks), which the "
+                             "routed gather of fused experts does not move")
+    return quantized, quantized is not None
 
 
 # ---- routing: the chance a step touches each expert ------------------------------------------------------------

@@ -102,7 +102,8 @@ class Model:
                                non_layer_bytes=self.layout.non_layer_bytes,
                                h2d_bytes_per_s=self.profile.h2d_bytes_per_s.value,
                                copy_overhead_us=self.profile.copy_overhead_us.value)
-        return Comparison(num_tokens=workload.tokens_per_step, whole=whole, routed=routed)
+        return Comparison(num_tokens=workload.tokens_per_step, whole=whole, routed=routed,
+                          routed_runnable=self.experts.unavailable is None)
 
     def activations(self, workload: Workload, static_cache_tokens: int | None = None) -> int:
         """Peak activation bytes of a step of ``workload`` as the runtime runs it: a decode step over a static

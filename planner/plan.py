@@ -475,7 +475,8 @@ class ExpertsPoint:
     concurrency: int
     #: the regime chosen there
     regime: str
-    #: the step with every MoE layer routed (None: it does not fit, or routed is unavailable)
+    #: the step with every MoE layer routed (None: it does not fit, or routed is unavailable; priced on paper,
+    #: never chosen, where only the experts' quantization keeps the runtime from gathering them)
     routed_step_ms: float | None
     #: the step streaming whole layers (today's search; None: nothing fits)
     whole_layer_step_ms: float | None

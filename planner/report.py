@@ -164,7 +164,14 @@ def _whole_layer_line(plan: Plan, experts: ExpertsPlan) -> str:
 def _crossover_lines(plan: Plan, experts: ExpertsPlan) -> list[str]:
     here = next((p for p in experts.points if p.concurrency == plan.workload.concurrency), None)
     lines = []
-    if here is not None and here.routed_step_ms is not None and here.whole_layer_step_ms is not None:
+    if here is not None and None not in (here.routed_step_ms, here.whole_layer_step_ms) and \
+            experts.routed_unavailable is not None:
+        ratio = here.whole_layer_step_ms / here.routed_step_ms if here.routed_step_ms > 0 else None
+        than = "" if ratio is None else f" (x{ratio:.2f} {'faster' if ratio >= 1 else 'slower'} than whole layers)"
+        lines.append(f"  On paper, at {here.concurrency} sequence(s): routed experts would take "
+                     f"{format_ms(here.routed_step_ms)} per step{than} against "
+                     f"{format_ms(here.whole_layer_step_ms)} streaming whole layers; not planned, as said above.")
+    elif here is not None and here.routed_step_ms is not None and here.whole_layer_step_ms is not None:
         faster = "routed" if here.regime == "routed" else "whole layers"
         slower_ms, faster_ms = sorted((here.routed_step_ms, here.whole_layer_step_ms), reverse=True)
         # a step rounds to 0 ms on a tiny model: no ratio to give then

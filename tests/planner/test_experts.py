@@ -154,12 +154,34 @@ def test_an_architecture_the_runtime_cannot_route_fetch_falls_back_to_whole_laye
     assert plan.experts.regime == "whole_layer"
     assert "quantized" in plan.experts.routed_unavailable
     assert json.dumps(plan_to_dict(plan))  # plain data
+    # quantized experts still come in whole experts: the routed regime is priced beside whole layers, on paper
+    point = plan.experts.points[0]
+    assert point.regime == "whole_layer" and point.routed_step_ms is not None and point.whole_layer_step_ms
+    from planner.report import experts_text
+
+    assert "On paper, at 1 sequence(s): routed experts would take" in " ".join(experts_text(plan).plain.split())
+
+
+def test_a_routed_placement_priced_on_paper_is_never_chosen():
+    from types import SimpleNamespace as NS
+
+    from planner.expert_choice import Comparison
+
+    def choice(step_ms):
+        return NS(simulation=NS(step_ms=step_ms))
+
+    whole, routed = choice(100.0), choice(10.0)
+    assert Comparison(num_tokens=1, whole=whole, routed=routed).chosen is routed
+    assert Comparison(num_tokens=1, whole=whole, routed=routed, routed_runnable=False).chosen is whole
+    assert Comparison(num_tokens=1, whole=None, routed=routed, routed_runnable=False).chosen is None
 
 
 def test_pinned_knobs_keep_whole_layers(qwen3_30b):
     plan = make_plan(serving_inputs(qwen3_30b, "1", gpu_memory="24GiB", prefetch_step=2)).plan
     assert plan.experts.regime == "whole_layer"
     assert "--prefetch-step" in plan.experts.routed_unavailable
+    # ruled out by the flags, not by the experts: nothing to price on paper
+    assert all(point.routed_step_ms is None for point in plan.experts.points)
 
 
 def test_diff_and_export_of_routed_and_whole_layer_plans(qwen3_30b, tmp_path):
