@@ -93,20 +93,28 @@ def one_case(sources, buffers, misses: int, prefetches: int, side: torch.cuda.St
         stamp[(1,)](stamps, 1)
         main.wait_stream(side)
 
+    miss_us, prefetch_us = stamped_us(case, stamps)
+    return miss_us, prefetch_us
+
+
+def stamped_us(case, stamps: torch.Tensor) -> tuple[float, float]:
+    """``case`` captured as a graph and replayed: the medians of stamps[1] and stamps[2] after stamps[0], in us
+    (the first replays untimed)."""
+    device = stamps.device
     case()  # compiles the kernels outside the capture
     torch.cuda.synchronize(device)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         case()
-    miss_us, prefetch_us = [], []
+    first, second = [], []
     for repeat in range(REPEATS + 2):
         graph.replay()
         torch.cuda.synchronize(device)
-        start, miss_end, prefetch_end = stamps.tolist()
+        start, one, two = stamps.tolist()
         if repeat >= 2:
-            miss_us.append((miss_end - start) / 1e3)
-            prefetch_us.append((prefetch_end - start) / 1e3)
-    return statistics.median(miss_us), statistics.median(prefetch_us)
+            first.append((one - start) / 1e3)
+            second.append((two - start) / 1e3)
+    return statistics.median(first), statistics.median(second)
 
 
 #: the compute probe: decode-sized bf16 products, one token against Qwen3-30B-A3B-sized weights (memory-bound,
@@ -141,19 +149,7 @@ def compute_probe_us(side: torch.cuda.Stream, sources, buffers, prefetches: int)
         if prefetches:
             main.wait_stream(side)
 
-    case()
-    torch.cuda.synchronize(device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        case()
-    times = []
-    for repeat in range(REPEATS + 2):
-        graph.replay()
-        torch.cuda.synchronize(device)
-        start, end, _ = stamps.tolist()
-        if repeat >= 2:
-            times.append((end - start) / 1e3)
-    return statistics.median(times)
+    return stamped_us(case, stamps)[0]
 
 
 def main() -> None:
