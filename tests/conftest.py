@@ -357,6 +357,31 @@ def own_profile(workdir):
     return workdir / "my-gpu.yaml"
 
 
+# a tiny Llama config.json, for tools that read only the config (header checkpoints)
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+    "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+}
+
+
+@pytest.fixture
+def config_path(tmp_path):
+    path = tmp_path / "src" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(TINY_LLAMA))
+    return path
+
+
+@pytest.fixture
+def good_plan(workdir, test_gpu) -> bytes:
+    """A 4-layer checkpoint in ./ckpt and a good plan of it in ./out.yaml."""
+    make_checkpoint(workdir / "ckpt", num_layers=4, num_shards=2)
+    result = invoke(["make", "--model", "ckpt", "--gpu", test_gpu, "-o", "out.yaml"])
+    assert result.exit_code == 0, result.stderr
+    return (workdir / "out.yaml").read_bytes()
+
+
 @pytest.fixture(scope="module")
 def qwen3_30b(tmp_path_factory) -> Path:
     """A header-only Qwen3-30B-A3B checkpoint (fused experts, bf16) from its public config.json."""

@@ -114,30 +114,3 @@ def test_human_reports_go_to_stdout_and_progress_to_stderr(workdir, test_gpu):
     exported = run_cli(["export", "plan.yaml", "--to", "vllm"], workdir)
     assert exported.returncode == 0 and exported.stdout.startswith("--offload-group-size ")
     assert exported.stdout.count("\n") == 1 and "predicted step" in exported.stderr  # $(...) gets the flags only
-
-
-def test_make_options_and_regenerate_command_come_from_inputs():
-    """One declaration: make's options are Inputs' fields, and the regenerate command parses back to the same
-    Inputs through make's own parser (every field set away from its default)."""
-    import shlex
-    from dataclasses import fields
-
-    import typer
-
-    from offload_plan.app import app
-    from planner.make_inputs import regenerate_command
-    from planner.plan import Inputs
-
-    command = typer.main.get_command(app).commands["make"]
-    assert [p.name for p in command.params if p.name not in ("help", "output")] == [f.name for f in fields(Inputs)]
-    inputs = Inputs(model="org/model", revision="abc123", gpu="h100-sxm", budget="40GiB", trigger=0.5, tokens=64,
-                    sequences=64, context=1024, params=("experts", "self_attn"), stack="model.layers", group_size=4,
-                    num_in_group=2, prefetch_step=1, measure=True, measured_on="h100-sxm", cuda_graph=True,
-                    host_memory="480GB")
-    words = shlex.split(regenerate_command(inputs, "plan.yaml"))
-    assert words[:2] == ["offload-plan", "make"] and words[-2:] == ["-o", "plan.yaml"]
-    values = command.make_context("make", words[2:]).params
-    assert values.pop("output").name == "plan.yaml"
-    assert Inputs(**{k: tuple(v) if k == "params" else v for k, v in values.items()}) == inputs
-    assert shlex.split(regenerate_command(Inputs(model="m", gpu="g"), None)) == \
-        ["offload-plan", "make", "--model", "m", "--gpu", "g", "--tokens", "2048"]

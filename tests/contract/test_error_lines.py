@@ -8,17 +8,8 @@ import json
 
 import pytest
 
-from planner.errors import ModelInputError, brief
+from planner.errors import ModelInputError
 from tests.conftest import MAX_ERROR_LINE_CHARS, assert_one_line_error, invoke
-
-
-def test_brief_keeps_a_short_first_line_and_cuts_a_long_one():
-    assert brief(ValueError("bad value")) == "bad value"
-    assert brief(ValueError("first line\nsecond line")) == "first line"
-    cut = brief(ValueError("Model type should be one of " + ", ".join(f"C{i}Config" for i in range(300))))
-    assert len(cut) == 160 and cut.endswith(" ...")
-    assert brief(ValueError("")) == "ValueError"
-    assert brief("a\x1b[2Jb") == "a\\x1b[2Jb"
 
 
 def test_header_checkpoint_of_an_encoder_decoder_config_is_a_short_model_error(tmp_path):

@@ -8,7 +8,6 @@ group names what the campaign saw before the fix.
 import json
 import struct
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -259,42 +258,6 @@ def test_exit_codes_match_error_classes():
             finally:
                 os.chdir(previous)
         assert exception is None and code == exit_code, (name, code, stderr)
-
-
-def test_printable_escapes_what_would_break_a_line():
-    from planner.errors import PlanError, printable
-
-    assert printable("model.layers.0.q_proj é") == "model.layers.0.q_proj é"
-    assert printable("a\nb\x1b[2J\ud800\u202e") == "a\\nb\\x1b[2J\\ud800\\u202e"
-    assert str(PlanError("bad\nname")) == "bad\\nname"
-
-
-def test_format_bytes_and_ms_never_overflow():
-    from planner.units import format_bytes, format_ms
-
-    assert format_bytes(10**400) == "inf B" and format_ms(10**400) == "inf ms"
-    assert format_bytes(float("nan")) == "nan B"
-    assert format_bytes(5 * 2**30) == "5.00 GiB" and format_ms(3.2) == "3.20 ms"
-
-
-def test_yaml_alias_bomb_and_deep_document_refused_in_well_under_a_second():
-    from planner.errors import PlanError
-    from planner.untrusted import load_yaml
-
-    for text in (ALIAS_BOMB, "x: " + DEEP, "- " * 10_000 + "x"):
-        start = time.perf_counter()
-        with pytest.raises(PlanError):
-            load_yaml(text.encode(), "f.yaml", PlanError, "fix it")
-        assert time.perf_counter() - start < 0.25
-
-
-def test_strict_yaml_reads_checked_in_plans_as_safe_load_does():
-    from planner.errors import PlanError
-    from planner.untrusted import load_yaml
-
-    for path in sorted(Path(__file__).resolve().parents[2].glob("plans/*.yaml"))[:4]:
-        raw = path.read_bytes()
-        assert load_yaml(raw, str(path), PlanError, "") == yaml.safe_load(raw)
 
 
 def test_shard_header_struct_prefix_of_zero_is_refused():

@@ -11,27 +11,13 @@ import sys
 import pytest
 
 from planner.checkpoint import load_checkpoint
-from planner.errors import ModelInputError, UsageError
+from planner.errors import UsageError
 from planner.header_checkpoint import HEADER_ONLY, MARKER_NAME, marker_kind, write_checkpoint_folder
-from runtime.header_checkpoint import write_header_checkpoint
-from tests.conftest import ERROR_PREFIX, REPO_ROOT, cli_env
+from tests.conftest import ERROR_PREFIX, REPO_ROOT, TINY_LLAMA, cli_env
 
-TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
-    "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
-    "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-}
 SPECS = [("model.embed_tokens.weight", "BF16", [256, 64]), ("model.layers.0.mlp.down_proj.weight", "BF16", [64, 128]),
          ("model.layers.0.mlp.up_proj.weight", "BF16", [128, 64]), ("model.norm.weight", "F32", [64])]
 SPECS_BYTES = 256 * 64 * 2 + 2 * 64 * 128 * 2 + 64 * 4
-
-
-@pytest.fixture
-def config_path(tmp_path):
-    path = tmp_path / "src" / "config.json"
-    path.parent.mkdir()
-    path.write_text(json.dumps(TINY_LLAMA))
-    return path
 
 
 def test_writes_index_sparse_shards_config_and_marker(tmp_path, config_path):
@@ -104,30 +90,6 @@ def test_a_forged_marker_naming_paths_is_refused(tmp_path, config_path):
     with pytest.raises(UsageError, match="not a marker"):
         write_checkpoint_folder(config_path=config_path, specs=SPECS, out_dir=folder)
     assert (folder / "data.bin").read_text() == "mine" and config_path.is_file()
-
-
-def test_missing_and_malformed_config_are_one_line_model_errors(tmp_path):
-    with pytest.raises(ModelInputError, match="no such file"):
-        write_header_checkpoint(tmp_path / "missing.json", tmp_path / "out")
-    bad = tmp_path / "config.json"
-    bad.write_text("{not json")
-    with pytest.raises(ModelInputError, match="not a readable JSON"):
-        write_header_checkpoint(bad, tmp_path / "out")
-    assert not (tmp_path / "out").exists()
-
-
-def test_unknown_dtype_is_a_usage_error(tmp_path, config_path):
-    with pytest.raises(UsageError, match="bfloat16, float16, float32"):
-        write_header_checkpoint(config_path, tmp_path / "out", dtype="int4")
-
-
-def test_from_config_every_parameter_with_the_config_dtype(tmp_path, config_path):
-    written = write_header_checkpoint(config_path, tmp_path / "out")
-    checkpoint = load_checkpoint(str(written.folder))
-    names = {t.name for t in checkpoint.tensors}
-    assert written.num_tensors == len(names) == 3 + 3 * 9  # embed, norm, lm_head; 9 tensors per layer
-    assert "model.layers.2.self_attn.k_proj.weight" in names
-    assert {t.dtype for t in checkpoint.tensors} == {"BF16"}
 
 
 def test_script_wrapper_writes_then_refuses_in_one_line(tmp_path, config_path):

@@ -11,11 +11,6 @@ from tests.runtime_models import PLAN_SHAPES, plan_with, save_tiny_llama, save_t
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    return save_tiny_llama(tmp_path_factory.mktemp("llama"))
-
-
-@pytest.fixture(scope="module")
 def moe(tmp_path_factory):
     return save_tiny_moe(tmp_path_factory.mktemp("moe"))
 
@@ -160,15 +155,6 @@ def test_run_without_a_gpu_is_one_line(tmp_path, llama):
     assert result.stderr.strip().count("\n") == 0 and "CUDA GPU" in result.stderr
 
 
-def test_layer_kinds_groups_identical_layers():
-    from planner.layout import LayerInfo, layer_kinds
-
-    dense = (("mlp.w", "BF16", (4, 4), 32),)
-    moe = (("mlp.experts.0.w", "BF16", (4, 4), 32), ("mlp.gate.weight", "BF16", (2, 4), 16))
-    layers = tuple(LayerInfo(index=i, params=dense if i < 2 else moe) for i in range(5))
-    assert layer_kinds(layers) == ((0, 1), (2, 3, 4))
-
-
 def test_measure_and_calibrate_need_a_gpu(llama, tmp_path):
     import subprocess
     import sys
@@ -201,8 +187,8 @@ def test_measure_model_aliases_equal_a_model_of_copied_layers(save, tmp_path):
     import json
 
     from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
-    from runtime.graph import cache_argument
 
+    from runtime.graph import cache_argument
     from runtime.measure import build_measure_model
 
     config = json.loads((save(tmp_path) / "config.json").read_text())
@@ -226,33 +212,6 @@ def test_measure_model_aliases_equal_a_model_of_copied_layers(save, tmp_path):
                          for m, c in zip((aliased, reference), caches))
     assert torch.equal(out, expected) and fired == [3]
     assert [caches[0].get_seq_length(i) for i in range(7)] == [ids.shape[1]] * 7
-
-
-def test_h2d_line_fit_weighs_every_size_alike():
-    from runtime.calibrate import _fit_line
-
-    sizes = [2**e for e in range(20, 31)]
-    exact = [(b, 0.010 + 1e3 * b / 54.5e9) for b in sizes]
-    slope, intercept = _fit_line(exact)
-    assert abs(1e3 / slope - 54.5e9) < 1e6 and abs(intercept - 0.010) < 1e-9
-    # One slow 1 GiB copy (45 GB/s) must not set the bandwidth for every layer-sized copy.
-    skewed = exact[:-1] + [(sizes[-1], 1e3 * sizes[-1] / 45e9)]
-    assert 1e3 / _fit_line(skewed)[0] > 50e9
-
-
-def test_calibrated_efficiency_keeps_the_fitted_layer_time():
-    from planner.profile import load_profile
-    from planner.cost import roofline_ms
-    from runtime.calibrate import restated_efficiency
-
-    base = load_profile("h100-sxm")
-    measured_rate = 779e12
-    calibrated = base.__class__(**{**vars(base), "compute_efficiency": restated_efficiency(base, measured_rate),
-                                   "bf16_flops_per_s": base.bf16_flops_per_s.__class__(value=measured_rate,
-                                                                                       source="measured")})
-    flops = 3.5e12
-    # equal up to the 4 significant digits the profile keeps
-    assert roofline_ms(flops, 0, False, calibrated) == pytest.approx(roofline_ms(flops, 0, False, base), rel=1e-4)
 
 
 def _captured_steps(engine, model, calls: int = 3, finish: bool = True, steps_per_capture: int = 1):
@@ -441,17 +400,6 @@ def test_compiled_steps_run_the_offload_inside_and_equal_compiled_resident(backe
     assert len(copies) == 4 * 4  # every offloaded layer recopied each step, from inside the compiled code
 
 
-def test_graph_and_compile_flags_need_a_decode_plan(llama):
-    from planner.errors import UsageError
-    from runtime.bench import check_decode_flags
-
-    prefill = plan_with(llama, 3, 2, 1)
-    for graphed, backend, flag in ((True, None, "--cuda-graph"), (False, "inductor", "--compile")):
-        with pytest.raises(UsageError, match=f"{flag} applies to decode steps"):
-            check_decode_flags(prefill, graphed, backend)
-    check_decode_flags(plan_with(llama, 3, 2, 1, tokens=2, sequences=2, context=8), True, "inductor")
-
-
 def test_a_full_static_cache_is_a_usage_error(llama):
     """The cache's free tokens are counted on the host: a call past its end would write out of bounds inside a
     replay, where nothing could be reported."""
@@ -486,12 +434,11 @@ def test_measure_kinds_of_a_config_without_layer_types_follow_transformers_patte
     still times the sliding and the global layers apart, and its model holds one of each, so the rotary
     tables of both types exist (transformers 5.17 keys them by the types the built layers have)."""
     import json
+    from pathlib import Path
     from types import SimpleNamespace
 
     from planner.layout import LayerInfo
     from runtime.measure import build_measure_model, measured_kinds
-
-    from pathlib import Path
 
     release = json.loads((Path(__file__).parents[2] / "examples/gemma-3-27b-it/config.json").read_text())
     config = dict(release["text_config"], model_type="gemma3_text", num_hidden_layers=12, hidden_size=64,

@@ -15,7 +15,6 @@ from planner.errors import UsageError
 from planner.layout import build_layout
 from planner.make import make_plan
 from planner.plan import Inputs
-from planner.profile import load_profile
 from planner.plan_file import read_plan
 from scripts import bench_tp
 from tests.conftest import REPO_ROOT, assert_one_line_error, invoke
@@ -128,17 +127,6 @@ def test_without_a_link_measurement_the_plan_says_the_link_is_assumed(tiny):
     assert "at 450 GB/s and 10 us each (assumed: the profile's link and 10 us;" in source
 
 
-def test_a_link_not_measurable_here_is_assumed_with_why():
-    from runtime.all_reduce import measured_link
-
-    other = measured_link(2, load_profile("gb200"), "h100-sxm")
-    assert other.measured == "" and "the GPUs here are h100-sxm, the plan is for gb200" in other.assumed_why
-    if torch.cuda.device_count() < 2:
-        few = measured_link(2, load_profile("h100-sxm"), "h100-sxm")
-        assert few.measured == "" and "fewer than the 2 ranks" in few.assumed_why
-        assert few.bytes_per_s == load_profile("h100-sxm").gpu_link_bytes_per_s.value
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="measures on a GPU there")
 def test_tp_measure_without_a_gpu_is_one_line(tiny, monkeypatch):
     _, folder = tiny
@@ -167,15 +155,3 @@ def test_make_tp_measure_times_the_ranks_layers_on_the_gpu(tiny, tmp_path):
         assert "(measured: NCCL all-reduce on 2 x" in source
     else:
         assert "(assumed: the profile's link and 10 us; 1 GPU(s) visible here" in source
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
-def test_the_all_reduce_between_two_gpus_is_measured(tmp_path, monkeypatch):
-    from runtime.all_reduce import measured_link
-    from runtime.measure import local_profile_name
-
-    monkeypatch.setenv("OFFLOAD_PLAN_CACHE", str(tmp_path))
-    link = measured_link(2, load_profile(local_profile_name()), None)
-    assert link.measured.startswith("measured: NCCL all-reduce on 2 x")
-    assert 1 <= link.latency_us <= 500 and 10e9 <= link.bytes_per_s <= 2e12, link

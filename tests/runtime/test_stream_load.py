@@ -9,8 +9,7 @@ import torch
 
 from planner.errors import ModelInputError, PlanError, RuntimeUnavailableError
 from runtime.backend import CpuStandIn, pin_error
-from runtime.load import (build_model, check_fingerprint, check_host_memory, local_weights, open_source,
-                          stream_on_cpu)
+from runtime.load import build_model, check_fingerprint, check_host_memory, local_weights, open_source, stream_on_cpu
 from tests.runtime_models import plan_with, save_tiny_llama, save_tiny_moe, skeleton
 
 transformers = pytest.importorskip("transformers")
@@ -289,8 +288,8 @@ def test_a_failure_after_pinning_unpins_everything(checkpoints, monkeypatch):
 
 
 def test_host_memory_check_counts_pinned_bytes_and_working_set_not_the_checkpoint(checkpoints):
-    from runtime.load import loading_working_set_bytes
     from runtime.checkpoint_reader import checkpoint_files, read_sources
+    from runtime.load import loading_working_set_bytes
     from runtime.skeleton import plan_reads
     from runtime.stream_load import NUM_READERS, STAGING_BYTES
 
@@ -509,27 +508,6 @@ def test_a_quantized_checkpoint_is_refused_in_one_line(checkpoints, tmp_path):
     assert "\n" not in str(error.value) and backend.pinned == {}
 
 
-def test_a_short_last_piece_does_not_shrink_the_staging_ring(tmp_path):
-    """Device-bound bytes go through the ring in buffer-sized pieces; a tensor's last piece is shorter. With
-    one 4 KiB buffer, a 4.25 KiB tensor and then an 8 KiB one must both arrive whole (the short piece's slice
-    was given back to the ring instead of the buffer, and the next full piece failed: seen under load)."""
-    from runtime.engine import PackedParam
-    from runtime.checkpoint_reader import Destination, Reader, SourceTensor, StagingRing
-
-    data = torch.arange(4352 + 8192, dtype=torch.int64).remainder(251).to(torch.uint8)
-    path = tmp_path / "bytes.bin"
-    path.write_bytes(data.numpy().tobytes())
-    backend = CpuStandIn()
-    reader = Reader(backend, StagingRing(backend, num_buffers=1, buffer_bytes=4096))
-    device = torch.zeros(4352 + 8192, dtype=torch.uint8)
-    for offset, size in ((0, 4352), (4352, 8192)):
-        source = SourceTensor(name=f"t{offset}", path=path, offset_bytes=offset, num_bytes=size, dtype=torch.uint8,
-                              shape=(size,))
-        item = PackedParam(f"t{offset}", offset, size, torch.uint8, (size,))
-        reader.to_destination(source, Destination(buffer=device, item=item, on_device=True), torch.uint8)
-    assert torch.equal(device, data)
-
-
 # ---- the host arena, page-locked piece by piece -------------------------------------------------------------
 
 
@@ -712,28 +690,6 @@ def test_placement_release_and_engine_close_unpin_every_piece(checkpoints):
     model, engine = stream_on_cpu(folder, plan_with(folder, 3, 2, 1))
     engine.close()
     assert engine.backend.pinned == {}
-
-
-def test_the_stand_in_refuses_what_cuda_host_register_refuses():
-    """Pinning a range twice, a range sharing a page with a registered one, or unpinning what is not
-    registered fail on CUDA; the stand-in asserts, so a loader that does any of these fails in CI."""
-    import mmap
-
-    backend = CpuStandIn()
-    allocation = torch.empty(4 * mmap.PAGESIZE, dtype=torch.uint8)
-    base = -allocation.data_ptr() % mmap.PAGESIZE
-    first, second = allocation[base:base + 100], allocation[base + 200:base + 300]
-    backend.pin(first)
-    with pytest.raises(AssertionError, match="overlaps"):
-        backend.pin(first)
-    with pytest.raises(AssertionError, match="overlaps"):
-        backend.pin(second)  # disjoint bytes, same page
-    backend.pin(allocation[base + mmap.PAGESIZE:base + mmap.PAGESIZE + 1])  # the next page: fine
-    with pytest.raises(AssertionError, match="not registered"):
-        backend.unpin(second)
-    backend.unpin(first)
-    with pytest.raises(AssertionError, match="not registered"):
-        backend.unpin(first)
 
 
 def test_the_phase_record_says_when_reads_and_pins_ended(checkpoints):
