@@ -21,6 +21,8 @@ def huge_page_empty(num_bytes: int) -> torch.Tensor:
     """``num_bytes`` of uninitialised host memory as a uint8 tensor whose storage begins on a 2 MiB boundary of
     an anonymous mapping advised MADV_HUGEPAGE (the tensor keeps the mapping alive). Raises OSError where the
     mapping cannot be made (out of address space or memory)."""
+    if num_bytes == 0:  # nothing to map (torch.frombuffer refuses a count of 0)
+        return torch.empty(0, dtype=torch.uint8)
     mapping = mmap.mmap(-1, num_bytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     advise_huge_pages(mapping)
     skip_bytes = -torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE_BYTES

@@ -19,6 +19,11 @@ def test_allocation_starts_on_a_huge_page_and_owns_its_storage(num_bytes):
     assert int(host.sum()) == 7 * num_bytes
 
 
+def test_nothing_to_allocate_is_an_empty_tensor():
+    host = huge_page_empty(0)
+    assert host.dtype == torch.uint8 and host.numel() == 0
+
+
 def test_the_mapping_lives_as_long_as_the_tensor():
     host = huge_page_empty(HUGE_PAGE_BYTES)
     view = host[10:20]
