@@ -66,14 +66,18 @@ class SelectionOptimism:
             num_experts = len(self.counts)
             hit = [0.0] * (num_experts + 1)
             fetched = [0.0] * (num_experts + 1)
+            # the truth's side is the same in every draw: its total, and each expert's chance of being touched
+            true_total = sum(self.counts)
+            true_by_expert = [touched(count / self.num_tokens, step_tokens) for count in self.counts]
+            true_all = math.fsum(true_by_expert)
             for order, drawn in self.draws:
-                counted_total, true_total = sum(drawn), sum(self.counts)
+                counted_total = sum(drawn)
                 if not counted_total or not true_total:
                     continue
                 counted_hit = true_hit = 0.0
                 counted_touched = [touched(drawn[e] / self.num_tokens, step_tokens) for e in order]
-                true_touched = [touched(self.counts[e] / self.num_tokens, step_tokens) for e in order]
-                counted_left, true_left = math.fsum(counted_touched), math.fsum(true_touched)
+                true_touched = [true_by_expert[e] for e in order]
+                counted_left, true_left = math.fsum(counted_touched), true_all
                 for rank in range(num_experts + 1):
                     hit[rank] += counted_hit / counted_total - true_hit / true_total
                     fetched[rank] += counted_left - true_left
