@@ -240,23 +240,13 @@ def test_fuzz_regression(name):
 
 def test_exit_codes_match_error_classes():
     """One case per class, exit code checked (run_case only says 'error')."""
-    from tests.fuzz import invoke_cli
+    from tests.fuzz.core import invoke_cli_in
 
     for name in ("header-overlap", "plan-alias-bomb", "profile-zero-fp8", "prefetch-step-zero"):
         build, exit_code, _ = CASES[name]
         args, files = build()
         with tempfile.TemporaryDirectory() as folder:
-            for relative, data in (base().files() | files).items():
-                (Path(folder) / relative).parent.mkdir(parents=True, exist_ok=True)
-                (Path(folder) / relative).write_bytes(data)
-            import os
-
-            previous = os.getcwd()
-            os.chdir(folder)
-            try:
-                code, _, stderr, exception = invoke_cli(args)
-            finally:
-                os.chdir(previous)
+            code, _, stderr, exception = invoke_cli_in(Path(folder), base().files() | files, args)
         assert exception is None and code == exit_code, (name, code, stderr)
 
 

@@ -92,14 +92,21 @@ def test_plans_folder_matches_the_table():
     assert listed == present
 
 
+def _header_command(path: str) -> tuple[str, list[str]]:
+    """A checked-in plan's text and the words of the command its header says wrote it: offload-plan make ...
+    -o PATH."""
+    text = (REPO_ROOT / path).read_text()
+    words = shlex.split(text.splitlines()[1].lstrip("#"))
+    assert words[:2] == ["offload-plan", "make"] and words[-2:] == ["-o", path]
+    return text, words
+
+
 @pytest.mark.parametrize("entry", make_plans.SERVING_PLANS, ids=lambda e: make_plans.serving_plan_path(*e[:3]))
 def test_each_serving_plan_header_regenerates_it(entry):
     """The serving plans' headers are make_plans' commands, and each chose its concurrency (the search ran)."""
     model, gpu, context, params = entry
     path = make_plans.serving_plan_path(model, gpu, context)
-    text = (REPO_ROOT / path).read_text()
-    words = shlex.split(text.splitlines()[1].lstrip("#"))
-    assert words[:2] == ["offload-plan", "make"] and words[-2:] == ["-o", path]
+    text, words = _header_command(path)
     assert {"--concurrency", "auto", "--context", str(context), "--cuda-graph", gpu} <= set(words)
     plan = yaml.safe_load(text)
     assert plan["inputs"]["concurrency"] == "auto" and plan["workload"]["context_tokens"] == context
@@ -111,9 +118,7 @@ def test_each_serving_plan_header_regenerates_it(entry):
 def test_each_plan_header_regenerates_it(entry):
     model, gpu, budget, params = entry
     path = make_plans.plan_path(model, gpu, budget)
-    text = (REPO_ROOT / path).read_text()
-    words = shlex.split(text.splitlines()[1].lstrip("#"))
-    assert words[:2] == ["offload-plan", "make"] and words[-2:] == ["-o", path]
+    text, words = _header_command(path)
     plan = yaml.safe_load(text)
     assert plan["inputs"]["model"] == f".cache/checkpoints/{model}"
     assert (plan["inputs"]["gpu"], plan["inputs"]["budget"], tuple(plan["inputs"]["params"])) == (gpu, budget, params)

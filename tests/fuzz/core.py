@@ -269,33 +269,32 @@ def _build_base() -> Base:
     return partial
 
 
-def _warm_trace(partial: Base, folder: Path) -> None:
-    """Run ``trace`` once on the MoE model (it has no tokenizer: an error): transformers' first tokenizer lookup
-    imports for seconds, which a timed case would read as a hang."""
-    for relative, data in partial.moe.files().items():
-        (folder / "moe" / relative).parent.mkdir(parents=True, exist_ok=True)
-        (folder / "moe" / relative).write_bytes(data)
-    (folder / "moe" / "prompts.txt").write_text("hello\n")
-    previous = os.getcwd()
-    os.chdir(folder / "moe")
-    try:
-        invoke_cli(["trace", "--model", "ckpt", "--prompts", "prompts.txt", "--device", "cpu"])
-    finally:
-        os.chdir(previous)
-
-
-def _make_plan(partial: Base, folder: Path, args: list[str], moe: bool) -> str:
-    for relative, data in partial.files(moe).items():
-        if relative.endswith(".yaml") and "plan" in relative:
-            continue
+def invoke_cli_in(folder: Path, files: dict[str, bytes], args: list[str]) -> tuple[int, str, str,
+                                                                                BaseException | None]:
+    """``files`` (path relative to ``folder`` -> bytes) written into ``folder``, then invoke_cli(``args``) run
+    there (the working directory restored after)."""
+    for relative, data in files.items():
         (folder / relative).parent.mkdir(parents=True, exist_ok=True)
         (folder / relative).write_bytes(data)
     previous = os.getcwd()
     os.chdir(folder)
     try:
-        code, stdout, stderr, exception = invoke_cli(args)
+        return invoke_cli(args)
     finally:
         os.chdir(previous)
+
+
+def _warm_trace(partial: Base, folder: Path) -> None:
+    """Run ``trace`` once on the MoE model (it has no tokenizer: an error): transformers' first tokenizer lookup
+    imports for seconds, which a timed case would read as a hang."""
+    files = partial.moe.files() | {"prompts.txt": b"hello\n"}
+    invoke_cli_in(folder / "moe", files, ["trace", "--model", "ckpt", "--prompts", "prompts.txt", "--device", "cpu"])
+
+
+def _make_plan(partial: Base, folder: Path, args: list[str], moe: bool) -> str:
+    files = {relative: data for relative, data in partial.files(moe).items()
+             if not (relative.endswith(".yaml") and "plan" in relative)}
+    code, stdout, stderr, exception = invoke_cli_in(folder, files, args)
     assert code == 0 and exception is None, f"the base plan could not be made: {stderr} {exception!r}"
     return stdout
 

@@ -165,28 +165,43 @@ def moe_checkpoint(tmp_path_factory):
     return save_tiny_moe(tmp_path_factory.mktemp("moe"))
 
 
+def mixed_plan_and_reference(checkpoint):
+    """The tiny MoE's plan with 2 of 7 layers offloaded whole and the others routed (odd ones keep expert 1
+    resident, 2 fetch slots), and the same plan's greedy decode without routing: (plan, routed, ids, logits)."""
+    from runtime.load import apply_plan_on_cpu, build_model
+    from tests.runtime_models import plan_with
+
+    plan = plan_with(checkpoint, 7, 2, 1)
+    routed = {index: (1,) if index % 2 else () for index in range(7) if index not in plan.offload.layers}
+    reference = build_model(str(checkpoint), None)
+    apply_plan_on_cpu(reference, plan)
+    reference.set_experts_implementation("batched_mm")
+    ids, logits, _ = _greedy(reference, 1, 6)
+    return _with_experts(plan, routed, fetch_slots=2), routed, ids, logits
+
+
+def load_on_cpu(checkpoint, plan, streamed: bool):
+    """``plan`` applied to a built model, or streamed from the files, on the CPU stand-in, experts computed by
+    batched_mm: (model, engine)."""
+    from runtime.load import apply_plan_on_cpu, build_model, stream_on_cpu
+
+    if streamed:
+        model, engine = stream_on_cpu(checkpoint, plan)
+    else:
+        model = build_model(str(checkpoint), None)
+        engine = apply_plan_on_cpu(model, plan)
+    model.set_experts_implementation("batched_mm")
+    return model, engine
+
+
 @pytest.mark.parametrize("streamed", [False, True], ids=["apply_plan", "stream_model"])
 def test_plan_with_routed_layers_loads_and_decodes_bitwise(moe_checkpoint, streamed):
     """Layers offloaded whole and routed layers in one plan, through the loader: the routed experts land in
     the routed host allocation (never on the GPU whole), greedy decode equals the same plan's without routing
     (on the CPU, fp32 matmuls of the slots' weights differ from the resident model's in the last bit: the
     kernels depend on alignment)."""
-    from runtime.load import apply_plan_on_cpu, build_model, stream_on_cpu
-    from tests.runtime_models import plan_with
-
-    plan = plan_with(moe_checkpoint, 7, 2, 1)
-    routed = {index: (1,) if index % 2 else () for index in range(7) if index not in plan.offload.layers}
-    reference = build_model(str(moe_checkpoint), None)
-    apply_plan_on_cpu(reference, plan)
-    reference.set_experts_implementation("batched_mm")
-    ids, logits, _ = _greedy(reference, 1, 6)
-    plan = _with_experts(plan, routed, fetch_slots=2)
-    if streamed:
-        model, engine = stream_on_cpu(moe_checkpoint, plan)
-    else:
-        model = build_model(str(moe_checkpoint), None)
-        engine = apply_plan_on_cpu(model, plan)
-    model.set_experts_implementation("batched_mm")
+    plan, routed, ids, logits = mixed_plan_and_reference(moe_checkpoint)
+    model, engine = load_on_cpu(moe_checkpoint, plan, streamed)
     experts = engine.routed_experts
     assert sorted(experts.layers) == sorted(routed)
     assert all(model.model.layers[i].mlp.experts.gate_up_proj.numel() == 0 for i in routed)

@@ -257,26 +257,14 @@ def test_a_plan_asking_for_prefetch_loads_with_it_and_decodes_bitwise(tmp_path, 
     without routing."""
     from types import SimpleNamespace as NS
 
-    from runtime.load import apply_plan_on_cpu, build_model, stream_on_cpu
-    from tests.runtime_models import plan_with, save_tiny_moe
+    from tests.runtime_models import save_tiny_moe
     from tests.runtime.test_routed_experts import _greedy as greedy_with_prompt
-    from tests.runtime.test_routed_experts import _with_experts
+    from tests.runtime.test_routed_experts import load_on_cpu, mixed_plan_and_reference
 
     checkpoint = save_tiny_moe(tmp_path / "moe")
-    plan = plan_with(checkpoint, 7, 2, 1)
-    routed = {index: (1,) if index % 2 else () for index in range(7) if index not in plan.offload.layers}
-    reference = build_model(str(checkpoint), None)
-    apply_plan_on_cpu(reference, plan)
-    reference.set_experts_implementation("batched_mm")
-    ids, logits, _ = greedy_with_prompt(reference, 1, 6)
-    plan = _with_experts(plan, routed, fetch_slots=2)
+    plan, routed, ids, logits = mixed_plan_and_reference(checkpoint)
     plan = NS(**{**vars(plan), "experts": NS(**{**vars(plan.experts), "prefetch": "next_layer_router"})})
-    if streamed:
-        model, engine = stream_on_cpu(checkpoint, plan)
-    else:
-        model = build_model(str(checkpoint), None)
-        engine = apply_plan_on_cpu(model, plan)
-    model.set_experts_implementation("batched_mm")
+    model, engine = load_on_cpu(checkpoint, plan, streamed)
     experts = engine.routed_experts
     assert experts.prefetch and len(experts.predictors) == len(routed) - 1
     routed_ids, routed_logits, _ = greedy_with_prompt(model, 1, 6)
