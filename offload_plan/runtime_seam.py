@@ -145,3 +145,27 @@ def record_routing_trace(model: str, prompts_path, device: str | None, decode_to
     from runtime.trace import read_prompts, record_trace
 
     return record_trace(model, read_prompts(prompts_path), device, decode_tokens)
+
+
+def check_tp_launch(plan, plan_path):
+    """One process per rank of a TP plan (torchrun), one for a one-GPU plan, else a one-line error; this
+    process's rank (runtime.tensor_parallel.Rank) under a TP plan, else None."""
+    from runtime.tensor_parallel import check_launch
+
+    return check_launch(plan, plan_path)
+
+
+def start_tp_rank(rank) -> None:
+    """Take this rank's GPU and join the ranks' process group."""
+    from runtime.tensor_parallel import start_rank
+
+    start_rank(rank)
+
+
+def bench_tp_rank(rank, plan, source, cuda_graph: bool, compile_backend: str | None, memory_fraction: float | None):
+    """``run --bench`` of one rank of a TP plan; every rank's figures on rank 0 (runtime.tensor_parallel.RankBench),
+    None on the others."""
+    from runtime.tensor_parallel import bench_rank
+
+    return bench_rank(rank, plan, source, cuda_graph=cuda_graph, compile_backend=compile_backend,
+                      memory_fraction=memory_fraction)

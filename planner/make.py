@@ -227,8 +227,14 @@ def _read_experts(inputs: Inputs, checkpoint: Checkpoint, layout: ModelLayout) -
     if inputs.prefetch_depth is not None and inputs.prefetch_depth > geometry.top_k:
         raise UsageError(f"--prefetch-depth {inputs.prefetch_depth} is deeper than the router's top-k "
                          f"({geometry.top_k}); give one from 0 (no prefetch) to {geometry.top_k}")
-    return expert_model(geometry, routing, label, _routed_ruled_out(inputs, layout, geometry), accuracy,
-                        rank_accuracy, inputs.prefetch_depth, predictions)
+    experts = expert_model(geometry, routing, label, _routed_ruled_out(inputs, layout, geometry), accuracy,
+                           rank_accuracy, inputs.prefetch_depth, predictions)
+    if inputs.tp > 1 and experts.unavailable is None:
+        # priced beside whole layers, never chosen: run gathers whole experts on one GPU, not a rank's shards of them
+        experts = replace(experts, on_paper=True,
+                          unavailable=f"--tp {inputs.tp}: run gathers routed experts on one GPU, not on a tensor-"
+                                      "parallel rank's shards")
+    return experts
 
 
 def _routed_ruled_out(inputs: Inputs, layout: ModelLayout, geometry) -> str | None:

@@ -23,6 +23,7 @@ from torch import nn
 from planner.layout import param_selected
 from planner.placement import ALIGN_BYTES, align_up
 from planner.schedule import PrefetchSchedule
+from runtime.params import local_bytes, local_shape, repoint
 
 #: each offloaded layer's bytes start on a page of their own in the host allocation: layers are page-locked
 #: one by one (cudaHostRegister pins whole pages and refuses a range overlapping one already registered)
@@ -65,8 +66,8 @@ def pack_layout(layer: nn.Module, segments: tuple[str, ...]) -> list[PackedParam
     for name, param in sorted(layer.named_parameters(), key=lambda item: item[0]):
         if not param_selected(name, segments):
             continue
-        num_bytes = param.numel() * param.element_size()
-        packed.append(PackedParam(name, offset, num_bytes, param.dtype, tuple(param.shape)))
+        num_bytes = local_bytes(param)  # a tensor-parallel rank's shard, not the whole DTensor
+        packed.append(PackedParam(name, offset, num_bytes, param.dtype, local_shape(param)))
         offset = align_up(offset + num_bytes)
     return packed
 
@@ -226,7 +227,7 @@ class OffloadEngine:
             slot = self.slots[self.schedule.slot_of(position)]
             named = dict(layers[layer_index].named_parameters())
             for item in self.layouts[position]:
-                named[item.name].data = view_as_param(slot, item)
+                repoint(named[item.name], view_as_param(slot, item))
 
     def _copy(self, position: int) -> None:
         """Copy one offloaded layer's packed params from host into its slot, on the copy stream."""

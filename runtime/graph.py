@@ -97,13 +97,23 @@ def warm_up_stream(device: torch.device) -> "torch.cuda.Stream":
     return _WARM_UP_STREAMS[device]
 
 
+def _capture_mode() -> str:
+    """CUDA's capture mode: "global" (any thread's unsafe call during the capture fails it), but "thread_local"
+    among tensor-parallel ranks, whose NCCL watchdog thread polls the collectives' events while a step with
+    all-reduces inside is captured."""
+    import torch.distributed as dist
+
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return "thread_local" if distributed else "global"
+
+
 def capture_steps(graph, steps, model_name: str) -> None:
     """Capture ``steps()`` into ``graph``; an op the capture forbids (a host copy or synchronisation inside the
     model's own code, such as transformers 5.17's eager attention mask, which copies a CPU scalar each step; the
     loop's steps now take their eager masks from runtime.step_masks instead) is one line naming the model, not a
     traceback."""
     try:
-        with torch.inference_mode(), torch.cuda.graph(graph):
+        with torch.inference_mode(), torch.cuda.graph(graph, capture_error_mode=_capture_mode()):
             steps()
     except torch.OutOfMemoryError:
         raise  # the caller's memory handling says what to do
@@ -201,6 +211,8 @@ class DecodeLoop:
             return
         num_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        # one rank of transformers' tensor parallelism holds its share of the KV heads (k/v split by column)
+        num_heads //= getattr(self.model, "tp_size", None) or 1
         self.cache.early_initialization(batch, num_heads, head_dim, dtype, self.device)
 
     def _release_cached(self) -> None:

@@ -27,6 +27,7 @@ from planner.schedule import PrefetchSchedule
 from runtime.engine import (OffloadEngine, PackedParam, host_offsets, host_pieces, offloaded_layouts, pack_layout,
                             packed_bytes, view_as_param)
 from runtime.checkpoint_reader import Destination, sources_of
+from runtime.params import local_bytes, local_shape, local_tensor
 from runtime.skeleton import LoadWork, build_skeleton, param_owners, plan_reads, set_param
 from runtime.stream_load import CONVERSIONS_IN_FLIGHT, NUM_READERS, STAGING_BYTES, LoadPhases, stream_weights
 
@@ -365,7 +366,7 @@ def apply_plan(model: nn.Module, plan: Plan, backend) -> OffloadEngine:
     owners = param_owners(model)
     for name, destination in placement.destinations.items():
         view = view_as_param(destination.buffer, destination.item)
-        view.copy_(model.get_parameter(name).data)
+        view.copy_(local_tensor(model.get_parameter(name)))
         set_param(owners[name], view)  # the loaded copy is released here
     return finish_placement(model, plan, placement, backend)
 
@@ -374,8 +375,8 @@ def _arena_layout(params: list[nn.Parameter]) -> tuple[list[PackedParam], int]:
     """Aligned offsets for params packed back to back, and the bytes they span."""
     layout, offset = [], 0
     for param in params:
-        num_bytes = param.numel() * param.element_size()
-        layout.append(PackedParam("", offset, num_bytes, param.dtype, tuple(param.shape)))
+        num_bytes = local_bytes(param)
+        layout.append(PackedParam("", offset, num_bytes, param.dtype, local_shape(param)))
         offset = align_up(offset + num_bytes)
     return layout, offset
 

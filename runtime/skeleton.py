@@ -16,6 +16,7 @@ from torch import nn
 
 from planner.errors import ModelInputError, shown
 from runtime.checkpoint_reader import Reader, SourceTensor
+from runtime.params import is_shard, repoint
 from runtime.quantized import FP8_WEIGHT_DTYPES, check_runnable, compute_dtype, quantization_section, quantize_skeleton
 
 
@@ -121,7 +122,12 @@ def param_owners(model: nn.Module) -> dict[str, list[tuple[nn.Module, str]]]:
 
 
 def set_param(owners: list[tuple[nn.Module, str]], tensor: torch.Tensor) -> None:
-    """Point every holder of one param at ``tensor`` (a view of an arena), as a new Parameter."""
+    """Point every holder of one param at ``tensor`` (a view of an arena), as a new Parameter; a tensor-parallel
+    rank's DTensor stays the DTensor it was, reading ``tensor`` as its shard (runtime.params)."""
+    module, attribute = owners[0]
+    if is_shard(module._parameters[attribute]):
+        repoint(module._parameters[attribute], tensor)  # one object, whatever holds it
+        return
     param = nn.Parameter(tensor, requires_grad=False)
     for module, attribute in owners:
         module._parameters[attribute] = param

@@ -56,11 +56,17 @@ def run(
     _check_run_flags(plan, loaded_plan, bench=bench, prompt=prompt, cuda_graph=cuda_graph,
                      compile_steps=compile_steps, adapter=adapter, adapter_mode=adapter_mode)
     source = runtime_seam.open_source(loaded_plan, model, plan)  # resolved and read once, from any directory
+    rank = runtime_seam.check_tp_launch(loaded_plan, plan)  # one process per rank of a TP plan, else one
     runtime_seam.require_cuda("offload-plan run")
+    if rank is not None:
+        runtime_seam.start_tp_rank(rank)  # this rank's GPU taken before the cap below reads "the" GPU
     memory_fraction = runtime_seam.cap_gpu_memory(loaded_plan.memory.gpu_memory_bytes)
     compile_backend = "inductor" if compile_steps else None
     if bench:
         runtime_seam.check_decode_flags(loaded_plan, cuda_graph, compile_backend)  # before the minutes of loading
+    if rank is not None:
+        _bench_rank(rank, loaded_plan, source, cuda_graph, compile_backend, memory_fraction, json_output)
+        return
     loaded = _load_with_progress(loaded_plan, source)
     if prompt is not None:
         text, tokens_per_s = runtime_seam.generate(loaded, prompt, max_new_tokens, cuda_graph, compile_backend,
@@ -79,10 +85,9 @@ def _check_run_flags(plan_path, plan, *, bench: bool, prompt: str | None, cuda_g
     """What the plan cannot run is refused, and what it runs other than planned is warned, before anything is
     read: a rank of a TP plan, adapter flags the plan or the command does not take, --adapter with --compile;
     graph replays against eager steps, and --prompt without the plan's adapters."""
-    if plan.inputs.tp > 1:
-        raise UsageError(f"{plan_path} is one rank of TP={plan.inputs.tp} (make --tp); run serves a one-GPU plan: "
-                         "serve it with the flags of offload-plan export, or measure it with torchrun "
-                         "scripts/bench_tp.py")
+    if plan.inputs.tp > 1 and prompt is not None:
+        raise UsageError(f"{plan_path} is one rank of TP={plan.inputs.tp}: run measures it with --bench (under "
+                         "torchrun); generate with the engine's flags from offload-plan export")
     if bench and cuda_graph != plan.workload.cuda_graph:
         made, running = ("graph replays", "eager steps")
         if not plan.workload.cuda_graph:
@@ -115,6 +120,65 @@ def _bench(loaded, plan, plan_path, adapter_mode: str | None, cuda_graph: bool, 
         sys.stdout.write(json.dumps(result.as_dict(), indent=2) + "\n")
     else:
         stdout.print(table(result))
+
+
+def _bench_rank(rank, plan, source, cuda_graph: bool, compile_backend: str | None, memory_fraction: float | None,
+                json_output: bool) -> None:
+    """--bench of one rank of a TP plan, every rank alike; rank 0 prints each rank's figures (a table, or --json)."""
+    results = runtime_seam.bench_tp_rank(rank, plan, source, cuda_graph, compile_backend, memory_fraction)
+    if results is None:  # not rank 0
+        return
+    if json_output:
+        sys.stdout.write(json.dumps([row.as_dict() for row in results], indent=2) + "\n")
+    else:
+        stdout.print((_rank_serving_table if plan.serving is not None else _rank_table)(results, plan.inputs.tp))
+
+
+#: said under each rank table
+_BEYOND_CAPTION = ("beyond the plan's split: what transformers holds that vLLM's sharding (the plan's) splits, e.g. "
+                   "transformers 5.17's whole input embedding on every rank")
+
+
+def _rank_table(rows, tp: int) -> Table:
+    """Each rank measured against its plan: step, weights on the GPU (and what transformers holds beyond the
+    plan's split), peak memory, link."""
+    from planner.units import format_bytes, format_ms
+
+    table = Table(title=f"run --bench ({rows[0].bench.mode}), {tp} tensor-parallel ranks: measured against "
+                        "predicted", title_justify="left", caption=_BEYOND_CAPTION)
+    for name in ("rank", "step", "predicted", "ratio", "weights on GPU", "planned", "beyond the plan's split",
+                 "peak GPU", "link bytes/step"):
+        table.add_column(name, justify="right")
+    for row in rows:
+        bench = row.bench
+        table.add_row(str(row.rank), format_ms(bench.step_ms), format_ms(bench.predicted_step_ms),
+                      f"{bench.step_ms / bench.predicted_step_ms:.2f}", format_bytes(bench.weights_gpu_bytes),
+                      format_bytes(bench.planned_gpu_bytes), format_bytes(row.beyond_plan_bytes),
+                      format_bytes(bench.peak_gpu_bytes), format_bytes(bench.bytes_copied_per_step))
+    return table
+
+
+def _rank_serving_table(rows, tp: int) -> Table:
+    """Each rank's serving point against its plan: decode step and tokens/s, a prefill chunk, peak memory."""
+    from planner.units import format_bytes, format_ms, format_rate
+
+    first = rows[0].bench
+    table = Table(title=f"run --bench ({first.mode}, {first.concurrency} sequences at context "
+                        f"{first.context_tokens}), {tp} tensor-parallel ranks: measured (predicted)",
+                  title_justify="left", caption=_BEYOND_CAPTION)
+    columns = ("rank", "decode step", "ratio", f"tokens/s (the {tp} GPUs)",
+               f"prefill chunk ({first.prefill_chunk_tokens})", "peak GPU", "beyond the plan's split")
+    for name in columns:
+        table.add_column(name, justify="right")
+    for row in rows:
+        bench = row.bench
+        table.add_row(str(row.rank), f"{format_ms(bench.decode_step_ms)} ({format_ms(bench.predicted_decode_step_ms)})",
+                      f"{bench.decode_step_ms / bench.predicted_decode_step_ms:.2f}",
+                      f"{format_rate(bench.decode_tokens_per_s)} ({format_rate(bench.predicted_decode_tokens_per_s)})",
+                      f"{format_ms(bench.prefill_chunk_ms)} ({format_ms(bench.predicted_prefill_chunk_ms)})",
+                      f"{format_bytes(bench.peak_gpu_bytes)} ({format_bytes(bench.predicted_total_gpu_bytes)})",
+                      format_bytes(row.beyond_plan_bytes))
+    return table
 
 
 def check_adapter_flags(plan, bench: bool, adapter: str | None, adapter_mode: str | None) -> None:

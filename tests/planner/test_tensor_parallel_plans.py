@@ -56,8 +56,11 @@ def test_check_show_export_and_run_cover_a_rank_plan(llama, monkeypatch):
     assert "--tensor-parallel-size 4" in exported.stdout and "one rank of 4" in exported.stderr
     other = invoke(["export", "r4.yaml", "--to", "vllm", "--tp", "2"])
     assert_one_line_error(other.exit_code, other.stderr, contains=("make --tp 4", "--tp 2"))
+    # one process per rank: run under torchrun (runtime.tensor_parallel), said in one line before anything loads
     ran = invoke(["run", "r4.yaml", "--bench"])
-    assert_one_line_error(ran.exit_code, ran.stderr, contains=("TP=4", "bench_tp.py"))
+    assert_one_line_error(ran.exit_code, ran.stderr, contains=("TP=4", "torchrun --nproc-per-node 4 -m offload_plan"))
+    prompted = invoke(["run", "r4.yaml", "--prompt", "hi"])
+    assert_one_line_error(prompted.exit_code, prompted.stderr, contains=("TP=4", "--bench"))
 
 
 def test_a_one_gpu_plan_exported_with_tp_says_how_to_make_it_exact(llama, monkeypatch):
@@ -144,3 +147,21 @@ def test_deepseek_v3_on_gb200_two_and_four_gpus(tmp_path, monkeypatch):
     assert any("2 GPU(s)" in line and "pinned per rank" in line for line in lines)  # 2 GB200s must offload
     assert any("4 GPU(s)" in line for line in lines)
     assert "with offloading" in lines[-1] and "without" in lines[-1]
+
+
+def test_routed_experts_under_tp_are_priced_on_paper_and_whole_layers_chosen(tmp_path, monkeypatch):
+    """run applies a rank plan to transformers' shards layer by layer (runtime.tensor_parallel); it gathers routed
+    experts on one GPU only. So at one sequence, where one GPU's plan routes (25 ms a step against 342 ms whole),
+    the rank plan streams whole layers and says what routed experts would take."""
+    real_checkpoints.write_checkpoint("qwen3-30b-a3b", tmp_path)
+    monkeypatch.chdir(tmp_path)
+    args = ["make", "-m", "qwen3-30b-a3b", "-g", "h100-sxm", "--tokens", "1", "--sequences", "1", "--context", "4096",
+            "--budget", "12GiB", "--cuda-graph"]
+    assert invoke([*args, "--tp", "2", "-o", "r2.yaml"]).exit_code == 0
+    plan = read_plan(tmp_path / "r2.yaml")
+    assert {row.regime for row in plan.experts.layers} == {"whole_layer"} and plan.offload.layers
+    assert "--tp 2" in plan.experts.routed_unavailable
+    point = plan.experts.points[0]
+    assert point.regime == "whole_layer" and point.routed_step_ms < point.whole_layer_step_ms / 5
+    shown = invoke(["show", "r2.yaml"])
+    assert "Routed experts are not planned: --tp 2" in shown.stdout and "On paper" in shown.stdout
