@@ -162,10 +162,9 @@ def start_tp_rank(rank) -> None:
     start_rank(rank)
 
 
-def bench_tp_rank(rank, plan, source, cuda_graph: bool, compile_backend: str | None, memory_fraction: float | None):
+def bench_tp_rank(rank, plan, source, cuda_graph: bool, compile_backend: str | None):
     """``run --bench`` of one rank of a TP plan; every rank's figures on rank 0 (runtime.tensor_parallel.RankBench),
     None on the others."""
     from runtime.tensor_parallel import bench_rank
 
-    return bench_rank(rank, plan, source, cuda_graph=cuda_graph, compile_backend=compile_backend,
-                      memory_fraction=memory_fraction)
+    return bench_rank(rank, plan, source, cuda_graph=cuda_graph, compile_backend=compile_backend)

@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass
 
 from planner.plan import Plan
-from planner.serving import DECODE_ROOM_TOKENS
+from planner.serving import DECODE_ROOM_TOKENS, NCCL_BYTES_PER_RANK
 from planner.units import format_bytes
 
 #: vLLM's KV cache block in tokens (CacheConfig's CUDA default, pinned with --block-size)
@@ -36,10 +36,6 @@ VLLM_BLOCK_TOKENS = 16
 #: vLLM's own allowance for its profile's underestimate (gpu_worker.py compile_or_warm_up_model,
 #: redundancy_buffer_memory = 150 MiB)
 VLLM_PROFILE_SLACK_BYTES = 150 * 2**20
-#: NCCL's buffers per rank with TP > 1, present before both engines' start-up snapshot: NCCL_BUFFSIZE's default
-#: 4 MiB per channel and peer x 32 channels x 2 ring peers x send and receive (NCCL's environment docs); a bound,
-#: not a measurement. A single GPU creates no communicator
-NCCL_BYTES_PER_RANK = 4 * 2**20 * 32 * 2 * 2
 #: shares are written with four decimals (both engines take any float): 0.0001 of an 80 GiB card is 8 MiB
 SHARE_DECIMALS = 4
 
@@ -72,8 +68,9 @@ def token_bytes(plan: Plan, divisor: int) -> int:
 
 
 def startup_bytes(plan: Plan, tp_size: int) -> int:
-    """What exists before the engines' start-up snapshot: the plan's CUDA context figure, NCCL's buffers."""
-    return plan.memory.cuda_context_bytes + (NCCL_BYTES_PER_RANK if tp_size > 1 else 0)
+    """What exists before the engines' start-up snapshot: the plan's CUDA context figure, and NCCL's buffers,
+    which a make --tp plan's context figure already holds (planner.memory_accounting.other_bytes)."""
+    return plan.memory.cuda_context_bytes + (NCCL_BYTES_PER_RANK if tp_size > 1 and plan.inputs.tp == 1 else 0)
 
 
 def vllm_memory(plan: Plan, tp_size: int, divisor: int | None = None) -> EngineMemory:

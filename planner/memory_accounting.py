@@ -11,7 +11,7 @@ from planner.make_inputs import workload_of
 from planner.make_model import Model
 from planner.plan import Inputs
 from planner.search import Choice
-from planner.serving import CUDA_CONTEXT_BYTES, DECODE_ROOM_TOKENS, GRAPH_POOL_FACTOR, OtherBytes
+from planner.serving import CUDA_CONTEXT_BYTES, NCCL_BYTES_PER_RANK, DECODE_ROOM_TOKENS, GRAPH_POOL_FACTOR, OtherBytes
 from planner.units import format_bytes
 
 
@@ -33,11 +33,13 @@ def serving_other_bytes(model: Model, concurrency: int) -> OtherBytes:
 
 def other_bytes(model: Model, kv_bytes: int, decode_bytes: int, chunk_bytes: int, graphed: bool) -> OtherBytes:
     """The KV cache, the larger activation peak (an eager decode step's or a prefill chunk's), a graphed decode
-    step's pool and the CUDA context (the profile's figure where it gives one)."""
+    step's pool and the CUDA context (the profile's figure where it gives one), with NCCL's buffers on a
+    tensor-parallel rank."""
     context = model.profile.cuda_context_bytes
+    context_bytes = CUDA_CONTEXT_BYTES if context is None else int(context.value)
     return OtherBytes(kv_cache_bytes=kv_bytes, activation_bytes=max(chunk_bytes, 0 if graphed else decode_bytes),
                       cuda_graph_pool_bytes=math.ceil(GRAPH_POOL_FACTOR * decode_bytes) if graphed else 0,
-                      cuda_context_bytes=CUDA_CONTEXT_BYTES if context is None else int(context.value))
+                      cuda_context_bytes=context_bytes + (NCCL_BYTES_PER_RANK if model.inputs.tp > 1 else 0))
 
 
 def weights_plan_other_bytes(model: Model, workload: Workload) -> OtherBytes | None:

@@ -530,7 +530,8 @@ def _memory(plan: Plan) -> Table:
              f"{plan.workload.kv_dtype})", memory.kv_cache_bytes),
             ("GPU: activations (peak of a prefill chunk or an eager decode step)", memory.activation_bytes),
             ("GPU: CUDA-graph pool (a captured decode step)", memory.cuda_graph_pool_bytes),
-            ("GPU: CUDA context, workspaces, allocator rounding", memory.cuda_context_bytes),
+            ("GPU: CUDA context, workspaces, allocator rounding" + (", NCCL's buffers" if plan.inputs.tp > 1 else ""),
+             memory.cuda_context_bytes),
             ("GPU: total", memory.total_gpu_bytes),
             ("GPU: memory the plan must fit", memory.gpu_memory_bytes),
         ]

@@ -164,16 +164,16 @@ class RankBench:
 
 
 def bench_rank(rank: Rank, plan: Plan, source, *, cuda_graph: bool, compile_backend: str | None,
-               memory_fraction: float | None = None, device: torch.device | None = None,
-               backend=None) -> list[RankBench] | None:
+               device: torch.device | None = None, backend=None) -> list[RankBench] | None:
     """Load this rank with its plan and time what run --bench times on one GPU (a serving plan's point, else its
-    workload), every rank running the same steps; every rank's figures on rank 0, None on the others.
-    ``memory_fraction``: the cap already set on this rank's GPU, reported."""
+    workload), every rank running the same steps; every rank's figures on rank 0, None on the others. The GPU is
+    capped to the plan's memory once loaded (transformers' load held the rank's whole shard beside the arena)."""
     from runtime.bench import run_bench
-    from runtime.serving import run_serving_bench
+    from runtime.serving import cap_gpu_memory, run_serving_bench
 
     device = device or torch.device("cuda", rank.local_rank)
     loaded = load_rank_with_plan(plan, source, device, backend)
+    memory_fraction = cap_gpu_memory(plan.memory.gpu_memory_bytes, device) if device.type == "cuda" else None
     if plan.serving is not None:
         result = run_serving_bench(loaded, cuda_graph, compile_backend, memory_fraction)
     else:

@@ -60,13 +60,13 @@ def run(
     runtime_seam.require_cuda("offload-plan run")
     if rank is not None:
         runtime_seam.start_tp_rank(rank)  # this rank's GPU taken before the cap below reads "the" GPU
-    memory_fraction = runtime_seam.cap_gpu_memory(loaded_plan.memory.gpu_memory_bytes)
     compile_backend = "inductor" if compile_steps else None
     if bench:
         runtime_seam.check_decode_flags(loaded_plan, cuda_graph, compile_backend)  # before the minutes of loading
-    if rank is not None:
-        _bench_rank(rank, loaded_plan, source, cuda_graph, compile_backend, memory_fraction, json_output)
+    if rank is not None:  # capped once loaded: transformers' load holds the rank's whole shard for a while
+        _bench_rank(rank, loaded_plan, source, cuda_graph, compile_backend, json_output)
         return
+    memory_fraction = runtime_seam.cap_gpu_memory(loaded_plan.memory.gpu_memory_bytes)
     loaded = _load_with_progress(loaded_plan, source)
     if prompt is not None:
         text, tokens_per_s = runtime_seam.generate(loaded, prompt, max_new_tokens, cuda_graph, compile_backend,
@@ -122,10 +122,9 @@ def _bench(loaded, plan, plan_path, adapter_mode: str | None, cuda_graph: bool, 
         stdout.print(table(result))
 
 
-def _bench_rank(rank, plan, source, cuda_graph: bool, compile_backend: str | None, memory_fraction: float | None,
-                json_output: bool) -> None:
+def _bench_rank(rank, plan, source, cuda_graph: bool, compile_backend: str | None, json_output: bool) -> None:
     """--bench of one rank of a TP plan, every rank alike; rank 0 prints each rank's figures (a table, or --json)."""
-    results = runtime_seam.bench_tp_rank(rank, plan, source, cuda_graph, compile_backend, memory_fraction)
+    results = runtime_seam.bench_tp_rank(rank, plan, source, cuda_graph, compile_backend)
     if results is None:  # not rank 0
         return
     if json_output:

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from planner.engine_memory import (NCCL_BYTES_PER_RANK, VLLM_PROFILE_SLACK_BYTES, sglang_memory, token_bytes,
+from planner.engine_memory import (VLLM_PROFILE_SLACK_BYTES, sglang_memory, token_bytes,
                                    vllm_memory)
 from planner.export import export_plan
+from planner.serving import NCCL_BYTES_PER_RANK
 from planner.plan_file import read_plan
 
 PLANS = Path(__file__).resolve().parents[2] / "plans"
