@@ -468,12 +468,13 @@ def choose_resident(geometry: MoeGeometry, routing: tuple[LayerRouting, ...], nu
     if allowance_bytes <= 0:
         return tuple(() for _ in geometry.layers)
     candidates = []
+    # layers routed alike (uniform routing: equal shares) rank their experts alike: ranked once
+    ranked: dict[tuple, list[tuple[float, int, int]]] = {}
     for slot, (layer, layer_routing) in enumerate(zip(geometry.layers, routing)):
-        touched = layer_routing.touched(num_tokens)
-        order = sorted(range(geometry.num_experts), key=lambda e: (-layer_routing.shares[e], e))
-        for rank, expert in enumerate(order):
-            saving = round(touched[expert] * layer.expert_bytes, SAVING_DECIMALS)
-            candidates.append((-saving, rank, slot, expert))
+        key = (layer_routing.shares, layer.expert_bytes)
+        if key not in ranked:
+            ranked[key] = _ranked_savings(layer_routing, num_tokens, layer.expert_bytes)
+        candidates.extend((saving, rank, slot, expert) for saving, rank, expert in ranked[key])
     chosen: list[list[int]] = [[] for _ in geometry.layers]
     left = allowance_bytes
     smallest = min(layer.expert_bytes for layer in geometry.layers)
@@ -485,6 +486,15 @@ def choose_resident(geometry: MoeGeometry, routing: tuple[LayerRouting, ...], nu
             chosen[slot].append(expert)
             left -= cost
     return tuple(tuple(sorted(ids)) for ids in chosen)
+
+
+def _ranked_savings(routing: LayerRouting, num_tokens: int, expert_bytes: int) -> list[tuple[float, int, int]]:
+    """(-saving, rank, expert) of one layer's experts: the bytes a step saves keeping each resident (chance
+    touched x expert bytes), ranked by share (ties: the lower id)."""
+    touched = routing.touched(num_tokens)
+    order = sorted(range(len(routing.shares)), key=lambda e: (-routing.shares[e], e))
+    return [(-round(touched[expert] * expert_bytes, SAVING_DECIMALS), rank, expert)
+            for rank, expert in enumerate(order)]
 
 
 def routed_placement(geometry: MoeGeometry, routing: tuple[LayerRouting, ...], *, num_tokens: int,
@@ -578,6 +588,7 @@ def _overlap_excess_ms(prefetch_ms: float, compute_ms: float, compute_slowdown: 
     return max(prefetch_ms - compute_ms, compute_slowdown * compute_ms)
 
 
+@functools.lru_cache(maxsize=4096)  # a pure function the searches call with the same layers' figures again and again
 def expected_excess_ms(ms_per_expert: float, compute_ms: float, mean_experts: float, num_slots: int,
                        compute_slowdown: float = 0.0) -> float:
     """E[excess(N x ms_per_expert)] for N ~ Binomial(num_slots, mean_experts / num_slots), excess the prefetch's
@@ -591,13 +602,38 @@ def expected_excess_ms(ms_per_expert: float, compute_ms: float, mean_experts: fl
     first = 1 if compute_slowdown else math.floor(compute_ms / ms_per_expert) + 1
     if first > num_slots:
         return 0.0
+    return math.fsum(pmf * _overlap_excess_ms(count * ms_per_expert, compute_ms, compute_slowdown)
+                     for count, pmf in binomial_terms(num_slots, p, first))
+
+
+#: binomial terms smaller than this are left out: a step's excess is at most num_slots x one expert's fetch
+#: (under a second), so what they carry is below 1e-12 ms
+NEGLIGIBLE_PMF = 1e-16
+
+
+def binomial_terms(trials: int, p: float, lowest: int) -> list[tuple[int, float]]:
+    """(count, P[N = count]) for N ~ Binomial(trials, p), counts from ``lowest`` up, those whose probability is
+    not negligible: the mode's from its logarithm, its neighbours by the ratio of consecutive terms (no
+    log-gamma per term, the planner's inner loop at large batches), out to where the terms vanish."""
     log_q = math.log1p(-p)
-    total = 0.0
-    for count in range(first, num_slots + 1):
-        log_pmf = (math.lgamma(num_slots + 1) - math.lgamma(count + 1) - math.lgamma(num_slots - count + 1)
-                   + count * math.log(p) + (num_slots - count) * log_q)
-        total += math.exp(log_pmf) * _overlap_excess_ms(count * ms_per_expert, compute_ms, compute_slowdown)
-    return total
+    mode = min(trials, max(lowest, math.floor((trials + 1) * p)))
+    mode_pmf = math.exp(math.lgamma(trials + 1) - math.lgamma(mode + 1) - math.lgamma(trials - mode + 1)
+                        + mode * math.log(p) + (trials - mode) * log_q)
+    odds = p / (1 - p)
+    terms = [(mode, mode_pmf)]
+    pmf = mode_pmf
+    for count in range(mode, trials):  # up: P[k + 1] = P[k] (n - k) / (k + 1) x p / q
+        pmf *= (trials - count) / (count + 1) * odds
+        if pmf < NEGLIGIBLE_PMF:
+            break
+        terms.append((count + 1, pmf))
+    pmf = mode_pmf
+    for count in range(mode, lowest, -1):  # down: P[k - 1] = P[k] k / (n - k + 1) x q / p
+        pmf *= count / (trials - count + 1) / odds
+        if pmf < NEGLIGIBLE_PMF:
+            break
+        terms.append((count - 1, pmf))
+    return terms
 
 
 def routed_stalls_ms(placement: RoutedPlacement, layer_ms: tuple[float, ...] | None = None) -> dict[int, float]:
