@@ -212,7 +212,7 @@ class DecodeLoop:
         num_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         # one rank of transformers' tensor parallelism holds its share of the KV heads (k/v split by column)
-        num_heads //= getattr(self.model, "tp_size", None) or 1
+        num_heads = max(1, num_heads // (getattr(self.model, "tp_size", None) or 1))
         self.cache.early_initialization(batch, num_heads, head_dim, dtype, self.device)
 
     def _release_cached(self) -> None:
