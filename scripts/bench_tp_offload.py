@@ -34,9 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from scripts.bench_tp import SHAPES, not_runnable, profile_for, save_random_model, shape_config  # noqa: E402
+from scripts.bench_tp import SHAPES, not_runnable, profile_for, save_random_model, shape_config
 
 WORKLOADS = {"prefill": {"tokens": 2048, "sequences": 1, "context": 0, "cuda_graph": False},
              "decode": {"tokens": 16, "sequences": 16, "context": 2048, "cuda_graph": True}}

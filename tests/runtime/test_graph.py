@@ -38,7 +38,7 @@ def test_an_op_the_capture_forbids_is_one_line(monkeypatch):
     from planner.errors import RuntimeUnavailableError
     from runtime.graph import capture_steps
 
-    monkeypatch.setattr(torch.cuda, "graph", lambda graph: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph, **options: contextlib.nullcontext())
 
     def forbidden():
         raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture unless the CPU "
