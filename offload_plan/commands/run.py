@@ -48,6 +48,7 @@ def run(
     """Load the model with the plan applied and run it on the local GPU.
 
     Example: offload-plan run plan.yaml --bench
+    (a make --tp N plan, one process per GPU: torchrun --nproc-per-node N -m offload_plan run plan.tp2.yaml --bench)
     """
     if bench == (prompt is not None):
         raise UsageError("give exactly one of --bench or --prompt TEXT")
@@ -59,7 +60,7 @@ def run(
     rank = runtime_seam.check_tp_launch(loaded_plan, plan)  # one process per rank of a TP plan, else one
     runtime_seam.require_cuda("offload-plan run")
     if rank is not None:
-        runtime_seam.start_tp_rank(rank)  # this rank's GPU taken before the cap below reads "the" GPU
+        runtime_seam.start_tp_rank(rank)  # this rank's GPU taken before anything allocates on one
     compile_backend = "inductor" if compile_steps else None
     if bench:
         runtime_seam.check_decode_flags(loaded_plan, cuda_graph, compile_backend)  # before the minutes of loading
@@ -83,8 +84,8 @@ def run(
 def _check_run_flags(plan_path, plan, *, bench: bool, prompt: str | None, cuda_graph: bool, compile_steps: bool,
                      adapter: str | None, adapter_mode: str | None) -> None:
     """What the plan cannot run is refused, and what it runs other than planned is warned, before anything is
-    read: a rank of a TP plan, adapter flags the plan or the command does not take, --adapter with --compile;
-    graph replays against eager steps, and --prompt without the plan's adapters."""
+    read: --prompt on a rank of a TP plan, adapter flags the plan or the command does not take, --adapter with
+    --compile; graph replays against eager steps, and --prompt without the plan's adapters."""
     if plan.inputs.tp > 1 and prompt is not None:
         raise UsageError(f"{plan_path} is one rank of TP={plan.inputs.tp}: run measures it with --bench (under "
                          "torchrun); generate with the engine's flags from offload-plan export")
