@@ -181,4 +181,6 @@ def bench_rank(rank: Rank, plan: Plan, source, *, cuda_graph: bool, compile_back
     row = RankBench(rank=rank.rank, bench=result,
                     beyond_plan_bytes=held_beyond_plan_bytes(loaded.model, rank.world_size))
     loaded.engine.close()
-    return gather_to_first(row)
+    gathered = gather_to_first(row)
+    torch.distributed.destroy_process_group()  # the ranks are done: NCCL warns at exit about a group left up
+    return gathered
