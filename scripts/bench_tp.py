@@ -220,11 +220,9 @@ def embedding_is_sharded(model) -> bool:
 
 def local_param_bytes(model) -> int:
     """The bytes of the parameters this rank holds (a DTensor's local shard, a plain tensor whole)."""
-    total = 0
-    for param in model.parameters():
-        local = param.to_local() if hasattr(param, "to_local") else param
-        total += local.numel() * local.element_size()
-    return total
+    from runtime.params import local_bytes
+
+    return sum(local_bytes(param) for param in model.parameters())
 
 
 def rank_config_model(planned, device):

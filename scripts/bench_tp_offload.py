@@ -76,14 +76,15 @@ def make_rank_plan(folder: Path, gpu: str, workload: dict, share: float, measure
     import torch.distributed as dist
 
     from planner.checkpoint import load_checkpoint
+    from planner.layout import build_layout
     from planner.make import make_plan
     from planner.plan import Inputs
     from planner.plan_file import read_plan, render_plan, write_atomic
     from planner.tensor_parallel import shard_checkpoint
-    from scripts.benchmarking import served_measure
+    from scripts.benchmarking import budget_for_share, served_measure
 
-    rank_bytes = _rank_layer_bytes(shard_checkpoint(load_checkpoint(str(folder)), 2))
-    budget = int(rank_bytes["non_layer"] + share * rank_bytes["layers"]) + (64 << 20 if share >= 1 else 0)
+    rank_layout = build_layout(shard_checkpoint(load_checkpoint(str(folder)), 2))
+    budget = budget_for_share(rank_layout, share) + (64 << 20 if share >= 1 else 0)
     inputs = Inputs(model=str(folder), gpu=gpu, budget=f"{budget}B", tokens=workload["tokens"],
                     sequences=workload["sequences"], context=workload["context"], cuda_graph=workload["cuda_graph"],
                     tp=2, measure=measure, measured_on=gpu if measure else None)
@@ -97,13 +98,6 @@ def make_rank_plan(folder: Path, gpu: str, workload: dict, share: float, measure
         write_atomic(out, render_plan(planned.plan, f"scripts/bench_tp_offload.py (share {share})"))
     dist.barrier()
     return read_plan(out)
-
-
-def _rank_layer_bytes(rank_checkpoint) -> dict:
-    from planner.layout import build_layout
-
-    layout = build_layout(rank_checkpoint)
-    return {"layers": layout.layer_bytes, "non_layer": layout.non_layer_bytes}
 
 
 def step_logits(model, workload: dict, device, engine=None) -> list:
