@@ -97,8 +97,8 @@ def check_rank_plan(plan: Plan) -> None:
     """What a TP rank's plan asks that this runtime does not run under transformers' sharding, refused before
     loading: routed experts (their gather reads whole experts) and LoRA adapters."""
     if plan.experts is not None and any(row.regime == "routed" for row in plan.experts.layers):
-        raise UsageError("run does not gather routed experts under --tp yet; make the rank plan with whole-layer "
-                         "offloading (--experts whole) or plan one GPU")
+        raise UsageError("run does not gather routed experts under --tp yet; make the rank plan again with make "
+                         "--tp (which streams whole layers on a rank), or plan one GPU")
     if plan.adapters is not None:
         raise UsageError("a plan with adapters cannot be one rank of --tp; make it without --tp")
 

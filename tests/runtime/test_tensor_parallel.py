@@ -23,7 +23,7 @@ from planner.errors import UsageError  # noqa: E402
 from planner.make import make_plan  # noqa: E402
 from planner.plan import Inputs  # noqa: E402
 from planner.plan_file import read_plan, render_plan, write_atomic  # noqa: E402
-from runtime.tensor_parallel import Rank, check_launch, launched_rank  # noqa: E402
+from runtime.tensor_parallel import Rank, check_launch, check_rank_plan, launched_rank  # noqa: E402
 from scripts.bench_tp import save_random_model  # noqa: E402
 from scripts.bench_tp_offload import tiny_config  # noqa: E402
 
@@ -136,3 +136,16 @@ def test_launch_checks_are_one_line_and_say_how_to_launch():
         check_launch(_plan(2), "p.yaml", {"WORLD_SIZE": "4", "RANK": "0"})
     with pytest.raises(UsageError, match="one-GPU plan but torchrun started 2"):
         check_launch(_plan(1), "p.yaml", {"WORLD_SIZE": "2", "RANK": "0"})
+
+
+def test_a_rank_plan_with_routed_experts_or_adapters_is_refused_in_one_line():
+    from types import SimpleNamespace
+
+    routed = SimpleNamespace(experts=SimpleNamespace(layers=[SimpleNamespace(regime="routed")]), adapters=None)
+    with pytest.raises(UsageError, match="routed experts under --tp") as caught:
+        check_rank_plan(routed)
+    assert "\n" not in str(caught.value) and "--experts" not in str(caught.value)
+    with pytest.raises(UsageError, match="adapters"):
+        check_rank_plan(SimpleNamespace(experts=None, adapters=SimpleNamespace(items=())))
+    check_rank_plan(SimpleNamespace(experts=SimpleNamespace(layers=[SimpleNamespace(regime="whole_layer")]),
+                                    adapters=None))
