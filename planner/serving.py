@@ -21,11 +21,11 @@ from planner.units import format_bytes, format_ms
 #: GPU memory a serving process holds beyond its tensors: the CUDA context and library handles, which
 #: torch's allocator does not count, and the allocator's rounding of its segments (runtime.serving measures it)
 CUDA_CONTEXT_BYTES = 2**30
-#: NCCL's buffers per rank with TP > 1, outside torch's allocator, measured: 366 MiB when the process group binds
-#: its GPU and 476 MiB more at the first collective, 842 MiB in all on each of two NVLinked H200s (torch 2.11,
-#: scripts/experiments/nccl_memory.py; NCCL_BUFFSIZE's default 4 MiB per channel and peer is part of it). A make
-#: --tp plan's context figure holds it, and the engines' exports count it before their start-up snapshot. A single
-#: GPU creates no communicator
+#: NCCL's buffers per rank with TP > 1, outside torch's allocator, measured on each of two NVLinked H200s (torch
+#: 2.11, scripts/experiments/nccl_memory.py): 366 MiB when the process group binds its GPU, 474 MiB more at the
+#: first collective and 2 MiB at a captured one, 842 MiB in all (NCCL_BUFFSIZE's default 4 MiB per channel and peer
+#: is part of it). A make --tp plan's context figure holds it, and the engines' exports count it before their
+#: start-up snapshot. A single GPU creates no communicator
 NCCL_BYTES_PER_RANK = 842 * 2**20
 #: cache entries run keeps past a weights-only decode plan's context (runtime.graph.DECODE_ROOM_TOKENS)
 DECODE_ROOM_TOKENS = 64
