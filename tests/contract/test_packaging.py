@@ -2,6 +2,7 @@
 the installed versions lie in it, and ``pip wheel .`` builds a wheel that carries every module and profile."""
 
 import importlib.util
+import re
 import subprocess
 import sys
 import tomllib
@@ -73,3 +74,24 @@ def test_wheel_carries_every_module_and_profile(tmp_path):
         assert f"planner/_profiles/{profile.name}" in names, f"profile {profile.name} missing from {wheel.name}"
     entry_points = next(name for name in names if name.endswith("entry_points.txt"))
     assert "offload-plan = offload_plan.app:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+
+
+def _two_commands_lines() -> list[str]:
+    """The command lines of the README's "The two commands" section: its ```bash blocks, in order."""
+    readme = (REPO_ROOT / "README.md").read_text()
+    section = readme.split("\n## The two commands\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```bash\n(.*?)```", section, flags=re.DOTALL)
+    return [line for block in blocks for line in block.splitlines() if line.strip()]
+
+
+def test_readme_two_commands_are_what_ci_runs():
+    """The README's set-up (two lines), its main job and its test command are four lines, and .ci/run runs each
+    exactly as written, in that order: a user who copies them does what CI proves."""
+    lines = _two_commands_lines()
+    assert len(lines) == 4, f"README's 'The two commands' holds {len(lines)} command lines, not set-up (2), the " \
+                            "main job and the tests"
+    assert lines[-1] == "python3 -m pytest -q"
+    ci = [line for line in (REPO_ROOT / ".ci" / "run").read_text().splitlines() if not line.startswith("#")]
+    positions = [ci.index(line) if line in ci else -1 for line in lines]
+    assert -1 not in positions, f".ci/run does not run README's {lines[positions.index(-1)]!r} as written"
+    assert positions == sorted(positions), ".ci/run runs README's two commands in another order"
