@@ -98,13 +98,41 @@ def run_bench(loaded, *, cuda_graph: bool, compile_backend: str | None):
     return bench(loaded, cuda_graph=cuda_graph, compile_backend=compile_backend)
 
 
-def cap_gpu_memory(limit_bytes: int):
-    """Hold this process to the plan's GPU memory where the local GPU has more; the share set, or None."""
+def check_stack_fits(plan) -> int:
+    """What the local stack holds outside torch's allocator before loading (runtime.outside_memory's probe); one
+    line where that breaks the plan's promise."""
+    import torch
+
+    from runtime.outside_memory import check_stack_fits as check
+
+    return check(plan, torch.device("cuda", torch.cuda.current_device()))
+
+
+def cap_gpu_memory(plan):
+    """Hold this process to the plan's GPU memory where the local GPU has more, the plan's booking of what CUDA
+    holds outside the allocator set aside; the share set, or None."""
     import torch
 
     from runtime.serving import cap_gpu_memory as cap
 
-    return cap(limit_bytes, torch.device("cuda", torch.cuda.current_device()))
+    return cap(plan.memory.gpu_memory_bytes, torch.device("cuda", torch.cuda.current_device()),
+               booked_outside_bytes=plan.memory.cuda_context_bytes)
+
+
+def measured_context_bytes(gpu: str, measured_on: str | None) -> int | None:
+    """make --measure: what this process holds outside torch's allocator once a decoder step's kernel families ran
+    on the local GPU (runtime.outside_memory's probe), for a plan of this GPU; None for another GPU's plan, whose
+    profile's figure stands."""
+    require_cuda("make --measure")
+    import torch
+
+    from planner.profile import load_profile
+    from runtime.measure import is_local_target
+    from runtime.outside_memory import probe_outside_allocator_bytes
+
+    if not is_local_target(load_profile(gpu), measured_on):
+        return None
+    return probe_outside_allocator_bytes(torch.device("cuda", torch.cuda.current_device()))
 
 
 def run_serving_bench(loaded, cuda_graph: bool, compile_backend: str | None, memory_fraction: float | None):
@@ -130,12 +158,13 @@ def write_header_checkpoint(config_path, out_dir, dtype: str | None):
     return write(config_path, out_dir, dtype=dtype)
 
 
-def measured_activation_bytes(checkpoint, layout, workload, graphed: bool) -> int:
-    """``make --measure`` of a serving plan: a step's activation peak on the local GPU, in bytes."""
+def measured_activation_bytes(checkpoint, layout, workload, graphed: bool, limit_bytes: int | None = None) -> int:
+    """``make --measure`` of a serving plan: a step's activation peak on the local GPU, in bytes, measured within
+    ``limit_bytes`` of GPU memory (planner.errors.MeasuredOutOfMemoryError where it does not fit them)."""
     require_cuda("make --measure")
     from runtime.measure import measured_activation_bytes as measure
 
-    return measure(checkpoint, layout, workload, graphed).activation_bytes
+    return measure(checkpoint, layout, workload, graphed, limit_bytes).activation_bytes
 
 
 def record_routing_trace(model: str, prompts_path, device: str | None, decode_tokens: int = 0):

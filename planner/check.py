@@ -52,6 +52,8 @@ class CheckResult:
     fix_command: str | None
     #: the plan make writes now; None when it could not be regenerated
     regenerated: str | None
+    #: what check did not compare, for people ("" when it regenerated the whole plan)
+    note: str = ""
 
     @property
     def ok(self) -> bool:
@@ -152,9 +154,12 @@ def _compare(display: str, text: str, plan: Plan, profile: HardwareProfile, head
     """Regenerate the plan (``header`` its recorded command) and collect every difference; ``command`` rewrites
     this file. A checkpoint that cannot be read raises."""
     problems = list(fit_problems(plan, profile))
+    if plan.inputs.measure and plan.serving is not None:
+        return _measured_serving(display, plan, problems, command)
     regenerated = None
     try:
-        planned = make_plan(plan.inputs, compute_override=recorded_compute(plan) if plan.inputs.measure else None)
+        planned = make_plan(plan.inputs, compute_override=recorded_compute(plan) if plan.inputs.measure else None,
+                            context_bytes=plan.hardware.cuda_context_bytes if plan.inputs.measure else None)
         regenerated = render_plan(planned.plan, header)
         fingerprint = planned.checkpoint.fingerprint()
     except ModelInputError:
@@ -163,17 +168,33 @@ def _compare(display: str, text: str, plan: Plan, profile: HardwareProfile, head
         problems.append(Problem(kind="regenerate", message=f"make with the recorded inputs fails: {error}",
                                 error_class=type(error)))
         fingerprint = load_checkpoint(plan.inputs.model, plan.inputs.revision).fingerprint()
-    if fingerprint != plan.model.fingerprint:
-        problems.insert(0, Problem(
-            kind="fingerprint", error_class=PlanError,
-            message=f"the checkpoint at {plan.inputs.model} is not the one planned (fingerprint {fingerprint[:19]}... "
-                    f"against the plan's {plan.model.fingerprint[:19]}...): its tensor names, dtypes or shapes changed",
-        ))
+    problems[:0] = _fingerprint_problems(plan, fingerprint)
     diff = unified_diff(text, regenerated, display) if regenerated not in (None, text) else ""
     if diff:
         problems.append(Problem(kind="stale", error_class=PlanStaleError,
                                 message="out of date: make with the recorded inputs writes a different plan"))
     return CheckResult(path=display, problems=tuple(problems), diff=diff, fix_command=command, regenerated=regenerated)
+
+
+def _fingerprint_problems(plan: Plan, fingerprint: str) -> list[Problem]:
+    if fingerprint == plan.model.fingerprint:
+        return []
+    return [Problem(
+        kind="fingerprint", error_class=PlanError,
+        message=f"the checkpoint at {plan.inputs.model} is not the one planned (fingerprint {fingerprint[:19]}... "
+                f"against the plan's {plan.model.fingerprint[:19]}...): its tensor names, dtypes or shapes changed",
+    )]
+
+
+def _measured_serving(display: str, plan: Plan, problems: list[Problem], command: str) -> CheckResult:
+    """A make --measure serving plan: its search timed every concurrency on a GPU, which check cannot do again, so
+    it checks the checkpoint's fingerprint and the fit and says what it did not regenerate."""
+    fingerprint = load_checkpoint(plan.inputs.model, plan.inputs.revision).fingerprint()
+    problems = _fingerprint_problems(plan, fingerprint) + problems
+    note = ("not regenerated: a make --measure serving plan's concurrencies were timed on a GPU; checked its "
+            "checkpoint and its fit")
+    return CheckResult(path=display, problems=tuple(problems), diff="", fix_command=command, regenerated=None,
+                       note=note)
 
 
 def recorded_compute(plan: Plan) -> ComputeTimes:

@@ -77,6 +77,11 @@ class InfeasibleError(OffloadPlanError):
     exit_code = 5
 
 
+class MeasuredOutOfMemoryError(InfeasibleError):
+    """make --measure: a step did not fit the GPU memory the plan is made for, measured under that cap; the
+    serving search takes its concurrency as not fitting."""
+
+
 class UsageError(OffloadPlanError):
     """Command-line arguments that do not make sense together."""
 

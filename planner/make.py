@@ -26,7 +26,7 @@ from planner.memory_accounting import (HostLimit, adapter_host_bytes, check_adap
                                        whole_gpu_budget)
 from planner.model_config import model_config
 from planner.plan import Inputs, Plan
-from planner.profile import load_profile
+from planner.profile import load_profile, with_measured_context
 from planner.routing_trace import check_against, read_trace
 from planner.search import Choice, LayerBytes, gpu_bytes_of, minimum_gpu_bytes
 from planner.serving import search_serving
@@ -47,7 +47,8 @@ class Planned:
 def make_plan(inputs: Inputs, compute_override: ComputeTimes | None = None,
               measure: MeasureFunction | None = None,
               measure_activations: MeasureActivations | None = None,
-              checkpoint: Checkpoint | None = None, measure_link: MeasureLink | None = None) -> Planned:
+              checkpoint: Checkpoint | None = None, measure_link: MeasureLink | None = None,
+              context_bytes: int | None = None) -> Planned:
     """Read the checkpoint and profile named by ``inputs`` and search the fastest plan that fits: for the
     weights alone within a budget, or (``inputs.concurrency``) for a serving target on the whole GPU.
 
@@ -56,20 +57,23 @@ def make_plan(inputs: Inputs, compute_override: ComputeTimes | None = None,
     reaches the GPU), else the roofline estimate. A serving plan with --measure also measures its activation
     peaks with ``measure_activations`` where given (else estimates them), and with --tp N the all-reduce between
     the local GPUs with ``measure_link`` (else the profile's link stands, said so in the plan). ``checkpoint``: the
-    one --model names, already read (make --tp 2,4 reads it once for every GPU count).
+    one --model names, already read (make --tp 2,4 reads it once for every GPU count). ``context_bytes``: what
+    the local stack holds outside torch's allocator, measured by make --measure (check passes a --measure plan's
+    recorded figure), in place of the profile's.
     """
     # planning DeepSeek-V3 shards and groups its 92k tensors and searches hundreds of placements: objects that
     # form no reference cycles, which the cyclic collector would walk again and again (a fifth of make --tp 2,4).
     # Not while --measure builds models on the GPU, whose memory a collected cycle may be holding
     measuring = measure is not None or measure_activations is not None or measure_link is not None
     with contextlib.nullcontext() if measuring else collector_paused():
-        return _make_plan(inputs, compute_override, measure, measure_activations, checkpoint, measure_link)
+        return _make_plan(inputs, compute_override, measure, measure_activations, checkpoint, measure_link,
+                          context_bytes)
 
 
 def _make_plan(inputs: Inputs, compute_override: ComputeTimes | None, measure: MeasureFunction | None,
                measure_activations: MeasureActivations | None, checkpoint: Checkpoint | None,
-               measure_link: MeasureLink | None) -> Planned:
-    model = _read_model(inputs, measure, measure_activations, checkpoint, measure_link)
+               measure_link: MeasureLink | None, context_bytes: int | None) -> Planned:
+    model = _read_model(inputs, measure, measure_activations, checkpoint, measure_link, context_bytes)
     if inputs.concurrency is not None:
         return make_serving_plan(model)
     workload = model.resolved.workload
@@ -136,7 +140,7 @@ def make_serving_plan(model: Model) -> Planned:
         found = search_serving(
             wanted=resolved.concurrency,
             gpu_memory_bytes=gpu_memory,
-            other_bytes_at=lambda b: serving_other_bytes(model, b),
+            other_bytes_at=lambda b: serving_other_bytes(model, b, gpu_memory),
             compute_at=lambda b: model.compute(decode(b)),
             search_weights=place,
             minimum_weight_bytes=minimum_gpu_bytes(model.layout.non_layer_bytes, model.layer_bytes),
@@ -162,11 +166,11 @@ def make_serving_plan(model: Model) -> Planned:
 
 def _read_model(inputs: Inputs, measure: MeasureFunction | None = None,
                 measure_activations: MeasureActivations | None = None, whole: Checkpoint | None = None,
-                measure_link: MeasureLink | None = None) -> Model:
+                measure_link: MeasureLink | None = None, context_bytes: int | None = None) -> Model:
     """Profile, checkpoint headers, layout, the bytes each layer would move, the KV cache model and adapters."""
     resolved = resolve_inputs(inputs)
     check_engine_input(inputs.engine, tuple(inputs.params))
-    profile = load_profile(inputs.gpu)
+    profile = with_measured_context(load_profile(inputs.gpu), context_bytes)
     check_tp_inputs(inputs, profile)
     # one rank's shard under --tp: its tensors' shapes and its config (heads, KV heads, widths) as vLLM splits them
     whole = load_checkpoint(inputs.model, inputs.revision) if whole is None else whole

@@ -10,7 +10,7 @@ from planner.checkpoint import Checkpoint
 from planner.cost import ComputeTimes, Workload, estimate_compute, geometry_from_config
 from planner.engine_targets import TARGETS
 from planner.fp8_cost import fp8_compute_for, has_fp8_experts
-from planner.errors import PlanError, UsageError
+from planner.errors import MeasuredOutOfMemoryError, PlanError, UsageError
 from planner.expert_choice import Comparison, ExpertModel, routed_choice
 from planner.kv_cache import KvCacheModel
 from planner.layout import ModelLayout
@@ -24,8 +24,10 @@ from planner.tensor_parallel import AllReduceLink, assumed_link, with_all_reduce
 #: times layers on the local GPU for --measure: (checkpoint, layout, workload, profile, measured_on, graphed) ->
 #: ComputeTimes. The planner imports no runtime; the command line passes offload_plan.runtime_seam's.
 MeasureFunction = Callable[[Checkpoint, ModelLayout, Workload, HardwareProfile, "str | None", bool], ComputeTimes]
-#: measures a step's activation peak on the local GPU for --measure: (checkpoint, layout, workload, graphed) -> bytes
-MeasureActivations = Callable[[Checkpoint, ModelLayout, Workload, bool], int]
+#: measures a step's activation peak on the local GPU for --measure: (checkpoint, layout, workload, graphed,
+#: limit_bytes) -> bytes, the process held to limit_bytes of GPU memory (None: the GPU's) while it measures; raises
+#: planner.errors.MeasuredOutOfMemoryError where the step does not fit that
+MeasureActivations = Callable[[Checkpoint, ModelLayout, Workload, bool, "int | None"], int]
 #: measures the all-reduce between the local GPUs for make --tp N --measure: (tp, target profile, measured_on) ->
 #: the link (the profile's assumed figure, with why, where it cannot be measured here)
 MeasureLink = Callable[[int, HardwareProfile, "str | None"], AllReduceLink]
@@ -105,11 +107,19 @@ class Model:
         return Comparison(num_tokens=workload.tokens_per_step, whole=whole, routed=routed,
                           routed_runnable=self.experts.unavailable is None)
 
-    def activations(self, workload: Workload, static_cache_tokens: int | None = None) -> int:
+    def activations(self, workload: Workload, static_cache_tokens: int | None = None,
+                    limit_bytes: int | None = None) -> int:
         """Peak activation bytes of a step of ``workload`` as the runtime runs it: a decode step over a static
-        cache of ``static_cache_tokens``, else a prefill (MoE experts as planned_experts_implementation says)."""
+        cache of ``static_cache_tokens``, else a prefill (MoE experts as planned_experts_implementation says).
+        Measured (--measure) within ``limit_bytes`` of GPU memory: a step that does not fit them counts as taking
+        them all, so its concurrency does not fit."""
         if self.measured_activations:
-            return self.measure_activations(self.checkpoint, self.layout, workload, False)
+            try:
+                return self.measure_activations(self.checkpoint, self.layout, workload, False, limit_bytes)
+            except MeasuredOutOfMemoryError:
+                if limit_bytes is None:
+                    raise
+                return limit_bytes
         tokens_per_sequence = workload.tokens_per_step // workload.sequences_per_step
         step = StepShape(num_sequences=workload.sequences_per_step, tokens_per_sequence=tokens_per_sequence,
                          context_tokens=workload.context_tokens, static_cache_tokens=static_cache_tokens)

@@ -11,21 +11,28 @@ from planner.make_inputs import workload_of
 from planner.make_model import Model
 from planner.plan import Inputs
 from planner.search import Choice
-from planner.serving import CUDA_CONTEXT_BYTES, NCCL_BYTES_PER_RANK, DECODE_ROOM_TOKENS, GRAPH_POOL_FACTOR, OtherBytes
+from planner.serving import (CUDA_CONTEXT_BYTES, DECODE_ROOM_TOKENS, GRAPH_POOL_FACTOR, NCCL_BYTES_PER_RANK,
+                             PINNED_PAGE_TABLE_SHARE, OtherBytes)
 from planner.units import format_bytes
 
 
-def serving_other_bytes(model: Model, concurrency: int) -> OtherBytes:
+def serving_other_bytes(model: Model, concurrency: int, gpu_memory_bytes: int | None = None) -> OtherBytes:
     """GPU memory besides the weights when serving ``concurrency`` sequences of up to --context tokens: their KV
     cache, the activation peak (a prefill chunk's, or an eager decode step's when larger), a graphed decode
-    step's pool, and the CUDA context. The decode step is the last one, over a full static cache."""
+    step's pool, and the CUDA context. The decode step is the last one, over a full static cache. With
+    --measure, steps are measured within ``gpu_memory_bytes`` (the plan's GPU), and not at all where the KV cache
+    alone overflows it: a measurement never allocates past the GPU memory the plan is made for."""
     inputs = model.inputs
     # run's static cache keeps room past the context for the steps it times; engines allocate the context alone
     cache_tokens = inputs.context + DECODE_ROOM_TOKENS
-    decode_bytes = model.activations(workload_of(concurrency, concurrency, inputs.context),
-                                     static_cache_tokens=cache_tokens)
-    chunk_bytes = model.activations(workload_of(inputs.chunk, 1, 0))
     kv_bytes = model.kv.cache_bytes(num_sequences=concurrency, context_tokens=cache_tokens, kv_dtype=inputs.kv_dtype)
+    if (model.measured_activations and gpu_memory_bytes is not None
+            and kv_bytes + outside_allocator_bytes(model) > gpu_memory_bytes):
+        decode_bytes = chunk_bytes = gpu_memory_bytes  # cannot fit whatever the activations: nothing to measure
+    else:
+        decode_bytes = model.activations(workload_of(concurrency, concurrency, inputs.context),
+                                         static_cache_tokens=cache_tokens, limit_bytes=gpu_memory_bytes)
+        chunk_bytes = model.activations(workload_of(inputs.chunk, 1, 0), limit_bytes=gpu_memory_bytes)
     other = other_bytes(model, kv_bytes, decode_bytes, chunk_bytes, inputs.cuda_graph)
     # the adapters' slots are GPU memory at every concurrency: one per sequence by default, so they grow with it
     return replace(other, adapter_bytes=model.adapter_slots(concurrency) * slot_bytes_of(model.adapters))
@@ -35,11 +42,20 @@ def other_bytes(model: Model, kv_bytes: int, decode_bytes: int, chunk_bytes: int
     """The KV cache, the larger activation peak (an eager decode step's or a prefill chunk's), a graphed decode
     step's pool and the CUDA context (the profile's figure where it gives one), with NCCL's buffers on a
     tensor-parallel rank."""
-    context = model.profile.cuda_context_bytes
-    context_bytes = CUDA_CONTEXT_BYTES if context is None else int(context.value)
     return OtherBytes(kv_cache_bytes=kv_bytes, activation_bytes=max(chunk_bytes, 0 if graphed else decode_bytes),
                       cuda_graph_pool_bytes=math.ceil(GRAPH_POOL_FACTOR * decode_bytes) if graphed else 0,
-                      cuda_context_bytes=context_bytes + (NCCL_BYTES_PER_RANK if model.inputs.tp > 1 else 0))
+                      cuda_context_bytes=outside_allocator_bytes(model))
+
+
+def outside_allocator_bytes(model: Model) -> int:
+    """GPU memory the process holds outside torch's allocator: the CUDA context, loaded kernels and library state
+    (make --measure's figure, else the profile's, else CUDA_CONTEXT_BYTES), the driver's mappings of the host
+    memory the plan may page-lock (booked for every byte of the checkpoint: what a placement pins is chosen
+    after this is set aside), and NCCL's buffers on a tensor-parallel rank."""
+    context = model.profile.cuda_context_bytes
+    context_bytes = CUDA_CONTEXT_BYTES if context is None else int(context.value)
+    page_tables = math.ceil(model.checkpoint.total_bytes * PINNED_PAGE_TABLE_SHARE)
+    return context_bytes + page_tables + (NCCL_BYTES_PER_RANK if model.inputs.tp > 1 else 0)
 
 
 def weights_plan_other_bytes(model: Model, workload: Workload) -> OtherBytes | None:

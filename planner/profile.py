@@ -6,7 +6,7 @@ says where it comes from, so a reviewer can tell a reading from a lead.
 
 import difflib
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 
@@ -212,6 +212,19 @@ def load_profile(name_or_path: str) -> HardwareProfile:
     raw = read_capped(path, MAX_PROFILE_BYTES, ProfileError, "profile")
     data = load_yaml(raw, str(path), ProfileError, fix="fix the file")
     return profile_from_dict(data, str(path))
+
+
+def with_measured_context(profile: HardwareProfile, context_bytes: int | None) -> HardwareProfile:
+    """The profile with ``context_bytes`` as its cuda_context_bytes, measured on the local stack by make --measure
+    (or recorded by a --measure plan, for check); the profile unchanged when None."""
+    if context_bytes is None:
+        return profile
+    figure = Figure(value=int(context_bytes), source="measured",
+                    note="outside torch's allocator on the local stack, measured by make --measure")
+    try:
+        return replace(profile, cuda_context_bytes=figure)
+    except ValueError as error:
+        raise ProfileError(f"the measured CUDA context figure: {error}") from None
 
 
 def profile_to_dict(profile: HardwareProfile) -> dict:

@@ -530,8 +530,8 @@ def _memory(plan: Plan) -> Table:
              f"{plan.workload.kv_dtype})", memory.kv_cache_bytes),
             ("GPU: activations (peak of a prefill chunk or an eager decode step)", memory.activation_bytes),
             ("GPU: CUDA-graph pool (a captured decode step)", memory.cuda_graph_pool_bytes),
-            ("GPU: CUDA context, workspaces, allocator rounding" + (", NCCL's buffers" if plan.inputs.tp > 1 else ""),
-             memory.cuda_context_bytes),
+            (f"GPU: outside the allocator (CUDA context and kernels, {_context_source(plan)}; page tables of pinned "
+             "host memory" + ("; NCCL's buffers" if plan.inputs.tp > 1 else "") + ")", memory.cuda_context_bytes),
             ("GPU: total", memory.total_gpu_bytes),
             ("GPU: memory the plan must fit", memory.gpu_memory_bytes),
         ]
@@ -540,6 +540,15 @@ def _memory(plan: Plan) -> Table:
     for label, value in rows:
         table.add_row(label, f"{value:,}", format_bytes(value))
     return table
+
+
+def _context_source(plan: Plan) -> str:
+    """Where the plan's figure for the CUDA context and loaded kernels comes from."""
+    if plan.inputs.measure and plan.hardware.cuda_context_bytes is not None:
+        return "measured by make --measure"
+    if plan.hardware.cuda_context_bytes is not None:
+        return f"{plan.hardware.profile}'s figure"
+    return "the planner's default: make --measure or calibrate measures it"
 
 
 def _layer_table(plan: Plan, simulation: Simulation) -> Table:

@@ -18,9 +18,14 @@ from planner.errors import InfeasibleError
 from planner.search import Choice
 from planner.units import format_bytes, format_ms
 
-#: GPU memory a serving process holds beyond its tensors: the CUDA context and library handles, which
-#: torch's allocator does not count, and the allocator's rounding of its segments (runtime.serving measures it)
+#: GPU memory a process holds beyond its tensors where neither make --measure nor the profile measured it: the CUDA
+#: context, the kernels CUDA loads as they are first launched, library handles (runtime.outside_memory's probe,
+#: which calibrate and make --measure run, measures it on the local stack)
 CUDA_CONTEXT_BYTES = 2**30
+#: GPU memory the driver's mappings of page-locked host memory take, per byte registered: 8 MiB per 4 GiB registered
+#: (1/512), whether huge-page advised or not, mapped into the device's address space or not, and for torch's
+#: pin_memory alike (NVIDIA H200, torch 2.11 + CUDA 13, driver 580; scripts/experiments/outside_allocator_pinned.py)
+PINNED_PAGE_TABLE_SHARE = 1 / 512
 #: NCCL's buffers per rank with TP > 1, outside torch's allocator, measured on each of two NVLinked H200s (torch
 #: 2.11, scripts/experiments/nccl_memory.py): 366 MiB when the process group binds its GPU, 474 MiB more at the
 #: first collective and 2 MiB at a captured one, 842 MiB in all (NCCL_BUFFSIZE's default 4 MiB per channel and peer

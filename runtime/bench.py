@@ -34,6 +34,14 @@ class BenchResult:
     #: "prefill", "decode eager" or "decode graphed"
     mode: str = "prefill"
     tokens_per_s: float = 0.0
+    #: the process's GPU memory at its peak over the whole run (loading included): the allocator's reserved
+    #: peak plus what CUDA holds outside it at the end; against memory.total_gpu_bytes
+    process_peak_gpu_bytes: int = 0
+    #: memory.total_gpu_bytes: what the plan predicts the process holds (0 where the KV cache is not modelled)
+    predicted_total_gpu_bytes: int = 0
+    #: GPU memory held outside the allocator at the end (CUDA context, kernels, library state, page tables of the
+    #: registered host memory), against memory.cuda_context_bytes
+    outside_allocator_bytes: int = 0
     #: wall seconds of the warm-up steps and of capturing the graph (graphed decode only)
     warmup_s: float = 0.0
     compile_s: float = 0.0
@@ -74,18 +82,25 @@ def run_bench(loaded: Loaded, num_steps: int = NUM_TIMED_STEPS, cuda_graph: bool
         for _ in range(NUM_WARMUP_STEPS):
             forward_step(loaded.model, input_ids)
         engine.take_stats()
+        earlier_reserved_bytes = torch.cuda.max_memory_reserved(device)
         torch.cuda.reset_peak_memory_stats(device)
         engine.timing = True
         step_ms = time_steps(loaded.model, input_ids, num_steps)
         engine.timing = False
-    return _result(loaded, step_ms, engine.take_stats(), device, timed=True)
+    return _result(loaded, step_ms, engine.take_stats(), device, timed=True,
+                   earlier_reserved_bytes=earlier_reserved_bytes)
 
 
-def _result(loaded: Loaded, step_ms: list[float], stats, device, *, timed: bool, **extra) -> BenchResult:
+def _result(loaded: Loaded, step_ms: list[float], stats, device, *, timed: bool, earlier_reserved_bytes: int,
+            **extra) -> BenchResult:
     """Measured step times and the offload counters, beside what the plan says. ``timed``: the engine's
-    timing events ran (not under CUDA graphs), so stall and link rate were measured."""
+    timing events ran (not under CUDA graphs), so stall and link rate were measured. ``earlier_reserved_bytes``:
+    the allocator's reserved peak before the timed steps reset its statistics."""
+    from runtime.outside_memory import outside_allocator_bytes
+
     plan, engine = loaded.plan, loaded.engine
     median_ms = statistics.median(step_ms)
+    outside_bytes = outside_allocator_bytes(device)
     return BenchResult(
         step_ms=median_ms,
         predicted_step_ms=plan.prediction.step_ms,
@@ -101,6 +116,9 @@ def _result(loaded: Loaded, step_ms: list[float], stats, device, *, timed: bool,
         bytes_copied_per_step=stats.bytes_copied // len(step_ms) if timed else engine.copy_bytes_per_step,
         host_pinned_bytes=engine.host_bytes,
         tokens_per_s=plan.workload.tokens_per_step * 1e3 / median_ms,
+        process_peak_gpu_bytes=max(earlier_reserved_bytes, torch.cuda.max_memory_reserved(device)) + outside_bytes,
+        predicted_total_gpu_bytes=plan.memory.total_gpu_bytes,
+        outside_allocator_bytes=outside_bytes,
         **extra,
     )
 
@@ -127,10 +145,12 @@ def run_decode_bench(loaded: Loaded, num_steps: int, cuda_graph: bool,
         loop.warm_up()
     loop.timed_steps(NUM_WARMUP_STEPS)
     engine.take_stats()
+    earlier_reserved_bytes = torch.cuda.max_memory_reserved(device)
     torch.cuda.reset_peak_memory_stats(device)
     engine.timing = not cuda_graph
     step_ms = loop.timed_steps(num_steps)
     engine.timing = False
     mode = "decode " + ("graphed" if cuda_graph else "eager") + (", compiled" if compile_backend else "")
     return _result(loaded, step_ms, engine.take_stats(), device, timed=not cuda_graph, mode=mode,
+                   earlier_reserved_bytes=earlier_reserved_bytes,
                    warmup_s=loop.warmup_s, compile_s=loop.compile_s, capture_s=loop.capture_s)

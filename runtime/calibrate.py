@@ -7,8 +7,9 @@ layer-sized ones (16 MiB and up) gives the bandwidth (slope) and the fixed cost 
 is fitted to relative error, so every size counts alike: an ordinary least-squares fit is decided by the two
 largest copies alone, and small copies (whose rate does not follow a line) pulled the slope 6% under the rate
 layer copies reach on the lent H100. HBM: a 2 GiB device-to-device copy, bytes read plus written. Matmul: an
-8192^3 bf16 product on random data. Memory: what the driver reports; host memory: the host's MemTotal. Every
-reading is a median.
+8192^3 bf16 product on random data. Memory: what the driver reports; host memory: the host's MemTotal; the CUDA
+context figure: what the process holds outside torch's allocator once a decoder step's kernel families ran
+(runtime.outside_memory's probe). Every timing is a median.
 """
 
 import datetime
@@ -20,6 +21,7 @@ from planner.profile import Figure, HardwareProfile, load_profile, profile_to_di
 from runtime.backend import CudaBackend
 from runtime.load import meminfo_bytes
 from runtime.measure import CALIBRATED_SUFFIX, local_profile_name
+from runtime.outside_memory import probe_outside_allocator_bytes
 
 COPY_SIZES_BYTES = tuple(2**e for e in range(20, 31))
 #: the line is fitted to layer-sized copies; smaller ones are reported (their rate falls off a line's shape)
@@ -107,6 +109,7 @@ def calibrate() -> tuple[HardwareProfile, dict]:
     hbm = hbm_bytes_per_s()
     matmul = bf16_flops_per_s()
     free_bytes, total_bytes = torch.cuda.mem_get_info()
+    context_bytes = probe_outside_allocator_bytes(torch.device("cuda", torch.cuda.current_device()))
     measured = {
         "gpu_memory_bytes": Figure(value=total_bytes, source="measured", note=f"cudaMemGetInfo total; {stamp}"),
         "hbm_bytes_per_s": Figure(value=hbm, source="measured",
@@ -117,6 +120,9 @@ def calibrate() -> tuple[HardwareProfile, dict]:
                                        f"fitted to relative error; {stamp}"),
         "copy_overhead_us": Figure(value=overhead_us, source="measured",
                                    note=f"intercept of the same line; {stamp}"),
+        "cuda_context_bytes": Figure(value=context_bytes, source="measured",
+                                     note=f"held outside torch's allocator once a decoder step's kernels ran "
+                                          f"(runtime.outside_memory's probe); {stamp}"),
     }
     host_bytes = meminfo_bytes("MemTotal")
     if host_bytes is not None:

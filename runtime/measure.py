@@ -11,7 +11,9 @@ and workload. For a target GPU other than the local one, times are scaled per la
 profiles' roofline estimates, and the plan says so.
 """
 
+import contextlib
 import copy
+import gc
 import hashlib
 import json
 import os
@@ -25,7 +27,7 @@ from torch import nn
 from planner.checkpoint import Checkpoint
 from planner.cost import ComputeTimes, Workload, estimate_compute, geometry_from_config
 from planner.model_config import text_config
-from planner.errors import OffloadPlanError, UsageError
+from planner.errors import MeasuredOutOfMemoryError, OffloadPlanError, UsageError
 from planner.kv_cache import attention_layer_types
 from planner.layout import ModelLayout, config_num_layers, layer_kinds
 from planner.profile import HardwareProfile, load_profile
@@ -64,6 +66,13 @@ def local_profile_name() -> str:
         if fragment in name:
             return profile
     raise UsageError(f"no built-in profile matches the local GPU {name!r}; pass --measured-on PROFILE")
+
+
+def is_local_target(target: HardwareProfile, measured_on: str | None) -> bool:
+    """Whether a plan for ``target`` is a plan for the local GPU (``measured_on``, else its name's profile), a
+    calibrated profile the same GPU as its built-in one."""
+    local_name = measured_on or local_profile_name()
+    return target.name.removesuffix(CALIBRATED_SUFFIX) == local_name.removesuffix(CALIBRATED_SUFFIX)
 
 
 def cache_path() -> Path:
@@ -325,7 +334,7 @@ def measured_compute(
     source = (f"measured: {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, "
               f"{workload.tokens_per_step} tokens in {workload.sequences_per_step} sequence(s), context "
               f"{workload.context_tokens}, {how}")
-    if target.name.removesuffix(CALIBRATED_SUFFIX) == local_name.removesuffix(CALIBRATED_SUFFIX):
+    if is_local_target(target, measured_on):
         return ComputeTimes(layer_ms=layer_ms, head_ms=head_ms, source=source)
     local = load_profile(local_name)
     geometry = geometry_from_config(checkpoint.config, layout)
@@ -444,8 +453,10 @@ def prefill_activation_peak(model: nn.Module, *, chunk_tokens: int, context_toke
 
 
 def measured_activation_bytes(checkpoint: Checkpoint, layout: ModelLayout, workload: Workload,
-                              graphed: bool = False) -> ActivationMeasurement:
-    """The activation peak of the plan's workload on the local GPU (cached like the layer times).
+                              graphed: bool = False, limit_bytes: int | None = None) -> ActivationMeasurement:
+    """The activation peak of the plan's workload on the local GPU (cached like the layer times), the process held
+    to ``limit_bytes`` of GPU memory while it measures (the plan's; None: the GPU's): a step that does not fit
+    them raises MeasuredOutOfMemoryError instead of allocating past them.
 
     A workload of one token per sequence is a decode step (DecodeLoop, as ``run`` serves it: MoE experts
     through runtime.experts_impl's decode choice); any other is a prefill chunk of ``tokens_per_step`` tokens per
@@ -456,24 +467,51 @@ def measured_activation_bytes(checkpoint: Checkpoint, layout: ModelLayout, workl
     require_cuda("make --measure")
     if checkpoint.config is None:
         raise UsageError("--measure builds layers from config.json, and this checkpoint has none")
+    per_sequence = workload.tokens_per_step // workload.sequences_per_step
+    if per_sequence != 1 and workload.sequences_per_step != 1:
+        raise UsageError("--measure measures a decode step (one token per sequence) or a prefill chunk of one "
+                         f"sequence, not {workload.sequences_per_step} sequences of {per_sequence} tokens")
     identity = [_cache_key(checkpoint.config, layout, workload, graphed), "activation peak v2"]
     key = hashlib.sha256(json.dumps(identity).encode()).hexdigest()
     cache = _load_cache()
     if key not in cache:
-        model = activation_model(checkpoint.config, measured_kinds(layout, checkpoint.config), layout.stack)
-        torch.cuda.empty_cache()
-        per_sequence = workload.tokens_per_step // workload.sequences_per_step
-        if per_sequence == 1:
-            measured = decode_activation_peak(model, num_sequences=workload.sequences_per_step,
-                                              context_tokens=workload.context_tokens, graphed=graphed)
-        elif workload.sequences_per_step == 1:
-            measured = prefill_activation_peak(model, chunk_tokens=per_sequence,
-                                               context_tokens=workload.context_tokens)
-        else:
-            raise UsageError("--measure measures a decode step (one token per sequence) or a prefill chunk of one "
-                             f"sequence, not {workload.sequences_per_step} sequences of {per_sequence} tokens")
-        del model
-        torch.cuda.empty_cache()
+        with held_to(limit_bytes, torch.device("cuda"), f"a step of {workload.sequences_per_step} sequence(s)"):
+            measured = _measure_step(checkpoint, layout, workload, graphed)
         cache[key] = vars(measured)
         _save_cache(cache)
     return ActivationMeasurement(**cache[key])
+
+
+def _measure_step(checkpoint: Checkpoint, layout: ModelLayout, workload: Workload,
+                  graphed: bool) -> ActivationMeasurement:
+    model = activation_model(checkpoint.config, measured_kinds(layout, checkpoint.config), layout.stack)
+    torch.cuda.empty_cache()
+    try:
+        if workload.tokens_per_step == workload.sequences_per_step:
+            return decode_activation_peak(model, num_sequences=workload.sequences_per_step,
+                                          context_tokens=workload.context_tokens, graphed=graphed)
+        return prefill_activation_peak(model, chunk_tokens=workload.tokens_per_step,
+                                       context_tokens=workload.context_tokens)
+    finally:
+        del model
+
+
+@contextlib.contextmanager
+def held_to(limit_bytes: int | None, device: torch.device, what: str):
+    """The process held to ``limit_bytes`` of the GPU (what CUDA holds outside the allocator counted in) inside;
+    running out of them is planner.errors.MeasuredOutOfMemoryError, the memory freed again either way."""
+    from runtime.serving import cap_gpu_memory, release_cap
+
+    capped = limit_bytes is not None and cap_gpu_memory(limit_bytes, device) is not None
+    out_of_memory = False
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        out_of_memory = True  # raised below, once the failed step's frames (and tensors) are gone
+    finally:
+        if capped:
+            release_cap(device)
+        gc.collect()
+        torch.cuda.empty_cache()
+    if out_of_memory:
+        raise MeasuredOutOfMemoryError(f"{what} does not fit {limit_bytes} bytes of GPU memory")

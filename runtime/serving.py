@@ -14,6 +14,7 @@ import torch
 from planner.errors import RuntimeUnavailableError
 from planner.units import format_bytes
 from runtime.experts_impl import PREFILL, use_phase
+from runtime.outside_memory import outside_allocator_bytes
 
 NUM_WARMUP_STEPS = 3
 NUM_TIMED_STEPS = 10
@@ -55,24 +56,20 @@ class ServingBench:
         return asdict(self)
 
 
-def outside_allocator_bytes(device: torch.device) -> int:
-    """GPU memory this process holds beyond the caching allocator's: CUDA context, library handles."""
-    free_bytes, total_bytes = torch.cuda.mem_get_info(device)
-    return total_bytes - free_bytes - torch.cuda.memory_reserved(device)
-
-
-def cap_gpu_memory(limit_bytes: int, device: torch.device) -> float | None:
+def cap_gpu_memory(limit_bytes: int, device: torch.device, booked_outside_bytes: int = 0) -> float | None:
     """Cap the allocator so the process holds at most ``limit_bytes`` of this GPU; the share set, or None when
-    the GPU has no more than that anyway. What other processes hold on the GPU counts against the cap as if it
-    were ours: the plan's GPU is taken to be this process's alone."""
+    the GPU has no more than that anyway. The allocator gets the limit less what CUDA holds outside it: the
+    plan's booking of that (``booked_outside_bytes``: its CUDA context figure), or what it holds now where more,
+    so a process whose outside memory grows as the plan booked stays within the limit. What other processes hold
+    on the GPU counts against the cap as if it were ours: the plan's GPU is taken to be this process's alone."""
     total_bytes = torch.cuda.get_device_properties(device).total_memory
     if limit_bytes >= total_bytes:
         return None
-    outside = outside_allocator_bytes(device)
+    outside = max(outside_allocator_bytes(device), booked_outside_bytes)
     fraction = (limit_bytes - outside) / total_bytes
     if fraction <= 0:
         raise RuntimeUnavailableError(
-            f"the plan's GPU memory {format_bytes(limit_bytes)} is less than CUDA already holds here "
+            f"the plan's GPU memory {format_bytes(limit_bytes)} is less than CUDA holds here outside the allocator "
             f"({format_bytes(outside)}); make the plan with more --gpu-memory")
     torch.cuda.set_per_process_memory_fraction(fraction, _index(device))
     return fraction

@@ -173,7 +173,8 @@ def bench_rank(rank: Rank, plan: Plan, source, *, cuda_graph: bool, compile_back
 
     device = device or torch.device("cuda", rank.local_rank)
     loaded = load_rank_with_plan(plan, source, device, backend)
-    memory_fraction = cap_gpu_memory(plan.memory.gpu_memory_bytes, device) if device.type == "cuda" else None
+    memory_fraction = (cap_gpu_memory(plan.memory.gpu_memory_bytes, device, plan.memory.cuda_context_bytes)
+                       if device.type == "cuda" else None)
     if plan.serving is not None:
         result = run_serving_bench(loaded, cuda_graph, compile_backend, memory_fraction)
     else:

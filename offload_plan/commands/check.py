@@ -54,14 +54,15 @@ def _rewrite(result) -> bool:
 def _result_data(result, updated: bool) -> dict:
     problems = [{"kind": p.kind, "message": p.message, "exit_code": p.error_class.exit_code} for p in result.problems]
     return {"path": result.path, "ok": result.ok, "updated": updated, "exit_code": result.exit_code,
-            "problems": problems, "diff": result.diff, "fix_command": result.fix_command}
+            "problems": problems, "diff": result.diff, "fix_command": result.fix_command, "note": result.note}
 
 
 def _print_result(result, updated: bool) -> None:
     """Status on stderr; the diff on stdout, where it can be piped to a file or a pager."""
     if result.ok:
         status = ("updated", "yellow") if updated else ("ok", "green")
-        stderr.print(Text.assemble(status, f" {result.path}"), soft_wrap=True)
+        note = f" ({result.note})" if result.note else ""
+        stderr.print(Text.assemble(status, f" {result.path}{note}"), soft_wrap=True)
         return
     for problem in result.problems:
         stderr.print(Text.assemble(("FAIL", "bold red"), f" {result.path}: {problem.message}"), soft_wrap=True)

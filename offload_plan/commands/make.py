@@ -64,11 +64,13 @@ def _make_one(inputs: Inputs, output: Path | None) -> None:
 
 
 def _measurers(inputs: Inputs) -> dict:
-    """--measure's functions on the local GPU(s): the layers, the activation peaks and, with --tp, the all-reduce."""
+    """--measure's functions on the local GPU(s): the layers, the activation peaks and, with --tp, the all-reduce;
+    and what the local stack holds outside torch's allocator, measured once."""
     if not inputs.measure:
         return {}
     return {"measure": runtime_seam.measured_compute, "measure_activations": runtime_seam.measured_activation_bytes,
-            "measure_link": runtime_seam.measured_all_reduce if inputs.tp > 1 else None}
+            "measure_link": runtime_seam.measured_all_reduce if inputs.tp > 1 else None,
+            "context_bytes": runtime_seam.measured_context_bytes(inputs.gpu, inputs.measured_on)}
 
 
 def _make_tp_comparison(inputs: Inputs, sizes: list[int], output: Path | None) -> None:

@@ -67,7 +67,8 @@ def run(
     if rank is not None:  # capped once loaded: transformers' load holds the rank's whole shard for a while
         _bench_rank(rank, loaded_plan, source, cuda_graph, compile_backend, json_output)
         return
-    memory_fraction = runtime_seam.cap_gpu_memory(loaded_plan.memory.gpu_memory_bytes)
+    start_outside_bytes = runtime_seam.check_stack_fits(loaded_plan)  # before the minutes of loading
+    memory_fraction = runtime_seam.cap_gpu_memory(loaded_plan)
     loaded = _load_with_progress(loaded_plan, source)
     if prompt is not None:
         text, tokens_per_s = runtime_seam.generate(loaded, prompt, max_new_tokens, cuda_graph, compile_backend,
@@ -78,7 +79,8 @@ def run(
         say(f"{format_rate(tokens_per_s)} tokens/s with the plan applied "
             f"({'CUDA graph replays' if cuda_graph else 'eager steps'})")
         return
-    _bench(loaded, loaded_plan, plan, adapter_mode, cuda_graph, compile_backend, memory_fraction, json_output)
+    _bench(loaded, loaded_plan, plan, adapter_mode, cuda_graph, compile_backend, memory_fraction, json_output,
+           start_outside_bytes)
 
 
 def _check_run_flags(plan_path, plan, *, bench: bool, prompt: str | None, cuda_graph: bool, compile_steps: bool,
@@ -105,9 +107,10 @@ def _check_run_flags(plan_path, plan, *, bench: bool, prompt: str | None, cuda_g
 
 
 def _bench(loaded, plan, plan_path, adapter_mode: str | None, cuda_graph: bool, compile_backend: str | None,
-           memory_fraction: float | None, json_output: bool) -> None:
+           memory_fraction: float | None, json_output: bool, start_outside_bytes: int) -> None:
     """--bench: the plan's adapters served, its serving point, or its workload, timed against the prediction;
-    a table on stdout, or --json."""
+    a table on stdout, or --json (with ``start_outside_bytes``, what the stack held outside the allocator before
+    loading)."""
     if plan.adapters is not None:
         result = runtime_seam.run_adapter_bench(loaded, plan_path, adapter_mode or plan.adapters.mode)
         table = _adapter_table
@@ -118,7 +121,8 @@ def _bench(loaded, plan, plan_path, adapter_mode: str | None, cuda_graph: bool, 
         result = runtime_seam.run_bench(loaded, cuda_graph=cuda_graph, compile_backend=compile_backend)
         table = _bench_table
     if json_output:
-        sys.stdout.write(json.dumps(result.as_dict(), indent=2) + "\n")
+        data = result.as_dict() | {"start_outside_allocator_bytes": start_outside_bytes}
+        sys.stdout.write(json.dumps(data, indent=2) + "\n")
     else:
         stdout.print(table(result))
 

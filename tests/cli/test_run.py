@@ -32,7 +32,8 @@ def handed(monkeypatch):
 
     calls = []
     monkeypatch.setattr(runtime_seam, "require_cuda", lambda what: None)
-    monkeypatch.setattr(runtime_seam, "cap_gpu_memory", lambda limit_bytes: None)
+    monkeypatch.setattr(runtime_seam, "check_stack_fits", lambda plan: 0)
+    monkeypatch.setattr(runtime_seam, "cap_gpu_memory", lambda plan: None)
     monkeypatch.setattr(run, "_load_with_progress", lambda plan, source: object())
 
     def generate(loaded, prompt, max_new_tokens, cuda_graph, compile_backend, adapter=None,

@@ -112,3 +112,49 @@ def test_check_several_plans_exits_with_the_first_failure(dense, workdir):
     assert "2 of 4 plan(s) fail check: stale.yaml (stale); bad.yaml (invalid)" in last
     assert "-# edited by hand" in result.stdout and "fix: offload-plan make --model ckpt" in result.stderr
     assert "-o stale.yaml" in result.stderr  # the fix writes the file checked
+
+
+def _measured_plan(tmp_path, **extra):
+    """A --measure plan made with stand-in measurements (the runtime's are GPU-only), written to plan.yaml."""
+    from planner.cost import ComputeTimes
+    from planner.make import make_plan
+    from planner.make_inputs import regenerate_command
+    from planner.plan import Inputs
+    from planner.plan_file import render_plan
+    from tests.conftest import TEST_GPU_FILE
+
+    make_checkpoint(tmp_path / "ckpt", num_layers=4, num_shards=2)
+
+    def measure(checkpoint, layout, workload, profile, measured_on, graphed):
+        return ComputeTimes(layer_ms=(1.0,) * len(layout.layers), head_ms=0.5, source="measured: test")
+
+    inputs = Inputs(model=str(tmp_path / "ckpt"), gpu=str(TEST_GPU_FILE), measure=True, **extra)
+    planned = make_plan(inputs, measure=measure, measure_activations=lambda *args: 1000, context_bytes=123_456_789)
+    path = tmp_path / "plan.yaml"
+    path.write_text(render_plan(planned.plan, regenerate_command(inputs, str(path))))
+    return path, planned.plan
+
+
+def test_a_measured_plan_is_checked_with_its_recorded_context(tmp_path):
+    """make --measure measures what the stack holds outside the allocator (issue 36); check regenerates the plan
+    from that recorded figure, as from its recorded layer times."""
+    from planner.check import check_plan
+
+    path, plan = _measured_plan(tmp_path, tokens=8, sequences=8, context=64)
+    assert plan.hardware.cuda_context_bytes == 123_456_789
+    assert plan.memory.cuda_context_bytes >= 123_456_789
+    result = check_plan(path)
+    assert result.ok and not result.note, result.problems
+
+
+def test_a_measured_serving_plan_passes_check_saying_what_it_did_not_regenerate(tmp_path):
+    """Its search timed every concurrency on a GPU: check cannot time them again, so it checks the checkpoint and
+    the fit, and says so (it failed with '--measure times layers on the local GPU' before)."""
+    from planner.check import check_plan
+
+    path, _ = _measured_plan(tmp_path, context=256, concurrency="4")
+    result = check_plan(path)
+    assert result.ok and "not regenerated" in result.note, result.problems
+    shutil.rmtree(tmp_path / "ckpt")
+    make_checkpoint(tmp_path / "ckpt", num_layers=5, num_shards=2)
+    assert [p.kind for p in check_plan(path).problems][:1] == ["fingerprint"]

@@ -167,8 +167,8 @@ def test_make_measure_replaces_a_serving_plans_activation_estimate(tmp_path):
     def measure(checkpoint, layout, workload, profile, measured_on, graphed):
         return ComputeTimes(layer_ms=(1.0,) * len(layout.layers), head_ms=0.5, source="measured: test")
 
-    def activations(checkpoint, layout, workload, graphed):
-        assert not graphed
+    def activations(checkpoint, layout, workload, graphed, limit_bytes):
+        assert not graphed and limit_bytes is not None
         return 1000 if workload.tokens_per_step == 64 and workload.sequences_per_step == 1 else 3000
 
     inputs = Inputs(model=str(tmp_path / "ckpt"), gpu=str(TEST_GPU_FILE), context=256, concurrency="8", chunk=64,
@@ -177,6 +177,38 @@ def test_make_measure_replaces_a_serving_plans_activation_estimate(tmp_path):
     assert measured.activation_bytes == 1000 and measured.cuda_graph_pool_bytes == math.ceil(GRAPH_POOL_FACTOR * 3000)
     estimated = make_plan(inputs, measure=measure).plan.memory
     assert estimated.activation_bytes != 1000 and estimated.cuda_graph_pool_bytes != measured.cuda_graph_pool_bytes
+
+
+def test_make_measure_measures_within_the_plans_gpu_memory(tmp_path):
+    """--concurrency auto --measure (issue 36: CUDA out of memory, 'tried to allocate 129.06 GiB'): a step is
+    measured only where the KV cache leaves room in the plan's GPU memory, always held to it, and a step that runs
+    out of it there takes that concurrency out of the search instead of failing make."""
+    from planner.cost import ComputeTimes
+    from planner.errors import MeasuredOutOfMemoryError
+    from planner.make import make_plan
+    from planner.plan import Inputs
+    from tests.conftest import TEST_GPU_FILE, make_checkpoint
+
+    make_checkpoint(tmp_path / "ckpt", num_layers=4, num_shards=2)
+    limits, concurrencies = set(), []
+
+    def measure(checkpoint, layout, workload, profile, measured_on, graphed):
+        return ComputeTimes(layer_ms=(1.0,) * len(layout.layers), head_ms=0.5, source="measured: test")
+
+    def activations(checkpoint, layout, workload, graphed, limit_bytes):
+        limits.add(limit_bytes)
+        concurrencies.append(workload.sequences_per_step)
+        if workload.sequences_per_step > 16:  # a step past 16 sequences does not fit under the cap
+            raise MeasuredOutOfMemoryError("does not fit")
+        return 1000
+
+    inputs = Inputs(model=str(tmp_path / "ckpt"), gpu=str(TEST_GPU_FILE), context=8192, concurrency="auto",
+                    measure=True)  # the KV cache of 118 sequences fills the test GPU's 1 GB
+    planned = make_plan(inputs, measure=measure, measure_activations=activations).plan
+    assert limits == {1_000_000_000}  # the test GPU's memory
+    assert planned.workload.concurrency <= 16 and max(concurrencies) < 4096
+    kv_per_sequence = planned.memory.kv_cache_bytes // planned.workload.concurrency
+    assert all(b * kv_per_sequence <= 1_000_000_000 for b in concurrencies)  # never measured past the KV cache's fit
 
 
 def test_a_chunk_after_a_context_is_planned_as_a_prefill(tmp_path):
