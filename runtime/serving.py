@@ -46,14 +46,27 @@ class ServingBench:
     #: GPU memory held outside the allocator at the end (CUDA context, library handles): planned as part of
     #: memory.cuda_context_bytes
     outside_allocator_bytes: int = 0
-    #: the allocator's reserved bytes after each phase (fill, warm-up/capture, timed steps, prefill chunk)
+    #: the allocator's reserved peak after each phase (fill, warm-up/capture, timed steps, prefill chunk)
     reserved_bytes_by_phase: dict | None = None
+    #: the bytes still allocated at the end of each phase (what stays: the cache, a graph's pool, workspaces)
+    allocated_bytes_by_phase: dict | None = None
     #: the first decode step's logits equal the reference's bit for bit (None: no reference given)
     first_step_bitwise: bool | None = None
 
     def as_dict(self) -> dict:
         """Plain data for --json."""
         return asdict(self)
+
+
+class _LivePhases:
+    """The bytes allocated at the end of each phase of the serving bench, beside its reserved peaks."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.allocated = device, {}
+
+    def after(self, phase: str, reserved_bytes: int) -> int:
+        self.allocated[phase] = torch.cuda.memory_allocated(self.device)
+        return reserved_bytes
 
 
 def cap_gpu_memory(limit_bytes: int, device: torch.device, booked_outside_bytes: int = 0) -> float | None:
@@ -131,17 +144,19 @@ def serve_and_time(loaded, cuda_graph: bool, compile_backend: str | None = None,
     concurrency, context = workload.concurrency, workload.context_tokens
     torch.cuda.reset_peak_memory_stats(device)
     phases: dict[str, int] = {}
+    live = _LivePhases(device)
     try:
         loop = DecodeLoop(loaded.model, batch=concurrency, max_cache_tokens=cache_tokens_for(context), device=device,
                           engine=engine, compile_backend=compile_backend, steps_per_call=1)
-        phases["cache"] = torch.cuda.memory_reserved(device)
+        phases["cache"] = live.after("cache", torch.cuda.memory_reserved(device))
         loop.fill(context, seed)
-        phases["fill"] = torch.cuda.max_memory_reserved(device)
+        phases["fill"] = live.after("fill", torch.cuda.max_memory_reserved(device))
         if cuda_graph:
             loop.capture()
         else:
             loop.warm_up()
-        phases["capture" if cuda_graph else "warm-up"] = torch.cuda.max_memory_reserved(device)
+        phases["capture" if cuda_graph else "warm-up"] = live.after("capture" if cuda_graph else "warm-up",
+                                                                    torch.cuda.max_memory_reserved(device))
         saved = loop.save_state()
         first_logits = loop.generate(1)[1][0].cpu()
         loop.restore_state(saved)
@@ -153,9 +168,9 @@ def serve_and_time(loaded, cuda_graph: bool, compile_backend: str | None = None,
         if engine is not None:
             engine.set_graph_mode(False)
         # with the cache and the captured step still held, as a server prefills between decode steps
-        phases["steps"] = torch.cuda.max_memory_reserved(device)
+        phases["steps"] = live.after("steps", torch.cuda.max_memory_reserved(device))
         chunk_ms = time_prefill_chunk(loaded, workload.chunk_tokens, device)
-        phases["chunk"] = torch.cuda.max_memory_reserved(device)
+        phases["chunk"] = live.after("chunk", torch.cuda.max_memory_reserved(device))
         del loop
     except torch.OutOfMemoryError:
         by_phase = ", ".join(f"{name} {format_bytes(value)}" for name, value in phases.items())
@@ -173,5 +188,6 @@ def serve_and_time(loaded, cuda_graph: bool, compile_backend: str | None = None,
         predicted_total_gpu_bytes=plan.memory.total_gpu_bytes, gpu_memory_bytes=plan.memory.gpu_memory_bytes,
         memory_fraction=memory_fraction, mode=mode, decode_step_ms_all=tuple(step_ms),
         outside_allocator_bytes=outside_allocator_bytes(device), reserved_bytes_by_phase=phases,
+        allocated_bytes_by_phase=live.allocated,
         first_step_bitwise=None if reference_logits is None else torch.equal(first_logits, reference_logits))
     return bench, first_logits
