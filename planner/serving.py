@@ -240,6 +240,11 @@ def _best(points: list[ServingPoint]) -> ServingPoint:
 
 def _nothing_fits(concurrency: int, gpu_memory_bytes: int, other: OtherBytes, minimum_weight_bytes: int,
                   weights_budget_bytes: int | None) -> str:
+    if other.activation_bytes >= gpu_memory_bytes:  # make --measure: the step ran out of the plan's memory
+        return (f"nothing fits {format_bytes(gpu_memory_bytes)} of GPU memory even at {concurrency} sequence(s): the "
+                f"KV cache takes {format_bytes(other.kv_cache_bytes)} and a step measured on this GPU (make --measure) "
+                "does not fit in what is left; shorten --context, use a smaller --chunk or --kv-dtype fp8, or give "
+                "more --gpu-memory")
     weights = minimum_weight_bytes if weights_budget_bytes is None else weights_budget_bytes
     what = "the leanest weight placement" if weights_budget_bytes is None else "--budget"
     return (

@@ -211,6 +211,31 @@ def test_make_measure_measures_within_the_plans_gpu_memory(tmp_path):
     assert all(b * kv_per_sequence <= 1_000_000_000 for b in concurrencies)  # never measured past the KV cache's fit
 
 
+def test_a_concurrency_no_measured_step_fits_is_one_line(tmp_path):
+    """Every step make --measure tries runs out of the plan's GPU memory: one line that says so, not activations
+    'as large as the GPU'."""
+    from planner.cost import ComputeTimes
+    from planner.errors import InfeasibleError, MeasuredOutOfMemoryError
+    from planner.make import make_plan
+    from planner.plan import Inputs
+    from tests.conftest import TEST_GPU_FILE, make_checkpoint
+
+    make_checkpoint(tmp_path / "ckpt", num_layers=4, num_shards=2)
+
+    def measure(checkpoint, layout, workload, profile, measured_on, graphed):
+        return ComputeTimes(layer_ms=(1.0,) * len(layout.layers), head_ms=0.5, source="measured: test")
+
+    def activations(*args):
+        raise MeasuredOutOfMemoryError("does not fit")
+
+    inputs = Inputs(model=str(tmp_path / "ckpt"), gpu=str(TEST_GPU_FILE), context=256, concurrency="auto",
+                    measure=True)
+    with pytest.raises(InfeasibleError) as refused:
+        make_plan(inputs, measure=measure, measure_activations=activations)
+    message = str(refused.value)
+    assert "\n" not in message and "measured on this GPU" in message and "at 1 sequence(s)" in message
+
+
 def test_a_chunk_after_a_context_is_planned_as_a_prefill(tmp_path):
     """--context N --tokens T --sequences 1 is a chunk after a context (a growing cache), not a decode step over
     run's static cache; the fuzzer found it refused by the activation model (a traceback)."""
