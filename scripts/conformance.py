@@ -1,0 +1,715 @@
+"""Conformance sweep on a CUDA GPU: every plan `make` writes keeps its promise on architectures no benchmark used.
+
+For each model (a transformers config class at a released model's real widths: hidden size, heads, KV heads,
+head_dim, intermediate sizes, experts, vocab; only 2-6 layers, so each checkpoint is a few GB), a random-weight
+checkpoint in release format (planner.release_format where it knows the family, else transformers'
+``save_pretrained``, which writes one tensor per expert) with a word-level tokenizer over its whole vocab. Each
+arm, through the CLI in-process (one process per model): ``make -o plan.yaml``, then ``show``, ``export --to
+vllm``, ``export --to sglang``, ``check``, ``diff`` against the model's plan at the other cap of that mode, then
+``run --bench --json`` and ``run --prompt`` (32 greedy tokens) compared with the all-resident plan's text. Each
+arm is one JSON line in OUT/rows.jsonl as soon as it ends (a timeout keeps what finished); OUT/table.md and a
+summary (arms, passes per verdict, worst peak / cap, median |error|) come last, the summary on stdout.
+
+    PYTHONPATH=. python3 scripts/conformance.py --out $OUT                       # every model, on a GPU
+    PYTHONPATH=. python3 scripts/conformance.py --out $OUT --models qwen2-moe,mixtral --time-budget-s 480
+    PYTHONPATH=. python3 scripts/conformance.py --list                            # the arms, no GPU needed
+    PYTHONPATH=. python3 scripts/conformance.py --tiny --no-run --out /tmp/c      # CPU: make and the readers
+
+Verdicts per arm: every command exits 0; no out-of-memory; peak GPU at or under the plan's gpu_memory_bytes (the
+cap of a serving plan); peak at least 0.9 of the predicted total; measured / predicted - 1 within 10% for
+``--measure`` plans and 25% for estimated ones (decode step, and a serving plan's prefill chunk); greedy text
+equal to the all-resident plan's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import math
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+#: the prompt every arm generates from (words of the checkpoints' word-level tokenizers)
+PROMPT = "w11 w42 w7 w99 w123 w5 w64 w200 w31 w8"
+MAX_NEW_TOKENS = 32
+SERVING_CONTEXT = 4096
+DECODE_CONTEXT = 2048
+DECODE_SEQUENCES = 4
+PREFILL_TOKENS = 2048
+#: share of the layer bytes the GPU holds at each cap (weights plans: of the budget; serving: taken from an
+#: all-resident serving plan's total)
+CAP_SHARES = {"loose": 0.8, "tight": 0.35}
+#: what a checkpoint folder's marker says this script wrote it
+KIND = "conformance-random-weights"
+ERROR_PREFIX = "offload-plan: error:"
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Model:
+    """One architecture: a transformers config class at a release's widths, cut to ``num_layers``."""
+
+    name: str
+    config_class: str
+    #: the release whose widths these are
+    release: str
+    num_layers: int
+    moe: bool
+    dims: dict
+    #: config.json keys added after the class writes it (quantization_config)
+    extra: dict = field(default_factory=dict)
+    #: --tiny: widths small enough for the CPU (layers, layer types and the kind of attention kept)
+    tiny: dict = field(default_factory=dict)
+
+
+_TINY = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "vocab_size": 512}
+_TINY_MOE = _TINY | {"moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2}
+
+MODELS = {model.name: model for model in (
+    Model("qwen2-moe", "Qwen2MoeConfig", "Qwen/Qwen1.5-MoE-A2.7B", 2, True, dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=5632, num_attention_heads=16, num_key_value_heads=16,
+        moe_intermediate_size=1408, shared_expert_intermediate_size=5632, num_experts=60, num_experts_per_tok=4,
+        max_position_embeddings=8192, tie_word_embeddings=False),
+        tiny=_TINY_MOE | {"num_key_value_heads": 4, "shared_expert_intermediate_size": 64}),
+    Model("mixtral", "MixtralConfig", "mistralai/Mixtral-8x7B-v0.1", 2, True, dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+        num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=32768, rope_theta=1e6,
+        sliding_window=None, tie_word_embeddings=False),
+        tiny=_TINY | {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    Model("qwen3-moe", "Qwen3MoeConfig", "Qwen/Qwen3-30B-A3B", 2, True, dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_attention_heads=32, num_key_value_heads=4,
+        head_dim=128, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1,
+        max_position_embeddings=40960, rope_theta=1e6, tie_word_embeddings=False),
+        tiny=_TINY_MOE | {"head_dim": 16}),
+    Model("olmoe", "OlmoeConfig", "allenai/OLMoE-1B-7B-0924", 3, True, dict(
+        vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_attention_heads=16, num_key_value_heads=16,
+        num_experts=64, num_experts_per_tok=8, max_position_embeddings=4096, pad_token_id=1, eos_token_id=50279,
+        tie_word_embeddings=False),
+        tiny=_TINY_MOE | {"num_key_value_heads": 4, "intermediate_size": 32, "pad_token_id": 1, "eos_token_id": 2}),
+    Model("deepseek-v2-lite", "DeepseekV2Config", "deepseek-ai/DeepSeek-V2-Lite", 3, True, dict(
+        vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+        num_attention_heads=16, num_key_value_heads=16, n_routed_experts=64, n_shared_experts=2,
+        num_experts_per_tok=6, first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, topk_method="greedy", n_group=1, topk_group=1,
+        max_position_embeddings=163840, tie_word_embeddings=False),
+        tiny=_TINY | {"num_key_value_heads": 4, "moe_intermediate_size": 32, "n_routed_experts": 8,
+                      "n_shared_experts": 1, "num_experts_per_tok": 2, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+                      "qk_rope_head_dim": 8, "v_head_dim": 16}),
+    Model("qwen3-fp8", "Qwen3Config", "Qwen/Qwen3-4B-FP8", 6, False, dict(
+        vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, max_position_embeddings=40960, rope_theta=1e6, tie_word_embeddings=True),
+        extra={"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                       "weight_block_size": [128, 128]}},
+        tiny=_TINY | {"hidden_size": 128, "intermediate_size": 256, "head_dim": 32}),
+    Model("gemma3", "Gemma3TextConfig", "google/gemma-3-4b-it (language model)", 6, False, dict(
+        vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_attention_heads=8, num_key_value_heads=4,
+        head_dim=256, sliding_window=1024, max_position_embeddings=131072, rope_theta=1e6),
+        tiny=_TINY | {"head_dim": 16, "sliding_window": 64}),
+    Model("gemma2", "Gemma2Config", "google/gemma-2-2b", 6, False, dict(
+        vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_attention_heads=8, num_key_value_heads=4,
+        head_dim=256, sliding_window=4096, max_position_embeddings=8192),
+        tiny=_TINY | {"head_dim": 16, "sliding_window": 64}),
+    Model("mistral-sw", "MistralConfig", "mistralai/Mistral-7B-v0.1 (sliding_window 4096)", 4, False, dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+        sliding_window=4096, max_position_embeddings=32768, rope_theta=1e4, tie_word_embeddings=False),
+        tiny=_TINY | {"sliding_window": 64}),
+    Model("phi3", "Phi3Config", "microsoft/Phi-3-mini-4k-instruct (sliding_window 2047)", 4, False, dict(
+        vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=32,
+        sliding_window=2047, max_position_embeddings=4096, pad_token_id=32000, bos_token_id=1, eos_token_id=32000,
+        tie_word_embeddings=False),
+        tiny=_TINY | {"num_key_value_heads": 4, "sliding_window": 64, "pad_token_id": 0, "eos_token_id": 2}),
+    Model("olmo2", "Olmo2Config", "allenai/OLMo-2-1124-7B", 4, False, dict(
+        vocab_size=100352, hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32,
+        max_position_embeddings=4096, rope_theta=5e5, pad_token_id=100277, eos_token_id=100257,
+        tie_word_embeddings=False),
+        tiny=_TINY | {"num_key_value_heads": 4, "pad_token_id": 1, "eos_token_id": 2}),
+)}
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One plan of one model: a mode at a cap, measured or estimated, routed or whole-layer experts."""
+
+    model: str
+    mode: str  # serving-1, serving-4, serving-auto, decode, prefill
+    cap: str  # loose, tight
+    measure: bool
+    #: MoE only: None (make's choice, routed where it pays) or "whole-layer" (make --for vllm)
+    experts: str | None = None
+
+    @property
+    def name(self) -> str:
+        return "/".join([self.model, self.mode, self.cap, "measure" if self.measure else "estimate"]
+                        + ([self.experts] if self.experts else []))
+
+    @property
+    def serving(self) -> bool:
+        return self.mode.startswith("serving")
+
+
+#: (mode, measure, experts) pairs run at both caps, most important first
+CORE_MODES = [("serving-1", True, None), ("serving-1", True, "whole-layer"), ("serving-4", False, None)]
+#: one more pair per model, in turn, so that every mode is covered once the models are all run
+ROTATING_MODES = [("serving-auto", True, None), ("decode", False, None), ("prefill", False, None),
+                  ("serving-auto", False, None), ("serving-4", True, None)]
+ALL_MODES = [("serving-1", True, None), ("serving-1", True, "whole-layer"), ("serving-auto", True, None),
+             ("serving-4", True, None), ("serving-1", False, None), ("serving-4", False, None),
+             ("serving-auto", False, None), ("decode", False, None), ("decode", False, "whole-layer"),
+             ("decode", True, None), ("prefill", False, None), ("prefill", True, None)]
+MODE_NAMES = sorted({mode for mode, _, _ in ALL_MODES})
+
+
+def arms_for(model: Model, modes: list[str] | None, everything: bool = False) -> list[Arm]:
+    """The model's arms, most important first, each mode at the loose then the tight cap; ``modes`` filters by
+    mode name, ``everything`` takes the whole grid instead of the core pairs and the model's turn of the rest."""
+    if everything:
+        chosen = list(ALL_MODES)
+    else:
+        turn = ROTATING_MODES[list(MODELS).index(model.name) % len(ROTATING_MODES)]
+        chosen = CORE_MODES + [turn]
+    arms = []
+    for mode, measure, experts in chosen:
+        if (experts and not model.moe) or (modes and mode not in modes):
+            continue
+        arms += [Arm(model.name, mode, cap, measure, experts) for cap in CAP_SHARES]
+    return arms
+
+
+# --- checkpoints -----------------------------------------------------------------------------------------------
+
+def config_dict(model: Model, tiny: bool) -> dict:
+    """config.json of the model as its transformers config class writes it (dtype bfloat16, as the releases)."""
+    import transformers
+
+    dims = model.dims | (model.tiny if tiny else {})
+    config = getattr(transformers, model.config_class)(num_hidden_layers=model.num_layers, dtype="bfloat16", **dims)
+    written = json.loads(config.to_json_string(use_diff=False))
+    # the release's key beside the class's own where the class renames it (transformers 5.24's Qwen3MoeConfig
+    # writes num_local_experts; Qwen3-30B-A3B's config.json and planner.release_format say num_experts)
+    written |= {key: getattr(config, key, value) for key, value in dims.items() if key not in written}
+    extra = dict(model.extra)
+    if tiny and "quantization_config" in extra:
+        extra["quantization_config"] = extra["quantization_config"] | {"weight_block_size": [32, 32]}
+    return written | extra
+
+
+def ensure_checkpoint(model: Model, root: Path, tiny: bool, device: str) -> tuple[Path, float]:
+    """The model's checkpoint folder under ``root`` (reused when this script wrote it) and the seconds taken."""
+    from planner.header_checkpoint import marker_kind, write_owned_folder
+
+    folder = root / (model.name + ("-tiny" if tiny else ""))
+    start = time.perf_counter()
+    if marker_kind(folder) != KIND:
+        config = config_dict(model, tiny)
+        write_owned_folder(folder, kind=KIND, fill=lambda staging: fill_checkpoint(config, staging, device))
+    return folder, time.perf_counter() - start
+
+
+def fill_checkpoint(config: dict, folder: Path, device: str) -> None:
+    """Random weights in release format, config.json and a word-level tokenizer over the whole vocab."""
+    from planner.release_format import knows
+
+    if knows(config):
+        write_release(config, folder, device)
+    else:
+        save_transformers(config, folder, device)
+    (folder / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True) + "\n")
+    write_word_tokenizer(folder, config["vocab_size"])
+
+
+def write_release(config: dict, folder: Path, device: str) -> None:
+    """planner.release_format's tensors (per-expert names, FP8 blocks and scales), one at a time."""
+    import torch
+
+    from planner.release_format import release_specs
+    from scripts.benchmarking import random_release_tensor, write_random_shards
+
+    generator = torch.Generator(device=device).manual_seed(0)
+    write_random_shards(folder, release_specs(config),
+                        lambda name, dtype, shape: random_release_tensor(name, dtype, shape, generator, device))
+
+
+def save_transformers(config: dict, folder: Path, device: str) -> None:
+    """A random-init bf16 model (drawn on ``device``) through save_pretrained: transformers 5 writes MoE experts
+    one tensor per expert (``mlp.experts.E.{gate,up,down}_proj.weight``), the releases' own names."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    (folder / "config.json").write_text(json.dumps(config))
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.bfloat16)
+    model.save_pretrained(folder, max_shard_size="4GB")
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def write_word_tokenizer(folder: Path, vocab_size: int) -> None:
+    """Words w0..w{vocab_size-1}, one id each, so `run --prompt` loads a tokenizer and every id decodes."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, **{f"w{i}": i for i in range(1, vocab_size)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]").save_pretrained(folder)
+
+
+def checkpoint_facts(model: Model, folder: Path) -> dict:
+    """What the report states of a checkpoint: its bytes, layers, widths and the expert tensors' names."""
+    index_path = folder / "model.safetensors.index.json"
+    if index_path.is_file():
+        names = list(json.loads(index_path.read_text())["weight_map"])
+    else:
+        from safetensors import safe_open
+
+        with safe_open(folder / "model.safetensors", "np") as opened:
+            names = list(opened.keys())
+    config = json.loads((folder / "config.json").read_text())
+    expert_names = sorted({re.sub(r"\.\d+\.", ".N.", name) for name in names if "expert" in name})
+    total_bytes = sum(path.stat().st_size for path in folder.glob("*.safetensors"))
+    return {"kind": "checkpoint", "model": model.name, "family": config.get("model_type"), "release": model.release,
+            "num_layers": model.num_layers, "moe": model.moe, "gb": round(total_bytes / 1e9, 2),
+            "dims": {key: config.get(key) for key in model.dims}, "expert_tensor_names": expert_names,
+            "quantization": (config.get("quantization_config") or {}).get("quant_method")}
+
+
+# --- the CLI, in-process -----------------------------------------------------------------------------------------
+
+@dataclass
+class Outcome:
+    """One command: its exit code, its streams and its error line (None when it exited 0)."""
+
+    code: int
+    stdout: str
+    stderr: str
+
+    @property
+    def error(self) -> str | None:
+        if self.code == 0:
+            return None
+        lines = [line for line in self.stderr.splitlines() if line.strip()]
+        errors = [line for line in lines if line.startswith(ERROR_PREFIX)]
+        return (errors or lines or [f"exit {self.code} with nothing on stderr"])[-1][:400]
+
+
+def cli(args: list) -> Outcome:
+    """``offload-plan ARGS`` in this process: exit code and captured stdout and stderr."""
+    import typer
+
+    from offload_plan.app import app
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = typer.main.get_command(app).main([str(a) for a in args], standalone_mode=False)
+        except SystemExit as done:  # a command that exits by itself
+            code = done.code if isinstance(done.code, int) else 1
+    return Outcome(int(code or 0), out.getvalue(), err.getvalue())
+
+
+def make_args(arm: Arm, folder: Path, profile: str, caps: dict, output: Path) -> list:
+    """make's flags for the arm (its cap from ``caps``: {"budget"|"gpu_memory": {cap: bytes}})."""
+    args = ["make", "--model", folder, "--gpu", profile, "-o", output]
+    if arm.serving:
+        args += ["--concurrency", arm.mode.split("-", 1)[1], "--context", SERVING_CONTEXT, "--cuda-graph",
+                 "--gpu-memory", mib(caps["gpu_memory"][arm.cap])]
+    elif arm.mode == "decode":
+        args += ["--tokens", DECODE_SEQUENCES, "--sequences", DECODE_SEQUENCES, "--context", DECODE_CONTEXT,
+                 "--cuda-graph", "--budget", mib(caps["budget"][arm.cap])]
+    else:
+        args += ["--tokens", PREFILL_TOKENS, "--budget", mib(caps["budget"][arm.cap])]
+    if arm.measure:
+        args.append("--measure")
+    if arm.experts == "whole-layer":
+        args += ["--for", "vllm"]
+    return args
+
+
+def mib(num_bytes: int) -> str:
+    """Bytes as a size flag, rounded up to a MiB (rounded down, a cap at an all-resident total would not fit)."""
+    return f"{max(1, -(-num_bytes // 2**20))}MiB"
+
+
+def caps_for(folder: Path, profile: str) -> dict:
+    """Budgets (weights plans) and GPU memory (serving plans) per cap: all non-layer bytes plus the cap's share of
+    the layer bytes; serving adds to that what an all-resident plan at 4 sequences books beyond its weights (KV
+    cache, activations, graph pool, CUDA context), or 3 GiB where the planner makes no such plan."""
+    from planner.checkpoint import load_checkpoint
+    from planner.layout import build_layout
+    from planner.make import make_plan
+    from planner.plan import Inputs
+
+    layout = build_layout(load_checkpoint(str(folder)))
+    weights = {cap: int(layout.non_layer_bytes + share * layout.layer_bytes) for cap, share in CAP_SHARES.items()}
+    total_bytes = layout.non_layer_bytes + layout.layer_bytes
+    try:
+        resident = make_plan(Inputs(model=str(folder), gpu=profile, context=SERVING_CONTEXT, cuda_graph=True,
+                                    concurrency="4")).plan
+        beyond = resident.memory.total_gpu_bytes - resident.memory.gpu_bytes
+    except Exception:  # noqa: BLE001 -- the arms' own make records why; the caps only need a figure
+        beyond = 3 * GiB
+    return {"budget": weights, "gpu_memory": {cap: beyond + num_bytes for cap, num_bytes in weights.items()},
+            "all_resident_budget": int(total_bytes * 1.05) + GiB, "total_bytes": total_bytes}
+
+
+# --- one arm -----------------------------------------------------------------------------------------------------
+
+def plan_figures(path: Path) -> dict:
+    """What the plan predicts, read from its file (defensively: other fields may come and go)."""
+    import yaml
+
+    plan = yaml.safe_load(path.read_text())
+    memory, prediction = plan.get("memory") or {}, plan.get("prediction") or {}
+    offload, experts = plan.get("offload") or {}, plan.get("experts") or {}
+    return {"predicted": {key: value for key, value in prediction.items() if not isinstance(value, (list, dict))},
+            "memory": {key: value for key, value in memory.items() if not isinstance(value, (list, dict))},
+            "regime": experts.get("regime"), "offloaded_layers": len(offload.get("layers") or []),
+            "knobs": [offload.get("group_size"), offload.get("num_in_group"), offload.get("prefetch_step")],
+            "concurrency": (plan.get("workload") or {}).get("concurrency")}
+
+
+def gpu_clean() -> int:
+    """Free what the last command left on the GPU and lift run's cap; the bytes still allocated (~0 expected)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if not torch.cuda.is_available():
+        return 0
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
+        torch._C._cuda_clearCublasWorkspaces()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
+
+
+def views(arm: Arm, plan: Path, other: Path | None) -> dict:
+    """show, export to both engines, check and diff against the other cap's plan: exit code and error line."""
+    commands = {"show": ["show", plan], "export_vllm": ["export", plan, "--to", "vllm"],
+                "export_sglang": ["export", plan, "--to", "sglang"], "check": ["check", plan]}
+    if other is not None:
+        commands["diff"] = ["diff", other, plan]
+    outcomes = {name: cli(args) for name, args in commands.items()}
+    result = {"exit": {name: o.code for name, o in outcomes.items()},
+              "errors": {name: o.error for name, o in outcomes.items() if o.error}}
+    if other is None:
+        result["errors"]["diff"] = "skipped: the other cap's plan was not made"
+    return result
+
+
+def run_plan(plan: Path) -> dict:
+    """run --bench --json and run --prompt, each from a clean GPU; their exit codes, figures and text."""
+    row = {"exit": {}, "errors": {}}
+    row["allocated_before_bench_bytes"] = gpu_clean()
+    bench = cli(["run", plan, "--bench", "--json"])
+    row["exit"]["bench"] = bench.code
+    if bench.error:
+        row["errors"]["bench"] = bench.error
+    else:
+        with contextlib.suppress(ValueError):
+            row["bench"] = json.loads(bench.stdout[bench.stdout.index("{"):])
+    row["allocated_before_prompt_bytes"] = gpu_clean()
+    prompt = cli(["run", plan, "--prompt", PROMPT, "--max-new-tokens", MAX_NEW_TOKENS])
+    row["exit"]["prompt"] = prompt.code
+    if prompt.error:
+        row["errors"]["prompt"] = prompt.error
+    row["text"] = prompt.stdout.strip() if prompt.code == 0 else None
+    gpu_clean()
+    return row
+
+
+def verdicts(arm: Arm, row: dict, reference_text: str | None) -> dict:
+    """Each verdict True/False, or None where the arm has no figure for it (run skipped or failed before)."""
+    bench, memory = row.get("bench"), row.get("plan", {}).get("memory", {})
+    errors = " ".join(row.get("errors", {}).values()).lower()
+    result = {"exit_ok": all(code == 0 for code in row["exit"].values()),
+              "no_oom": "out of memory" not in errors and "out of gpu memory" not in errors
+              and 70 not in row["exit"].values()}
+    if not bench:
+        return result | {"peak_le_cap": None, "peak_ge_0.9_predicted": None, "error_within": None,
+                         "tokens_equal": tokens_equal(row, reference_text)}
+    peak = bench.get("peak_gpu_bytes")
+    cap = memory.get("gpu_memory_bytes") or bench.get("gpu_memory_bytes")
+    predicted_total = bench.get("predicted_total_gpu_bytes") or memory.get("total_gpu_bytes")
+    row["peak_over_cap"] = peak / cap if peak and cap else None
+    row["peak_over_predicted"] = peak / predicted_total if peak and predicted_total else None
+    row["prediction_errors"] = prediction_errors(bench)
+    limit = 0.10 if arm.measure else 0.25
+    return result | {
+        "peak_le_cap": None if row["peak_over_cap"] is None else row["peak_over_cap"] <= 1.0,
+        "peak_ge_0.9_predicted": None if row["peak_over_predicted"] is None else row["peak_over_predicted"] >= 0.9,
+        "error_within": all(abs(error) <= limit for error in row["prediction_errors"].values())
+        if row["prediction_errors"] else None,
+        "tokens_equal": tokens_equal(row, reference_text)}
+
+
+def prediction_errors(bench: dict) -> dict:
+    """measured / predicted - 1 of the decode step (or the weights plan's step) and a serving prefill chunk."""
+    pairs = {"decode_step": ("decode_step_ms", "predicted_decode_step_ms"),
+             "prefill_chunk": ("prefill_chunk_ms", "predicted_prefill_chunk_ms"),
+             "step": ("step_ms", "predicted_step_ms")}
+    return {name: bench[measured] / bench[predicted] - 1 for name, (measured, predicted) in pairs.items()
+            if bench.get(measured) and bench.get(predicted)}
+
+
+def tokens_equal(row: dict, reference_text: str | None) -> bool | None:
+    if row.get("text") is None or reference_text is None:
+        return None if "prompt" not in row["exit"] else False
+    return row["text"] == reference_text
+
+
+# --- one model, in its own process ---------------------------------------------------------------------------------
+
+def run_model(model: Model, arms: list[Arm], args, emit) -> None:
+    """Write (or reuse) the checkpoint, then every arm in pairs of caps; ``emit(row)`` as each ends."""
+    device = "cpu" if args.no_run else "cuda"
+    try:
+        folder, write_s = ensure_checkpoint(model, args.checkpoints, args.tiny, device)
+    except Exception as error:  # noqa: BLE001 -- the sweep never crashes: the failure is the model's row
+        emit({"kind": "checkpoint", "model": model.name, "error": one_line(error)})
+        return
+    emit(checkpoint_facts(model, folder) | {"write_s": round(write_s, 1)})
+    work = args.out / "plans" / folder.name
+    work.mkdir(parents=True, exist_ok=True)
+    caps = caps_for(folder, args.profile)
+    family = json.loads((folder / "config.json").read_text()).get("model_type")
+    reference = None if args.no_run else reference_text(folder, args.profile, caps, work, emit, model)
+    pairs: dict[tuple, list[Arm]] = {}
+    for arm in arms:
+        pairs.setdefault((arm.mode, arm.measure, arm.experts), []).append(arm)
+    for pair in pairs.values():
+        if time.time() > args.deadline:
+            emit({"kind": "skipped", "model": model.name, "arms": [arm.name for arm in pair],
+                  "why": "past --time-budget-s"})
+            continue
+        made = {arm: make_arm(arm, folder, args.profile, caps, work) for arm in pair}
+        for arm in pair:
+            other = next((made[a]["path"] for a in pair if a != arm and made[a]["exit"]["make"] == 0), None)
+            emit(finish_arm(arm, made[arm], other, caps, args.no_run, reference) | {"family": family})
+
+
+def make_arm(arm: Arm, folder: Path, profile: str, caps: dict, work: Path) -> dict:
+    """make -o for the arm: its plan's path, exit code, error line and seconds."""
+    start = time.perf_counter()
+    path = work / (arm.name.split("/", 1)[1].replace("/", "-") + ".yaml")
+    path.unlink(missing_ok=True)  # a plan a previous sweep left must not stand in for a failed make
+    made = cli(make_args(arm, folder, profile, caps, path))
+    return {"path": path, "exit": {"make": made.code}, "errors": {"make": made.error} if made.error else {},
+            "make_s": time.perf_counter() - start}
+
+
+def finish_arm(arm: Arm, made: dict, other: Path | None, caps: dict, no_run: bool, reference: str | None) -> dict:
+    """The arm's row: the plan's figures, the readers' exits, run's figures and the verdicts."""
+    start = time.perf_counter()
+    row = {"kind": "arm", "arm": arm.name, "model": arm.model, "family": None, "moe": MODELS[arm.model].moe,
+           "mode": arm.mode, "cap": arm.cap, "measure": arm.measure, "experts": arm.experts or "make's choice",
+           "cap_bytes": (caps["gpu_memory"] if arm.serving else caps["budget"])[arm.cap],
+           "exit": dict(made["exit"]), "errors": dict(made["errors"])}
+    if made["exit"]["make"] == 0:
+        row["plan"] = plan_figures(made["path"])
+        checked = views(arm, made["path"], other)
+        row["exit"] |= checked["exit"]
+        row["errors"] |= checked["errors"]
+        if not no_run:
+            ran = run_plan(made["path"])
+            row["exit"] |= ran.pop("exit")
+            row["errors"] |= ran.pop("errors")
+            row |= ran
+    row["verdicts"] = verdicts(arm, row, reference) if not no_run else {
+        "exit_ok": all(code == 0 for code in row["exit"].values())}
+    row["seconds"] = round(made["make_s"] + time.perf_counter() - start, 1)
+    return row
+
+
+def reference_text(folder: Path, profile: str, caps: dict, work: Path, emit, model: Model) -> str | None:
+    """The all-resident plan's greedy text (a budget that holds every weight), run first."""
+    path = work / "all-resident.yaml"
+    path.unlink(missing_ok=True)
+    made = cli(["make", "--model", folder, "--gpu", profile, "--tokens", 1, "--sequences", 1, "--context",
+                DECODE_CONTEXT, "--cuda-graph", "--budget", mib(caps["all_resident_budget"]), "-o", path])
+    row = {"kind": "reference", "model": model.name, "exit": {"make": made.code},
+           "errors": {"make": made.error} if made.error else {}}
+    if made.code == 0:
+        ran = run_plan(path)
+        row["exit"] |= ran.pop("exit")
+        row["errors"] |= ran.pop("errors")
+        row |= ran
+    emit(row)
+    return row.get("text")
+
+
+def one_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:400]
+
+
+# --- the sweep -------------------------------------------------------------------------------------------------------
+
+def parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "/tmp/conformance-out"),
+                        help="folder for rows.jsonl, table.md and the plans (default: $OUT, else "
+                             "/tmp/conformance-out)")
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of: {', '.join(MODELS)}")
+    parser.add_argument("--modes", default="", help=f"comma-separated, of: {', '.join(MODE_NAMES)} (default: all)")
+    parser.add_argument("--all-arms", action="store_true",
+                        help="every mode pair for every model (default: the core pairs and each model's turn)")
+    parser.add_argument("--time-budget-s", type=float, default=540.0,
+                        help="start no arm past this many seconds; the table is still written")
+    parser.add_argument("--checkpoints", type=Path, default=Path("/tmp/conformance"),
+                        help="checkpoint folders: reused when this script wrote them")
+    parser.add_argument("--gpu", dest="profile", default=None,
+                        help="profile for make (default: calibrate once into OUT/calibrated.yaml; h100-sxm with "
+                             "--no-run)")
+    parser.add_argument("--list", action="store_true", help="print the arms and exit (no GPU needed)")
+    parser.add_argument("--tiny", action="store_true", help="tiny widths (a CPU smoke of the non-run parts)")
+    parser.add_argument("--no-run", action="store_true",
+                        help="make and the readers only, on the CPU, in this process (no run --bench/--prompt)")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
+    return parser
+
+
+def selected(args) -> list[tuple[Model, list[Arm]]]:
+    """The models and arms the filters leave, in run order; an unknown name is one line on stderr, exit 2."""
+    names = [name for name in args.models.split(",") if name]
+    modes = [mode for mode in args.modes.split(",") if mode]
+    unknown = [n for n in names if n not in MODELS] + [m for m in modes if m not in MODE_NAMES]
+    if unknown:
+        raise SystemExit(f"conformance: unknown model or mode {', '.join(unknown)}; models: {', '.join(MODELS)}; "
+                         f"modes: {', '.join(MODE_NAMES)}")
+    return [(MODELS[name], arms_for(MODELS[name], modes, args.all_arms)) for name in names]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    plan = selected(args)
+    if args.list:
+        for model, arms in plan:
+            for arm in arms:
+                print(arm.name)
+        print(f"{sum(len(arms) for _, arms in plan)} arms over {len(plan)} models")
+        return 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.deadline = args.deadline or time.time() + args.time_budget_s
+    rows_path = args.out / "rows.jsonl"
+    if args.worker:
+        model, arms = next((m, a) for m, a in plan if m.name == args.worker)
+        run_model(model, arms, args, lambda row: append_row(rows_path, row))
+        return 0
+    args.profile = args.profile or ("h100-sxm" if args.no_run else calibrated_profile(args.out))
+    start = time.perf_counter()
+    for model, arms in plan:
+        if args.no_run:  # the CPU smoke: this process, no CUDA to keep apart
+            run_model(model, arms, args, lambda row: append_row(rows_path, row))
+        else:
+            run_worker(model, argv if argv is not None else sys.argv[1:], args, rows_path)
+    rows = [json.loads(line) for line in rows_path.read_text().splitlines() if line.strip()]
+    text = report(rows, wall_s=time.perf_counter() - start)
+    (args.out / "table.md").write_text(text + "\n")
+    print(text.split("\n## Arms")[0] if "\n## Arms" in text else text, flush=True)
+    return 0
+
+
+def append_row(path: Path, row: dict) -> None:
+    """One JSON line, appended and flushed as the arm ends, and a line of progress on stderr."""
+    with open(path, "a") as file:
+        file.write(json.dumps(row, default=str) + "\n")
+    failed = {name: error for name, error in row.get("errors", {}).items()}
+    print(f"[{time.strftime('%H:%M:%S')}] {row.get('kind')} {row.get('arm') or row.get('model')}"
+          f" {row.get('verdicts', '')} {failed or ''}", file=sys.stderr, flush=True)
+
+
+def calibrated_profile(out: Path) -> str:
+    """`offload-plan calibrate` in its own process (this one never holds CUDA: a model's process is capped to
+    its plan's memory, and what another process holds counts against the cap); reused when already in OUT."""
+    path = out / "calibrated.yaml"
+    if not path.is_file():
+        done = subprocess.run([sys.executable, "-m", "offload_plan", "calibrate", "-o", str(path)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            print(f"calibrate failed ({done.stderr.strip()[-300:]}); planning with h100-sxm", file=sys.stderr)
+            return "h100-sxm"
+    return str(path)
+
+
+def run_worker(model: Model, argv: list[str], args, rows_path: Path) -> None:
+    """The model's arms in a process of their own; a process that dies leaves a row saying so."""
+    command = [sys.executable, __file__, *argv, "--worker", model.name, "--deadline", str(args.deadline),
+               "--gpu", args.profile, "--out", str(args.out)]
+    done = subprocess.run(command, stdout=sys.stderr)
+    if done.returncode != 0:
+        append_row(rows_path, {"kind": "worker", "model": model.name, "errors": {
+            "worker": f"the model's process exited {done.returncode}; its later arms did not run"}})
+
+
+# --- the report -------------------------------------------------------------------------------------------------------
+
+VERDICTS = ("exit_ok", "no_oom", "peak_le_cap", "peak_ge_0.9_predicted", "error_within", "tokens_equal")
+
+
+def report(rows: list[dict], wall_s: float) -> str:
+    """Markdown: the summary (arms, passes per verdict, worst peak / cap, median |error|), the models, the arms."""
+    arms = [row for row in rows if row.get("kind") == "arm"]
+    lines = ["# Conformance sweep", "", f"{len(arms)} arms in {wall_s:.0f} s; "
+             f"{sum(len(r['arms']) for r in rows if r.get('kind') == 'skipped')} not started (time budget)", "",
+             "| verdict | pass | fail | no figure |", "|---|---|---|---|"]
+    for verdict in VERDICTS:
+        values = [row.get("verdicts", {}).get(verdict) for row in arms]
+        lines.append(f"| {verdict} | {values.count(True)} | {values.count(False)} | {values.count(None)} |")
+    over_cap = [row["peak_over_cap"] for row in arms if row.get("peak_over_cap")]
+    lines.append("")
+    lines.append(f"worst peak / cap: {max(over_cap):.3f}" if over_cap else "worst peak / cap: -")
+    for label, measure in (("--measure", True), ("estimated", False)):
+        errors = [abs(e) for row in arms if row["measure"] == measure
+                  for e in (row.get("prediction_errors") or {}).values()]
+        lines.append(f"median |error| {label}: " + (f"{statistics.median(errors):.1%} over {len(errors)}"
+                                                    if errors else "-"))
+    failures = [row for row in rows if row.get("kind") in ("reference", "worker") and row.get("errors")]
+    lines += [f"{row['kind']} {row['model']}: {row['errors']}" for row in failures]
+    lines += ["", "## Models", "", "| model | family | layers | GB | expert tensors | write s |",
+              "|---|---|---|---|---|---|"]
+    for row in rows:
+        if row.get("kind") == "checkpoint":
+            lines.append(f"| {row['model']} | {row.get('family', '-')} | {row.get('num_layers', '-')} | "
+                         f"{row.get('gb', '-')} | {', '.join(row.get('expert_tensor_names', [])[:4]) or '-'} | "
+                         f"{row.get('write_s', row.get('error', '-'))} |")
+    lines += ["", "## Arms", "", "| arm | exits | regime | predicted / measured ms | error | peak / cap | "
+              "peak / predicted | tokens | s | first error |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [arm_line(row) for row in arms]
+    return "\n".join(lines)
+
+
+def arm_line(row: dict) -> str:
+    bench = row.get("bench") or {}
+    predicted = bench.get("predicted_decode_step_ms") or bench.get("predicted_step_ms")
+    measured = bench.get("decode_step_ms") or bench.get("step_ms")
+    timing = f"{predicted:.2f} / {measured:.2f}" if predicted and measured else "-"
+    errors = row.get("prediction_errors") or {}
+    error = ", ".join(f"{name} {value:+.1%}" for name, value in errors.items()) or "-"
+    first = next(iter(row.get("errors", {}).items()), None)
+    return (f"| {row['arm']} | {' '.join(f'{k}:{v}' for k, v in row['exit'].items())} | "
+            f"{(row.get('plan') or {}).get('regime') or '-'} | {timing} | {error} | "
+            f"{fmt(row.get('peak_over_cap'))} | {fmt(row.get('peak_over_predicted'))} | "
+            f"{row.get('verdicts', {}).get('tokens_equal', '-')} | {row['seconds']} | "
+            f"{f'{first[0]}: {first[1][:120]}' if first else ''} |")
+
+
+def fmt(value: float | None) -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.3f}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
