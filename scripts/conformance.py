@@ -441,7 +441,9 @@ def verdicts(arm: Arm, row: dict, reference_text: str | None) -> dict:
     if not bench:
         return result | {"peak_le_cap": None, "peak_ge_0.9_predicted": None, "error_within": None,
                          "tokens_equal": tokens_equal(row, reference_text)}
-    peak = bench.get("peak_gpu_bytes")
+    # a weights plan's peak_gpu_bytes is the timed steps' allocated peak; the process's (loading, the context and
+    # kernels outside the allocator included) is what the plan's total promises
+    peak = bench.get("process_peak_gpu_bytes") or bench.get("peak_gpu_bytes")
     cap = memory.get("gpu_memory_bytes") or bench.get("gpu_memory_bytes")
     predicted_total = bench.get("predicted_total_gpu_bytes") or memory.get("total_gpu_bytes")
     row["peak_over_cap"] = peak / cap if peak and cap else None
