@@ -5,6 +5,7 @@ without the ``runtime`` extra (no torch, no transformers) still plans, shows, ch
 commands that need the runtime say in one line how to install it.
 """
 
+import contextlib
 import importlib.util
 
 from planner.errors import RuntimeUnavailableError
@@ -96,6 +97,19 @@ def run_bench(loaded, *, cuda_graph: bool, compile_backend: str | None):
     from runtime.bench import run_bench as bench
 
     return bench(loaded, cuda_graph=cuda_graph, compile_backend=compile_backend)
+
+
+@contextlib.contextmanager
+def out_of_memory_in_one_line(plan, what: str):
+    """CUDA running out of memory inside, as the one line a plan that does not fit gets (runtime.serving)."""
+    import torch
+
+    from runtime.serving import out_of_memory
+
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        raise out_of_memory(what, plan) from None
 
 
 def check_stack_fits(plan) -> int:

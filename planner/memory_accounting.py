@@ -12,7 +12,7 @@ from planner.make_model import Model
 from planner.plan import Inputs
 from planner.search import Choice
 from planner.serving import (CUDA_CONTEXT_BYTES, DECODE_ROOM_TOKENS, GRAPH_POOL_FACTOR, NCCL_BYTES_PER_RANK,
-                             PINNED_PAGE_TABLE_SHARE, OtherBytes)
+                             PINNED_PAGE_TABLE_SHARE, RUNTIME_ALLOCATOR_BYTES, OtherBytes)
 from planner.units import format_bytes
 
 
@@ -39,10 +39,10 @@ def serving_other_bytes(model: Model, concurrency: int, gpu_memory_bytes: int | 
 
 
 def other_bytes(model: Model, kv_bytes: int, decode_bytes: int, chunk_bytes: int, graphed: bool) -> OtherBytes:
-    """The KV cache, the larger activation peak (an eager decode step's or a prefill chunk's), a graphed decode
-    step's pool and the CUDA context (the profile's figure where it gives one), with NCCL's buffers on a
-    tensor-parallel rank."""
-    return OtherBytes(kv_cache_bytes=kv_bytes, activation_bytes=max(chunk_bytes, 0 if graphed else decode_bytes),
+    """The KV cache, the larger activation peak (an eager decode step's or a prefill chunk's) with the runtime's
+    workspaces and allocator rounding, a graphed decode step's pool and what is held outside the allocator."""
+    transient_bytes = max(chunk_bytes, 0 if graphed else decode_bytes)
+    return OtherBytes(kv_cache_bytes=kv_bytes, activation_bytes=transient_bytes + RUNTIME_ALLOCATOR_BYTES,
                       cuda_graph_pool_bytes=math.ceil(GRAPH_POOL_FACTOR * decode_bytes) if graphed else 0,
                       cuda_context_bytes=outside_allocator_bytes(model))
 

@@ -264,11 +264,13 @@ class MemorySection:
     #: KV cache of the workload's sequences at their context (None: the architecture's cache is not modelled)
     kv_cache_bytes: int | None = None
     #: peak activations of a step (serving: of a prefill chunk or an eager decode step, whichever is larger),
-    #: estimated from the shapes, or measured on the local GPU for a serving plan made with --measure
+    #: estimated from the shapes, or measured on the local GPU for a serving plan made with --measure, with the
+    #: runtime's workspaces and the allocator's rounding (planner.serving.RUNTIME_ALLOCATOR_BYTES)
     activation_bytes: int | None = None
     #: a captured decode step's intermediates, held by its CUDA graph's pool (0 when not graphed)
     cuda_graph_pool_bytes: int = 0
-    #: CUDA context, library workspaces and allocator rounding beyond the tensors
+    #: held outside torch's allocator: the CUDA context and loaded kernels (measured where the plan says so), the
+    #: driver's page tables of page-locked host memory, NCCL's buffers on a TP rank
     cuda_context_bytes: int = 0
     #: weights + KV cache + activations + graph pool + context + adapter slots (None when the KV cache is not
     #: modelled)

@@ -528,7 +528,8 @@ def _memory(plan: Plan) -> Table:
         rows += [
             (f"GPU: KV cache ({plan.workload.concurrency} sequences x {plan.workload.context_tokens} tokens, "
              f"{plan.workload.kv_dtype})", memory.kv_cache_bytes),
-            ("GPU: activations (peak of a prefill chunk or an eager decode step)", memory.activation_bytes),
+            ("GPU: activations (peak of a prefill chunk or an eager decode step), workspaces, allocator rounding",
+             memory.activation_bytes),
             ("GPU: CUDA-graph pool (a captured decode step)", memory.cuda_graph_pool_bytes),
             (f"GPU: outside the allocator (CUDA context and kernels, {_context_source(plan)}; page tables of pinned "
              "host memory" + ("; NCCL's buffers" if plan.inputs.tp > 1 else "") + ")", memory.cuda_context_bytes),

@@ -32,6 +32,12 @@ PINNED_PAGE_TABLE_SHARE = 1 / 512
 #: is part of it). A make --tp plan's context figure holds it, and the engines' exports count it before their
 #: start-up snapshot. A single GPU creates no communicator
 NCCL_BYTES_PER_RANK = 842 * 2**20
+#: what the allocator holds in a serving process beyond the planned tensors, booked with the activations: the cuBLAS
+#: and cuBLASLt workspaces of the streams that run products (118-119 MiB allocated beyond the weights and KV cache
+#: after loading, in every arm) and the rounding of a step's transient blocks into the allocator's segments (a
+#: prefill chunk grew the reserve by up to 185 MB more than its planned peak, estimated or measured); the H100
+#: conformance sweep of 2026-11-27, torch 2.11 + CUDA 13 (benchmarks/2026-11-27-conformance-h100.md)
+RUNTIME_ALLOCATOR_BYTES = 320 * 2**20
 #: cache entries run keeps past a weights-only decode plan's context (runtime.graph.DECODE_ROOM_TOKENS)
 DECODE_ROOM_TOKENS = 64
 #: a captured decode step's pool over the eager step's activation peak. On the H100 (torch 2.11, transformers 5.17)
@@ -56,7 +62,8 @@ class OtherBytes:
     """GPU memory at one concurrency besides the weights."""
 
     kv_cache_bytes: int
-    #: the larger of a prefill chunk's and (when not graphed) a decode step's activation peak
+    #: the larger of a prefill chunk's and (when not graphed) a decode step's activation peak, with the runtime's
+    #: workspaces and the allocator's rounding (RUNTIME_ALLOCATOR_BYTES)
     activation_bytes: int
     #: a captured decode step's intermediates, kept in the graph's own pool (0 when not graphed)
     cuda_graph_pool_bytes: int

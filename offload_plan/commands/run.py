@@ -69,18 +69,21 @@ def run(
         return
     start_outside_bytes = runtime_seam.check_stack_fits(loaded_plan)  # before the minutes of loading
     memory_fraction = runtime_seam.cap_gpu_memory(loaded_plan)
-    loaded = _load_with_progress(loaded_plan, source)
+    with runtime_seam.out_of_memory_in_one_line(loaded_plan, "while loading"):
+        loaded = _load_with_progress(loaded_plan, source)
     if prompt is not None:
-        text, tokens_per_s = runtime_seam.generate(loaded, prompt, max_new_tokens, cuda_graph, compile_backend,
-                                                   adapter=adapter, plan_path=plan)
+        with runtime_seam.out_of_memory_in_one_line(loaded_plan, f"generating {max_new_tokens} tokens"):
+            text, tokens_per_s = runtime_seam.generate(loaded, prompt, max_new_tokens, cuda_graph, compile_backend,
+                                                       adapter=adapter, plan_path=plan)
         sys.stdout.write(text + "\n")
         from planner.units import format_rate
 
         say(f"{format_rate(tokens_per_s)} tokens/s with the plan applied "
             f"({'CUDA graph replays' if cuda_graph else 'eager steps'})")
         return
-    _bench(loaded, loaded_plan, plan, adapter_mode, cuda_graph, compile_backend, memory_fraction, json_output,
-           start_outside_bytes)
+    with runtime_seam.out_of_memory_in_one_line(loaded_plan, "in its bench"):
+        _bench(loaded, loaded_plan, plan, adapter_mode, cuda_graph, compile_backend, memory_fraction, json_output,
+               start_outside_bytes)
 
 
 def _check_run_flags(plan_path, plan, *, bench: bool, prompt: str | None, cuda_graph: bool, compile_steps: bool,

@@ -5,6 +5,8 @@ CPU only: the GPU-bound calls are replaced by recorders, so what is checked is t
 the graphed path itself is tested on the GPU (tests/runtime/test_engine_gpu.py).
 """
 
+import contextlib
+
 import pytest
 
 from tests.conftest import invoke, run_cli
@@ -33,6 +35,7 @@ def handed(monkeypatch):
     calls = []
     monkeypatch.setattr(runtime_seam, "require_cuda", lambda what: None)
     monkeypatch.setattr(runtime_seam, "check_stack_fits", lambda plan: 0)
+    monkeypatch.setattr(runtime_seam, "out_of_memory_in_one_line", lambda plan, what: contextlib.nullcontext())
     monkeypatch.setattr(runtime_seam, "cap_gpu_memory", lambda plan: None)
     monkeypatch.setattr(run, "_load_with_progress", lambda plan, source: object())
 
