@@ -446,6 +446,7 @@ def _summary(plan: Plan) -> Table:
         table.add_row("tensor parallel", tp_summary(plan))
     table.add_row("workload", f"{plan.workload.tokens_per_step} tokens/step in {plan.workload.sequences_per_step} "
                               f"sequence(s), context {plan.workload.context_tokens}; {plan.workload.compute_source}"
+                              + _estimate_spread(plan)
                               + (f"; CUDA-graph replays of {_replay_steps()} ({_replay_boundary(plan)})"
                                  if plan.workload.cuda_graph else ""))
     if offload.layers:
@@ -541,6 +542,23 @@ def _memory(plan: Plan) -> Table:
     for label, value in rows:
         table.add_row(label, f"{value:,}", format_bytes(value))
     return table
+
+
+#: how far measured steps ran from estimated plans' predictions on the H100 conformance sweep of 2026-11-27
+#: (benchmarks/2026-11-27-conformance-h100.md): decode steps and prefill chunks of bf16 models, and of FP8 ones
+ESTIMATE_SPREAD_BF16 = (0.92, 1.12)
+ESTIMATE_SPREAD_FP8 = (1.0, 1.92)
+
+
+def _estimate_spread(plan: Plan) -> str:
+    """For an estimated plan, how far measured steps ran from such estimates."""
+    if not plan.workload.compute_source.startswith("estimated"):
+        return ""
+    fp8 = any(dtype.startswith("F8") for dtype in plan.model.dtype_bytes)
+    low, high = ESTIMATE_SPREAD_FP8 if fp8 else ESTIMATE_SPREAD_BF16
+    kind = "FP8" if fp8 else "bf16"
+    return (f" (an estimate: measured steps of {kind} models ran {low:.2f}-{high:.2f}x of such estimates on the "
+            "H100; make --measure times the layers)")
 
 
 def _context_source(plan: Plan) -> str:
