@@ -31,7 +31,9 @@ KV_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
 KV_DTYPES = ("auto", *KV_DTYPE_BYTES)
 #: config.json's torch_dtype/dtype -> the name used here
 _CONFIG_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
-#: activation dtype when config.json names none: the runtime builds models in bf16
+#: safetensors dtypes of unquantized floating weights -> config.json's name for them
+_TENSOR_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+#: activation dtype when neither config.json nor the headers name one (no floating weights at all)
 DEFAULT_ACTIVATION_DTYPE = "bf16"
 RECURRENT_STATE_BYTES = 4  # float32
 KINDS = ("full", "sliding", "latent", "state")
@@ -168,6 +170,35 @@ def _describe_group(layers: list[CacheLayer], activation_dtype: str) -> str:
     if first.kind == "sliding":
         return f"{count} sliding layers (window {first.window_tokens}) x {shape}"
     return f"{count} layers x {shape}"
+
+
+def weights_dtype(tensors) -> str | None:
+    """The config.json dtype name from_pretrained's ``dtype="auto"`` takes where config.json names none (as
+    runtime.skeleton does): the first unquantized floating tensor of the first shard, in file order; None where
+    there is none."""
+    floating = [t for t in tensors if t.dtype in _TENSOR_DTYPES]
+    if not floating:
+        return None
+    first_file = min(t.file for t in floating)
+    first = min((t for t in floating if t.file == first_file),
+                key=lambda t: (t.offset_bytes is None, t.offset_bytes or 0, t.name))
+    return _TENSOR_DTYPES[first.dtype]
+
+
+def with_weights_dtype(config: dict | None, tensors) -> dict | None:
+    """config.json with the weights' dtype (``weights_dtype``) where it names none, so that the KV cache model, the
+    activation estimate and the plan's ``workload.kv_dtype`` read the dtype the model runs in; else as given."""
+    if not config or model_config(config).dtype in _CONFIG_DTYPES:
+        return config
+    dtype = weights_dtype(tensors)
+    return config if dtype is None else {**config, "dtype": dtype}
+
+
+def activation_dtype(config: dict | None) -> str:
+    """The activation dtype (bf16, fp16, fp32) of config.json's dtype, DEFAULT_ACTIVATION_DTYPE where it names
+    none; what ``--kv-dtype auto`` resolves to."""
+    record = model_config(config)
+    return _CONFIG_DTYPES.get(record.dtype if record else None, DEFAULT_ACTIVATION_DTYPE)
 
 
 # --- reading config.json -------------------------------------------------------------------------------------
