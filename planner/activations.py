@@ -42,7 +42,7 @@ Linear-attention and state-space layers are not modelled.
 
 from dataclasses import dataclass
 
-from planner.architectures import Architecture, architecture
+from planner.architectures import Architecture, architecture, listed
 from planner.model_config import DTYPE_BYTES, ConfigSizes, ModelConfig, model_config
 from planner.errors import ModelInputError, printable, shown
 from planner.experts import DEFAULT_TOP_K
@@ -212,12 +212,19 @@ def activation_shape(config: dict | None) -> ActivationShape:
     try:
         return ActivationShape(
             **_attention_dims(sizes), **_moe_dims(sizes, record), **_step_wide_traits(sizes, entry, config),
-            intermediate_size=sizes.size("intermediate_size"), vocab_size=sizes.size("vocab_size"),
+            intermediate_size=_intermediate_size(sizes, record), vocab_size=sizes.size("vocab_size"),
             eager_attention=entry.eager_attention,
             activation_bytes=DTYPE_BYTES.get(dtype, 2), dtype=dtype if dtype in DTYPE_BYTES else "bfloat16",
         )
     except ValueError as error:  # values each in range, but not together (top-k above the experts)
         raise ModelInputError(f"activation estimate of {name}: {error}; fix config.json") from None
+
+
+def _intermediate_size(sizes: ConfigSizes, record: ModelConfig) -> int:
+    """The MLP's width; where an architecture the table does not list names none (GPT-2, GPT-J, CodeGen and
+    BLOOM leave n_inner null), 4 x hidden_size, what their MLPs then build."""
+    default = None if listed(record.model_type) else 4 * sizes.size("hidden_size")
+    return sizes.size("intermediate_size", default=default)
 
 
 def _modelled(record: ModelConfig | None, config: dict | None) -> tuple[str, Architecture]:
@@ -257,7 +264,10 @@ def _moe_dims(sizes: ConfigSizes, record: ModelConfig) -> dict:
     """Routed experts (the record's count and top-k, DEFAULT_TOP_K where a MoE config is silent), their width,
     and the shared experts' width (given, else routed width x shared count; both keys checked)."""
     num_experts = record.num_experts
-    moe_width = sizes.size("moe_intermediate_size", default=sizes.size("intermediate_size")) if num_experts else 0
+    moe_width = 0
+    if num_experts:  # the routed width, else the dense one (read only where the routed one is not given)
+        moe_width = sizes.size("moe_intermediate_size") if sizes.has("moe_intermediate_size") else \
+            _intermediate_size(sizes, record)
     shared_width = sizes.count("shared_expert_intermediate_size")
     num_shared = sizes.count("n_shared_experts")
     return {"num_experts": num_experts, "top_k": record.top_k or (DEFAULT_TOP_K if num_experts else 0),

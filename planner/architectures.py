@@ -3,8 +3,10 @@ and what its forward holds at once (planner.activations). A new architecture is 
 builder in planner.kv_cache where its cache is a hybrid of attention and state layers, plus tests.
 
 The rules are transformers' (5.17 and 5.24), read from its modeling and configuration files, as each field's
-comment says; an architecture not listed is refused in one line by the KV cache model, because a wrong guess
-would silently oversubscribe the GPU.
+comment says. An architecture not listed gets the GENERIC entry: standard attention read from config.json alone
+(heads, K/V heads, head_dim, layer_types, the window), after planner.kv_cache has refused, in one line, the cache
+kinds its config shows it keeps otherwise (state-space, linear attention, cross-attention, indexers); tests hold
+that model to transformers' own caches for every config class it ships.
 """
 
 from dataclasses import dataclass
@@ -24,6 +26,8 @@ class Architecture:
 
     #: one of CACHES, or None where the KV cache model does not model it (refused in one line)
     cache: str | None
+    #: what the cache keeps instead, named in the refusal (cache None only), e.g. "it keeps state-space states"
+    unmodelled_kind: str = ""
     #: an attention architecture's rule for its sliding layers (one of SLIDING_RULES)
     sliding_rule: str | None = None
     #: False for linear-attention/state-space layers, which the activation estimate does not model
@@ -48,6 +52,8 @@ class Architecture:
             raise ValueError(f"cache must be one of {CACHES} or None, not {self.cache!r}")
         if (self.cache == "attention") != (self.sliding_rule is not None):
             raise ValueError("sliding_rule is given for attention caches and for them only")
+        if bool(self.unmodelled_kind) != (self.cache is None):
+            raise ValueError("unmodelled_kind names what an entry without a cache keeps, and only there")
         if self.sliding_rule is not None and self.sliding_rule not in SLIDING_RULES:
             raise ValueError(f"sliding_rule must be one of {SLIDING_RULES}, not {self.sliding_rule!r}")
 
@@ -59,6 +65,11 @@ def _attention(rule: str, **traits: bool) -> Architecture:
 #: linear-attention and state-space layers: neither the activation estimate nor (where cache is None) the KV
 #: cache model covers them
 _STATE_LAYERS = {"activations_modelled": False}
+
+
+def _unmodelled(kind: str) -> Architecture:
+    return Architecture(cache=None, unmodelled_kind=kind, **_STATE_LAYERS)
+
 
 ARCHITECTURES: dict[str, Architecture] = {
     "llama": _attention("all"),
@@ -79,17 +90,32 @@ ARCHITECTURES: dict[str, Architecture] = {
     "qwen3_next": Architecture(cache="hybrid", **_STATE_LAYERS),
     "jamba": Architecture(cache="hybrid", **_STATE_LAYERS),
     "falcon_h1": Architecture(cache="hybrid", **_STATE_LAYERS),
-    **{name: Architecture(cache=None, **_STATE_LAYERS)
-       for name in ("mamba", "mamba2", "zamba", "zamba2", "nemotron_h", "lfm2")},
+    **{name: _unmodelled("it keeps state-space (Mamba) states") for name in ("mamba", "mamba2", "zamba", "zamba2",
+                                                                      "nemotron_h")},
+    "lfm2": _unmodelled("it keeps short-convolution states beside attention"),
+    # CPM-Ant prepends prompt_length learned prompt tokens to every sequence, cached with the text's, in heads
+    # of dim_head (transformers' CpmAntAttention)
+    "cpmant": _unmodelled("it caches learned prompt tokens (config.json's prompt_length) before each sequence"),
+    # LongCat-Flash runs two MLA attentions in every decoder layer, each with its cache (LongcatFlashDecoderLayer)
+    "longcat_flash": _unmodelled("it caches two attention sub-layers in every decoder layer"),
+    # MiMo-V2-Flash's sliding layers build twice config.json's K/V heads (MiMoV2FlashAttention: is_swa)
+    "mimo_v2_flash": _unmodelled("its sliding layers cache twice the K/V heads config.json names"),
 }
-#: an architecture the table does not list: nothing known about its cache, its activations estimated as a plain
-#: attention model's
-UNLISTED = Architecture(cache=None)
+#: an architecture the table does not list: standard attention as its config.json describes it (planner.kv_cache
+#: refuses the other cache kinds such a config shows first); every layer slides where a window is set and
+#: layer_types is silent (Mistral's rule), and the forward is taken to hold a mask per layer type where both are
+#: present (what transformers' causal_mask_mapping builds: the larger estimate where a model builds one)
+GENERIC = Architecture(cache="attention", sliding_rule="all", mask_per_layer_type=True)
 
 
 def architecture(model_type: str | None) -> Architecture:
-    """The entry of ``model_type`` (UNLISTED where the table has none)."""
-    return ARCHITECTURES.get(model_type, UNLISTED) if isinstance(model_type, str) else UNLISTED
+    """The entry of ``model_type`` (GENERIC where the table has none)."""
+    return ARCHITECTURES.get(model_type, GENERIC) if isinstance(model_type, str) else GENERIC
+
+
+def listed(model_type: str | None) -> bool:
+    """Whether the table has an entry of its own for ``model_type``."""
+    return isinstance(model_type, str) and model_type in ARCHITECTURES
 
 
 def model_types_with(**traits) -> tuple[str, ...]:

@@ -208,9 +208,7 @@ def _adapters_section(model: Model, num_slots: int, workload: Workload, simulati
 
 def _kv_dtype_name(model: Model) -> str:
     """--kv-dtype with auto resolved to the checkpoint's activation dtype."""
-    if model.inputs.kv_dtype != "auto" or model.kv is None:
-        return model.inputs.kv_dtype
-    return model.kv.activation_dtype
+    return model.activation_dtype if model.inputs.kv_dtype == "auto" else model.inputs.kv_dtype
 
 
 def _prefill_chunk_ms(model: Model, choice: Choice, chunk_tokens: int) -> float:

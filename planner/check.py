@@ -20,7 +20,7 @@ from planner.cost import ComputeTimes
 from planner.errors import (InfeasibleError, ModelInputError, OffloadPlanError, PlanError, PlanStaleError,
                             ProfileError)
 from planner.make import make_plan
-from planner.make_inputs import regenerate_command
+from planner.make_inputs import budget_given, regenerate_command
 from planner.plan import Plan
 from planner.plan_file import read_plan, render_plan
 from planner.profile import HardwareProfile, load_profile
@@ -204,10 +204,12 @@ def recorded_compute(plan: Plan) -> ComputeTimes:
 
 
 def fit_problems(plan: Plan, profile: HardwareProfile) -> tuple[Problem, ...]:
-    """The plan's weights or budget above what the profile now allows for weights (memory less reserve); a
-    serving plan, whose weights take what the rest of the GPU leaves, against the profile's whole memory."""
+    """The plan's weights or budget above what the profile now allows for weights (memory less reserve); a plan
+    whose weights take what the rest of the GPU leaves (a serving plan, or one made without --budget or --trigger
+    where the KV cache is modelled: make's whole-GPU budget) against the profile's whole memory, as make sized it."""
     memory = plan.memory
-    if plan.serving is not None:
+    whole_gpu = not budget_given(plan.inputs) and memory.total_gpu_bytes is not None
+    if plan.serving is not None or whole_gpu:
         if memory.total_gpu_bytes <= memory.gpu_memory_bytes <= profile.gpu_memory_bytes.value:
             return ()
         message = (f"no longer fits {profile.name}: the plan puts {format_bytes(memory.total_gpu_bytes)} on a GPU "

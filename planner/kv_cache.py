@@ -15,13 +15,17 @@ Every decoder layer keeps one or two cache entries:
   model overstates the recurrent state by 2x. ``--kv-cache-dtype`` does not apply to these states.
 
 Layers past ``num_hidden_layers`` (multi-token-prediction heads) are not served by default and not counted.
-Only architectures whose entry in planner.architectures names a cache are modelled; any other is refused in one
-line, because a wrong guess here would silently oversubscribe the GPU.
+A model_type planner.architectures does not list is modelled from its config.json alone: standard attention
+(``full`` and ``sliding`` entries from its heads, K/V heads, head_dim, layer_types and window), or ``latent`` where
+it names ``kv_lora_rank``. Before that, the cache kinds its config shows it keeps otherwise are refused in one line
+that names the kind (``other_cache_kind``): state-space and recurrent states, linear attention, cross-attention,
+sparse-attention indexers, layer types other than full and sliding attention. A wrong guess here would silently
+oversubscribe the GPU, so tests hold the model to transformers' own caches for every config class it ships.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from planner.architectures import architecture, model_types_with
+from planner.architectures import architecture, listed, model_types_with
 from planner.model_config import ConfigSizes, model_config
 from planner.errors import ModelInputError, printable, shown
 from planner.units import format_bytes
@@ -31,7 +35,9 @@ KV_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
 KV_DTYPES = ("auto", *KV_DTYPE_BYTES)
 #: config.json's torch_dtype/dtype -> the name used here
 _CONFIG_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
-#: activation dtype when config.json names none: the runtime builds models in bf16
+#: safetensors dtypes of unquantized floating weights -> config.json's name for them
+_TENSOR_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+#: activation dtype when neither config.json nor the headers name one (no floating weights at all)
 DEFAULT_ACTIVATION_DTYPE = "bf16"
 RECURRENT_STATE_BYTES = 4  # float32
 KINDS = ("full", "sliding", "latent", "state")
@@ -49,6 +55,8 @@ class CacheLayer:
     num_kv_heads: int = 0
     #: dims per K/V head of a full or sliding layer
     head_dim: int = 0
+    #: dims per V head where they differ from the K heads' (config.json's v_head_dim; 0: head_dim)
+    value_head_dim: int = 0
     #: elements per token of a latent layer: kv_lora_rank + qk_rope_head_dim
     latent_dims: int = 0
     #: tokens a sliding layer holds at most per sequence
@@ -63,6 +71,8 @@ class CacheLayer:
             raise ValueError(f"kind must be one of {KINDS}, not {self.kind!r}")
         if self.layer_index < 0:
             raise ValueError("layer_index must be >= 0")
+        if self.value_head_dim < 0:
+            raise ValueError("value_head_dim must be >= 0")
         if self.kind in ("full", "sliding") and (self.num_kv_heads < 1 or self.head_dim < 1):
             raise ValueError(f"a {self.kind} layer needs num_kv_heads and head_dim >= 1")
         if self.kind == "sliding" and self.window_tokens < 1:
@@ -76,7 +86,7 @@ class CacheLayer:
     def elements_per_token(self) -> int:
         """Cached elements per token per sequence (0 for a fixed state)."""
         if self.kind in ("full", "sliding"):
-            return 2 * self.num_kv_heads * self.head_dim  # K and V
+            return self.num_kv_heads * (self.head_dim + (self.value_head_dim or self.head_dim))  # K and V
         return self.latent_dims
 
     def held_tokens(self, context_tokens: int) -> int:
@@ -163,11 +173,42 @@ def _describe_group(layers: list[CacheLayer], activation_dtype: str) -> str:
     if first.kind == "state":
         return f"{count} layers x fixed state (conv {activation_dtype} + recurrent fp32)"
     shape = f"{first.num_kv_heads} KV heads x {first.head_dim} dims x K,V"
+    if first.value_head_dim and first.value_head_dim != first.head_dim:
+        shape = f"{first.num_kv_heads} KV heads x {first.head_dim} K + {first.value_head_dim} V dims"
     if any(layer.elements_per_token != first.elements_per_token for layer in layers):
         shape = "mixed heads x K,V"
     if first.kind == "sliding":
         return f"{count} sliding layers (window {first.window_tokens}) x {shape}"
     return f"{count} layers x {shape}"
+
+
+def weights_dtype(tensors) -> str | None:
+    """The config.json dtype name from_pretrained's ``dtype="auto"`` takes where config.json names none (as
+    runtime.skeleton does): the first unquantized floating tensor of the first shard, in file order; None where
+    there is none."""
+    floating = [t for t in tensors if t.dtype in _TENSOR_DTYPES]
+    if not floating:
+        return None
+    first_file = min(t.file for t in floating)
+    first = min((t for t in floating if t.file == first_file),
+                key=lambda t: (t.offset_bytes is None, t.offset_bytes or 0, t.name))
+    return _TENSOR_DTYPES[first.dtype]
+
+
+def with_weights_dtype(config: dict | None, tensors) -> dict | None:
+    """config.json with the weights' dtype (``weights_dtype``) where it names none, so that the KV cache model, the
+    activation estimate and the plan's ``workload.kv_dtype`` read the dtype the model runs in; else as given."""
+    if not config or model_config(config).dtype in _CONFIG_DTYPES:
+        return config
+    dtype = weights_dtype(tensors)
+    return config if dtype is None else {**config, "dtype": dtype}
+
+
+def activation_dtype(config: dict | None) -> str:
+    """The activation dtype (bf16, fp16, fp32) of config.json's dtype, DEFAULT_ACTIVATION_DTYPE where it names
+    none; what ``--kv-dtype auto`` resolves to."""
+    record = model_config(config)
+    return _CONFIG_DTYPES.get(record.dtype if record else None, DEFAULT_ACTIVATION_DTYPE)
 
 
 # --- reading config.json -------------------------------------------------------------------------------------
@@ -368,6 +409,57 @@ def _falcon_h1_layers(cfg: _Config) -> list[CacheLayer]:
 #: the layers of each hybrid architecture (planner.architectures' cache "hybrid")
 HYBRID_LAYERS = {"qwen3_next": _qwen3_next_layers, "jamba": _jamba_layers, "falcon_h1": _falcon_h1_layers}
 SUPPORTED_MODEL_TYPES = tuple(sorted(set(model_types_with()) - set(model_types_with(cache=None))))
+#: layer types of config.json's layer_types that keep K/V per token (every other type keeps something else)
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+#: config keys that show a cache other than per-token K/V, and the kind each shows (first match named)
+OTHER_CACHE_KEYS = (
+    (("is_encoder_decoder", "add_cross_attention", "cross_attention_layers", "encoder_layers", "decoder_layers"),
+     "it caches cross-attention to an encoder's output"),
+    (("state_size", "ssm_state_size", "mamba_d_state", "mamba_expand", "time_step_rank", "conv_kernel",
+      "conv_L_cache", "attention_hidden_size", "hybrid_override_pattern", "layers_block_type", "block_types",
+      "attn_layer_period"), "it keeps state-space or recurrent states"),
+    (("linear_num_key_heads", "linear_conv_kernel_dim", "linear_attn_config"), "it keeps linear-attention states"),
+    (("index_head_dim", "index_n_heads", "index_topk"), "it caches a sparse-attention indexer's keys too"),
+)
+
+
+def other_cache_kind(values) -> str | None:
+    """What config.json (the language model's keys) shows a model caches besides, or instead of, per-token K/V
+    of standard or latent attention: a phrase naming the kind and the key that shows it; None where nothing
+    does. BERT and the encoders built like it write both of their decoder switches, ``is_decoder`` and
+    ``add_cross_attention``: with is_decoder false such a model caches nothing as a causal LM (GPT-NeoX writes
+    is_decoder false alone and caches as any decoder)."""
+    for keys, kind in OTHER_CACHE_KEYS:
+        shown_by = next((key for key in keys if values.get(key) not in (None, False, 0, [], {})), None)
+        if shown_by is not None:
+            return f"{kind} (config.json's {shown_by})"
+    if values.get("is_decoder") is False and "add_cross_attention" in values:  # BERT's switches, both written
+        return "an encoder (config.json's is_decoder false) caches nothing as a causal LM"
+    types = values.get("layer_types")
+    if isinstance(types, list):
+        others = sorted({str(t) for t in types} - set(ATTENTION_LAYER_TYPES))
+        if others:
+            return f"layer types {', '.join(map(repr, others[:3]))} (config.json's layer_types) keep other states"
+    return None
+
+
+def _not_modelled(cfg: _Config, kind: str) -> ModelInputError:
+    return ModelInputError(f"KV cache of {cfg.name} (model_type {cfg.model_type!r}) is not modelled: {kind}; plan "
+                           "the weights only (drop --concurrency)")
+
+
+def _unlisted_layers(cfg: _Config) -> list[CacheLayer]:
+    """A model_type planner.architectures does not list: standard attention, or latent attention where
+    kv_lora_rank is given, read from config.json; other cache kinds refused in one line that names them."""
+    kind = other_cache_kind(cfg.values)
+    if kind is not None:
+        raise _not_modelled(cfg, kind)
+    if cfg.has("kv_lora_rank"):
+        return _latent_layers(cfg)
+    layers = _attention_layers(cfg, architecture(cfg.model_type).sliding_rule)
+    if cfg.has("v_head_dim"):  # values narrower (or wider) than keys
+        layers = [replace(layer, value_head_dim=cfg.int("v_head_dim")) for layer in layers]
+    return layers
 
 
 def kv_cache_model(config: dict | None) -> KvCacheModel:
@@ -376,13 +468,14 @@ def kv_cache_model(config: dict | None) -> KvCacheModel:
         raise ModelInputError("KV cache: the checkpoint has no config.json; the KV cache is planned from it")
     cfg = _Config(config)
     entry = architecture(cfg.model_type)
-    if entry.cache == "attention":
+    if not listed(cfg.model_type):
+        layers = _unlisted_layers(cfg)
+    elif entry.cache == "attention":
         layers = _attention_layers(cfg, entry.sliding_rule)
     elif entry.cache == "latent":
         layers = _latent_layers(cfg)
     elif entry.cache == "hybrid":
         layers = HYBRID_LAYERS[cfg.model_type](cfg)
     else:
-        raise ModelInputError(f"KV cache of {cfg.name}: this architecture's cache is not modelled (model_type "
-                              f"{cfg.model_type!r}); supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        raise _not_modelled(cfg, entry.unmodelled_kind)
     return KvCacheModel(architecture=cfg.name, layers=tuple(layers), activation_dtype=cfg.activation_dtype())

@@ -16,7 +16,7 @@ from planner.engine_plan import check_engine_architecture, check_engine_input
 from planner.errors import InfeasibleError, ModelInputError, UsageError, shown
 from planner.expert_choice import Comparison, ExpertModel, expert_model
 from planner.experts import moe_geometry
-from planner.kv_cache import kv_cache_model
+from planner.kv_cache import activation_dtype, kv_cache_model, with_weights_dtype
 from planner.layout import ModelLayout, build_layout, param_selected
 from planner.make_inputs import (budget_bytes_for, budget_given, check_context, gpu_memory_bytes_for,
                                  host_memory_bytes_for, resolve_inputs, workload_of)
@@ -180,8 +180,9 @@ def _read_model(inputs: Inputs, measure: MeasureFunction | None = None,
     layout = build_layout(checkpoint, inputs.stack)
     warnings = _layout_warnings(layout)
     layer_bytes = _layer_bytes(tuple(inputs.params), checkpoint, layout)
+    config = with_weights_dtype(checkpoint.config, whole.tensors)  # a config.json silent on dtype: the headers'
     try:
-        kv, shape = kv_cache_model(checkpoint.config), activation_shape(checkpoint.config)
+        kv, shape = kv_cache_model(config), activation_shape(config)
     except ModelInputError as error:
         if inputs.concurrency is not None:
             raise
@@ -190,7 +191,8 @@ def _read_model(inputs: Inputs, measure: MeasureFunction | None = None,
     adapters = load_adapters(inputs.adapters, checkpoint, layout)
     warnings += _adapter_warnings(adapters, inputs)
     return Model(inputs=inputs, resolved=resolved, profile=profile, checkpoint=checkpoint, layout=layout,
-                 layer_bytes=layer_bytes, kv=kv, activation_shape=shape, warnings=warnings, measure=measure,
+                 layer_bytes=layer_bytes, kv=kv, activation_shape=shape, activation_dtype=activation_dtype(config),
+                 warnings=warnings, measure=measure,
                  measure_activations=measure_activations, adapters=adapters,
                  experts=_read_experts(inputs, checkpoint, layout), measure_link=measure_link)
 

@@ -48,6 +48,9 @@ class Model:
     kv: KvCacheModel | None
     #: tensor dims for the activation estimate, None with kv
     activation_shape: ActivationShape | None
+    #: the activation dtype (bf16, fp16, fp32): config.json's, else the weights' (planner.kv_cache); what
+    #: --kv-dtype auto means, recorded as the plan's workload.kv_dtype even where the cache is not modelled
+    activation_dtype: str
     warnings: list[str]
     #: the caller's timing function for --measure (None: not given)
     measure: MeasureFunction | None = None

@@ -31,6 +31,16 @@ TEXT_DEFAULTS = {
                                      "sliding_window": 4096, "tie_word_embeddings": True,
                                      "num_key_value_heads": 4, "head_dim": 256}),
 }
+#: the keys read here and by the KV cache model and the activation estimate, and the other names config classes
+#: write them under (transformers' attribute_map of GPT-2, GPT-J, BLOOM, MPT, OPT, Falcon ...): a config that
+#: names only an alias gets the standard key too (the first alias that holds a value)
+KEY_ALIASES = {
+    "hidden_size": ("n_embd", "d_model", "n_embed"),
+    "num_attention_heads": ("n_head", "n_heads", "num_heads", "attention_heads"),
+    "num_hidden_layers": ("n_layer", "n_layers", "num_layers"),
+    "num_key_value_heads": ("num_kv_heads", "n_head_kv", "n_kv_heads"),
+    "intermediate_size": ("n_inner", "ffn_hidden_size", "ffn_dim"),
+}
 #: the language model's model_type where a multimodal config's text_config names none
 TEXT_MODEL_TYPES = {"gemma3": "gemma3_text", "mistral3": "mistral", "llama4": "llama4_text"}
 #: config keys that bound the positions a model was trained for, as vLLM reads them (the smallest wins)
@@ -184,9 +194,21 @@ def text_config(config: dict | None) -> dict:
             resolved = {**defaults, **outer, **section}
             if model_type is not None:
                 resolved["model_type"] = model_type
-            return resolved
+            return _with_standard_keys(resolved)
     defaults = TEXT_DEFAULTS.get(_name(config.get("model_type")), {})
-    return {**defaults, **config} if defaults else config
+    return _with_standard_keys({**defaults, **config} if defaults else config)
+
+
+def _with_standard_keys(text: dict) -> dict:
+    """``text`` with each KEY_ALIASES key that it leaves null taken from its first alias that holds a value, and
+    one K/V head where the config says multi_query (GPT-BigCode; Falcon unless new_decoder_architecture, where
+    num_kv_heads counts them); the same dict where there is none to add."""
+    added = {key: next(text[alias] for alias in aliases if text.get(alias) is not None)
+             for key, aliases in KEY_ALIASES.items()
+             if text.get(key) is None and any(text.get(alias) is not None for alias in aliases)}
+    if text.get("multi_query") is True and text.get("new_decoder_architecture") is not True:
+        added["num_key_value_heads"] = 1  # what the attention builds, whatever num_key_value_heads says
+    return {**text, **added} if added else text
 
 
 def _name(value: object) -> str | None:
@@ -199,8 +221,8 @@ def model_config(config: dict | None) -> ModelConfig | None:
     if not config:
         return None
     text = text_config(config)
-    hidden = _first_int(text, ("hidden_size", "n_embd"))
-    num_heads = _first_int(text, ("num_attention_heads", "n_head"))
+    hidden = _first_int(text, ("hidden_size",))
+    num_heads = _first_int(text, ("num_attention_heads",))
     num_experts, top_k = config_routing(text)
     window = text.get("sliding_window")
     return ModelConfig(
@@ -210,7 +232,7 @@ def model_config(config: dict | None) -> ModelConfig | None:
         multimodal=any(isinstance(config.get(key), dict) for key in TEXT_SECTIONS),
         text=MappingProxyType(dict(text)),
         hidden_size=hidden,
-        num_layers=_first_int(text, ("num_hidden_layers", "n_layer", "num_layers")),
+        num_layers=_first_int(text, ("num_hidden_layers",)),
         num_heads=num_heads,
         num_kv_heads=_first_int(text, ("num_key_value_heads",)) or num_heads,
         head_dim=_first_int(text, ("head_dim",)) or (hidden // num_heads if hidden and num_heads else None),

@@ -5,7 +5,6 @@ import pytest
 from planner import architectures
 from planner.activations import activation_shape
 from planner.architectures import ARCHITECTURES, Architecture, architecture, model_types_with
-from planner.errors import ModelInputError
 from planner.kv_cache import HYBRID_LAYERS, SUPPORTED_MODEL_TYPES, attention_layer_types, kv_cache_model
 
 LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
@@ -23,7 +22,8 @@ def test_the_table_holds_the_sets_the_modules_listed_before():
     assert model_types_with(cache="latent") == ("deepseek_v2", "deepseek_v3", "kimi_k2")
     assert model_types_with(cache="hybrid") == ("falcon_h1", "jamba", "qwen3_next")
     assert model_types_with(activations_modelled=False) == tuple(sorted(
-        ("qwen3_next", "jamba", "falcon_h1", "mamba", "mamba2", "zamba", "zamba2", "nemotron_h", "lfm2")))
+        ("qwen3_next", "jamba", "falcon_h1", "mamba", "mamba2", "zamba", "zamba2", "nemotron_h", "lfm2", "cpmant",
+         "longcat_flash", "mimo_v2_flash")))
     assert model_types_with(eager_attention=True) == ("gpt_oss",)
     assert model_types_with(rotary_per_layer_type=True) == ("gemma3", "gemma3_text")
     assert model_types_with(mask_per_layer_type=True) == (
@@ -48,17 +48,27 @@ def test_an_entry_is_checked(fields, words):
         Architecture(**fields)
 
 
-def test_unlisted_and_odd_model_types_get_the_unlisted_entry():
-    assert architecture("no_such_model") is architectures.UNLISTED
-    assert architecture(None) is architectures.UNLISTED and architecture(["llama"]) is architectures.UNLISTED
+def test_unlisted_and_odd_model_types_get_the_generic_entry():
+    assert architecture("no_such_model") is architectures.GENERIC
+    assert architecture(None) is architectures.GENERIC and architecture(["llama"]) is architectures.GENERIC
+    assert not architectures.listed("no_such_model") and architectures.listed("llama")
 
 
-def test_a_new_architecture_is_one_entry(monkeypatch):
-    """An attention model the table does not list is refused by the KV cache model; its entry is all it takes for
-    the cache, the layer types and the activation estimate."""
+@pytest.mark.parametrize(("fields", "words"), [
+    ({"cache": None}, "unmodelled_kind names"),
+    ({"cache": "latent", "unmodelled_kind": "states"}, "unmodelled_kind names"),
+])
+def test_an_unmodelled_entry_names_its_kind(fields, words):
+    with pytest.raises(ValueError, match=words):
+        Architecture(**fields)
+
+
+def test_a_new_architecture_is_modelled_from_its_config_and_an_entry_changes_its_rule(monkeypatch):
+    """An attention model the table does not list is standard attention from its config (every layer slides where
+    a window is set and layer_types is silent); an entry is all it takes for another rule."""
     config = {**LLAMA, "model_type": "newlm", "architectures": ["NewLmForCausalLM"], "sliding_window": 8}
-    with pytest.raises(ModelInputError, match="cache is not modelled"):
-        kv_cache_model(config)
+    assert [layer.kind for layer in kv_cache_model(config).layers] == ["sliding"] * 4
+    assert activation_shape(config).sliding_mask_window_tokens == 0  # one kind of layer: one mask
     monkeypatch.setitem(ARCHITECTURES, "newlm", Architecture(cache="attention", sliding_rule="alternating",
                                                              mask_per_layer_type=True))
     assert attention_layer_types(config) == ("sliding_attention", "full_attention") * 2

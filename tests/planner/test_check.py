@@ -3,9 +3,11 @@ a changed profile, a changed checkpoint, a file that is not a plan each fail wit
 one applies, and the command that fixes it."""
 
 import json
+import shlex
 import shutil
 
 import pytest
+import yaml
 
 from tests.conftest import ERROR_PREFIX, invoke, make_checkpoint
 from tests.plan_cli import INFEASIBLE, MODEL, OK, PLAN, STALE, _edit, _make
@@ -77,6 +79,36 @@ def test_check_fails_when_the_plan_no_longer_fits(workdir, own_profile):
     kinds = [p["kind"] for p in entry["problems"]]
     assert kinds[0] == "fit" and entry["exit_code"] == INFEASIBLE
     assert "no longer fits test-gpu" in entry["problems"][0]["message"]
+
+
+def test_check_passes_a_plan_made_without_a_budget(workdir, own_profile):
+    """make's whole-GPU default (no --budget) gives the weights what the KV cache, activations and CUDA context
+    leave, past the profile's reserve; check holds that plan to the same rule, not to memory less reserve."""
+    make_checkpoint(workdir / "ckpt", num_layers=8, num_shards=3)
+    plan = _make(["--gpu", "my-gpu.yaml", "--context", "64"])
+    reserve_limit = 1_000_000_000 - 100_000_000
+    assert plan["memory"]["budget_bytes"] > reserve_limit  # the case check refused before
+    assert _check("plan.yaml").exit_code == OK
+
+
+def test_check_fix_command_refits_a_plan_made_without_a_budget(workdir, own_profile):
+    """A whole-GPU plan whose profile shrank fails check as not fitting; the fix command check prints writes a plan
+    that passes, and so does check --update."""
+    make_checkpoint(workdir / "ckpt", num_layers=8, num_shards=3)
+    _make(["--gpu", "my-gpu.yaml", "--context", "64"])
+    shutil.copy("plan.yaml", "copy.yaml")
+    _edit(own_profile, "value: 1000000000\n", "value: 900000000\n")
+    result = _check("--json", "plan.yaml")
+    assert result.exit_code == INFEASIBLE, result.stderr
+    (entry,) = json.loads(result.stdout)
+    assert entry["problems"][0]["kind"] == "fit"
+    words = shlex.split(entry["fix_command"])
+    assert words[:2] == ["offload-plan", "make"] and "--budget" not in words
+    assert invoke(words[1:]).exit_code == OK
+    assert yaml.safe_load(open("plan.yaml").read())["memory"]["gpu_memory_bytes"] == 900_000_000
+    assert _check("plan.yaml").exit_code == OK
+    assert _check("--update", "copy.yaml").exit_code == OK
+    assert _check("copy.yaml").exit_code == OK
 
 
 def test_check_fails_on_fingerprint_mismatch(dense, workdir):

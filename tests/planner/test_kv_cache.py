@@ -174,6 +174,78 @@ def test_bad_configs_are_refused_in_one_line(config, fragment):
     assert fragment in message and "\n" not in message
 
 
+# --- model_types the table does not list -----------------------------------------------------------------------
+
+
+def test_an_unlisted_config_is_standard_attention_under_its_own_key_names():
+    """GPT-2 writes n_layer, n_head and n_embd (transformers' attribute_map): the same cache as the standard keys."""
+    gpt2 = {"model_type": "gpt2", "n_layer": 3, "n_head": 4, "n_embd": 64, "n_inner": None}
+    model = kv_cache_model(gpt2)
+    assert [layer.kind for layer in model.layers] == ["full"] * 3
+    assert model.bytes_per_token("bf16") == 3 * 2 * 4 * 16 * 2
+
+
+@pytest.mark.parametrize("extra, kv_heads", [
+    ({"multi_query": True}, 1),  # GPT-BigCode, Falcon-7B: one K/V head whatever the rest says
+    ({"multi_query": True, "num_key_value_heads": 4}, 1),
+    ({"multi_query": True, "new_decoder_architecture": True, "num_kv_heads": 2}, 2),  # Falcon-40B
+    ({"num_kv_heads": 2}, 2),
+])
+def test_multi_query_and_other_kv_head_keys(extra, kv_heads):
+    config = {"model_type": "falcon", "num_hidden_layers": 1, "num_attention_heads": 4, "hidden_size": 64, **extra}
+    assert kv_cache_model(config).layers[0].num_kv_heads == kv_heads
+
+
+def test_values_of_their_own_width_are_counted_apart():
+    config = {"model_type": "newlm", "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "hidden_size": 64, "head_dim": 24, "v_head_dim": 8}
+    model = kv_cache_model(config)
+    assert model.bytes_per_token("bf16") == 2 * (24 + 8) * 2
+    assert "24 K + 8 V dims" in model.describe()
+
+
+def test_an_unlisted_latent_config_caches_its_latent():
+    config = {"model_type": "newmla", "num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64,
+              "kv_lora_rank": 32, "qk_rope_head_dim": 8}
+    assert kv_cache_model(config).bytes_per_token("bf16") == 2 * (32 + 8) * 2
+
+
+def test_gpt_neox_is_a_decoder_though_it_writes_is_decoder_false():
+    config = {"model_type": "gpt_neox", "num_hidden_layers": 1, "num_attention_heads": 4, "hidden_size": 64,
+              "is_decoder": False}
+    assert kv_cache_model(config).layers[0].kind == "full"
+
+
+_UNLISTED = {"model_type": "newlm", "num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64}
+
+
+@pytest.mark.parametrize("extra, shown_by", [
+    ({"is_encoder_decoder": True}, "is_encoder_decoder"),
+    ({"add_cross_attention": True}, "add_cross_attention"),
+    ({"decoder_layers": 2}, "decoder_layers"),
+    ({"state_size": 16}, "state_size"),
+    ({"conv_L_cache": 3}, "conv_L_cache"),
+    ({"linear_num_key_heads": 2}, "linear_num_key_heads"),
+    ({"index_head_dim": 128}, "index_head_dim"),
+    ({"is_decoder": False, "add_cross_attention": False}, "is_decoder false"),
+    ({"layer_types": ["full_attention", "linear_attention"]}, "'linear_attention'"),
+])
+def test_other_cache_kinds_are_refused_naming_the_kind(extra, shown_by):
+    with pytest.raises(ModelInputError) as error:
+        kv_cache_model(_UNLISTED | extra)
+    message = str(error.value)
+    assert "\n" not in message and "is not modelled" in message and shown_by in message, message
+
+
+@pytest.mark.parametrize("model_type", ["mamba", "lfm2", "cpmant", "longcat_flash", "mimo_v2_flash"])
+def test_listed_unmodelled_caches_name_their_kind(model_type):
+    from planner.architectures import ARCHITECTURES
+
+    with pytest.raises(ModelInputError) as error:
+        kv_cache_model(_UNLISTED | {"model_type": model_type})
+    assert ARCHITECTURES[model_type].unmodelled_kind in str(error.value)
+
+
 def test_unknown_kv_dtype_is_refused():
     model = kv_cache_model(TINY_CONFIGS["llama"] | {"model_type": "llama"})
     with pytest.raises(ModelInputError, match="choose one of auto, bf16"):
