@@ -475,31 +475,36 @@ def measured_activation_bytes(checkpoint: Checkpoint, layout: ModelLayout, workl
     key = hashlib.sha256(json.dumps(identity).encode()).hexdigest()
     cache = _load_cache()
     if key not in cache:
-        with held_to(limit_bytes, torch.device("cuda"), f"a step of {workload.sequences_per_step} sequence(s)"):
-            measured = _measure_step(checkpoint, layout, workload, graphed)
+        model = activation_model(checkpoint.config, measured_kinds(layout, checkpoint.config), layout.stack)
+        torch.cuda.empty_cache()
+        # the step's own allocations (its cache, activations, graph pool) are held to the plan's GPU memory; the
+        # model's weights come on top, since a checkpoint of few layers builds whole here, which the plan need not
+        held_bytes = None if limit_bytes is None else torch.cuda.memory_allocated() + limit_bytes
+        try:
+            with held_to(held_bytes, torch.device("cuda"), f"a step of {workload.sequences_per_step} sequence(s)"):
+                measured = _measure_step(model, workload, graphed)
+        finally:
+            del model
+            gc.collect()
+            torch.cuda.empty_cache()
         cache[key] = vars(measured)
         _save_cache(cache)
     return ActivationMeasurement(**cache[key])
 
 
-def _measure_step(checkpoint: Checkpoint, layout: ModelLayout, workload: Workload,
-                  graphed: bool) -> ActivationMeasurement:
-    model = activation_model(checkpoint.config, measured_kinds(layout, checkpoint.config), layout.stack)
-    torch.cuda.empty_cache()
-    try:
-        if workload.tokens_per_step == workload.sequences_per_step:
-            return decode_activation_peak(model, num_sequences=workload.sequences_per_step,
-                                          context_tokens=workload.context_tokens, graphed=graphed)
-        return prefill_activation_peak(model, chunk_tokens=workload.tokens_per_step,
-                                       context_tokens=workload.context_tokens)
-    finally:
-        del model
+def _measure_step(model: nn.Module, workload: Workload, graphed: bool) -> ActivationMeasurement:
+    if workload.tokens_per_step == workload.sequences_per_step:
+        return decode_activation_peak(model, num_sequences=workload.sequences_per_step,
+                                      context_tokens=workload.context_tokens, graphed=graphed)
+    return prefill_activation_peak(model, chunk_tokens=workload.tokens_per_step,
+                                   context_tokens=workload.context_tokens)
 
 
 @contextlib.contextmanager
 def held_to(limit_bytes: int | None, device: torch.device, what: str):
     """The process held to ``limit_bytes`` of the GPU (what CUDA holds outside the allocator counted in) inside;
-    running out of them is planner.errors.MeasuredOutOfMemoryError, the memory freed again either way."""
+    running out of them is planner.errors.MeasuredOutOfMemoryError, the memory freed again either way. None: the
+    GPU's."""
     from runtime.serving import cap_gpu_memory, release_cap
 
     capped = limit_bytes is not None and cap_gpu_memory(limit_bytes, device) is not None
