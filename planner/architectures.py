@@ -100,6 +100,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "longcat_flash": _unmodelled("it caches two attention sub-layers in every decoder layer"),
     # MiMo-V2-Flash's sliding layers build twice config.json's K/V heads (MiMoV2FlashAttention: is_swa)
     "mimo_v2_flash": _unmodelled("its sliding layers cache twice the K/V heads config.json names"),
+    "xlstm": _unmodelled("it keeps xLSTM's recurrent matrix memories"),
 }
 #: an architecture the table does not list: standard attention as its config.json describes it (planner.kv_cache
 #: refuses the other cache kinds such a config shows first); every layer slides where a window is set and

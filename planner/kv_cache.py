@@ -420,6 +420,9 @@ OTHER_CACHE_KEYS = (
       "attn_layer_period"), "it keeps state-space or recurrent states"),
     (("linear_num_key_heads", "linear_conv_kernel_dim", "linear_attn_config"), "it keeps linear-attention states"),
     (("index_head_dim", "index_n_heads", "index_topk"), "it caches a sparse-attention indexer's keys too"),
+    (("mem_len",), "it keeps Transformer-XL memories instead of a KV cache"),
+    # Gemma-4: the full-attention layers' head_dim is twice the sliding ones' (per_layer_config overrides)
+    (("per_layer_config",), "its layers' attention shapes differ per layer"),
 )
 
 

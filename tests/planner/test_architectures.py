@@ -23,7 +23,7 @@ def test_the_table_holds_the_sets_the_modules_listed_before():
     assert model_types_with(cache="hybrid") == ("falcon_h1", "jamba", "qwen3_next")
     assert model_types_with(activations_modelled=False) == tuple(sorted(
         ("qwen3_next", "jamba", "falcon_h1", "mamba", "mamba2", "zamba", "zamba2", "nemotron_h", "lfm2", "cpmant",
-         "longcat_flash", "mimo_v2_flash")))
+         "longcat_flash", "mimo_v2_flash", "xlstm")))
     assert model_types_with(eager_attention=True) == ("gpt_oss",)
     assert model_types_with(rotary_per_layer_type=True) == ("gemma3", "gemma3_text")
     assert model_types_with(mask_per_layer_type=True) == (

@@ -227,6 +227,8 @@ _UNLISTED = {"model_type": "newlm", "num_hidden_layers": 2, "num_attention_heads
     ({"conv_L_cache": 3}, "conv_L_cache"),
     ({"linear_num_key_heads": 2}, "linear_num_key_heads"),
     ({"index_head_dim": 128}, "index_head_dim"),
+    ({"mem_len": 512}, "mem_len"),
+    ({"per_layer_config": {"1": {"head_dim": 512}}}, "per_layer_config"),
     ({"is_decoder": False, "add_cross_attention": False}, "is_decoder false"),
     ({"layer_types": ["full_attention", "linear_attention"]}, "'linear_attention'"),
 ])
@@ -237,7 +239,7 @@ def test_other_cache_kinds_are_refused_naming_the_kind(extra, shown_by):
     assert "\n" not in message and "is not modelled" in message and shown_by in message, message
 
 
-@pytest.mark.parametrize("model_type", ["mamba", "lfm2", "cpmant", "longcat_flash", "mimo_v2_flash"])
+@pytest.mark.parametrize("model_type", ["mamba", "lfm2", "cpmant", "longcat_flash", "mimo_v2_flash", "xlstm"])
 def test_listed_unmodelled_caches_name_their_kind(model_type):
     from planner.architectures import ARCHITECTURES
 
