@@ -42,6 +42,7 @@ import functools
 import math
 import shlex
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from planner.engine_memory import SHARE_DECIMALS, describe
 from planner.engine_plan import Loss, expressible_plan
@@ -465,8 +466,10 @@ def check_export_tp(plan: Plan, tp_size: int) -> None:
     (heads, KV heads, FP8 blocks: planner.tensor_parallel); UsageError naming the fix where it does not, or
     where the checkpoint cannot be read to check."""
     source = plan.model.source
+    # a local folder by its absolute path: the cache below must not carry one working directory's answer to another
+    where = str(Path(source).resolve()) if Path(source).exists() else source
     try:
-        _check_split(source, plan.model.revision, tp_size)
+        _check_split(where, plan.model.revision, tp_size)
     except OffloadPlanError as error:
         why = str(error).removeprefix(f"--tp {tp_size}: ")
         raise UsageError(f"export --tp {tp_size} checks the plan's checkpoint ({source}) as make --tp does: "
