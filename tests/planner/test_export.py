@@ -206,3 +206,30 @@ def test_export_rule_skips_layers_whose_row_selects_nothing():
     check_rule(without_last(0))  # nothing selected there: the engines skip it as the plan did
     with pytest.raises(PlanError, match="is not what the engines' rule gives"):
         check_rule(without_last(plan.layers[skipped].selected_bytes))
+
+
+def test_sglang_deepseek_keeps_a_rule_layer_that_moves_nothing_in_its_prefetch_order():
+    """deepseek_v2.py hands OffloaderV2 every layer the rule picks; a dense one (nothing in its whitelist) still
+    takes a position, so the copies run P positions ahead of a different order than vLLM's, which skips it."""
+    import dataclasses
+
+    from planner.export import export_plan, predict
+    from planner.plan_file import read_plan
+    from planner.schedule import offloaded_by_rule
+    from tests.conftest import GOLDEN_DIR
+
+    plan = read_plan(GOLDEN_DIR / "moe-experts.yaml")
+    offload = plan.offload
+    rule = offloaded_by_rule(plan.model.num_layers, offload.group_size, offload.num_in_group)
+    dense = rule[0]
+    rows = tuple(dataclasses.replace(row, selected_bytes=0, offloaded_bytes=0) if row.index == dense else row
+                 for row in plan.layers)
+    plan = dataclasses.replace(plan, layers=rows, offload=dataclasses.replace(offload, layers=rule[1:]),
+                               model=dataclasses.replace(plan.model, architecture="DeepseekV3ForCausalLM"))
+    sglang = export_plan(plan, "sglang")
+    expected = predict(plan, 1, offload.prefetch_step, positions=rule, live_extra=1)
+    assert sglang.prediction == expected and sglang.losses == ()
+    assert expected.num_slots == min(offload.prefetch_step + 1, len(rule))
+    vllm = export_plan(plan, "vllm")
+    assert vllm.prediction == predict(plan, 1, offload.prefetch_step)
+    assert vllm.prediction.copy_bytes_per_step == sglang.prediction.copy_bytes_per_step  # BF16: no scales left
