@@ -13,7 +13,9 @@ vLLM (vllm/v1/worker/gpu_worker.py, Worker):
   slightly underestimate the memory consumption": the same figure is left out of the share here.
 - vllm/v1/core/kv_cache_utils.py ``get_num_blocks``: ``num_blocks = available_memory // page_size //
   num_layers`` with ``page_size = block_size x`` one layer's bytes per token; it logs "GPU KV cache size:
-  num_blocks x block_size tokens". --block-size is pinned to 16 (CacheConfig's CUDA default).
+  num_blocks x block_size tokens". --block-size is pinned to the engine version's block for the model
+  (planner.engine_versions: 16, CacheConfig's default; 64 for MLA models, which every first-choice MLA backend
+  takes).
 
 SGLang (python/sglang/srt/model_executor/model_runner.py, ModelRunner):
 - ``total_gpu_memory`` is the free memory once the CUDA context and NCCL exist (``init_torch_distributed``),
@@ -31,7 +33,7 @@ from planner.plan import Plan
 from planner.serving import DECODE_ROOM_TOKENS, NCCL_BYTES_PER_RANK
 from planner.units import format_bytes
 
-#: vLLM's KV cache block in tokens (CacheConfig's CUDA default, pinned with --block-size)
+#: vLLM's KV cache block in tokens where the caller gives none (CacheConfig's default)
 VLLM_BLOCK_TOKENS = 16
 #: vLLM's own allowance for its profile's underestimate (gpu_worker.py compile_or_warm_up_model,
 #: redundancy_buffer_memory = 150 MiB)
@@ -56,6 +58,8 @@ class EngineMemory:
     free_at_start_bytes: int
     #: the largest share the start-up check and the memory outside the share allow
     max_share: float
+    #: the KV cache block the accounting used (vLLM's --block-size; 1 for SGLang's default page)
+    block_tokens: int = 1
 
 
 def token_bytes(plan: Plan, divisor: int) -> int:
@@ -73,29 +77,31 @@ def startup_bytes(plan: Plan, tp_size: int) -> int:
     return plan.memory.cuda_context_bytes + (NCCL_BYTES_PER_RANK if tp_size > 1 and plan.inputs.tp == 1 else 0)
 
 
-def vllm_memory(plan: Plan, tp_size: int, divisor: int | None = None) -> EngineMemory:
+def vllm_memory(plan: Plan, tp_size: int, divisor: int | None = None,
+                block_tokens: int | None = VLLM_BLOCK_TOKENS) -> EngineMemory:
     """--gpu-memory-utilization for the plan's KV cache under vLLM's accounting (gpu_worker.py
-    determine_available_memory, kv_cache_utils.py get_num_blocks)."""
+    determine_available_memory, kv_cache_utils.py get_num_blocks), with --block-size ``block_tokens``."""
     memory, workload = plan.memory, plan.workload
     divisor = tp_size if divisor is None else divisor
+    block = VLLM_BLOCK_TOKENS if block_tokens is None else block_tokens
     total = plan.hardware.gpu_memory_bytes
     per_token = token_bytes(plan, divisor)
-    needed = workload.concurrency * -(-workload.context_tokens // VLLM_BLOCK_TOKENS) * VLLM_BLOCK_TOKENS
+    needed = workload.concurrency * -(-workload.context_tokens // block) * block
     non_kv = math.ceil((memory.gpu_bytes + (memory.activation_bytes or 0)) / divisor)
     free_at_start = total - startup_bytes(plan, tp_size)
     outside = math.ceil(memory.cuda_graph_pool_bytes / divisor) + VLLM_PROFILE_SLACK_BYTES
     max_share = _floor_share((free_at_start - outside) / total)
-    share = min(_ceil_share((non_kv + needed * per_token) / total), max_share)
+    share = _positive(min(_ceil_share((non_kv + needed * per_token) / total), max_share))
     available = math.floor(share * total) - non_kv
-    block_bytes = VLLM_BLOCK_TOKENS * per_token
-    kv_tokens = max(available // block_bytes, 0) * VLLM_BLOCK_TOKENS
+    kv_tokens = max(available // (block * per_token), 0) * block
     return EngineMemory(share=share, kv_tokens=kv_tokens, needed_tokens=needed, token_bytes=per_token,
-                        free_at_start_bytes=free_at_start, max_share=max_share)
+                        free_at_start_bytes=free_at_start, max_share=max_share, block_tokens=block)
 
 
-def sglang_memory(plan: Plan, tp_size: int, divisor: int | None = None) -> EngineMemory:
+def sglang_memory(plan: Plan, tp_size: int, divisor: int | None = None,
+                  block_tokens: int | None = None) -> EngineMemory:
     """--mem-fraction-static for the plan's KV cache under SGLang's accounting (model_runner.py
-    profile_max_num_token)."""
+    profile_max_num_token); ``block_tokens`` is not used (SGLang pages by --page-size, 1 by default)."""
     memory, workload = plan.memory, plan.workload
     divisor = tp_size if divisor is None else divisor
     per_token = token_bytes(plan, divisor)
@@ -104,7 +110,8 @@ def sglang_memory(plan: Plan, tp_size: int, divisor: int | None = None) -> Engin
     free_at_start = plan.hardware.gpu_memory_bytes - startup_bytes(plan, tp_size)
     outside = math.ceil(((memory.activation_bytes or 0) + memory.cuda_graph_pool_bytes) / divisor)
     max_share = _floor_share(1 - outside / free_at_start) if free_at_start > 0 else 0.0
-    share = min(_ceil_share((weights + needed * per_token) / free_at_start), max_share) if free_at_start > 0 else 0.0
+    share = _positive(min(_ceil_share((weights + needed * per_token) / free_at_start), max_share)
+                      if free_at_start > 0 else 0.0)
     rest = math.floor(share * free_at_start) - weights
     return EngineMemory(share=share, kv_tokens=max(rest // per_token, 0), needed_tokens=needed,
                         token_bytes=per_token, free_at_start_bytes=free_at_start, max_share=max_share)
@@ -118,6 +125,7 @@ def describe(memory_note: str, plan: Plan, tp_size: int, result: EngineMemory) -
         share=f"{result.share:.{SHARE_DECIMALS}f}", max_share=f"{result.max_share:.{SHARE_DECIMALS}f}",
         gpu_memory=format_bytes(plan.hardware.gpu_memory_bytes), chunk=_chunk(plan), kv_tokens=f"{result.kv_tokens:,}",
         token_bytes=format_bytes(result.token_bytes), free_at_start=format_bytes(result.free_at_start_bytes),
+        block_tokens=result.block_tokens,
         and_nccl=" and NCCL" if tp_size > 1 else "")
     room = (f"; the plan's KV figure also holds {DECODE_ROOM_TOKENS} tokens per sequence of decode room that "
             "offload-plan's own runtime keeps past the context (DECODE_ROOM_TOKENS), which the engines do not need")
@@ -132,6 +140,12 @@ def describe(memory_note: str, plan: Plan, tp_size: int, result: EngineMemory) -
 
 def _chunk(plan: Plan) -> int:
     return max(plan.workload.chunk_tokens, plan.workload.concurrency)
+
+
+def _positive(share: float) -> float:
+    """At least the smallest share written: both engines refuse 0 (vLLM's CacheConfig gt=0), and a plan whose
+    figures leave no room gets the smallest one with the SHORT note and warning instead."""
+    return max(share, 10**-SHARE_DECIMALS)
 
 
 def _ceil_share(share: float) -> float:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 
 from planner.cost import ComputeTimes
 from planner.engine_targets import TARGETS, check_segment
+from planner.engine_versions import engine_version
 from planner.errors import PlanError, UsageError
 from planner.plan import LayerRow, Plan
 from planner.search import Choice, LayerBytes, Searcher, SearchSpace, weight_gpu_bytes
@@ -172,11 +173,36 @@ def check_engine_input(engine: str | None, params: tuple[str, ...]) -> None:
             raise UsageError(f"--for {engine}: {error}") from None
 
 
+def engine_input_warnings(engine: str | None, params: tuple[str, ...]) -> list[str]:
+    """make without --for: a --params selection no engine can say (make --for refuses it) is warned of, since
+    offload-plan run can still serve it."""
+    if engine is not None:
+        return []
+    warnings = []
+    for segment in params:
+        try:
+            check_segment(segment)
+        except PlanError as error:
+            warnings.append(f"{error}; export will refuse this plan (make --for ENGINE refuses it at once)")
+    return warnings
+
+
 def check_engine_architecture(engine: str | None, params: tuple[str, ...], config: dict | None) -> None:
-    """make --for: an engine whose model code offloads the routed experts whatever the flags say (SGLang's
-    DeepSeek-V2/V3) gets a plan of the experts."""
-    architectures = (config or {}).get("architectures") or [None]
-    target = TARGETS.get(engine) if engine is not None else None
-    if target is not None and architectures[0] in target.experts_only_architectures and params != ("experts",):
-        raise UsageError(f"--for {engine}: {target.display_name}'s {architectures[0]} code offloads only the routed "
-                         "experts of each offloaded layer; add --params experts")
+    """make --for: plan within what the newest pinned engine version wires for the model's family: its prefetch
+    offloader, with the selection its model code fixes (SGLang's DeepSeek-V2/V3: the experts)."""
+    if engine is None:
+        return
+    architecture = ((config or {}).get("architectures") or [None])[0]
+    release = engine_version(engine)
+    fixed = dict(release.prefetch.fixed_selection).get(architecture)
+    if fixed is not None and params != (fixed,):
+        raise UsageError(f"--for {engine}: {release.label}'s {architecture} code offloads only the routed experts of "
+                         f"each offloaded layer; add --params {fixed}")
+    if release.prefetch_wired(architecture):
+        return
+    has = (f"for {architecture} it has {release.read_at_use_flag}, which reads offloaded params at use without "
+           f"prefetch: make the plan without --for and export it with --to {engine}, which restates it for "
+           f"{release.read_at_use_flag}") if release.read_at_use_wired(architecture) else \
+        f"it offloads no weights of {architecture or 'a model whose config names no architecture'}"
+    raise UsageError(f"--for {engine}: {release.label} wires its prefetch offloader (--offload-group-size) only "
+                     f"for {', '.join(release.prefetch.architectures)} ({release.prefetch.source}); {has}")

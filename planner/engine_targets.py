@@ -7,13 +7,16 @@ read the entry and hold no per-engine branch; the engines' own memory accounting
 and the nearest plan an engine can run in planner.engine_plan. A new engine is one entry here (its memory
 function in planner.engine_memory) plus tests.
 
-The facts, from the engines' sources, are in planner.export's docstring.
+What each released version accepts and which model families its offloaders are wired for is
+planner.engine_versions (EngineVersion, read from the released wheels); an entry here holds what is the same for
+every pinned version: the flag names export fills in and the wording of its notes.
 """
 
 from dataclasses import dataclass
 from typing import Callable
 
-from planner.engine_memory import VLLM_BLOCK_TOKENS, sglang_memory, vllm_memory
+from planner.engine_memory import sglang_memory, vllm_memory
+from planner.engine_versions import VLLM_LORA_RANKS
 from planner.errors import PlanError
 
 #: checkpoint name parts each engine fuses with others into one param: a segment naming one alone selects nothing
@@ -24,9 +27,6 @@ FUSED_PARTS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
 #: (flag, the plan's offload field it carries)
 OFFLOAD_FLAGS = (("--offload-group-size", "group_size"), ("--offload-num-in-group", "num_in_group"),
                  ("--offload-prefetch-step", "prefetch_step"))
-#: the ranks vLLM's --max-lora-rank accepts (LoRAConfig's MaxLoRARanks)
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-VLLM_FIX = "PR 54975 (fixed 2026-09)"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,20 +47,12 @@ class EngineTarget:
     offload_mode_flags: tuple[str, ...]
     #: how the engine offloads, for the notes
     mode_note: str
-    #: the flag that selects params by whole dot-separated segments of the engine's param names
-    params_flag: str
-    #: said after the selection note: builds where the flag does nothing
-    params_flag_caveat: str
-    #: architectures whose model code offloads the routed experts itself, whatever the selection flag says
-    experts_only_architectures: tuple[str, ...]
+    #: how the engine reads params it offloads without prefetching them (--cpu-offload-gb), for the notes
+    read_at_use_note: str
     #: what the engine says of expert-granular offloading
     experts_note: str
-    #: the engine asserts that the prefetch depth P divides the offloaded layers: export gives the nearest P that
-    #: does (a loss); else a P that does not divide is exported as planned (with nondividing_warning, if any)
-    prefetch_must_divide: bool
-    #: the warning for a P that does not divide, with {prefetch_step}, {num_offloaded}, {divisor}, {step}
-    nondividing_warning: str | None
-    #: (flag, field) of a serving plan; fields: concurrency, context_tokens, chunk_tokens, memory_share, or "=V"
+    #: (flag, field) of a serving plan; fields: concurrency, context_tokens, chunk_tokens, memory_share,
+    #: block_tokens (written only where the engine version pins a block), or "=V"
     serving_flags: tuple[tuple[str, str], ...]
     #: the engine's memory accounting (planner.engine_memory): (plan, tp_size, divisor) -> EngineMemory
     memory: Callable
@@ -89,21 +81,17 @@ VLLM = EngineTarget(
     name="vllm", display_name="vLLM", tp_flag="--tensor-parallel-size", offload_mode_flags=(),
     mode_note="vLLM runs its prefetch backend (static slots, copies on a side stream) because --offload-group-size "
               "is above 0 (--offload-backend auto); the UVA backend (--cpu-offload-gb) reads weights in place instead",
-    params_flag="--offload-params", params_flag_caveat="", experts_only_architectures=(),
+    read_at_use_note="vLLM's UVA backend reads the offloaded params in place over the link at every use",
     experts_note="vLLM offloads whole params of chosen layers; its expert cache (PR 37190) is not merged",
-    prefetch_must_divide=False,
-    nondividing_warning=(f"P={{prefetch_step}} does not divide the {{num_offloaded}} offloaded layers: vLLM builds "
-                         f"before its {VLLM_FIX} corrupt weights then; on such a build use --offload-prefetch-step "
-                         "{divisor} (predicted step {step} on one GPU)"),
     serving_flags=(("--max-num-seqs", "concurrency"), ("--max-model-len", "context_tokens"),
-                   ("--max-num-batched-tokens", "chunk_tokens"), ("--block-size", f"={VLLM_BLOCK_TOKENS}"),
+                   ("--max-num-batched-tokens", "chunk_tokens"), ("--block-size", "block_tokens"),
                    ("--gpu-memory-utilization", "memory_share")),
     memory=vllm_memory, kv_cache_dtypes=(("fp8", "fp8"),),
     memory_note=("--gpu-memory-utilization {share} of the GPU's {gpu_memory} covers the weights, the activations of "
                  "its {chunk}-token profile and the KV cache (gpu_worker.py determine_available_memory); the CUDA "
                  "context, NCCL, the CUDA graphs and vLLM's 150 MiB profile allowance stay outside it (at most "
                  "{max_share}); vLLM should log \"GPU KV cache size: {kv_tokens} tokens\" (blocks of "
-                 f"{VLLM_BLOCK_TOKENS} x {{token_bytes}} per token, kv_cache_utils.py get_num_blocks)"),
+                 "{block_tokens} x {token_bytes} per token, kv_cache_utils.py get_num_blocks)"),
     lora_flags=(("--enable-lora", None), ("--max-loras", "slots"), ("--max-cpu-loras", "pool"),
                 ("--max-lora-rank", "rank"), ("--lora-modules", "modules")),
     lora_ranks=VLLM_LORA_RANKS, lora_rank_fix="serve them with SGLang",
@@ -112,13 +100,14 @@ VLLM = EngineTarget(
 
 SGLANG = EngineTarget(
     name="sglang", display_name="SGLang", tp_flag="--tp-size", offload_mode_flags=("--offload-mode", "cpu"),
-    mode_note="--offload-mode cpu: each offloaded param lives in pinned host memory and is copied into its static "
-              "slot, as planned (shm_cpu and sharded_gpu share one copy between data-parallel ranks and need TP "
-              "size 1)",
-    params_flag="--offload-param-names", params_flag_caveat="; SGLang builds without this flag offload whole layers",
-    experts_only_architectures=("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"),
-    experts_note="SGLang's OffloaderV2 copies whole params of chosen layers",
-    prefetch_must_divide=True, nondividing_warning=None,
+    mode_note="--offload-mode cpu: each offloaded param lives in pinned host memory and is copied P layers ahead "
+              "on SGLang's offload stream into a tensor allocated at each copy (shm_cpu and sharded_gpu share one "
+              "copy between data-parallel ranks and need TP size 1)",
+    read_at_use_note=("SGLang's OffloaderV1 keeps the params of the first layers in pinned host memory, layer 0 "
+                      "onward, and copies a layer's params to the GPU inside its forward on the compute stream: every "
+                      "offloaded byte is read at every step, behind no compute"),
+    experts_note="SGLang offloads whole params (OffloaderV1: of the first layers; OffloaderV2: DeepSeek's experts "
+                 "of the chosen layers), never the routed experts a step uses alone",
     serving_flags=(("--max-running-requests", "concurrency"), ("--context-length", "context_tokens"),
                    ("--chunked-prefill-size", "chunk_tokens"), ("--mem-fraction-static", "memory_share")),
     memory=sglang_memory, kv_cache_dtypes=(("fp8", "fp8_e4m3"),),

@@ -12,7 +12,7 @@ from planner.activations import activation_shape
 from planner.assemble import assemble, serving_section
 from planner.checkpoint import Checkpoint, collector_paused, load_checkpoint
 from planner.cost import ComputeTimes, Workload, is_expert_param
-from planner.engine_plan import check_engine_architecture, check_engine_input
+from planner.engine_plan import check_engine_architecture, check_engine_input, engine_input_warnings
 from planner.errors import InfeasibleError, ModelInputError, UsageError, shown
 from planner.expert_choice import Comparison, ExpertModel, expert_model
 from planner.experts import moe_geometry
@@ -178,7 +178,7 @@ def _read_model(inputs: Inputs, measure: MeasureFunction | None = None,
     checkpoint = shard_checkpoint(whole, inputs.tp)
     check_engine_architecture(inputs.engine, tuple(inputs.params), whole.config)
     layout = build_layout(checkpoint, inputs.stack)
-    warnings = _layout_warnings(layout)
+    warnings = _layout_warnings(layout) + engine_input_warnings(inputs.engine, tuple(inputs.params))
     layer_bytes = _layer_bytes(tuple(inputs.params), checkpoint, layout)
     config = with_weights_dtype(checkpoint.config, whole.tensors)  # a config.json silent on dtype: the headers'
     try:

@@ -8,7 +8,7 @@ from planner.activations import ActivationShape, StepShape, estimate_activations
 from planner.adapters import Adapter, default_slots
 from planner.checkpoint import Checkpoint
 from planner.cost import ComputeTimes, Workload, estimate_compute, geometry_from_config
-from planner.engine_targets import TARGETS
+from planner.engine_versions import engine_version
 from planner.fp8_cost import fp8_compute_for, has_fp8_experts
 from planner.errors import MeasuredOutOfMemoryError, PlanError, UsageError
 from planner.expert_choice import Comparison, ExpertModel, routed_choice
@@ -83,7 +83,7 @@ class Model:
             copy_overhead_us=self.profile.copy_overhead_us.value,
             space=SearchSpace(
                 group_size=inputs.group_size, num_in_group=inputs.num_in_group, prefetch_step=inputs.prefetch_step,
-                prefetch_divides=inputs.engine is not None and TARGETS[inputs.engine].prefetch_must_divide,
+                prefetch_divides=inputs.engine is not None and engine_version(inputs.engine).prefetch.must_divide,
             ),
             join_every_steps=join_every_steps_for(inputs.cuda_graph),
         )

@@ -236,7 +236,7 @@ def verdict(plan: Plan) -> str:
 
 #: what make --for holds a plan to, per engine
 ENGINE_LIMITS = {"vllm": ("vLLM", "whole layers only, no routed experts"),
-                 "sglang": ("SGLang", "whole layers only, no routed experts, P dividing the offloaded layers")}
+                 "sglang": ("SGLang", "the experts of whole layers, its prefetch offloader's one family")}
 
 
 def _engine_words(plan: Plan) -> str:

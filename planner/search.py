@@ -77,7 +77,8 @@ class SearchSpace:
     group_size: int | None = None
     num_in_group: int | None = None
     prefetch_step: int | None = None
-    #: only depths P that divide the number of offloaded layers (SGLang asserts it: make --for sglang)
+    #: only depths P that divide the number of offloaded layers (make --for an engine version that asserts it:
+    #: planner.engine_versions PrefetchWiring.must_divide)
     prefetch_divides: bool = False
 
     def unpinned(self) -> bool:

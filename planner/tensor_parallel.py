@@ -344,8 +344,19 @@ def _check_heads(model: TpModel, tp: int) -> None:
                        f"ranks), and {tp} does not")
 
 
+#: set while _refusal lists the sizes that split (each try of a size that does not would list them again, and
+#: a checkpoint that two candidates fail recursed without end: export --tp 3 of 4 heads)
+_SIZES_BEING_LISTED: list[int] = []
+
+
 def _refusal(split: Split, tp: int, why: str, tensors, config) -> ModelInputError:
-    sizes = [str(size) for size in valid_tp_sizes(tensors, config, exclude=tp)]
+    if _SIZES_BEING_LISTED:  # valid_tp_sizes tries sizes itself: a refusal there only needs to fail, not list
+        return ModelInputError(f"--tp {tp}: vLLM's {split.engine_class} {why}")
+    _SIZES_BEING_LISTED.append(tp)
+    try:
+        sizes = [str(size) for size in valid_tp_sizes(tensors, config, exclude=tp)]
+    finally:
+        _SIZES_BEING_LISTED.pop()
     fix = (f"use --tp {', '.join(sizes[:-1])} or {sizes[-1]}" if len(sizes) > 1 else f"use --tp {sizes[0]}"
            if sizes else "no size from 2 to 16 splits it: use --tp 1")
     return ModelInputError(f"--tp {tp}: vLLM's {split.engine_class} {why}; {fix}")

@@ -123,23 +123,21 @@ def llama_70b(tmp_path_factory) -> Path:
     return write_checkpoint("llama-3.1-70b", tmp_path_factory.mktemp("ckpt"))
 
 
-def test_make_for_sglang_searches_only_depths_that_divide_the_offloaded_layers(llama_70b):
-    """plans/llama-3.1-70b-gh200-64gib.yaml offloads 45 layers at P=2, which SGLang refuses; --for sglang plans
-    within SGLang's assertion, so export has nothing to approximate, and it beats export's nearest divisor."""
+def test_make_for_sglang_plans_within_what_sglang_wires_for_the_family(llama_70b):
+    """SGLang 0.5.23 wires its prefetch offloader only in deepseek_v2.py: make --for sglang refuses a Llama plan
+    in one line naming --cpu-offload-gb, which export restates any plan for; a P that does not divide the
+    offloaded layers is no loss (0.5.23 asserts nothing of it), and vLLM plans as make does."""
+    from planner.errors import UsageError
     from planner.make import make_plan
 
     plan = read_plan(PLANS / "llama-3.1-70b-gh200-64gib.yaml")
     assert len(plan.offload.layers) % plan.offload.prefetch_step
-    approximated = export_plan(plan, "sglang")
-    assert approximated.losses
     inputs = replace(plan.inputs, model=str(llama_70b), engine="sglang")
-    for_sglang = make_plan(inputs).plan
-    offload = for_sglang.offload
-    assert len(offload.layers) % offload.prefetch_step == 0
-    exported = export_plan(for_sglang, "sglang", exact=True)
-    assert exported.losses == () and _flag(exported.flags, "--offload-prefetch-step") == str(offload.prefetch_step)
-    assert for_sglang.prediction.step_ms <= approximated.prediction.step_ms + 1e-6
-    # vLLM expresses any P: its plan is the unconstrained one
+    with pytest.raises(UsageError, match="for LlamaForCausalLM it has --cpu-offload-gb") as refused:
+        make_plan(inputs)
+    assert "\n" not in str(refused.value)
+    exported = export_plan(plan, "sglang")
+    assert _flag(exported.flags, "--cpu-offload-gb") and len(exported.losses) == 1
     for_vllm = make_plan(replace(inputs, engine="vllm")).plan
     assert for_vllm.offload == plan.offload
 
@@ -148,6 +146,7 @@ def test_make_for_an_engine_plans_whole_layers_and_says_so(tmp_path):
     """A routed MoE plan becomes the whole-layer plan export would have given, and the verdict says it was
     planned for that engine; check regenerates it from its header (--for is an input)."""
     from planner.engine_plan import expressible_plan
+    from planner.errors import UsageError
     from planner.make import make_plan
     from planner.plan import Inputs
     from planner.plan_file import render_plan
@@ -160,16 +159,18 @@ def test_make_for_an_engine_plans_whole_layers_and_says_so(tmp_path):
                     gpu_memory="24GiB")
     routed = make_plan(inputs).plan
     assert routed.experts.regime == "routed"
-    for engine, name in (("vllm", "vLLM"), ("sglang", "SGLang")):
-        planned = make_plan(replace(inputs, engine=engine)).plan
-        assert planned.experts.regime == "whole_layer" and f"--for {engine}" in planned.experts.routed_unavailable
-        # the same placement export derives from the routed plan
-        assert planned.offload == expressible_plan(routed)[0].offload
-        assert export_plan(planned, engine, exact=True).losses == ()
-        assert f"Planned for {name} (make --for {engine}" in verdict(planned)
+    planned = make_plan(replace(inputs, engine="vllm")).plan
+    assert planned.experts.regime == "whole_layer" and "--for vllm" in planned.experts.routed_unavailable
+    # the same placement export derives from the routed plan
+    assert planned.offload == expressible_plan(routed)[0].offload
+    assert export_plan(planned, "vllm", exact=True).losses == ()
+    assert "Planned for vLLM (make --for vllm" in verdict(planned)
     (tmp_path / "plan.yaml").write_text(render_plan(planned, "offload-plan make"))
-    assert "engine: sglang" in (tmp_path / "plan.yaml").read_text()
+    assert "engine: vllm" in (tmp_path / "plan.yaml").read_text()
     assert "Planned for" not in verdict(routed)
+    # SGLang 0.5.23 prefetches only DeepSeek's experts: a Qwen3-MoE plan for it is refused, naming what it has
+    with pytest.raises(UsageError, match="--cpu-offload-gb"):
+        make_plan(replace(inputs, engine="sglang"))
 
 
 def test_make_for_refuses_what_the_engine_cannot_select(tmp_path):

@@ -221,16 +221,24 @@ def test_export_of_a_routed_plan_gives_the_planners_whole_layer_plan_and_its_los
     assert whole.prediction.step_ms == pytest.approx(point.whole_layer_step_ms, rel=1e-5)
     assert whole.memory.gpu_bytes <= routed.memory.budget_bytes and whole.experts is None
     assert whole.offload.layers and loss.plan_step_ms == routed.prediction.step_ms
-    for engine, name in (("vllm", "vLLM"), ("sglang", "SGLang")):
-        exported = export_plan(routed, engine)
-        assert exported.flags[:6] == ("--offload-group-size", str(whole.offload.group_size),
-                                      "--offload-num-in-group", str(whole.offload.num_in_group),
-                                      "--offload-prefetch-step", str(whole.offload.prefetch_step))
-        (line,) = exported.losses
-        assert line.startswith(f"{name} cannot express routed experts in 48 MoE layers")
-        assert f"{format_rate(1e3 / routed.prediction.step_ms)} -> {format_rate(1e3 / point.whole_layer_step_ms)} " \
-            "tokens/s" in line
-        assert exported.plan_prediction.step_ms == routed.prediction.step_ms
+    exported = export_plan(routed, "vllm")
+    assert exported.flags[:6] == ("--offload-group-size", str(whole.offload.group_size),
+                                  "--offload-num-in-group", str(whole.offload.num_in_group),
+                                  "--offload-prefetch-step", str(whole.offload.prefetch_step))
+    (line,) = exported.losses
+    assert line.startswith("vLLM 0.33.0 cannot express routed experts in 48 MoE layers")
+    # one step for the engine: the line's rate is the exported prediction's, and it names make --for vllm
+    assert f"{format_rate(1e3 / routed.prediction.step_ms)} -> {format_rate(1e3 / exported.prediction.step_ms)} " \
+        "tokens/s" in line
+    assert "--for vllm` plans for vLLM from the start" in line
+    assert exported.prediction.step_ms == pytest.approx(point.whole_layer_step_ms, rel=0.05)
+    assert exported.plan_prediction.step_ms == routed.prediction.step_ms
+    # SGLang 0.5.23 has no prefetch offloader for Qwen3-MoE either: one line for both, one step (--cpu-offload-gb)
+    sglang = export_plan(routed, "sglang")
+    (line,) = sglang.losses
+    assert "routed experts in 48 MoE layers" in line and "; and a prefetched plan for Qwen3MoeForCausalLM" in line
+    assert f"-> {format_rate(1e3 / sglang.prediction.step_ms)} tokens/s" in line and "--for sglang`" in line
+    assert sglang.flags[0] == "--cpu-offload-gb"
     (tmp_path / "routed.yaml").write_text(render_plan(routed, "offload-plan make"))
     result = run_cli(["export", "routed.yaml", "--to", "vllm"], cwd=tmp_path)
     assert result.returncode == 0 and result.stdout.count("\n") == 1 and "cannot express" in result.stderr

@@ -3,6 +3,7 @@ the one-line refusal) of plans/*.yaml and tests/golden/*.yaml for each engine at
 --exact, compared with tests/golden/exports.json. A change to planner/export.py that alters any of them fails
 here; a deliberate one regenerates the file with ``python3 -m tests.planner.test_export_snapshot``."""
 
+import contextlib
 import dataclasses
 import json
 from pathlib import Path
@@ -29,10 +30,23 @@ def exported(path: Path, engine: str, tp_size: int, exact: bool) -> dict:
     return dataclasses.asdict(result) | {"command_fragment": result.command_fragment()}
 
 
+def ensure_checkpoints() -> None:
+    """plans/*.yaml name .cache/checkpoints/NAME, which export --tp reads to check the split as make --tp does:
+    write the missing ones (header-only, the same bytes each time) so the snapshot is the same everywhere."""
+    from scripts import real_checkpoints
+
+    for name in real_checkpoints.model_names([]):
+        if not (real_checkpoints.OUTPUT_DIR / name).is_dir():
+            real_checkpoints.write_checkpoint(name)
+
+
 def snapshot() -> dict:
-    return {f"{path.relative_to(REPO_ROOT)} --to {engine} --tp {tp_size}{' --exact' if exact else ''}":
-            exported(path, engine, tp_size, exact)
-            for path in plan_paths() for engine in ENGINES for tp_size, exact in CASES}
+    """Every export, from the repository root (where the plans' relative checkpoint paths resolve)."""
+    ensure_checkpoints()
+    with contextlib.chdir(REPO_ROOT):
+        return {f"{path.relative_to(REPO_ROOT)} --to {engine} --tp {tp_size}{' --exact' if exact else ''}":
+                exported(path, engine, tp_size, exact)
+                for path in plan_paths() for engine in ENGINES for tp_size, exact in CASES}
 
 
 def test_every_plan_exports_as_pinned():
