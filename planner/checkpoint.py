@@ -125,6 +125,10 @@ def _load_local(path: Path, source: str) -> Checkpoint:
     if path.is_file():
         if path.name.endswith(".index.json"):
             folder, index_path = path.parent, path
+        elif path.suffix == ".json":  # a config.json is not a checkpoint; the tool that makes one from it is
+            raise ModelInputError(f"{path} is a JSON file, not a checkpoint: point --model at the model's folder "
+                                  f"(config.json and .safetensors shards), or write a header-only one from this "
+                                  f"config first: offload-plan header-checkpoint {path} DIR, then --model DIR")
         else:
             return _local_single(path, source, _read_config(path.parent))
     else:

@@ -391,6 +391,8 @@ def run_case(case: Case, root: Path, index: int = 0, time_limit_s: float = DEFAU
         message = ([line for line in stderr.splitlines() if line.strip()] or [""])[-1]
         elapsed_ms = 1e3 * (time.perf_counter() - start)
         verdict, detail = _classify(case, code, stderr, exception, folder)
+        if verdict in ("error", "accepted", "accepted-invalid"):
+            verdict, detail = _inputs_kept(case, files, folder, code) or (verdict, detail)
         if verdict == "accepted" and case.then:
             verdict, detail = _round_trip(case.then)
             elapsed_ms = 1e3 * (time.perf_counter() - start)
@@ -419,6 +421,26 @@ def _round_trip(commands: tuple) -> tuple[str, str]:
             verdict = "traceback" if BUG_MARKER in last else "round-trip"
             return verdict, f"{' '.join(command[:1] + command[2:])}: {last[:140]}"
     return "accepted", ""
+
+
+def _inputs_kept(case: Case, files: dict, folder: Path, code: int) -> tuple[str, str] | None:
+    """("clobbered", which) when the command changed a file the case wrote (an input: the checkpoint, profile,
+    plans, traces, prompts), None when every one is as written. A command that succeeded may write its own -o."""
+    outputs = {case.args[i + 1] for i, word in enumerate(case.args[:-1]) if word in ("-o", "--output")} if code == 0 \
+        else set()
+    for relative, data in files.items():
+        if data is None or relative in case.special or relative in outputs or relative == GUARD_NAME:
+            continue
+        path = folder / relative
+        if any(parent in case.special for parent in map(str, Path(relative).parents)):
+            continue
+        try:
+            same = path.is_file() and not path.is_symlink() and path.read_bytes() == data
+        except OSError:
+            same = False
+        if not same:
+            return "clobbered", f"input {relative} changed by {case.args[0]}"
+    return None
 
 
 def _classify(case: Case, code: int, stderr: str, exception: BaseException | None, folder: Path) -> tuple[str, str]:
