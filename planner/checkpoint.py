@@ -312,6 +312,12 @@ def check_config(config: dict, origin: str) -> None:
                                           and low <= value <= high):
                 raise ModelInputError(f"{origin}: {prefix}{key} is {shown(value)}; it must be a whole number from "
                                       f"{low} to {high}: fix config.json")
+    for prefix, section in sections[1:]:  # the language model's figures are read from its own section
+        for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads"):
+            outer, inner = config.get(key), section.get(key)
+            if outer is not None and inner is not None and outer != inner:
+                raise ModelInputError(f"{origin}: {key} is {shown(outer)} but {prefix}{key} is {shown(inner)}; "
+                                      "the two must agree: fix config.json")
     for prefix, section in sections:
         broken = _section_rules(section)
         if broken is not None:

@@ -454,6 +454,23 @@ def _experts_rules(plan: Plan) -> str | None:
         return "experts: prefetch figures belong to plans with routed layers"
     if experts.prefetch is not None and experts.prefetch_depth is None and experts.prefetch_rank_accuracy is not None:
         return "experts.prefetch is on but prefetch_depth is null"
+    return _experts_point_rule(plan)
+
+
+def _experts_point_rule(plan: Plan) -> str | None:
+    """The point at the plan's own concurrency chose the plan's regime, at the plan's step, with its residents."""
+    experts = plan.experts
+    here = next((point for point in experts.points if point.concurrency == plan.workload.concurrency), None)
+    if here is None:
+        return f"experts.points has no row at the plan's concurrency {plan.workload.concurrency}"
+    routed = _routed_rows(plan)
+    if here.regime != ("routed" if routed else "whole_layer"):
+        return f"experts.points at concurrency {here.concurrency} chose {here.regime}, not the plan's regime"
+    if routed and here.num_resident != sum(len(row.resident) for row in routed.values()):
+        return f"experts.points at concurrency {here.concurrency}: num_resident is not the plan's resident experts"
+    step = here.routed_step_ms if routed else here.whole_layer_step_ms
+    if _is_decode(plan) and (step is None or not _near(step, plan.prediction.step_ms, 2)):
+        return f"experts.points at concurrency {here.concurrency}: its step is not prediction.step_ms"
     return None
 
 
@@ -480,6 +497,10 @@ def _experts_row_rules(plan: Plan) -> str | None:
                     f"{non_resident} non-resident experts")
         if row.expected_fetched_bytes > layer.offloaded_bytes:
             return f"{where}.expected_fetched_bytes {row.expected_fetched_bytes} exceeds its non-resident bytes"
+        uniform_hit = len(row.resident) / experts.num_experts  # uniform routing: every expert equally likely
+        if experts.routing == "uniform" and abs(row.hit_rate - uniform_hit) > _MS_UNIT:
+            return (f"{where}.hit_rate {row.hit_rate:g} is not the {uniform_hit:.4f} its {len(row.resident)} resident "
+                    "experts give under uniform routing")
         if (not row.resident and row.hit_rate != 0.0) or (non_resident == 0 and (
                 row.hit_rate != 1.0 or row.expected_fetched_bytes)):
             return f"{where}.hit_rate {row.hit_rate:g} contradicts its {len(row.resident)} resident experts"

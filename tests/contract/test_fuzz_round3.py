@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.fuzz import BASE_ARGS, GUARD_NAME, Case, base, run_case
+from tests.fuzz.adapters import ADAPTER_CONFIG, _adapter_files
 from tests.fuzz.core import _json, _yaml
 
 LINK = {"value": 4.5e11, "source": "assumed", "note": "a test link"}
@@ -80,6 +81,16 @@ CASES = {
                              "head_dim"),
     "hc-tie-no": (["header-checkpoint", "config.json", "hc"], _config(lambda c: c.update(tie_word_embeddings="no")),
                   "tie_word_embeddings"),
+    # config fields against the tensors they describe, and against each other
+    "kv-heads-half-of-k-proj": ([*BASE_ARGS], _config(lambda c: c.update(num_key_value_heads=2)), "KV heads"),
+    "quant-fp8-over-bf16": ([*BASE_ARGS], _config(lambda c: c.update(quantization_config={"quant_method": "fp8"})),
+                            "F8_E4M3"),
+    "text-config-layers-disagree": ([*BASE_ARGS], _config(lambda c: c.update(text_config={
+        **{k: v for k, v in c.items() if k != "architectures"}, "num_hidden_layers": 5})), "num_hidden_layers"),
+    "adapter-layers-to-transform": ([*BASE_ARGS, "--adapter", "a=ad"], _adapter_files(
+        {**ADAPTER_CONFIG, "layers_to_transform": [0, 1]}), "layers_to_transform"),
+    "adapter-layers-to-transform-junk": ([*BASE_ARGS, "--adapter", "a=ad"], _adapter_files(
+        {**ADAPTER_CONFIG, "layers_to_transform": "all"}), "layers_to_transform"),
     # config fields read for their type
     "make-tie-no": ([*BASE_ARGS], _config(lambda c: c.update(tie_word_embeddings="no")), "tie_word_embeddings"),
     "make-layer-types-longer": ([*BASE_ARGS], _config(lambda c: c.update(layer_types=["full_attention"] * 7)),
@@ -104,3 +115,61 @@ def test_world_size_not_a_number_is_one_line(monkeypatch, value):
     result = _run(["run", "plan.yaml", "--bench"])
     assert result.verdict == "error", f"{result.verdict}: {result.detail} | {result.message}"
     assert "WORLD_SIZE" in result.message or "plan" in result.message, result.message
+
+
+def _edited_plans():
+    """(plan, edit name, plan text) of every invalid edit of tests/fuzz/derived.py, on every base plan."""
+    import random
+
+    from tests.fuzz.derived import PLANS, _experts_edits, _generic_edits
+
+    cases = []
+    for which in PLANS:
+        count = len(_generic_edits(random.Random(0), base().plan_copy(which)))
+        if base().plan_copy(which).get("experts") is not None:
+            count += len(_experts_edits(random.Random(0), base().plan_copy(which)))
+        for k in range(count):
+            plan = base().plan_copy(which)
+            edits = [(name, edit, True) for name, edit in _generic_edits(random.Random(0), plan)]
+            if plan.get("experts") is not None:
+                edits += _experts_edits(random.Random(0), plan)
+            name, edit, invalid = edits[k]
+            if invalid:
+                edit()
+                cases.append((which, name, _yaml(plan).encode()))
+    return cases
+
+
+@pytest.mark.parametrize("command", [["show", "plan.yaml"], ["export", "plan.yaml", "--to", "vllm"]])
+def test_every_reader_refuses_a_disagreeing_figure(command):
+    """A derived figure, an experts field or inputs.tp edited by hand: refused in one line by show and export
+    (issue 39: show divided by a zero routed_fetch_bytes_per_s, export wrote --tensor-parallel-size 2 with
+    whole-model figures, and both followed an edited prefetch_step)."""
+    from tests.fuzz.derived import PLANS
+
+    accepted = []
+    for which, name, text in _edited_plans():
+        result = _run(command, {"plan.yaml": text}, moe=PLANS[which])
+        if result.verdict != "error":
+            accepted.append(f"{which}: {name}: {result.verdict} {result.detail}")
+    assert not accepted, "\n".join(accepted)
+
+
+def test_check_shows_an_edited_prefetch_step_as_stale():
+    """check reads a plan whose figures disagree and shows the edit as the difference from what make writes."""
+    plan = base().plan_copy("plain")
+    plan["offload"]["prefetch_step"] += 1
+    result = _run(["check", "plan.yaml"], {"plan.yaml": _yaml(plan).encode()})
+    assert result.verdict == "error" and "stale" in result.message, result
+
+
+def test_unedited_plans_pass_every_reader():
+    """The round trip: every base plan (each regime) as make wrote it passes show, export and diff."""
+    from tests.fuzz.derived import PLANS
+    from tests.fuzz.roundtrip import READERS
+
+    readers = [[part.replace("new.yaml", "plan.yaml") for part in r] for r in READERS if r[0] != "check"]
+    for which, moe in PLANS.items():
+        result = _run(readers[0], {"plan.yaml": base().plan_text_of(which).encode()}, then=readers[1:],
+                      invalid=False, moe=moe)
+        assert result.verdict == "accepted", (which, result)

@@ -59,7 +59,7 @@ def _regime_plans() -> dict[str, str]:
     profile = dict(base().profile, gpu_link_bytes_per_s={"value": 4.5e11, "source": "assumed", "note": "test"})
     made = {"routed": (True, ["--tokens", "1", "--context", "64", "--budget", "61440B"]),
             "routed-serving": (True, ["--context", "64", "--concurrency", "2", "--chunk", "64", "--gpu-memory",
-                                      "2150KiB"]),
+                                      "2198KiB"]),
             "tp2": (False, ["--budget", base().budget, "--tp", "2"])}
     for name, (moe, flags) in made.items():
         with tempfile.TemporaryDirectory(prefix="regime-") as folder:
