@@ -26,7 +26,7 @@ def first_disagreeing_figure(plan: Plan) -> str | None:
     prices), None when every one agrees. show, export and diff refuse such a plan; check regenerates it and shows
     the difference (an edited prefetch_step is a stale plan there, with its diff and fix)."""
     for rules in (_tp_rules, _model_figures, _layer_figures, _memory_figures, _prediction_figures,
-                  _experts_row_rules, _step_rule):
+                  _experts_row_rules, _serving_figures, _adapter_figures, _step_rule):
         broken = rules(plan)
         if broken is not None:
             return broken
@@ -393,7 +393,8 @@ def _tokens_per_s_near(tokens_per_s: float, sequences: int, step_ms: float) -> b
     unit of it)."""
     low_ms, high_ms = max(0.0, step_ms - _MS_UNIT), step_ms + _MS_UNIT
     highest = math.inf if low_ms == 0 else 1e3 * sequences / low_ms
-    return 1e3 * sequences / high_ms * (1 - 1e-6) <= tokens_per_s <= highest * (1 + 1e-6)
+    # tokens/s is itself stored to MS_DECIMALS
+    return 1e3 * sequences / high_ms * (1 - 1e-6) - _MS_UNIT <= tokens_per_s <= highest * (1 + 1e-6) + _MS_UNIT
 
 
 def _step_rule(plan: Plan) -> str | None:
@@ -504,4 +505,45 @@ def _experts_row_rules(plan: Plan) -> str | None:
         if (not row.resident and row.hit_rate != 0.0) or (non_resident == 0 and (
                 row.hit_rate != 1.0 or row.expected_fetched_bytes)):
             return f"{where}.hit_rate {row.hit_rate:g} contradicts its {len(row.resident)} resident experts"
+    return None
+
+
+def _serving_figures(plan: Plan) -> str | None:
+    """serving: each row's tokens/s is its concurrency over its step; the chosen row is the plan's own figures."""
+    serving = plan.serving
+    if serving is None:
+        return None
+    for i, row in enumerate(serving.points):
+        if row.step_ms is not None and not _tokens_per_s_near(row.tokens_per_s, row.concurrency, row.step_ms):
+            return f"serving.points[{i}].tokens_per_s {row.tokens_per_s:g} is not its concurrency over its step_ms"
+    memory, prediction = plan.memory, plan.prediction
+    here = next((row for row in serving.points if row.concurrency == plan.workload.concurrency), None)
+    if here is None:
+        return f"serving.points has no row at the plan's concurrency {plan.workload.concurrency}"
+    derived = {"weights_gpu_bytes": memory.gpu_bytes, "kv_cache_bytes": memory.kv_cache_bytes,
+               "total_gpu_bytes": memory.total_gpu_bytes}
+    for key, value in derived.items():
+        if getattr(here, key) != value:
+            return (f"serving.points at concurrency {here.concurrency}: {key} {getattr(here, key)} is not the plan's "
+                    f"{value}")
+    if here.step_ms is None or not _near(here.step_ms, prediction.decode_step_ms):
+        return f"serving.points at concurrency {here.concurrency}: step_ms is not prediction.decode_step_ms"
+    return None
+
+
+def _adapter_figures(plan: Plan) -> str | None:
+    """adapters: copy times are bytes over the link; a LoRA pair is two tensors per adapted module."""
+    from planner.search import copy_ms_of
+
+    section, hardware = plan.adapters, plan.hardware
+    if section is None:
+        return None
+    for i, row in enumerate(section.items):
+        if row.num_tensors % 2 or row.num_tensors < 2 * len(row.target_modules):
+            return (f"adapters.items[{i}].num_tensors {row.num_tensors} is not a lora_A and lora_B for each of its "
+                    f"{len(row.target_modules)} module(s)")
+        if not _near(row.copy_ms, copy_ms_of(row.bytes, hardware.h2d_bytes_per_s, hardware.copy_overhead_us)):
+            return f"adapters.items[{i}].copy_ms {row.copy_ms:g} is not its bytes over the link"
+    if not _near(section.copy_ms, copy_ms_of(section.slot_bytes, hardware.h2d_bytes_per_s, hardware.copy_overhead_us)):
+        return f"adapters.copy_ms {section.copy_ms:g} is not slot_bytes over the link"
     return None
