@@ -7,7 +7,7 @@ import math
 import re
 
 from planner.errors import shown
-from planner.plan import NOTHING_FITS, AdaptersSection, Plan
+from planner.plan import NOTHING_FITS, AdaptersSection, Plan, routed_expert_bytes, routed_rows
 
 
 def first_broken_rule(plan: Plan, *, derived: bool = True) -> str | None:
@@ -259,19 +259,12 @@ def _model_figures(plan: Plan) -> str | None:
     return None
 
 
-def _routed_rows(plan: Plan) -> dict:
-    """index -> experts.layers row of every routed MoE layer."""
-    if plan.experts is None:
-        return {}
-    return {row.index: row for row in plan.experts.layers if row.regime == "routed"}
-
-
 def _layer_figures(plan: Plan) -> str | None:
     """layers: an offloaded layer moves its selected params, a routed one its non-resident experts, any other
     nothing; each copy time is its bytes over the profile's link."""
     from planner.search import copy_ms_of
 
-    offloaded, routed = set(plan.offload.layers), _routed_rows(plan)
+    offloaded, routed = set(plan.offload.layers), routed_rows(plan)
     hardware = plan.hardware
     for row in plan.layers:
         where = f"layers[{row.index}]"
@@ -289,7 +282,7 @@ def _layer_figures(plan: Plan) -> str | None:
 def _memory_figures(plan: Plan) -> str | None:
     """memory: the weights on the GPU are what the layer rows, slots and buffers leave there, plus the slack."""
     memory, model, experts = plan.memory, plan.model, plan.experts
-    routed = _routed_rows(plan)
+    routed = routed_rows(plan)
     # a routed layer pins every expert on the host (its gather reads them there) and keeps copies of its resident
     # ones on the GPU beside the rest of the layer
     resident_experts, pinned_experts = routed_expert_bytes(plan)
@@ -322,23 +315,6 @@ def _memory_figures(plan: Plan) -> str | None:
     return None
 
 
-def routed_expert_bytes(plan: Plan) -> tuple[int, int]:
-    """(bytes of the routed layers' resident experts, on the GPU; bytes of every expert of those layers, pinned on
-    the host) as the plan's rows give them: what memory.resident_layer_bytes leaves out (0, 0 without routed
-    layers). show's memory rows and the reader's rules both count them so."""
-    routed = _routed_rows(plan)
-    each = {index: _expert_bytes_of(plan, row) for index, row in routed.items()}
-    return (sum(len(routed[index].resident) * nbytes for index, nbytes in each.items()),
-            sum(plan.experts.num_experts * nbytes for nbytes in each.values()))
-
-
-def _expert_bytes_of(plan: Plan, row) -> int:
-    """One expert of a routed layer: its non-resident bytes over its non-resident experts (the section's
-    expert_bytes, the largest layer's, where every expert is resident)."""
-    non_resident = plan.experts.num_experts - len(row.resident)
-    return plan.layers[row.index].offloaded_bytes // non_resident if non_resident else plan.experts.expert_bytes
-
-
 def _is_decode(plan: Plan) -> bool:
     workload = plan.workload
     return workload.context_tokens > 0 and workload.tokens_per_step == workload.sequences_per_step
@@ -354,9 +330,9 @@ def _prediction_figures(plan: Plan) -> str | None:
     if not _near(prediction.resident_step_ms, compute, len(plan.layers) + 1):
         return (f"prediction.resident_step_ms {prediction.resident_step_ms:g} is not head_ms and the layers' "
                 f"compute_ms ({compute:.4f})")
-    decode, routed = _is_decode(plan), bool(_routed_rows(plan))
+    decode, routed = _is_decode(plan), bool(routed_rows(plan))
     if routed and decode:
-        copied = sum(row.expected_fetched_bytes for row in _routed_rows(plan).values())
+        copied = sum(row.expected_fetched_bytes for row in routed_rows(plan).values())
     elif routed:
         copied = sum(row.offloaded_bytes for row in plan.layers)
     else:  # a layer alone in its slot stays there: copied once at load, not every step
@@ -367,7 +343,7 @@ def _prediction_figures(plan: Plan) -> str | None:
         copied = sum(plan.layers[layers[k]].offloaded_bytes for k in schedule.copied_positions()) if layers else 0
     # a routed layer's expected fetch is stored rounded, the step's total unrounded: one byte a row apart; a
     # prefetch also gathers predictions that miss, up to the routed layers' non-resident bytes more
-    slack = len(_routed_rows(plan)) if routed and decode else 0
+    slack = len(routed_rows(plan)) if routed and decode else 0
     extra = sum(row.offloaded_bytes for row in plan.layers) if routed and decode and plan.experts.prefetch else 0
     if not copied - slack <= prediction.copy_bytes_per_step <= copied + slack + extra:
         return (f"prediction.copy_bytes_per_step {prediction.copy_bytes_per_step} is not the {copied} bytes its rows "
@@ -403,7 +379,7 @@ def _step_rule(plan: Plan) -> str | None:
     copied whole through the staging buffer) is priced from figures the plan does not hold."""
     from planner.report import resimulate, routed_decode
 
-    if _routed_rows(plan) and not routed_decode(plan):
+    if routed_rows(plan) and not routed_decode(plan):
         return None
     derived = resimulate(plan).step_ms
     if not _near(plan.prediction.step_ms, derived, 2 * len(plan.layers) + 2, relative=2e-3):
@@ -441,7 +417,7 @@ def _experts_rules(plan: Plan) -> str | None:
     if not 0 < experts.expert_bytes * experts.num_experts <= largest:
         return (f"experts: {experts.num_experts} experts of {experts.expert_bytes} bytes do not fit in any layer "
                 f"(the largest holds {largest})")
-    routed = bool(_routed_rows(plan))
+    routed = bool(routed_rows(plan))
     slots = min(plan.workload.tokens_per_step * experts.top_k, experts.num_experts) if routed else 0
     sets = 2 if experts.prefetch is not None else 1
     derived = {"fetch_slots": slots, "fetch_buffer_bytes": slots * experts.expert_bytes * sets,
@@ -464,7 +440,7 @@ def _experts_point_rule(plan: Plan) -> str | None:
     here = next((point for point in experts.points if point.concurrency == plan.workload.concurrency), None)
     if here is None:
         return f"experts.points has no row at the plan's concurrency {plan.workload.concurrency}"
-    routed = _routed_rows(plan)
+    routed = routed_rows(plan)
     if here.regime != ("routed" if routed else "whole_layer"):
         return f"experts.points at concurrency {here.concurrency} chose {here.regime}, not the plan's regime"
     if routed and here.num_resident != sum(len(row.resident) for row in routed.values()):

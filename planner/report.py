@@ -5,8 +5,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from planner.plan import ExpertsPlan, Plan
-from planner.plan_rules import routed_expert_bytes
+from planner.plan import ExpertsPlan, Plan, routed_expert_bytes
 from planner.schedule import PrefetchSchedule
 from planner.simulate import STEPS_PER_GRAPH, Simulation, join_every_steps_for, simulate
 from planner.serving import OFFLOAD_MARGIN_SHARE
