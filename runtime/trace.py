@@ -240,6 +240,25 @@ def _load_model(model_path: str, device: str) -> nn.Module:
         transformers_logging.set_verbosity(verbosity)
 
 
+def _tokenized(tokenizer, prompts: list[str], model_path: str) -> list[torch.Tensor]:
+    """Each prompt's token ids ([1, T], T >= 1); a prompt the tokenizer turns into nothing is one line."""
+    tokenized = [tokenizer(prompt, return_tensors="pt")["input_ids"] for prompt in prompts]
+    empty = next((number for number, ids in enumerate(tokenized, start=1) if ids.numel() == 0), None)
+    if empty is not None:
+        raise UsageError(f"the tokenizer of {model_path} turns prompt {empty} into no tokens: its tokenizer files "
+                         "are missing or empty; point --model at a folder with the model's own tokenizer")
+    return tokenized
+
+
+def _check_vocabulary(tokenized: list[torch.Tensor], model: nn.Module, model_path: str) -> None:
+    """Every token id within the model's embedding: a tokenizer of another model indexes past it."""
+    rows = model.get_input_embeddings().num_embeddings
+    largest = max(int(ids.max()) for ids in tokenized)
+    if largest >= rows:
+        raise UsageError(f"the tokenizer of {model_path} gives token id {largest} but the model embeds {rows} "
+                         "tokens: the tokenizer is another model's; use the model's own")
+
+
 def record_trace(model_path: str, prompts: list[str], device: str | None = None,
                  decode_tokens: int = 0) -> RoutingTrace:
     """Load the checkpoint at ``model_path`` with transformers on ``device`` (default: CUDA when present, else
@@ -258,8 +277,11 @@ def record_trace(model_path: str, prompts: list[str], device: str | None = None,
         tokenizer = AutoTokenizer.from_pretrained(model_path)
     except (OSError, ValueError):
         raise UsageError(f"{model_path} has no tokenizer; point --model at a checkpoint folder with one") from None
+    tokenized = _tokenized(tokenizer, prompts, model_path)  # before the model loads: a tokenizer without its
+    # files still loads (transformers 5 builds an empty one) and turns every prompt into no tokens
     model = _load_model(model_path, device)
-    ids = [tokenizer(prompt, return_tensors="pt")["input_ids"].to(device) for prompt in prompts]
+    _check_vocabulary(tokenized, model, model_path)
+    ids = [prompt_ids.to(device) for prompt_ids in tokenized]
     hits: dict[int, tuple[int, ...]] = {}
     experts: dict[int, tuple] = {}
     num_tokens, counts = count_routing(model, ids, layout.stack, geometry.num_experts, decode_tokens,

@@ -54,6 +54,10 @@ CASES = {
                                     "does not exist"),
     "trace-output-folder": ([*TRACE, "--device", "cpu", "-o", "ckpt"], PROMPTS, "is a folder"),
     "trace-no-model-type": ([*TRACE, "--device", "cpu"], PROMPTS, "model_type"),
+    # a folder without tokenizer files: transformers 5 builds an empty tokenizer, and the forward crashed on the
+    # prompt's zero tokens (found by the 5,000-case campaign, seed 39)
+    "trace-empty-tokenizer": ([*TRACE, "--device", "cpu"], {**PROMPTS, "ckpt/config.json": _json(
+        {**base().moe.config, "model_type": "qwen3_moe"})}, "no tokens"),
     # outputs that are inputs
     "make-o-trace": ([*BASE_ARGS, "--routing-trace", GUARD_NAME, "-o", GUARD_NAME], {}, "--routing-trace"),
     "make-o-config": ([*BASE_ARGS, "-o", "ckpt/config.json"], {}, "--model"),

@@ -295,9 +295,11 @@ def invoke_cli_in(folder: Path, files: dict[str, bytes], args: list[str]) -> tup
 
 
 def _warm_trace(partial: Base, folder: Path) -> None:
-    """Run ``trace`` once on the MoE model (it has no tokenizer: an error): transformers' first tokenizer lookup
-    imports for seconds, which a timed case would read as a hang."""
-    files = partial.moe.files() | {"prompts.txt": b"hello\n"}
+    """Run ``trace`` once on the MoE model (with a model_type, so it reaches the tokenizer; it has no tokenizer
+    files: an error): transformers' first tokenizer lookup imports for seconds, which a timed case would read as a
+    hang."""
+    config = json.dumps({**partial.moe.config, "model_type": "qwen3_moe"}).encode()
+    files = partial.moe.files() | {"prompts.txt": b"hello\n", "ckpt/config.json": config}
     invoke_cli_in(folder / "moe", files, ["trace", "--model", "ckpt", "--prompts", "prompts.txt", "--device", "cpu"])
 
 
