@@ -187,7 +187,7 @@ def plan_from_dict(data: object, origin: str, *, derived: bool = True) -> Plan:
         experts = data["experts"]
         if isinstance(experts, dict):
             experts = {**OPTIONAL_EXPERTS, **experts}
-            if isinstance(experts["layers"], list):
+            if isinstance(experts.get("layers"), list):  # absent: refused below, naming the key
                 experts["layers"] = [{**OPTIONAL_EXPERT_LAYER, **row} if isinstance(row, dict) else row
                                      for row in experts["layers"]]
         kwargs["experts"] = _section(ExpertsPlan, experts, f"{origin}: experts",

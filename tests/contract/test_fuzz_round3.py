@@ -159,6 +159,14 @@ def test_every_reader_refuses_a_disagreeing_figure(command):
     assert not accepted, "\n".join(accepted)
 
 
+def test_an_experts_section_without_its_layers_is_one_line():
+    """A KeyError (exit 70) found by the campaign at seed 40: the experts section read its layers before its keys."""
+    plan = base().plan_copy("graph")
+    del plan["experts"]["layers"]
+    result = _run(["show", "plan.yaml", "--json"], {"plan.yaml": _yaml(plan).encode()}, moe=True)
+    assert result.verdict == "error" and "experts" in result.message, result
+
+
 def test_check_shows_an_edited_prefetch_step_as_stale():
     """check reads a plan whose figures disagree and shows the edit as the difference from what make writes."""
     plan = base().plan_copy("plain")
