@@ -263,10 +263,15 @@ def _adapter(name: str, source: str, revision: str | None, config: dict, entries
     if not pairs:
         raise ModelInputError(f"{origin}: {WEIGHTS_NAME} holds no tensors; save the adapter again")
     layer_bytes = [0] * len(layout.layers)
+    transformed = _layers_to_transform(config, len(layout.layers), origin)
     for module, pair in sorted(pairs.items()):
         index = _layer_of(module, layout, origin)
         _check_pair(module, pair, base, fields, origin)
         if index is not None:
+            if transformed is not None and index not in transformed:
+                raise ModelInputError(f"{origin}: the weights adapt {module} in layer {index}, which "
+                                      f"layers_to_transform {sorted(transformed)[:8]} leaves out; the config and "
+                                      "weights disagree")
             layer_bytes[index] += pair["A"].nbytes + pair["B"].nbytes
     if fields.target_modules is not None:
         _check_targets(fields.target_modules, sorted(pairs), suffixes, origin)
@@ -275,6 +280,19 @@ def _adapter(name: str, source: str, revision: str | None, config: dict, entries
                    target_modules=modules, base_model=fields.base_model, num_tensors=len(entries),
                    total_bytes=sum(e.nbytes for e in entries), layer_bytes=tuple(layer_bytes),
                    fingerprint=_fingerprint(entries, fields))
+
+
+def _layers_to_transform(config: dict, num_layers: int, origin: str) -> frozenset[int] | None:
+    """PEFT's layers_to_transform (an index or a list of them, each a layer of the stack), None where not given."""
+    value = config.get("layers_to_transform")
+    if value is None:
+        return None
+    indices = [value] if isinstance(value, int) and not isinstance(value, bool) else value
+    if not (isinstance(indices, list) and indices and all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_layers for i in indices)):
+        raise ModelInputError(f"{origin}: layers_to_transform is {shown(value)}; it must be a layer index or a list "
+                              f"of them, from 0 to {num_layers - 1}: fix {CONFIG_NAME}")
+    return frozenset(indices)
 
 
 def _targets(module: str, target: str) -> bool:

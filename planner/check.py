@@ -70,7 +70,9 @@ def check_plan(path: Path) -> CheckResult:
     """Check one plan file against its checkpoint, its profile and what make writes from its inputs now."""
     display = os.path.relpath(path)
     try:
-        plan = read_plan(path)  # first: a FIFO or folder is refused before anything reads it
+        # first: a FIFO or folder is refused before anything reads it; figures that disagree with the rest of
+        # the plan are a stale plan here, shown as the difference from what make writes
+        plan = read_plan(path, derived=False)
         text = Path(path).read_text()
     except (OSError, UnicodeDecodeError, PlanError) as error:
         message = str(error) if isinstance(error, PlanError) else f"{display}: cannot read ({error})"
@@ -124,7 +126,7 @@ def missing_checkpoints(paths: list[Path]) -> list[str]:
     missing = []
     for path in paths:
         try:
-            source = read_plan(path).inputs.model
+            source = read_plan(path, derived=False).inputs.model
         except PlanError:
             continue  # check_plan reports it
         if (source.startswith((".", "/")) and not Path(source).expanduser().exists()

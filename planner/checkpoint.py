@@ -125,6 +125,10 @@ def _load_local(path: Path, source: str) -> Checkpoint:
     if path.is_file():
         if path.name.endswith(".index.json"):
             folder, index_path = path.parent, path
+        elif path.suffix == ".json":  # a config.json is not a checkpoint; the tool that makes one from it is
+            raise ModelInputError(f"{path} is a JSON file, not a checkpoint: point --model at the model's folder "
+                                  f"(config.json and .safetensors shards), or write a header-only one from this "
+                                  f"config first: offload-plan header-checkpoint {path} DIR, then --model DIR")
         else:
             return _local_single(path, source, _read_config(path.parent))
     else:
@@ -308,11 +312,36 @@ def check_config(config: dict, origin: str) -> None:
                                           and low <= value <= high):
                 raise ModelInputError(f"{origin}: {prefix}{key} is {shown(value)}; it must be a whole number from "
                                       f"{low} to {high}: fix config.json")
+    for prefix, section in sections[1:]:  # the language model's figures are read from its own section
+        for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads"):
+            outer, inner = config.get(key), section.get(key)
+            if outer is not None and inner is not None and outer != inner:
+                raise ModelInputError(f"{origin}: {key} is {shown(outer)} but {prefix}{key} is {shown(inner)}; "
+                                      "the two must agree: fix config.json")
+    for prefix, section in sections:
+        broken = _section_rules(section)
+        if broken is not None:
+            raise ModelInputError(f"{origin}: {prefix}{broken}: fix config.json")
     architectures = config.get("architectures")
     if architectures is not None and not (
             isinstance(architectures, list) and all(isinstance(a, str) and a.isprintable() for a in architectures)):
         raise ModelInputError(f"{origin}: architectures is {shown(architectures)}; it must be a list of class names "
                               "such as [\"LlamaForCausalLM\"]: fix config.json")
+
+
+def _section_rules(section: dict) -> str | None:
+    """Keys whose meaning hangs on their type or on another key: a flag that is not a boolean (``"no"`` would read
+    as true), and layer_types that is not one type per layer."""
+    tied = section.get("tie_word_embeddings")
+    if tied is not None and not isinstance(tied, bool):
+        return f"tie_word_embeddings is {shown(tied)}; it must be true or false"
+    types, num_layers = section.get("layer_types"), section.get("num_hidden_layers")
+    if types is not None:
+        if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
+            return f"layer_types is {shown(types)}; it must be a list of layer type names"
+        if isinstance(num_layers, int) and len(types) != num_layers:
+            return f"layer_types lists {len(types)} types for num_hidden_layers {num_layers}; give one per layer"
+    return None
 
 
 # ---- Hugging Face hub ---------------------------------------------------------------------------------------

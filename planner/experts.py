@@ -242,7 +242,8 @@ class LayerRouting:
         optimism = self._optimism
         hit -= optimism.hit_rate_gap(len(resident), num_tokens)
         fetched -= optimism.fetched_gap(len(resident), num_tokens)
-        return min(1.0, max(0.0, hit)), max(0.0, fetched)
+        # a step fetches each non-resident expert at most once, however optimistic the counts were
+        return min(1.0, max(0.0, hit)), min(float(len(self.shares) - len(resident)), max(0.0, fetched))
 
     @functools.cached_property
     def _optimism(self) -> SelectionOptimism:

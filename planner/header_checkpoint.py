@@ -24,9 +24,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from planner.checkpoint import MAX_CONFIG_BYTES
-from planner.errors import ModelInputError, UsageError
-from planner.model_config import SAFETENSORS_DTYPES
+from planner.checkpoint import MAX_CONFIG_BYTES, check_config
+from planner.errors import ModelInputError, UsageError, shown
+from planner.model_config import CONFIG_LIMITS, SAFETENSORS_DTYPES, TEXT_SECTIONS
 from planner.untrusted import checked_path, load_json, read_capped
 
 #: written into every folder this module makes: what kind of checkpoint, and the files written there
@@ -64,7 +64,22 @@ def read_config(config_path: Path) -> dict:
                        fix="give the model's config.json")
     if not isinstance(config, dict):
         raise ModelInputError(f"{config_path}: config.json must hold a JSON object")
+    check_config(config, str(config_path))  # make's bounds: a checkpoint make would refuse is not written
+    _check_widths(config, str(config_path))
     return config
+
+
+def _check_widths(config: dict, origin: str) -> None:
+    """Every size of CONFIG_LIMITS the config gives, in range: make checks the widths where it reads them, and a
+    header-checkpoint reads them all (a 10^13 vocabulary would be a file no file system holds)."""
+    sections = [("", config)] + [(f"{key}.", config[key]) for key in TEXT_SECTIONS if isinstance(config.get(key), dict)]
+    for prefix, section in sections:
+        for key, (low, high) in CONFIG_LIMITS.items():
+            value = section.get(key)
+            if value is not None and not (isinstance(value, int) and not isinstance(value, bool)
+                                          and low <= value <= high):
+                raise ModelInputError(f"{origin}: {prefix}{key} is {shown(value)}; it must be a whole number from "
+                                      f"{low} to {high}: fix config.json")
 
 
 def dtype_for(name: str) -> str:
@@ -105,8 +120,11 @@ def write_owned_folder(out_dir: Path, *, kind: str, fill) -> None:
         written = sorted(path.name for path in staging.iterdir())
         (staging / MARKER_NAME).write_text(json.dumps({"kind": kind, "files": written}, indent=1) + "\n")
         move_into_place(staging, out_dir, previous)
-    except BaseException:
+    except BaseException as error:
         shutil.rmtree(staging, ignore_errors=True)  # the staging folder is ours: made above
+        if isinstance(error, OSError):  # a shard larger than the file system allows (EFBIG), a full disk
+            raise UsageError(f"cannot write the checkpoint beside {out_dir} ({error.strerror or type(error).__name__}"
+                             "); check the model's sizes, free space and permissions (nothing was changed)") from None
         raise
 
 

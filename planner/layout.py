@@ -152,9 +152,61 @@ def _check_config(checkpoint: Checkpoint, layers: list[LayerInfo], outside: list
     """config.json against the tensors: the embedding's width, the stack's depth, the experts present."""
     embedding = next((t for t in outside if t.name.endswith("embed_tokens.weight") and len(t.shape) == 2), None)
     moe_layers = [layer for layer in layers if any(is_expert_param(p[0]) for p in layer.params)]
-    check_against_tensors(model_config(checkpoint.config), source=checkpoint.source,
+    record = model_config(checkpoint.config)
+    check_against_tensors(record, source=checkpoint.source,
                           embedding_width=embedding.shape[1] if embedding else None, num_stack_layers=len(layers),
                           num_experts_present=max_experts(moe_layers) if moe_layers else None)
+    if record is not None:
+        _check_kv_heads(record, layers, checkpoint.source)
+        _check_quantization(record, checkpoint.tensors, checkpoint.source)
+
+
+#: dtypes whose shapes are the weights' own (packed formats such as MXFP4's U8 blocks are not)
+_UNPACKED_DTYPES = ("BF16", "F16", "F32", "F8_E4M3", "F8_E5M2")
+#: what each quant_method stores its quantized weights as
+_QUANT_DTYPES = {"fp8": ("F8_E4M3", "F8_E5M2"), "mxfp4": ("U8",)}
+
+
+def _check_kv_heads(record, layers: list[LayerInfo], source: str) -> None:
+    """config.json's KV heads x head_dim against the first k_proj's rows: the KV cache is planned from the config,
+    and a config that halves its heads would plan the cache at half its size."""
+    if not (record.num_kv_heads and record.head_dim):
+        return
+    for layer in layers:
+        for name, dtype, shape, _ in layer.params:
+            if name == "self_attn.k_proj.weight" and dtype in _UNPACKED_DTYPES and len(shape) == 2:
+                if shape[0] != record.num_kv_heads * record.head_dim:
+                    raise ModelInputError(
+                        f"{source}: config.json's {record.num_kv_heads} KV heads x head_dim {record.head_dim} is "
+                        f"{record.num_kv_heads * record.head_dim} rows, but layer {layer.index}'s k_proj has "
+                        f"{shape[0]}; the config is not this checkpoint's: use the model's own")
+                return
+
+
+def _check_quantization(record, tensors, source: str) -> None:
+    """quantization_config against the stored tensors: its method's dtypes are there, and FP8 block scales have
+    the shape weight_block_size gives their weight."""
+    quantization = record.quantization
+    if quantization is None:
+        return
+    wanted = _QUANT_DTYPES.get(quantization.method)
+    if wanted is not None and not any(t.dtype in wanted for t in tensors):
+        raise ModelInputError(f"{source}: config.json's quant_method is {quantization.method} but no tensor is "
+                              f"{' or '.join(wanted)}; the config is not this checkpoint's: use the model's own")
+    if quantization.method != "fp8" or quantization.weight_block is None:
+        return
+    by_name = {t.name: t for t in tensors}
+    for scale in tensors:
+        weight = by_name.get(scale.name.removesuffix("_scale_inv")) if scale.name.endswith("_scale_inv") else None
+        if weight is None or len(weight.shape) != 2 or len(scale.shape) != 2:
+            continue
+        rows, columns = quantization.weight_block
+        expected = (-(-weight.shape[0] // rows), -(-weight.shape[1] // columns))
+        if tuple(scale.shape) != expected:
+            raise ModelInputError(f"{source}: {scale.name} is {list(scale.shape)}, but weight_block_size "
+                                  f"[{rows}, {columns}] over its weight's {list(weight.shape)} gives {list(expected)}; "
+                                  "fix weight_block_size in config.json")
+        return
 
 
 def _layer_info(index: int, tensors: list[TensorEntry], stack: str, same: dict[tuple, tuple]) -> LayerInfo:

@@ -652,3 +652,30 @@ SECTIONS = {
     "memory": MemorySection,
     "prediction": PredictionSection,
 }
+
+
+# ---- figures the plan's rows give (planner.plan_rules holds the stored ones to them; show prints them) ----
+
+
+def routed_rows(plan: Plan) -> dict:
+    """index -> experts.layers row of every routed MoE layer."""
+    if plan.experts is None:
+        return {}
+    return {row.index: row for row in plan.experts.layers if row.regime == "routed"}
+
+
+def routed_expert_bytes(plan: Plan) -> tuple[int, int]:
+    """(bytes of the routed layers' resident experts, on the GPU; bytes of every expert of those layers, pinned on
+    the host) as the plan's rows give them: what memory.resident_layer_bytes leaves out (0, 0 without routed
+    layers). show's memory rows and the reader's rules both count them so."""
+    routed = routed_rows(plan)
+    each = {index: _expert_bytes_of(plan, row) for index, row in routed.items()}
+    return (sum(len(routed[index].resident) * nbytes for index, nbytes in each.items()),
+            sum(plan.experts.num_experts * nbytes for nbytes in each.values()))
+
+
+def _expert_bytes_of(plan: "Plan", row) -> int:
+    """One expert of a routed layer: its non-resident bytes over its non-resident experts (the section's
+    expert_bytes, the largest layer's, where every expert is resident)."""
+    non_resident = plan.experts.num_experts - len(row.resident)
+    return plan.layers[row.index].offloaded_bytes // non_resident if non_resident else plan.experts.expert_bytes

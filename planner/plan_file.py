@@ -119,14 +119,14 @@ def write_atomic(path: Path, text: str) -> None:
     Every problem with the destination (a folder, a missing or unwritable folder, a full disk) is one PlanError
     line, and the file that was there before is left as it was.
     """
+    from planner.outputs import destination_problem
+
     path = checked_path(path, PlanError, "output")
     directory = path.parent if str(path.parent) else Path(".")
     shown = printable(path)
-    if path.is_dir():
-        raise PlanError(f"{shown} is a folder; give a file name for the plan, e.g. {printable(path / 'plan.yaml')}")
-    if not directory.is_dir():
-        what = "is not a folder" if directory.exists() else "does not exist"
-        raise PlanError(f"output folder {printable(directory)} {what}; create it first or choose another path")
+    problem = destination_problem(path)
+    if problem is not None:
+        raise PlanError(problem)
     try:
         handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
     except OSError as error:
@@ -144,16 +144,18 @@ def write_atomic(path: Path, text: str) -> None:
         raise
 
 
-def read_plan(path: Path) -> Plan:
-    """Load and validate a plan file; any problem is a one-line PlanError naming the field."""
+def read_plan(path: Path, *, derived: bool = True) -> Plan:
+    """Load and validate a plan file; any problem is a one-line PlanError naming the field. ``derived``: refuse a
+    plan whose stored figures disagree with what its other fields give (check reads without, to diff it)."""
     path = Path(path)
     raw = read_capped(path, MAX_PLAN_BYTES, PlanError, "plan")
     data = load_yaml(raw, str(path), PlanError, fix="regenerate it with make")
-    return plan_from_dict(data, str(path))
+    return plan_from_dict(data, str(path), derived=derived)
 
 
-def plan_from_dict(data: object, origin: str) -> Plan:
-    """Build a Plan from parsed YAML; a schema 1 plan is upgraded to the current schema first."""
+def plan_from_dict(data: object, origin: str, *, derived: bool = True) -> Plan:
+    """Build a Plan from parsed YAML; a schema 1 plan is upgraded to the current schema first. ``derived``: as
+    read_plan's."""
     if not isinstance(data, dict):
         raise PlanError(f"{origin}: not a plan (expected a mapping); regenerate it with offload-plan make")
     expected = {"schema_version", "layers", *SECTIONS}
@@ -185,7 +187,7 @@ def plan_from_dict(data: object, origin: str) -> Plan:
         experts = data["experts"]
         if isinstance(experts, dict):
             experts = {**OPTIONAL_EXPERTS, **experts}
-            if isinstance(experts["layers"], list):
+            if isinstance(experts.get("layers"), list):  # absent: refused below, naming the key
                 experts["layers"] = [{**OPTIONAL_EXPERT_LAYER, **row} if isinstance(row, dict) else row
                                      for row in experts["layers"]]
         kwargs["experts"] = _section(ExpertsPlan, experts, f"{origin}: experts",
@@ -198,7 +200,7 @@ def plan_from_dict(data: object, origin: str) -> Plan:
         plan = Plan(**kwargs)
     except ValueError as error:
         raise PlanError(f"{origin}: {error}; regenerate the plan") from None
-    broken = first_broken_rule(plan)
+    broken = first_broken_rule(plan, derived=derived)
     if broken is not None:
         raise PlanError(f"{origin}: {broken}; a plan make could not have written: regenerate it with make")
     return plan

@@ -5,7 +5,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from planner.plan import ExpertsPlan, Plan
+from planner.plan import ExpertsPlan, Plan, routed_expert_bytes
 from planner.schedule import PrefetchSchedule
 from planner.simulate import STEPS_PER_GRAPH, Simulation, join_every_steps_for, simulate
 from planner.serving import OFFLOAD_MARGIN_SHARE
@@ -14,6 +14,11 @@ from planner.units import format_bytes, format_ms, format_rate
 
 TIMELINE_COLUMNS = 96
 NUM_STALLS_LISTED = 8
+
+
+def counted(number: int, noun: str) -> str:
+    """``number`` and ``noun``, plural unless one: "1 sequence", "8 sequences"."""
+    return f"{number:,} {noun}" if number == 1 else f"{number:,} {noun}s"
 
 
 def resimulate(plan: Plan) -> Simulation:
@@ -53,6 +58,7 @@ def _routed_simulation(plan: Plan) -> Simulation:
         return row.prefetch_hit_share, row.prefetch_ahead_share
 
     rate = experts.routed_fetch_bytes_per_s
+    link_ms = {row.index: 1e3 * row.expected_fetched_bytes / rate for row in routed}
     fetch_ms = {row.index: planned_layer_stall_ms(plan.layers[row.index].compute_ms,
                                                    1e3 * row.expected_fetched_bytes / rate,
                                                    row_hit, predicted=row is not routed[0], ahead_share=row_ahead,
@@ -60,13 +66,16 @@ def _routed_simulation(plan: Plan) -> Simulation:
                                                    num_slots=experts.fetch_slots)
                 for row in routed for row_hit, row_ahead in (shares(row),)}
     head = plan.prediction.head_ms
-    intervals, stalls, now = [Interval(layer=-1, start_ms=0.0, end_ms=head)], [], head
+    intervals, stalls, fetches, now = [Interval(layer=-1, start_ms=0.0, end_ms=head)], [], [], head
     for row in plan.layers:
         stall = fetch_ms.get(row.index, 0.0)
         intervals.append(Interval(layer=row.index, start_ms=now + stall, end_ms=now + stall + row.compute_ms))
+        if row.index in link_ms and link_ms[row.index] > 0:  # the fetch ends as the layer starts
+            fetches.append(Interval(layer=row.index, start_ms=max(0.0, now + stall - link_ms[row.index]),
+                                    end_ms=now + stall))
         stalls.append(stall)
         now += stall + row.compute_ms
-    return Simulation(step_ms=now, stall_ms=sum(stalls), compute=tuple(intervals), copies=(),
+    return Simulation(step_ms=now, stall_ms=sum(stalls), compute=tuple(intervals), copies=tuple(fetches),
                       layer_stall_ms=tuple(stalls))
 
 
@@ -224,10 +233,11 @@ def verdict(plan: Plan) -> str:
     prediction, workload = plan.prediction, plan.workload
     if plan.serving is None:
         step = "decode step" if prediction.decode_step_ms is not None else "step"
-        return (f"{workload.tokens_per_step} tokens per {step} in {workload.sequences_per_step} sequence(s) on "
+        return (f"{counted(workload.tokens_per_step, 'token')} per {step} in "
+                f"{counted(workload.sequences_per_step, 'sequence')} on "
                 f"{where} {placement}: {format_ms(prediction.step_ms)} predicted, x{_slowdown(plan):.2f} the "
                 "all-resident step." + _whole_gpu_words(plan) + _engine_words(plan))
-    text = (f"Serves {workload.concurrency} sequences of up to {workload.context_tokens} tokens on {where} "
+    text = (f"Serves {counted(workload.concurrency, 'sequence')} of up to {workload.context_tokens} tokens on {where} "
             f"{placement}: {format_rate(prediction.decode_tokens_per_s)} decode tokens/s, "
             f"{format_ms(prediction.decode_step_ms)} per token; a {workload.chunk_tokens}-token prefill chunk takes "
             f"{format_ms(prediction.prefill_chunk_ms)}.")
@@ -264,7 +274,7 @@ def _against_no_offload(plan: Plan) -> str:
         return (f"Offloading would not serve more than {OFFLOAD_MARGIN_SHARE:.0%} more tokens/s here (the margin "
                 "past the predictions' measured error it must clear), so every weight stays resident.")
     ratio = plan.prediction.decode_tokens_per_s / serving.no_offload_tokens_per_s
-    return (f"Offloading nothing fits at most {serving.no_offload_concurrency} sequences for "
+    return (f"Offloading nothing fits at most {counted(serving.no_offload_concurrency, 'sequence')} for "
             f"{format_rate(serving.no_offload_tokens_per_s)} tokens/s "
             f"({format_ms(serving.no_offload_step_ms)} per token): "
             f"this plan gives x{ratio:.2f} the tokens/s.")
@@ -444,8 +454,9 @@ def _summary(plan: Plan) -> Table:
                               f"link {plan.hardware.h2d_bytes_per_s / 1e9:.1f} GB/s{_link_source(plan)}")
     if plan.inputs.tp > 1:
         table.add_row("tensor parallel", tp_summary(plan))
-    table.add_row("workload", f"{plan.workload.tokens_per_step} tokens/step in {plan.workload.sequences_per_step} "
-                              f"sequence(s), context {plan.workload.context_tokens}; {plan.workload.compute_source}"
+    table.add_row("workload", f"{counted(plan.workload.tokens_per_step, 'token')}/step in "
+                              f"{counted(plan.workload.sequences_per_step, 'sequence')}, context "
+                              f"{plan.workload.context_tokens}; {plan.workload.compute_source}"
                               + _estimate_spread(plan)
                               + (f"; CUDA-graph replays of {_replay_steps()} ({_replay_boundary(plan)})"
                                  if plan.workload.cuda_graph else ""))
@@ -510,8 +521,12 @@ def _memory(plan: Plan) -> Table:
     table.add_column("where")
     table.add_column("bytes", justify="right")
     table.add_column("", justify="right")
+    resident_experts, _ = routed_expert_bytes(plan)
+    num_routed = sum(row.regime == "routed" for row in plan.experts.layers) if resident_experts else 0
     rows = [
-        ("GPU: resident layer params", memory.resident_layer_bytes),
+        ("GPU: resident layer params" + (" (routed layers: all but their experts)" if num_routed else ""),
+         memory.resident_layer_bytes),
+        *([(f"GPU: resident experts of the {num_routed} routed layer(s)", resident_experts)] if num_routed else []),
         ("GPU: outside the stack (embeddings, norms, head)", memory.non_layer_bytes),
         (f"GPU: {memory.num_slots} prefetch slot(s) x {format_bytes(memory.slot_bytes)}",
          memory.num_slots * memory.slot_bytes),
@@ -519,7 +534,8 @@ def _memory(plan: Plan) -> Table:
         ("GPU: alignment and allocator rounding (bound)", memory.allocation_slack_bytes),
         ("GPU: total weights", memory.gpu_bytes),
         ("GPU: budget", memory.budget_bytes),
-        ("host: pinned offloaded params", memory.host_pinned_bytes),
+        ("host: pinned every expert of the routed layers" if num_routed else "host: pinned offloaded params",
+         memory.host_pinned_bytes),
     ]
     if plan.adapters is not None:
         rows += [(f"GPU: {plan.adapters.num_slots} adapter slot(s) x {format_bytes(plan.adapters.slot_bytes)}",
@@ -527,8 +543,8 @@ def _memory(plan: Plan) -> Table:
                  (f"host: pinned adapters ({len(plan.adapters.items)})", plan.adapters.host_pinned_bytes)]
     if memory.total_gpu_bytes is not None:
         rows += [
-            (f"GPU: KV cache ({plan.workload.concurrency} sequences x {plan.workload.context_tokens} tokens, "
-             f"{plan.workload.kv_dtype})", memory.kv_cache_bytes),
+            (f"GPU: KV cache ({counted(plan.workload.concurrency, 'sequence')} x "
+             f"{plan.workload.context_tokens} tokens, {plan.workload.kv_dtype})", memory.kv_cache_bytes),
             ("GPU: activations (peak of a prefill chunk or an eager decode step), workspaces, allocator rounding",
              memory.activation_bytes),
             ("GPU: CUDA-graph pool (a captured decode step)", memory.cuda_graph_pool_bytes),
@@ -576,18 +592,37 @@ def _layer_table(plan: Plan, simulation: Simulation) -> Table:
     for name in ("layer", "where", "bytes", "moved", "compute", "copy", "waits"):
         table.add_column(name, justify="right" if name not in ("where",) else "left")
     offloaded = set(plan.offload.layers)
+    fetch_ms = _fetch_ms_by_layer(plan)
+    # a step moves an offloaded layer's selected params, a routed layer's expected fetch (not every expert it
+    # leaves on the host)
+    moved = {row.index: row.offloaded_bytes for row in plan.layers}
+    if fetch_ms:
+        moved.update({row.index: row.expected_fetched_bytes for row in plan.experts.layers if row.regime == "routed"})
     for row in plan.layers:
         stall = simulation.layer_stall_ms[row.index]
+        where = (Text("offloaded", style="cyan") if row.index in offloaded else Text("routed", style="magenta")
+                 if row.index in fetch_ms else Text("resident", style="green"))
+        copy = (format_ms(row.copy_ms) if row.index in offloaded else format_ms(fetch_ms[row.index])
+                if row.index in fetch_ms else "-")
         table.add_row(
             str(row.index),
-            Text("offloaded", style="cyan") if row.index in offloaded else Text("resident", style="green"),
+            where,
             format_bytes(row.bytes),
-            format_bytes(row.offloaded_bytes) if row.offloaded_bytes else "-",
+            format_bytes(moved[row.index]) if moved[row.index] else "-",
             format_ms(row.compute_ms),
-            format_ms(row.copy_ms) if row.index in offloaded else "-",
+            copy,
             Text(format_ms(stall), style="red") if stall > 1e-6 else "-",
         )
     return table
+
+
+def _fetch_ms_by_layer(plan: Plan) -> dict[int, float]:
+    """Each routed layer's expected fetch per step on the link (its copy column); empty without routed layers."""
+    if plan.experts is None:
+        return {}
+    rate = plan.experts.routed_fetch_bytes_per_s
+    return {row.index: 1e3 * row.expected_fetched_bytes / rate for row in plan.experts.layers
+            if row.regime == "routed"}
 
 
 def timeline_rows(simulation: Simulation, offloaded: set[int], columns: int = TIMELINE_COLUMNS) -> tuple[str, str]:
@@ -623,7 +658,8 @@ def _timeline(plan: Plan, simulation: Simulation, columns: int) -> Text:
         text.append(char, style={"#": "green", "o": "cyan", ".": "red", "h": "magenta"}[char])
     text.append("|\ncopy    |")
     text.append(copy_row, style="yellow")
-    text.append("|\n         # resident layer, o offloaded layer, . waiting for a copy, h head, = copy on the link\n")
+    link = "= copy or expert fetch on the link" if _fetch_ms_by_layer(plan) else "= copy on the link"
+    text.append(f"|\n         # resident layer, o offloaded layer, . waiting for a copy, h head, {link}\n")
     return text
 
 

@@ -235,11 +235,27 @@ def shard_entries(tensors: tuple[TensorEntry, ...], config: dict | None, tp: int
     names the first tensor that does not split, as a walk over every tensor would.
     """
     check_tp_size(tp)
+    try:
+        return _shard_or_unsplit(tensors, config, tp)
+    except _Unsplit as refused:
+        raise _refusal(refused.split, tp, refused.why, tensors, config) from None
+
+
+class _Unsplit(Exception):
+    """A size the engine cannot split: the Split that refuses and why (the refusal's line is built once, by
+    shard_entries: valid_tp_sizes asks about other sizes without building lines that would ask again)."""
+
+    def __init__(self, split: Split, why: str):
+        super().__init__(why)
+        self.split, self.why = split, why
+
+
+def _shard_or_unsplit(tensors: tuple[TensorEntry, ...], config: dict | None, tp: int) -> tuple[TensorEntry, ...]:
     model = tp_model(config)
     try:
         _check_heads(model, tp)
     except _Refused as why:
-        raise _refusal(Split(kind="kv", engine_class="QKVParallelLinear"), tp, str(why), tensors, config) from None
+        raise _Unsplit(Split(kind="kv", engine_class="QKVParallelLinear"), str(why)) from None
     kinds = _kinds_of(tensors)
     out = list(tensors)
     rank_shapes: dict[tuple, tuple[int, ...]] = {}
@@ -248,7 +264,7 @@ def shard_entries(tensors: tuple[TensorEntry, ...], config: dict | None, tp: int
         first = tensors[positions[0]]
         if split is None:
             split_of(first.name, len(shape))  # raises its one line
-        rank_shape = rank_shapes[key] = _rank_shape_checked(first, split, fp8, model, tp, tensors, config)
+        rank_shape = rank_shapes[key] = _rank_shape_checked(first, split, fp8, model, tp)
         _resize(out, tensors, positions, shape, rank_shape, dtype)
     for (weight_key, shape, dtype), positions in kinds.scales.items():
         rank_weight = rank_shapes[weight_key] if weight_key is not None else None
@@ -267,15 +283,14 @@ def _resize(out: list, tensors: tuple[TensorEntry, ...], positions: list[int], s
         out[position] = tensors[position].resized(rank_shape, nbytes)
 
 
-def _rank_shape_checked(entry: TensorEntry, split: Split, fp8: bool, model: TpModel, tp: int, tensors,
-                        config) -> tuple[int, ...]:
+def _rank_shape_checked(entry: TensorEntry, split: Split, fp8: bool, model: TpModel, tp: int) -> tuple[int, ...]:
     """Rank 0's shape of ``entry``; a size the engine cannot split is its one line."""
     try:
         shape = _rank_shape(entry, split, model, tp)
         if fp8:
             _check_fp8_blocks(entry, shape, split, model.fp8_block, tp)
     except _Refused as why:
-        raise _refusal(split, tp, f"cannot split {entry.name}: {why}", tensors, config) from None
+        raise _Unsplit(split, f"cannot split {entry.name}: {why}") from None
     return shape
 
 
@@ -370,8 +385,8 @@ def valid_tp_sizes(tensors: tuple[TensorEntry, ...], config: dict | None, *, exc
         if tp == exclude:
             continue
         try:
-            shard_entries(tensors, config, tp)
-        except ModelInputError:
+            _shard_or_unsplit(tensors, config, tp)
+        except (_Unsplit, ModelInputError):
             continue
         sizes.append(tp)
     return sizes

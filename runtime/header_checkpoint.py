@@ -40,10 +40,10 @@ def write_header_checkpoint(config_path: str | Path, out_dir: str | Path, *, dty
     if knows(config):
         specs = release_specs(config, dtype=dtype)
     elif record.quantization is not None:
-        raise ModelInputError(f"{config_path}: quantization_config ({shown(record.quantization.method)}) of model_type "
-                              f"{shown(record.model_type)}: header-checkpoint knows the quantized release layout of "
-                              f"{', '.join(sorted(LAYERS))} only, and writes no silent bf16; plan from the "
-                              "release's own headers (--model ORG/NAME)")
+        raise ModelInputError(f"{config_path}: {shown(record.quantization.method)}-quantized "
+                              f"{shown(record.model_type)}: header-checkpoint knows the quantized layouts of "
+                              f"{len(LAYERS)} families only (not silent bf16); plan from the release's own headers "
+                              "(--model ORG/NAME)")
     else:
         specs = tensor_specs(config_path, safetensors_dtype, config=config)
     return write_checkpoint_folder(config_path=config_path, specs=specs, out_dir=out_dir, shard_bytes=shard_bytes)

@@ -36,12 +36,29 @@ class Rank:
 
 
 def launched_rank(environ=os.environ) -> Rank | None:
-    """The rank torchrun started this process as, or None outside torchrun (or with one process)."""
-    world_size = int(environ.get(WORLD_SIZE_ENV, "1") or 1)
+    """The rank torchrun started this process as, or None outside torchrun (or with one process). A variable
+    that is not a whole number (torchrun writes them; a hand-set one may not be) is one line naming it."""
+    world_size = _env_count(environ, WORLD_SIZE_ENV, "1", minimum=1)
     if world_size <= 1:
         return None
-    return Rank(rank=int(environ.get(RANK_ENV, "0")), world_size=world_size,
-                local_rank=int(environ.get(LOCAL_RANK_ENV, environ.get(RANK_ENV, "0"))))
+    rank = _env_count(environ, RANK_ENV, "0", minimum=0)
+    local_rank = _env_count(environ, LOCAL_RANK_ENV, str(rank), minimum=0)
+    if rank >= world_size:
+        raise UsageError(f"{RANK_ENV}={rank} but {WORLD_SIZE_ENV}={world_size}: a rank is 0 to {world_size - 1}; "
+                         "launch with torchrun, which sets both")
+    return Rank(rank=rank, world_size=world_size, local_rank=local_rank)
+
+
+def _env_count(environ, name: str, default: str, *, minimum: int) -> int:
+    text = (environ.get(name, default) or default).strip()
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        raise UsageError(f"{name}={text[:40]!r} is not a whole number from {minimum}; unset it or launch with "
+                         "torchrun, which sets it")
+    return value
 
 
 def check_launch(plan: Plan, plan_path, environ=os.environ) -> Rank | None:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from planner.checkpoint import load_checkpoint
-from planner.errors import ModelInputError, UsageError
+from planner.errors import ModelInputError, UsageError, brief
 from planner.experts import moe_geometry
 from planner.layout import build_layout
 from planner.routing_trace import RoutingTrace
@@ -185,25 +185,103 @@ def read_prompts(path) -> list[str]:
     return prompts
 
 
+#: the devices a trace runs on: the CPU, or a CUDA GPU (cuda, cuda:N)
+_DEVICE = re.compile(r"^(cpu|cuda(:\d{1,4})?)$")
+#: quantization methods whose transformers loaders need accelerate
+_NEEDS_ACCELERATE = ("fp8", "mxfp4")
+
+
+def trace_device(device: str | None) -> str:
+    """The device a trace runs on, checked before any loading: --device as given (cpu, cuda, cuda:N on a GPU
+    this machine has), else CUDA when present, else the CPU. Anything else is one line."""
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if not _DEVICE.match(device):
+        raise UsageError(f"--device {device[:40]!r} is not a device a trace runs on; give cpu, cuda or cuda:N")
+    if device.startswith("cuda"):
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = int(device.partition(":")[2] or 0)
+        if index >= count:
+            raise UsageError(f"--device {device}: this machine has {count} CUDA GPU(s); give --device cpu"
+                             + (f" or cuda:0 to cuda:{count - 1}" if count else ""))
+    return device
+
+
+def check_loadable(config: dict | None, model_path: str) -> None:
+    """What transformers needs to load the model, checked before it loads (its own errors are pages, some after
+    a load report): a config.json with a model_type, and accelerate for FP8 and MXFP4 checkpoints."""
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str) or not config["model_type"]:
+        raise ModelInputError(f"{model_path}/config.json has no model_type, which transformers needs to load the "
+                              "model for a trace; add the model_type of its architecture (e.g. qwen3_moe)")
+    quantization = config.get("quantization_config")
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    if method in _NEEDS_ACCELERATE:
+        try:
+            import accelerate  # noqa: F401 (only whether it is there)
+        except ImportError:
+            raise UsageError(f"{model_path} is {method}-quantized and transformers loads such checkpoints through "
+                             "accelerate; pip install accelerate, then trace again") from None
+
+
+def _load_model(model_path: str, device: str) -> nn.Module:
+    """The model on ``device``, in eval mode; transformers' refusal (an architecture it does not know, tensors
+    that contradict the config) is one line, and its load report is not printed."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as transformers_logging
+
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()
+    try:
+        return AutoModelForCausalLM.from_pretrained(model_path, dtype="auto").to(device).eval()
+    except (ValueError, KeyError, OSError, RuntimeError, ImportError, TypeError) as error:
+        raise ModelInputError(f"transformers could not load {model_path} for a trace ({type(error).__name__}: "
+                              f"{brief(error, 100)}); check its config.json against its tensors") from None
+    finally:
+        transformers_logging.set_verbosity(verbosity)
+
+
+def _tokenized(tokenizer, prompts: list[str], model_path: str) -> list[torch.Tensor]:
+    """Each prompt's token ids ([1, T], T >= 1); a prompt the tokenizer turns into nothing is one line."""
+    tokenized = [tokenizer(prompt, return_tensors="pt")["input_ids"] for prompt in prompts]
+    empty = next((number for number, ids in enumerate(tokenized, start=1) if ids.numel() == 0), None)
+    if empty is not None:
+        raise UsageError(f"the tokenizer of {model_path} turns prompt {empty} into no tokens: its tokenizer files "
+                         "are missing or empty; point --model at a folder with the model's own tokenizer")
+    return tokenized
+
+
+def _check_vocabulary(tokenized: list[torch.Tensor], model: nn.Module, model_path: str) -> None:
+    """Every token id within the model's embedding: a tokenizer of another model indexes past it."""
+    rows = model.get_input_embeddings().num_embeddings
+    largest = max(int(ids.max()) for ids in tokenized)
+    if largest >= rows:
+        raise UsageError(f"the tokenizer of {model_path} gives token id {largest} but the model embeds {rows} "
+                         "tokens: the tokenizer is another model's; use the model's own")
+
+
 def record_trace(model_path: str, prompts: list[str], device: str | None = None,
                  decode_tokens: int = 0) -> RoutingTrace:
     """Load the checkpoint at ``model_path`` with transformers on ``device`` (default: CUDA when present, else
     the CPU), run ``prompts`` and count the routing of every MoE layer (of ``decode_tokens`` greedy tokens
     after each prompt when > 0)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
+    device = trace_device(device)
     checkpoint = load_checkpoint(model_path)
     layout = build_layout(checkpoint, None)
     geometry = moe_geometry(checkpoint.config, layout)
     if geometry is None:
         raise UsageError(f"{model_path} has no routed experts: a routing trace is for MoE models")
+    check_loadable(checkpoint.config, model_path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
     except (OSError, ValueError):
         raise UsageError(f"{model_path} has no tokenizer; point --model at a checkpoint folder with one") from None
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype="auto").to(device).eval()
-    ids = [tokenizer(prompt, return_tensors="pt")["input_ids"].to(device) for prompt in prompts]
+    tokenized = _tokenized(tokenizer, prompts, model_path)  # before the model loads: a tokenizer without its
+    # files still loads (transformers 5 builds an empty one) and turns every prompt into no tokens
+    model = _load_model(model_path, device)
+    _check_vocabulary(tokenized, model, model_path)
+    ids = [prompt_ids.to(device) for prompt_ids in tokenized]
     hits: dict[int, tuple[int, ...]] = {}
     experts: dict[int, tuple] = {}
     num_tokens, counts = count_routing(model, ids, layout.stack, geometry.num_experts, decode_tokens,

@@ -5,6 +5,7 @@ import sys
 from offload_plan import runtime_seam
 from offload_plan.console import say
 from offload_plan.options import OutputOption
+from planner.outputs import check_output
 from planner.plan_file import write_atomic
 
 
@@ -13,6 +14,7 @@ def calibrate(output: OutputOption = None):
 
     Example: offload-plan calibrate -o my-h100.yaml
     """
+    check_output(output, [])  # before minutes of measuring
     profile, text, details = runtime_seam.calibrate()
     if output is None:
         sys.stdout.write(text)

@@ -18,6 +18,7 @@ from offload_plan import runtime_seam
 from offload_plan.console import say, warn
 from planner.checkpoint import collector_paused
 from planner.errors import InfeasibleError, UsageError
+from planner.outputs import check_output
 from planner.plan import Inputs
 from planner.plan_file import render_plan, write_atomic
 from planner.tensor_parallel import parse_tp_sizes
@@ -39,12 +40,34 @@ def make(**values):
     repeated = {spec.name for spec in fields(Inputs) if typing.get_origin(spec.type) is tuple}
     inputs = Inputs(tp=sizes[0], **{name: tuple(value or ()) if name in repeated else value
                                     for name, value in values.items()})
+    for path in _outputs(output, sizes):
+        check_output(path, make_inputs_read(inputs))
     # --measure builds models on the GPU: the collector stays on for the cycles that may hold its memory
     with contextlib.nullcontext() if inputs.measure else collector_paused(freeze=ONE_COMMAND_PROCESS):
         if len(sizes) > 1:
             _make_tp_comparison(inputs, sizes, output)
         else:
             _make_one(inputs, output)
+
+
+def _outputs(output: Path | None, sizes: list[int]) -> list[Path]:
+    """The files make writes: -o PATH, or with several --tp sizes PATH.tpN.yaml for each."""
+    from planner.tensor_parallel import plan_path_for
+
+    if output is None:
+        return []
+    return [output] if len(sizes) == 1 else [plan_path_for(output, size) for size in sizes]
+
+
+def make_inputs_read(inputs: Inputs) -> list[tuple[str, str | None]]:
+    """(flag, path) of every file or folder make reads: the checkpoint (and a single file's config.json beside
+    it), the profile, the routing trace, the adapters, the profile --measure times against."""
+    read = [("--model", inputs.model), ("--gpu", inputs.gpu), ("--routing-trace", inputs.routing_trace),
+            ("--measured-on", inputs.measured_on)]
+    if inputs.model and Path(inputs.model).suffix == ".safetensors":
+        read.append(("--model's config", str(Path(inputs.model).with_name("config.json"))))
+    read += [("--adapter", option.partition("=")[2] or None) for option in inputs.adapters]
+    return read
 
 
 def _make_one(inputs: Inputs, output: Path | None) -> None:

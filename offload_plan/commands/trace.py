@@ -10,6 +10,7 @@ import typer
 from offload_plan import runtime_seam
 from offload_plan.console import say
 from planner.errors import UsageError, cut
+from planner.outputs import check_output
 
 #: the most greedy tokens a trace generates per prompt (a trace needs thousands of tokens in all, not millions)
 MAX_DECODE_TOKENS = 65_536
@@ -36,6 +37,7 @@ def trace(
     if not 0 <= decode_tokens <= MAX_DECODE_TOKENS:
         raise UsageError(f"--decode-tokens {cut(str(decode_tokens))} is out of range; give 0 (count the prompts) to "
                          f"{MAX_DECODE_TOKENS} greedy tokens per prompt")
+    check_output(output, [("--prompts", prompts), ("--model", model)])
     recorded = runtime_seam.record_routing_trace(model, prompts, device, decode_tokens)
     words = ["offload-plan", "trace", "--model", model, "--prompts", str(prompts)]
     words += ["--device", device] if device else []

@@ -8,6 +8,7 @@ every family in CI and scripts/fuzz_campaign.py the full campaign.
 from tests.fuzz.adapters import gen_adapters
 from tests.fuzz.architectures import gen_architectures
 from tests.fuzz.checkpoint import gen_config, gen_headers, gen_index
+from tests.fuzz.derived import gen_derived
 from tests.fuzz.core import (BASE_ARGS, DEFAULT_TIME_LIMIT_S, FAILURES, GUARD_NAME, SHARDS, VERDICTS, VERSION_LINE,
                              Case, Result, _framed, _header_of, base, failure_summary, invoke_cli, run_case,
                              scratch_dir)
@@ -17,19 +18,27 @@ from tests.fuzz.plans import gen_plans
 from tests.fuzz.profiles import gen_profiles
 from tests.fuzz.roundtrip import gen_roundtrip
 from tests.fuzz.serving import gen_sections, gen_serving_flags
+from tests.fuzz.surfaces import gen_header_checkpoint, gen_outputs, gen_tp, gen_trace_cli
 from tests.fuzz.traces import gen_traces
 
 GENERATORS = {"headers": gen_headers, "index": gen_index, "config": gen_config, "plans": gen_plans,
               "profiles": gen_profiles, "flags": gen_flags, "adapters": gen_adapters,
               "serving_flags": gen_serving_flags, "sections": gen_sections, "architectures": gen_architectures,
-              "paths": gen_paths, "roundtrip": gen_roundtrip, "traces": gen_traces}
+              "paths": gen_paths, "roundtrip": gen_roundtrip, "traces": gen_traces, "derived": gen_derived,
+              "tp": gen_tp, "trace_cli": gen_trace_cli, "header_checkpoint": gen_header_checkpoint,
+              "outputs": gen_outputs}
 FAMILIES = tuple(GENERATORS)
 FAMILY_TITLES = {"headers": "safetensors headers", "index": "index JSON", "config": "config.json",
                  "plans": "plan YAML", "profiles": "profile YAML", "flags": "CLI flags", "adapters": "LoRA adapters",
                  "serving_flags": "serving flags", "sections": "plan sections by hand",
                  "architectures": "architecture configs", "paths": "special files and long paths",
                  "roundtrip": "round trip (make, then every reader)",
-                 "traces": "routing traces (make --routing-trace, trace)"}
+                 "traces": "routing traces (make --routing-trace, trace)",
+                 "derived": "derived figures and experts sections",
+                 "tp": "tensor parallel (make --tp, then every reader)",
+                 "trace_cli": "trace's flags, output and config",
+                 "header_checkpoint": "header-checkpoint configs (then make and every reader)",
+                 "outputs": "outputs that are inputs"}
 
 __all__ = ["BASE_ARGS", "DEFAULT_TIME_LIMIT_S", "FAILURES", "FAMILIES", "FAMILY_TITLES", "GENERATORS", "GUARD_NAME",
            "SHARDS", "VERDICTS", "VERSION_LINE", "Case", "Result", "_framed", "_header_of", "base", "case_for",

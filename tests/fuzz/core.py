@@ -144,7 +144,7 @@ def _tensors(num_layers: int, hidden: int, moe: int) -> dict:
 
 def _config(num_layers: int, hidden: int, moe: int) -> dict:
     config = {"architectures": ["Qwen3MoeForCausalLM" if moe else "LlamaForCausalLM"], "hidden_size": hidden,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": hidden // 4,
+              "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": hidden // 4,  # k_proj: 16 rows
               "num_hidden_layers": num_layers, "vocab_size": 32, "intermediate_size": 2 * hidden}
     if moe:
         config.update(num_experts=moe, num_experts_per_tok=2, moe_intermediate_size=hidden)
@@ -195,6 +195,9 @@ class Base:
     #: a serving plan of the dense model (make --concurrency auto): its serving section and whole-GPU lines
     serving_plan_text: str = ""
     serving_plan: dict = field(default_factory=dict)
+    #: a decode plan of the MoE model that fetches routed experts (every MoE layer routed, some experts resident)
+    routed_plan_text: str = ""
+    routed_plan: dict = field(default_factory=dict)
     _files: dict = field(default_factory=dict)
 
     def files(self, moe: bool = False) -> dict[str, bytes]:
@@ -211,12 +214,14 @@ class Base:
     def plan_copy(self, which: str) -> dict:
         """A fresh copy of a parsed base plan, "plain", "graph" or "serving" (a JSON round trip: much faster
         than parsing the YAML again)."""
-        plans = {"plain": self.plan, "graph": self.graph_plan, "serving": self.serving_plan}
+        plans = {"plain": self.plan, "graph": self.graph_plan, "serving": self.serving_plan,
+                 "routed": self.routed_plan}
         return json.loads(json.dumps(plans[which]))
 
     def plan_text_of(self, which: str) -> str:
         """The YAML text of a base plan (see plan_copy)."""
-        return {"plain": self.plan_text, "graph": self.graph_plan_text, "serving": self.serving_plan_text}[which]
+        return {"plain": self.plan_text, "graph": self.graph_plan_text, "serving": self.serving_plan_text,
+                "routed": self.routed_plan_text}[which]
 
 
 _BASE: Base | None = None
@@ -260,10 +265,15 @@ def _build_base() -> Base:
         graph_text = _make_plan(partial, Path(folder), graph_args, True)
         serving_args = [*BASE_ARGS, "--context", "64", "--concurrency", "auto", "--chunk", "64"]
         serving_text = _make_plan(partial, Path(folder), serving_args, False)
+        # 60 KiB: the all-resident model takes 76.5 KiB with its arena's slack, and whole layers stream slower
+        routed_args = [*BASE_ARGS, "--budget", "61440B", "--tokens", "1", "--context", "64"]
+        routed_text = _make_plan(partial, Path(folder), routed_args, True)
         _warm_trace(partial, Path(folder))
     partial.plan_text, partial.graph_plan_text, partial.serving_plan_text = plan_text, graph_text, serving_text
     partial.plan, partial.graph_plan = yaml.safe_load(plan_text), yaml.safe_load(graph_text)
     partial.serving_plan = yaml.safe_load(serving_text)
+    partial.routed_plan_text, partial.routed_plan = routed_text, yaml.safe_load(routed_text)
+    assert partial.routed_plan["experts"]["regime"] == "routed", "the routed base plan must route its MoE layers"
     partial._files.clear()
     assert partial.plan["offload"]["layers"], "the base plan must offload layers, so plan mutations reach the schedule"
     return partial
@@ -285,9 +295,11 @@ def invoke_cli_in(folder: Path, files: dict[str, bytes], args: list[str]) -> tup
 
 
 def _warm_trace(partial: Base, folder: Path) -> None:
-    """Run ``trace`` once on the MoE model (it has no tokenizer: an error): transformers' first tokenizer lookup
-    imports for seconds, which a timed case would read as a hang."""
-    files = partial.moe.files() | {"prompts.txt": b"hello\n"}
+    """Run ``trace`` once on the MoE model (with a model_type, so it reaches the tokenizer; it has no tokenizer
+    files: an error): transformers' first tokenizer lookup imports for seconds, which a timed case would read as a
+    hang."""
+    config = json.dumps({**partial.moe.config, "model_type": "qwen3_moe"}).encode()
+    files = partial.moe.files() | {"prompts.txt": b"hello\n", "ckpt/config.json": config}
     invoke_cli_in(folder / "moe", files, ["trace", "--model", "ckpt", "--prompts", "prompts.txt", "--device", "cpu"])
 
 
@@ -322,6 +334,7 @@ class Case:
 
 
 #: what a special path can be: a FIFO (opening it for reading waits for a writer), a folder, or a link to a device
+#: (or, as "link-to:NAME", to another file of the case)
 SPECIAL_KINDS = ("fifo", "folder", "dev-null", "dev-zero", "dev-urandom", "link-to-fifo")
 
 
@@ -339,6 +352,8 @@ def make_special(path: Path, kind: str) -> None:
     elif kind == "link-to-fifo":
         os.mkfifo(path.with_name(path.name + ".fifo"))
         path.symlink_to(path.name + ".fifo")
+    elif kind.startswith("link-to:"):  # a link to another of the case's files (an output that is an input)
+        path.symlink_to(kind.removeprefix("link-to:"))
     else:
         path.symlink_to("/dev/" + kind.removeprefix("dev-"))
 
@@ -391,6 +406,8 @@ def run_case(case: Case, root: Path, index: int = 0, time_limit_s: float = DEFAU
         message = ([line for line in stderr.splitlines() if line.strip()] or [""])[-1]
         elapsed_ms = 1e3 * (time.perf_counter() - start)
         verdict, detail = _classify(case, code, stderr, exception, folder)
+        if verdict in ("error", "accepted", "accepted-invalid"):
+            verdict, detail = _inputs_kept(case, files, folder, code) or (verdict, detail)
         if verdict == "accepted" and case.then:
             verdict, detail = _round_trip(case.then)
             elapsed_ms = 1e3 * (time.perf_counter() - start)
@@ -419,6 +436,26 @@ def _round_trip(commands: tuple) -> tuple[str, str]:
             verdict = "traceback" if BUG_MARKER in last else "round-trip"
             return verdict, f"{' '.join(command[:1] + command[2:])}: {last[:140]}"
     return "accepted", ""
+
+
+def _inputs_kept(case: Case, files: dict, folder: Path, code: int) -> tuple[str, str] | None:
+    """("clobbered", which) when the command changed a file the case wrote (an input: the checkpoint, profile,
+    plans, traces, prompts), None when every one is as written. A command that succeeded may write its own -o."""
+    outputs = {case.args[i + 1] for i, word in enumerate(case.args[:-1]) if word in ("-o", "--output")} if code == 0 \
+        else set()
+    for relative, data in files.items():
+        if data is None or relative in case.special or relative in outputs or relative == GUARD_NAME:
+            continue
+        path = folder / relative
+        if any(parent in case.special for parent in map(str, Path(relative).parents)):
+            continue
+        try:
+            same = path.is_file() and not path.is_symlink() and path.read_bytes() == data
+        except OSError:
+            same = False
+        if not same:
+            return "clobbered", f"input {relative} changed by {case.args[0]}"
+    return None
 
 
 def _classify(case: Case, code: int, stderr: str, exception: BaseException | None, folder: Path) -> tuple[str, str]:

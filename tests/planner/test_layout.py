@@ -50,3 +50,51 @@ def test_layer_kinds_groups_identical_layers():
     moe = (("mlp.experts.0.w", "BF16", (4, 4), 32), ("mlp.gate.weight", "BF16", (2, 4), 16))
     layers = tuple(LayerInfo(index=i, params=dense if i < 2 else moe) for i in range(5))
     assert layer_kinds(layers) == ((0, 1), (2, 3, 4))
+
+
+def _layout_error(folder) -> str:
+    import pytest
+
+    from planner.checkpoint import load_checkpoint
+    from planner.errors import ModelInputError
+    from planner.layout import build_layout
+
+    with pytest.raises(ModelInputError) as error:
+        build_layout(load_checkpoint(str(folder)), None)
+    return str(error.value)
+
+
+def test_kv_heads_are_checked_against_k_proj(tmp_path):
+    """A config with half the KV heads its k_proj holds would plan the KV cache at half its size (issue 39)."""
+    import json
+
+    make_checkpoint(tmp_path / "ckpt", num_heads=4, num_kv_heads=4)
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    config["num_key_value_heads"] = 2
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
+    assert "2 KV heads x head_dim 16" in _layout_error(tmp_path / "ckpt")
+
+
+def test_quantization_is_checked_against_the_stored_tensors(tmp_path):
+    """quant_method fp8 over bf16 tensors, and FP8 block scales whose shape weight_block_size does not give."""
+    import json
+
+    from tests.conftest import write_safetensors
+
+    folder = make_checkpoint(tmp_path / "bf16", extra_config={"quantization_config": {
+        "quant_method": "fp8", "weight_block_size": [16, 16]}}).path
+    assert "no tensor is F8_E4M3" in _layout_error(folder)
+    fp8 = tmp_path / "fp8"
+    fp8.mkdir()
+    tensors = {"model.embed_tokens.weight": ("BF16", (256, 64)), "model.norm.weight": ("BF16", (64,)),
+               "lm_head.weight": ("BF16", (256, 64))}
+    for i in range(2):
+        for proj, rows in (("q_proj", 64), ("k_proj", 64), ("v_proj", 64), ("o_proj", 64)):
+            tensors[f"model.layers.{i}.self_attn.{proj}.weight"] = ("F8_E4M3", (rows, 64))
+            tensors[f"model.layers.{i}.self_attn.{proj}.weight_scale_inv"] = ("F32", (2, 2))  # blocks of 32, not 16
+    write_safetensors(fp8 / "model.safetensors", dict(sorted(tensors.items())))
+    (fp8 / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "num_hidden_layers": 2, "vocab_size": 256, "intermediate_size": 128,
+        "quantization_config": {"quant_method": "fp8", "weight_block_size": [16, 16]}}))
+    assert "weight_block_size [16, 16]" in _layout_error(fp8)
