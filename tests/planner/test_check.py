@@ -85,8 +85,9 @@ def test_check_passes_a_plan_made_without_a_budget(workdir, own_profile):
     """make's whole-GPU default (no --budget) gives the weights what the KV cache, activations and CUDA context
     leave, past the profile's reserve; check holds that plan to the same rule, not to memory less reserve."""
     make_checkpoint(workdir / "ckpt", num_layers=8, num_shards=3)
+    _edit(own_profile, "value: 100000000\n", "value: 500000000\n")  # a reserve the whole-GPU budget passes
     plan = _make(["--gpu", "my-gpu.yaml", "--context", "64"])
-    reserve_limit = 1_000_000_000 - 100_000_000
+    reserve_limit = 1_000_000_000 - 500_000_000
     assert plan["memory"]["budget_bytes"] > reserve_limit  # the case check refused before
     assert _check("plan.yaml").exit_code == OK
 
