@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from planner.cost import ComputeTimes
 from planner.engine_targets import TARGETS, check_segment
 from planner.engine_versions import engine_version
-from planner.errors import PlanError, UsageError
+from planner.errors import PlanError, UsageError, shown
 from planner.plan import LayerRow, Plan
 from planner.search import Choice, LayerBytes, Searcher, SearchSpace, weight_gpu_bytes
 from planner.simulate import join_every_steps_for
@@ -200,9 +200,9 @@ def check_engine_architecture(engine: str | None, params: tuple[str, ...], confi
                          f"each offloaded layer; add --params {fixed}")
     if release.prefetch_wired(architecture):
         return
-    has = (f"for {architecture} it has {release.read_at_use_flag}, which reads offloaded params at use without "
-           f"prefetch: make the plan without --for and export it with --to {engine}, which restates it for "
-           f"{release.read_at_use_flag}") if release.read_at_use_wired(architecture) else \
-        f"it offloads no weights of {architecture or 'a model whose config names no architecture'}"
-    raise UsageError(f"--for {engine}: {release.label} wires its prefetch offloader (--offload-group-size) only "
-                     f"for {', '.join(release.prefetch.architectures)} ({release.prefetch.source}); {has}")
+    name = shown(architecture, 40) if architecture else "a config that names no architecture"
+    has = (f"it has {release.read_at_use_flag} there (params read at use, no prefetch): make the plan without "
+           f"--for; export --to {engine} restates it") if release.read_at_use_wired(architecture) \
+        else "it offloads none of its weights"
+    raise UsageError(f"--for {engine}: {release.label} does not wire its prefetch offloader (--offload-group-size) "
+                     f"for {name} (only {len(release.prefetch.architectures)} architectures); {has}")

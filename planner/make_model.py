@@ -10,7 +10,7 @@ from planner.checkpoint import Checkpoint
 from planner.cost import ComputeTimes, Workload, estimate_compute, geometry_from_config
 from planner.engine_versions import engine_version
 from planner.fp8_cost import fp8_compute_for, has_fp8_experts
-from planner.errors import MeasuredOutOfMemoryError, PlanError, UsageError
+from planner.errors import PlanError, UsageError
 from planner.expert_choice import Comparison, ExpertModel, routed_choice
 from planner.kv_cache import KvCacheModel
 from planner.layout import ModelLayout
@@ -114,15 +114,10 @@ class Model:
                     limit_bytes: int | None = None) -> int:
         """Peak activation bytes of a step of ``workload`` as the runtime runs it: a decode step over a static
         cache of ``static_cache_tokens``, else a prefill (MoE experts as planned_experts_implementation says).
-        Measured (--measure) within ``limit_bytes`` of GPU memory: a step that does not fit them counts as taking
-        them all, so its concurrency does not fit."""
+        Measured (--measure) within ``limit_bytes`` of GPU memory, raising MeasuredOutOfMemoryError where the step
+        does not fit them."""
         if self.measured_activations:
-            try:
-                return self.measure_activations(self.checkpoint, self.layout, workload, False, limit_bytes)
-            except MeasuredOutOfMemoryError:
-                if limit_bytes is None:
-                    raise
-                return limit_bytes
+            return self.measure_activations(self.checkpoint, self.layout, workload, False, limit_bytes)
         tokens_per_sequence = workload.tokens_per_step // workload.sequences_per_step
         step = StepShape(num_sequences=workload.sequences_per_step, tokens_per_sequence=tokens_per_sequence,
                          context_tokens=workload.context_tokens, static_cache_tokens=static_cache_tokens)

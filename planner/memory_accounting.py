@@ -6,7 +6,7 @@ from dataclasses import replace
 
 from planner.adapters import slot_bytes_of
 from planner.cost import Workload
-from planner.errors import InfeasibleError
+from planner.errors import InfeasibleError, MeasuredOutOfMemoryError
 from planner.make_inputs import workload_of
 from planner.make_model import Model
 from planner.plan import Inputs
@@ -26,13 +26,18 @@ def serving_other_bytes(model: Model, concurrency: int, gpu_memory_bytes: int | 
     # run's static cache keeps room past the context for the steps it times; engines allocate the context alone
     cache_tokens = inputs.context + DECODE_ROOM_TOKENS
     kv_bytes = model.kv.cache_bytes(num_sequences=concurrency, context_tokens=cache_tokens, kv_dtype=inputs.kv_dtype)
-    if (model.measured_activations and gpu_memory_bytes is not None
-            and kv_bytes + outside_allocator_bytes(model) > gpu_memory_bytes):
-        decode_bytes = chunk_bytes = gpu_memory_bytes  # cannot fit whatever the activations: nothing to measure
-    else:
+    measured = model.measured_activations and gpu_memory_bytes is not None
+    try:
+        if measured and kv_bytes + outside_allocator_bytes(model) > gpu_memory_bytes:
+            raise MeasuredOutOfMemoryError("the KV cache alone")  # nothing to measure: it cannot fit
         decode_bytes = model.activations(workload_of(concurrency, concurrency, inputs.context),
                                          static_cache_tokens=cache_tokens, limit_bytes=gpu_memory_bytes)
         chunk_bytes = model.activations(workload_of(inputs.chunk, 1, 0), limit_bytes=gpu_memory_bytes)
+    except MeasuredOutOfMemoryError:
+        if not measured:
+            raise
+        return replace(other_bytes(model, kv_bytes, gpu_memory_bytes, gpu_memory_bytes, inputs.cuda_graph),
+                       measured_out_of_memory=True)
     other = other_bytes(model, kv_bytes, decode_bytes, chunk_bytes, inputs.cuda_graph)
     # the adapters' slots are GPU memory at every concurrency: one per sequence by default, so they grow with it
     return replace(other, adapter_bytes=model.adapter_slots(concurrency) * slot_bytes_of(model.adapters))

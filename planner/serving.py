@@ -71,6 +71,9 @@ class OtherBytes:
     cuda_context_bytes: int
     #: LoRA adapters' GPU slots (planner.adapters; 0 without adapters)
     adapter_bytes: int = 0
+    #: make --measure: a step measured within the plan's GPU memory did not fit it (or its KV cache alone does not),
+    #: so nothing fits at this concurrency; the activations then stand at the whole GPU memory
+    measured_out_of_memory: bool = False
 
     @property
     def total_bytes(self) -> int:
@@ -247,7 +250,7 @@ def _best(points: list[ServingPoint]) -> ServingPoint:
 
 def _nothing_fits(concurrency: int, gpu_memory_bytes: int, other: OtherBytes, minimum_weight_bytes: int,
                   weights_budget_bytes: int | None) -> str:
-    if other.activation_bytes >= gpu_memory_bytes:  # make --measure: the step ran out of the plan's memory
+    if other.measured_out_of_memory:
         return (f"nothing fits {format_bytes(gpu_memory_bytes)} of GPU memory even at {concurrency} sequence(s): the "
                 f"KV cache takes {format_bytes(other.kv_cache_bytes)} and a step measured on this GPU (make --measure) "
                 "does not fit in what is left; shorten --context, use a smaller --chunk or --kv-dtype fp8, or give "

@@ -47,6 +47,8 @@ PREFILL_TOKENS = 2048
 #: share of the layer bytes the GPU holds at each cap (weights plans: of the budget; serving: taken from an
 #: all-resident serving plan's total)
 CAP_SHARES = {"loose": 0.8, "tight": 0.35}
+#: the tight cap's weights at least this much over the leanest whole-layer placement
+LEANEST_MARGIN = 1.1
 #: what a checkpoint folder's marker says this script wrote it
 KIND = "conformance-random-weights"
 ERROR_PREFIX = "offload-plan: error:"
@@ -196,6 +198,10 @@ def config_dict(model: Model, tiny: bool) -> dict:
     # the release's key beside the class's own where the class renames it (transformers 5.24's Qwen3MoeConfig
     # writes num_local_experts; Qwen3-30B-A3B's config.json and planner.release_format say num_experts)
     written |= {key: getattr(config, key, value) for key, value in dims.items() if key not in written}
+    if not written.get("architectures"):  # as save_pretrained and every release write it (make --for reads it)
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        written["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[written["model_type"]]]
     extra = dict(model.extra)
     if tiny and "quantization_config" in extra:
         extra["quantization_config"] = extra["quantization_config"] | {"weight_block_size": [32, 32]}
@@ -351,7 +357,11 @@ def caps_for(folder: Path, profile: str) -> dict:
     from planner.plan import Inputs
 
     layout = build_layout(load_checkpoint(str(folder)))
-    weights = {cap: int(layout.non_layer_bytes + share * layout.layer_bytes) for cap, share in CAP_SHARES.items()}
+    # a cap below the leanest whole-layer placement (everything outside the stack and two layers' slots) is a make
+    # refusal, not a plan: the tight cap stays a little above it
+    leanest = layout.non_layer_bytes + 2 * max(layer.nbytes for layer in layout.layers)
+    weights = {cap: max(int(layout.non_layer_bytes + share * layout.layer_bytes), int(LEANEST_MARGIN * leanest))
+               for cap, share in CAP_SHARES.items()}
     total_bytes = layout.non_layer_bytes + layout.layer_bytes
     try:
         resident = make_plan(Inputs(model=str(folder), gpu=profile, context=SERVING_CONTEXT, cuda_graph=True,

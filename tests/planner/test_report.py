@@ -56,10 +56,12 @@ def _regime_plans() -> dict[str, str]:
 
     plans = {"offloaded": base().plan_text, "experts-graph": base().graph_plan_text,
              "serving": base().serving_plan_text, "adapters": _adapter_plan_text()}
-    profile = dict(base().profile, gpu_link_bytes_per_s={"value": 4.5e11, "source": "assumed", "note": "test"})
+    # room for the KV cache, activations and the runtime's 320 MiB beside the weights-only plans' tiny budgets
+    profile = dict(base().profile, gpu_link_bytes_per_s={"value": 4.5e11, "source": "assumed", "note": "test"},
+                   gpu_memory_bytes={"value": 4e9, "source": "assumed", "note": "test"})
     made = {"routed": (True, ["--tokens", "1", "--context", "64", "--budget", "61440B"]),
             "routed-serving": (True, ["--context", "64", "--concurrency", "2", "--chunk", "64", "--gpu-memory",
-                                      "2198KiB"]),
+                                      "329878KiB"]),  # 2198 KiB and the runtime's 320 MiB
             "tp2": (False, ["--budget", base().budget, "--tp", "2"])}
     for name, (moe, flags) in made.items():
         with tempfile.TemporaryDirectory(prefix="regime-") as folder:

@@ -88,7 +88,8 @@ def _on_the_cpu(monkeypatch) -> None:
     from offload_plan import runtime_seam
 
     monkeypatch.setattr(runtime_seam, "require_cuda", lambda what: None)
-    monkeypatch.setattr(runtime_seam, "cap_gpu_memory", lambda limit_bytes: None)
+    monkeypatch.setattr(runtime_seam, "check_stack_fits", lambda plan: 0)
+    monkeypatch.setattr(runtime_seam, "cap_gpu_memory", lambda plan: None)
     monkeypatch.setattr(runtime_seam, "check_decode_flags", lambda plan, cuda_graph, compile_backend: None)
     monkeypatch.setattr(load, "require_cuda", lambda what="": torch.device("cpu"))
     monkeypatch.setattr(load, "CudaBackend", lambda device: CpuStandIn())
@@ -150,6 +151,7 @@ def test_make_measure_reads_each_header_and_config_once(sharded, tmp_path, monke
         return ComputeTimes(layer_ms=(0.1,) * len(layout.layers), head_ms=0.1, source="measured: a stand-in")
 
     monkeypatch.setattr(runtime_seam, "measured_compute", measure)
+    monkeypatch.setattr(runtime_seam, "measured_context_bytes", lambda gpu, measured_on: None)
     monkeypatch.chdir(tmp_path)
     _reset(counted)
     result = invoke(["make", "-m", sharded, "-g", "h100-sxm", "--budget", "1GiB", "--measure",
