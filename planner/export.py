@@ -48,7 +48,7 @@ from planner.engine_memory import SHARE_DECIMALS, describe
 from planner.engine_plan import Loss, expressible_plan
 from planner.engine_targets import ENGINES, OFFLOAD_FLAGS, TARGETS, EngineTarget, check_segment, flag_values
 from planner.engine_versions import GIB, EngineVersion, engine_version, flag_problems
-from planner.errors import OffloadPlanError, PlanError, UsageError, cut
+from planner.errors import OffloadPlanError, PlanError, UsageError, cut, shown
 from planner.make_inputs import regenerate_command
 from planner.plan import Plan
 from planner.schedule import PrefetchSchedule, offloaded_by_rule
@@ -227,9 +227,9 @@ def _offload(built: _Built) -> None:
     elif release.read_at_use_wired(architecture):
         _read_at_use(built)
     else:
-        raise PlanError(f"{release.label} offloads weights only for "
-                        f"{', '.join(release.read_at_use_architectures)} (pinned from its "
-                        f"{release.prefetch.source}); {architecture or 'this model'} is not one of them: serve the "
+        raise PlanError(f"{release.label} offloads the weights of {len(release.read_at_use_architectures)} "
+                        f"architectures (pinned from its {release.prefetch.source}) and "
+                        f"{shown(architecture, 40) if architecture else 'this model'} is not one of them: serve the "
                         "plan with offload-plan run")
 
 

@@ -185,3 +185,22 @@ def test_unedited_plans_pass_every_reader():
         result = _run(readers[0], {"plan.yaml": base().plan_text_of(which).encode()}, then=readers[1:],
                       invalid=False, moe=moe)
         assert result.verdict == "accepted", (which, result)
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_an_architecture_no_engine_release_wires_is_one_short_line(engine):
+    """A plan whose model.architecture no pinned release offloads (the campaign at seed 43 edited it in a plan):
+    export's refusal counts the architectures it does wire instead of listing them (450 characters before)."""
+    from dataclasses import replace
+
+    from planner.errors import OffloadPlanError
+    from planner.export import export_plan
+    from planner.plan_file import read_plan
+    from tests.conftest import REPO_ROOT
+
+    plan = read_plan(REPO_ROOT / "plans" / "llama-3.1-70b-h100-sxm-40gib.yaml")
+    unwired = replace(plan, model=replace(plan.model, architecture="NoSuchModelForCausalLM" * 8))
+    with pytest.raises(OffloadPlanError) as refused:
+        export_plan(unwired, engine)
+    message = str(refused.value)
+    assert "\n" not in message and len(message) <= 300, message
