@@ -79,9 +79,9 @@ def test_sglang_qwen3_32b_fraction_and_tokens_by_profile_max_num_token():
     outside = memory.activation_bytes + memory.cuda_graph_pool_bytes
     assert (1 - result.share) * total >= outside and result.max_share == 0.9122
     exported = export_plan(plan, "sglang")
-    assert _flag(exported.flags, "--mem-fraction-static") == "0.9085"
+    assert _flag(exported.flags, "--mem-fraction-static") == "0.8891"
     assert _flag(exported.flags, "--chunked-prefill-size") == "2048"
-    assert any("max_total_num_tokens=131,101" in n and "profile_max_num_token" in n for n in exported.notes)
+    assert any("max_total_num_tokens=131,082" in n and "profile_max_num_token" in n for n in exported.notes)
 
 
 def test_tensor_parallel_ranks_leave_room_for_nccl():
@@ -133,9 +133,9 @@ def test_make_for_sglang_plans_within_what_sglang_wires_for_the_family(llama_70b
     plan = read_plan(PLANS / "llama-3.1-70b-gh200-64gib.yaml")
     assert len(plan.offload.layers) % plan.offload.prefetch_step
     inputs = replace(plan.inputs, model=str(llama_70b), engine="sglang")
-    with pytest.raises(UsageError, match="for LlamaForCausalLM it has --cpu-offload-gb") as refused:
+    with pytest.raises(UsageError, match="for 'LlamaForCausalLM'.*it has --cpu-offload-gb") as refused:
         make_plan(inputs)
-    assert "\n" not in str(refused.value)
+    assert "\n" not in str(refused.value) and len(str(refused.value)) <= 300
     exported = export_plan(plan, "sglang")
     assert _flag(exported.flags, "--cpu-offload-gb") and len(exported.losses) == 1
     for_vllm = make_plan(replace(inputs, engine="vllm")).plan
