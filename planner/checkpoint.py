@@ -296,8 +296,9 @@ def _read_config(folder: Path) -> dict | None:
     return config
 
 
-def check_config(config: dict, origin: str) -> None:
-    """Every config.json key the planner reads has the type and range a real model's has (null: not given)."""
+def config_sections(config: dict, origin: str) -> list[tuple[str, dict]]:
+    """(key prefix, section) of config.json and of each language-model section it nests (text_config, ...); a
+    section that is not an object is one line."""
     sections = [("", config)]
     for key in TEXT_SECTIONS:
         section = config.get(key)
@@ -305,13 +306,24 @@ def check_config(config: dict, origin: str) -> None:
             raise ModelInputError(f"{origin}: {key} is {shown(section)}, not an object; fix config.json")
         if section is not None:
             sections.append((f"{key}.", section))
+    return sections
+
+
+def check_whole_numbers(sections: list[tuple[str, dict]], limits: dict, origin: str) -> None:
+    """Each key of ``limits`` (key -> (lowest, highest)) a section gives is a whole number in its range."""
     for prefix, section in sections:
-        for key, (low, high) in CONFIG_COUNTS.items():
+        for key, (low, high) in limits.items():
             value = section.get(key)
             if value is not None and not (isinstance(value, int) and not isinstance(value, bool)
                                           and low <= value <= high):
                 raise ModelInputError(f"{origin}: {prefix}{key} is {shown(value)}; it must be a whole number from "
                                       f"{low} to {high}: fix config.json")
+
+
+def check_config(config: dict, origin: str) -> None:
+    """Every config.json key the planner reads has the type and range a real model's has (null: not given)."""
+    sections = config_sections(config, origin)
+    check_whole_numbers(sections, CONFIG_COUNTS, origin)
     for prefix, section in sections[1:]:  # the language model's figures are read from its own section
         for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads"):
             outer, inner = config.get(key), section.get(key)

@@ -24,9 +24,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from planner.checkpoint import MAX_CONFIG_BYTES, check_config
-from planner.errors import ModelInputError, UsageError, shown
-from planner.model_config import CONFIG_LIMITS, SAFETENSORS_DTYPES, TEXT_SECTIONS
+from planner.checkpoint import MAX_CONFIG_BYTES, check_config, check_whole_numbers, config_sections
+from planner.errors import ModelInputError, UsageError
+from planner.model_config import CONFIG_LIMITS, SAFETENSORS_DTYPES
 from planner.untrusted import checked_path, load_json, read_capped
 
 #: written into every folder this module makes: what kind of checkpoint, and the files written there
@@ -72,14 +72,7 @@ def read_config(config_path: Path) -> dict:
 def _check_widths(config: dict, origin: str) -> None:
     """Every size of CONFIG_LIMITS the config gives, in range: make checks the widths where it reads them, and a
     header-checkpoint reads them all (a 10^13 vocabulary would be a file no file system holds)."""
-    sections = [("", config)] + [(f"{key}.", config[key]) for key in TEXT_SECTIONS if isinstance(config.get(key), dict)]
-    for prefix, section in sections:
-        for key, (low, high) in CONFIG_LIMITS.items():
-            value = section.get(key)
-            if value is not None and not (isinstance(value, int) and not isinstance(value, bool)
-                                          and low <= value <= high):
-                raise ModelInputError(f"{origin}: {prefix}{key} is {shown(value)}; it must be a whole number from "
-                                      f"{low} to {high}: fix config.json")
+    check_whole_numbers(config_sections(config, origin), CONFIG_LIMITS, origin)
 
 
 def dtype_for(name: str) -> str:
