@@ -503,7 +503,7 @@ def _measure_step(model: nn.Module, workload: Workload, graphed: bool) -> Activa
 @contextlib.contextmanager
 def held_to(limit_bytes: int | None, device: torch.device, what: str):
     """The process held to ``limit_bytes`` of the GPU (what CUDA holds outside the allocator counted in) inside;
-    running out of them is planner.errors.MeasuredOutOfMemoryError, the memory freed again either way. None: the
+    running out of them is planner.errors.MeasuredOutOfMemoryError (the caller frees the memory). None: the
     GPU's."""
     from runtime.serving import cap_gpu_memory, release_cap
 
@@ -516,7 +516,5 @@ def held_to(limit_bytes: int | None, device: torch.device, what: str):
     finally:
         if capped:
             release_cap(device)
-        gc.collect()
-        torch.cuda.empty_cache()
     if out_of_memory:
         raise MeasuredOutOfMemoryError(f"{what} does not fit {limit_bytes} bytes of GPU memory")

@@ -284,7 +284,7 @@ def resident_count(master, setting: Setting, fetch_slots: int, activation_bytes:
     kv_bytes = 2 * num_layers * text.num_key_value_heads * text.head_dim * cache_tokens(setting) * 2 * setting.batch
     outside = 0
     if setting.device.type == "cuda":
-        from runtime.serving import outside_allocator_bytes
+        from runtime.outside_memory import outside_allocator_bytes
 
         outside = outside_allocator_bytes(setting.device)
     left = (setting.gpu_memory_bytes - outside - non_expert - kv_bytes - (fetch_slots + num_experts) * expert_bytes
