@@ -34,7 +34,7 @@ def require_cuda(what: str) -> None:
 
 
 def measured_compute(checkpoint, layout, workload, profile, measured_on: str | None, graphed: bool):
-    """``make --measure``: per-layer times on the local GPU (planner.cost.ComputeTimes), scaled to ``profile``."""
+    """``make --measure``: per-layer times on the local GPU (planner.model.cost.ComputeTimes), scaled to ``profile``."""
     require_runtime("make --measure")
     from runtime.measure import measured_compute as measure
 
@@ -43,7 +43,8 @@ def measured_compute(checkpoint, layout, workload, profile, measured_on: str | N
 
 def measured_all_reduce(tp: int, profile, measured_on: str | None):
     """``make --tp N --measure``: the all-reduce's latency and bandwidth between N local GPUs
-    (planner.tensor_parallel.AllReduceLink), or the profile's figure, with why, where it cannot be measured here."""
+    (planner.model.tensor_parallel.AllReduceLink), or the profile's figure, with why, where it cannot be measured
+    here."""
     require_cuda("make --measure")
     from runtime.all_reduce import measured_link
 
@@ -140,7 +141,7 @@ def measured_context_bytes(gpu: str, measured_on: str | None) -> int | None:
     require_cuda("make --measure")
     import torch
 
-    from planner.profile import load_profile
+    from planner.source.profile import load_profile
     from runtime.measure import is_local_target
     from runtime.outside_memory import probe_outside_allocator_bytes
 
@@ -182,7 +183,8 @@ def measured_activation_bytes(checkpoint, layout, workload, graphed: bool, limit
 
 
 def record_routing_trace(model: str, prompts_path, device: str | None, decode_tokens: int = 0):
-    """``trace``: per-layer expert routing counts of ``model`` on the prompts (planner.routing_trace.RoutingTrace),
+    """``trace``: per-layer expert routing counts of ``model`` on the prompts
+    (planner.source.routing_trace.RoutingTrace),
     or on ``decode_tokens`` greedy tokens after each."""
     require_runtime("offload-plan trace")
     from runtime.trace import read_prompts, record_trace

@@ -1,5 +1,5 @@
 """``run --bench`` of a plan with adapters: a request stream, each request naming an adapter, served blocking
-and pipelined from the plan's GPU slots, measured against planner.adapter_stream's prediction of the same
+and pipelined from the plan's GPU slots, measured against planner.search.adapter_stream's prediction of the same
 schedule."""
 
 import statistics
@@ -8,8 +8,9 @@ from pathlib import Path
 
 import torch
 
-from planner.adapter_stream import (STREAM_NUM_BATCHES, StreamSchedule, StreamTimes, pure_compute_ms, schedule_stream,
-                                    simulate, stream_batches, stream_requests_per_batch, weights_on_link)
+from planner.search.adapter_stream import (STREAM_NUM_BATCHES, StreamSchedule, StreamTimes, pure_compute_ms,
+                                            schedule_stream, simulate, stream_batches, stream_requests_per_batch,
+                                            weights_on_link)
 from runtime.adapters import AdapterPool, LoraHooks, ServedStream, load_pool, serve_stream
 from runtime.timing import random_ids
 from runtime.load import Loaded

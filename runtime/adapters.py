@@ -7,7 +7,7 @@ adapter's rows of the batch, ``out[rows] += lora_B(lora_A(x[rows])) * scaling`` 
 its mixed-batch forward), with A and B in the base model's dtype (PEFT's ``autocast_adapter_dtype=False``;
 vLLM and SGLang also keep LoRA weights in the model's dtype).
 
-planner.adapter_stream decides which adapter goes into which slot and when; ``serve_stream`` executes it.
+planner.search.adapter_stream decides which adapter goes into which slot and when; ``serve_stream`` executes it.
 """
 
 import math
@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from planner.adapter_stream import StreamSchedule, StreamTimes, times_from_events
-from planner.adapters import CONFIG_NAME, WEIGHTS_NAME, lora_scaling, parse_adapter_option, read_adapter_config
+from planner.search.adapter_stream import StreamSchedule, StreamTimes, times_from_events
+from planner.model.adapters import CONFIG_NAME, WEIGHTS_NAME, lora_scaling, parse_adapter_option, read_adapter_config
 from planner.errors import ModelInputError
-from planner.placement import align_up
+from planner.model.placement import align_up
 from runtime.engine import PackedParam, view_as_param
 from runtime.allocation import alloc_device_or_fail, host_allocation_or_fail
 from runtime.load import cached_snapshot
@@ -201,7 +201,7 @@ class LoraHooks:
 
 def load_pool(model: nn.Module, plan, backend, plan_path: Path | None = None) -> tuple[AdapterPool, LoraHooks]:
     """The plan's adapters (inputs.adapters, NAME=PATH) in a pool of the plan's slots, and their hooks."""
-    from planner.checkpoint import resolve_local_source
+    from planner.source.checkpoint import resolve_local_source
 
     revisions = {row.name: row.revision for row in plan.adapters.items}
     adapters = []
@@ -220,7 +220,7 @@ def attach_adapter(model: nn.Module, plan, backend, name: str,
     """One of the plan's adapters applied to every row of the model's forwards (run --prompt --adapter): read
     into a pinned pool of its own, copied into one GPU slot, and the hooks pointed at it. The caller removes the
     hooks and closes the pool when done."""
-    from planner.checkpoint import resolve_local_source
+    from planner.source.checkpoint import resolve_local_source
 
     options = dict(parse_adapter_option(option) for option in plan.inputs.adapters)
     revisions = {row.name: row.revision for row in plan.adapters.items}

@@ -17,7 +17,7 @@ import statistics
 
 import torch
 
-from planner.profile import Figure, HardwareProfile, load_profile, profile_to_dict
+from planner.source.profile import Figure, HardwareProfile, load_profile, profile_to_dict
 from runtime.backend import CudaBackend
 from runtime.load import meminfo_bytes
 from runtime.measure import CALIBRATED_SUFFIX, local_profile_name

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from planner.checkpoint import Checkpoint
+from planner.source.checkpoint import Checkpoint
 from planner.errors import ModelInputError
-from planner.safetensors_header import HEADER_PREFIX_BYTES, read_header_json
+from planner.source.safetensors_header import HEADER_PREFIX_BYTES, read_header_json
 from runtime.engine import PackedParam, view_as_param
 
 
@@ -85,7 +85,7 @@ def read_sources(files: list[Path]) -> dict[str, SourceTensor]:
 
 
 def sources_of(checkpoint: Checkpoint, folder: Path) -> dict[str, SourceTensor]:
-    """Every tensor of a local checkpoint where its shard holds it, from the headers planner.checkpoint parsed
+    """Every tensor of a local checkpoint where its shard holds it, from the headers planner.source.checkpoint parsed
     and checked (tiling, sizes against the files): a load parses each header once. ``folder``: the checkpoint's
     folder, or its one .safetensors file."""
     shards = folder if folder.is_dir() else folder.parent

@@ -3,7 +3,7 @@
 Each offloaded layer's selected params are packed into one contiguous host buffer (one copy moves the
 layer) and re-pointed, permanently, at views of the layer's slot: addresses never change, which CUDA graphs
 and torch.compile need. Hooks around each offloaded layer's forward make the compute stream wait for the
-layer's copy, record that the layer has read its slot, and issue the copies that planner.schedule says
+layer's copy, record that the layer has read its slot, and issue the copies that planner.search.schedule says
 become possible at that point.
 
 Under torch.compile the hooks are traced into the graph as one opaque op, ``offload_plan::layer_boundary``,
@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from planner.layout import param_selected
-from planner.placement import ALIGN_BYTES, align_up
-from planner.schedule import PrefetchSchedule
+from planner.model.layout import param_selected
+from planner.model.placement import ALIGN_BYTES, align_up
+from planner.search.schedule import PrefetchSchedule
 from runtime.params import local_bytes, local_shape, repoint
 
 #: each offloaded layer's bytes start on a page of their own in the host allocation: layers are page-locked

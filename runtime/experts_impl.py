@@ -14,7 +14,7 @@ forward from ``config._experts_implementation`` (``transformers/integrations/moe
   time.
 
 The planner plans grouped_mm for both phases of bf16 weights (torch's CUDA grouped GEMM takes bf16 only) and
-each phase's fallback otherwise (planner.activations.planned_experts_implementation): batched_mm for captured
+each phase's fallback otherwise (planner.model.activations.planned_experts_implementation): batched_mm for captured
 decode, eager for prefill. The runtime runs the planned one, or the fallback where this stack has no native
 grouped_mm: ``check_fallback_fits`` then holds the fallback's activation estimate to what the plan set aside,
 before any weight is read.
@@ -22,9 +22,8 @@ before any weight is read.
 
 import torch
 
-from planner.activations import (
-    EXPERTS_FALLBACK, activation_shape, decode_activations, planned_experts_implementation, prefill_activations,
-)
+from planner.model.activations import (EXPERTS_FALLBACK, activation_shape, decode_activations,
+                                        planned_experts_implementation, prefill_activations)
 from planner.errors import UsageError
 from planner.units import format_bytes
 
@@ -62,7 +61,7 @@ def _torch_at_least(major: int, minor: int) -> bool:
 
 def implementation_for(phase: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
     """The experts implementation ``phase`` ("decode" or "prefill") runs on ``device`` for weights of ``dtype``:
-    the planned one (planner.activations.planned_experts_implementation), or its fallback where grouped_mm has
+    the planned one (planner.model.activations.planned_experts_implementation), or its fallback where grouped_mm has
     no native kernel here."""
     planned = planned_experts_implementation(phase, str(dtype).removeprefix("torch."))
     if planned == "grouped_mm" and not grouped_mm_native(device, dtype):

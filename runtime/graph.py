@@ -7,7 +7,7 @@ layers are rings indexed from that counter, runtime.static_cache), the ids and
 logits of each step (output buffers) and the offloaded weights (fixed slots). The offload copies and their
 event waits are captured with the forward. Inside a replay the copies wrap from step to step as eagerly;
 those that wrap past its last step are joined before it ends (OffloadEngine.finish_step); the planner models
-that join with ``--cuda-graph``. A replay runs planner.simulate.STEPS_PER_GRAPH steps (one, as the engines
+that join with ``--cuda-graph``. A replay runs planner.search.simulate.STEPS_PER_GRAPH steps (one, as the engines
 capture decode: 4 measured no faster on the H100); ``steps_per_call`` takes others.
 
 With ``compile_backend`` the step's forward runs under torch.compile (one graph, fixed shapes); the offload
@@ -24,8 +24,8 @@ import torch
 from planner.errors import RuntimeUnavailableError, UsageError
 # cache room past the context for warm-up and timed steps. transformers' static cache attends over its whole
 # length (masked), so step time grows with it: measuring, planning and running use the same room.
-from planner.serving import DECODE_ROOM_TOKENS
-from planner.simulate import STEPS_PER_GRAPH
+from planner.search.serving import DECODE_ROOM_TOKENS
+from planner.search.simulate import STEPS_PER_GRAPH
 from runtime.experts_impl import DECODE, PREFILL, phase_implementations, switch
 from runtime.quantized import compute_dtype
 from runtime.timing import time_calls

@@ -1,6 +1,6 @@
 """Header-only checkpoints of a config.json's model: the tensor list is the release's own where
-planner.release_format knows the family (quantized tensors and scales, one tensor per expert, multimodal towers),
-else transformers' (a model built on the meta device); the files come from planner.header_checkpoint (sparse
+planner.source.release_format knows the family (quantized tensors and scales, one tensor per expert, multimodal towers),
+else transformers' (a model built on the meta device); the files come from planner.source.header_checkpoint (sparse
 shards that declare every tensor and hold none).
 
 In the runtime because listing a model's tensors needs torch and transformers; ``offload-plan header-checkpoint``
@@ -12,17 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from planner.errors import ModelInputError, RuntimeUnavailableError, brief, shown
-from planner.model_config import model_config
-from planner.release_format import LAYERS, knows, release_specs
-from planner.header_checkpoint import (
-    DEFAULT_SHARD_BYTES,
-    HeaderCheckpoint,
-    TensorSpec,
-    dtype_for,
-    owned_files,
-    read_config,
-    write_checkpoint_folder,
-)
+from planner.model.model_config import model_config
+from planner.source.release_format import LAYERS, knows, release_specs
+from planner.source.header_checkpoint import (DEFAULT_SHARD_BYTES, HeaderCheckpoint, TensorSpec, dtype_for, owned_files,
+                                              read_config, write_checkpoint_folder)
 
 
 def write_header_checkpoint(config_path: str | Path, out_dir: str | Path, *, dtype: str | None = None,

@@ -14,16 +14,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from planner.checkpoint import Checkpoint, load_checkpoint, resolve_local_source
+from planner.source.checkpoint import Checkpoint, load_checkpoint, resolve_local_source
 from planner.errors import ModelInputError, PlanError, RuntimeUnavailableError
-from planner.plan import Plan
+from planner.plan.schema import Plan
 from planner.units import format_bytes
 from runtime.allocation import alloc_device_or_fail, host_allocation_or_fail
 from runtime.backend import CpuStandIn, CudaBackend
 from runtime.experts_impl import PREFILL, use_phase
 from runtime.routed_experts import RoutedExperts, allocate_for_plan
-from planner.placement import align_up
-from planner.schedule import PrefetchSchedule
+from planner.model.placement import align_up
+from planner.search.schedule import PrefetchSchedule
 from runtime.engine import (OffloadEngine, PackedParam, host_offsets, host_pieces, offloaded_layouts, pack_layout,
                             packed_bytes, view_as_param)
 from runtime.checkpoint_reader import Destination, sources_of
@@ -97,7 +97,7 @@ def check_fingerprint(plan: Plan, source: LoadSource) -> None:
 def check_experts_implementation(plan: Plan, config: dict | None, device: torch.device) -> None:
     """A MoE plan whose steps would run a fallback experts implementation (no native grouped_mm on this stack)
     that needs more activation memory than the plan set aside is refused here, before any weight is read."""
-    from planner.activations import activation_shape
+    from planner.model.activations import activation_shape
     from runtime.experts_impl import check_fallback_fits
     from runtime.graph import cache_tokens_for
 

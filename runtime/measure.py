@@ -24,13 +24,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from planner.checkpoint import Checkpoint
-from planner.cost import ComputeTimes, Workload, estimate_compute, geometry_from_config
-from planner.model_config import text_config
+from planner.source.checkpoint import Checkpoint
+from planner.model.cost import ComputeTimes, Workload, estimate_compute, geometry_from_config
+from planner.model.model_config import text_config
 from planner.errors import MeasuredOutOfMemoryError, OffloadPlanError, UsageError
-from planner.kv_cache import attention_layer_types
-from planner.layout import ModelLayout, config_num_layers, layer_kinds
-from planner.profile import HardwareProfile, load_profile
+from planner.model.kv_cache import attention_layer_types
+from planner.model.layout import ModelLayout, config_num_layers, layer_kinds
+from planner.source.profile import HardwareProfile, load_profile
 from runtime.experts_impl import PREFILL, use_phase
 from runtime.graph import cache_argument
 from runtime.quantized import check_runnable, fill_random_fp8, quantize_skeleton
@@ -100,7 +100,7 @@ def _load_cache() -> dict:
 
 
 def _save_cache(cache: dict) -> None:
-    from planner.plan_file import write_atomic
+    from planner.plan.file import write_atomic
 
     cache_path().parent.mkdir(parents=True, exist_ok=True)
     write_atomic(cache_path(), json.dumps(cache, indent=1, sort_keys=True))
@@ -118,7 +118,7 @@ def measured_kinds(layout: ModelLayout, config: dict) -> tuple[tuple[int, ...], 
 
 
 def _layer_types(config: dict) -> tuple:
-    """Each layer's attention type as transformers derives it (planner.kv_cache.attention_layer_types: a
+    """Each layer's attention type as transformers derives it (planner.model.kv_cache.attention_layer_types: a
     Gemma-3 config.json names no layer_types, they follow from sliding_window_pattern); config.json's explicit
     layer_types for the families that function leaves out (linear-attention hybrids)."""
     try:

@@ -15,7 +15,7 @@ kernel loads, it runs as is. Elsewhere each FP8 linear dequantizes its weight wh
 offloaded layer too, after the copy) with transformers' own arithmetic (``Fp8Dequantize``: the FP8 value times
 its float32 block scale, rounded once to the activation dtype) and runs a bf16 matmul. One path for resident
 and offloaded layers alike, so logits are bitwise equal to the all-resident FP8 model; the planner's FP8 cost
-(planner.fp8_cost) prices that path's memory traffic.
+(planner.model.fp8_cost) prices that path's memory traffic.
 
 MXFP4 (gpt-oss) runs quantized in transformers 5.17 and 5.24 only with the ``kernels`` package and a hub kernel
 (``kernels-community/gpt-oss-triton-kernels``; ``Mxfp4HfQuantizer``); without them transformers dequantizes it

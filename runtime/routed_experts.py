@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 from planner.errors import PlanError, RuntimeUnavailableError
-from planner.placement import ALIGN_BYTES, align_up
+from planner.model.placement import ALIGN_BYTES, align_up
 from planner.units import format_bytes
 from runtime.allocation import alloc_device_or_fail, host_allocation_or_fail
 from runtime.engine import PackedParam, backend_unpin, view_as_param
@@ -859,7 +859,7 @@ def prefetch_depth_from_plan(plan) -> int | None:
 def routed_from_plan(plan) -> tuple[dict[int, tuple[int, ...]], int]:
     """(layer -> resident ids, fetch_slots) of the plan's routed layers; empty where the plan has no
     ``experts`` section (dense plans, plans made before it) or routes no layer. Read defensively: the
-    planner's dataclasses (planner.plan ExpertsPlan / ExpertLayer) may lack fields in older plans."""
+    planner's dataclasses (planner.plan.schema ExpertsPlan / ExpertLayer) may lack fields in older plans."""
     experts = getattr(plan, "experts", None)
     if experts is None:
         return {}, 0

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from planner.errors import UsageError
-from planner.plan import Plan
+from planner.plan.schema import Plan
 from runtime.params import local_bytes
 
 #: torchrun's environment: this process's rank, the number of ranks, and its GPU on this host

@@ -5,7 +5,7 @@ forward pre-hook on each MoE layer's ``mlp.experts`` module counts the expert id
 sits on the experts rather than the router because transformers 5's experts interface takes the routing the
 same way in every architecture (``experts(hidden_states, top_k_index, top_k_weights)``: [tokens, top_k] ids),
 where routers return it in different shapes (Qwen3-MoE's gate returns logits, scores and indices; DeepSeek-V3's
-returns indices and weights). planner.routing_trace validates and writes the result.
+returns indices and weights). planner.source.routing_trace validates and writes the result.
 
 What is counted: the prompts' own tokens (prefill), or, with ``decode_tokens`` N > 0, only the N tokens greedily
 generated after each prompt, one decode step at a time: the steps a decode plan serves. Decode steps can route
@@ -19,12 +19,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from planner.checkpoint import load_checkpoint
+from planner.source.checkpoint import load_checkpoint
 from planner.errors import ModelInputError, UsageError, brief
-from planner.experts import moe_geometry
-from planner.layout import build_layout
-from planner.routing_trace import RoutingTrace
-from planner.untrusted import read_capped
+from planner.model.experts import moe_geometry
+from planner.model.layout import build_layout
+from planner.source.routing_trace import RoutingTrace
+from planner.source.untrusted import read_capped
 
 #: the experts module of a MoE layer in transformers 5: ``<stack>.<index>.mlp.experts``
 _EXPERTS_MODULE = re.compile(r"^(?P<stack>.+)\.(?P<index>\d+)\.mlp\.experts$")

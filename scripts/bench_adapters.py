@@ -253,7 +253,7 @@ def compare_with_peft(reference: PeftReference, outputs) -> dict:
 
 def load_placement(plan_path: Path, checkpoint: Path, device: str):
     """The plan's model as `run` loads it (streamed onto the CPU stand-in without a GPU)."""
-    from planner.plan_file import read_plan
+    from planner.plan.file import read_plan
 
     plan = read_plan(plan_path)
     if device == "cuda":
@@ -271,7 +271,7 @@ def run_plan(label: str, plan_path: Path, checkpoint: Path, reference: PeftRefer
     """Load the plan's model as `run` does, serve the stream both ways, check against PEFT."""
     import torch
 
-    from planner.adapter_stream import MODES
+    from planner.search.adapter_stream import MODES
     from runtime.adapter_bench import run_adapter_bench
     from runtime.adapters import load_pool
 

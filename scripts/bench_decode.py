@@ -27,7 +27,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import torch  # noqa: E402
 
-from planner.simulate import STEPS_PER_GRAPH  # noqa: E402
+from planner.search.simulate import STEPS_PER_GRAPH  # noqa: E402
 from runtime.backend import CudaBackend  # noqa: E402
 from runtime.timing import random_ids  # noqa: E402
 from scripts.benchmarking import (CONTEXT_TOKENS, checkpoint_parser, deterministic_decode, free, log,  # noqa: E402
@@ -117,8 +117,8 @@ def main(argv: list[str] | None = None) -> None:
     h2d = pinned_h2d_bytes_per_s()
     log(f"pinned H2D {h2d / 1e9:.1f} GB/s (best single copy)")
     calibrated_path = write_calibrated(args.out)
-    from planner.checkpoint import load_checkpoint
-    from planner.layout import build_layout
+    from planner.source.checkpoint import load_checkpoint
+    from planner.model.layout import build_layout
 
     layout = build_layout(load_checkpoint(str(args.checkpoint)))
     resident = build_model(str(args.checkpoint), None).cuda()

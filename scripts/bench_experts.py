@@ -16,7 +16,7 @@ finish:
   (runtime.routed_experts: the next routed layer's router predicts its experts, gathered on a side stream by a
   bounded grid), against fetching after each router; per arm the prediction accuracy (prefetched share of the
   routed, non-resident experts of predicted layers), wasted and missed bytes per step, the routed floor, the
-  ratio to it and the planner's step model's tokens/s (planner.experts, fed the all-resident step and this
+  ratio to it and the planner's step model's tokens/s (planner.model.experts, fed the all-resident step and this
   run's rates; with prefetch, its PREFETCH_ACCURACY) beside the measured ones;
 - gather sweep (``--gather-programs N...``): the bounded grid's rate alone, N persistent programs gathering a
   decode step's experts from mapped host memory, to pick runtime.routed_experts.PREFETCH_GATHER_PROGRAMS;
@@ -31,7 +31,7 @@ finish:
 - --skew-trace, in place of the skewed rows: the skewed routers' routing over 512 decode steps of another draw
   of the workload (a random token stream: a random model's greedy decode loops over a few tokens) recorded into
   a trace file, with the runtime's next-layer prediction per expert and rank (count_prediction), the plan made
-  with --routing-trace through planner.make.make_plan (its prefetch priced over each layer's non-resident
+  with --routing-trace through planner.make.make_plan.make_plan (its prefetch priced over each layer's non-resident
   experts) and run on the measured stream; its measured hit rate, prediction accuracy and tokens/s beside the
   plan's predicted ones (issue 22: within 5 points, within 10%),
   beside uniform residency at the same memory, and beside the plan made without the trace;
@@ -631,7 +631,7 @@ def uniform_rows(master, setting: Setting, rows: Rows, h2d_bytes_per_s: float, w
         expected = num_layers * top_k * (num_experts - num_resident) / num_experts * routed["expert_bytes"]
         link_ms = 1e3 * routed["routed_bytes_per_step"] / h2d_bytes_per_s
         floor_ms = max(reference["step_ms"], link_ms)
-        from planner.experts import PREFETCH_ACCURACY
+        from planner.model.experts import PREFETCH_ACCURACY
 
         def modelled(accuracy):
             step_ms = model_step_ms(reference["step_ms"], num_layers, expected / num_layers, h2d_bytes_per_s,
@@ -668,11 +668,11 @@ def uniform_rows(master, setting: Setting, rows: Rows, h2d_bytes_per_s: float, w
 def model_step_ms(resident_step_ms: float, num_layers: int, fetched_bytes_per_layer: float, h2d_bytes_per_s: float,
                   accuracy: float | None, ahead_share: float = 1.0, expert_bytes: int | None = None,
                   num_slots: int | None = None) -> float:
-    """The planner's routed decode step (planner.experts) for this run: the all-resident step split evenly
+    """The planner's routed decode step (planner.model.experts) for this run: the all-resident step split evenly
     over the layers, each layer's expected fetch at the planner's gather rate, with prefetch at ``accuracy``
     (None: no prefetch; the first layer is unpredicted either way) gathering ``ahead_share`` of the fetch ahead
-    (a prefetch depth m of k: m / k, ``accuracy`` then the hits' share: planner.experts.prefetch_shares)."""
-    from planner.experts import planned_layer_stall_ms, routed_fetch_bytes_per_s
+    (a prefetch depth m of k: m / k, ``accuracy`` then the hits' share: planner.model.experts.prefetch_shares)."""
+    from planner.model.experts import planned_layer_stall_ms, routed_fetch_bytes_per_s
 
     layer_ms = resident_step_ms / num_layers
     rate = routed_fetch_bytes_per_s(h2d_bytes_per_s)
@@ -726,9 +726,9 @@ def depth_rows(master, setting: Setting, rows: Rows, h2d_bytes_per_s: float, dep
     the ratio to it, link MB per step (useful prefetches, wasted, missed, unpredicted), the accuracy per rank,
     bitwise equality with the all-resident model, and the planner's step model's tokens/s at that depth from
     this run's all-resident step, rate and per-rank accuracy. ``pick``: the depth that model predicts fastest
-    (the planner's rule, planner.expert_choice.choose_prefetch_depth, on the measured figures); with ``plans``,
+    (the planner's rule, planner.search.expert_choice.choose_prefetch_depth, on the measured figures); with ``plans``,
     the plan make gives this setting (its h100-sxm estimates) records its own depth in a row of its own."""
-    from planner.experts import prefetch_shares
+    from planner.model.experts import prefetch_shares
     from runtime.routed_experts import apply_routed_experts
     from scripts.bench_serving import sharing_copy
 
@@ -890,13 +890,13 @@ TRACE_SEED = 1
 def record_skewed_trace(master, setting: Setting, checkpoint: Path, path: Path) -> tuple[Path, float]:
     """The skewed model's routing over decode steps of the same workload as the measured arms (a cache filled
     to the context, a random token stream) but other draws (TRACE_SEED), counted on the device by the routers'
-    hooks, written as a trace file of ``checkpoint``'s model (planner.routing_trace, as ``offload-plan trace``
+    hooks, written as a trace file of ``checkpoint``'s model (planner.source.routing_trace, as ``offload-plan trace``
     writes it). Decode steps, not a prompt's tokens: a random model's prompt tokens route unlike its decode
     steps (on the H100 a trace of 8,192 prompt tokens put 93.4% of the assignments on the 43 experts per layer
     that served 83.1% of the decode steps). Returns the path and the share of the assignments the hot experts
     took."""
-    from planner.checkpoint import load_checkpoint
-    from planner.routing_trace import RoutingTrace, render_trace
+    from planner.source.checkpoint import load_checkpoint
+    from planner.source.routing_trace import RoutingTrace, render_trace
     from scripts.bench_serving import sharing_copy
 
     _, num_experts, top_k = expert_shape(master)
@@ -940,12 +940,13 @@ def _table(table: torch.Tensor) -> tuple[tuple[int, ...], ...]:
 
 
 def trace_plan(setting: Setting, checkpoint: Path, profile, trace: Path | None, budget_bytes: int | None):
-    """make --concurrency B --routing-trace TRACE through planner.make.make_plan, the API the CLI calls (uniform
+    """make --concurrency B --routing-trace TRACE through planner.make.make_plan.make_plan, the API the CLI calls
+    (uniform
     routing when ``trace`` is None); or the one-line reason none fits."""
     import scripts.bench_serving as serving
     from planner.errors import OffloadPlanError
-    from planner.make import make_plan
-    from planner.plan import Inputs
+    from planner.make.make_plan import make_plan
+    from planner.plan.schema import Inputs
     from scripts.benchmarking import served_measure
 
     measure = serving.MEASURE["on"]
@@ -1088,7 +1089,7 @@ def trace_rows(master, setting: Setting, rows: Rows, work: Path, orders: tuple[b
 
 def save_plan(plan, path: Path) -> None:
     """The plan as a YAML file beside the run's other outputs (what its prediction was made of)."""
-    from planner.plan_file import render_plan, write_atomic
+    from planner.plan.file import render_plan, write_atomic
 
     write_atomic(path, render_plan(plan, "scripts/bench_experts.py (see the run's JSON for the command)"))
 

@@ -1,7 +1,7 @@
 """FP8 block-quantized checkpoints on a CUDA GPU (issue 23): run's loader at three budgets against the
 all-resident FP8 model and the physical floor, prefill and graphed decode.
 
-A Qwen3-8B-shaped checkpoint in the release format of Qwen3-8B-FP8 (planner.release_format: every linear
+A Qwen3-8B-shaped checkpoint in the release format of Qwen3-8B-FP8 (planner.source.release_format: every linear
 F8_E4M3 with a float32 ``weight_scale_inv`` per 128x128 block; embeddings, norms and the LM head bf16), random
 weights, written once to /tmp. The model is built with transformers' FP8 modules and streamed by run's loader
 (runtime.quantized). Plans at about 75%, 50% and 25% of the layer bytes on the GPU, made with the calibrated
@@ -153,8 +153,8 @@ def main(argv: list[str] | None = None) -> None:
     h2d = pinned_h2d_bytes_per_s()
     log(f"pinned H2D {h2d / 1e9:.1f} GB/s (best single copy)")
     calibrated = str(write_calibrated(args.out))
-    from planner.checkpoint import load_checkpoint
-    from planner.layout import build_layout
+    from planner.source.checkpoint import load_checkpoint
+    from planner.model.layout import build_layout
     from runtime.quantized import fp8_compute_path
 
     layout = build_layout(load_checkpoint(str(args.checkpoint)))

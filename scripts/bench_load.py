@@ -327,7 +327,7 @@ def child_main(spec: dict) -> None:
         torch.save(_logits(model.cuda() if cuda else model, ids), spec["logits"])
         print(json.dumps({"vm_hwm_bytes": vm_hwm_bytes()}))
         return
-    from planner.plan_file import read_plan
+    from planner.plan.file import read_plan
     from transformers import AutoModelForCausalLM  # noqa: F401  (imported before the clock starts)
 
     plan = read_plan(Path(spec["plan"]))

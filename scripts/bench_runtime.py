@@ -101,8 +101,8 @@ def main(argv: list[str] | None = None) -> None:
             f"activations {activation_bytes[tokens] / 2**30:.2f} GiB")
     del resident
     free()
-    from planner.checkpoint import load_checkpoint
-    from planner.layout import build_layout
+    from planner.source.checkpoint import load_checkpoint
+    from planner.model.layout import build_layout
 
     layout = build_layout(load_checkpoint(str(args.checkpoint)))
     for share in BUDGET_SHARES:

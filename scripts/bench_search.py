@@ -27,18 +27,18 @@ import sys
 import time
 from pathlib import Path
 
-from planner.header_checkpoint import write_sparse_shards
+from planner.source.header_checkpoint import write_sparse_shards
 
-from planner import search as search_module
-from planner.checkpoint import load_checkpoint
-from planner.cost import Workload, estimate_compute, geometry_from_config
+from planner.search import groups as search_module
+from planner.source.checkpoint import load_checkpoint
+from planner.model.cost import Workload, estimate_compute, geometry_from_config
 from planner.errors import InfeasibleError
-from planner.layout import build_layout
-from planner.make import make_plan
-from planner.plan import Inputs
-from planner.profile import load_profile
-from planner.search import LayerBytes, gpu_bytes_of, minimum_gpu_bytes, search
-from planner.simulate import join_every_steps_for
+from planner.model.layout import build_layout
+from planner.make.make_plan import make_plan
+from planner.plan.schema import Inputs
+from planner.source.profile import load_profile
+from planner.search.groups import LayerBytes, gpu_bytes_of, minimum_gpu_bytes, search
+from planner.search.simulate import join_every_steps_for
 
 GPU = "h100-sxm"
 #: name -> llama-style shape

@@ -89,7 +89,7 @@ def point_config(point: Point, folder: Path) -> Path:
 def header_checkpoint(config: str, root: Path, name: str | None = None) -> Path:
     """A header-only checkpoint of ``config`` (names, dtypes and shapes; no weights) for planning, in
     ``root``/``name`` (default: the config's folder name)."""
-    from planner.header_checkpoint import marker_kind
+    from planner.source.header_checkpoint import marker_kind
     from runtime.header_checkpoint import write_header_checkpoint
 
     folder = root / (name or Path(config).parent.name)
@@ -113,8 +113,8 @@ def make(checkpoint: Path, profile: Path, point: Point, concurrency: str, knobs=
          budget: int | None = None):
     """A serving plan of the point, measured on this GPU (knobs: pinned G, K, P; budget: fixed GPU bytes for
     the weights), or the one-line reason why none fits."""
-    from planner.make import make_plan
-    from planner.plan import Inputs
+    from planner.make.make_plan import make_plan
+    from planner.plan.schema import Inputs
 
     group_size, num_in_group, prefetch_step = knobs
     inputs = Inputs(

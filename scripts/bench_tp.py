@@ -5,7 +5,7 @@
     PYTHONPATH=. torchrun --nproc-per-node 2 scripts/bench_tp.py --device cpu --tiny   # the path, on gloo (CPU)
 
 For each shape (a Llama-shape dense model and a Qwen3-MoE-shape model, random bf16 weights), rank 0 builds the
-model on its GPU and saves it as a checkpoint; both ranks plan it with ``make --tp 2`` (planner.make, the same
+model on its GPU and saves it as a checkpoint; both ranks plan it with ``make --tp 2`` (planner.make.make_plan, the same
 code as the command) and load it with transformers' own tensor parallelism (``from_pretrained(tp_plan="auto")``:
 its models' ``base_model_tp_plan`` splits q/k/v and gate/up column-wise and o/down row-wise, Qwen3-MoE's experts
 too, and the LM head by vocabulary, as vLLM does). Each rank then times prefill steps of --tokens tokens and
@@ -147,8 +147,8 @@ def plan_rank_and_layout(folder: Path, gpu: str, tokens: int, tp: int = WORLD_SI
     whole GPU's budget): the rank's weight bytes, its predicted step, what transformers holds beyond vLLM's
     sharding (the input embedding whole on every rank), and the all-reduce link the plan priced. ``measure``:
     make --measure's (the rank's layers on this GPU, the all-reduce in torchrun's group; every rank calls it)."""
-    from planner.make import make_plan
-    from planner.plan import Inputs
+    from planner.make.make_plan import make_plan
+    from planner.plan.schema import Inputs
 
     links = []
     kwargs = {}

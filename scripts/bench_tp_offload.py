@@ -75,12 +75,12 @@ def make_rank_plan(folder: Path, gpu: str, workload: dict, share: float, measure
     read it back, so every rank runs one plan, as a user who makes it once and launches it."""
     import torch.distributed as dist
 
-    from planner.checkpoint import load_checkpoint
-    from planner.layout import build_layout
-    from planner.make import make_plan
-    from planner.plan import Inputs
-    from planner.plan_file import read_plan, render_plan, write_atomic
-    from planner.tensor_parallel import shard_checkpoint
+    from planner.source.checkpoint import load_checkpoint
+    from planner.model.layout import build_layout
+    from planner.make.make_plan import make_plan
+    from planner.plan.schema import Inputs
+    from planner.plan.file import read_plan, render_plan, write_atomic
+    from planner.model.tensor_parallel import shard_checkpoint
     from scripts.benchmarking import budget_for_share, served_measure
 
     rank_layout = build_layout(shard_checkpoint(load_checkpoint(str(folder)), 2))

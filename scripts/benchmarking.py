@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from planner.header_checkpoint import marker_kind, write_owned_folder
+from planner.source.header_checkpoint import marker_kind, write_owned_folder
 from runtime.header_checkpoint import tensor_specs
 from runtime.backend import CudaBackend
 from runtime.calibrate import median_event_ms
@@ -140,14 +140,14 @@ def _num_bytes(spec) -> int:
 
 
 def write_random_release(config_path: Path, folder: Path, *, device: str = "cuda", seed: int = 0) -> None:
-    """Random weights in the release's own format (planner.release_format: FP8 block-quantized linears with their
+    """Random weights in the release's own format (planner.source.release_format: FP8 block-quantized linears with their
     float32 weight_scale_inv where config.json's quantization_config says so), in 4 GiB shards; reused or
     refused as write_random_checkpoint does."""
     if marker_kind(folder) == RANDOM_WEIGHTS:
         return
 
     def fill(staging: Path) -> None:
-        from planner.release_format import release_specs
+        from planner.source.release_format import release_specs
 
         (staging / "config.json").write_text(config_path.read_text())
         generator = torch.Generator(device=device).manual_seed(seed)
@@ -219,8 +219,9 @@ def budget_for_share(layout, share: float) -> int:
 def plan_for(checkpoint: Path, share: float, tokens: int, layout, gpu: str, measure: bool, *, sequences: int = 1,
              context: int = 0, cuda_graph: bool = False):
     """The plan at a budget of non-layer weights + ``share`` of the layer bytes."""
-    from planner.make import make_plan  # here, not at import: planner.make reaches the runtime for --measure
-    from planner.plan import Inputs
+    # here, not at import: planner.make.make_plan reaches the runtime for --measure
+    from planner.make.make_plan import make_plan
+    from planner.plan.schema import Inputs
 
     inputs = Inputs(
         model=str(checkpoint), revision=None, gpu=gpu, budget=f"{budget_for_share(layout, share)}B", trigger=None,
@@ -295,8 +296,8 @@ PLAN_SHAPE = (5, 3, 2)
 
 def pinned_plan(checkpoint: Path, batch: int, shape: tuple[int, int, int] = PLAN_SHAPE):
     """The decode plan with ``shape`` pinned, so every batch copies the same bytes."""
-    from planner.make import make_plan
-    from planner.plan import Inputs
+    from planner.make.make_plan import make_plan
+    from planner.plan.schema import Inputs
 
     group_size, num_in_group, prefetch_step = shape
     inputs = Inputs(model=str(checkpoint), revision=None, gpu="h100-sxm", budget="60GiB", trigger=None,

@@ -2,7 +2,7 @@
 
 For each model (a transformers config class at a released model's real widths: hidden size, heads, KV heads,
 head_dim, intermediate sizes, experts, vocab; only 2-6 layers, so each checkpoint is a few GB), a random-weight
-checkpoint in release format (planner.release_format where it knows the family, else transformers'
+checkpoint in release format (planner.source.release_format where it knows the family, else transformers'
 ``save_pretrained``, which writes one tensor per expert) with a word-level tokenizer over its whole vocab. Each
 arm, through the CLI in-process (one process per model): ``make -o plan.yaml``, then ``show``, ``export --to
 vllm``, ``export --to sglang``, ``check``, ``diff`` against the model's plan at the other cap of that mode, then
@@ -196,7 +196,7 @@ def config_dict(model: Model, tiny: bool) -> dict:
     config = getattr(transformers, model.config_class)(num_hidden_layers=model.num_layers, dtype="bfloat16", **dims)
     written = json.loads(config.to_json_string(use_diff=False))
     # the release's key beside the class's own where the class renames it (transformers 5.24's Qwen3MoeConfig
-    # writes num_local_experts; Qwen3-30B-A3B's config.json and planner.release_format say num_experts)
+    # writes num_local_experts; Qwen3-30B-A3B's config.json and planner.source.release_format say num_experts)
     written |= {key: getattr(config, key, value) for key, value in dims.items() if key not in written}
     if not written.get("architectures"):  # as save_pretrained and every release write it (make --for reads it)
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -210,7 +210,7 @@ def config_dict(model: Model, tiny: bool) -> dict:
 
 def ensure_checkpoint(model: Model, root: Path, tiny: bool, device: str) -> tuple[Path, float]:
     """The model's checkpoint folder under ``root`` (reused when this script wrote it) and the seconds taken."""
-    from planner.header_checkpoint import marker_kind, write_owned_folder
+    from planner.source.header_checkpoint import marker_kind, write_owned_folder
 
     folder = root / (model.name + ("-tiny" if tiny else ""))
     start = time.perf_counter()
@@ -222,7 +222,7 @@ def ensure_checkpoint(model: Model, root: Path, tiny: bool, device: str) -> tupl
 
 def fill_checkpoint(config: dict, folder: Path, device: str) -> None:
     """Random weights in release format, config.json and a word-level tokenizer over the whole vocab."""
-    from planner.release_format import knows
+    from planner.source.release_format import knows
 
     if knows(config):
         write_release(config, folder, device)
@@ -233,10 +233,10 @@ def fill_checkpoint(config: dict, folder: Path, device: str) -> None:
 
 
 def write_release(config: dict, folder: Path, device: str) -> None:
-    """planner.release_format's tensors (per-expert names, FP8 blocks and scales), one at a time."""
+    """planner.source.release_format's tensors (per-expert names, FP8 blocks and scales), one at a time."""
     import torch
 
-    from planner.release_format import release_specs
+    from planner.source.release_format import release_specs
     from scripts.benchmarking import random_release_tensor, write_random_shards
 
     generator = torch.Generator(device=device).manual_seed(0)
@@ -351,10 +351,10 @@ def caps_for(folder: Path, profile: str) -> dict:
     """Budgets (weights plans) and GPU memory (serving plans) per cap: all non-layer bytes plus the cap's share of
     the layer bytes; serving adds to that what an all-resident plan at 4 sequences books beyond its weights (KV
     cache, activations, graph pool, CUDA context), or 3 GiB where the planner makes no such plan."""
-    from planner.checkpoint import load_checkpoint
-    from planner.layout import build_layout
-    from planner.make import make_plan
-    from planner.plan import Inputs
+    from planner.source.checkpoint import load_checkpoint
+    from planner.model.layout import build_layout
+    from planner.make.make_plan import make_plan
+    from planner.plan.schema import Inputs
 
     layout = build_layout(load_checkpoint(str(folder)))
     # a cap below the leanest whole-layer placement (everything outside the stack and two layers' slots) is a make

@@ -9,7 +9,7 @@ exported to vLLM and SGLang at its own TP and, for a one-GPU plan, at --tp 2.
 Two checks:
 
 - static (no engine needed): every exported flag is in the pinned version's accepted set with a value in its
-  range (planner.engine_versions.flag_problems). Exports offload-plan itself refuses are counted, not failed.
+  range (planner.engines.versions.flag_problems). Exports offload-plan itself refuses are counted, not failed.
 - engine: each engine's own code, in a separate virtual environment with the pinned release installed from PyPI
   (vLLM and SGLang pin different compressed-tensors, so one venv each). vLLM: ``make_arg_parser`` (its
   ``vllm serve`` parser: FlexibleArgumentParser, AsyncEngineArgs.add_cli_args and the frontend's flags), then
@@ -40,7 +40,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ("gemma-3-27b-it", "qwen3-14b")
-#: examples whose release layout planner.release_format does not know: written by offload-plan header-checkpoint
+#: examples whose release layout planner.source.release_format does not know: written by offload-plan header-checkpoint
 #: (transformers builds the model on the meta device)
 META_EXAMPLES = ("deepseek-v2-lite",)
 #: header-only PEFT adapters: rank and the modules every Llama/Qwen-style decoder layer has
@@ -73,8 +73,8 @@ class Tally:
 def model_folders(work: Path) -> dict[str, Path]:
     """name -> header-only checkpoint: every public config under plans/models (.cache/checkpoints) and the
     examples release_format knows."""
-    from planner.header_checkpoint import write_checkpoint_folder
-    from planner.release_format import release_specs
+    from planner.source.header_checkpoint import write_checkpoint_folder
+    from planner.source.release_format import release_specs
     from scripts import real_checkpoints
 
     folders = {}
@@ -100,8 +100,8 @@ def model_folders(work: Path) -> dict[str, Path]:
 
 def write_adapters(model: Path, work: Path, count: int) -> tuple[str, ...]:
     """``count`` header-only PEFT adapters for ``model`` (q_proj and v_proj of every layer): --adapter options."""
-    from planner.checkpoint import load_checkpoint
-    from planner.header_checkpoint import write_shard
+    from planner.source.checkpoint import load_checkpoint
+    from planner.source.header_checkpoint import write_shard
 
     shapes = {entry.name: entry.shape for entry in load_checkpoint(str(model)).tensors}
     options = []
@@ -127,8 +127,8 @@ def plan_inputs(name: str, folder: Path, work: Path) -> list:
     """The generated plans' Inputs for one model: weights plans at four budget shares (whole layers and, for a
     MoE model, --params experts; one with CUDA graphs), serving plans on three GPUs and contexts (one with an
     FP8 KV cache), make --tp 2/4/8 plans and, for a Llama/Qwen-style model, plans with 1 and 3 adapters."""
-    from planner.checkpoint import load_checkpoint
-    from planner.plan import Inputs
+    from planner.source.checkpoint import load_checkpoint
+    from planner.plan.schema import Inputs
 
     checkpoint = load_checkpoint(str(folder))
     total_gib = checkpoint.total_bytes / 2**30
@@ -160,7 +160,7 @@ def plan_inputs(name: str, folder: Path, work: Path) -> list:
 def generated_plans(work: Path, tally: Tally) -> list:
     """(label, Plan) of every generated plan make writes; make's own refusals are counted."""
     from planner.errors import OffloadPlanError
-    from planner.make import make_plan
+    from planner.make.make_plan import make_plan
 
     plans = []
     for name, folder in model_folders(work).items():
@@ -173,7 +173,7 @@ def generated_plans(work: Path, tally: Tally) -> list:
 
 
 def checked_in_plans() -> list:
-    from planner.plan_file import read_plan
+    from planner.plan.file import read_plan
 
     paths = sorted((REPO_ROOT / "plans").glob("*.yaml"))
     return [(str(path.relative_to(REPO_ROOT)), read_plan(path)) for path in paths]
@@ -182,7 +182,7 @@ def checked_in_plans() -> list:
 def export_cases(label: str, plan) -> list[ExportCase]:
     """The plan exported to each engine at its own TP and, for a one-GPU plan, at --tp 2."""
     from planner.errors import OffloadPlanError
-    from planner.export import ENGINES, export_plan
+    from planner.views.export import ENGINES, export_plan
 
     model_path = str((REPO_ROOT / plan.model.source).resolve()) if not Path(plan.model.source).is_absolute() \
         else plan.model.source
@@ -201,7 +201,7 @@ def export_cases(label: str, plan) -> list[ExportCase]:
 
 def static_failures(cases: list[ExportCase]) -> list[str]:
     """Every exported flag outside the pinned version's accepted set or range."""
-    from planner.engine_versions import engine_version, flag_problems
+    from planner.engines.versions import engine_version, flag_problems
 
     failures = []
     for case in cases:

@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 from planner.errors import OffloadPlanError
-from planner.header_checkpoint import DEFAULT_SHARD_BYTES
-from planner.model_config import SAFETENSORS_DTYPES
+from planner.source.header_checkpoint import DEFAULT_SHARD_BYTES
+from planner.model.model_config import SAFETENSORS_DTYPES
 from runtime.header_checkpoint import write_header_checkpoint
 
 

@@ -3,7 +3,7 @@
 Each ``plans/models/NAME/config.json`` is the model's public config.json. From it this script writes
 ``.cache/checkpoints/NAME/``: the config, ``model.safetensors.index.json`` and sparse shards (headers only: the
 disk holds a few MB, the files have their full sizes). Names, dtypes and shapes are each release's own, as
-``planner.release_format`` writes them for ``offload-plan header-checkpoint`` (one tensor per expert, FP8 block
+``planner.source.release_format`` writes them for ``offload-plan header-checkpoint`` (one tensor per expert, FP8 block
 scales, MXFP4 blocks and scales, DeepSeek-V3's multi-token-prediction layer at index ``num_hidden_layers``).
 
 The same configs give the same bytes (sorted names, fixed shard size), so plans made from these folders are
@@ -13,7 +13,7 @@ the planner's cost model reads names, never an architecture table.
     PYTHONPATH=. python3 scripts/real_checkpoints.py                 # every model under plans/models
     PYTHONPATH=. python3 scripts/real_checkpoints.py mixtral-8x7b    # one of them
 
-Each folder is written as ``planner.header_checkpoint`` writes: a folder this script did not make is refused,
+Each folder is written as ``planner.source.header_checkpoint`` writes: a folder this script did not make is refused,
 never replaced. (With the package installed, ``PYTHONPATH=.`` is not needed.)
 """
 
@@ -23,8 +23,8 @@ import sys
 from pathlib import Path
 
 from planner.errors import OffloadPlanError, UsageError
-from planner.header_checkpoint import write_checkpoint_folder
-from planner.release_format import release_specs
+from planner.source.header_checkpoint import write_checkpoint_folder
+from planner.source.release_format import release_specs
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODELS_DIR = REPO_ROOT / "plans" / "models"

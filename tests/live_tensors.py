@@ -4,7 +4,7 @@
 none of the operator's inputs) is counted live until the storage dies, through a weakref on the storage
 (PyTorch keeps one Python object per storage, so the weakref fires when the storage is freed, not when a view
 goes). Tensors made before the mode (weights, a warmed-up cache) are not counted, and neither is what a kernel
-allocates for itself; what remains is what transformers' Python holds, the set planner.activations models.
+allocates for itself; what remains is what transformers' Python holds, the set planner.model.activations models.
 ``window()`` gives the largest live set within a span of the forward (a module's call, through hooks), with
 each storage's creating operator and the line of the model's source that called it.
 """

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import torch
 
-from planner.make import make_plan
-from planner.plan import Inputs, Plan
+from planner.make.make_plan import make_plan
+from planner.plan.schema import Inputs, Plan
 
 # (group_size, num_in_group, prefetch_step): whole stack, depths dividing and not dividing the number
 # offloaded, back-to-back offloaded layers with depth 1, depth past the number offloaded, spread groups.
@@ -97,7 +97,7 @@ def save_word_tokenizer(folder: Path, vocab_size: int = 256) -> None:
 
 def skeleton(folder: Path):
     """The checkpoint's meta skeleton as run builds it: headers and config.json from one planner read."""
-    from planner.checkpoint import load_checkpoint
+    from planner.source.checkpoint import load_checkpoint
     from runtime.checkpoint_reader import sources_of
     from runtime.skeleton import build_skeleton
 
@@ -107,7 +107,7 @@ def skeleton(folder: Path):
 
 def write_plan(plan: Plan, path: Path) -> Path:
     """Write a plan file as make would."""
-    from planner.plan_file import render_plan, write_atomic
+    from planner.plan.file import render_plan, write_atomic
 
     write_atomic(path, render_plan(plan, "test"))
     return path

@@ -1,4 +1,4 @@
-"""The search as it was before planner.search.Searcher (commit 2be4948), kept verbatim (with the
+"""The search as it was before planner.search.groups.Searcher (commit 2be4948), kept verbatim (with the
 simulate_fastest_boundary of then) as the reference the fast search must agree with, choice for choice: it
 enumerates every (G, K) set with offloaded_by_rule, bounds each with per-position generator sums, and
 simulates every candidate and every split of its wrapped copies with simulate(). Slow (its cost grows as the
@@ -7,20 +7,12 @@ fourth power of the layer count when nearly everything fits); only for tests.
 
 import bisect
 
-from planner.cost import ComputeTimes
+from planner.model.cost import ComputeTimes
 from planner.errors import InfeasibleError
-from planner.schedule import PrefetchSchedule, offloaded_by_rule
-from planner.search import (
-    STEP_MS_DECIMALS,
-    Choice,
-    LayerBytes,
-    SearchSpace,
-    choice_key,
-    copy_ms_of,
-    gpu_bytes_of,
-    minimum_gpu_bytes,
-)
-from planner.simulate import simulate
+from planner.search.schedule import PrefetchSchedule, offloaded_by_rule
+from planner.search.groups import (STEP_MS_DECIMALS, Choice, LayerBytes, SearchSpace, choice_key, copy_ms_of,
+                                   gpu_bytes_of, minimum_gpu_bytes)
+from planner.search.simulate import simulate
 from planner.units import format_bytes
 
 
@@ -171,7 +163,7 @@ def _evaluate(layers, fixed_bytes, compute, copy_ms, offloaded, group_size, num_
 
 def simulate_fastest_boundary(*, prefetch_step: int, offloaded: tuple[int, ...], join_every_steps: int,
                               **times):
-    """planner.simulate.simulate_fastest_boundary as it was: every split simulated with a trace."""
+    """planner.search.simulate.simulate_fastest_boundary as it was: every split simulated with a trace."""
     wrapped, _ = PrefetchSchedule(len(offloaded), prefetch_step).replay_boundary(0)
     num_wrapped = len(wrapped) if join_every_steps else 0
     runs = [(simulate(prefetch_step=prefetch_step, offloaded=offloaded, join_every_steps=join_every_steps,

@@ -5,8 +5,8 @@ import sys
 from offload_plan import runtime_seam
 from offload_plan.console import say
 from offload_plan.options import OutputOption
-from planner.outputs import check_output
-from planner.plan_file import write_atomic
+from planner.source.outputs import check_output
+from planner.plan.file import write_atomic
 
 
 def calibrate(output: OutputOption = None):

@@ -25,7 +25,7 @@ def check(
 
     Example: offload-plan check plans/*.yaml
     """
-    from planner.check import check_plan, missing_checkpoints, missing_checkpoints_error
+    from planner.views.check import check_plan, missing_checkpoints, missing_checkpoints_error
 
     missing = missing_checkpoints(plans)
     if missing:  # a fresh clone: one line naming the build step, not a failure per plan
@@ -43,7 +43,7 @@ def check(
 
 def _rewrite(result) -> bool:
     """Write the regenerated plan over a failing one (--update); False when it could not be regenerated."""
-    from planner.plan_file import write_atomic
+    from planner.plan.file import write_atomic
 
     if result.ok or result.regenerated is None:
         return False

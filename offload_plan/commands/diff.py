@@ -21,8 +21,8 @@ def diff(
 
     Example: offload-plan diff old.yaml new.yaml
     """
-    from planner.compare import compare_plans, summary_sentences
-    from planner.plan_file import read_plan
+    from planner.views.diff import compare_plans, summary_sentences
+    from planner.plan.file import read_plan
 
     data = compare_plans(read_plan(old), read_plan(new))
     data = {"old_path": str(old), "new_path": str(new), **data, "summary": summary_sentences(data)}
@@ -35,7 +35,7 @@ def diff(
 
 
 def _diff_table(data: dict) -> Table:
-    from planner.compare import KNOB_FIELDS
+    from planner.views.diff import KNOB_FIELDS
     from planner.units import format_bytes, format_ms
 
     table = Table(title=f"{data['old_path']} -> {data['new_path']}", title_justify="left")

@@ -34,8 +34,8 @@ def export(
 
     stdout holds the flags alone; what the engine cannot express and the loss go to stderr (stdout with --explain).
     """
-    from planner.export import describe_prediction, export_plan
-    from planner.plan_file import read_plan
+    from planner.views.export import describe_prediction, export_plan
+    from planner.plan.file import read_plan
 
     result = export_plan(read_plan(plan), to, tp_size=tp, exact=exact, version=engine_version)
     if json_output:

@@ -1,6 +1,6 @@
 """``offload-plan make``: search the fastest plan that fits and write it.
 
-Its options are not written here: each comes from a field of planner.plan.Inputs (flag and help in the
+Its options are not written here: each comes from a field of planner.plan.schema.Inputs (flag and help in the
 field's metadata), the one declaration that also gives the plan's inputs section and its regenerate command.
 """
 
@@ -16,16 +16,17 @@ import typer
 
 from offload_plan import runtime_seam
 from offload_plan.console import say, warn
-from planner.checkpoint import collector_paused
+from planner.source.checkpoint import collector_paused
 from planner.errors import InfeasibleError, UsageError
-from planner.outputs import check_output
-from planner.plan import Inputs
-from planner.plan_file import render_plan, write_atomic
-from planner.tensor_parallel import parse_tp_sizes
+from planner.source.outputs import check_output
+from planner.plan.schema import Inputs
+from planner.plan.file import render_plan, write_atomic
+from planner.model.tensor_parallel import parse_tp_sizes
 
 
 #: set by offload_plan.app.main: this process runs one command and ends (the script, python -m offload_plan), so
-#: what planning built is frozen for the collector (planner.checkpoint.collector_paused); False in-process (tests)
+#: what planning built is frozen for the collector (planner.source.checkpoint.collector_paused); False in-process
+#: (tests)
 ONE_COMMAND_PROCESS = False
 
 
@@ -52,7 +53,7 @@ def make(**values):
 
 def _outputs(output: Path | None, sizes: list[int]) -> list[Path]:
     """The files make writes: -o PATH, or with several --tp sizes PATH.tpN.yaml for each."""
-    from planner.tensor_parallel import plan_path_for
+    from planner.model.tensor_parallel import plan_path_for
 
     if output is None:
         return []
@@ -72,8 +73,8 @@ def make_inputs_read(inputs: Inputs) -> list[tuple[str, str | None]]:
 
 def _make_one(inputs: Inputs, output: Path | None) -> None:
     """make: one plan, to -o PATH or stdout."""
-    from planner.make import make_plan
-    from planner.make_inputs import regenerate_command
+    from planner.make.make_plan import make_plan
+    from planner.make.inputs import regenerate_command
 
     planned = make_plan(inputs, **_measurers(inputs))
     for warning in planned.warnings:
@@ -100,14 +101,14 @@ def _make_tp_comparison(inputs: Inputs, sizes: list[int], output: Path | None) -
     """make --tp 2,4: one plan per GPU count (PATH.tpN.yaml), then the comparison and its verdict on stderr."""
     from dataclasses import replace
 
-    from planner.make import make_plan
-    from planner.make_inputs import regenerate_command
-    from planner.tensor_parallel import compare_tp, plan_path_for
+    from planner.make.make_plan import make_plan
+    from planner.make.inputs import regenerate_command
+    from planner.model.tensor_parallel import compare_tp, plan_path_for
 
     if output is None:
         raise UsageError(f"--tp {','.join(map(str, sizes))} writes one plan per GPU count: give -o PATH (each is "
                          "written as PATH.tpN.yaml)")
-    from planner.checkpoint import load_checkpoint
+    from planner.source.checkpoint import load_checkpoint
 
     whole = load_checkpoint(inputs.model, inputs.revision)  # read once, sharded for each GPU count
     plans = []

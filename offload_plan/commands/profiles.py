@@ -14,7 +14,7 @@ def profiles(json_output: JsonOption = False):
 
     Example: offload-plan profiles
     """
-    from planner.profile import list_profile_names, load_profile, profile_to_dict
+    from planner.source.profile import list_profile_names, load_profile, profile_to_dict
 
     loaded = [load_profile(name) for name in list_profile_names()]
     if json_output:

@@ -11,7 +11,7 @@ from offload_plan import runtime_seam
 from offload_plan.console import say, stderr, stdout, warn
 from offload_plan.options import JsonOption, PlanArgument
 from planner.errors import UsageError, printable, shown
-from planner.plan_file import read_plan
+from planner.plan.file import read_plan
 
 
 def graphed_steps(flag: Optional[bool], plan) -> bool:
@@ -191,7 +191,7 @@ def _rank_serving_table(rows, tp: int) -> Table:
 def check_adapter_flags(plan, bench: bool, adapter: str | None, adapter_mode: str | None) -> None:
     """--adapter names one of the plan's adapters and goes with --prompt; --adapter-mode is a mode and goes with
     --bench; both need a plan with adapters (checked before the minutes of loading)."""
-    from planner.adapter_stream import MODES
+    from planner.search.adapter_stream import MODES
 
     for flag, value, goes_with, ok in (("--adapter", adapter, "--prompt", not bench),
                                        ("--adapter-mode", adapter_mode, "--bench", bench)):

@@ -8,7 +8,7 @@ import typer
 
 from offload_plan.console import stdout
 from offload_plan.options import JsonOption, PlanArgument
-from planner.plan_file import plan_to_dict, read_plan
+from planner.plan.file import plan_to_dict, read_plan
 
 
 def show(
@@ -24,6 +24,6 @@ def show(
     if json_output:
         sys.stdout.write(json.dumps(plan_to_dict(loaded), indent=2) + "\n")
         return
-    from planner.report import show_plan
+    from planner.views.show import show_plan
 
     show_plan(loaded, stdout, layer_table=layers)

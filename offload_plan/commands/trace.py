@@ -10,7 +10,7 @@ import typer
 from offload_plan import runtime_seam
 from offload_plan.console import say
 from planner.errors import UsageError, cut
-from planner.outputs import check_output
+from planner.source.outputs import check_output
 
 #: the most greedy tokens a trace generates per prompt (a trace needs thousands of tokens in all, not millions)
 MAX_DECODE_TOKENS = 65_536
@@ -31,8 +31,8 @@ def trace(
 
     Example: offload-plan trace --model ./qwen3-30b-a3b --prompts prompts.txt --decode-tokens 64 -o trace.yaml
     """
-    from planner.plan_file import write_atomic
-    from planner.routing_trace import render_trace
+    from planner.plan.file import write_atomic
+    from planner.source.routing_trace import render_trace
 
     if not 0 <= decode_tokens <= MAX_DECODE_TOKENS:
         raise UsageError(f"--decode-tokens {cut(str(decode_tokens))} is out of range; give 0 (count the prompts) to "

@@ -11,11 +11,11 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from planner.checkpoint import load_checkpoint
-from planner.cost import Workload, estimate_compute, geometry_from_config
+from planner.source.checkpoint import load_checkpoint
+from planner.model.cost import Workload, estimate_compute, geometry_from_config
 from runtime.header_checkpoint import write_header_checkpoint
-from planner.layout import build_layout, layer_kinds
-from planner.profile import load_profile
+from planner.model.layout import build_layout, layer_kinds
+from planner.source.profile import load_profile
 from runtime.measure import local_profile_name, measure_local
 
 EXAMPLES = Path("examples")  # run from the repository root

@@ -36,7 +36,7 @@ def _crash(*args, **kwargs):
 
 
 def test_unexpected_exception_is_one_line_naming_command_and_input(monkeypatch, tmp_path):
-    monkeypatch.setattr("planner.make.make_plan", _crash)
+    monkeypatch.setattr("planner.make.make_plan.make_plan", _crash)
     monkeypatch.delenv("OFFLOAD_PLAN_DEBUG", raising=False)
     result = invoke(["make", "-m", "some/model", "-g", "h100-sxm"], catch_exceptions=True)
     assert result.exit_code == BUG
@@ -48,9 +48,9 @@ def test_unexpected_exception_is_one_line_naming_command_and_input(monkeypatch, 
 
 def _run_crashing(env_extra: dict) -> subprocess.CompletedProcess:
     """The real entry point in a subprocess, with make_plan replaced by a function that raises."""
-    code = ("import planner.make, offload_plan.app as app\n"
+    code = ("import planner.make.make_plan, offload_plan.app as app\n"
             "def crash(*a, **k): raise ZeroDivisionError('boom')\n"
-            "planner.make.make_plan = crash\n"
+            "planner.make.make_plan.make_plan = crash\n"
             "import sys; sys.argv = ['offload-plan', 'make', '-m', 'org/model', '-g', 'h100-sxm']\n"
             "app.main()\n")
     return subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=cli_env(**env_extra),
@@ -80,7 +80,7 @@ def test_keyboard_interrupt_exits_130(monkeypatch):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("planner.make.make_plan", interrupted)
+    monkeypatch.setattr("planner.make.make_plan.make_plan", interrupted)
     result = invoke(["make", "-m", "org/model", "-g", "h100-sxm"], catch_exceptions=True)
     assert result.exit_code == 130 and "interrupted" in result.stderr
 

@@ -2,7 +2,7 @@
 
 docs/reference/commands.md: every flag and argument of every command, read from the typer application itself,
 has a row in its command's section, with the flag's default; no row names a flag the command does not have.
-docs/reference/plan.md: every key a plan can hold, read from planner.plan's dataclasses, has a row in its
+docs/reference/plan.md: every key a plan can hold, read from planner.plan.schema's dataclasses, has a row in its
 section's table; no row names a key the schema does not hold; and the checked-in plans hold no other key.
 """
 
@@ -16,7 +16,7 @@ import typer.main
 import yaml
 
 from offload_plan.app import app
-from planner.plan import Plan
+from planner.plan.schema import Plan
 from tests.conftest import REPO_ROOT
 
 COMMANDS_PAGE = REPO_ROOT / "docs" / "reference" / "commands.md"

@@ -27,7 +27,7 @@ def test_an_unexpected_error_with_a_long_message_and_long_input_stays_short(monk
     def crash(*args, **kwargs):
         raise ValueError("one of " + ", ".join(f"Choice{i}" for i in range(500)) + "\nand a second line")
 
-    monkeypatch.setattr("planner.make.make_plan", crash)
+    monkeypatch.setattr("planner.make.make_plan.make_plan", crash)
     monkeypatch.delenv("OFFLOAD_PLAN_DEBUG", raising=False)
     result = invoke(["make", "-m", "org/" + "m" * 400, "-g", "h100-sxm"], catch_exceptions=True)
     line = assert_one_line_error(result.exit_code, result.stderr, result.stdout,

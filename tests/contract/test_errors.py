@@ -75,7 +75,7 @@ def _duplicate_tensor(workdir) -> None:
     """Put model.norm.weight in both shards' headers."""
     for shard in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
         path = workdir / "ckpt" / shard
-        from planner.safetensors_header import read_header_json
+        from planner.source.safetensors_header import read_header_json
 
         header = read_header_json(path)
         tensors = {n: (e["dtype"], tuple(e["shape"])) for n, e in header.items() if n != "__metadata__"}

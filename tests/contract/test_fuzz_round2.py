@@ -138,7 +138,8 @@ def test_round2_refusal(name):
 
 
 def test_serving_rows_where_nothing_fits_read_back():
-    """make marks a concurrency where no placement fits with num_offloaded -1 (planner.assemble.serving_row): a plan
+    """make marks a concurrency where no placement fits with num_offloaded -1 (planner.make.assemble.serving_row): a
+    plan
     holding such a row is read by every reader, not refused as "negative"."""
     def mark(plan):
         chosen = plan["workload"]["concurrency"]

@@ -194,8 +194,8 @@ def test_an_architecture_no_engine_release_wires_is_one_short_line(engine):
     from dataclasses import replace
 
     from planner.errors import OffloadPlanError
-    from planner.export import export_plan
-    from planner.plan_file import read_plan
+    from planner.views.export import export_plan
+    from planner.plan.file import read_plan
     from tests.conftest import REPO_ROOT
 
     plan = read_plan(REPO_ROOT / "plans" / "llama-3.1-70b-h100-sxm-40gib.yaml")

@@ -127,7 +127,7 @@ SERVING_SCHEMA = {
 
 def test_plan_schema_keys_are_pinned(workdir, test_gpu):
     """A schema change must be deliberate: update SCHEMA here, SCHEMA_VERSION, and the golden files together."""
-    from planner.plan import SCHEMA_VERSION
+    from planner.plan.schema import SCHEMA_VERSION
 
     plan = yaml.safe_load(_make(workdir, test_gpu, "dense-budget"))
     assert SCHEMA_VERSION == 2 and plan["schema_version"] == 2

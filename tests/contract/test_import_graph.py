@@ -3,8 +3,9 @@
 A lazy import inside a function hides a cycle from Python but not from a reader: runtime.bench and runtime.graph
 imported each other (the decode loop timed its calls with the bench's timer), runtime.load and
 runtime.routed_experts did (the routed experts allocated through the loader that builds them), and ten planner
-modules were one cycle (planner.bounds imported the modules whose config checks read its config.json table, and
-planner.experts and planner.model_config each other). Imports for type annotations only (``if TYPE_CHECKING:``)
+modules were one cycle (planner.plan.bounds imported the modules whose config checks read its config.json table, and
+planner.model.experts and planner.model.model_config each other). Imports for type annotations only (``if
+TYPE_CHECKING:``)
 run nowhere and are not counted.
 """
 
@@ -83,5 +84,5 @@ def test_benchmark_timing_and_generation_live_outside_the_bench():
 
 
 def test_annotation_only_imports_are_not_counted():
-    assert "planner.layout" in import_graph("planner")["planner.cost"]
-    assert "planner.layout" not in import_graph("planner")["planner.experts"]  # under TYPE_CHECKING only
+    assert "planner.model.layout" in import_graph("planner")["planner.model.cost"]
+    assert "planner.model.layout" not in import_graph("planner")["planner.model.experts"]  # under TYPE_CHECKING only

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from offload_plan.app import app
-from planner.cost import ComputeTimes
-from planner.make import make_plan
-from planner.make_inputs import regenerate_command
-from planner.plan import Inputs
-from planner.plan_file import render_plan
+from planner.model.cost import ComputeTimes
+from planner.make.make_plan import make_plan
+from planner.make.inputs import regenerate_command
+from planner.plan.schema import Inputs
+from planner.plan.file import render_plan
 from tests.conftest import REPO_ROOT, TEST_GPU, assert_one_line_error, cli_env, make_checkpoint
 
 FORBIDDEN_IN_PLANNER = ("runtime", "torch", "transformers", "offload_plan")
@@ -33,7 +33,8 @@ def _imported_roots(path: Path) -> set[str]:
     return roots
 
 
-@pytest.mark.parametrize("path", sorted((REPO_ROOT / "planner").glob("*.py")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted((REPO_ROOT / "planner").rglob("*.py")),
+                         ids=lambda p: p.relative_to(REPO_ROOT).as_posix())
 def test_planner_imports_no_runtime_and_no_torch(path):
     assert not _imported_roots(path) & set(FORBIDDEN_IN_PLANNER), f"{path.name} imports the runtime or torch"
 

@@ -71,7 +71,7 @@ def test_llama70b_plan_on_h100_with_40gib(plan70b):
     assert memory["gpu_bytes"] <= 40 * 2**30
     # weights on the GPU: 20 resident layers, the P slots and everything outside the stack
     weights = NON_LAYER_BYTES + (80 - 60 + offload["prefetch_step"]) * LAYER_BYTES
-    # 723 tensors: one 256-byte pad each, then the 2 MiB allocator granule (planner.placement)
+    # 723 tensors: one 256-byte pad each, then the 2 MiB allocator granule (planner.model.placement)
     assert memory["gpu_bytes"] == -(-(weights + 256 * 723) // 2**21) * 2**21
     assert memory["allocation_slack_bytes"] == memory["gpu_bytes"] - weights
     assert memory["host_pinned_bytes"] == 60 * LAYER_BYTES

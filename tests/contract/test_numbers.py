@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from planner.compare import compare_plans, shown_value, summary_sentences
-from planner.plan_file import read_plan
+from planner.views.diff import compare_plans, shown_value, summary_sentences
+from planner.plan.file import read_plan
 from tests.conftest import REPO_ROOT
 
 

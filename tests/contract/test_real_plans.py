@@ -60,8 +60,8 @@ def test_gpt_oss_and_mixtral_release_formats():
 
 
 def test_written_checkpoint_is_sparse_and_its_mtp_layer_unused(tmp_path):
-    from planner.checkpoint import load_checkpoint
-    from planner.layout import build_layout
+    from planner.source.checkpoint import load_checkpoint
+    from planner.model.layout import build_layout
 
     folder = real_checkpoints.write_checkpoint("deepseek-v3", tmp_path)
     on_disk = sum(p.stat().st_blocks * 512 for p in folder.iterdir())

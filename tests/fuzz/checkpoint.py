@@ -3,8 +3,8 @@
 import json
 import struct
 
-from planner.model_config import CONFIG_COUNTS
-from planner.model_config import model_config
+from planner.model.model_config import CONFIG_COUNTS
+from planner.model.model_config import model_config
 from tests.fuzz.core import (
     Base, Case, DEEP_LEVELS, HUGE_INT, JUNK, NASTY_TEXT, SHARDS, _deep, _framed, _header_of, _json, _make_case,
     _nbytes, _pick_tensor, _raw_splice,

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import yaml
 
-from planner.plan import SCHEMA_VERSION
+from planner.plan.schema import SCHEMA_VERSION
 
 #: the plan's version line, where the text mutations hook in
 VERSION_LINE = f"schema_version: {SCHEMA_VERSION}"
@@ -238,9 +238,9 @@ def base() -> Base:
 def _warm_imports() -> None:
     """Import what commands import lazily (runtime and torch for run and calibrate) before any case is timed: a
     first import takes seconds and would read as a hang (and, interrupted, leave a half-imported module)."""
-    for module in ("planner.make", "planner.check", "planner.export", "planner.report", "planner.compare",
-                   "runtime.load", "runtime.bench", "runtime.generate", "runtime.calibrate", "runtime.trace",
-                   "planner.routing_trace"):
+    for module in ("planner.make.make_plan", "planner.views.check", "planner.views.export", "planner.views.show",
+                   "planner.views.diff", "runtime.load", "runtime.bench", "runtime.generate", "runtime.calibrate", "runtime.trace",
+                   "planner.source.routing_trace"):
         try:
             __import__(module)
         except Exception:  # noqa: BLE001 (no torch here: those commands then fail fast and cleanly)
@@ -482,7 +482,7 @@ def _classify(case: Case, code: int, stderr: str, exception: BaseException | Non
 
 
 def _where(exception: BaseException) -> str:
-    """'TypeError in planner/safetensors_header.py:_entry': the innermost project frame of the exception."""
+    """'TypeError in planner/source/safetensors_header.py:_entry': the innermost project frame of the exception."""
     frames = traceback.extract_tb(exception.__traceback__)
     project = [f for f in frames if "/planner/" in f.filename or "/offload_plan/" in f.filename]
     frame = (project or frames or [None])[-1]

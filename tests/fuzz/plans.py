@@ -1,7 +1,7 @@
 """Fuzz family of plan files: every field, layer lists and YAML structure, read by show, export, diff, check."""
 
 
-from planner.plan import SCHEMA_VERSION
+from planner.plan.schema import SCHEMA_VERSION
 
 from tests.fuzz.core import (Base, Case, DEEP_LEVELS, HUGE_INT, JUNK, VERSION_LINE, _yaml)
 

@@ -39,7 +39,7 @@ def gen_tp(rng, base_: Base) -> Case:
         invalid = invalid or value not in ("1", "1,1")
         mutation += " without a GPU link"
     if rng.random() < 0.15 and value != "1":  # (a config without heads planned at --tp 1 writes kv_dtype auto,
-        # which another change handles: planner/kv_cache.py)
+        # which another change handles: planner/model/kv_cache.py)
         name, edit, bad = rng.choice(TP_CONFIGS)
         config = {key: val for key, val in {**(base_.moe if moe else base_.dense).config, **edit}.items()
                   if val is not None}
@@ -112,7 +112,7 @@ def gen_trace_cli(rng, base_: Base) -> Case:
 
 # ---- header-checkpoint ----------------------------------------------------------------------------------------
 
-#: config edits: (name, edit, invalid); sizes at and past make's bounds (planner.model_config.CONFIG_LIMITS)
+#: config edits: (name, edit, invalid); sizes at and past make's bounds (planner.model.model_config.CONFIG_LIMITS)
 HC_EDITS = (
     ("valid", {}, False), ("text_config string", {"text_config": "x"}, True),
     ("text_config list", {"text_config": [1]}, True), ("vocab 10^13", {"vocab_size": 10**13}, True),

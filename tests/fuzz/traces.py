@@ -21,14 +21,14 @@ _FINGERPRINT: list[str] = []
 
 
 def _fingerprint(base_: Base) -> str:
-    """The base MoE model's fingerprint, as planner.checkpoint computes it from its files (once a process)."""
+    """The base MoE model's fingerprint, as planner.source.checkpoint computes it from its files (once a process)."""
     if not _FINGERPRINT:
         _FINGERPRINT.append(_read_fingerprint(base_))
     return _FINGERPRINT[0]
 
 
 def _read_fingerprint(base_: Base) -> str:
-    from planner.checkpoint import load_checkpoint
+    from planner.source.checkpoint import load_checkpoint
 
     with tempfile.TemporaryDirectory(prefix="fuzz-trace-") as folder:
         for relative, data in base_.moe.files().items():

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from planner.activations import (ActivationShape, StepShape, activation_shape, decode_activations,
-                                 estimate_activations, prefill_activations)
+from planner.model.activations import (ActivationShape, StepShape, activation_shape, decode_activations,
+                                        estimate_activations, prefill_activations)
 from planner.errors import ModelInputError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -371,7 +371,7 @@ def test_activation_model_keeps_one_layer_per_kind():
 def test_gpt_oss_attention_is_eager_with_its_scores():
     """gpt-oss has no SDPA path (its sinks join the softmax): K/V are repeated to every head and three
     score-sized tensors, one sink column wider, are alive; a Llama of the same shape keeps the log-sum-exp."""
-    from planner.activations import activation_shape, prefill_activations
+    from planner.model.activations import activation_shape, prefill_activations
 
     shape = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
                  num_key_value_heads=2, head_dim=16, vocab_size=128)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from planner.activations import decode_activations, prefill_activations
+from planner.model.activations import decode_activations, prefill_activations
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -1,9 +1,9 @@
-"""The adapter stream's schedule and its predicted times (planner.adapter_stream), against hand-worked cases."""
+"""The adapter stream's schedule and its predicted times (planner.search.adapter_stream), against hand-worked cases."""
 
 import pytest
 
-from planner.adapter_stream import (BLOCKING, PIPELINED, WeightsOnLink, pure_compute_ms, schedule_stream, simulate,
-                                    times_from_events)
+from planner.search.adapter_stream import (BLOCKING, PIPELINED, WeightsOnLink, pure_compute_ms, schedule_stream,
+                                            simulate, times_from_events)
 
 
 def test_blocking_cuts_a_batch_into_waves_of_slots_and_mixes_adapters():
@@ -122,7 +122,7 @@ def test_measured_times_use_the_same_figures():
 
 
 def test_lora_scaling_is_peft_s():
-    from planner.adapters import lora_scaling
+    from planner.model.adapters import lora_scaling
 
     config = {"peft_type": "LORA", "r": 16, "lora_alpha": 32, "target_modules": ["q_proj"]}
     assert lora_scaling(config, "x") == 2.0
@@ -135,8 +135,8 @@ def _h100_half_offloaded_weights(folder):
     copy at the profile's link, the layers' compute shares and the LM head's time from the cost model."""
     from tests.conftest import invoke, make_checkpoint
 
-    from planner.adapter_stream import weights_on_link
-    from planner.plan_file import read_plan
+    from planner.search.adapter_stream import weights_on_link
+    from planner.plan.file import read_plan
 
     make_checkpoint(folder / "qwen3-8b", 36, 4096, 12288, vocab=151936, num_heads=32, num_kv_heads=8, data=False)
     result = invoke(["make", "-m", folder / "qwen3-8b", "-g", "h100-sxm", "--budget", "60GiB", "--tokens", "2048",
@@ -154,7 +154,7 @@ def _h100_stream_predictions(weights: WeightsOnLink) -> dict:
     import statistics
     from pathlib import Path
 
-    from planner.adapter_stream import stream_batches
+    from planner.search.adapter_stream import stream_batches
 
     recorded = json.loads((Path(__file__).parents[2] / "benchmarks/2026-11-24-adapters-h100.json").read_text())
     row = next(r for r in recorded["plans"] if r["num_offloaded"])
@@ -207,7 +207,7 @@ def test_the_lm_head_runs_after_the_last_layer():
 def test_the_plan_chooses_the_mode_its_prediction_says_is_faster():
     """Resident, pipelined hides a wave's later copies under its lead; with forwards bound by the offloaded
     weights' copies, splitting a wave into two forwards costs one more pass of them, so blocking wins."""
-    from planner.adapter_stream import choose_mode
+    from planner.search.adapter_stream import choose_mode
 
     copy_ms = {f"a{k}": 5.0 for k in range(8)}
     resident = choose_mode(copy_ms=copy_ms, num_slots=2, request_ms=20.0, weights=None)

@@ -6,9 +6,9 @@ import json
 import pytest
 import yaml
 
-from planner.adapters import MIN_ADAPTER_LINK_SHARE, adapter_waits, load_adapter
-from planner.checkpoint import load_checkpoint
-from planner.layout import build_layout
+from planner.model.adapters import MIN_ADAPTER_LINK_SHARE, adapter_waits, load_adapter
+from planner.source.checkpoint import load_checkpoint
+from planner.model.layout import build_layout
 from tests.conftest import assert_one_line_error, invoke, make_adapter, make_checkpoint, nbytes_of
 
 HIDDEN = 64
@@ -413,8 +413,8 @@ def test_diff_names_a_change_of_loading_mode(base, test_gpu):
     """diff says when the loading mode changes, with the new plan's totals; a plan without adapters has none."""
     from dataclasses import replace
 
-    from planner.compare import compare_plans, summary_sentences
-    from planner.plan_file import read_plan
+    from planner.views.diff import compare_plans, summary_sentences
+    from planner.plan.file import read_plan
 
     _make(test_gpu, "--budget", "300KB", *ADAPTERS)
     old = read_plan("plan.yaml")

@@ -1,11 +1,11 @@
-"""planner.architectures: one entry per model_type, read by the KV cache model and the activation estimate."""
+"""planner.model.architectures: one entry per model_type, read by the KV cache model and the activation estimate."""
 
 import pytest
 
-from planner import architectures
-from planner.activations import activation_shape
-from planner.architectures import ARCHITECTURES, Architecture, architecture, model_types_with
-from planner.kv_cache import HYBRID_LAYERS, SUPPORTED_MODEL_TYPES, attention_layer_types, kv_cache_model
+from planner.model import architectures
+from planner.model.activations import activation_shape
+from planner.model.architectures import ARCHITECTURES, Architecture, architecture, model_types_with
+from planner.model.kv_cache import HYBRID_LAYERS, SUPPORTED_MODEL_TYPES, attention_layer_types, kv_cache_model
 
 LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
          "num_key_value_heads": 2, "num_hidden_layers": 4, "intermediate_size": 128, "vocab_size": 100,
@@ -13,7 +13,7 @@ LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_s
 
 
 def test_the_table_holds_the_sets_the_modules_listed_before():
-    """The lists planner.kv_cache and planner.activations kept apart, now read from the one table."""
+    """The lists planner.model.kv_cache and planner.model.activations kept apart, now read from the one table."""
     assert dict(zip(model_types_with(cache="attention"),
                     (ARCHITECTURES[n].sliding_rule for n in model_types_with(cache="attention")))) == {
         "llama": "all", "mistral": "all", "mixtral": "all", "qwen2": "qwen", "qwen2_moe": "qwen", "qwen3": "qwen",

@@ -149,11 +149,11 @@ def test_check_several_plans_exits_with_the_first_failure(dense, workdir):
 
 def _measured_plan(tmp_path, **extra):
     """A --measure plan made with stand-in measurements (the runtime's are GPU-only), written to plan.yaml."""
-    from planner.cost import ComputeTimes
-    from planner.make import make_plan
-    from planner.make_inputs import regenerate_command
-    from planner.plan import Inputs
-    from planner.plan_file import render_plan
+    from planner.model.cost import ComputeTimes
+    from planner.make.make_plan import make_plan
+    from planner.make.inputs import regenerate_command
+    from planner.plan.schema import Inputs
+    from planner.plan.file import render_plan
     from tests.conftest import TEST_GPU_FILE
 
     make_checkpoint(tmp_path / "ckpt", num_layers=4, num_shards=2)
@@ -171,7 +171,7 @@ def _measured_plan(tmp_path, **extra):
 def test_a_measured_plan_is_checked_with_its_recorded_context(tmp_path):
     """make --measure measures what the stack holds outside the allocator (issue 36); check regenerates the plan
     from that recorded figure, as from its recorded layer times."""
-    from planner.check import check_plan
+    from planner.views.check import check_plan
 
     path, plan = _measured_plan(tmp_path, tokens=8, sequences=8, context=64)
     assert plan.hardware.cuda_context_bytes == 123_456_789
@@ -183,7 +183,7 @@ def test_a_measured_plan_is_checked_with_its_recorded_context(tmp_path):
 def test_a_measured_serving_plan_passes_check_saying_what_it_did_not_regenerate(tmp_path):
     """Its search timed every concurrency on a GPU: check cannot time them again, so it checks the checkpoint and
     the fit, and says so (it failed with '--measure times layers on the local GPU' before)."""
-    from planner.check import check_plan
+    from planner.views.check import check_plan
 
     path, _ = _measured_plan(tmp_path, context=256, concurrency="4")
     result = check_plan(path)

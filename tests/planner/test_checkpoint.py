@@ -19,7 +19,7 @@ def test_write_safetensors_is_readable_by_the_safetensors_library(tmp_path):
 
 
 def test_fingerprint_ignores_sharding_and_config(tmp_path):
-    from planner.checkpoint import load_checkpoint
+    from planner.source.checkpoint import load_checkpoint
 
     one = make_checkpoint(tmp_path / "one", num_layers=3, num_shards=1)
     three = make_checkpoint(tmp_path / "three", num_layers=3, num_shards=3, config=False)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from planner.checkpoint import resolve_local_source
+from planner.source.checkpoint import resolve_local_source
 from planner.errors import ModelInputError
 from tests.conftest import REPO_ROOT, assert_one_line_error, cli_env, invoke, make_checkpoint, run_cli
 

@@ -63,8 +63,8 @@ def test_tiny_llama_is_sharded(tiny_llama):
 
 
 def test_tiny_llama_layout_and_bytes(tiny_llama):
-    from planner.checkpoint import load_checkpoint
-    from planner.layout import build_layout
+    from planner.source.checkpoint import load_checkpoint
+    from planner.model.layout import build_layout
 
     files = _file_tensors(tiny_llama)
     checkpoint = load_checkpoint(str(tiny_llama))
@@ -101,9 +101,9 @@ def test_tiny_llama_make(tiny_llama, workdir):
 
 
 def test_tiny_moe_per_expert_names_and_expert_offload(tiny_moe, workdir):
-    from planner.checkpoint import load_checkpoint
-    from planner.cost import geometry_from_config
-    from planner.layout import build_layout
+    from planner.source.checkpoint import load_checkpoint
+    from planner.model.cost import geometry_from_config
+    from planner.model.layout import build_layout
 
     folder, experts = tiny_moe
     files = _file_tensors(folder)

@@ -1,4 +1,4 @@
-"""export's memory flags by each engine's own accounting (planner.engine_memory), pinned for two plans in plans/.
+"""export's memory flags by each engine's own accounting (planner.engines.memory), pinned for two plans in plans/.
 
 The formulas, from the engines' sources:
 - vLLM, vllm/v1/worker/gpu_worker.py: init_device refuses to start when the free memory after the CUDA context
@@ -18,11 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from planner.engine_memory import (VLLM_PROFILE_SLACK_BYTES, sglang_memory, token_bytes,
-                                   vllm_memory)
-from planner.export import export_plan
-from planner.serving import NCCL_BYTES_PER_RANK
-from planner.plan_file import read_plan
+from planner.engines.memory import (VLLM_PROFILE_SLACK_BYTES, sglang_memory, token_bytes, vllm_memory)
+from planner.views.export import export_plan
+from planner.search.serving import NCCL_BYTES_PER_RANK
+from planner.plan.file import read_plan
 
 PLANS = Path(__file__).resolve().parents[2] / "plans"
 LLAMA_70B = PLANS / "llama-3.1-70b-h100-sxm-serve-8192.yaml"
@@ -128,7 +127,7 @@ def test_make_for_sglang_plans_within_what_sglang_wires_for_the_family(llama_70b
     in one line naming --cpu-offload-gb, which export restates any plan for; a P that does not divide the
     offloaded layers is no loss (0.5.23 asserts nothing of it), and vLLM plans as make does."""
     from planner.errors import UsageError
-    from planner.make import make_plan
+    from planner.make.make_plan import make_plan
 
     plan = read_plan(PLANS / "llama-3.1-70b-gh200-64gib.yaml")
     assert len(plan.offload.layers) % plan.offload.prefetch_step
@@ -145,12 +144,12 @@ def test_make_for_sglang_plans_within_what_sglang_wires_for_the_family(llama_70b
 def test_make_for_an_engine_plans_whole_layers_and_says_so(tmp_path):
     """A routed MoE plan becomes the whole-layer plan export would have given, and the verdict says it was
     planned for that engine; check regenerates it from its header (--for is an input)."""
-    from planner.engine_plan import expressible_plan
+    from planner.engines.plan import expressible_plan
     from planner.errors import UsageError
-    from planner.make import make_plan
-    from planner.plan import Inputs
-    from planner.plan_file import render_plan
-    from planner.report import verdict
+    from planner.make.make_plan import make_plan
+    from planner.plan.schema import Inputs
+    from planner.plan.file import render_plan
+    from planner.views.show import verdict
     from runtime.header_checkpoint import write_header_checkpoint
 
     folder = tmp_path / "qwen3-30b-a3b"

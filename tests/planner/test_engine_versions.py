@@ -1,11 +1,11 @@
-"""planner.engine_versions: the pinned releases' accepted flags and wiring, and what export takes from them
+"""planner.engines.versions: the pinned releases' accepted flags and wiring, and what export takes from them
 (the block size vLLM's MLA backends take, the version picked by --engine-version)."""
 
 import json
 
 import pytest
 
-from planner.engine_versions import ENGINE_VERSIONS, MLA_ARCHITECTURES, FlagSpec, engine_version, split_flags
+from planner.engines.versions import ENGINE_VERSIONS, MLA_ARCHITECTURES, FlagSpec, engine_version, split_flags
 from planner.errors import UsageError
 from tests.conftest import invoke, make_checkpoint
 from tests.plan_cli import MOE, _make

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from planner.experts import (GATHER_COMPUTE_SLOWDOWN, PREFETCH_ACCURACY, PREFETCH_MACHINERY_MS,
-                              MoeGeometry, MoeLayer, prefetch_layer_stall_ms, routed_placement,
-                             routed_step_ms, uniform_routing)
-from planner.make import make_plan
-from planner.plan import Inputs
-from planner.plan_file import plan_from_dict, plan_to_dict
+from planner.model.experts import (GATHER_COMPUTE_SLOWDOWN, PREFETCH_ACCURACY, PREFETCH_MACHINERY_MS, MoeGeometry,
+                                    MoeLayer, prefetch_layer_stall_ms, routed_placement, routed_step_ms,
+                                    uniform_routing)
+from planner.make.make_plan import make_plan
+from planner.plan.schema import Inputs
+from planner.plan.file import plan_from_dict, plan_to_dict
 from tests.conftest import assert_one_line_error, make_checkpoint, run_cli
 
 
@@ -47,7 +47,7 @@ def test_prefetch_doubles_the_fetch_slots_in_gpu_bytes_at_the_cost_of_resident_e
     layer_ms = (0.5, 0.5, 0.5)
     # the first layer waits for its whole fetch either way; the others overlap with their compute, a step
     # fetching 0 or 1 whole expert (1000 bytes at the gather's rate; one slot)
-    from planner.experts import routed_fetch_bytes_per_s
+    from planner.model.experts import routed_fetch_bytes_per_s
 
     expert_ms = 1e3 * 1000 / routed_fetch_bytes_per_s(1e6)
     stalls = [prefetch_layer_stall_ms(0.5, row.fetch_ms, 0.8, predicted=i > 0, expert_ms=expert_ms, num_slots=1,
@@ -116,8 +116,8 @@ def test_prefetch_accuracy_outside_a_share_or_on_a_dense_model_is_one_line(qwen3
 
 
 def _depth_pick(rank_accuracy, compute_ms, pinned=None):
-    from planner.cost import ComputeTimes
-    from planner.expert_choice import choose_prefetch_depth, expert_model
+    from planner.model.cost import ComputeTimes
+    from planner.search.expert_choice import choose_prefetch_depth, expert_model
 
     layers = tuple(MoeLayer(index=i, expert_bytes=1000, other_bytes=500) for i in range(4))
     geometry = MoeGeometry(num_experts=16, top_k=len(rank_accuracy), layers=layers, unroutable_reason=None)
@@ -147,7 +147,7 @@ def test_the_depth_fills_the_compute_shadow_and_poor_deep_ranks_make_it_shallowe
 
 
 def test_the_chosen_depth_is_the_fastest_and_its_shares_match_the_ranks():
-    from planner.experts import prefetch_shares
+    from planner.model.experts import prefetch_shares
 
     ranks = (0.9, 0.8, 0.5, 0.2)
     chosen, simulation, placement = _depth_pick(ranks, 2.5)
@@ -163,7 +163,7 @@ def test_the_chosen_depth_is_the_fastest_and_its_shares_match_the_ranks():
 
 
 def test_make_records_the_depth_and_its_ranks_and_prefetch_depth_pins_it(qwen3_30b, tmp_path):
-    from planner.experts import default_rank_accuracy
+    from planner.model.experts import default_rank_accuracy
 
     chosen = make_plan(serving_inputs(qwen3_30b)).plan.experts
     assert chosen.prefetch_rank_accuracy == tuple(round(a, 4) for a in default_rank_accuracy(8))
@@ -207,7 +207,7 @@ def test_prefetch_depth_on_a_dense_model_is_one_line(tmp_path):
 
 
 def test_plans_made_before_the_depth_read_as_every_rank():
-    from planner.plan import ExpertsPlan
+    from planner.plan.schema import ExpertsPlan
 
     old = ExpertsPlan(regime="routed", routing="uniform", fetch_slots=8, layers=(), num_experts=128, top_k=8,
                       expert_bytes=1, fetch_buffer_bytes=16, staging_buffer_bytes=128, routed_fetch_bytes_per_s=1.0,
@@ -220,7 +220,7 @@ def test_plans_made_before_the_depth_read_as_every_rank():
 def test_a_fetch_of_whole_experts_outlasts_the_window_more_than_its_mean():
     """A batch-1 step fetches a whole number of experts: the prefetch beyond one layer's compute is priced over
     N ~ Binomial(slots, mean / slots), not at the mean (convex: never less)."""
-    from planner.experts import expected_excess_ms
+    from planner.model.experts import expected_excess_ms
 
     # one slot, half the steps fetch the expert (1 ms) against a 0.6 ms window: 0.5 x 0.4, where the mean
     # (0.5 ms) fits the window
@@ -240,7 +240,7 @@ def test_a_fetch_of_whole_experts_outlasts_the_window_more_than_its_mean():
 
 def test_a_prefetch_slows_the_compute_it_overlaps_and_a_link_bound_layer_hides_it():
     """Hand-computed, one slot (a step fetches 0 or 1 expert, half the steps each), compute 0.6 ms, s = 0.15."""
-    from planner.experts import expected_excess_ms
+    from planner.model.experts import expected_excess_ms
 
     # an expert of 0.4 ms under the compute costs s x 0.4; none costs nothing
     assert expected_excess_ms(0.4, 0.6, 0.5, 1, 0.15) == pytest.approx(0.5 * 0.15 * 0.4)

@@ -1,4 +1,4 @@
-"""Expert-granular offloading: the routing model (planner.experts) and the routed placement in plans (make, show,
+"""Expert-granular offloading: the routing model (planner.model.experts) and the routed placement in plans (make, show,
 check, diff, export). Routing trace files: tests/planner/test_routing_trace.py; recording them (runtime.trace,
 ``offload-plan trace``): tests/runtime/test_trace.py."""
 
@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from planner.checkpoint import load_checkpoint
-from planner.experts import (LayerRouting, MoeGeometry, MoeLayer, ROUTED_FETCH_EFFICIENCY, choose_resident,
-                             expected_distinct_uniform, moe_geometry, routed_placement, uniform_routing)
-from planner.layout import build_layout
-from planner.make import make_plan
-from planner.plan import Inputs
-from planner.plan_file import plan_from_dict, plan_to_dict, read_plan
+from planner.source.checkpoint import load_checkpoint
+from planner.model.experts import (LayerRouting, MoeGeometry, MoeLayer, ROUTED_FETCH_EFFICIENCY, choose_resident,
+                                   expected_distinct_uniform, moe_geometry, routed_placement, uniform_routing)
+from planner.model.layout import build_layout
+from planner.make.make_plan import make_plan
+from planner.plan.schema import Inputs
+from planner.plan.file import plan_from_dict, plan_to_dict, read_plan
 from planner.units import format_rate
 from tests.conftest import make_checkpoint, run_cli
 
@@ -157,7 +157,7 @@ def test_an_architecture_the_runtime_cannot_route_fetch_falls_back_to_whole_laye
     # quantized experts still come in whole experts: the routed regime is priced beside whole layers, on paper
     point = plan.experts.points[0]
     assert point.regime == "whole_layer" and point.routed_step_ms is not None and point.whole_layer_step_ms
-    from planner.report import experts_text
+    from planner.views.show import experts_text
 
     assert "On paper, at 1 sequence(s): routed experts would take" in " ".join(experts_text(plan).plain.split())
 
@@ -165,7 +165,7 @@ def test_an_architecture_the_runtime_cannot_route_fetch_falls_back_to_whole_laye
 def test_a_routed_placement_priced_on_paper_is_never_chosen():
     from types import SimpleNamespace as NS
 
-    from planner.expert_choice import Comparison
+    from planner.search.expert_choice import Comparison
 
     def choice(step_ms):
         return NS(simulation=NS(step_ms=step_ms))
@@ -185,9 +185,9 @@ def test_pinned_knobs_keep_whole_layers(qwen3_30b):
 
 
 def test_diff_and_export_of_routed_and_whole_layer_plans(qwen3_30b, tmp_path):
-    from planner.compare import compare_plans, summary_sentences
+    from planner.views.diff import compare_plans, summary_sentences
     from planner.errors import PlanError
-    from planner.export import export_plan
+    from planner.views.export import export_plan
 
     routed = make_plan(serving_inputs(qwen3_30b, "1", gpu_memory="24GiB")).plan
     whole = make_plan(serving_inputs(qwen3_30b, "64")).plan
@@ -210,9 +210,9 @@ def test_diff_and_export_of_routed_and_whole_layer_plans(qwen3_30b, tmp_path):
 def test_export_of_a_routed_plan_gives_the_planners_whole_layer_plan_and_its_loss(qwen3_30b, tmp_path):
     """Neither engine fetches routed experts: export emits the whole-layer plan make would have made at the same
     workload and weight budget (the plan's own recorded whole-layer step), and states the loss in tokens/s."""
-    from planner.engine_plan import expressible_plan
-    from planner.export import export_plan
-    from planner.plan_file import render_plan
+    from planner.engines.plan import expressible_plan
+    from planner.views.export import export_plan
+    from planner.plan.file import render_plan
 
     routed = make_plan(serving_inputs(qwen3_30b, "1", gpu_memory="24GiB")).plan
     whole, loss = expressible_plan(routed)
@@ -256,7 +256,7 @@ def test_show_of_a_plan_whose_steps_round_to_zero_names_the_regime_without_a_rat
     found `show` exiting 70 on such a weights plan with --params experts)."""
     from types import SimpleNamespace as NS
 
-    from planner.report import _crossover_lines
+    from planner.views.show import _crossover_lines
 
     point = NS(concurrency=1, regime="whole_layer", routed_step_ms=0.0, whole_layer_step_ms=0.0, num_resident=24)
     plan = NS(workload=NS(concurrency=1))

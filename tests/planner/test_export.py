@@ -119,7 +119,7 @@ def test_export_vllm_p_that_does_not_divide_n(workdir, test_gpu):
 
 
 def test_every_export_flag_is_one_the_pinned_version_accepts(dense):
-    from planner.engine_versions import FlagSpec, engine_version, flag_problems
+    from planner.engines.versions import FlagSpec, engine_version, flag_problems
 
     for engine in ("vllm", "sglang"):
         flags = json.loads(_export("plan.yaml", "--to", engine, "--tp", "2", "--json").stdout)["flags"]
@@ -138,7 +138,7 @@ def test_export_refuses_a_hand_edited_layer_list(dense):
     _edit("plan.yaml", f"layers: [{', '.join(map(str, layers))}]", f"layers: [{', '.join(map(str, layers[:-1]))}]")
     result = _export("plan.yaml", "--to", "vllm")
     assert result.exit_code == PLAN
-    # the reader refuses it first: the rows' host bytes no longer add up to memory's (planner.plan_rules)
+    # the reader refuses it first: the rows' host bytes no longer add up to memory's (planner.plan.rules)
     assert "regenerate it with make" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
 
@@ -188,9 +188,9 @@ def test_export_rule_skips_layers_whose_row_selects_nothing():
     import dataclasses
 
     from planner.errors import PlanError
-    from planner.export import check_rule
-    from planner.plan_file import read_plan
-    from planner.schedule import offloaded_by_rule
+    from planner.views.export import check_rule
+    from planner.plan.file import read_plan
+    from planner.search.schedule import offloaded_by_rule
     from tests.conftest import GOLDEN_DIR
 
     plan = read_plan(GOLDEN_DIR / "moe-experts.yaml")
@@ -214,9 +214,9 @@ def test_sglang_deepseek_keeps_a_rule_layer_that_moves_nothing_in_its_prefetch_o
     takes a position, so the copies run P positions ahead of a different order than vLLM's, which skips it."""
     import dataclasses
 
-    from planner.export import export_plan, predict
-    from planner.plan_file import read_plan
-    from planner.schedule import offloaded_by_rule
+    from planner.views.export import export_plan, predict
+    from planner.plan.file import read_plan
+    from planner.search.schedule import offloaded_by_rule
     from tests.conftest import GOLDEN_DIR
 
     plan = read_plan(GOLDEN_DIR / "moe-experts.yaml")

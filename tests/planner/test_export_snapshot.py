@@ -1,6 +1,6 @@
 """Every checked-in plan exported to every engine, pinned: the flags, notes, warnings, losses and predictions (or
 the one-line refusal) of plans/*.yaml and tests/golden/*.yaml for each engine at --tp 1 and 2, with and without
---exact, compared with tests/golden/exports.json. A change to planner/export.py that alters any of them fails
+--exact, compared with tests/golden/exports.json. A change to planner/views/export.py that alters any of them fails
 here; a deliberate one regenerates the file with ``python3 -m tests.planner.test_export_snapshot``."""
 
 import contextlib
@@ -9,8 +9,8 @@ import json
 from pathlib import Path
 
 from planner.errors import OffloadPlanError
-from planner.export import ENGINES, export_plan
-from planner.plan_file import read_plan
+from planner.views.export import ENGINES, export_plan
+from planner.plan.file import read_plan
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = REPO_ROOT / "tests" / "golden" / "exports.json"

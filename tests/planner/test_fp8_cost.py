@@ -1,12 +1,12 @@
-"""The cost model's FP8 compute (planner.fp8_cost, issue 23): run dequantizes FP8 linears each step (9 HBM bytes
+"""The cost model's FP8 compute (planner.model.fp8_cost, issue 23): run dequantizes FP8 linears each step (9 HBM bytes
 per FP8 weight at the bf16 rate); an engine's FP8 kernel reads the byte once at the FP8 rate. Pure planner."""
 
 import pytest
 
-from planner.cost import Workload, layer_cost, roofline_ms
-from planner.fp8_cost import DEQUANTIZED, NATIVE, Fp8Compute, fp8_compute_for
-from planner.layout import LayerInfo
-from planner.profile import load_profile
+from planner.model.cost import Workload, layer_cost, roofline_ms
+from planner.model.fp8_cost import DEQUANTIZED, NATIVE, Fp8Compute, fp8_compute_for
+from planner.model.layout import LayerInfo
+from planner.source.profile import load_profile
 
 HIDDEN, INNER = 4096, 12288
 
@@ -23,7 +23,7 @@ def _layer(dtype: str, nbytes_per_weight: int) -> LayerInfo:
 
 
 def _geometry():
-    from planner.cost import ModelGeometry
+    from planner.model.cost import ModelGeometry
 
     return ModelGeometry(num_heads=32, num_kv_heads=8, head_dim=128, num_experts=0, top_k=0)
 
@@ -59,8 +59,8 @@ def test_the_target_chooses_the_path():
 
 
 def test_fp8_experts_are_found_by_name_and_dtype():
-    from planner.fp8_cost import has_fp8_experts
-    from planner.safetensors_header import TensorEntry
+    from planner.model.fp8_cost import has_fp8_experts
+    from planner.source.safetensors_header import TensorEntry
 
     def entry(name, dtype):
         return TensorEntry(name=name, dtype=dtype, shape=(2, 2), nbytes=4, file="a.safetensors")

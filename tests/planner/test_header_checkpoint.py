@@ -1,4 +1,4 @@
-"""planner.header_checkpoint: header-only checkpoints, and the folders it will and will not touch.
+"""planner.source.header_checkpoint: header-only checkpoints, and the folders it will and will not touch.
 
 Most tests write a given tensor list (no torch); two build the list from a tiny Llama config.json with
 transformers, as ``offload-plan header-checkpoint`` and scripts/header_checkpoint.py do.
@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from planner.checkpoint import load_checkpoint
+from planner.source.checkpoint import load_checkpoint
 from planner.errors import UsageError
-from planner.header_checkpoint import HEADER_ONLY, MARKER_NAME, marker_kind, write_checkpoint_folder
+from planner.source.header_checkpoint import HEADER_ONLY, MARKER_NAME, marker_kind, write_checkpoint_folder
 from tests.conftest import ERROR_PREFIX, REPO_ROOT, TINY_LLAMA, cli_env
 
 SPECS = [("model.embed_tokens.weight", "BF16", [256, 64]), ("model.layers.0.mlp.down_proj.weight", "BF16", [64, 128]),

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from planner.errors import ModelInputError
-from planner.kv_cache import SUPPORTED_MODEL_TYPES, kv_cache_model
+from planner.model.kv_cache import SUPPORTED_MODEL_TYPES, kv_cache_model
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 REAL_CONFIGS = sorted([*REPO_ROOT.glob("plans/models/*/config.json"), *REPO_ROOT.glob("examples/*/config.json")])
@@ -241,7 +241,7 @@ def test_other_cache_kinds_are_refused_naming_the_kind(extra, shown_by):
 
 @pytest.mark.parametrize("model_type", ["mamba", "lfm2", "cpmant", "longcat_flash", "mimo_v2_flash", "xlstm"])
 def test_listed_unmodelled_caches_name_their_kind(model_type):
-    from planner.architectures import ARCHITECTURES
+    from planner.model.architectures import ARCHITECTURES
 
     with pytest.raises(ModelInputError) as error:
         kv_cache_model(_UNLISTED | {"model_type": model_type})

@@ -1,4 +1,4 @@
-"""planner.kv_cache held to transformers' own caches over every decoder architecture the installed transformers
+"""planner.model.kv_cache held to transformers' own caches over every decoder architecture the installed transformers
 ships as a config class (tests.config_classes): the tiny model runs a prompt on the CPU with a DynamicCache, and
 the bytes of every tensor the cache holds equal the planner's cache_bytes, less the differences stated in
 tests.planner.test_kv_cache (sliding windows: transformers keeps window - 1 tokens); or the planner refuses the
@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from planner.errors import ModelInputError
-from planner.kv_cache import kv_cache_model
+from planner.model.kv_cache import kv_cache_model
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")

@@ -1,12 +1,12 @@
-"""planner.layout: a checkpoint's tensors grouped into the stack's layers and the rest."""
+"""planner.model.layout: a checkpoint's tensors grouped into the stack's layers and the rest."""
 
 from tests.conftest import make_checkpoint, nbytes_of
 
 
 def test_layout_of_dense_and_moe(tmp_path):
-    from planner.checkpoint import load_checkpoint
-    from planner.cost import geometry_from_config
-    from planner.layout import build_layout
+    from planner.source.checkpoint import load_checkpoint
+    from planner.model.cost import geometry_from_config
+    from planner.model.layout import build_layout
 
     dense = make_checkpoint(tmp_path / "dense", num_layers=5, num_shards=2)
     layout = build_layout(load_checkpoint(str(dense.path)))
@@ -33,8 +33,8 @@ def test_layout_of_dense_and_moe(tmp_path):
 
 
 def test_config_layer_count_marks_extra_layers_unused(tmp_path):
-    from planner.checkpoint import load_checkpoint
-    from planner.layout import build_layout
+    from planner.source.checkpoint import load_checkpoint
+    from planner.model.layout import build_layout
 
     written = make_checkpoint(tmp_path / "mtp", num_layers=5, num_shards=2, extra_config={"num_hidden_layers": 4})
     layout = build_layout(load_checkpoint(str(written.path)))
@@ -44,7 +44,7 @@ def test_config_layer_count_marks_extra_layers_unused(tmp_path):
 
 
 def test_layer_kinds_groups_identical_layers():
-    from planner.layout import LayerInfo, layer_kinds
+    from planner.model.layout import LayerInfo, layer_kinds
 
     dense = (("mlp.w", "BF16", (4, 4), 32),)
     moe = (("mlp.experts.0.w", "BF16", (4, 4), 32), ("mlp.gate.weight", "BF16", (2, 4), 16))
@@ -55,9 +55,9 @@ def test_layer_kinds_groups_identical_layers():
 def _layout_error(folder) -> str:
     import pytest
 
-    from planner.checkpoint import load_checkpoint
+    from planner.source.checkpoint import load_checkpoint
     from planner.errors import ModelInputError
-    from planner.layout import build_layout
+    from planner.model.layout import build_layout
 
     with pytest.raises(ModelInputError) as error:
         build_layout(load_checkpoint(str(folder)), None)

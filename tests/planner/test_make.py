@@ -1,4 +1,4 @@
-"""planner.make: make's plans, end to end through the command."""
+"""planner.make.make_plan: make's plans, end to end through the command."""
 
 import json
 
@@ -9,14 +9,14 @@ from tests.conftest import TEST_GPU, assert_one_line_error, invoke, make_checkpo
 
 def test_budget_message_numbers_are_the_real_minimum(workdir, good_plan):
     """The bytes the infeasible message names are exactly the least any plan needs (fixed + one slot)."""
-    from planner.checkpoint import load_checkpoint
-    from planner.layout import build_layout
+    from planner.source.checkpoint import load_checkpoint
+    from planner.model.layout import build_layout
 
     checkpoint = load_checkpoint("ckpt")
     layout = build_layout(checkpoint)
     weights = layout.non_layer_bytes + max(layer.nbytes for layer in layout.layers)
     assert weights == 147840
-    # under 1 MiB: 256-byte pads for each tensor, then 512-byte allocator rounding (planner.placement)
+    # under 1 MiB: 256-byte pads for each tensor, then 512-byte allocator rounding (planner.model.placement)
     needed = -(-(weights + 256 * len(checkpoint.tensors)) // 512) * 512
     assert needed == 158208  # 39 tensors
     ok = invoke(["make", "--model", "ckpt", "--gpu", TEST_GPU, "--budget", f"{needed}B", "-o", "min.yaml"])

@@ -39,7 +39,7 @@ def _write_checkpoint(model_type: str, folder: Path) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from planner.header_checkpoint import dtype_for, write_checkpoint_folder
+    from planner.source.header_checkpoint import dtype_for, write_checkpoint_folder
 
     built = []
 
@@ -77,7 +77,7 @@ def _one_line_refusal(result) -> str:
 
 def _context(config: dict) -> int:
     """The serving context: SERVING_CONTEXT, or the model's positions where they are fewer."""
-    from planner.model_config import model_config
+    from planner.model.model_config import model_config
 
     limit = model_config(config).context
     return SERVING_CONTEXT if limit is None else min(SERVING_CONTEXT, limit.max_tokens)

@@ -1,4 +1,4 @@
-"""planner.make_inputs: make's options declared once, and the regenerate command that parses back to them."""
+"""planner.make.inputs: make's options declared once, and the regenerate command that parses back to them."""
 
 
 def test_make_options_and_regenerate_command_come_from_inputs():
@@ -10,8 +10,8 @@ def test_make_options_and_regenerate_command_come_from_inputs():
     import typer
 
     from offload_plan.app import app
-    from planner.make_inputs import regenerate_command
-    from planner.plan import Inputs
+    from planner.make.inputs import regenerate_command
+    from planner.plan.schema import Inputs
 
     command = typer.main.get_command(app).commands["make"]
     assert [p.name for p in command.params if p.name not in ("help", "output")] == [f.name for f in fields(Inputs)]

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from planner.errors import InfeasibleError
-from planner.make import make_plan
-from planner.plan import Inputs
+from planner.make.make_plan import make_plan
+from planner.plan.schema import Inputs
 from tests.conftest import TEST_GPU_FILE, invoke, make_checkpoint
 from tests.plan_cli import _make
 

@@ -1,4 +1,4 @@
-"""planner.model_config: config.json parsed once into the model record, defaults applied as transformers applies
+"""planner.model.model_config: config.json parsed once into the model record, defaults applied as transformers applies
 them, the context limit as vLLM computes it, and the record checked against the checkpoint's tensors."""
 
 import json
@@ -6,7 +6,7 @@ import json
 import pytest
 
 from planner.errors import ModelInputError
-from planner.model_config import check_against_tensors, context_limit, model_config, text_config
+from planner.model.model_config import check_against_tensors, context_limit, model_config, text_config
 from tests.conftest import REPO_ROOT, assert_one_line_error, invoke, make_checkpoint
 
 

@@ -1,14 +1,14 @@
-"""config.json's one limits table (planner.model_config.CONFIG_LIMITS): the KV cache model and the activation
+"""config.json's one limits table (planner.model.model_config.CONFIG_LIMITS): the KV cache model and the activation
 estimate refuse a key beyond the same bound, each in one line naming the range; every key they read is listed."""
 
 
 import pytest
 
-from planner.activations import activation_shape
-from planner.checkpoint import check_config
+from planner.model.activations import activation_shape
+from planner.source.checkpoint import check_config
 from planner.errors import ModelInputError
-from planner.kv_cache import kv_cache_model
-from planner.model_config import CONFIG_COUNTS, CONFIG_LIMITS
+from planner.model.kv_cache import kv_cache_model
+from planner.model.model_config import CONFIG_COUNTS, CONFIG_LIMITS
 from tests.conftest import REPO_ROOT
 
 LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
@@ -76,17 +76,17 @@ def test_load_checks_the_counts_of_the_table():
 
 def test_only_the_model_record_reads_the_dtype_the_sections_and_the_routing_keys():
     """The dtype names and their byte sizes, the multimodal sections and the routing keys are read in
-    planner.model_config alone (the dtype tables were written out in four planner modules)."""
+    planner.model.model_config alone (the dtype tables were written out in four planner modules)."""
     words = ('"torch_dtype"', '"text_config"', '"language_config"', '"num_experts_per_tok"', '"bfloat16": 2',
              '"bfloat16": "BF16"')
     planner = REPO_ROOT / "planner"
-    found = {f"{path.name}: {word}" for path in planner.glob("*.py") if path.name != "model_config.py"
+    found = {f"{path.name}: {word}" for path in planner.rglob("*.py") if path.name != "model_config.py"
              for word in words if word in path.read_text()}
     assert not found
 
 
 def test_both_readers_take_null_as_not_given_and_echo_a_long_value_cut():
-    """One reader (planner.model_config.ConfigSizes): a null head_dim is hidden / heads in both (the estimate
+    """One reader (planner.model.model_config.ConfigSizes): a null head_dim is hidden / heads in both (the estimate
     refused it as missing), and a 10,000-element list is echoed cut (the KV cache wrote its repr whole)."""
     config = {**LLAMA, "head_dim": None}
     assert kv_cache_model(config).layers[0].head_dim == activation_shape(config).qk_head_dim == 16

@@ -1,4 +1,4 @@
-"""planner.plan_file: plans written whole or not at all, and read back."""
+"""planner.plan.file: plans written whole or not at all, and read back."""
 
 from tests.conftest import TEST_GPU, assert_one_line_error, run_cli
 

@@ -1,4 +1,4 @@
-"""planner.plan_migration: a schema-1 plan reads upgraded and check calls it stale."""
+"""planner.plan.migration: a schema-1 plan reads upgraded and check calls it stale."""
 
 import yaml
 
@@ -9,7 +9,7 @@ from tests.contract.test_golden import _make
 def test_schema_1_plans_are_read_upgraded_and_checked_stale(workdir, test_gpu):
     """A plan written at schema 1 reads as schema 2 (selected_bytes from its rounded copy times, within one
     rounding step of the link) and check reports it stale, with the fix command."""
-    from planner.plan_file import read_plan
+    from planner.plan.file import read_plan
 
     old_text = (workdir.parent / "schema-1.yaml")
     old_text.write_text((TESTS_DATA / "schema-1-moe-experts.yaml").read_text())

@@ -1,4 +1,4 @@
-"""planner.profile: GPU profiles read into the figures make plans with."""
+"""planner.source.profile: GPU profiles read into the figures make plans with."""
 
 from tests.conftest import invoke
 from tests.contract.test_errors import _profile, _write_profile

@@ -1,4 +1,4 @@
-"""header-checkpoint writes what the hub ships (planner.release_format): the releases' names, dtypes and shapes,
+"""header-checkpoint writes what the hub ships (planner.source.release_format): the releases' names, dtypes and shapes,
 quantized tensors and their scales, one tensor per expert, the vision tower of multimodal configs.
 
 The published figures pinned here, each with where it was read:
@@ -22,8 +22,8 @@ import json
 import pytest
 
 from planner.errors import ModelInputError
-from planner.header_checkpoint import num_bytes
-from planner.release_format import knows, release_specs
+from planner.source.header_checkpoint import num_bytes
+from planner.source.release_format import knows, release_specs
 from tests.conftest import REPO_ROOT, assert_one_line_error, run_cli
 
 #: model -> (config path, the release's published total bytes)
@@ -132,7 +132,7 @@ def test_unknown_quantization_is_one_line_never_a_silent_bf16(tmp_path, quantiza
 def test_header_checkpoint_writes_the_release_and_plans_as_the_release(tmp_path, workdir):
     """gpt-oss-120b through the command: the index's total_size is the release's, and the plan made from it is
     the one made from the release-layout fixture (the same fingerprint, the same plan body)."""
-    from planner.checkpoint import load_checkpoint
+    from planner.source.checkpoint import load_checkpoint
     from scripts import real_checkpoints
 
     config = REPO_ROOT / RELEASES["gpt-oss-120b"][0]

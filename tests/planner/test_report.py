@@ -1,4 +1,4 @@
-"""planner.report: what show prints, the serving chart and where each hardware figure comes from."""
+"""planner.views.show: what show prints, the serving chart and where each hardware figure comes from."""
 
 import re
 from dataclasses import replace
@@ -6,8 +6,8 @@ from dataclasses import replace
 import pytest
 from rich.console import Console
 
-from planner.plan_file import read_plan
-from planner.report import PROVENANCE_FIGURES, chart_bar_columns, serving_chart
+from planner.plan.file import read_plan
+from planner.views.show import PROVENANCE_FIGURES, chart_bar_columns, serving_chart
 from tests.conftest import REPO_ROOT
 
 SERVING_PLANS = sorted((REPO_ROOT / "plans").glob("*-serve-*.yaml"))
@@ -28,7 +28,7 @@ def test_serving_chart_reads_at_80_columns(path):
 
 def test_show_states_where_each_hardware_figure_comes_from():
     """A gb200 plan's link figure is GB300's, assumed, on a link two GPUs share: show says so (issue 26)."""
-    from planner.report import provenance_table, show_plan
+    from planner.views.show import provenance_table, show_plan
 
     plan = read_plan(REPO_ROOT / "plans" / "llama-3.1-70b-gb200-96gib.yaml")
     console = Console(width=120, record=True)
@@ -74,7 +74,7 @@ def _regime_plans() -> dict[str, str]:
 
 def _memory_rows(plan) -> dict[str, int]:
     """show's memory table as label -> bytes."""
-    from planner.report import show_plan
+    from planner.views.show import show_plan
 
     console = Console(width=240, record=True)
     show_plan(plan, console, layer_table=False)
@@ -94,7 +94,7 @@ def test_show_memory_rows_add_up_in_every_regime():
     total, with no row for its resident experts)."""
     import yaml
 
-    from planner.plan_file import plan_from_dict
+    from planner.plan.file import plan_from_dict
 
     plans = _regime_plans()
     assert "regime: routed" in plans["routed"] and "regime: routed" in plans["routed-serving"]
@@ -117,8 +117,8 @@ def test_show_labels_routed_layers_and_draws_their_fetches():
     row shows the fetches; a count of one is singular ("1 sequence")."""
     import yaml
 
-    from planner.plan_file import plan_from_dict
-    from planner.report import show_plan
+    from planner.plan.file import plan_from_dict
+    from planner.views.show import show_plan
 
     plan = plan_from_dict(yaml.safe_load(_regime_plans()["routed"]), "routed")
     console = Console(width=160, record=True)
@@ -132,7 +132,7 @@ def test_show_labels_routed_layers_and_draws_their_fetches():
 
 
 def test_diff_of_two_dense_plans_has_no_experts_line():
-    from planner.compare import compare_plans, summary_sentences
+    from planner.views.diff import compare_plans, summary_sentences
 
     plan = read_plan(REPO_ROOT / "tests" / "golden" / "dense-budget.yaml")
     other = read_plan(REPO_ROOT / "tests" / "golden" / "dense-fits.yaml")

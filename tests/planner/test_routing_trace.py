@@ -1,4 +1,4 @@
-"""Routing traces (planner.routing_trace): the file written and read back, checked against the model in one line,
+"""Routing traces (planner.source.routing_trace): the file written and read back, checked against the model in one line,
 and make's placement from it; then prediction accuracy by rank: recorded with the runtime's next-layer
 predictor, written and read back byte for byte, checked in one line, and the rank accuracies the planner
 chooses its prefetch depth from."""
@@ -9,14 +9,14 @@ from dataclasses import replace
 import pytest
 import torch
 
-from planner.checkpoint import load_checkpoint
+from planner.source.checkpoint import load_checkpoint
 from planner.errors import ModelInputError
-from planner.experts import MoeGeometry, moe_geometry
-from planner.layout import build_layout
-from planner.make import make_plan
-from planner.plan import Inputs
-from planner.plan_file import read_plan
-from planner.routing_trace import RoutingTrace, check_against, read_trace, render_trace, trace_from_dict
+from planner.model.experts import MoeGeometry, moe_geometry
+from planner.model.layout import build_layout
+from planner.make.make_plan import make_plan
+from planner.plan.schema import Inputs
+from planner.plan.file import read_plan
+from planner.source.routing_trace import RoutingTrace, check_against, read_trace, render_trace, trace_from_dict
 from runtime.trace import count_routing
 from tests.conftest import assert_one_line_error, make_checkpoint, run_cli
 from tests.runtime_models import exactly_predictable, routed_moe_model

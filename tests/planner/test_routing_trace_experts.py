@@ -8,16 +8,16 @@ from dataclasses import replace
 import pytest
 import torch
 
-from planner.cost import ComputeTimes
+from planner.model.cost import ComputeTimes
 from planner.errors import ModelInputError
-from planner.checkpoint import load_checkpoint
-from planner.expert_choice import choose_prefetch_depth, cold_accuracy, expert_model
-from planner.experts import (PREFETCH_MACHINERY_MS, ExpertPrediction, MoeGeometry, MoeLayer, planned_layer_stall_ms,
-                             prefetch_layer_stall_ms,
-                             moe_geometry, routed_placement, wasted_prefetch_bytes)
-from planner.layout import build_layout
-from planner.plan_file import read_plan
-from planner.routing_trace import RoutingTrace, read_trace, render_trace, trace_from_dict
+from planner.source.checkpoint import load_checkpoint
+from planner.search.expert_choice import choose_prefetch_depth, cold_accuracy, expert_model
+from planner.model.experts import (PREFETCH_MACHINERY_MS, ExpertPrediction, MoeGeometry, MoeLayer,
+                                   planned_layer_stall_ms, prefetch_layer_stall_ms, moe_geometry, routed_placement,
+                                   wasted_prefetch_bytes)
+from planner.model.layout import build_layout
+from planner.plan.file import read_plan
+from planner.source.routing_trace import RoutingTrace, read_trace, render_trace, trace_from_dict
 from runtime.trace import count_routing, prediction_counts
 from tests.conftest import make_checkpoint, run_cli
 from tests.runtime_models import exactly_predictable, routed_moe_model
@@ -106,7 +106,7 @@ def _geometry() -> MoeGeometry:
 def test_the_planner_prices_the_prefetch_from_the_cold_experts_accuracy():
     """Hand-computed: one resident expert per layer (room for 3 after a prefetching placement's buffers), the
     hot one; each layer's counts fetch 0.4 experts (400 bytes, 0.449 ms at 0.89 MB/s), priced a little higher
-    out of sample (planner.selection_bias). The all-expert accuracy is 0.7, the cold experts' 0.25: the prediction
+    out of sample (planner.model.selection_bias). The all-expert accuracy is 0.7, the cold experts' 0.25: the prediction
     uses 0.25, all 8 cold predictions cross the link."""
     geometry, trace = _geometry(), _trace()
     routing = trace.routing()
@@ -153,7 +153,7 @@ def test_the_planner_prices_the_prefetch_from_the_cold_experts_accuracy():
 
 def test_at_more_sequences_the_cold_shares_scale_the_layer_fetch_as_the_rank_curve_does():
     """Batch > 1: the shares stay those of one token's assignments and apply to the step's expected distinct
-    non-resident bytes, as planner.experts.prefetch_shares' curve does."""
+    non-resident bytes, as planner.model.experts.prefetch_shares' curve does."""
     geometry, trace = _geometry(), _trace()
     routing = trace.routing()
     placement = routed_placement(geometry, routing, num_tokens=4, layer_total_bytes=(4500,) * 3, non_layer_bytes=100,
@@ -173,8 +173,8 @@ def test_at_more_sequences_the_cold_shares_scale_the_layer_fetch_as_the_rank_cur
 
 
 def test_the_routed_choice_carries_the_cold_figures_into_the_plan_section():
-    from planner.expert_choice import Comparison, experts_section
-    from planner.search import LayerBytes
+    from planner.search.expert_choice import Comparison, experts_section
+    from planner.search.groups import LayerBytes
 
     geometry, trace = _geometry(), _trace()
     experts = expert_model(geometry, trace.routing(), "trace sha256:" + "0" * 64, None,
@@ -184,7 +184,7 @@ def test_the_routed_choice_carries_the_cold_figures_into_the_plan_section():
                                  prefetch_accuracy=0.7)
     compute = ComputeTimes(layer_ms=(0.2,) * 3, head_ms=0.1, source="test")
     chosen, simulation = choose_prefetch_depth(experts, compute, placement)
-    from planner.expert_choice import RoutedChoice
+    from planner.search.expert_choice import RoutedChoice
 
     choice = RoutedChoice(group_size=0, num_in_group=0, prefetch_step=0, offloaded=(), replay_start_copies=0,
                           simulation=simulation, gpu_bytes=0, host_pinned_bytes=0, copy_bytes=0, placement=chosen)
@@ -202,7 +202,7 @@ def test_make_check_and_show_a_plan_priced_from_the_expert_figures(tmp_path):
     would not choose it), the plan's rows hold the cold shares, check regenerates it byte for byte and show
     says where the accuracy comes from."""
     # experts of 1.5 MB: a routed step saves more link time than the prefetch's own machinery costs a layer
-    # (planner.experts.PREFETCH_MACHINERY_MS), so the routed regime is the plan's
+    # (planner.model.experts.PREFETCH_MACHINERY_MS), so the routed regime is the plan's
     written = make_checkpoint(tmp_path / "moe", moe={"num_experts": 4, "top_k": 1, "expert_intermediate": 4096})
     checkpoint = load_checkpoint(str(written.path))
     geometry = moe_geometry(checkpoint.config, build_layout(checkpoint, None))

@@ -1,4 +1,4 @@
-"""planner.safetensors_header: a shard's header read into its tensor entries."""
+"""planner.source.safetensors_header: a shard's header read into its tensor entries."""
 
 import pytest
 
@@ -7,7 +7,7 @@ from tests.conftest import nbytes_of, write_safetensors
 
 @pytest.mark.parametrize("data", [True, False])
 def test_read_entries_matches_what_was_written(tmp_path, data):
-    from planner.safetensors_header import read_entries
+    from planner.source.safetensors_header import read_entries
 
     tensors = {"x": ("BF16", (4, 8)), "y": ("F8_E4M3", (16,)), "z": ("F32", ())}
     write_safetensors(tmp_path / "x.safetensors", tensors, data=data)

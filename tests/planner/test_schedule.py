@@ -1,10 +1,10 @@
-"""planner.schedule.PrefetchSchedule: the slot of each offloaded position, the reader its copy waits for, the
+"""planner.search.schedule.PrefetchSchedule: the slot of each offloaded position, the reader its copy waits for, the
 order copies issue in and the positions copied again, against tables computed by hand (the simulator holds the
 slots to them: tests/planner/test_simulate.py)."""
 
 import pytest
 
-from planner.schedule import PrefetchSchedule
+from planner.search.schedule import PrefetchSchedule
 
 
 # ---- depth not dividing the number offloaded -------------------------------------------------------------------------

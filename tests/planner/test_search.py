@@ -1,4 +1,4 @@
-"""planner.search.Searcher and simulate.fast_step_ms against the slow code they replace, and their speed.
+"""planner.search.groups.Searcher and simulate.fast_step_ms against the slow code they replace, and their speed.
 
 The search must choose exactly what it chose before it was made fast (tests/search_reference.py keeps that
 code): same Choice, same simulation, same error message, on random small models, eager and graphed, with
@@ -11,13 +11,13 @@ import time
 
 import pytest
 
-from planner import simulate as simulate_module
-from planner.cost import ComputeTimes
+from planner.search import simulate as simulate_module
+from planner.model.cost import ComputeTimes
 from planner.errors import InfeasibleError
-from planner.schedule import offloaded_by_rule
-from planner.search import (LayerBytes, Searcher, SearchSpace, copy_ms_of, gpu_bytes_of, minimum_gpu_bytes,
-                            search)
-from planner.simulate import STEPS_PER_GRAPH, simulate, simulated_step_ms
+from planner.search.schedule import offloaded_by_rule
+from planner.search.groups import (LayerBytes, Searcher, SearchSpace, copy_ms_of, gpu_bytes_of, minimum_gpu_bytes,
+                                   search)
+from planner.search.simulate import STEPS_PER_GRAPH, simulate, simulated_step_ms
 from tests.search_reference import reference_search
 
 
@@ -110,7 +110,7 @@ def test_fast_step_is_simulates_step_to_the_bit(monkeypatch, warm_steps):
 
 
 def test_one_slot_chain_bound_holds():
-    """Searcher skips one-slot simulations by the chain bound (planner.search._Run._one_slot_loses): every
+    """Searcher skips one-slot simulations by the chain bound (planner.search.groups._Run._one_slot_loses): every
     simulated step through one slot is at least sum(copy + offloaded compute) - first copy / measured steps."""
     rng = random.Random(11)
     for _ in range(400):
@@ -173,7 +173,7 @@ def _layers(num_layers, nbytes):
 
 def test_search_everything_fits_offloads_nothing():
     layers = _layers(6, 1000)
-    # 6500 bytes of weights in an arena rounded to 512 bytes: 6656 (planner.placement)
+    # 6500 bytes of weights in an arena rounded to 512 bytes: 6656 (planner.model.placement)
     choice = search(layers=layers, fixed_bytes=500, compute=_compute(6), h2d_bytes_per_s=1e9, copy_overhead_us=0,
                     budget_bytes=6656)
     assert choice.offloaded == () and choice.prefetch_step == 0 and choice.group_size == 0
@@ -197,7 +197,7 @@ def test_search_budget_for_k_resident_layers(resident):
     num_layers, nbytes, fixed = 8, 1000, 300
     layers = _layers(num_layers, nbytes)
     budget = fixed + resident * nbytes + nbytes  # k resident layers plus one slot
-    budget = -(-budget // 512) * 512  # the arena's allocator rounding (planner.placement)
+    budget = -(-budget // 512) * 512  # the arena's allocator rounding (planner.model.placement)
     choice = search(layers=layers, fixed_bytes=fixed, compute=_compute(num_layers), h2d_bytes_per_s=1e6,
                     copy_overhead_us=0, budget_bytes=budget)
     assert choice.gpu_bytes <= budget

@@ -1,12 +1,12 @@
-"""planner.selection_bias: the optimism of keeping a trace's hottest experts resident, and its correction."""
+"""planner.model.selection_bias: the optimism of keeping a trace's hottest experts resident, and its correction."""
 
 import random
 import statistics
 
 import pytest
 
-from planner.experts import LayerRouting
-from planner.selection_bias import SelectionOptimism, poisson
+from planner.model.experts import LayerRouting
+from planner.model.selection_bias import SelectionOptimism, poisson
 
 
 def skewed_counts(seed: int, num_tokens: int, num_experts: int = 128, top_k: int = 8, hot_share: float = 0.8):

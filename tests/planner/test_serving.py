@@ -4,18 +4,11 @@ import math
 
 import pytest
 
-from planner.cost import ComputeTimes
+from planner.model.cost import ComputeTimes
 from planner.errors import InfeasibleError
-from planner.search import LayerBytes, gpu_bytes_of, minimum_gpu_bytes, search
-from planner.serving import (
-    CONCURRENCY_GRID,
-    ConcurrencyRange,
-    OtherBytes,
-    candidate_concurrencies,
-    largest_fitting,
-    parse_concurrency,
-    search_serving,
-)
+from planner.search.groups import LayerBytes, gpu_bytes_of, minimum_gpu_bytes, search
+from planner.search.serving import (CONCURRENCY_GRID, ConcurrencyRange, OtherBytes, candidate_concurrencies,
+                                    largest_fitting, parse_concurrency, search_serving)
 
 GIB = 2**30
 NUM_LAYERS = 8
@@ -133,9 +126,9 @@ def test_candidates_of_a_range_stay_inside_it():
 def test_make_measures_decode_graphed_and_the_prefill_chunk_eagerly(tmp_path):
     """With --measure --cuda-graph the decode steps are timed as graph replays and the prefill chunk eagerly,
     as they run (timing the chunk as a graphed one-token step made the H100 predict 12 ms for a 74 ms chunk)."""
-    from planner.cost import ComputeTimes
-    from planner.make import make_plan
-    from planner.plan import Inputs
+    from planner.model.cost import ComputeTimes
+    from planner.make.make_plan import make_plan
+    from planner.plan.schema import Inputs
     from tests.conftest import TEST_GPU_FILE, make_checkpoint
 
     make_checkpoint(tmp_path / "ckpt", num_layers=4, num_shards=2)
@@ -156,10 +149,10 @@ def test_make_measures_decode_graphed_and_the_prefill_chunk_eagerly(tmp_path):
 def test_make_measure_replaces_a_serving_plans_activation_estimate(tmp_path):
     """A serving plan made with --measure plans the activation peaks measured on the GPU (the caller's function),
     the graph pool from the measured decode step; without the function it keeps the estimate."""
-    from planner.cost import ComputeTimes
-    from planner.make import make_plan
-    from planner.plan import Inputs
-    from planner.serving import GRAPH_POOL_FACTOR, RUNTIME_ALLOCATOR_BYTES
+    from planner.model.cost import ComputeTimes
+    from planner.make.make_plan import make_plan
+    from planner.plan.schema import Inputs
+    from planner.search.serving import GRAPH_POOL_FACTOR, RUNTIME_ALLOCATOR_BYTES
     from tests.conftest import TEST_GPU_FILE, make_checkpoint
 
     make_checkpoint(tmp_path / "ckpt", num_layers=4, num_shards=2)
@@ -184,10 +177,10 @@ def test_make_measure_measures_within_the_plans_gpu_memory(tmp_path):
     """--concurrency auto --measure (issue 36: CUDA out of memory, 'tried to allocate 129.06 GiB'): a step is
     measured only where the KV cache leaves room in the plan's GPU memory, always held to it, and a step that runs
     out of it there takes that concurrency out of the search instead of failing make."""
-    from planner.cost import ComputeTimes
+    from planner.model.cost import ComputeTimes
     from planner.errors import MeasuredOutOfMemoryError
-    from planner.make import make_plan
-    from planner.plan import Inputs
+    from planner.make.make_plan import make_plan
+    from planner.plan.schema import Inputs
     from tests.conftest import TEST_GPU_FILE, make_checkpoint
 
     make_checkpoint(tmp_path / "ckpt", num_layers=4, num_shards=2)
@@ -215,10 +208,10 @@ def test_make_measure_measures_within_the_plans_gpu_memory(tmp_path):
 def test_a_concurrency_no_measured_step_fits_is_one_line(tmp_path):
     """Every step make --measure tries runs out of the plan's GPU memory: one line that says so, not activations
     'as large as the GPU'."""
-    from planner.cost import ComputeTimes
+    from planner.model.cost import ComputeTimes
     from planner.errors import InfeasibleError, MeasuredOutOfMemoryError
-    from planner.make import make_plan
-    from planner.plan import Inputs
+    from planner.make.make_plan import make_plan
+    from planner.plan.schema import Inputs
     from tests.conftest import TEST_GPU_FILE, make_checkpoint
 
     make_checkpoint(tmp_path / "ckpt", num_layers=4, num_shards=2)
@@ -240,8 +233,8 @@ def test_a_concurrency_no_measured_step_fits_is_one_line(tmp_path):
 def test_a_chunk_after_a_context_is_planned_as_a_prefill(tmp_path):
     """--context N --tokens T --sequences 1 is a chunk after a context (a growing cache), not a decode step over
     run's static cache; the fuzzer found it refused by the activation model (a traceback)."""
-    from planner.make import make_plan
-    from planner.plan import Inputs
+    from planner.make.make_plan import make_plan
+    from planner.plan.schema import Inputs
     from tests.conftest import TEST_GPU_FILE, make_checkpoint
 
     make_checkpoint(tmp_path / "ckpt", num_layers=4, num_shards=2)
@@ -255,8 +248,8 @@ def test_expert_counts_that_disagree_with_top_k_are_one_line(tmp_path):
     import json
 
     from planner.errors import ModelInputError
-    from planner.make import make_plan
-    from planner.plan import Inputs
+    from planner.make.make_plan import make_plan
+    from planner.plan.schema import Inputs
     from tests.conftest import TEST_GPU_FILE, make_checkpoint
 
     make_checkpoint(tmp_path / "ckpt", num_layers=4, moe={"num_experts": 4, "top_k": 2, "expert_intermediate": 32})
@@ -286,9 +279,9 @@ def test_check_passes_a_serving_plan_whose_weights_take_most_of_the_gpu(tmp_path
 
 def test_diff_of_two_serving_plans_says_the_tokens_per_s_and_memory(tmp_path):
     """A faster step at fewer sequences can serve fewer tokens: diff says both."""
-    from planner.compare import compare_plans, summary_sentences
-    from planner.make import make_plan
-    from planner.plan import Inputs
+    from planner.views.diff import compare_plans, summary_sentences
+    from planner.make.make_plan import make_plan
+    from planner.plan.schema import Inputs
     from tests.conftest import TEST_GPU_FILE, make_checkpoint
 
     make_checkpoint(tmp_path / "ckpt", num_layers=4, num_shards=2)
@@ -311,7 +304,7 @@ def test_offloading_is_picked_only_past_the_margin_over_resident_weights():
     tokens/s once moved 27 of 28 layers to the host)."""
     from types import SimpleNamespace as Point
 
-    from planner.serving import OFFLOAD_MARGIN_SHARE, _offload_only_past_margin
+    from planner.search.serving import OFFLOAD_MARGIN_SHARE, _offload_only_past_margin
 
     resident = Point(offloads=False, tokens_per_s=931.0)
     near = Point(offloads=True, tokens_per_s=933.0)

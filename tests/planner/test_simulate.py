@@ -1,4 +1,4 @@
-"""The simulator (planner.simulate) against cases computed by hand; the schedule's tables are in
+"""The simulator (planner.search.simulate) against cases computed by hand; the schedule's tables are in
 tests/planner/test_schedule.py, the search's cases in tests/planner/test_search.py.
 
 Times are small integers (exact in binary floating point), so step times compare with ==.
@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from planner import simulate as simulate_module
-from planner.schedule import PrefetchSchedule
-from planner.simulate import simulate, simulate_fastest_boundary
+from planner.search import simulate as simulate_module
+from planner.search.schedule import PrefetchSchedule
+from planner.search.simulate import simulate, simulate_fastest_boundary
 
 
 def sim(layer_ms, offloaded, copy_ms, prefetch_step, head_ms=0.0):

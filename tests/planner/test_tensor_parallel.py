@@ -1,4 +1,4 @@
-"""Tensor-parallel sharding as vLLM applies it (planner.tensor_parallel), pinned for four public checkpoints.
+"""Tensor-parallel sharding as vLLM applies it (planner.model.tensor_parallel), pinned for four public checkpoints.
 
 The expected figures are computed here from the models' published shapes and vLLM's rules, independently of the
 code under test:
@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 
 from planner.errors import ModelInputError, ProfileError, UsageError
-from planner.kv_cache import kv_cache_model
-from planner.safetensors_header import TensorEntry, tensor_nbytes
-from planner import tensor_parallel
+from planner.model.kv_cache import kv_cache_model
+from planner.source.safetensors_header import TensorEntry, tensor_nbytes
+from planner.model import tensor_parallel
 from scripts import real_checkpoints
 
 MODELS = Path(__file__).resolve().parents[2] / "plans" / "models"
@@ -218,7 +218,7 @@ def test_ring_all_reduce_moves_2_n_minus_1_over_n_of_the_bytes():
 
 
 def test_a_profile_without_an_interconnect_refuses_tp():
-    from planner.profile import load_profile
+    from planner.source.profile import load_profile
     with pytest.raises(ProfileError, match="gpu_link_bytes_per_s"):
         tensor_parallel.link_bytes_per_s(load_profile("l40s"), 2)
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from planner.plan_file import read_plan
+from planner.plan.file import read_plan
 from scripts import real_checkpoints
 from tests.conftest import assert_one_line_error, invoke
 
@@ -72,7 +72,8 @@ def test_a_one_gpu_plan_exported_with_tp_says_how_to_make_it_exact(llama, monkey
 def test_tp_2_4_reads_the_checkpoint_once_and_sizes_each_kind_of_tensor_once_per_gpu_count(llama, monkeypatch):
     """The work make --tp 2,4 does, counted: each shard header read and parsed once for both GPU counts, the
     tensors grouped into kinds once, and each kind (not each tensor) given its rank shape once per GPU count."""
-    from planner import checkpoint, tensor_parallel
+    from planner.source import checkpoint
+    from planner.model import tensor_parallel
 
     read, parsed, grouped, sized = [], [], [], []
 

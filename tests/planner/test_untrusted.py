@@ -1,4 +1,4 @@
-"""planner.untrusted: the strict YAML reader refuses what would hang and reads good plans as safe_load does."""
+"""planner.source.untrusted: the strict YAML reader refuses what would hang and reads good plans as safe_load does."""
 
 import time
 from pathlib import Path
@@ -11,7 +11,7 @@ from tests.contract.test_fuzz_regressions import ALIAS_BOMB, DEEP
 
 def test_yaml_alias_bomb_and_deep_document_refused_in_well_under_a_second():
     from planner.errors import PlanError
-    from planner.untrusted import load_yaml
+    from planner.source.untrusted import load_yaml
 
     for text in (ALIAS_BOMB, "x: " + DEEP, "- " * 10_000 + "x"):
         start = time.perf_counter()
@@ -22,7 +22,7 @@ def test_yaml_alias_bomb_and_deep_document_refused_in_well_under_a_second():
 
 def test_strict_yaml_reads_checked_in_plans_as_safe_load_does():
     from planner.errors import PlanError
-    from planner.untrusted import load_yaml
+    from planner.source.untrusted import load_yaml
 
     for path in sorted(Path(__file__).resolve().parents[2].glob("plans/*.yaml"))[:4]:
         raw = path.read_bytes()

@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from planner.adapter_stream import BLOCKING, PIPELINED, schedule_stream
+from planner.search.adapter_stream import BLOCKING, PIPELINED, schedule_stream
 from planner.errors import ModelInputError
 from runtime.adapters import AdapterPool, LoraHooks, serve_stream
 from runtime.backend import CpuStandIn

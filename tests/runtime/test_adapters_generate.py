@@ -52,7 +52,7 @@ def _greedy(model, prompt: torch.Tensor) -> list[int]:
 
 def _served_tokens(work: Path, name: str | None, prompt: torch.Tensor, backend=None) -> list[int]:
     """The loader's model (offloaded layers streamed by the engine), the adapter attached as run attaches it."""
-    from planner.plan_file import read_plan
+    from planner.plan.file import read_plan
     from runtime.adapters import attach_adapter
     from runtime.load import stream_on_cpu
 
@@ -94,7 +94,7 @@ def test_generation_with_an_adapter_equals_peft(checkpoint_and_plan):
 def test_generation_with_an_adapter_equals_peft_on_the_gpu(checkpoint_and_plan):
     """On CUDA: the plan loaded as run loads it (offloaded layers on the copy stream), the adapter attached as
     run --prompt --adapter attaches it, greedy tokens against PEFT's over the all-resident model on the GPU."""
-    from planner.plan_file import read_plan
+    from planner.plan.file import read_plan
     from runtime.adapters import attach_adapter
     from runtime.load import build_model, load_with_plan
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from planner.profile import load_profile
+from planner.source.profile import load_profile
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

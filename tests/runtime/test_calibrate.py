@@ -16,8 +16,8 @@ def test_h2d_line_fit_weighs_every_size_alike():
 
 
 def test_calibrated_efficiency_keeps_the_fitted_layer_time():
-    from planner.cost import roofline_ms
-    from planner.profile import load_profile
+    from planner.model.cost import roofline_ms
+    from planner.source.profile import load_profile
     from runtime.calibrate import restated_efficiency
 
     base = load_profile("h100-sxm")

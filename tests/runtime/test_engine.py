@@ -5,7 +5,7 @@ import shutil
 import pytest
 import torch
 
-from planner.schedule import PrefetchSchedule
+from planner.search.schedule import PrefetchSchedule
 from runtime.load import apply_plan_on_cpu, build_model
 from tests.runtime_models import PLAN_SHAPES, plan_with, save_tiny_llama, save_tiny_moe, with_replay_start_copies
 
@@ -171,7 +171,7 @@ def test_measure_and_calibrate_need_a_gpu(llama, tmp_path):
 def test_measure_kinds_split_by_attention_type():
     from types import SimpleNamespace
 
-    from planner.layout import LayerInfo
+    from planner.model.layout import LayerInfo
     from runtime.measure import measured_kinds
 
     dense = (("mlp.w", "BF16", (4, 4), 32),)
@@ -437,7 +437,7 @@ def test_measure_kinds_of_a_config_without_layer_types_follow_transformers_patte
     from pathlib import Path
     from types import SimpleNamespace
 
-    from planner.layout import LayerInfo
+    from planner.model.layout import LayerInfo
     from runtime.measure import build_measure_model, measured_kinds
 
     release = json.loads((Path(__file__).parents[2] / "examples/gemma-3-27b-it/config.json").read_text())

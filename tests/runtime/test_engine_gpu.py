@@ -93,7 +93,7 @@ def _cli(*args):
 def test_cli_run_bench_and_prompt(llama, tmp_path):
     import json
 
-    from planner.plan_file import read_plan
+    from planner.plan.file import read_plan
     from tests.runtime_models import save_word_tokenizer, write_plan
 
     save_word_tokenizer(llama)
@@ -120,9 +120,9 @@ def test_cli_run_refuses_a_plan_for_another_checkpoint(llama, moe, tmp_path):
 
 
 def test_measure_times_each_kind_once_and_caches(llama, tmp_path, monkeypatch):
-    from planner.checkpoint import load_checkpoint
-    from planner.cost import Workload
-    from planner.layout import build_layout
+    from planner.source.checkpoint import load_checkpoint
+    from planner.model.cost import Workload
+    from planner.model.layout import build_layout
     from runtime import measure
 
     monkeypatch.setenv("OFFLOAD_PLAN_CACHE", str(tmp_path))
@@ -158,7 +158,7 @@ def test_make_measure_records_source_and_scales_for_another_gpu(llama, tmp_path,
 def test_calibrate_writes_a_profile_make_reads(tmp_path, llama):
     result = _cli("calibrate", "-o", str(tmp_path / "gpu.yaml"))
     assert result.returncode == 0, result.stderr
-    from planner.profile import load_profile
+    from planner.source.profile import load_profile
 
     profile = load_profile(str(tmp_path / "gpu.yaml"))
     assert profile.h2d_bytes_per_s.source == "measured" and 20e9 < profile.h2d_bytes_per_s.value < 1e12
@@ -326,8 +326,8 @@ def test_streamed_load_bitwise_equal_on_gpu(checkpoint, shape, params, request):
 
 def test_a_plan_offloading_nothing_runs_resident_on_gpu(llama, tmp_path):
     """cudaHostRegister fails on an empty allocation: a resident plan must pin nothing (it crashed `run`)."""
-    from planner.make import make_plan
-    from planner.plan import Inputs
+    from planner.make.make_plan import make_plan
+    from planner.plan.schema import Inputs
     from runtime.load import load_with_plan
     from tests.runtime_models import write_plan
 

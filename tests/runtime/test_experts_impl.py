@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import runtime.experts_impl as experts_impl
-from planner.activations import PLANNED_EXPERTS_IMPLEMENTATION, decode_activations, prefill_activations
+from planner.model.activations import PLANNED_EXPERTS_IMPLEMENTATION, decode_activations, prefill_activations
 from planner.errors import UsageError
 
 CONFIG = json.loads((Path(__file__).resolve().parents[2] / "examples/qwen3-30b-a3b/config.json").read_text())

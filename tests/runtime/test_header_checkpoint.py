@@ -2,7 +2,7 @@
 
 import pytest
 
-from planner.checkpoint import load_checkpoint
+from planner.source.checkpoint import load_checkpoint
 from planner.errors import ModelInputError, UsageError
 from runtime.header_checkpoint import write_header_checkpoint
 

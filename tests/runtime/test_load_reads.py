@@ -30,8 +30,8 @@ sys.addaudithook(_count_opens)
 def counted(monkeypatch):
     """Counts, by key: header reads per file name, config.json parses by the planner, the path's resolution, and
     (under "opens") every open of a file by its name."""
-    import planner.checkpoint
-    import planner.safetensors_header
+    import planner.source.checkpoint
+    import planner.source.safetensors_header
     import runtime.load
 
     counts: Counter = Counter()
@@ -45,12 +45,12 @@ def counted(monkeypatch):
 
         monkeypatch.setattr(module, name, counting)
 
-    for module in (planner.safetensors_header, planner.checkpoint):  # every binding of the header reader
+    for module in (planner.source.safetensors_header, planner.source.checkpoint):  # every binding of the header reader
         wrap(module, "read_header_bytes", lambda path: ("header", Path(path).name))
-    wrap(planner.checkpoint, "_read_config", "config.json parses")
+    wrap(planner.source.checkpoint, "_read_config", "config.json parses")
     # the path's resolution, in its two steps: a plan's source from the plan's folder, then a hub id to its
     # snapshot (a path as it is)
-    wrap(planner.checkpoint, "resolve_local_source", "from the plan's folder")
+    wrap(planner.source.checkpoint, "resolve_local_source", "from the plan's folder")
     wrap(runtime.load, "resolve_local_source", "from the plan's folder")
     wrap(runtime.load, "local_weights", "to a local folder")
     wrap(runtime.load, "load_checkpoint", "checkpoint reads")
@@ -142,7 +142,7 @@ def test_the_loader_reads_no_header_when_handed_the_checkpoint(sharded, counted)
 def test_make_measure_reads_each_header_and_config_once(sharded, tmp_path, monkeypatch, counted):
     """make --measure: the checkpoint read once, the measuring function handed its record."""
     from offload_plan import runtime_seam
-    from planner.cost import ComputeTimes
+    from planner.model.cost import ComputeTimes
 
     seen = []
 

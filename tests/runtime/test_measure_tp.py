@@ -8,14 +8,14 @@ import sys
 
 import pytest
 
-from planner import tensor_parallel
-from planner.checkpoint import load_checkpoint
-from planner.cost import ComputeTimes
+from planner.model import tensor_parallel
+from planner.source.checkpoint import load_checkpoint
+from planner.model.cost import ComputeTimes
 from planner.errors import UsageError
-from planner.layout import build_layout
-from planner.make import make_plan
-from planner.plan import Inputs
-from planner.plan_file import read_plan
+from planner.model.layout import build_layout
+from planner.make.make_plan import make_plan
+from planner.plan.schema import Inputs
+from planner.plan.file import read_plan
 from scripts import bench_tp
 from tests.conftest import REPO_ROOT, assert_one_line_error, invoke
 from tests.scripts.test_bench_tp import _tiny
@@ -60,7 +60,7 @@ def test_rank_config_of_the_qwen3_moe_shape(tp, heads, kv_heads, expert_width):
 
 def test_the_model_measure_builds_holds_the_ranks_shapes(tiny):
     """--measure builds the model from the rank's config: each of its tensors has the shape rank 0 holds under
-    vLLM's sharding (planner.tensor_parallel.shard_entries), the padded vocabulary / N included."""
+    vLLM's sharding (planner.model.tensor_parallel.shard_entries), the padded vocabulary / N included."""
     from runtime.measure import build_measure_model, measured_kinds
 
     _, folder = tiny

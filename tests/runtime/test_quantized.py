@@ -44,8 +44,8 @@ def fp8_checkpoint(tmp_path_factory) -> Path:
 
 def resident_plan(folder: Path):
     """The plan the search makes at a 1 GiB budget: nothing offloaded."""
-    from planner.make import make_plan
-    from planner.plan import Inputs
+    from planner.make.make_plan import make_plan
+    from planner.plan.schema import Inputs
 
     inputs = Inputs(model=str(folder), revision=None, gpu="h100-sxm", budget="1GiB", trigger=None, tokens=16,
                     sequences=1, context=0, params=(), stack=None, group_size=None, num_in_group=None,
@@ -217,7 +217,7 @@ def test_make_measure_builds_transformers_fp8_modules_and_refuses_mxfp4():
 def test_bench_fp8_writes_qwen3_8b_fp8s_release_format(tmp_path):
     """scripts/bench_fp8.py's checkpoint: Qwen3-8B-FP8's layout (FP8 linears with 128x128-block scales, bf16
     embeddings and head), and its link figures from a plan (the H100 runs the rest)."""
-    from planner.release_format import release_specs
+    from planner.source.release_format import release_specs
     from scripts import bench_fp8
 
     args = bench_fp8.parser().parse_args(["--out", str(tmp_path), "--layers", "2"])
@@ -230,8 +230,8 @@ def test_bench_fp8_writes_qwen3_8b_fp8s_release_format(tmp_path):
 
 
 def test_bench_fp8_link_figures(fp8_checkpoint):
-    from planner.checkpoint import load_checkpoint
-    from planner.layout import build_layout
+    from planner.source.checkpoint import load_checkpoint
+    from planner.model.layout import build_layout
     from scripts import bench_fp8
 
     plan = plan_with(fp8_checkpoint, 2, 1, 1)

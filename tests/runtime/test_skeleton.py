@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from planner.checkpoint import check_config
+from planner.source.checkpoint import check_config
 from planner.errors import ModelInputError
 
 REPO = Path(__file__).resolve().parents[2]

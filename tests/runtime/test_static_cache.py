@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from planner.kv_cache import kv_cache_model
+from planner.model.kv_cache import kv_cache_model
 from runtime.graph import DecodeLoop
 from runtime.static_cache import RingSlidingLayer, is_graph_safe, static_cache
 from tests.runtime_models import save_tiny_gemma3, save_tiny_gpt_oss

@@ -119,8 +119,8 @@ def test_streamed_state_equals_from_pretrained_state(checkpoints):
 
 def _resident_plan(folder: Path):
     """A plan the search makes when everything fits: nothing offloaded."""
-    from planner.make import make_plan
-    from planner.plan import Inputs
+    from planner.make.make_plan import make_plan
+    from planner.plan.schema import Inputs
 
     inputs = Inputs(model=str(folder), revision=None, gpu="h100-sxm", budget="1GiB", trigger=None, tokens=16,
                     sequences=1, context=0, params=(), stack=None, group_size=None, num_in_group=None,
@@ -144,7 +144,7 @@ def test_a_plan_offloading_nothing_runs_resident_without_pinning_or_hooks(checkp
 
 
 def test_progress_counts_every_byte_once(checkpoints):
-    from planner.checkpoint import load_checkpoint
+    from planner.source.checkpoint import load_checkpoint
     from runtime.load import stream_model
 
     folder = checkpoints("moe")

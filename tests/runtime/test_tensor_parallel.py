@@ -20,9 +20,9 @@ if not dist.is_available():
     pytest.skip("torch without distributed", allow_module_level=True)
 
 from planner.errors import UsageError  # noqa: E402
-from planner.make import make_plan  # noqa: E402
-from planner.plan import Inputs  # noqa: E402
-from planner.plan_file import read_plan, render_plan, write_atomic  # noqa: E402
+from planner.make.make_plan import make_plan  # noqa: E402
+from planner.plan.schema import Inputs  # noqa: E402
+from planner.plan.file import read_plan, render_plan, write_atomic  # noqa: E402
 from runtime.tensor_parallel import Rank, check_launch, check_rank_plan, launched_rank  # noqa: E402
 from scripts.bench_tp import save_random_model  # noqa: E402
 from scripts.bench_tp_offload import tiny_config  # noqa: E402

@@ -7,10 +7,10 @@ import os
 
 import pytest
 
-from planner.checkpoint import load_checkpoint
-from planner.experts import moe_geometry
-from planner.layout import build_layout
-from planner.routing_trace import check_against, read_trace
+from planner.source.checkpoint import load_checkpoint
+from planner.model.experts import moe_geometry
+from planner.model.layout import build_layout
+from planner.source.routing_trace import check_against, read_trace
 from tests.conftest import assert_one_line_error, run_cli
 
 
@@ -33,7 +33,7 @@ def test_the_trace_family_makes_valid_traces_the_model_accepts():
     num_tokens x top_k with no count above num_tokens, over the base MoE model's six layers."""
     import random
 
-    from planner.routing_trace import trace_from_dict
+    from planner.source.routing_trace import trace_from_dict
     from tests.fuzz import base
     from tests.fuzz.traces import valid_trace
 

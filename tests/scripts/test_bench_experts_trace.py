@@ -36,7 +36,7 @@ def test_tiny_skew_trace_arm_end_to_end(tmp_path):
                           "uniform residency, same memory", "plan without the trace (uniform)"]
     traced, uniform = rows["traced plan (--routing-trace)"], rows["uniform residency, same memory"]
     # the plan names the recorded file by its hash, and routes every MoE layer from it
-    from planner.routing_trace import content_hash, read_trace
+    from planner.source.routing_trace import content_hash, read_trace
 
     trace_path = Path(rows["all-resident, skewed (trace)"]["trace"])
     trace = read_trace(trace_path)

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from planner.kv_cache import kv_cache_model
+from planner.model.kv_cache import kv_cache_model
 from scripts import bench_serving
 
 

@@ -38,7 +38,7 @@ def test_filters_and_unknown_names(capsys):
 
 
 def test_tiny_sweep_makes_and_reads_plans_on_the_cpu(tmp_path):
-    """Two MoE models, one in planner.release_format's layout (Mixtral's w1/w2/w3), one through transformers'
+    """Two MoE models, one in planner.source.release_format's layout (Mixtral's w1/w2/w3), one through transformers'
     save_pretrained (OLMoE): per-expert tensors, a tokenizer; every command of every arm exits 0 or its row
     holds a one-line error; rows.jsonl and table.md are written."""
     out, checkpoints = tmp_path / "out", tmp_path / "checkpoints"

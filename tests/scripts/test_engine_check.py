@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 
-from planner.engine_versions import engine_version
+from planner.engines.versions import engine_version
 from scripts import engine_check
 
 
@@ -28,7 +28,7 @@ def test_static_check_of_every_checked_in_plan(tmp_path):
 def test_static_check_of_generated_plans_of_one_model(tmp_path):
     """qwen3-8b's generated plans (weights, CUDA graphs, serving, FP8 KV, make --tp, adapters) export within the
     pinned flag sets; the static check does fail on a flag a version does not have."""
-    from planner.make import make_plan
+    from planner.make.make_plan import make_plan
     from scripts import real_checkpoints
 
     if not (real_checkpoints.OUTPUT_DIR / "qwen3-8b").is_dir():

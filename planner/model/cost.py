@@ -1,0 +1,202 @@
+"""Per-layer compute time, estimated from each layer's FLOPs and bytes and the profile's rates (roofline).
+
+The estimate is a seam: a measured table (a later issue) replaces ``ComputeTimes`` and says so in ``source``.
+FLOPs and bytes come from the tensor shapes; the model record (planner.model.model_config) supplies attention geometry
+and MoE routing.
+"""
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from planner.errors import ModelInputError
+from planner.model.experts import DEFAULT_TOP_K, count_experts, is_expert_param
+from planner.model.fp8_cost import DEQUANTIZED, FP8_DTYPES, Fp8Compute
+from planner.model.layout import LayerInfo, ModelLayout
+from planner.model.model_config import model_config
+from planner.source.profile import HardwareProfile
+
+# Bytes per cached K or V element: a bf16 KV cache.
+KV_ELEMENT_BYTES = 2
+#: far beyond any step or context today; beyond them a value is a typo, and the FLOP counts would mislead
+MAX_STEP_TOKENS = 2**24
+MAX_CONTEXT = 2**32
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """What one forward step processes."""
+
+    #: tokens in one forward step: a prefill chunk, or the batch of a decode step
+    tokens_per_step: int = 2048
+    #: sequences those tokens belong to (1 for a prefill chunk, the batch size for decode)
+    sequences_per_step: int = 1
+    #: tokens already in each sequence's KV cache before the step
+    context_tokens: int = 0
+
+    def __post_init__(self):
+        if self.tokens_per_step < 1 or self.sequences_per_step < 1 or self.context_tokens < 0:
+            raise ValueError("tokens and sequences must be >= 1 and context >= 0")
+        if max(self.tokens_per_step, self.sequences_per_step) > MAX_STEP_TOKENS or self.context_tokens > MAX_CONTEXT:
+            raise ValueError(f"tokens and sequences must be at most {MAX_STEP_TOKENS} and context at most "
+                             f"{MAX_CONTEXT}")
+        if self.tokens_per_step % self.sequences_per_step:
+            raise ValueError("tokens per step must be a multiple of sequences per step")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ComputeTimes:
+    """Compute time of each planned layer and of the work outside the stack, for one step."""
+
+    layer_ms: tuple[float, ...]
+    #: embedding, final norm and LM head, run once per step on the compute stream
+    head_ms: float
+    #: how the times were obtained, recorded in the plan
+    source: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelGeometry:
+    """What config.json (or the shapes) say about attention and routing."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_experts: int
+    top_k: int
+
+
+def geometry_from_config(config: dict | None, layout: ModelLayout) -> ModelGeometry:
+    """Attention heads and MoE routing from the model record; experts counted from names when config is silent."""
+    record = model_config(config)
+    num_heads = (record.num_heads or 0) if record else 0
+    head_dim = (record.head_dim or 0) if record else 0
+    num_kv_heads = (record.num_kv_heads or 0) if record else 0
+    num_experts, top_k = (record.num_experts, record.top_k) if record else (0, 0)
+    num_experts = num_experts or count_experts(layout.layers[-1])
+    if num_experts and not top_k:
+        top_k = min(DEFAULT_TOP_K, num_experts)
+    if top_k > num_experts > 0:
+        raise ModelInputError(f"config.json routes each token to {top_k} experts but the model has {num_experts}; "
+                              "fix num_experts_per_tok (or the expert count) in config.json")
+    return ModelGeometry(
+        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, num_experts=num_experts, top_k=top_k
+    )
+
+
+def _logical_params(name: str, dtype: str, shape: tuple[int, ...]) -> int:
+    """Weights that take part in matmuls: 2-D and up, scales excluded; U8 'blocks' hold two FP4 values a byte."""
+    if len(shape) < 2 or "scale" in name.rsplit(".", 1)[-1]:
+        return 0
+    count = math.prod(shape)
+    if dtype in ("U8", "I8") and name.endswith("blocks"):
+        return 2 * count
+    return count
+
+
+#: id(layer.params) -> (params, sums): the sums of each layer's params, which do not change with the workload
+_SUMS_CACHE: dict[int, tuple[tuple, tuple[int, int, int, int, int, int]]] = {}
+_SUMS_CACHE_SIZE = 65536
+
+
+def _param_sums(layer: LayerInfo) -> tuple[int, int, int, int, int, int]:
+    """(dense params, expert params, dense bytes, expert bytes, dense fp8 bytes, expert fp8 bytes) of a layer,
+    computed once per layer: a
+    serving search costs every layer at each concurrency, and a DeepSeek-V3 layer has 1,500 params."""
+    cached = _SUMS_CACHE.get(id(layer.params))
+    if cached is not None and cached[0] is layer.params:
+        return cached[1]
+    dense_params = expert_params = dense_bytes = expert_bytes = dense_fp8_bytes = expert_fp8_bytes = 0
+    for name, dtype, shape, nbytes in layer.params:
+        fp8_bytes = nbytes if dtype in FP8_DTYPES else 0
+        if is_expert_param(name):
+            expert_params += _logical_params(name, dtype, shape)
+            expert_bytes += nbytes
+            expert_fp8_bytes += fp8_bytes
+        else:
+            dense_params += _logical_params(name, dtype, shape)
+            dense_bytes += nbytes
+            dense_fp8_bytes += fp8_bytes
+    sums = (dense_params, expert_params, dense_bytes, expert_bytes, dense_fp8_bytes, expert_fp8_bytes)
+    if len(_SUMS_CACHE) >= _SUMS_CACHE_SIZE:
+        _SUMS_CACHE.clear()
+    _SUMS_CACHE[id(layer.params)] = (layer.params, sums)
+    return sums
+
+
+def layer_cost(layer: LayerInfo, geometry: ModelGeometry, workload: Workload,
+               kv_bytes: float | None = None, fp8: Fp8Compute = DEQUANTIZED) -> tuple[float, float, bool]:
+    """(FLOPs, HBM bytes, FP8 rate) of one layer for one step; ``kv_bytes``: the KV cache the step reads and
+    writes in this layer, where a cache model knows it (sliding windows, latent attention), else from the
+    geometry; ``fp8``: how the FP8 linears compute (planner.model.fp8_cost)."""
+    tokens = workload.tokens_per_step
+    dense_params, expert_params, dense_bytes, expert_bytes, dense_fp8, expert_fp8 = _param_sums(layer)
+    active_share = geometry.top_k / geometry.num_experts if expert_params and geometry.num_experts else 1.0
+    # Experts any token of the step touches: each token picks top_k of num_experts.
+    touched_share = 1 - (1 - active_share) ** tokens
+    flops = 2 * tokens * (dense_params + active_share * expert_params)
+    tokens_per_sequence = tokens // workload.sequences_per_step
+    attended = workload.context_tokens + (tokens_per_sequence + 1) / 2
+    flops += 4 * tokens * attended * geometry.num_heads * geometry.head_dim
+    if kv_bytes is None:
+        kv_bytes = (
+            workload.sequences_per_step
+            * (workload.context_tokens + tokens_per_sequence)
+            * 2 * geometry.num_kv_heads * geometry.head_dim * KV_ELEMENT_BYTES
+        )
+    hbm_bytes = dense_bytes + touched_share * expert_bytes + kv_bytes
+    # the FP8 weights' traffic beyond their stored byte (dequantizing paths)
+    hbm_bytes += (fp8.hbm_bytes_per_fp8_byte - 1) * (dense_fp8 + touched_share * expert_fp8)
+    return flops, hbm_bytes, fp8.fp8_rate and (dense_fp8 + expert_fp8) * 2 > layer.nbytes
+
+
+def roofline_ms(flops: float, hbm_bytes: float, fp8: bool, profile: HardwareProfile) -> float:
+    """max(FLOPs / rate, bytes / bandwidth), both derated by the profile's compute efficiency."""
+    rate = profile.bf16_flops_per_s.value
+    if fp8 and profile.fp8_flops_per_s is not None:
+        rate = profile.fp8_flops_per_s.value
+    efficiency = profile.compute_efficiency.value
+    return 1e3 * max(flops / (rate * efficiency), hbm_bytes / (profile.hbm_bytes_per_s.value * efficiency))
+
+
+def _head_shape(layout: ModelLayout, checkpoint_shapes: dict[str, tuple[int, ...]]) -> tuple[int, ...] | None:
+    """The LM head's [vocab, hidden] shape: lm_head, else the (tied) input embedding."""
+    for suffix in ("lm_head.weight", "output.weight", "embed_tokens.weight", "wte.weight", "word_embeddings.weight"):
+        for name in layout.non_layer_names:
+            if name.endswith(suffix) and len(checkpoint_shapes.get(name, ())) == 2:
+                return checkpoint_shapes[name]
+    return None
+
+
+def estimate_compute(
+    layout: ModelLayout,
+    geometry: ModelGeometry,
+    workload: Workload,
+    profile: HardwareProfile,
+    checkpoint_shapes: dict[str, tuple[int, ...]],
+    kv_bytes_of: Callable[[int, Workload], float] | None = None,
+    fp8: Fp8Compute = DEQUANTIZED,
+) -> ComputeTimes:
+    """Roofline compute time of every layer, and of the LM head for the last token of each sequence.
+
+    ``kv_bytes_of(layer_index, workload)``: KV cache bytes a layer reads and writes in one step, from a cache
+    model (planner.model.kv_cache); without one, every layer caches ``num_kv_heads x head_dim`` keys and values.
+    ``fp8``: how FP8 linears compute on the plan's target (planner.model.fp8_cost.fp8_compute_for)."""
+    layer_ms = tuple(
+        roofline_ms(*layer_cost(layer, geometry, workload, None if kv_bytes_of is None else kv_bytes_of(i, workload),
+                                fp8), profile)
+        for i, layer in enumerate(layout.layers)
+    )
+    head_ms = 0.0
+    shape = _head_shape(layout, checkpoint_shapes)
+    if shape is not None:
+        vocab, hidden = shape
+        head_flops = 2 * workload.sequences_per_step * vocab * hidden
+        head_ms = roofline_ms(head_flops, vocab * hidden * 2, False, profile)
+    source = (
+        f"estimated: roofline from layer shapes at {profile.name} datasheet rates x compute_efficiency "
+        f"{profile.compute_efficiency.value:g}"
+    )
+    if any(dtype in FP8_DTYPES for layer in layout.layers for _, dtype, _, _ in layer.params):
+        source += f"; {fp8.description}"
+    return ComputeTimes(layer_ms=layer_ms, head_ms=head_ms, source=source)

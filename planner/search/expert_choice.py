@@ -1,0 +1,260 @@
+"""Routed experts as a placement the searches weigh against streaming whole layers (planner.model.experts models the
+physics; this module turns it into a Choice the weight and serving searches compare, and into the plan's
+``experts`` section).
+
+At every step size a MoE plan is searched at (a serving concurrency, or a weights plan's one step), two
+placements compete within the same GPU bytes: today's whole-layer search (planner.search.groups), and every MoE layer
+routed with as many resident experts as the budget holds (chosen by planner.model.experts.choose_resident). The faster
+step wins; a tie goes to whole layers (what engines run). Both use the one host link: a routed plan copies
+nothing whole at decode, so its fetches have the link to themselves.
+"""
+
+import math
+from dataclasses import dataclass
+
+from planner.model.experts import (NEXT_LAYER_ROUTER, PREFETCH_ACCURACY, ExpertPrediction, LayerRouting, MoeGeometry,
+                                    RoutedPlacement, default_rank_accuracy, non_resident_bytes,
+                                    routed_fetch_bytes_per_s, routed_placement, routed_stalls_ms, uniform_routing,
+                                    wasted_prefetch_bytes, with_prefetch_depth)
+from planner.plan.schema import ExpertLayer, ExpertsPlan, ExpertsPoint
+from planner.search.groups import STEP_MS_DECIMALS, Choice, LayerBytes, Searcher, copy_ms_of
+from planner.search.simulate import Interval, Simulation, simulate
+from planner.model.cost import ComputeTimes
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoutedChoice(Choice):
+    """A placement with every MoE layer routed (offloaded is empty: no layer streams whole)."""
+
+    placement: RoutedPlacement
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertModel:
+    """A MoE model's experts as the searches see them."""
+
+    geometry: MoeGeometry
+    #: per MoE layer, each expert's share of tokens: uniform, or from a trace
+    routing: tuple[LayerRouting, ...]
+    #: the plan's experts.routing: "uniform" or "trace sha256:<hex>"
+    routing_label: str
+    #: why routed placements are not chosen (None: they are considered)
+    unavailable: str | None
+    #: unavailable only because the runtime cannot gather these (quantized) experts: routed placements are priced
+    #: beside whole layers, on paper, never chosen
+    on_paper: bool = False
+    #: next-layer prefetch's accuracy over every rank (make --prefetch-accuracy, else the rank curve's mean)
+    prefetch_accuracy: float = PREFETCH_ACCURACY
+    #: per rank of the prediction (top_k of them), its accuracy: --prefetch-accuracy at every rank, a trace's
+    #: measured figures, else planner.model.experts.default_rank_accuracy
+    rank_accuracy: tuple[float, ...] = ()
+    #: make --prefetch-depth: the depth the plan must use (0: no prefetch); None: the planner chooses
+    prefetch_depth: int | None = None
+    #: per predicted MoE layer index, a trace's per-expert prediction statistics: each layer's prefetch is priced
+    #: over its own non-resident experts (the rank curve serves the layers without them); None: the curve alone
+    predictions: dict[int, ExpertPrediction] | None = None
+    #: where the prediction's accuracy comes from (the plan's experts.prefetch_accuracy_source): "assumed" (the
+    #: default curve or --prefetch-accuracy), "trace_per_rank" or "trace_per_expert"
+    accuracy_source: str = "assumed"
+
+
+def expert_model(geometry: MoeGeometry, routing: tuple[LayerRouting, ...] | None, routing_label: str,
+                 unavailable: str | None, prefetch_accuracy: float | None = None,
+                 rank_accuracy: tuple[float, ...] | None = None, prefetch_depth: int | None = None,
+                 predictions: dict[int, ExpertPrediction] | None = None) -> ExpertModel:
+    """The model's experts with uniform routing unless ``routing`` is given; the prediction's per-rank accuracy
+    ``prefetch_accuracy`` at every rank if given (the trace's figures unused), else ``rank_accuracy`` (a trace's)
+    if given, else the default curve, and per layer a trace's per-expert ``predictions`` where given;
+    ``prefetch_depth``: pinned by make --prefetch-depth."""
+    if prefetch_accuracy is not None:
+        ranks, predictions, source = (prefetch_accuracy,) * geometry.top_k, None, "assumed"
+    else:
+        ranks = tuple(rank_accuracy) if rank_accuracy else default_rank_accuracy(geometry.top_k)
+        source = "trace_per_expert" if predictions else "trace_per_rank" if rank_accuracy else "assumed"
+    return ExpertModel(geometry=geometry, routing=routing or uniform_routing(geometry), routing_label=routing_label,
+                       unavailable=unavailable or geometry.unroutable_reason,
+                       on_paper=unavailable is None and geometry.priced_on_paper,
+                       prefetch_accuracy=round(math.fsum(ranks) / len(ranks), 4) if prefetch_accuracy is None
+                       else prefetch_accuracy, rank_accuracy=ranks, prefetch_depth=prefetch_depth,
+                       predictions=predictions or None, accuracy_source=source)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Comparison:
+    """Both placements at one step size, and the one chosen."""
+
+    num_tokens: int
+    whole: Choice | None
+    routed: RoutedChoice | None
+    #: False: the routed placement is priced on paper only (ExpertModel.on_paper) and never chosen
+    routed_runnable: bool = True
+
+    @property
+    def chosen(self) -> Choice | None:
+        """The faster (at the search's rounding); a tie, or routed alone absent, goes to whole layers."""
+        if self.routed is None or not self.routed_runnable:
+            return self.whole
+        if self.whole is None:
+            return self.routed
+        routed_ms = round(self.routed.simulation.step_ms, STEP_MS_DECIMALS)
+        return self.routed if routed_ms < round(self.whole.simulation.step_ms, STEP_MS_DECIMALS) else self.whole
+
+    def point(self, concurrency: int) -> ExpertsPoint:
+        """The plan's row for this comparison."""
+        chosen = self.chosen
+        return ExpertsPoint(
+            concurrency=concurrency,
+            regime="routed" if isinstance(chosen, RoutedChoice) else "whole_layer",
+            routed_step_ms=None if self.routed is None else self.routed.simulation.step_ms,
+            whole_layer_step_ms=None if self.whole is None else self.whole.simulation.step_ms,
+            num_resident=0 if self.routed is None else self.routed.placement.num_resident,
+        )
+
+
+def routed_choice(experts: ExpertModel, *, searcher: Searcher, compute: ComputeTimes, budget_bytes: int,
+                  num_tokens: int, decode: bool, non_layer_bytes: int, h2d_bytes_per_s: float,
+                  copy_overhead_us: float) -> RoutedChoice | None:
+    """Every MoE layer routed, with the most resident experts whose arena fits ``budget_bytes``; None where
+    routed placements are unavailable (unless priced on paper) or even none resident does not fit. ``decode``:
+    steps of one token per sequence gather routed experts, with next-layer prefetch where that is predicted
+    faster (its second slot set costs resident experts; a tie keeps one set) at the depth predicted fastest
+    (``choose_prefetch_depth``);
+    other steps (prefill) copy each layer's non-resident experts whole."""
+    if experts.unavailable is not None and not experts.on_paper:
+        return None
+    layers = searcher.layers
+
+    def placed(accuracy: float | None) -> RoutedPlacement | None:
+        return routed_placement(experts.geometry, experts.routing, num_tokens=num_tokens,
+                                layer_total_bytes=layers.total, non_layer_bytes=non_layer_bytes,
+                                weight_limit_bytes=searcher.weight_limit(budget_bytes),
+                                h2d_bytes_per_s=h2d_bytes_per_s, prefetch_accuracy=accuracy)
+
+    placement = placed(None)
+    if placement is None:
+        return None
+    if decode:
+        simulation = decode_simulation(compute, placement)
+        wanted = experts.prefetch_depth != 0 and len(placement.layers) > 1
+        prefetching = placed(experts.prefetch_accuracy) if wanted else None
+        if prefetching is not None:
+            prefetching, with_prefetch = choose_prefetch_depth(experts, compute, prefetching)
+            pinned = experts.prefetch_depth is not None
+            if pinned or round(with_prefetch.step_ms, STEP_MS_DECIMALS) < round(simulation.step_ms, STEP_MS_DECIMALS):
+                placement, simulation = prefetching, with_prefetch
+        # the link carries the ranks gathered ahead (hits and wasted) and the misses: as many as the step routes
+        # to, plus the wasted ones
+        copy_bytes = round(placement.expected_fetched_bytes + wasted_prefetch_bytes(placement))
+    else:
+        simulation = prefill_simulation(experts.geometry, placement, compute, h2d_bytes_per_s, copy_overhead_us)
+        copy_bytes = sum(non_resident_bytes(experts.geometry, placement).values())
+    return RoutedChoice(group_size=0, num_in_group=0, prefetch_step=0, offloaded=(), replay_start_copies=0,
+                        simulation=simulation, gpu_bytes=searcher.gpu_bytes(placement.weight_bytes),
+                        host_pinned_bytes=placement.host_pinned_bytes, copy_bytes=copy_bytes, placement=placement)
+
+
+def choose_prefetch_depth(experts: ExpertModel, compute: ComputeTimes,
+                          placement: RoutedPlacement) -> tuple[RoutedPlacement, Simulation]:
+    """The prefetching ``placement`` at the depth m (ranks of each token's prediction gathered ahead, 1..k) whose
+    decode step is predicted fastest, with its simulation; make --prefetch-depth pins m. Ties go to the smaller m
+    (fewer bytes on the link). Each rank gathered in one layer's compute shadow only saves; past it, a rank costs
+    its wasted bytes on the critical path (planner.model.experts.prefetch_layer_stall_ms), so poor deep ranks lower m.
+    With a trace's per-expert figures each layer's shares are its non-resident experts' (with_prefetch_depth)."""
+    pinned = experts.prefetch_depth
+    depths = range(1, len(experts.rank_accuracy) + 1) if pinned is None else (pinned,)
+    best = None
+    for depth in depths:
+        candidate = with_prefetch_depth(placement, experts.rank_accuracy, depth, experts.predictions)
+        simulation = decode_simulation(compute, candidate)
+        if best is None or round(simulation.step_ms, STEP_MS_DECIMALS) < round(best[1].step_ms, STEP_MS_DECIMALS):
+            best = (candidate, simulation)
+    return best
+
+
+def decode_simulation(compute: ComputeTimes, placement: RoutedPlacement) -> Simulation:
+    """A routed decode step: head, then each layer's compute, a routed layer's wait for its experts in it (the
+    router runs first and the experts wait for their fetch: the fetch, or with prefetch what the prefetch did not
+    hide and the misses, is on the critical path, shown as the layer's stall)."""
+    fetch_ms = routed_stalls_ms(placement, compute.layer_ms)
+    intervals, stalls = [Interval(layer=-1, start_ms=0.0, end_ms=compute.head_ms)], []
+    now = compute.head_ms
+    for index, duration in enumerate(compute.layer_ms):
+        stall = fetch_ms.get(index, 0.0)
+        intervals.append(Interval(layer=index, start_ms=now, end_ms=now + duration + stall))
+        stalls.append(stall)
+        now += duration + stall
+    stall_ms = math.fsum(stalls)
+    return Simulation(step_ms=compute.head_ms + math.fsum(compute.layer_ms) + stall_ms,
+                      stall_ms=stall_ms, compute=tuple(intervals), copies=(), layer_stall_ms=tuple(stalls))
+
+
+def prefill_simulation(geometry: MoeGeometry, placement: RoutedPlacement, compute: ComputeTimes,
+                       h2d_bytes_per_s: float, copy_overhead_us: float) -> Simulation:
+    """A prefill chunk with every MoE layer routed: each layer's non-resident experts copied whole through the one
+    staging buffer, as streaming the layers through one slot (planner.search.simulate)."""
+    copied = {index: nbytes for index, nbytes in non_resident_bytes(geometry, placement).items() if nbytes}
+    offloaded = tuple(sorted(copied))
+    if len(offloaded) < 2:  # one staged layer: its copy cannot overlap anything before it
+        copy_ms = sum(copy_ms_of(copied[i], h2d_bytes_per_s, copy_overhead_us) for i in offloaded)
+        step_ms = compute.head_ms + math.fsum(compute.layer_ms) + copy_ms
+        return Simulation(step_ms=step_ms, stall_ms=copy_ms, compute=(), copies=(),
+                          layer_stall_ms=(0.0,) * len(compute.layer_ms))
+    return simulate(layer_ms=compute.layer_ms, head_ms=compute.head_ms, offloaded=offloaded,
+                    copy_ms=tuple(copy_ms_of(copied[i], h2d_bytes_per_s, copy_overhead_us) for i in offloaded),
+                    prefetch_step=1)
+
+
+def experts_section(experts: ExpertModel, chosen: Choice, layers: LayerBytes, points: tuple[ExpertsPoint, ...],
+                    h2d_bytes_per_s: float) -> ExpertsPlan:
+    """The plan's experts section for the chosen placement."""
+    geometry = experts.geometry
+    if isinstance(chosen, RoutedChoice):
+        placement = chosen.placement
+        rows = tuple(ExpertLayer(index=row.index, regime="routed", resident=row.resident,
+                                 expected_fetched_bytes=round(row.expected_fetched_bytes), hit_rate=row.hit_rate,
+                                 prefetch_hit_share=_share(row.prefetch_hit_share),
+                                 prefetch_ahead_share=_share(row.prefetch_ahead_share))
+                     for row in placement.layers)
+        buffers = (placement.fetch_slots, placement.fetch_buffer_bytes, placement.staging_buffer_bytes)
+        accuracy, ranks = experts.prefetch_accuracy, experts.rank_accuracy
+        if experts.predictions:
+            accuracy, ranks = cold_accuracy(experts, placement)
+        prefetch = (None if placement.prefetch_accuracy is None else NEXT_LAYER_ROUTER, accuracy,
+                    placement.prefetch_depth, tuple(round(a, 4) for a in ranks), experts.accuracy_source)
+    else:
+        offloaded = set(chosen.offloaded)
+        rows = tuple(ExpertLayer(index=layer.index, regime="whole_layer", resident=(),
+                                 expected_fetched_bytes=layers.selected[layer.index] if layer.index in offloaded else 0,
+                                 hit_rate=0.0 if layer.index in offloaded else 1.0)
+                     for layer in geometry.layers)
+        buffers = (0, 0, 0)
+        prefetch = (None, None, None, None, None)
+    regimes = {row.regime for row in rows}
+    return ExpertsPlan(
+        regime=regimes.pop() if len(regimes) == 1 else "mixed", routing=experts.routing_label,
+        fetch_slots=buffers[0], layers=rows, num_experts=geometry.num_experts, top_k=geometry.top_k,
+        expert_bytes=geometry.max_expert_bytes, fetch_buffer_bytes=buffers[1], staging_buffer_bytes=buffers[2],
+        routed_fetch_bytes_per_s=routed_fetch_bytes_per_s(h2d_bytes_per_s), routed_unavailable=experts.unavailable,
+        points=points, prefetch=prefetch[0], prefetch_accuracy=prefetch[1], prefetch_depth=prefetch[2],
+        prefetch_rank_accuracy=prefetch[3], prefetch_accuracy_source=prefetch[4])
+
+
+def _share(value: float | None) -> float | None:
+    """A share as the plan holds it (4 decimals, as the rank accuracies)."""
+    return None if value is None else round(value, 4)
+
+
+def cold_accuracy(experts: ExpertModel, placement: RoutedPlacement) -> tuple[float, tuple[float, ...]]:
+    """Over the trace's predicted layers' non-resident experts (``placement``'s resident sets): (the share of
+    their routed assignments predicted at any rank, per rank the share of their predictions the layer routed
+    to). The accuracy where a prefetch matters: the resident experts' predictions save nothing."""
+    top_k = experts.geometry.top_k
+    hits, made, routed = [0] * top_k, [0] * top_k, 0
+    for row in placement.layers:
+        if row.index in experts.predictions:
+            row_hits, row_made, row_routed = experts.predictions[row.index].cold_rank_counts(row.resident)
+            hits = [a + b for a, b in zip(hits, row_hits)]
+            made = [a + b for a, b in zip(made, row_made)]
+            routed += row_routed
+    return (round(sum(hits) / routed, 4) if routed else 0.0,
+            tuple(h / m if m else 0.0 for h, m in zip(hits, made)))

@@ -1,0 +1,237 @@
+"""Hardware profiles: YAML data in ``profiles/``, read into a frozen dataclass that validates itself.
+
+Every figure carries its provenance (``datasheet``, ``measured``, ``fitted`` or ``assumed``) and a note that
+says where it comes from, so a reviewer can tell a reading from a lead.
+"""
+
+import difflib
+import math
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+
+from planner.errors import ProfileError, shown
+from planner.source.untrusted import checked_path, load_yaml, read_capped
+
+SOURCES = ("datasheet", "measured", "fitted", "assumed")
+PROFILE_SUFFIXES = (".yaml", ".yml")
+
+
+def profiles_dir() -> Path:
+    """The built-in profiles: ``profiles/`` beside the packages (repo checkout or installed data)."""
+    package = Path(__file__).resolve().parent.parent  # planner/, whose parent is the checkout
+    for candidate in (package.parent / "profiles", package / "_profiles"):
+        if candidate.is_dir():
+            return candidate
+    raise ProfileError("the built-in profiles folder is missing from this installation; reinstall offload-plan")
+
+
+#: plausible upper bounds of each figure, far above any chip today: a figure beyond is a typo (a unit off by
+#: 1e9) or a corrupt file, and the arithmetic on it would overflow or mislead
+FIGURE_MAX = {"gpu_memory_bytes": 2**50, "hbm_bytes_per_s": 1e16, "bf16_flops_per_s": 1e19,
+              "fp8_flops_per_s": 1e19, "h2d_bytes_per_s": 1e14, "copy_overhead_us": 1e6, "reserve_bytes": 2**50,
+              "host_memory_bytes": 2**60, "gpu_link_bytes_per_s": 1e14}
+#: plausible lower bounds of the rates and shares, far below any chip: a rate of 1e-300 is a typo, and the
+#: planner's times (bytes / rate) would overflow to infinity
+FIGURE_MIN = {"gpu_link_bytes_per_s": 1e6,
+              "hbm_bytes_per_s": 1e6, "bf16_flops_per_s": 1e6, "fp8_flops_per_s": 1e6, "h2d_bytes_per_s": 1e6,
+              "compute_efficiency": 1e-3}
+#: figures that must be above zero (trigger and compute_efficiency are shares, checked as such): the planner
+#: divides by the rates, and zero memory holds nothing. A zero
+#: rate is refused, not read as "unknown": fp8_flops_per_s is null (or left out) on chips without fp8
+POSITIVE_FIGURES = ("gpu_memory_bytes", "hbm_bytes_per_s", "bf16_flops_per_s", "fp8_flops_per_s",
+                    "h2d_bytes_per_s", "host_memory_bytes", "gpu_link_bytes_per_s")
+MAX_PROFILE_BYTES = 2**20
+
+
+def _finite(value: int | float) -> bool:
+    """math.isfinite without its OverflowError on integers beyond a float."""
+    return abs(value) <= 1e300 and math.isfinite(value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Figure:
+    """One number of a profile, with where it comes from."""
+
+    value: float
+    #: one of SOURCES
+    source: str
+    #: citation or method, for people
+    note: str = ""
+
+    def __post_init__(self):
+        if self.source not in SOURCES:
+            raise ValueError(f"source must be one of {', '.join(SOURCES)}, not {shown(self.source)}")
+        if isinstance(self.value, bool) or not isinstance(self.value, (int, float)) or not _finite(self.value):
+            raise ValueError(f"value must be a finite number, not {shown(self.value)}")
+        if self.value < 0:
+            raise ValueError(f"value must not be negative, got {self.value}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class HardwareProfile:
+    """What the planner needs to know about one GPU and its link to host memory."""
+
+    name: str
+    description: str
+    #: GPU memory usable by programs
+    gpu_memory_bytes: Figure
+    hbm_bytes_per_s: Figure
+    #: dense (not sparse) bf16 tensor-core rate
+    bf16_flops_per_s: Figure
+    #: dense fp8 rate; None on chips without fp8 tensor cores
+    fp8_flops_per_s: Figure | None
+    #: pinned host-to-device copy-engine bandwidth for layer-sized copies
+    h2d_bytes_per_s: Figure
+    #: fixed cost of one host-to-device copy, on top of bytes / bandwidth
+    copy_overhead_us: Figure
+    #: default share of GPU memory that weights may occupy (vLLM PR 6081's trigger)
+    trigger: Figure
+    #: GPU memory held back for activations, KV cache and the CUDA context
+    reserve_bytes: Figure
+    #: share of peak FLOP/s and HBM bandwidth that an eager decoder layer reaches
+    compute_efficiency: Figure
+    #: host memory this GPU's offloaded params may be pinned in (its share where GPUs share one host, as two
+    #: B200s share a Grace); None where it depends on the machine, as on PCIe servers
+    host_memory_bytes: Figure | None = None
+    #: GPU memory a process holds beyond its tensors (CUDA context, library workspaces, allocator rounding);
+    #: None: planner.search.serving.CUDA_CONTEXT_BYTES
+    cuda_context_bytes: Figure | None = None
+    #: GPU-to-GPU bandwidth per direction of each GPU (NVLink) that tensor-parallel all-reduces cross; None where
+    #: the GPUs have no such link (make --tp refuses the profile then)
+    gpu_link_bytes_per_s: Figure | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name or not self.name.isprintable():
+            raise ValueError(f"name must be a non-empty string of printable characters, not {shown(self.name)}")
+        if not isinstance(self.description, str):
+            raise ValueError("description must be text")
+        for key, highest in FIGURE_MAX.items():
+            figure = getattr(self, key)
+            if figure is None:
+                continue
+            if key in POSITIVE_FIGURES and figure.value <= 0:
+                raise ValueError(f"{key} must be positive" + (" (null on chips without fp8)" if key.startswith("fp8")
+                                                             else ""))
+            if figure.value > highest:
+                raise ValueError(f"{key} is {figure.value:g}, beyond any GPU (at most {highest:g}): check its unit")
+            if key in FIGURE_MIN and 0 < figure.value < FIGURE_MIN[key]:
+                raise ValueError(f"{key} is {figure.value:g}, below any GPU (at least {FIGURE_MIN[key]:g}): check its "
+                                 "unit")
+        for key in ("trigger", "compute_efficiency"):
+            if not 0 < getattr(self, key).value <= 1:
+                raise ValueError(f"{key} must be a share in (0, 1], got {getattr(self, key).value}")
+        if self.compute_efficiency.value < FIGURE_MIN["compute_efficiency"]:
+            raise ValueError(f"compute_efficiency {self.compute_efficiency.value:g} is below any GPU (at least "
+                             f"{FIGURE_MIN['compute_efficiency']:g})")
+        if self.reserve_bytes.value >= self.gpu_memory_bytes.value:
+            raise ValueError("reserve_bytes must be less than gpu_memory_bytes")
+
+    @property
+    def weight_limit_bytes(self) -> int:
+        """The most GPU memory weights may take: all of it less the reserve."""
+        return int(self.gpu_memory_bytes.value - self.reserve_bytes.value)
+
+    def figures(self) -> dict[str, float | None]:
+        """Field name -> value, for plans and tables (the GPU link is recorded by tensor-parallel plans alone)."""
+        return {
+            f.name: (None if getattr(self, f.name) is None else getattr(self, f.name).value)
+            for f in fields(self)
+            if f.name not in ("name", "description", "gpu_link_bytes_per_s")
+        }
+
+
+_FIGURE_FIELDS = tuple(f.name for f in fields(HardwareProfile) if f.name not in ("name", "description"))
+_OPTIONAL_FIELDS = ("fp8_flops_per_s", "host_memory_bytes", "cuda_context_bytes", "gpu_link_bytes_per_s")
+
+
+def profile_from_dict(data: object, origin: str) -> HardwareProfile:
+    """Build a profile from parsed YAML, naming the field and the fix in any error."""
+    if not isinstance(data, dict):
+        raise ProfileError(f"{origin}: a profile is a YAML mapping of fields; see profiles/h100-sxm.yaml")
+    known = {"name", "description", *_FIGURE_FIELDS}
+    unknown = sorted(set(data) - known, key=str)  # YAML keys may be numbers too
+    if unknown:
+        raise ProfileError(f"{origin}: unknown field(s) {shown(unknown, 60)}; the fields are those of "
+                           "profiles/h100-sxm.yaml (fp8_flops_per_s, host_memory_bytes, cuda_context_bytes, "
+                           "gpu_link_bytes_per_s optional)")
+    missing = sorted(k for k in known - set(data) if k not in _OPTIONAL_FIELDS)
+    if missing:
+        raise ProfileError(f"{origin}: missing field(s) {missing}; see profiles/h100-sxm.yaml for the format")
+    kwargs = {"name": data["name"], "description": str(data.get("description") or "")}
+    for key in _FIGURE_FIELDS:
+        kwargs[key] = _figure(data.get(key), key, origin)
+    try:
+        return HardwareProfile(**kwargs)
+    except (TypeError, ValueError) as error:
+        raise ProfileError(f"{origin}: {error}") from None
+
+
+def _figure(raw: object, key: str, origin: str) -> Figure | None:
+    if raw is None and key in _OPTIONAL_FIELDS:
+        return None
+    if not isinstance(raw, dict) or "value" not in raw or "source" not in raw:
+        raise ProfileError(f"{origin}: field {key} must be a mapping with value, source and note")
+    extra = sorted(set(raw) - {"value", "source", "note"}, key=str)
+    if extra:
+        raise ProfileError(f"{origin}: field {key} has unknown key(s) {extra}; use value, source and note")
+    value = raw["value"]
+    if key.endswith("_bytes") and isinstance(value, float):
+        if not value.is_integer():
+            raise ProfileError(f"{origin}: field {key} must be a whole number of bytes, got {value}")
+        value = int(value)  # 1.0e+9 in YAML: a byte count all the same
+    try:
+        return Figure(value=value, source=raw["source"], note=str(raw.get("note", "")))
+    except ValueError as error:
+        raise ProfileError(f"{origin}: field {key}: {error}") from None
+
+
+def list_profile_names() -> list[str]:
+    """Names of the built-in profiles, sorted."""
+    return sorted(p.stem for p in profiles_dir().iterdir() if p.suffix in PROFILE_SUFFIXES)
+
+
+def _close_names(name: str, names: list[str]) -> list[str]:
+    """Names the user probably meant: those that extend what was typed (h100), else the closest spelling."""
+    name = name.lower()
+    return [n for n in names if n.startswith(name)] or difflib.get_close_matches(name, names, n=1, cutoff=0.5)
+
+
+def load_profile(name_or_path: str) -> HardwareProfile:
+    """A built-in profile by name (``gb200``), or the user's own YAML file by path."""
+    path = checked_path(name_or_path, ProfileError, "--gpu")
+    if path.suffix not in PROFILE_SUFFIXES:
+        path = profiles_dir() / f"{name_or_path.lower()}.yaml"
+        if not path.is_file():
+            names = list_profile_names()
+            guess = f"did you mean {' or '.join(close)}? " if (close := _close_names(name_or_path, names)) else ""
+            raise ProfileError(
+                f"unknown GPU {name_or_path!r}; {guess}choose one of {', '.join(names)}, "
+                "or pass a profile file (--gpu my-gpu.yaml)"
+            )
+    raw = read_capped(path, MAX_PROFILE_BYTES, ProfileError, "profile")
+    data = load_yaml(raw, str(path), ProfileError, fix="fix the file")
+    return profile_from_dict(data, str(path))
+
+
+def with_measured_context(profile: HardwareProfile, context_bytes: int | None) -> HardwareProfile:
+    """The profile with ``context_bytes`` as its cuda_context_bytes, measured on the local stack by make --measure
+    (or recorded by a --measure plan, for check); the profile unchanged when None."""
+    if context_bytes is None:
+        return profile
+    figure = Figure(value=int(context_bytes), source="measured",
+                    note="outside torch's allocator on the local stack, measured by make --measure")
+    try:
+        return replace(profile, cuda_context_bytes=figure)
+    except ValueError as error:
+        raise ProfileError(f"the measured CUDA context figure: {error}") from None
+
+
+def profile_to_dict(profile: HardwareProfile) -> dict:
+    """The YAML-ready form of a profile (the inverse of profile_from_dict)."""
+    out: dict = {"name": profile.name, "description": profile.description}
+    for key in _FIGURE_FIELDS:
+        figure = getattr(profile, key)
+        if figure is not None:
+            out[key] = {"value": figure.value, "source": figure.source, "note": figure.note}
+    return out

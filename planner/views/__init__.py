@@ -1,0 +1,1 @@
+"""The commands that read plans: ``show``, ``diff``, ``check`` and ``export``."""
