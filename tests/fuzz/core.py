@@ -239,8 +239,8 @@ def _warm_imports() -> None:
     """Import what commands import lazily (runtime and torch for run and calibrate) before any case is timed: a
     first import takes seconds and would read as a hang (and, interrupted, leave a half-imported module)."""
     for module in ("planner.make.make_plan", "planner.views.check", "planner.views.export", "planner.views.show",
-                   "planner.views.diff", "runtime.load", "runtime.bench", "runtime.generate", "runtime.calibrate", "runtime.trace",
-                   "planner.source.routing_trace"):
+                   "planner.views.diff", "runtime.load", "runtime.bench", "runtime.generate", "runtime.calibrate",
+                   "runtime.trace", "planner.source.routing_trace"):
         try:
             __import__(module)
         except Exception:  # noqa: BLE001 (no torch here: those commands then fail fast and cleanly)
