@@ -298,7 +298,8 @@ def _memory_figures(plan: Plan) -> str | None:
     for key, value in derived.items():
         if getattr(memory, key) != value:
             return f"memory.{key} {getattr(memory, key)} is not the {value} the plan's rows give"
-    buffers = 0 if experts is None else experts.fetch_buffer_bytes + experts.staging_buffer_bytes
+    buffers = 0 if experts is None else (experts.fetch_buffer_bytes + experts.staging_buffer_bytes
+                                         + experts.gather_workspace_bytes)
     weights = (memory.non_layer_bytes + memory.resident_layer_bytes + memory.num_slots * memory.slot_bytes + buffers
                + resident_experts)
     if memory.gpu_bytes - weights != memory.allocation_slack_bytes:
@@ -422,6 +423,8 @@ def _experts_rules(plan: Plan) -> str | None:
     sets = 2 if experts.prefetch is not None else 1
     derived = {"fetch_slots": slots, "fetch_buffer_bytes": slots * experts.expert_bytes * sets,
                "staging_buffer_bytes": experts.num_experts * experts.expert_bytes if routed else 0}
+    pairs = plan.workload.tokens_per_step * experts.top_k
+    derived["gather_workspace_bytes"] = pairs * experts.expert_bytes if routed and pairs <= experts.num_experts else 0
     for key, value in derived.items():
         if getattr(experts, key) != value:
             return f"experts.{key} {getattr(experts, key)} is not the {value} its counts give"

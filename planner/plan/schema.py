@@ -506,6 +506,9 @@ class ExpertsPlan:
     fetch_buffer_bytes: int
     #: num_experts x expert_bytes, where prefill chunks copy a routed layer's experts (0 without routed layers)
     staging_buffer_bytes: int
+    #: tokens_per_step x top_k x expert_bytes, where a routed decode step's batched_mm gathers each routed
+    #: (token, expert) pair's weights (0 where a step routes more pairs than num_experts, and without routed layers)
+    gather_workspace_bytes: int
     #: the routed gather's rate: hardware.h2d_bytes_per_s x planner.model.experts.ROUTED_FETCH_EFFICIENCY
     routed_fetch_bytes_per_s: float
     #: why no layer may be routed (an architecture the runtime cannot route-fetch, pinned knobs); None: it may

@@ -215,7 +215,8 @@ def experts_section(experts: ExpertModel, chosen: Choice, layers: LayerBytes, po
                                  prefetch_hit_share=_share(row.prefetch_hit_share),
                                  prefetch_ahead_share=_share(row.prefetch_ahead_share))
                      for row in placement.layers)
-        buffers = (placement.fetch_slots, placement.fetch_buffer_bytes, placement.staging_buffer_bytes)
+        buffers = (placement.fetch_slots, placement.fetch_buffer_bytes, placement.staging_buffer_bytes,
+                   placement.gather_workspace_bytes)
         accuracy, ranks = experts.prefetch_accuracy, experts.rank_accuracy
         if experts.predictions:
             accuracy, ranks = cold_accuracy(experts, placement)
@@ -227,13 +228,14 @@ def experts_section(experts: ExpertModel, chosen: Choice, layers: LayerBytes, po
                                  expected_fetched_bytes=layers.selected[layer.index] if layer.index in offloaded else 0,
                                  hit_rate=0.0 if layer.index in offloaded else 1.0)
                      for layer in geometry.layers)
-        buffers = (0, 0, 0)
+        buffers = (0, 0, 0, 0)
         prefetch = (None, None, None, None, None)
     regimes = {row.regime for row in rows}
     return ExpertsPlan(
         regime=regimes.pop() if len(regimes) == 1 else "mixed", routing=experts.routing_label,
         fetch_slots=buffers[0], layers=rows, num_experts=geometry.num_experts, top_k=geometry.top_k,
         expert_bytes=geometry.max_expert_bytes, fetch_buffer_bytes=buffers[1], staging_buffer_bytes=buffers[2],
+        gather_workspace_bytes=buffers[3],
         routed_fetch_bytes_per_s=routed_fetch_bytes_per_s(h2d_bytes_per_s), routed_unavailable=experts.unavailable,
         points=points, prefetch=prefetch[0], prefetch_accuracy=prefetch[1], prefetch_depth=prefetch[2],
         prefetch_rank_accuracy=prefetch[3], prefetch_accuracy_source=prefetch[4])

@@ -511,8 +511,12 @@ def _expert_buffer_rows(plan: Plan) -> list[tuple[str, int]]:
     experts = plan.experts
     if experts is None or not experts.fetch_slots:
         return []
-    return [(f"GPU: routed-expert fetch buffer ({experts.fetch_slots} experts)", experts.fetch_buffer_bytes),
+    rows = [(f"GPU: routed-expert fetch buffer ({experts.fetch_slots} experts)", experts.fetch_buffer_bytes),
             (f"GPU: prefill staging buffer ({experts.num_experts} experts)", experts.staging_buffer_bytes)]
+    if experts.gather_workspace_bytes:
+        pairs = plan.workload.tokens_per_step * experts.top_k
+        rows.append((f"GPU: decode gather workspace ({pairs} routed pairs' weights)", experts.gather_workspace_bytes))
+    return rows
 
 
 def _memory(plan: Plan) -> Table:

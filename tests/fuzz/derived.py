@@ -76,6 +76,7 @@ def _experts_edits(rng, plan: dict) -> list[tuple[str, object, bool]]:
         ("experts.fetch_buffer_bytes", lambda: _bump(experts, "fetch_buffer_bytes", lambda v: v + 1), True),
         ("experts.staging_buffer_bytes", lambda: _bump(experts, "staging_buffer_bytes", lambda v: 0 if v else 64),
          True),
+        ("experts.gather_workspace_bytes", lambda: _bump(experts, "gather_workspace_bytes", lambda v: v + 4), True),
         ("experts.routed_fetch_bytes_per_s 0", lambda: experts.update(routed_fetch_bytes_per_s=0), True),
         ("experts.routed_fetch_bytes_per_s", lambda: _bump(experts, "routed_fetch_bytes_per_s", lambda v: v / 2),
          True),

@@ -37,8 +37,9 @@ def _placement(accuracy, limit_bytes):
 
 
 def test_prefetch_doubles_the_fetch_slots_in_gpu_bytes_at_the_cost_of_resident_experts():
-    # base: non-layer 100 + 3 x 500 non-expert + staging 4 x 1000 + fetch slots (1 or 2) x 1000
-    limit = 100 + 1500 + 4000 + 1000 + 3000
+    # base: non-layer 100 + 3 x 500 non-expert + staging 4 x 1000 + fetch slots (1 or 2) x 1000 + the decode
+    # gather (1 pair) 1000
+    limit = 100 + 1500 + 4000 + 1000 + 1000 + 3000
     without, with_prefetch = _placement(None, limit), _placement(0.8, limit)
     assert without.fetch_buffer_bytes == 1000 and with_prefetch.fetch_buffer_bytes == 2000
     assert without.num_resident == 3 and with_prefetch.num_resident == 2  # one expert's bytes went to slots
@@ -122,7 +123,7 @@ def _depth_pick(rank_accuracy, compute_ms, pinned=None):
     layers = tuple(MoeLayer(index=i, expert_bytes=1000, other_bytes=500) for i in range(4))
     geometry = MoeGeometry(num_experts=16, top_k=len(rank_accuracy), layers=layers, unroutable_reason=None)
     placement = routed_placement(geometry, uniform_routing(geometry), num_tokens=1, layer_total_bytes=(16500,) * 4,
-                                 non_layer_bytes=100, weight_limit_bytes=26100, h2d_bytes_per_s=1e6,
+                                 non_layer_bytes=100, weight_limit_bytes=30100, h2d_bytes_per_s=1e6,
                                  prefetch_accuracy=0.5)
     experts = expert_model(geometry, None, "uniform", None, rank_accuracy=tuple(rank_accuracy), prefetch_depth=pinned)
     compute = ComputeTimes(layer_ms=(compute_ms,) * 4, head_ms=0.1, source="test")
@@ -210,7 +211,8 @@ def test_plans_made_before_the_depth_read_as_every_rank():
     from planner.plan.schema import ExpertsPlan
 
     old = ExpertsPlan(regime="routed", routing="uniform", fetch_slots=8, layers=(), num_experts=128, top_k=8,
-                      expert_bytes=1, fetch_buffer_bytes=16, staging_buffer_bytes=128, routed_fetch_bytes_per_s=1.0,
+                      expert_bytes=1, fetch_buffer_bytes=16, staging_buffer_bytes=128, gather_workspace_bytes=8,
+                      routed_fetch_bytes_per_s=1.0,
                       routed_unavailable=None, points=(), prefetch="next_layer_router", prefetch_accuracy=0.7)
     assert old.prefetch_shares() == (0.7, 1.0)
     with pytest.raises(ValueError, match="prefetch_depth"):

@@ -8,7 +8,8 @@ import pytest
 
 from planner.source.checkpoint import load_checkpoint
 from planner.model.experts import (LayerRouting, MoeGeometry, MoeLayer, ROUTED_FETCH_EFFICIENCY, choose_resident,
-                                   expected_distinct_uniform, moe_geometry, routed_placement, uniform_routing)
+                                   decode_gather_bytes, expected_distinct_uniform, moe_geometry, routed_placement,
+                                   uniform_routing)
 from planner.model.layout import build_layout
 from planner.make.make_plan import make_plan
 from planner.plan.schema import Inputs
@@ -69,8 +70,9 @@ def test_routed_placement_counts_buffers_and_fetch_rate():
     layers = tuple(MoeLayer(index=i, expert_bytes=1000, other_bytes=500) for i in range(2))
     geometry = MoeGeometry(num_experts=4, top_k=1, layers=layers, unroutable_reason=None)
     totals = (4500, 4500)
-    # base: non-layer 100 + 2 x 500 non-expert + fetch buffer (1 slot) 1000 + staging (4 slots) 4000
-    base = 100 + 1000 + 1000 + 4000
+    # base: non-layer 100 + 2 x 500 non-expert + fetch buffer (1 slot) 1000 + staging (4 slots) 4000 + the decode
+    # gather of 1 token x top-1 = 1 pair's weights 1000
+    base = 100 + 1000 + 1000 + 4000 + 1000
     assert routed_placement(geometry, uniform_routing(geometry), num_tokens=1, layer_total_bytes=totals,
                             non_layer_bytes=100, weight_limit_bytes=base - 1, h2d_bytes_per_s=1e9) is None
     placement = routed_placement(geometry, uniform_routing(geometry), num_tokens=1, layer_total_bytes=totals,
@@ -78,10 +80,18 @@ def test_routed_placement_counts_buffers_and_fetch_rate():
     assert [row.resident for row in placement.layers] == [(0,), (0,)]
     # every expert pinned on the host, resident ones too (the runtime pins whole fused params)
     assert placement.weight_bytes == base + 2000 and placement.host_pinned_bytes == 2 * 4 * 1000
+    assert placement.gather_workspace_bytes == 1000
     # one token touches one of 4 experts: 3/4 of the time a non-resident one, fetched at the derated rate
     assert placement.layers[0].expected_fetched_bytes == pytest.approx(750)
     assert placement.layers[0].fetch_ms == pytest.approx(1e3 * 750 / (1e9 * ROUTED_FETCH_EFFICIENCY))
     assert placement.layers[0].hit_rate == pytest.approx(0.25)
+
+
+def test_the_decode_gather_holds_every_routed_pair_and_none_past_the_experts():
+    assert decode_gather_bytes(num_tokens=4, top_k=8, num_experts=64, expert_bytes=12) == 32 * 12
+    assert decode_gather_bytes(num_tokens=8, top_k=8, num_experts=64, expert_bytes=12) == 64 * 12
+    # 72 pairs over 64 experts: the step runs the prefill path over the staging buffer, which gathers nothing
+    assert decode_gather_bytes(num_tokens=9, top_k=8, num_experts=64, expert_bytes=12) == 0
 
 
 # ---- plans -----------------------------------------------------------------------------------------------------

@@ -110,9 +110,10 @@ def test_the_planner_prices_the_prefetch_from_the_cold_experts_accuracy():
     uses 0.25, all 8 cold predictions cross the link."""
     geometry, trace = _geometry(), _trace()
     routing = trace.routing()
-    # non-layer 100 + 3 x 500 other + fetch buffer 2 x 1000 (two slot sets) + staging 4 x 1000 + 3 resident
+    # non-layer 100 + 3 x 500 other + fetch buffer 2 x 1000 (two slot sets) + staging 4 x 1000 + gather 1000
+    # (one pair) + 3 resident
     placement = routed_placement(geometry, routing, num_tokens=1, layer_total_bytes=(4500,) * 3, non_layer_bytes=100,
-                                 weight_limit_bytes=10_600, h2d_bytes_per_s=1e6, prefetch_accuracy=0.7)
+                                 weight_limit_bytes=11_600, h2d_bytes_per_s=1e6, prefetch_accuracy=0.7)
     assert [row.resident for row in placement.layers] == [(0,)] * 3
     fetched_experts = routing[1].out_of_sample((0,), 1)[1]
     assert 0.4 < fetched_experts < 0.45  # 20 tokens counted: the hot expert's count ran a little high
@@ -180,7 +181,7 @@ def test_the_routed_choice_carries_the_cold_figures_into_the_plan_section():
     experts = expert_model(geometry, trace.routing(), "trace sha256:" + "0" * 64, None,
                            rank_accuracy=trace.rank_accuracy(), predictions=trace.expert_predictions())
     placement = routed_placement(geometry, experts.routing, num_tokens=1, layer_total_bytes=(4500,) * 3,
-                                 non_layer_bytes=100, weight_limit_bytes=10_600, h2d_bytes_per_s=1e6,
+                                 non_layer_bytes=100, weight_limit_bytes=11_600, h2d_bytes_per_s=1e6,
                                  prefetch_accuracy=0.7)
     compute = ComputeTimes(layer_ms=(0.2,) * 3, head_ms=0.1, source="test")
     chosen, simulation = choose_prefetch_depth(experts, compute, placement)
