@@ -201,11 +201,11 @@ def _kv_dtype_name(model: Model) -> str:
 
 def _prefill_chunk_ms(model: Model, choice: Choice, chunk_tokens: int) -> float:
     """One prefill chunk of a new sequence with the plan's placement, steps back to back (eager); routed layers
-    copy their non-resident experts whole through the staging buffer."""
+    copy all their experts through the staging buffer, on the compute stream."""
     compute = model.compute(workload_of(chunk_tokens, 1, 0), graphed=False)  # a chunk is never replayed
     if isinstance(choice, RoutedChoice):
         profile = model.profile
-        return prefill_simulation(model.experts.geometry, choice.placement, compute, profile.h2d_bytes_per_s.value,
+        return prefill_simulation(model.experts.geometry, compute, profile.h2d_bytes_per_s.value,
                                   profile.copy_overhead_us.value).step_ms
     copy_ms = tuple(copy_ms_of(model.layer_bytes.selected[i], model.profile.h2d_bytes_per_s.value,
                                model.profile.copy_overhead_us.value) for i in choice.offloaded)

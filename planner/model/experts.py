@@ -669,6 +669,13 @@ def routed_stalls_ms(placement: RoutedPlacement, layer_ms: tuple[float, ...] | N
     return stalls
 
 
+def staged_bytes(geometry: MoeGeometry) -> dict[int, int]:
+    """Per routed layer, the bytes a prefill chunk copies into the staging buffer: all num_experts of its experts
+    (runtime.routed_experts copies the layer's fused params whole, in one copy from the host, resident experts
+    too: the staging buffer must hold all E in order for the prefill implementation)."""
+    return {layer.index: geometry.num_experts * layer.expert_bytes for layer in geometry.layers}
+
+
 def non_resident_bytes(geometry: MoeGeometry, placement: RoutedPlacement) -> dict[int, int]:
     """Per routed layer, the bytes of its non-resident experts: what a prefill chunk copies whole."""
     return {layer.index: (geometry.num_experts - len(row.resident)) * layer.expert_bytes

@@ -334,8 +334,11 @@ def _prediction_figures(plan: Plan) -> str | None:
     decode, routed = _is_decode(plan), bool(routed_rows(plan))
     if routed and decode:
         copied = sum(row.expected_fetched_bytes for row in routed_rows(plan).values())
-    elif routed:
+    elif routed:  # a prefill stages every expert of a routed layer: its non-resident ones and its resident ones
         copied = sum(row.offloaded_bytes for row in plan.layers)
+        staged = len(routed_rows(plan)) * plan.experts.num_experts * plan.experts.expert_bytes
+        if copied <= prediction.copy_bytes_per_step <= staged:
+            copied = prediction.copy_bytes_per_step
     else:  # a layer alone in its slot stays there: copied once at load, not every step
         from planner.search.schedule import PrefetchSchedule
 
