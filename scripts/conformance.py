@@ -145,7 +145,7 @@ class Arm:
     mode: str  # serving-1, serving-4, serving-auto, decode, prefill
     cap: str  # loose, tight
     measure: bool
-    #: MoE only: None (make's choice, routed where it pays) or "whole-layer" (make --for vllm)
+    #: MoE only: None (make's choice, routed where it pays) or "whole-layer" (whole_layer_flags)
     experts: str | None = None
 
     @property
@@ -338,8 +338,20 @@ def make_args(arm: Arm, folder: Path, profile: str, caps: dict, output: Path) ->
     if arm.measure:
         args.append("--measure")
     if arm.experts == "whole-layer":
-        args += ["--for", "vllm"]
+        args += whole_layer_flags(folder)
     return args
+
+
+def whole_layer_flags(folder: Path) -> list:
+    """make's flags that keep every layer whole: --for vllm where vLLM wires the architecture's offloader (the plan
+    an engine user gets), else a pinned --prefetch-step 1 (pinned knobs plan whole layers; the search still
+    chooses the group and how many layers it offloads)."""
+    from planner.engines.versions import engine_version
+
+    architectures = json.loads((folder / "config.json").read_text()).get("architectures") or [None]
+    if engine_version("vllm").prefetch_wired(architectures[0]):
+        return ["--for", "vllm"]
+    return ["--prefetch-step", 1]
 
 
 def mib(num_bytes: int) -> str:
