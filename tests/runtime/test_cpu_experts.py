@@ -180,3 +180,16 @@ def test_the_calibrated_section_reads_back_through_the_profile(tmp_path):
     data["cpu_experts"] = cpu_experts_to_dict(section)
     read = profile_from_dict(yaml.safe_load(yaml.safe_dump(data, sort_keys=False)), "calibrated.yaml")
     assert read.cpu_experts == section
+
+
+def test_a_calibrated_profile_file_holds_the_section(tmp_path):
+    from dataclasses import replace
+
+    from runtime.calibrate import calibrated_yaml
+
+    section, _ = cpu_experts_profile(ExpertShape(hidden_size=64, intermediate_size=32), num_threads=1,
+                                     tokens=(1, 8), pool_bytes=2**18, repeats=2)
+    profile = replace(load_profile("h100-sxm"), cpu_experts=section)
+    path = tmp_path / "calibrated.yaml"
+    path.write_text(calibrated_yaml(profile))
+    assert load_profile(str(path)) == profile
