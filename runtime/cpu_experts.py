@@ -41,6 +41,9 @@ CALIBRATION_SHAPE = (2048, 768)
 #: the pool each timing cycles through: 24 Qwen3 experts are 216 MiB in bf16, past any host CPU's last-level
 #: cache, so every expert's weights come from DRAM as a step's misses do
 CALIBRATION_POOL_BYTES = 2**28
+#: the most experts a pool holds: small experts fit the caches whatever their number, and each costs a Python
+#: call per timing
+MAX_POOL_EXPERTS = 64
 NUM_REPEATS = 5
 #: the tolerances the hybrid layer's output keeps to the all-resident layer's, as a share of the reference
 #: output's largest magnitude (module docstring); tests/runtime/test_cpu_experts.py holds them
@@ -166,9 +169,9 @@ def _scaled_experts(gate_up: torch.Tensor, down: torch.Tensor, dtype: str) -> Ho
 
 
 def pool_size(shape: ExpertShape, dtype: str, pool_bytes: int = CALIBRATION_POOL_BYTES) -> int:
-    """Experts of ``shape`` whose host copies fill ``pool_bytes`` (at least 2)."""
+    """Experts of ``shape`` whose host copies fill ``pool_bytes`` (2 to MAX_POOL_EXPERTS)."""
     itemsize = torch.empty((), dtype=CPU_DTYPES[dtype]).element_size()
-    return max(2, pool_bytes // (shape.num_params * itemsize))
+    return min(MAX_POOL_EXPERTS, max(2, pool_bytes // (shape.num_params * itemsize)))
 
 
 def cpu_expert_ms(experts: HostExperts, num_tokens: int, num_threads: int, repeats: int = NUM_REPEATS) -> float:
