@@ -9,7 +9,9 @@ largest copies alone, and small copies (whose rate does not follow a line) pulle
 layer copies reach on the lent H100. HBM: a 2 GiB device-to-device copy, bytes read plus written. Matmul: an
 8192^3 bf16 product on random data. Memory: what the driver reports; host memory: the host's MemTotal; the CUDA
 context figure: what the process holds outside torch's allocator once a decoder step's kernel families ran
-(runtime.outside_memory's probe). Every timing is a median.
+(runtime.outside_memory's probe). The host CPU's expert rate (the profile's cpu_experts section): a
+Qwen3-30B-A3B-shaped SwiGLU expert at 1 to 32 tokens in bf16 and fp32 with torch's threads, the faster dtype
+kept (runtime.cpu_experts.cpu_experts_profile). Every timing is a median.
 """
 
 import datetime
@@ -19,6 +21,7 @@ import torch
 
 from planner.source.profile import Figure, HardwareProfile, load_profile, profile_to_dict
 from runtime.backend import CudaBackend
+from runtime.cpu_experts import cpu_experts_profile
 from runtime.load import meminfo_bytes
 from runtime.measure import CALIBRATED_SUFFIX, local_profile_name
 from runtime.outside_memory import probe_outside_allocator_bytes
@@ -133,9 +136,10 @@ def calibrate() -> tuple[HardwareProfile, dict]:
     if host_bytes is None:
         fields["host_memory_bytes"] = base.host_memory_bytes
     fields["compute_efficiency"] = restated_efficiency(base, matmul)
+    cpu_experts, cpu_tables = cpu_experts_profile(stamp=stamp)
     profile = HardwareProfile(name=base.name + CALIBRATED_SUFFIX, description=f"{base.description}; {stamp}",
-                              **measured, **fields)
-    return profile, {"h2d_points_bytes_ms": points, "free_bytes": free_bytes}
+                              **measured, **fields, cpu_experts=cpu_experts)
+    return profile, {"h2d_points_bytes_ms": points, "free_bytes": free_bytes, "cpu_experts_ms": cpu_tables}
 
 
 def restated_efficiency(base: HardwareProfile, measured_flops_per_s: float) -> Figure:

@@ -26,3 +26,6 @@ def calibrate(output: OutputOption = None):
         f"memory {profile.gpu_memory_bytes.value / 2**30:.1f} GiB")
     for num_bytes, ms in details["h2d_points_bytes_ms"]:
         say(f"  H2D {num_bytes / 2**20:7.0f} MiB: {ms:8.3f} ms, {num_bytes / ms / 1e6:6.1f} GB/s")
+    for dtype, table in details.get("cpu_experts_ms", {}).items():
+        say(f"  CPU expert {dtype}, {profile.cpu_experts.threads} threads: "
+            + ", ".join(f"{tokens} tok {ms:.3f} ms" for tokens, ms in table.items()))

@@ -49,6 +49,81 @@ def _finite(value: int | float) -> bool:
     return abs(value) <= 1e300 and math.isfinite(value)
 
 
+#: the host copy's dtypes the CPU's expert rates may be measured for (runtime.cpu_experts.CPU_DTYPES)
+CPU_EXPERT_DTYPES = ("bf16", "fp32")
+#: plausible bounds of the CPU's expert figures, far beyond any host: a figure outside is a unit off or a corrupt
+#: file, and the planner divides by the rates
+CPU_EXPERT_BOUNDS = {"threads": (1, 4096), "weight_bytes_per_s": (1e6, 1e14), "flops_per_s": (1e6, 1e17),
+                     "overhead_us": (0, 1e6), "hidden_size": (1, 2**20), "intermediate_size": (1, 2**20)}
+#: the most token counts a measured table may hold, and the largest count (a prefill chunk's tokens per expert)
+MAX_CPU_TABLE_ROWS = 64
+MAX_CPU_TABLE_TOKENS = 2**20
+#: the longest one expert may take on the CPU, per the table: beyond, a unit is off (seconds written as ms)
+MAX_CPU_EXPERT_MS = 1e5
+
+
+@dataclass(frozen=True, kw_only=True)
+class CpuExperts:
+    """The host CPU's rate at computing routed experts (gate/up/down SwiGLU MLPs), measured by ``calibrate``:
+    the table it read for one expert shape, and the two rates fitted to it that carry it to other shapes and
+    token counts (planner.search.cpu_experts.cpu_expert_ms)."""
+
+    #: CPU threads the experts were computed with (torch.set_num_threads)
+    threads: int
+    #: the host copy's dtype the CPU read the weights in (one of CPU_EXPERT_DTYPES): the fastest measured
+    dtype: str
+    #: the measured expert's shape: hidden size H and intermediate size I (3 x H x I weights)
+    hidden_size: int
+    intermediate_size: int
+    #: (tokens, ms to compute one expert of that shape for that many tokens), tokens ascending: measured
+    ms_per_expert_at_tokens: tuple[tuple[int, float], ...]
+    #: fitted: the weight bytes the CPU reads per second at one token (the table's first row less the overhead)
+    weight_bytes_per_s: float
+    #: fitted: the rate each further token's 6 x H x I FLOPs run at (the table's last two rows' slope)
+    flops_per_s: float
+    #: fitted: each expert's fixed cost on the CPU beside its bytes (a small expert's time at one token)
+    overhead_us: float
+    #: one of SOURCES
+    source: str = "measured"
+    #: how and where it was measured, for people
+    note: str = ""
+
+    def __post_init__(self):
+        if self.dtype not in CPU_EXPERT_DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(CPU_EXPERT_DTYPES)}, not {shown(self.dtype)}")
+        if self.source not in SOURCES:
+            raise ValueError(f"source must be one of {', '.join(SOURCES)}, not {shown(self.source)}")
+        for key, (lowest, highest) in CPU_EXPERT_BOUNDS.items():
+            value = getattr(self, key)
+            whole = key in ("threads", "hidden_size", "intermediate_size")
+            if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)) \
+                    or not _finite(value) or not lowest <= value <= highest:
+                kind = "a whole number" if whole else "a number"
+                raise ValueError(f"{key} must be {kind} from {lowest:g} to {highest:g}, not {shown(value)}")
+        self._check_table()
+
+    def _check_table(self) -> None:
+        table = self.ms_per_expert_at_tokens
+        if not isinstance(table, tuple) or not 1 <= len(table) <= MAX_CPU_TABLE_ROWS:
+            raise ValueError(f"ms_per_expert_at_tokens must hold 1 to {MAX_CPU_TABLE_ROWS} token counts")
+        for tokens, ms in table:
+            if isinstance(tokens, bool) or not isinstance(tokens, int) or not 1 <= tokens <= MAX_CPU_TABLE_TOKENS:
+                raise ValueError(f"ms_per_expert_at_tokens: {shown(tokens)} is no token count from 1 to "
+                                 f"{MAX_CPU_TABLE_TOKENS}")
+            if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not _finite(ms) \
+                    or not 0 < ms <= MAX_CPU_EXPERT_MS:
+                raise ValueError(f"ms_per_expert_at_tokens[{tokens}] must be a time in (0, {MAX_CPU_EXPERT_MS:g}] "
+                                 f"ms, not {shown(ms)}")
+        counts = [tokens for tokens, _ in table]
+        if counts != sorted(set(counts)):
+            raise ValueError("ms_per_expert_at_tokens must list each token count once, ascending")
+
+    @property
+    def num_params(self) -> int:
+        """Weights of the measured expert: gate, up and down projections."""
+        return 3 * self.hidden_size * self.intermediate_size
+
+
 @dataclass(frozen=True, kw_only=True)
 class Figure:
     """One number of a profile, with where it comes from."""
@@ -100,6 +175,9 @@ class HardwareProfile:
     #: GPU-to-GPU bandwidth per direction of each GPU (NVLink) that tensor-parallel all-reduces cross; None where
     #: the GPUs have no such link (make --tp refuses the profile then)
     gpu_link_bytes_per_s: Figure | None = None
+    #: the host CPU's rate at computing routed experts (calibrate measures it); None: not measured, and the
+    #: planner computes no expert on the CPU
+    cpu_experts: CpuExperts | None = None
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name or not self.name.isprintable():
@@ -137,11 +215,11 @@ class HardwareProfile:
         return {
             f.name: (None if getattr(self, f.name) is None else getattr(self, f.name).value)
             for f in fields(self)
-            if f.name not in ("name", "description", "gpu_link_bytes_per_s")
+            if f.name not in ("name", "description", "gpu_link_bytes_per_s", "cpu_experts")
         }
 
 
-_FIGURE_FIELDS = tuple(f.name for f in fields(HardwareProfile) if f.name not in ("name", "description"))
+_FIGURE_FIELDS = tuple(f.name for f in fields(HardwareProfile) if f.name not in ("name", "description", "cpu_experts"))
 _OPTIONAL_FIELDS = ("fp8_flops_per_s", "host_memory_bytes", "cuda_context_bytes", "gpu_link_bytes_per_s")
 
 
@@ -149,18 +227,19 @@ def profile_from_dict(data: object, origin: str) -> HardwareProfile:
     """Build a profile from parsed YAML, naming the field and the fix in any error."""
     if not isinstance(data, dict):
         raise ProfileError(f"{origin}: a profile is a YAML mapping of fields; see profiles/h100-sxm.yaml")
-    known = {"name", "description", *_FIGURE_FIELDS}
+    known = {"name", "description", "cpu_experts", *_FIGURE_FIELDS}
     unknown = sorted(set(data) - known, key=str)  # YAML keys may be numbers too
     if unknown:
         raise ProfileError(f"{origin}: unknown field(s) {shown(unknown, 60)}; the fields are those of "
                            "profiles/h100-sxm.yaml (fp8_flops_per_s, host_memory_bytes, cuda_context_bytes, "
-                           "gpu_link_bytes_per_s optional)")
-    missing = sorted(k for k in known - set(data) if k not in _OPTIONAL_FIELDS)
+                           "gpu_link_bytes_per_s, cpu_experts optional)")
+    missing = sorted(k for k in known - set(data) if k not in (*_OPTIONAL_FIELDS, "cpu_experts"))
     if missing:
         raise ProfileError(f"{origin}: missing field(s) {missing}; see profiles/h100-sxm.yaml for the format")
     kwargs = {"name": data["name"], "description": str(data.get("description") or "")}
     for key in _FIGURE_FIELDS:
         kwargs[key] = _figure(data.get(key), key, origin)
+    kwargs["cpu_experts"] = _cpu_experts(data.get("cpu_experts"), origin)
     try:
         return HardwareProfile(**kwargs)
     except (TypeError, ValueError) as error:
@@ -184,6 +263,48 @@ def _figure(raw: object, key: str, origin: str) -> Figure | None:
         return Figure(value=value, source=raw["source"], note=str(raw.get("note", "")))
     except ValueError as error:
         raise ProfileError(f"{origin}: field {key}: {error}") from None
+
+
+_CPU_KEYS = ("threads", "dtype", "hidden_size", "intermediate_size", "ms_per_expert_at_tokens", "weight_bytes_per_s",
+             "flops_per_s", "overhead_us", "source", "note")
+
+
+def _cpu_experts(raw: object, origin: str) -> CpuExperts | None:
+    """The profile's cpu_experts section (absent or null: not measured), every key checked; one line on a bad
+    one."""
+    if raw is None:
+        return None
+    where = f"{origin}: cpu_experts"
+    if not isinstance(raw, dict):
+        raise ProfileError(f"{where} must be a mapping of {', '.join(_CPU_KEYS)}; offload-plan calibrate writes it")
+    unknown = sorted(set(raw) - set(_CPU_KEYS), key=str)
+    missing = [key for key in _CPU_KEYS if key not in raw and key not in ("source", "note")]
+    if unknown or missing:
+        what = f"unknown key(s) {shown(unknown, 60)}" if unknown else f"missing key(s) {missing}"
+        raise ProfileError(f"{where} has {what}; its keys are {', '.join(_CPU_KEYS)} (source, note optional)")
+    table = raw["ms_per_expert_at_tokens"]
+    if not isinstance(table, dict):
+        raise ProfileError(f"{where}.ms_per_expert_at_tokens must map token counts to ms per expert (1: 0.25)")
+    kwargs = {key: raw[key] for key in _CPU_KEYS if key in raw and key != "ms_per_expert_at_tokens"}
+    kwargs["note"] = str(kwargs.get("note") or "")
+    try:
+        return CpuExperts(**kwargs, ms_per_expert_at_tokens=tuple(sorted(table.items(), key=_table_order)))
+    except (TypeError, ValueError) as error:
+        raise ProfileError(f"{where}: {error}") from None
+
+
+def _table_order(item: tuple) -> tuple:
+    """Token counts in order, anything that is no count last (refused by CpuExperts, by name)."""
+    tokens = item[0]
+    counted = isinstance(tokens, int) and not isinstance(tokens, bool)
+    return (0, tokens, "") if counted else (1, 0, str(tokens))
+
+
+def cpu_experts_to_dict(cpu: CpuExperts) -> dict:
+    """The YAML-ready form of a profile's cpu_experts section (the inverse of its reader)."""
+    out = {key: getattr(cpu, key) for key in _CPU_KEYS if key != "ms_per_expert_at_tokens"}
+    out["ms_per_expert_at_tokens"] = dict(cpu.ms_per_expert_at_tokens)
+    return out
 
 
 def list_profile_names() -> list[str]:
@@ -234,4 +355,6 @@ def profile_to_dict(profile: HardwareProfile) -> dict:
         figure = getattr(profile, key)
         if figure is not None:
             out[key] = {"value": figure.value, "source": figure.source, "note": figure.note}
+    if profile.cpu_experts is not None:
+        out["cpu_experts"] = cpu_experts_to_dict(profile.cpu_experts)
     return out

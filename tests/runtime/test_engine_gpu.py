@@ -164,6 +164,7 @@ def test_calibrate_writes_a_profile_make_reads(tmp_path, llama):
     assert profile.h2d_bytes_per_s.source == "measured" and 20e9 < profile.h2d_bytes_per_s.value < 1e12
     assert profile.bf16_flops_per_s.source == "measured" and profile.gpu_memory_bytes.source == "measured"
     assert profile.host_memory_bytes.source == "measured" and profile.host_memory_bytes.value > 0
+    assert profile.cpu_experts.source == "measured" and profile.cpu_experts.ms_per_expert_at_tokens[0][0] == 1
     made = _cli("make", "-m", str(llama), "-g", str(tmp_path / "gpu.yaml"), "--budget", "1GiB")
     assert made.returncode == 0, made.stderr
 
