@@ -1,9 +1,9 @@
 """Search group size, offloaded layers per group and prefetch depth for the fastest plan within a budget.
 
 Candidates are vLLM/SGLang-expressible offload sets (layer i offloaded when i % G >= G - K), restricted to
-layers that hold selected params (planner.search.offload_sets). Each set is bounded from below by max(all-resident step, copies it must
-make / link bandwidth); sets are simulated in order of that bound, and the search stops once no remaining
-set can beat the best plan found.
+layers that hold selected params (planner.search.offload_sets). Each set is bounded from below by
+max(all-resident step, copies it must make / link bandwidth); sets are simulated in order of that bound, and the
+search stops once no remaining set can beat the best plan found.
 
 A serving plan searches once per candidate concurrency, so Searcher holds what the searches share (the
 O(num_layers^2) candidate sets, their bytes and copy times) and search() is a Searcher used once. The walk
