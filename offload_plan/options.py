@@ -1,14 +1,11 @@
-"""Options and arguments shared by several commands, as ``Annotated`` aliases."""
+"""Options and arguments shared by several commands, as ``Annotated`` aliases (make's --model and --gpu come from
+the fields of planner.plan.schema.Inputs, with its other flags)."""
 
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-ModelOption = Annotated[str, typer.Option("--model", "-m",
-                                          help="Checkpoint folder, .safetensors file, or hub repo id.")]
-GpuOption = Annotated[str, typer.Option("--gpu", "-g",
-                                        help="Built-in profile name (see `profiles`) or a profile .yaml.")]
 PlanArgument = Annotated[Path, typer.Argument(help="A plan file written by `make`.")]
 PlanFiles = Annotated[list[Path], typer.Argument(help="Plan files, e.g. plans/*.yaml.")]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON to stdout.")]

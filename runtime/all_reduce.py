@@ -1,7 +1,7 @@
 """``make --tp N --measure``: what one all-reduce costs between N local GPUs, timed through NCCL.
 
 A bf16 all-reduce is timed at a small message (its latency) and a large one (its bandwidth); the planner draws
-the line through both (planner.model.tensor_parallel.link_from_timings) and prices each layer's all-reduces of the
+the line through both (planner.model.all_reduce.link_from_timings) and prices each layer's all-reduces of the
 step's hidden states on it. Under torchrun (a process group of N ranks already up, as scripts/bench_tp.py runs)
 every rank times it together in that group; otherwise N worker processes are spawned on GPUs 0..N-1 (one
 process cannot be N NCCL ranks), and the figure is cached beside the layer times. Where fewer than N GPUs are
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from planner.model.tensor_parallel import AllReduceLink, assumed_link, link_from_timings
+from planner.model.all_reduce import AllReduceLink, assumed_link, link_from_timings
 
 #: message sizes timed: 4 KiB (all latency) and 64 MiB (all bandwidth: about 0.2 ms on NVLink)
 MESSAGE_BYTES = (4 * 2**10, 64 * 2**20)

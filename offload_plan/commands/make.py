@@ -21,7 +21,7 @@ from planner.errors import InfeasibleError, UsageError
 from planner.source.outputs import check_output
 from planner.plan.schema import Inputs
 from planner.plan.file import render_plan, write_atomic
-from planner.model.tensor_parallel import parse_tp_sizes
+from planner.make.tp_sizes import parse_tp_sizes
 
 
 #: set by offload_plan.app.main: this process runs one command and ends (the script, python -m offload_plan), so
@@ -53,7 +53,7 @@ def make(**values):
 
 def _outputs(output: Path | None, sizes: list[int]) -> list[Path]:
     """The files make writes: -o PATH, or with several --tp sizes PATH.tpN.yaml for each."""
-    from planner.model.tensor_parallel import plan_path_for
+    from planner.make.tp_sizes import plan_path_for
 
     if output is None:
         return []
@@ -103,7 +103,8 @@ def _make_tp_comparison(inputs: Inputs, sizes: list[int], output: Path | None) -
 
     from planner.make.make_plan import make_plan
     from planner.make.inputs import regenerate_command
-    from planner.model.tensor_parallel import compare_tp, plan_path_for
+    from planner.make.tp_sizes import plan_path_for
+    from planner.views.tp_comparison import compare_tp
 
     if output is None:
         raise UsageError(f"--tp {','.join(map(str, sizes))} writes one plan per GPU count: give -o PATH (each is "

@@ -30,7 +30,8 @@ from planner.source.profile import load_profile, with_measured_context
 from planner.source.routing_trace import check_against, read_trace
 from planner.search.groups import Choice, LayerBytes, gpu_bytes_of, minimum_gpu_bytes
 from planner.search.serving import search_serving
-from planner.model.tensor_parallel import check_tp_inputs, shard_checkpoint
+from planner.make.tp_sizes import check_tp_inputs
+from planner.model.tensor_parallel import shard_checkpoint
 from planner.units import format_bytes
 
 

@@ -19,7 +19,7 @@ from planner.plan.schema import MS_DECIMALS, Inputs
 from planner.source.profile import HardwareProfile
 from planner.search.groups import Choice, LayerBytes, Searcher, SearchSpace
 from planner.search.simulate import join_every_steps_for
-from planner.model.tensor_parallel import AllReduceLink, assumed_link, with_all_reduces
+from planner.model.all_reduce import AllReduceLink, assumed_link, with_all_reduces
 
 #: times layers on the local GPU for --measure: (checkpoint, layout, workload, profile, measured_on, graphed) ->
 #: ComputeTimes. The planner imports no runtime; the command line passes offload_plan.runtime_seam's.

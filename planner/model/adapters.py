@@ -31,7 +31,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from planner.source.checkpoint import _REPO_ID_RE, Checkpoint, _commit_of, _hub_small_file, _hub_unreachable
+from planner.source import hub
+from planner.source.checkpoint import Checkpoint
 from planner.errors import ModelInputError, UsageError, shown
 from planner.model.layout import ModelLayout
 from planner.source.safetensors_header import TensorEntry, entries_from_header, read_entries
@@ -133,7 +134,7 @@ def load_adapter(name: str, source: str, checkpoint: Checkpoint, layout: ModelLa
                 raise ModelInputError(f"adapter {name}: {source} has no {needed.name}; give a PEFT adapter folder "
                                       "(save_pretrained writes both files)")
         entries = read_entries(weights_path, WEIGHTS_NAME)
-    elif _REPO_ID_RE.fullmatch(source) and not source.startswith((".", "/")):
+    elif hub.looks_like_repo_id(source):
         from huggingface_hub.errors import HFValidationError
 
         try:
@@ -152,14 +153,14 @@ def load_adapter(name: str, source: str, checkpoint: Checkpoint, layout: ModelLa
 
 def _hub_adapter(repo_id: str) -> tuple[Path, list[TensorEntry], str | None]:
     """Config through the hub cache (or a download), the header from the cache or a range request."""
-    offline = _hub_unreachable()
-    config_path = _hub_small_file(repo_id, CONFIG_NAME, None, required=False, offline=offline)
+    offline = hub.hub_unreachable()
+    config_path = hub.hub_file(repo_id, CONFIG_NAME, None, required=False, offline=offline)
     if config_path is None:
         where = f"is not in the local Hugging Face cache and the hub is not used ({offline})" if offline \
             else "is not in that hub repository"
         raise ModelInputError(f"adapter {repo_id}: {CONFIG_NAME} {where}; give a local PEFT adapter folder, or go "
                               "online once to cache it")
-    commit = _commit_of(config_path)
+    commit = hub.commit_of(config_path)
     from huggingface_hub import try_to_load_from_cache
 
     cached = try_to_load_from_cache(repo_id, WEIGHTS_NAME, revision=commit)

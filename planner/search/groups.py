@@ -1,9 +1,9 @@
 """Search group size, offloaded layers per group and prefetch depth for the fastest plan within a budget.
 
 Candidates are vLLM/SGLang-expressible offload sets (layer i offloaded when i % G >= G - K), restricted to
-layers that hold selected params. Each set is bounded from below by max(all-resident step, copies it must
-make / link bandwidth); sets are simulated in order of that bound, and the search stops once no remaining
-set can beat the best plan found.
+layers that hold selected params (planner.search.offload_sets). Each set is bounded from below by
+max(all-resident step, copies it must make / link bandwidth); sets are simulated in order of that bound, and the
+search stops once no remaining set can beat the best plan found.
 
 A serving plan searches once per candidate concurrency, so Searcher holds what the searches share (the
 O(num_layers^2) candidate sets, their bytes and copy times) and search() is a Searcher used once. The walk
@@ -14,15 +14,14 @@ depths or whole sets that the walk would skip one by one are skipped at once.
 """
 
 import bisect
-import itertools
 import math
 import operator
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from planner.model.cost import ComputeTimes
 from planner.errors import InfeasibleError
 from planner.model.placement import allocation_slack_bytes
+from planner.search.offload_sets import OffloadSet, candidate_sets
 from planner.search.schedule import PrefetchSchedule
 from planner.search import simulate as simulate_module
 from planner.search.simulate import Simulation, fastest_boundary_step_ms, simulate_fastest_boundary
@@ -150,7 +149,8 @@ class Searcher:
         self.space = space
         self.join_every_steps = join_every_steps
         self.copy_ms = tuple(copy_ms_of(b, h2d_bytes_per_s, copy_overhead_us) for b in layers.selected)
-        self.sets = _candidate_sets(layers, space, self.copy_ms, fixed_bytes)
+        self.sets = candidate_sets(layers.total, layers.selected, self.copy_ms, fixed_bytes,
+                                   group_size=space.group_size, num_in_group=space.num_in_group)
         sizes = set(layers.selected) - {0}
         #: the selected bytes of every layer that has some, when they are all equal (most models, 0 otherwise):
         #: then the bytes a step copies are a product
@@ -199,7 +199,7 @@ class Searcher:
         weights, so the plans within the budget are exactly those with at most this many weight bytes."""
         return bisect.bisect_right(range(max(budget_bytes, 0) + 1), budget_bytes, key=self.gpu_bytes) - 1
 
-    def _first_depth(self, offloaded_set: "_OffloadSet") -> int | None:
+    def _first_depth(self, offloaded_set: "OffloadSet") -> int | None:
         """The shallowest depth tried for a set: 1, or the pinned one; None when the set is too small for it."""
         depth = 1 if self.space.prefetch_step is None else self.space.prefetch_step
         return depth if depth <= offloaded_set.num_offloaded - 1 else None
@@ -223,67 +223,6 @@ def _describe(space: SearchSpace) -> str:
     return ", ".join(f"{k}={v}" for k, v in pinned.items()) or "none"
 
 
-class _OffloadSet(NamedTuple):
-    """One candidate offload set, with what depends on neither the budget nor the compute times (a tuple:
-    there are O(num_layers^2) of them, built once per Searcher)."""
-
-    offloaded: tuple[int, ...]
-    group_size: int
-    num_in_group: int
-    #: selected bytes of the offloaded layers (pinned on the host)
-    host_bytes: int
-    #: the largest of them: one prefetch slot
-    slot_bytes: int
-    #: GPU weight bytes before the slots: everything but the offloaded selected bytes
-    base_weight_bytes: int
-    #: per position, the copy time of its layer (sums over its slices are the search's link bounds)
-    copy_ms: tuple[float, ...]
-    #: their sum, in order: what a step copies while 2 x depth <= num_offloaded
-    all_copy_ms: float
-
-    @property
-    def num_offloaded(self) -> int:
-        return len(self.offloaded)
-
-
-def _candidate_sets(layers: LayerBytes, space: SearchSpace, copy_ms: tuple[float, ...],
-                    fixed_bytes: int) -> tuple[_OffloadSet, ...]:
-    """Distinct offload sets, each with the (group_size, num_in_group) that expresses it (largest group first),
-    sorted by (host bytes, -group_size, num_in_group): how the search breaks ties of its bound (the layers
-    themselves never decide: no two sets share a (group_size, num_in_group))."""
-    num_layers, selected = len(layers.total), layers.selected
-    eligible = [i for i in range(num_layers) if selected[i] > 0]
-    # eligible_below[i]: eligible layers below layer i, so the eligible layers in [a, b) are one slice
-    eligible_below = [0] * (num_layers + 1)
-    for i in range(num_layers):
-        eligible_below[i + 1] = eligible_below[i] + (selected[i] > 0)
-    weight_bytes = fixed_bytes + sum(layers.total)
-    found: dict[tuple[int, ...], _OffloadSet] = {}
-    for group_size in range(num_layers, 0, -1):
-        if space.group_size not in (None, group_size):
-            continue
-        for num_in_group in range(1, group_size + 1):
-            if space.num_in_group not in (None, num_in_group):
-                continue
-            # offloaded_by_rule's layers a block at a time: [j G + G - K, j G + G) for each group j, each block
-            # cut down to its eligible layers by one slice (C-level maps: O(num_layers^2) sets are built)
-            starts = range(group_size - num_in_group, num_layers, group_size)
-            ends = map(min, map(operator.add, starts, itertools.repeat(num_in_group)), itertools.repeat(num_layers))
-            blocks = map(slice, map(eligible_below.__getitem__, starts), map(eligible_below.__getitem__, ends))
-            chosen = tuple(itertools.chain.from_iterable(map(eligible.__getitem__, blocks)))
-            if len(chosen) < 2 or chosen in found:
-                continue
-            chosen_bytes = operator.itemgetter(*chosen)(selected)
-            chosen_copy_ms = operator.itemgetter(*chosen)(copy_ms)
-            host_bytes = sum(chosen_bytes)
-            found[chosen] = _OffloadSet(
-                offloaded=chosen, group_size=group_size, num_in_group=num_in_group, host_bytes=host_bytes,
-                slot_bytes=max(chosen_bytes), base_weight_bytes=weight_bytes - host_bytes, copy_ms=chosen_copy_ms,
-                all_copy_ms=sum(chosen_copy_ms),
-            )
-    return tuple(sorted(found.values(), key=lambda s: (s.host_bytes, -s.group_size, s.num_in_group)))
-
-
 class _Run:
     """One search. Each candidate set is bounded from below by max(all-resident step, what it must copy per
     step); sets are tried in order of that bound and the walk stops once no remaining set can beat the best.
@@ -298,7 +237,7 @@ class _Run:
         self.weight_limit = searcher.weight_limit(budget_bytes)
         self.best_key: tuple | None = None
 
-    def best(self) -> tuple[_OffloadSet, int] | None:
+    def best(self) -> tuple[OffloadSet, int] | None:
         """(set, depth) of the fastest plan, or None when no candidate fits."""
         best, last_bound, last_rounded = None, None, None
         for bound, offloaded_set, first, deepest in self._ranked():
@@ -314,7 +253,7 @@ class _Run:
                 best = (offloaded_set, depth)
         return best
 
-    def _loses_on_bytes(self, offloaded_set: _OffloadSet, first: int, deepest: int) -> bool:
+    def _loses_on_bytes(self, offloaded_set: OffloadSet, first: int, deepest: int) -> bool:
         """Whether the walk would skip every depth of the set, found without visiting them: when the best runs
         at the all-resident step, no key floor has a smaller step, so a depth wins only on the fields after it.
 
@@ -332,7 +271,7 @@ class _Run:
                  offloaded_set.num_in_group)
         return least >= self.best_key[1:]
 
-    def _ranked(self) -> list[tuple[float, _OffloadSet, int, int]]:
+    def _ranked(self) -> list[tuple[float, OffloadSet, int, int]]:
         """(bound, set, first depth, deepest depth) of each set that fits, by bound: min(link bound at the first
         and at the deepest depth that fit). The sort is stable, so ties keep the sets' own order."""
         ranked = []
@@ -361,7 +300,7 @@ class _Run:
         ranked.sort(key=operator.itemgetter(0))
         return ranked
 
-    def _walk(self, offloaded_set: _OffloadSet, first: int, deepest: int) -> int | None:
+    def _walk(self, offloaded_set: OffloadSet, first: int, deepest: int) -> int | None:
         """Try the set's depths from ``first`` to ``deepest``; the depth that became the best plan, if any."""
         won, runs, depth = None, None, first
         divides = self.searcher.space.prefetch_divides
@@ -388,7 +327,7 @@ class _Run:
             depth += 1
         return won
 
-    def _one_slot_loses(self, offloaded_set: _OffloadSet) -> bool:
+    def _one_slot_loses(self, offloaded_set: OffloadSet) -> bool:
         """Whether simulating the set through one slot would show a step that loses to the best and stays above
         the link bound (so the walk would go on to depth 2), from a bound instead of the simulation.
 
@@ -408,7 +347,7 @@ class _Run:
                            offloaded_set.group_size, offloaded_set.num_in_group)
         return floor >= self.best_key
 
-    def _next_depth(self, offloaded_set: _OffloadSet, depth: int, deepest: int) -> int:
+    def _next_depth(self, offloaded_set: OffloadSet, depth: int, deepest: int) -> int:
         """After a skipped depth, the next depth whose key floor may be below the (unchanged) best key.
 
         While 2 x depth <= num_offloaded every position is copied: the floor's step and copy bytes stay and its
@@ -432,12 +371,12 @@ class _Run:
                 high = middle
         return low
 
-    def _runs(self, offloaded_set: _OffloadSet) -> dict:
+    def _runs(self, offloaded_set: OffloadSet) -> dict:
         """fastest_boundary_step_ms's arguments for this set and these compute times."""
         return dict(layer_ms=self.compute.layer_ms, head_ms=self.compute.head_ms,
                     offloaded=offloaded_set.offloaded, copy_ms=offloaded_set.copy_ms)
 
-    def _copied_ms(self, offloaded_set: _OffloadSet, depth: int) -> float:
+    def _copied_ms(self, offloaded_set: OffloadSet, depth: int) -> float:
         """Copy time per step: the sum over copied_positions(), in their order, so the same float."""
         copy_ms = offloaded_set.copy_ms
         count = len(copy_ms)
@@ -445,10 +384,10 @@ class _Run:
             return offloaded_set.all_copy_ms
         return sum(copy_ms[:count - depth] + copy_ms[depth:])
 
-    def _link_bound(self, offloaded_set: _OffloadSet, depth: int) -> float:
+    def _link_bound(self, offloaded_set: OffloadSet, depth: int) -> float:
         return max(self.resident_ms, self._copied_ms(offloaded_set, depth))
 
-    def _copy_bytes(self, offloaded_set: _OffloadSet, depth: int) -> int:
+    def _copy_bytes(self, offloaded_set: OffloadSet, depth: int) -> int:
         """Bytes copied per step: all offloaded bytes but those of the positions alone in their slot."""
         offloaded = offloaded_set.offloaded
         count = len(offloaded)
@@ -461,10 +400,10 @@ class _Run:
             return sum(map(selected, offloaded[:count - depth])) + sum(map(selected, offloaded[depth:]))
         return offloaded_set.host_bytes - sum(map(selected, offloaded[count - depth:depth]))
 
-    def _gpu_bytes(self, offloaded_set: _OffloadSet, depth: int) -> int:
+    def _gpu_bytes(self, offloaded_set: OffloadSet, depth: int) -> int:
         return self.searcher.gpu_bytes(offloaded_set.base_weight_bytes + depth * offloaded_set.slot_bytes)
 
-    def _key_floor(self, offloaded_set: _OffloadSet, depth: int) -> tuple:
+    def _key_floor(self, offloaded_set: OffloadSet, depth: int) -> tuple:
         """A lower bound on the plan's key without simulating: every field but the step time is exact.
 
         When many sets reach the resident bound (nearly everything fits) the step times tie and the later key

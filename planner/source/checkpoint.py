@@ -1,9 +1,8 @@
 """Find a checkpoint's tensors (names, dtypes, shapes, bytes) from its index and shard headers only.
 
 Three sources: a local folder (sharded with an index, or one ``model.safetensors``), a single local
-``.safetensors`` file, or a Hugging Face repo id read through ``huggingface_hub``. For the hub, the index and
-config are small files fetched (or served from the local cache); shard headers come from the cache when the
-shard is there, else from HTTP range requests. Tensor data is never read.
+``.safetensors`` file, or a Hugging Face repo id, whose files planner.source.hub fetches (or serves from the local
+cache). Either way the index and shard headers are checked and merged here. Tensor data is never read.
 """
 
 import contextlib
@@ -11,23 +10,18 @@ import gc
 import hashlib
 import os
 import re
-import socket
-from urllib.parse import urlparse
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from planner.errors import ModelInputError, shown
 from planner.model.model_config import CONFIG_COUNTS, TEXT_SECTIONS
-from planner.source.safetensors_header import (TensorEntry, entries_from_bytes, entries_from_header, read_entries,
-                                               read_header_bytes)
+from planner.source import hub
+from planner.source.safetensors_header import TensorEntry, entries_from_bytes, read_entries, read_header_bytes
 from planner.source.untrusted import checked_path, load_json, read_capped
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-_REPO_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-#: seconds to wait for the hub's host before treating it as unreachable (instead of the client's minute of retries)
-HUB_CONNECT_TIMEOUT_S = 3.0
 #: a shard beside the index: a plain file name (no folder, no leading dot), printable, ending .safetensors
 _SHARD_NAME_RE = re.compile(r"^[^./\\][^/\\]*\.safetensors$")
 MAX_INDEX_BYTES = 64 * 2**20
@@ -74,25 +68,12 @@ def load_checkpoint(model: str, revision: str | None = None) -> Checkpoint:
         if revision is not None:
             raise ModelInputError(f"--revision applies to hub repo ids, but {model!r} is a local path; drop it")
         return _load_local(path, _display_path(path))
-    if _REPO_ID_RE.fullmatch(model) and not model.startswith((".", "/")):
-        _check_repo_id(model)
+    if hub.looks_like_repo_id(model):
+        hub.check_repo_id(model)
         return _load_hub(model, revision)
     raise ModelInputError(
         f"{model!r} is neither an existing path nor a Hugging Face repo id (org/name); check the spelling"
     )
-
-
-def _check_repo_id(repo_id: str) -> None:
-    """The hub's own rules for a repo id (no '..', '--', leading or trailing '.' or '-'), in one line."""
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
-
-    try:
-        validate_repo_id(repo_id)
-    except HFValidationError as error:
-        reason = str(error).splitlines()[0] if str(error).strip() else "not a repo id"
-        raise ModelInputError(f"{shown(repo_id)} is not a valid Hugging Face repo id ({shown(reason)}); check it, "
-                              "or give a local folder as ./PATH") from None
 
 
 def _display_path(path: Path) -> str:
@@ -113,7 +94,7 @@ def resolve_local_source(source: str, plan_path: Path) -> str:
     for folder in Path(plan_path).resolve().parents:
         if (folder / source).exists():
             return str(folder / source)
-    if _REPO_ID_RE.fullmatch(source) and not source.startswith("."):
+    if hub.looks_like_repo_id(source):
         return source
     raise ModelInputError(
         f"the plan's checkpoint {source!r} is not under the working directory nor under {plan_path}'s folder or "
@@ -356,7 +337,7 @@ def _section_rules(section: dict) -> str | None:
     return None
 
 
-# ---- Hugging Face hub ---------------------------------------------------------------------------------------
+# ---- a checkpoint on the Hugging Face hub, read through planner.source.hub ----------------------------------
 
 
 def _load_hub(repo_id: str, revision: str | None) -> Checkpoint:
@@ -364,21 +345,21 @@ def _load_hub(repo_id: str, revision: str | None) -> Checkpoint:
 
     With HF_HUB_OFFLINE, or when the hub's host does not answer within seconds, only the local cache is read.
     """
-    offline = _hub_unreachable()
-    index_path = _hub_small_file(repo_id, INDEX_NAME, revision, required=False, offline=offline)
+    offline = hub.hub_unreachable()
+    index_path = hub.hub_file(repo_id, INDEX_NAME, revision, required=False, offline=offline)
     if index_path is None:
         weight_map = None
         files = [SINGLE_NAME]
-        anchor = _hub_small_file(repo_id, "config.json", revision, required=False, offline=offline)
+        anchor = hub.hub_file(repo_id, "config.json", revision, required=False, offline=offline)
         if anchor is None and offline:
-            raise _offline_error(repo_id, "config.json", offline)
+            raise hub.offline_error(repo_id, "config.json", offline)
     else:
         weight_map = _read_weight_map(index_path)
         files = sorted(set(weight_map.values()))
         anchor = index_path
-    commit = _commit_of(anchor) if anchor is not None else revision
-    config_path = _hub_small_file(repo_id, "config.json", commit, required=False, offline=offline)
-    per_file = _hub_headers(repo_id, commit, files, offline)
+    commit = hub.commit_of(anchor) if anchor is not None else revision
+    config_path = hub.hub_file(repo_id, "config.json", commit, required=False, offline=offline)
+    per_file = hub.shard_headers(repo_id, commit, files, offline)
     origin = f"{repo_id}@{commit}"
     if weight_map is None:
         tensors = tuple(sorted(per_file[SINGLE_NAME], key=lambda t: t.name))
@@ -390,103 +371,3 @@ def _load_hub(repo_id: str, revision: str | None) -> Checkpoint:
     )
 
 
-def _hub_unreachable() -> str | None:
-    """Why the hub cannot be used now (HF_HUB_OFFLINE, or its host not answering within seconds), else None."""
-    from huggingface_hub import constants
-
-    if constants.HF_HUB_OFFLINE:
-        return "HF_HUB_OFFLINE is set"
-    endpoint = urlparse(constants.ENDPOINT)
-    host, port = endpoint.hostname or "", endpoint.port or (443 if endpoint.scheme == "https" else 80)
-    try:
-        socket.create_connection((host, port), timeout=HUB_CONNECT_TIMEOUT_S).close()
-    except OSError as error:
-        return f"{host} cannot be reached ({error.strerror or type(error).__name__})"
-    return None
-
-
-def _hub_small_file(repo_id: str, filename: str, revision: str | None, *, required: bool,
-                    offline: str | None = None) -> Path | None:
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub import errors as hub_errors
-
-    try:
-        return Path(hf_hub_download(repo_id, filename, revision=revision, local_files_only=offline is not None))
-    except hub_errors.RepositoryNotFoundError:
-        raise ModelInputError(
-            f"{repo_id}: no such repository on the hub, or it is private/gated: check the id, or log in "
-            "with `hf auth login`"
-        ) from None
-    except hub_errors.RevisionNotFoundError:
-        raise ModelInputError(f"{repo_id}: revision {revision!r} does not exist; check --revision") from None
-    except hub_errors.LocalEntryNotFoundError:
-        if required:
-            raise _offline_error(repo_id, filename, offline) from None
-        return None
-    except hub_errors.EntryNotFoundError:
-        if required:
-            raise ModelInputError(f"{repo_id}: has no {filename}") from None
-        return None
-    except (OSError, hub_errors.HfHubHTTPError) as error:
-        raise ModelInputError(f"{repo_id}: cannot reach the hub ({type(error).__name__}); retry, or set "
-                              "HF_HUB_OFFLINE=1 to use the local cache") from None
-
-
-def _offline_error(repo_id: str, filename: str, why: str | None = None) -> ModelInputError:
-    return ModelInputError(
-        f"{repo_id}: {filename} is not in the local Hugging Face cache and the hub is not used "
-        f"({why or 'HF_HUB_OFFLINE or no network'}); go online once, or pass a local folder as --model"
-    )
-
-
-def _commit_of(cached_path: Path) -> str | None:
-    """hf_hub_download returns .../snapshots/<commit>/<file>: the commit the files were read at."""
-    parts = cached_path.parts
-    if "snapshots" in parts:
-        return parts[parts.index("snapshots") + 1]
-    return None
-
-
-def _hub_headers(repo_id: str, commit: str | None, files: list[str],
-                 offline: str | None) -> dict[str, list[TensorEntry]]:
-    from huggingface_hub import try_to_load_from_cache
-
-    per_file: dict[str, list[TensorEntry]] = {}
-    missing = []
-    for name in files:
-        cached = try_to_load_from_cache(repo_id, name, revision=commit)
-        if isinstance(cached, str):
-            per_file[name] = read_entries(Path(cached), name)
-        else:
-            missing.append(name)
-    if missing and offline:
-        raise _offline_error(repo_id, missing[0], offline)
-    if missing:
-        per_file.update(_remote_headers(repo_id, commit, missing))
-    return per_file
-
-
-def _remote_headers(repo_id: str, commit: str | None, files: list[str]) -> dict[str, list[TensorEntry]]:
-    """Shard headers over HTTP range requests (a few KB each): the weights are never downloaded."""
-    from huggingface_hub import constants, get_safetensors_metadata
-
-    if constants.HF_HUB_OFFLINE:
-        raise _offline_error(repo_id, files[0])
-    try:
-        metadata = get_safetensors_metadata(repo_id, revision=commit)
-    except Exception as error:  # the hub client raises many types; all mean the same to the user
-        raise ModelInputError(
-            f"{repo_id}: cannot read shard headers from the hub ({type(error).__name__}: {error}); retry, or "
-            "download the shards' headers into the cache"
-        ) from None
-    per_file = {}
-    for name in files:
-        file_meta = metadata.files_metadata.get(name)
-        if file_meta is None:
-            raise ModelInputError(f"{repo_id}: the hub has no header for shard {name}")
-        header = {
-            tensor_name: {"dtype": info.dtype, "shape": list(info.shape), "data_offsets": list(info.data_offsets)}
-            for tensor_name, info in file_meta.tensors.items()
-        }
-        per_file[name] = entries_from_header(header, name, f"{repo_id}/{name}")
-    return per_file

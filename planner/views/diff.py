@@ -7,7 +7,7 @@ and whether the model, hardware or workload changed. ``compare_plans`` gives pla
 
 from dataclasses import asdict
 
-from planner.model.tensor_parallel import compare_tp
+from planner.views.tp_comparison import compare_tp
 from planner.plan.schema import Plan
 from planner.units import format_bytes, format_ms, format_rate
 

@@ -9,7 +9,7 @@ from planner.plan.schema import ExpertsPlan, Plan, routed_expert_bytes
 from planner.search.schedule import PrefetchSchedule
 from planner.search.simulate import STEPS_PER_GRAPH, Simulation, join_every_steps_for, simulate
 from planner.search.serving import OFFLOAD_MARGIN_SHARE
-from planner.model.tensor_parallel import tp_row
+from planner.views.tp_comparison import tp_row
 from planner.units import format_bytes, format_ms, format_rate
 
 TIMELINE_COLUMNS = 96

@@ -214,7 +214,8 @@ def test_sglang_deepseek_keeps_a_rule_layer_that_moves_nothing_in_its_prefetch_o
     takes a position, so the copies run P positions ahead of a different order than vLLM's, which skips it."""
     import dataclasses
 
-    from planner.views.export import export_plan, predict
+    from planner.views.export import export_plan
+    from planner.views.export_prediction import predict
     from planner.plan.file import read_plan
     from planner.search.schedule import offloaded_by_rule
     from tests.conftest import GOLDEN_DIR

@@ -1,30 +1,21 @@
 """Tensor-parallel sharding as vLLM applies it (planner.model.tensor_parallel), pinned for four public checkpoints.
 
-The expected figures are computed here from the models' published shapes and vLLM's rules, independently of the
-code under test:
-
-- vllm/model_executor/layers/linear.py: ColumnParallelLinear / MergedColumnParallelLinear split the output dim
-  (bias too), QKVParallelLinear splits query heads and key/value heads, one whole KV head per rank replicated
-  where num_kv_heads < tp, RowParallelLinear splits the input dim and keeps its bias whole;
-- vllm/model_executor/layers/vocab_parallel_embedding.py: the vocabulary padded to a multiple of 64, divided;
-- vllm/model_executor/layers/fused_moe/layer.py: FusedMoE splits each expert's intermediate dim;
-- vllm/model_executor/layers/quantization/fp8.py and utils/fp8_utils.py: one F32 scale per 128 x 128 block of
-  the rank's FP8 partition, partitions whole blocks;
-- vllm/model_executor/layers/quantization/mxfp4.py: MXFP4 experts' partition padded to a multiple of 64.
+The expected figures are computed from the models' published shapes and vLLM's rules, independently of the code
+under test, in tests/vllm_shards.py.
 """
 
 import json
-import math
 import time
 from pathlib import Path
 
 import pytest
 
-from planner.errors import ModelInputError, ProfileError, UsageError
+from planner.errors import ModelInputError, UsageError
 from planner.model.kv_cache import kv_cache_model
 from planner.source.safetensors_header import TensorEntry, tensor_nbytes
 from planner.model import tensor_parallel
 from scripts import real_checkpoints
+from tests.vllm_shards import RANK_BYTES
 
 MODELS = Path(__file__).resolve().parents[2] / "plans" / "models"
 TP_SIZES = (2, 4, 8)
@@ -47,73 +38,6 @@ def _rank_bytes(name: str, tp: int) -> int:
     return sum(e.nbytes for e in entries if not e.name.startswith(skipped))
 
 
-def _vocab(config: dict, tp: int) -> int:
-    return math.ceil(config["vocab_size"] / 64) * 64 // tp
-
-
-def _embeddings(config: dict, tp: int) -> int:
-    """embed_tokens and lm_head (bf16, vocabulary-parallel) and the final norm."""
-    return 2 * (2 * _vocab(config, tp) * config["hidden_size"] + config["hidden_size"])
-
-
-def _llama_expected(config: dict, tp: int) -> int:
-    h, heads, kv, dim, inter = (config[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads",
-                                                    "head_dim" if "head_dim" in config else "hidden_size",
-                                                    "intermediate_size"))
-    dim = config.get("head_dim") or h // heads
-    kv_rank = max(1, kv // tp)
-    attention = (heads // tp) * dim * h + 2 * kv_rank * dim * h + h * (heads // tp) * dim
-    mlp = 3 * (inter // tp) * h
-    per_layer = 2 * (attention + mlp + 2 * h)
-    return config["num_hidden_layers"] * per_layer + _embeddings(config, tp)
-
-
-def _qwen3_moe_expected(config: dict, tp: int) -> int:
-    h, heads, kv, dim = (config[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim"))
-    experts, inter = config["num_experts"], config["moe_intermediate_size"]
-    kv_rank = max(1, kv // tp)
-    attention = (heads // tp) * dim * h + 2 * kv_rank * dim * h + h * (heads // tp) * dim + 2 * dim
-    moe = experts * h + experts * 3 * (inter // tp) * h
-    per_layer = 2 * (attention + moe + 2 * h)
-    return config["num_hidden_layers"] * per_layer + _embeddings(config, tp)
-
-
-def _fp8(out_features: int, in_features: int) -> int:
-    """An FP8 weight (1 byte an element) and its F32 scale per 128 x 128 block."""
-    return out_features * in_features + 4 * math.ceil(out_features / 128) * math.ceil(in_features / 128)
-
-
-def _deepseek_expected(config: dict, tp: int) -> int:
-    h, heads = config["hidden_size"], config["num_attention_heads"]
-    nope, rope, v = config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"]
-    q_rank, kv_rank = config["q_lora_rank"], config["kv_lora_rank"]
-    local = heads // tp
-    attention = (_fp8(q_rank, h) + 2 * q_rank + _fp8(local * (nope + rope), q_rank) + _fp8(kv_rank + rope, h)
-                 + 2 * kv_rank + _fp8(local * (nope + v), kv_rank) + _fp8(h, local * v) + 2 * 2 * h)
-    dense = 2 * _fp8(config["intermediate_size"] // tp, h) + _fp8(h, config["intermediate_size"] // tp)
-    width = config["moe_intermediate_size"] // tp
-    expert = 2 * _fp8(width, h) + _fp8(h, width)
-    experts = config["n_routed_experts"]
-    moe = 2 * experts * h + 4 * experts + experts * expert + expert * config["n_shared_experts"]
-    num_dense = config["first_k_dense_replace"]
-    return (config["num_hidden_layers"] * attention + num_dense * dense
-            + (config["num_hidden_layers"] - num_dense) * moe + _embeddings(config, tp))
-
-
-def _gpt_oss_expected(config: dict, tp: int) -> int:
-    h, heads, kv, dim = (config[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim"))
-    experts = config["num_local_experts"]
-    padded = math.ceil(config["intermediate_size"] // tp / 64) * 64
-    q, kv_rows = (heads // tp) * dim, max(1, kv // tp) * dim
-    attention = 2 * (q * h + q + 2 * (kv_rows * h + kv_rows) + h * q + h + heads // tp + 2 * h)
-    router = 2 * (experts * h + experts)
-    gate_up = experts * 2 * padded * (h // 2 + h // 32) + 2 * experts * 2 * padded
-    down = experts * h * (padded // 2 + padded // 32) + 2 * experts * h
-    return config["num_hidden_layers"] * (attention + router + gate_up + down) + _embeddings(config, tp)
-
-
-EXPECTED = {"llama-3.1-70b": _llama_expected, "qwen3-30b-a3b": _qwen3_moe_expected,
-            "deepseek-v3": _deepseek_expected, "gpt-oss-120b": _gpt_oss_expected}
 #: rank 0's bytes at TP 2, 4 and 8, as vLLM shards each checkpoint (the table in the issue's note)
 PINNED = {
     "llama-3.1-70b": (70555025408, 35278831616, 17640734720),
@@ -123,11 +47,11 @@ PINNED = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(EXPECTED))
+@pytest.mark.parametrize("name", sorted(RANK_BYTES))
 def test_rank_bytes_equal_vllms_sharding_computed_from_the_shapes(name):
     config = _config(name)
     for tp, pinned in zip(TP_SIZES, PINNED[name]):
-        assert _rank_bytes(name, tp) == EXPECTED[name](config, tp) == pinned, (name, tp)
+        assert _rank_bytes(name, tp) == RANK_BYTES[name](config, tp) == pinned, (name, tp)
 
 
 def test_tp_1_is_the_whole_checkpoint():
@@ -208,19 +132,6 @@ def test_rank_config_keeps_the_head_dim_of_the_whole_model():
                                           "vocab_size": 32000}, 4)
     assert config["head_dim"] == 128 and config["num_attention_heads"] == 8 and config["num_key_value_heads"] == 8
     assert config["intermediate_size"] == 3584 and config["vocab_size"] == 8000
-
-
-def test_ring_all_reduce_moves_2_n_minus_1_over_n_of_the_bytes():
-    link = 450e9
-    ms = tensor_parallel.ring_all_reduce_ms(450e6, 4, link, latency_us=0)
-    assert ms == pytest.approx(1e3 * 2 * 3 / 4 * 450e6 / link)
-    assert tensor_parallel.ring_all_reduce_ms(1e9, 1, link) == 0.0
-
-
-def test_a_profile_without_an_interconnect_refuses_tp():
-    from planner.source.profile import load_profile
-    with pytest.raises(ProfileError, match="gpu_link_bytes_per_s"):
-        tensor_parallel.link_bytes_per_s(load_profile("l40s"), 2)
 
 
 def test_sharding_deepseek_v3_is_fast():

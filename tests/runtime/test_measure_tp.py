@@ -8,10 +8,9 @@ import sys
 
 import pytest
 
-from planner.model import tensor_parallel
+from planner.model import all_reduce, tensor_parallel
 from planner.source.checkpoint import load_checkpoint
 from planner.model.cost import ComputeTimes
-from planner.errors import UsageError
 from planner.model.layout import build_layout
 from planner.make.make_plan import make_plan
 from planner.plan.schema import Inputs
@@ -79,31 +78,12 @@ def test_the_model_measure_builds_holds_the_ranks_shapes(tiny):
             sum(math.prod(shape) for name, shape in planned.items() if name.startswith(prefix))
 
 
-# ---- the link ------------------------------------------------------------------------------------------------
-
-def test_the_link_through_two_timings_recovers_latency_and_bandwidth():
-    latency_us, bus = 14.0, 380e9
-    timings = tuple((size, latency_us / 1e3 + 1e3 * size / bus) for size in (4096, 64 * 2**20))  # tp 2: 2(N-1)/N = 1
-    link = tensor_parallel.link_from_timings(2, timings, "measured: test")
-    assert link.latency_us == pytest.approx(latency_us, abs=0.01)
-    assert link.bytes_per_s == pytest.approx(bus, rel=1e-3)
-    four = tensor_parallel.link_from_timings(4, tuple((s, latency_us / 1e3 + 1e3 * 1.5 * s / bus) for s, _ in timings),
-                                             "measured: test")
-    assert four.bytes_per_s == pytest.approx(bus, rel=1e-3)  # the ring's 2 (N - 1) / N of the bytes
-
-
-def test_timings_that_do_not_grow_with_size_are_refused_in_one_line():
-    with pytest.raises(UsageError, match="noise") as refused:
-        tensor_parallel.link_from_timings(2, ((4096, 0.02), (64 * 2**20, 0.01)), "measured: test")
-    assert "\n" not in str(refused.value)
-
-
 def _fake_measure(checkpoint, layout, workload, profile, measured_on, graphed):
     return ComputeTimes(layer_ms=tuple(1.0 for _ in layout.layers), head_ms=0.5, source="measured: fake GPU")
 
 
 def _fake_link(tp, profile, measured_on):
-    return tensor_parallel.AllReduceLink(latency_us=20.0, bytes_per_s=200e9, measured="measured: fake NCCL")
+    return all_reduce.AllReduceLink(latency_us=20.0, bytes_per_s=200e9, measured="measured: fake NCCL")
 
 
 def _plan(folder, **kwargs):

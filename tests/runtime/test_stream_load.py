@@ -322,13 +322,13 @@ def test_a_hub_repo_not_in_the_cache_says_how_to_fetch_it(tmp_path, monkeypatch)
 def test_a_hub_repo_in_the_cache_loads_from_its_snapshot(checkpoints, tmp_path, monkeypatch):
     from huggingface_hub import constants
 
-    from tests.planner.test_checkpoint_hub import COMMIT, _cache_repo
+    from tests.conftest import HUB_COMMIT, cache_hub_repo
 
     cache = tmp_path / "hub"
-    snapshot = _cache_repo(cache, "org/tiny", checkpoints("llama"), blobs=True)
+    snapshot = cache_hub_repo(cache, "org/tiny", checkpoints("llama"), blobs=True)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert local_weights("org/tiny", COMMIT) == snapshot
+    assert local_weights("org/tiny", HUB_COMMIT) == snapshot
 
 
 class _SlowPinGpu(CpuStandIn):

@@ -11,7 +11,7 @@ import pytest
 
 from scripts import bench_tp
 from tests.conftest import REPO_ROOT
-from tests.planner.test_tensor_parallel import _llama_expected, _qwen3_moe_expected
+from tests.vllm_shards import llama_rank_bytes, qwen3_moe_rank_bytes
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -28,7 +28,7 @@ def _save(config_values: dict, folder) -> None:
     transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
 
 
-@pytest.mark.parametrize("name, expected", [("llama", _llama_expected), ("qwen3_moe", _qwen3_moe_expected)])
+@pytest.mark.parametrize("name, expected", [("llama", llama_rank_bytes), ("qwen3_moe", qwen3_moe_rank_bytes)])
 def test_plan_rank_of_a_transformers_checkpoint_is_vllms_sharding(tmp_path, name, expected):
     values = _tiny(name)
     _save(values, tmp_path / name)
