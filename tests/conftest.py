@@ -344,10 +344,10 @@ if any(importlib.util.find_spec(name) is None for name in ("torch", "transformer
 @pytest.fixture
 def dense(workdir, test_gpu):
     """An 8-layer checkpoint (ckpt, 3 shards) and its plan at a 500KB budget, written to plan.yaml."""
-    from tests.plan_cli import _make
+    from tests.plan_cli import cli_make
 
     make_checkpoint(workdir / "ckpt", num_layers=8, num_shards=3)
-    return _make(["--gpu", test_gpu, "--budget", "500KB"])
+    return cli_make(["--gpu", test_gpu, "--budget", "500KB"])
 
 
 @pytest.fixture

@@ -339,20 +339,20 @@ def test_hub_adapter_is_read_from_the_cache_offline(base, workdir, tmp_path_fact
     """An adapter named by hub id reads its config and header from the Hugging Face cache (HF_HUB_OFFLINE=1),
     records the commit, and plans like the same folder given locally; a cache without the weights is one line."""
     from tests.conftest import cli_env, run_cli
-    from tests.planner.test_checkpoint_hub import COMMIT, _cache_repo
+    from tests.helpers import HUB_COMMIT, cache_hub_repo
 
     cache = tmp_path_factory.mktemp("hf") / "hub"
-    _cache_repo(cache, "org/lora", workdir / "ad" / "b")
+    cache_hub_repo(cache, "org/lora", workdir / "ad" / "b")
     env = cli_env(HF_HUB_CACHE=str(cache), HF_HOME=str(cache.parent))
     args = ["make", "-m", "ckpt", "-g", "tests/data/test-gpu.yaml", "--budget", "300KB"]
     proc = run_cli([*args, "--adapter", "b=org/lora"], cwd=workdir, env=env)
     assert proc.returncode == 0, proc.stderr
     hub = yaml.safe_load(proc.stdout)["adapters"]["items"][0]
     local = yaml.safe_load(run_cli([*args, "--adapter", "b=ad/b"], cwd=workdir, env=env).stdout)["adapters"]["items"][0]
-    assert hub["revision"] == COMMIT and hub["source"] == "org/lora" and str(cache) not in proc.stdout
+    assert hub["revision"] == HUB_COMMIT and hub["source"] == "org/lora" and str(cache) not in proc.stdout
     assert {k: v for k, v in hub.items() if k not in ("source", "revision")} == \
         {k: v for k, v in local.items() if k not in ("source", "revision")}
-    (cache / "models--org--lora" / "snapshots" / COMMIT / "adapter_model.safetensors").unlink()
+    (cache / "models--org--lora" / "snapshots" / HUB_COMMIT / "adapter_model.safetensors").unlink()
     proc = run_cli([*args, "--adapter", "b=org/lora"], cwd=workdir, env=env)
     assert_one_line_error(proc.returncode, proc.stderr, contains=("adapter_model.safetensors", "local Hugging Face"))
 

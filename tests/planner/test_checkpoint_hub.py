@@ -1,32 +1,11 @@
 """Hub repo ids, served from a Hugging Face cache written by hand (HF_HUB_OFFLINE=1: never the network)."""
 
-import shutil
 
 import pytest
 import yaml
 
 from tests.conftest import TEST_GPU, assert_one_line_error, cli_env, invoke, make_checkpoint, run_cli
-
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
-
-
-def _cache_repo(cache, repo_id: str, source, commit: str = COMMIT, blobs: bool = False):
-    """Lay out models--org--name/{refs/main, snapshots/<commit>/...} like huggingface_hub does."""
-    repo = cache / f"models--{repo_id.replace('/', '--')}"
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(commit)
-    snapshot = repo / "snapshots" / commit
-    snapshot.mkdir(parents=True)
-    for file in sorted(source.iterdir()):
-        if blobs:  # the real layout: content in blobs/, snapshot entries are relative symlinks
-            (repo / "blobs").mkdir(exist_ok=True)
-            blob = repo / "blobs" / f"blob-{file.name}"
-            shutil.copy(file, blob)
-            (snapshot / file.name).symlink_to(f"../../blobs/{blob.name}")
-        else:
-            shutil.copy(file, snapshot / file.name)
-    return snapshot
-
+from tests.helpers import HUB_COMMIT, cache_hub_repo
 
 def _plan(workdir, args, env):
     proc = run_cli(["make", *args, "--gpu", TEST_GPU, "--budget", "400KB", "-o", "plan.yaml"], cwd=workdir, env=env)
@@ -38,12 +17,12 @@ def _plan(workdir, args, env):
 def test_hub_repo_from_cache(workdir, tmp_path_factory):
     local = make_checkpoint(workdir / "ckpt", num_layers=6, num_shards=3).path
     cache = tmp_path_factory.mktemp("hf") / "hub"
-    _cache_repo(cache, "org/name", local)
+    cache_hub_repo(cache, "org/name", local)
     env = cli_env(HF_HUB_CACHE=str(cache), HF_HOME=str(cache.parent))
 
     hub_plan, hub_text = _plan(workdir, ["--model", "org/name"], env)
     assert hub_plan["model"]["source"] == "org/name"
-    assert hub_plan["model"]["revision"] == COMMIT
+    assert hub_plan["model"]["revision"] == HUB_COMMIT
     assert hub_plan["inputs"]["model"] == "org/name"
     assert str(cache) not in hub_text, "plans must not hold machine paths"
 
@@ -54,19 +33,19 @@ def test_hub_repo_from_cache(workdir, tmp_path_factory):
         assert hub_plan[section] == local_plan[section], section
 
     # pinning the commit explicitly reads the same snapshot
-    pinned_plan, _ = _plan(workdir, ["--model", "org/name", "--revision", COMMIT], env)
-    assert pinned_plan["model"]["revision"] == COMMIT
-    assert pinned_plan["inputs"]["revision"] == COMMIT
+    pinned_plan, _ = _plan(workdir, ["--model", "org/name", "--revision", HUB_COMMIT], env)
+    assert pinned_plan["model"]["revision"] == HUB_COMMIT
+    assert pinned_plan["inputs"]["revision"] == HUB_COMMIT
     assert pinned_plan["model"]["fingerprint"] == local_plan["model"]["fingerprint"]
 
 
 def test_hub_cache_with_blob_symlinks(workdir, tmp_path_factory):
     local = make_checkpoint(workdir / "ckpt", num_layers=4, num_shards=2).path
     cache = tmp_path_factory.mktemp("hf") / "hub"
-    _cache_repo(cache, "org/linked", local, blobs=True)
+    cache_hub_repo(cache, "org/linked", local, blobs=True)
     env = cli_env(HF_HUB_CACHE=str(cache), HF_HOME=str(cache.parent))
     plan, _ = _plan(workdir, ["--model", "org/linked"], env)
-    assert plan["model"]["revision"] == COMMIT
+    assert plan["model"]["revision"] == HUB_COMMIT
     result = invoke(["make", "--model", "ckpt", "--gpu", TEST_GPU, "--budget", "400KB"])
     assert yaml.safe_load(result.stdout)["model"]["fingerprint"] == plan["model"]["fingerprint"]
 
@@ -88,7 +67,7 @@ def test_hub_shard_missing_from_cache_offline(workdir, tmp_path_factory):
     """Index and config cached but a shard not: offline, its header cannot be fetched: one line."""
     local = make_checkpoint(workdir / "ckpt", num_layers=4, num_shards=2).path
     cache = tmp_path_factory.mktemp("hf") / "hub"
-    snapshot = _cache_repo(cache, "org/partial", local)
+    snapshot = cache_hub_repo(cache, "org/partial", local)
     (snapshot / "model-00002-of-00002.safetensors").unlink()
     env = cli_env(HF_HUB_CACHE=str(cache), HF_HOME=str(cache.parent))
     proc = run_cli(["make", "--model", "org/partial", "--gpu", TEST_GPU], cwd=workdir, env=env)
