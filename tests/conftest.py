@@ -251,32 +251,6 @@ def invoke(args, catch_exceptions: bool = False):
     return CliRunner().invoke(app, [str(a) for a in args], catch_exceptions=catch_exceptions)
 
 
-# ---- a Hugging Face cache written by hand ----------------------------------------------------------------
-
-
-#: the commit cache_hub_repo files its snapshots under
-HUB_COMMIT = "0123456789abcdef0123456789abcdef01234567"
-
-
-def cache_hub_repo(cache, repo_id: str, source, commit: str = HUB_COMMIT, blobs: bool = False):
-    """Lay out models--org--name/{refs/main, snapshots/<commit>/...} like huggingface_hub does, with ``source``'s
-    files; returns the snapshot folder."""
-    repo = cache / f"models--{repo_id.replace('/', '--')}"
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(commit)
-    snapshot = repo / "snapshots" / commit
-    snapshot.mkdir(parents=True)
-    for file in sorted(source.iterdir()):
-        if blobs:  # the real layout: content in blobs/, snapshot entries are relative symlinks
-            (repo / "blobs").mkdir(exist_ok=True)
-            blob = repo / "blobs" / f"blob-{file.name}"
-            shutil.copy(file, blob)
-            (snapshot / file.name).symlink_to(f"../../blobs/{blob.name}")
-        else:
-            shutil.copy(file, snapshot / file.name)
-    return snapshot
-
-
 @dataclass(frozen=True)
 class Outcome:
     returncode: int
@@ -370,10 +344,10 @@ if any(importlib.util.find_spec(name) is None for name in ("torch", "transformer
 @pytest.fixture
 def dense(workdir, test_gpu):
     """An 8-layer checkpoint (ckpt, 3 shards) and its plan at a 500KB budget, written to plan.yaml."""
-    from tests.plan_cli import _make
+    from tests.plan_cli import cli_make
 
     make_checkpoint(workdir / "ckpt", num_layers=8, num_shards=3)
-    return _make(["--gpu", test_gpu, "--budget", "500KB"])
+    return cli_make(["--gpu", test_gpu, "--budget", "500KB"])
 
 
 @pytest.fixture

@@ -11,13 +11,15 @@ MOE = {"num_experts": 4, "top_k": 2, "expert_intermediate": 32}
 OK, MODEL, PROFILE, PLAN, INFEASIBLE, STALE = 0, 2, 3, 4, 5, 8
 
 
-def _make(args, output="plan.yaml", model="ckpt") -> dict:
+def cli_make(args, output="plan.yaml", model="ckpt") -> dict:
+    """Run make on ``model`` with ``args`` through the CLI, writing ``output``; the plan it wrote."""
     result = invoke(["make", "--model", model, *args, "-o", output])
     assert result.exit_code == 0, result.stderr
     return yaml.safe_load(open(output).read())
 
 
-def _edit(path, old: str, new: str) -> None:
+def replace_once(path, old: str, new: str) -> None:
+    """Replace the first ``old`` in the file at ``path`` by ``new``; ``old`` must be there."""
     text = open(path).read()
     assert old in text
     open(path, "w").write(text.replace(old, new, 1))

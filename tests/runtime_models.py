@@ -19,7 +19,7 @@ def save_tiny_llama(folder: Path, *, hidden: int = 64, num_layers: int = 7, seed
 
     config = LlamaConfig(vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden,
                          num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2)
-    return _save(AutoModelForCausalLM.from_config(config).to(dtype), folder, seed)
+    return save_random(AutoModelForCausalLM.from_config(config).to(dtype), folder, seed)
 
 
 def save_tiny_moe(folder: Path, *, hidden: int = 64, num_layers: int = 7, seed: int = 0) -> Path:
@@ -29,7 +29,7 @@ def save_tiny_moe(folder: Path, *, hidden: int = 64, num_layers: int = 7, seed: 
     config = Qwen3MoeConfig(vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden,
                             moe_intermediate_size=hidden, num_hidden_layers=num_layers, num_attention_heads=4,
                             num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2)
-    return _save(AutoModelForCausalLM.from_config(config), folder, seed)
+    return save_random(AutoModelForCausalLM.from_config(config), folder, seed)
 
 
 def save_tiny_gemma3(folder: Path, *, hidden: int = 64, num_layers: int = 6, window: int = 8, seed: int = 0,
@@ -41,7 +41,7 @@ def save_tiny_gemma3(folder: Path, *, hidden: int = 64, num_layers: int = 6, win
     config = Gemma3TextConfig(vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden,
                               num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
                               head_dim=16, sliding_window=window, layer_types=types)
-    return _save(AutoModelForCausalLM.from_config(config).to(dtype), folder, seed)
+    return save_random(AutoModelForCausalLM.from_config(config).to(dtype), folder, seed)
 
 
 def save_tiny_gpt_oss(folder: Path, *, hidden: int = 64, num_layers: int = 4, window: int = 8, seed: int = 0,
@@ -53,10 +53,11 @@ def save_tiny_gpt_oss(folder: Path, *, hidden: int = 64, num_layers: int = 4, wi
     config = GptOssConfig(vocab_size=256, hidden_size=hidden, intermediate_size=hidden, num_hidden_layers=num_layers,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=window,
                           num_local_experts=4, num_experts_per_tok=2)
-    return _save(AutoModelForCausalLM.from_config(config).to(dtype), folder, seed)
+    return save_random(AutoModelForCausalLM.from_config(config).to(dtype), folder, seed)
 
 
-def _save(model, folder: Path, seed: int) -> Path:
+def save_random(model, folder: Path, seed: int) -> Path:
+    """Save ``model`` to ``folder`` in 200 KB shards with every weight drawn at random from ``seed``; the folder."""
     torch.manual_seed(seed)
     with torch.no_grad():
         for param in model.parameters():

@@ -15,31 +15,16 @@ import yaml
 
 from tests.conftest import (
     TEST_GPU,
-    TEST_GPU_FILE,
     assert_one_line_error,
     make_checkpoint,
     run,
     run_cli,
     write_safetensors,
 )
+from tests.helpers import gpu_profile, write_profile
 
 # Exit codes of planner.errors, written out so a change is deliberate.
 MODEL, PROFILE, PLAN, INFEASIBLE, USAGE = 2, 3, 4, 5, 6
-
-
-def _profile(**changes) -> dict:
-    data = yaml.safe_load(TEST_GPU_FILE.read_text())
-    for key, value in changes.items():
-        if value is None:
-            data.pop(key)
-        else:
-            data[key] = value
-    return data
-
-
-def _write_profile(path: Path, data) -> str:
-    path.write_text(yaml.safe_dump(data) if not isinstance(data, str) else data)
-    return path.name
 
 
 def _shard(workdir) -> Path:
@@ -87,29 +72,31 @@ def _duplicate_tensor(workdir) -> None:
 #        fragments the one line must contain)
 MAKE_CASES = {
     # profiles
-    "profile-missing-field": (lambda w: _write_profile(w / "bad.yaml", _profile(h2d_bytes_per_s=None)),
+    "profile-missing-field": (lambda w: write_profile(w / "bad.yaml", gpu_profile(h2d_bytes_per_s=None)),
                               ["--gpu", "bad.yaml"], PROFILE, ["missing field(s) ['h2d_bytes_per_s']"]),
-    "profile-bad-share": (lambda w: _write_profile(w / "bad.yaml", _profile(trigger={"value": 2, "source": "assumed"})),
-                          ["--gpu", "bad.yaml"], PROFILE, ["trigger must be a share"]),
+    "profile-bad-share": (
+        lambda w: write_profile(w / "bad.yaml", gpu_profile(trigger={"value": 2, "source": "assumed"})),
+        ["--gpu", "bad.yaml"], PROFILE, ["trigger must be a share"]),
     "profile-value-not-number": (
-        lambda w: _write_profile(w / "bad.yaml", _profile(h2d_bytes_per_s={"value": "fast", "source": "measured"})),
+        lambda w: write_profile(w / "bad.yaml", gpu_profile(h2d_bytes_per_s={"value": "fast", "source": "measured"})),
         ["--gpu", "bad.yaml"], PROFILE, ["field h2d_bytes_per_s", "finite number"]),
     "profile-negative": (
-        lambda w: _write_profile(w / "bad.yaml", _profile(copy_overhead_us={"value": -1, "source": "fitted"})),
+        lambda w: write_profile(w / "bad.yaml", gpu_profile(copy_overhead_us={"value": -1, "source": "fitted"})),
         ["--gpu", "bad.yaml"], PROFILE, ["copy_overhead_us", "negative"]),
     "profile-bad-source": (
-        lambda w: _write_profile(w / "bad.yaml", _profile(trigger={"value": 0.5, "source": "guessed"})),
+        lambda w: write_profile(w / "bad.yaml", gpu_profile(trigger={"value": 0.5, "source": "guessed"})),
         ["--gpu", "bad.yaml"], PROFILE, ["source must be one of"]),
-    "profile-figure-not-mapping": (lambda w: _write_profile(w / "bad.yaml", _profile(trigger=0.5)),
+    "profile-figure-not-mapping": (lambda w: write_profile(w / "bad.yaml", gpu_profile(trigger=0.5)),
                                    ["--gpu", "bad.yaml"], PROFILE, ["field trigger must be a mapping"]),
-    "profile-unknown-field": (lambda w: _write_profile(w / "bad.yaml", _profile(colour="green")),
+    "profile-unknown-field": (lambda w: write_profile(w / "bad.yaml", gpu_profile(colour="green")),
                               ["--gpu", "bad.yaml"], PROFILE, ["unknown field(s) ['colour']"]),
     "profile-reserve-too-big": (
-        lambda w: _write_profile(w / "bad.yaml", _profile(reserve_bytes={"value": 2_000_000_000, "source": "assumed"})),
+        lambda w: write_profile(w / "bad.yaml",
+                                gpu_profile(reserve_bytes={"value": 2_000_000_000, "source": "assumed"})),
         ["--gpu", "bad.yaml"], PROFILE, ["reserve_bytes must be less"]),
-    "profile-not-mapping": (lambda w: _write_profile(w / "bad.yaml", "- h100\n- 80GB\n"),
+    "profile-not-mapping": (lambda w: write_profile(w / "bad.yaml", "- h100\n- 80GB\n"),
                             ["--gpu", "bad.yaml"], PROFILE, ["a profile is a YAML mapping"]),
-    "profile-not-yaml": (lambda w: _write_profile(w / "bad.yaml", "name: [unclosed\n"),
+    "profile-not-yaml": (lambda w: write_profile(w / "bad.yaml", "name: [unclosed\n"),
                          ["--gpu", "bad.yaml"], PROFILE, ["not valid YAML"]),
     "profile-binary": (lambda w: (w / "bad.yaml").write_bytes(b"\xff\xfe\x00garbage\xf7"),
                        ["--gpu", "bad.yaml"], PROFILE, ["bad.yaml"]),

@@ -8,44 +8,22 @@ import pytest
 import yaml
 
 from tests.conftest import check_golden, invoke, make_adapter, make_checkpoint
-
-MOE = {"num_experts": 4, "top_k": 2, "expert_intermediate": 32}
-
-# name -> (checkpoint kwargs, extra make arguments)
-CASES = {
-    # 723,072 bytes of weights, budget 0.5 x 1 GB: everything fits.
-    "dense-fits": (dict(num_layers=8, num_shards=3), []),
-    # 500 KB is less than the 723,072 bytes of weights: offload forced.
-    "dense-budget": (dict(num_layers=8, num_shards=3), ["--budget", "500KB"]),
-    "moe-experts": (dict(num_layers=4, num_shards=2, moe=MOE), ["--params", "experts", "--budget", "300KB"]),
-    "dense-pinned": (dict(num_layers=8, num_shards=3),
-                     ["--group-size", "4", "--num-in-group", "2", "--prefetch-step", "1"]),
-}
+from tests.helpers import GOLDEN_CASES, make_golden_plan
 
 
-def _make(workdir, gpu, case: str, output: str = "plan.yaml") -> str:
-    checkpoint_kwargs, extra = CASES[case]
-    if not (workdir / "ckpt").exists():
-        make_checkpoint(workdir / "ckpt", **checkpoint_kwargs)
-    result = invoke(["make", "--model", "ckpt", "--gpu", gpu, *extra, "-o", output])
-    assert result.exit_code == 0, result.stderr
-    assert f"wrote {output}: " in result.stderr
-    return (workdir / output).read_text()
-
-
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(GOLDEN_CASES))
 def test_golden_plan(workdir, test_gpu, case):
-    text = _make(workdir, test_gpu, case)
+    text = make_golden_plan(workdir, test_gpu, case)
     check_golden(f"{case}.yaml", text)
 
 
 def test_golden_cases_are_what_they_claim(workdir, test_gpu):
     """Sanity of the golden scenarios themselves, so a regenerated golden file cannot silently lose its point."""
-    fits = yaml.safe_load(_make(workdir, test_gpu, "dense-fits", "fits.yaml"))
+    fits = yaml.safe_load(make_golden_plan(workdir, test_gpu, "dense-fits", "fits.yaml"))
     assert fits["offload"]["layers"] == [] and fits["memory"]["num_slots"] == 0
     assert fits["prediction"]["step_ms"] == fits["prediction"]["resident_step_ms"]
 
-    forced = yaml.safe_load(_make(workdir, test_gpu, "dense-budget", "forced.yaml"))
+    forced = yaml.safe_load(make_golden_plan(workdir, test_gpu, "dense-budget", "forced.yaml"))
     assert forced["offload"]["layers"], "a 500KB budget must force offload"
     assert forced["memory"]["gpu_bytes"] <= forced["memory"]["budget_bytes"] == 500_000
     assert forced["prediction"]["step_ms"] >= forced["prediction"]["link_floor_ms"]
@@ -54,15 +32,15 @@ def test_golden_cases_are_what_they_claim(workdir, test_gpu):
         assert row["copy_ms"] == round(0.01 + row["bytes"] / 1e6, 4)
     assert forced["prediction"]["link_floor_ms"] == round(forced["prediction"]["copy_bytes_per_step"] / 1e6, 4)
 
-    pinned = yaml.safe_load(_make(workdir, test_gpu, "dense-pinned", "pinned.yaml"))
+    pinned = yaml.safe_load(make_golden_plan(workdir, test_gpu, "dense-pinned", "pinned.yaml"))
     assert pinned["offload"]["layers"] == [2, 3, 6, 7]  # i % 4 >= 4 - 2
     assert (pinned["offload"]["group_size"], pinned["offload"]["num_in_group"], pinned["offload"]["prefetch_step"]) \
         == (4, 2, 1)
 
 
 def test_golden_moe_moves_only_experts(workdir, test_gpu):
-    written = make_checkpoint(workdir / "ckpt", **CASES["moe-experts"][0])
-    plan = yaml.safe_load(_make(workdir, test_gpu, "moe-experts"))
+    written = make_checkpoint(workdir / "ckpt", **GOLDEN_CASES["moe-experts"][0])
+    plan = yaml.safe_load(make_golden_plan(workdir, test_gpu, "moe-experts"))
     assert plan["offload"]["params"] == ["experts"]
     assert plan["offload"]["layers"]
     for row in plan["layers"]:
@@ -74,8 +52,8 @@ def test_golden_moe_moves_only_experts(workdir, test_gpu):
 
 
 def test_make_twice_gives_identical_bytes(workdir, test_gpu):
-    first = _make(workdir, test_gpu, "dense-budget", "plan.yaml")
-    second = _make(workdir, test_gpu, "dense-budget", "plan.yaml")
+    first = make_golden_plan(workdir, test_gpu, "dense-budget", "plan.yaml")
+    second = make_golden_plan(workdir, test_gpu, "dense-budget", "plan.yaml")
     assert first.encode() == second.encode()
     # stdout gets the same bytes as the file, except the regenerate command has no -o
     result = invoke(["make", "--model", "ckpt", "--gpu", test_gpu, "--budget", "500KB"])
@@ -87,7 +65,7 @@ def test_plan_round_trips_through_show(workdir, test_gpu):
     """show --json reads the plan back with exactly the values make wrote."""
     import json
 
-    text = _make(workdir, test_gpu, "dense-budget")
+    text = make_golden_plan(workdir, test_gpu, "dense-budget")
     result = invoke(["show", "plan.yaml", "--json"])
     assert result.exit_code == 0, result.stderr
     assert json.loads(result.stdout) == yaml.safe_load(text)
@@ -129,7 +107,7 @@ def test_plan_schema_keys_are_pinned(workdir, test_gpu):
     """A schema change must be deliberate: update SCHEMA here, SCHEMA_VERSION, and the golden files together."""
     from planner.plan.schema import SCHEMA_VERSION
 
-    plan = yaml.safe_load(_make(workdir, test_gpu, "dense-budget"))
+    plan = yaml.safe_load(make_golden_plan(workdir, test_gpu, "dense-budget"))
     assert SCHEMA_VERSION == 2 and plan["schema_version"] == 2
     assert list(plan) == list(SCHEMA)  # top-level keys, in file order
     for section, keys in SCHEMA.items():
@@ -180,6 +158,6 @@ def test_adapters_plan_schema_keys_are_pinned(workdir, test_gpu):
 
 
 def test_selected_bytes_are_recorded_for_every_layer(workdir, test_gpu):
-    moe = yaml.safe_load(_make(workdir, test_gpu, "moe-experts"))
+    moe = yaml.safe_load(make_golden_plan(workdir, test_gpu, "moe-experts"))
     assert all(0 < row["selected_bytes"] < row["bytes"] for row in moe["layers"])  # the experts of each layer
     assert all(row["offloaded_bytes"] in (0, row["selected_bytes"]) for row in moe["layers"])

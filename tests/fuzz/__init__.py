@@ -9,9 +9,9 @@ from tests.fuzz.adapters import gen_adapters
 from tests.fuzz.architectures import gen_architectures
 from tests.fuzz.checkpoint import gen_config, gen_headers, gen_index
 from tests.fuzz.derived import gen_derived
-from tests.fuzz.core import (BASE_ARGS, DEFAULT_TIME_LIMIT_S, FAILURES, GUARD_NAME, SHARDS, VERDICTS, VERSION_LINE,
-                             Case, Result, _framed, _header_of, base, failure_summary, invoke_cli, run_case,
-                             scratch_dir)
+from tests.fuzz.core import (ALIAS_BOMB, BASE_ARGS, DEEP, DEFAULT_TIME_LIMIT_S, FAILURES, GUARD_NAME, SHARDS,
+                             VERDICTS, VERSION_LINE, Case, Result, framed, header_of, base, failure_summary,
+                             invoke_cli, run_case, scratch_dir)
 from tests.fuzz.flags import gen_flags
 from tests.fuzz.paths import gen_paths
 from tests.fuzz.plans import gen_plans
@@ -40,9 +40,9 @@ FAMILY_TITLES = {"headers": "safetensors headers", "index": "index JSON", "confi
                  "header_checkpoint": "header-checkpoint configs (then make and every reader)",
                  "outputs": "outputs that are inputs"}
 
-__all__ = ["BASE_ARGS", "DEFAULT_TIME_LIMIT_S", "FAILURES", "FAMILIES", "FAMILY_TITLES", "GENERATORS", "GUARD_NAME",
-           "SHARDS", "VERDICTS", "VERSION_LINE", "Case", "Result", "_framed", "_header_of", "base", "case_for",
-           "failure_summary", "invoke_cli", "run_campaign", "run_case", "scratch_dir"]
+__all__ = ["ALIAS_BOMB", "BASE_ARGS", "DEEP", "DEFAULT_TIME_LIMIT_S", "FAILURES", "FAMILIES", "FAMILY_TITLES",
+           "GENERATORS", "GUARD_NAME", "SHARDS", "VERDICTS", "VERSION_LINE", "Case", "Result", "framed", "header_of",
+           "base", "case_for", "failure_summary", "invoke_cli", "run_campaign", "run_case", "scratch_dir"]
 
 
 def case_for(family: str, seed: int, index: int) -> Case:

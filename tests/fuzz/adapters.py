@@ -7,10 +7,10 @@ from pathlib import Path
 import yaml
 
 from tests.fuzz.core import (
-    BASE_ARGS, Base, Case, DEEP_LEVELS, HUGE_INT, JUNK, _deep, _framed, _header_of, _json, _make_case, _make_plan,
-    _pick_tensor, _safetensors, _yaml, base,
+    BASE_ARGS, Base, Case, DEEP_LEVELS, HUGE_INT, JUNK, deep_nesting, framed, header_of, json_bytes, make_case,
+    make_plan_text, pick_tensor, safetensors_bytes, yaml_text, base,
 )
-from tests.fuzz.plans import (PLAN_COMMANDS, _plan_value)
+from tests.fuzz.plans import (PLAN_COMMANDS, plan_value)
 
 
 # ---- adapters -----------------------------------------------------------------------------------------------
@@ -23,7 +23,8 @@ ADAPTER_ARGS = ("--adapter", "a=ad")
 _ADAPTER_PLAN: list[str] = []
 
 
-def _adapter_tensors(rank: int = ADAPTER_RANK, modules=("q_proj", "v_proj"), num_layers: int = 6) -> dict:
+def adapter_tensors(rank: int = ADAPTER_RANK, modules=("q_proj", "v_proj"), num_layers: int = 6) -> dict:
+    """name -> (dtype, shape) of a LoRA adapter of the dense base model: rank ``rank`` on ``modules``."""
     specs = {}
     for i in range(num_layers):
         for module in modules:
@@ -33,21 +34,22 @@ def _adapter_tensors(rank: int = ADAPTER_RANK, modules=("q_proj", "v_proj"), num
     return dict(sorted(specs.items()))
 
 
-def _adapter_files(config: dict | bytes | None = None, weights: bytes | None = None) -> dict:
+def adapter_files(config: dict | bytes | None = None, weights: bytes | None = None) -> dict:
+    """The base adapter's two files under ad/ (its config and weights), either one replaced."""
     config = ADAPTER_CONFIG if config is None else config
-    return {"ad/adapter_config.json": config if isinstance(config, bytes) else _json(config),
-            "ad/adapter_model.safetensors": weights if weights is not None else _safetensors(_adapter_tensors())}
+    return {"ad/adapter_config.json": config if isinstance(config, bytes) else json_bytes(config),
+            "ad/adapter_model.safetensors": weights if weights is not None else safetensors_bytes(adapter_tensors())}
 
 
-def _adapter_plan_text() -> str:
+def adapter_plan_text() -> str:
     """A plan made with the base adapter (built once per process, by the CLI)."""
     if not _ADAPTER_PLAN:
         partial = base()
         with tempfile.TemporaryDirectory(prefix="fuzz-adapter-") as folder:
-            for relative, data in _adapter_files().items():
+            for relative, data in adapter_files().items():
                 (Path(folder) / relative).parent.mkdir(parents=True, exist_ok=True)
                 (Path(folder) / relative).write_bytes(data)
-            _ADAPTER_PLAN.append(_make_plan(partial, Path(folder), [*BASE_ARGS, "--budget", partial.budget,
+            _ADAPTER_PLAN.append(make_plan_text(partial, Path(folder), [*BASE_ARGS, "--budget", partial.budget,
                                                                    *ADAPTER_ARGS], False))
     return _ADAPTER_PLAN[0]
 
@@ -87,9 +89,9 @@ def gen_adapters(rng, base_: Base) -> Case:
     kind = rng.choice(("valid", "config_value", "config_missing", "config_raw", "no_config", "no_weights", "shape",
                        "dtype", "name", "drop_tensor", "extra_module", "truncate", "flip", "flag", "slots", "twice",
                        "plan", "plan", "plan"))
-    tensors, config, extra = _adapter_tensors(), dict(ADAPTER_CONFIG), list(ADAPTER_ARGS)
+    tensors, config, extra = adapter_tensors(), dict(ADAPTER_CONFIG), list(ADAPTER_ARGS)
     invalid, files = True, None
-    name = _pick_tensor(rng, tensors)
+    name = pick_tensor(rng, tensors)
     if kind == "valid":
         invalid = False
     elif kind == "config_value":
@@ -102,8 +104,8 @@ def gen_adapters(rng, base_: Base) -> Case:
         del config[key]
         invalid = key in ("r", "target_modules")
     elif kind == "config_raw":
-        files = _adapter_files(config=rng.choice((b"", b"{", b"[]", b"null", b'{"r": 4, "r": 4}', b"\xff\xfe",
-                                                  _deep(rng.choice(DEEP_LEVELS)).encode(),
+        files = adapter_files(config=rng.choice((b"", b"{", b"[]", b"null", b'{"r": 4, "r": 4}', b"\xff\xfe",
+                                                  deep_nesting(rng.choice(DEEP_LEVELS)).encode(),
                                                   ('{"r": ' + HUGE_INT + "}").encode(), b'{"r": NaN}')))
     elif kind in ("no_config", "no_weights"):
         files = {f"ad/{'adapter_config.json' if kind == 'no_config' else 'adapter_model.safetensors'}": None}
@@ -116,12 +118,12 @@ def gen_adapters(rng, base_: Base) -> Case:
         dtype = rng.choice(("F16", "F32", "I8", "U8", "BOOL", "F8_E4M3"))
         tensors[name] = (dtype if dtype in ("F16", "F32") else "BF16", tensors[name][1])
         if dtype not in ("F16", "F32"):
-            header = _header_of(tensors)
+            header = header_of(tensors)
             header[name]["dtype"] = dtype
             size = math.prod(tensors[name][1]) * {"I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1}[dtype]
             start = header[name]["data_offsets"][0]
             header[name]["data_offsets"] = [start, start + size]
-            files = _adapter_files(weights=_framed(header, 10**6))
+            files = adapter_files(weights=framed(header, 10**6))
         invalid = dtype not in ("F16", "F32")
     elif kind == "name":
         new = rng.choice(("model.layers.0.self_attn.q_proj.lora_A.weight", name.replace("lora_A", "lora_C"),
@@ -133,19 +135,19 @@ def gen_adapters(rng, base_: Base) -> Case:
     elif kind == "drop_tensor":
         del tensors[name]
     elif kind == "extra_module":
-        tensors.update(_adapter_tensors(modules=("k_proj",)))
+        tensors.update(adapter_tensors(modules=("k_proj",)))
         if rng.random() < 0.5:
             config["target_modules"] = ["k_proj", "q_proj", "v_proj"]
             invalid = False
     elif kind in ("truncate", "flip"):
-        whole = bytearray(_safetensors(tensors))
+        whole = bytearray(safetensors_bytes(tensors))
         if kind == "truncate":
             whole = whole[:rng.randrange(0, len(whole) - 1)]
         else:
             for _ in range(rng.randint(1, 3)):
                 whole[rng.randrange(8, len(whole) - 256)] = rng.randrange(256)
             invalid = False  # a flipped byte may leave valid JSON
-        files = _adapter_files(weights=bytes(whole))
+        files = adapter_files(weights=bytes(whole))
     elif kind == "flag":
         value, invalid = rng.choice(ADAPTER_FLAG_VALUES)
         extra = ["--adapter", value]
@@ -159,13 +161,13 @@ def gen_adapters(rng, base_: Base) -> Case:
     elif kind == "plan":
         return _adapter_plan_case(rng)
     if files is None:
-        files = _adapter_files(config=config, weights=_safetensors(tensors))
-    return _make_case("adapters", kind, invalid, {**_adapter_files(), **files}, rng, extra=tuple(extra))
+        files = adapter_files(config=config, weights=safetensors_bytes(tensors))
+    return make_case("adapters", kind, invalid, {**adapter_files(), **files}, rng, extra=tuple(extra))
 
 
 def _adapter_plan_case(rng) -> Case:
     """Mutate one field of a plan's adapters section and read the plan back."""
-    plan = yaml.safe_load(_adapter_plan_text())
+    plan = yaml.safe_load(adapter_plan_text())
     section = plan["adapters"]
     row = rng.random() < 0.4
     target = section["items"][0] if row else section
@@ -178,10 +180,10 @@ def _adapter_plan_case(rng) -> Case:
         plan["adapters"] = rng.choice((None, [], "x", {"items": []}, {}))
         invalid = plan["adapters"] is not None
     else:
-        value, invalid = _plan_value(rng, target[key], key)
+        value, invalid = plan_value(rng, target[key], key)
         if value is None:
             invalid = key != "revision"
         target[key] = value
         invalid = bool(invalid)
     return Case(family="adapters", mutation=f"plan:{key}", args=list(rng.choice(PLAN_COMMANDS)), invalid=invalid,
-                files={**_adapter_files(), "plan.yaml": _yaml(plan).encode()})
+                files={**adapter_files(), "plan.yaml": yaml_text(plan).encode()})

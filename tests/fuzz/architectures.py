@@ -2,7 +2,7 @@
 (MoE, MLA, sliding-window, hybrid), with keys of the wrong JSON type or at the edges of their range, planned for
 serving (which reads the KV cache and activation models)."""
 
-from tests.fuzz.core import BASE_ARGS, GUARD_NAME, Base, Case, _json
+from tests.fuzz.core import BASE_ARGS, GUARD_NAME, Base, Case, json_bytes
 
 #: family -> (config over the base model's, keys the models read for it in every case)
 FAMILY_CONFIGS = {
@@ -56,4 +56,4 @@ def gen_architectures(rng, base_: Base) -> Case:
         invalid = key in always_read and any(value is v or value == v and type(value) is type(v) for v in WRONG_TYPE)
     args = [*BASE_ARGS, "--context", "64", "--concurrency", "8", "-o", GUARD_NAME]
     return Case(family="architectures", mutation=mutation, args=args, invalid=invalid,
-                files={"ckpt/config.json": _json(config)}, moe=moe)
+                files={"ckpt/config.json": json_bytes(config)}, moe=moe)

@@ -6,8 +6,8 @@ import struct
 from planner.model.model_config import CONFIG_COUNTS
 from planner.model.model_config import model_config
 from tests.fuzz.core import (
-    Base, Case, DEEP_LEVELS, HUGE_INT, JUNK, NASTY_TEXT, SHARDS, _deep, _framed, _header_of, _json, _make_case,
-    _nbytes, _pick_tensor, _raw_splice,
+    Base, Case, DEEP_LEVELS, HUGE_INT, JUNK, NASTY_TEXT, SHARDS, deep_nesting, framed, header_of, json_bytes, make_case,
+    nbytes, pick_tensor, raw_splice,
 )
 
 
@@ -17,9 +17,9 @@ def gen_headers(rng, base_: Base) -> Case:
     model = base_.moe if moe else base_.dense
     shard = rng.choice(SHARDS)
     tensors = model.shards[shard]
-    header = _header_of(tensors)
-    data_bytes = sum(_nbytes(*s) for s in tensors.values())
-    name = _pick_tensor(rng, tensors)
+    header = header_of(tensors)
+    data_bytes = sum(nbytes(*s) for s in tensors.values())
+    name = pick_tensor(rng, tensors)
     kind = rng.choice(("dtype", "shape", "offsets", "overlap", "gap", "name", "duplicate", "unlisted", "deep",
                        "huge_int", "not_object", "metadata", "length", "truncate", "flip", "nan", "extra_key",
                        "swap_dims", "utf8", "layer_index"))
@@ -71,13 +71,13 @@ def gen_headers(rng, base_: Base) -> Case:
         header["model.extra.weight"] = {"dtype": "BF16", "shape": [4], "data_offsets": [data_bytes, data_bytes + 8]}
         data_bytes += 8
     elif kind == "deep":
-        raw = _raw_splice(json.dumps(header).encode(), json.dumps(entry).encode(),
-                          _deep(rng.choice(DEEP_LEVELS)).encode())
+        raw = raw_splice(json.dumps(header).encode(), json.dumps(entry).encode(),
+                          deep_nesting(rng.choice(DEEP_LEVELS)).encode())
     elif kind == "huge_int":
-        raw = _raw_splice(json.dumps(header).encode(), json.dumps(entry["data_offsets"]).encode(),
+        raw = raw_splice(json.dumps(header).encode(), json.dumps(entry["data_offsets"]).encode(),
                           f"[0, {HUGE_INT}]".encode())
     elif kind == "nan":
-        raw = _raw_splice(json.dumps(header).encode(), json.dumps(entry["data_offsets"]).encode(),
+        raw = raw_splice(json.dumps(header).encode(), json.dumps(entry["data_offsets"]).encode(),
                           rng.choice((b"[NaN, 8]", b"[0, Infinity]", b"[0, 1e999]")))
     elif kind == "not_object":
         raw = rng.choice((b"[]", b"1", b'"x"', b"null", b"true"))
@@ -88,9 +88,9 @@ def gen_headers(rng, base_: Base) -> Case:
         entry["checksum"] = rng.choice((1, "x", None))
         invalid = False
     elif kind == "utf8":
-        raw = _raw_splice(json.dumps(header).encode(), name.encode(), name.encode() + rng.choice((b"\xff", b"\xc3")))
+        raw = raw_splice(json.dumps(header).encode(), name.encode(), name.encode() + rng.choice((b"\xff", b"\xc3")))
     if kind in ("length", "truncate", "flip"):
-        whole = _framed(header, data_bytes)
+        whole = framed(header, data_bytes)
         if kind == "length":
             length = rng.choice((0, 2**63, 2**64 - 1, len(whole), len(whole) - 16, 7))
             whole = struct.pack("<Q", length) + whole[8:]
@@ -104,17 +104,17 @@ def gen_headers(rng, base_: Base) -> Case:
             whole, invalid = bytes(whole), False
         files = {f"ckpt/{shard}": whole}
     else:
-        files = {f"ckpt/{shard}": _framed(raw if raw is not None else _json(header), data_bytes)}
+        files = {f"ckpt/{shard}": framed(raw if raw is not None else json_bytes(header), data_bytes)}
     if index is not None:
-        files["ckpt/model.safetensors.index.json"] = _json({"weight_map": index})
-    return _make_case("headers", kind, invalid, files, rng, moe=moe)
+        files["ckpt/model.safetensors.index.json"] = json_bytes({"weight_map": index})
+    return make_case("headers", kind, invalid, files, rng, moe=moe)
 
 
 def gen_index(rng, base_: Base) -> Case:
     """Mutate model.safetensors.index.json: weight_map types, names, files, structure."""
     weight_map = dict(base_.dense.weight_map)
     index = {"metadata": {"total_size": 1}, "weight_map": weight_map}
-    name = _pick_tensor(rng, weight_map)
+    name = pick_tensor(rng, weight_map)
     kind = rng.choice(("file_junk", "missing_file", "traversal", "drop", "add", "rename", "map_junk", "top_junk",
                        "deep", "huge_int", "metadata", "invalid_json", "utf8", "duplicate", "empty", "flip"))
     invalid, raw = True, None
@@ -135,30 +135,30 @@ def gen_index(rng, base_: Base) -> Case:
     elif kind == "top_junk":
         raw = rng.choice((b"[]", b"1", b'"x"', b"null", json.dumps([index]).encode()))
     elif kind == "deep":
-        raw = _raw_splice(_json(index), b'{"total_size": 1}', _deep(rng.choice(DEEP_LEVELS)).encode())
+        raw = raw_splice(json_bytes(index), b'{"total_size": 1}', deep_nesting(rng.choice(DEEP_LEVELS)).encode())
     elif kind == "huge_int":
-        raw = _raw_splice(_json(index), b'{"total_size": 1}', f'{{"total_size": {HUGE_INT}}}'.encode())
+        raw = raw_splice(json_bytes(index), b'{"total_size": 1}', f'{{"total_size": {HUGE_INT}}}'.encode())
     elif kind == "metadata":
         index["metadata"] = rng.choice((None, "x", [], {"total_size": "x"}, {"total_size": -1}))
         invalid = False
     elif kind == "invalid_json":
-        raw = _json(index)[:-rng.randint(1, 20)]
+        raw = json_bytes(index)[:-rng.randint(1, 20)]
     elif kind == "utf8":
-        raw = b"\xff\xfe" + _json(index)
+        raw = b"\xff\xfe" + json_bytes(index)
     elif kind == "duplicate":
         pair = json.dumps(name).encode() + b": " + json.dumps(weight_map[name]).encode()
         other = json.dumps(name).encode() + b": " + json.dumps(SHARDS[1] if weight_map[name] == SHARDS[0]
                                                                else SHARDS[0]).encode()
-        raw = _raw_splice(_json(index), pair, pair + b", " + other)
+        raw = raw_splice(json_bytes(index), pair, pair + b", " + other)
     elif kind == "empty":
         raw = b""
     elif kind == "flip":
-        raw = bytearray(_json(index))
+        raw = bytearray(json_bytes(index))
         for _ in range(rng.randint(1, 3)):
             raw[rng.randrange(len(raw))] = rng.randrange(32, 127)
         raw, invalid = bytes(raw), False
-    files = {"ckpt/model.safetensors.index.json": raw if raw is not None else _json(index)}
-    return _make_case("index", kind, invalid, files, rng)
+    files = {"ckpt/model.safetensors.index.json": raw if raw is not None else json_bytes(index)}
+    return make_case("index", kind, invalid, files, rng)
 
 
 #: config keys the planner reads, with the range a real model's value lies in: the planner's own table
@@ -218,18 +218,18 @@ def gen_config(rng, base_: Base) -> Case:
     elif kind == "top_junk":
         raw, invalid = rng.choice((b"[]", b"1", b'"x"', b"null")), True
     elif kind == "deep":
-        raw, invalid = _raw_splice(_json(config), b'"vocab_size": 32',
-                                   b'"vocab_size": ' + _deep(rng.choice(DEEP_LEVELS)).encode()), True
+        raw, invalid = raw_splice(json_bytes(config), b'"vocab_size": 32',
+                                   b'"vocab_size": ' + deep_nesting(rng.choice(DEEP_LEVELS)).encode()), True
     elif kind == "huge_int":
-        raw, invalid = _raw_splice(_json(config), b'"vocab_size": 32', f'"vocab_size": {HUGE_INT}'.encode()), True
+        raw, invalid = raw_splice(json_bytes(config), b'"vocab_size": 32', f'"vocab_size": {HUGE_INT}'.encode()), True
     elif kind == "invalid_json":
-        raw, invalid = _json(config)[:-3], True
+        raw, invalid = json_bytes(config)[:-3], True
     elif kind == "nan_word":
         key = rng.choice(("hidden_size", "num_hidden_layers", "head_dim", "vocab_size"))
-        raw = _raw_splice(_json(config), f'"{key}": {config[key]}'.encode(),
+        raw = raw_splice(json_bytes(config), f'"{key}": {config[key]}'.encode(),
                           f'"{key}": {rng.choice(("NaN", "Infinity", "-Infinity"))}'.encode())
         invalid = key != "vocab_size"
     elif kind == "utf8":
-        raw, invalid = b"\xff" + _json(config), True
-    files = {"ckpt/config.json": raw if raw is not None else _json(config)}
-    return _make_case("config", kind, invalid, files, rng, moe=moe)
+        raw, invalid = b"\xff" + json_bytes(config), True
+    files = {"ckpt/config.json": raw if raw is not None else json_bytes(config)}
+    return make_case("config", kind, invalid, files, rng, moe=moe)

@@ -101,25 +101,28 @@ def _text(stream) -> str:
 # ---- the base inputs ----------------------------------------------------------------------------------------
 
 
-def _safetensors(tensors: dict, extra_data_bytes: int = 0) -> bytes:
+def safetensors_bytes(tensors: dict, extra_data_bytes: int = 0) -> bytes:
     """A whole safetensors file (zero data) for name -> (dtype, shape), in order."""
-    return _framed(_header_of(tensors), sum(_nbytes(*spec) for spec in tensors.values()) + extra_data_bytes)
+    return framed(header_of(tensors), sum(nbytes(*spec) for spec in tensors.values()) + extra_data_bytes)
 
 
-def _nbytes(dtype: str, shape) -> int:
+def nbytes(dtype: str, shape) -> int:
+    """Bytes of a tensor of the fuzzer's dtypes."""
     return math.prod(shape) * {"BF16": 2, "F16": 2, "F32": 4}[dtype]
 
 
-def _header_of(tensors: dict) -> dict:
+def header_of(tensors: dict) -> dict:
+    """The safetensors header of name -> (dtype, shape), tensors laid end to end in order."""
     header, offset = {}, 0
     for name, (dtype, shape) in tensors.items():
-        size = _nbytes(dtype, shape)
+        size = nbytes(dtype, shape)
         header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
         offset += size
     return header
 
 
-def _framed(header: dict | bytes, data_bytes: int) -> bytes:
+def framed(header: dict | bytes, data_bytes: int) -> bytes:
+    """A safetensors file: the 8-byte length, the header padded to 8 bytes, then ``data_bytes`` zero bytes."""
     raw = header if isinstance(header, bytes) else json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     return struct.pack("<Q", len(raw)) + raw + bytes(max(0, data_bytes))
@@ -162,7 +165,7 @@ class Model:
     config: dict
 
     def files(self) -> dict[str, bytes]:
-        out = {f"ckpt/{name}": _safetensors(tensors) for name, tensors in self.shards.items()}
+        out = {f"ckpt/{name}": safetensors_bytes(tensors) for name, tensors in self.shards.items()}
         out["ckpt/model.safetensors.index.json"] = json.dumps({"metadata": {}, "weight_map": self.weight_map}).encode()
         out["ckpt/config.json"] = json.dumps(self.config).encode()
         return out
@@ -204,7 +207,7 @@ class Base:
         """Relative path -> bytes of every base file (built once per model)."""
         if moe not in self._files:
             files = (self.moe if moe else self.dense).files()
-            files["gpu.yaml"] = _yaml(self.profile).encode()
+            files["gpu.yaml"] = yaml_text(self.profile).encode()
             files["plan.yaml"] = self.plan_text.encode()
             files["graph-plan.yaml"] = self.graph_plan_text.encode()
             files[GUARD_NAME] = GUARD_TEXT.encode()
@@ -251,23 +254,23 @@ def _build_base() -> Base:
     _warm_imports()
     profile = yaml.safe_load((Path(__file__).resolve().parents[1] / "data" / "test-gpu.yaml").read_text())
     dense, moe = build_model(0), build_model(4)
-    layer_bytes = sum(_nbytes(*s) for n, s in dense.tensors.items() if n.startswith("model.layers.0."))
-    other = sum(_nbytes(*s) for n, s in dense.tensors.items() if not n.startswith("model.layers."))
+    layer_bytes = sum(nbytes(*s) for n, s in dense.tensors.items() if n.startswith("model.layers.0."))
+    other = sum(nbytes(*s) for n, s in dense.tensors.items() if not n.startswith("model.layers."))
     budget = f"{other + 3 * layer_bytes + 4096}B"  # room for three of six layers (plus slack): some offloaded
     partial = Base(dense=dense, moe=moe, profile=profile, budget=budget, plan_text="", plan={}, graph_plan_text="")
     with tempfile.TemporaryDirectory(prefix="fuzz-base-") as folder:
-        plan_text = _make_plan(partial, Path(folder), [*BASE_ARGS, "--budget", budget], False)
-        experts = sum(_nbytes(*s) for n, s in moe.tensors.items() if n.startswith("model.layers.0.mlp.experts."))
-        total = sum(_nbytes(*s) for s in moe.tensors.values())
+        plan_text = make_plan_text(partial, Path(folder), [*BASE_ARGS, "--budget", budget], False)
+        experts = sum(nbytes(*s) for n, s in moe.tensors.items() if n.startswith("model.layers.0.mlp.experts."))
+        total = sum(nbytes(*s) for s in moe.tensors.values())
         graph_budget = total - 3 * experts + 256 * len(moe.tensors) + 4096
         graph_args = [*BASE_ARGS, "--budget", f"{graph_budget}B", "--params", "experts", "--cuda-graph",
                       "--tokens", "8", "--sequences", "8"]
-        graph_text = _make_plan(partial, Path(folder), graph_args, True)
+        graph_text = make_plan_text(partial, Path(folder), graph_args, True)
         serving_args = [*BASE_ARGS, "--context", "64", "--concurrency", "auto", "--chunk", "64"]
-        serving_text = _make_plan(partial, Path(folder), serving_args, False)
+        serving_text = make_plan_text(partial, Path(folder), serving_args, False)
         # 60 KiB: the all-resident model takes 76.5 KiB with its arena's slack, and whole layers stream slower
         routed_args = [*BASE_ARGS, "--budget", "61440B", "--tokens", "1", "--context", "64"]
-        routed_text = _make_plan(partial, Path(folder), routed_args, True)
+        routed_text = make_plan_text(partial, Path(folder), routed_args, True)
         _warm_trace(partial, Path(folder))
     partial.plan_text, partial.graph_plan_text, partial.serving_plan_text = plan_text, graph_text, serving_text
     partial.plan, partial.graph_plan = yaml.safe_load(plan_text), yaml.safe_load(graph_text)
@@ -303,7 +306,8 @@ def _warm_trace(partial: Base, folder: Path) -> None:
     invoke_cli_in(folder / "moe", files, ["trace", "--model", "ckpt", "--prompts", "prompts.txt", "--device", "cpu"])
 
 
-def _make_plan(partial: Base, folder: Path, args: list[str], moe: bool) -> str:
+def make_plan_text(partial: Base, folder: Path, args: list[str], moe: bool) -> str:
+    """The plan the CLI makes from the partial base's files for ``args``; the base is broken if it fails."""
     files = {relative: data for relative, data in partial.files(moe).items()
              if not (relative.endswith(".yaml") and "plan" in relative)}
     code, stdout, stderr, exception = invoke_cli_in(folder, files, args)
@@ -519,31 +523,42 @@ DEEP_LEVELS = (200, 1_000, 10_000, 100_000)
 HUGE_INT = "1" + "0" * 5000
 
 
-def _deep(levels: int) -> str:
+def deep_nesting(levels: int) -> str:
+    """A JSON or YAML list nested ``levels`` deep."""
     return "[" * levels + "]" * levels
 
 
-def _json(value) -> bytes:
+#: a YAML document of 20 aliases, each of nine of the one before: 9**20 nodes once expanded (a billion laughs)
+ALIAS_BOMB = "\n".join(["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
+                       + [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 20)]) + "\n"
+#: a list nested 10,000 deep: past Python's recursion limit for a recursive reader
+DEEP = deep_nesting(10_000)
+
+
+def json_bytes(value) -> bytes:
     """JSON the way a buggy writer would: lone surrogates kept, NaN and Infinity as bare words."""
     return json.dumps(value, ensure_ascii=True).encode()
 
 
-def _yaml(data) -> str:
+def yaml_text(data) -> str:
     """YAML as a user would write it (block style, keys in order), through libyaml when present: fast."""
     return yaml.dump(data, Dumper=getattr(yaml, "CSafeDumper", yaml.SafeDumper), sort_keys=False)
 
 
-def _raw_splice(document: bytes, old: bytes, new: bytes) -> bytes:
+def raw_splice(document: bytes, old: bytes, new: bytes) -> bytes:
+    """``document`` with its first ``old`` replaced by ``new``; ``old`` must be there (else the edit is a no-op)."""
     assert old in document, (old, document[:200])
     return document.replace(old, new, 1)
 
 
-def _pick_tensor(rng, tensors: dict) -> str:
+def pick_tensor(rng, tensors: dict) -> str:
+    """One tensor name, the same for the same seed whatever the dict's order."""
     return rng.choice(sorted(tensors))
 
 
-def _make_case(family: str, mutation: str, invalid: bool, files: dict, rng, *, moe: bool = False,
+def make_case(family: str, mutation: str, invalid: bool, files: dict, rng, *, moe: bool = False,
                extra: tuple = ()) -> Case:
+    """A make case over the base inputs with ``files`` replaced (one in five also asks for a CUDA-graph workload)."""
     args = [*BASE_ARGS, "--budget", base().budget, "-o", GUARD_NAME, *extra]
     if rng.random() < 0.2:
         args += ["--tokens", "8", "--sequences", "8", "--cuda-graph"]

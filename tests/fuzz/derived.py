@@ -6,7 +6,7 @@ stale plan). Unedited, the same plans must pass every reader: the round trip as 
 
 import json
 
-from tests.fuzz.core import Base, Case, _yaml
+from tests.fuzz.core import Base, Case, yaml_text
 from tests.fuzz.roundtrip import READERS
 
 #: which base plan, and whether it was made from the MoE model
@@ -22,7 +22,7 @@ def _bump(section: dict, key: str, how) -> None:
     section[key] = how(section[key])
 
 
-def _generic_edits(rng, plan: dict) -> list[tuple[str, object]]:
+def generic_edits(rng, plan: dict) -> list[tuple[str, object]]:
     """(name, edit) of a figure any plan derives from its other fields."""
     layer = rng.randrange(len(plan["layers"]))
     model, memory, prediction = plan["model"], plan["memory"], plan["prediction"]
@@ -59,7 +59,7 @@ def _generic_edits(rng, plan: dict) -> list[tuple[str, object]]:
     return edits
 
 
-def _experts_edits(rng, plan: dict) -> list[tuple[str, object, bool]]:
+def experts_edits(rng, plan: dict) -> list[tuple[str, object, bool]]:
     """(name, edit, invalid) of an experts section edited by hand (issue 39's list). A whole-layer MoE plan's
     section holds figures of the routed placement it did not choose, which no other field determines: editing
     those may leave a plan make could have written, so only the routed plan's edits are all invalid."""
@@ -111,13 +111,13 @@ def gen_derived(rng, base_: Base) -> Case:
                    if reader[0] != "check"]
         return Case(family="derived", mutation=f"{which} unedited", args=readers[0], invalid=False, files=files,
                     moe=PLANS[which], then=tuple(readers[1:]))
-    edits = [(name, edit, True) for name, edit in _generic_edits(rng, plan)]
+    edits = [(name, edit, True) for name, edit in generic_edits(rng, plan)]
     if plan.get("experts") is not None and rng.random() < 0.6:
-        edits = _experts_edits(rng, plan)
+        edits = experts_edits(rng, plan)
     elif which == "plain" and rng.random() < 0.1:  # an experts section on a dense plan
         edits = [("experts on a dense plan", lambda: plan.update(experts=json.loads(json.dumps(
             base_.routed_plan["experts"]))), True)]
     name, edit, invalid = rng.choice(edits)
     edit()
     return Case(family="derived", mutation=f"{which}: {name}", args=list(rng.choice(DERIVED_COMMANDS)),
-                invalid=invalid, files={"plan.yaml": _yaml(plan).encode()}, moe=PLANS[which])
+                invalid=invalid, files={"plan.yaml": yaml_text(plan).encode()}, moe=PLANS[which])

@@ -33,7 +33,7 @@ def _long(rng) -> str:
 
 def gen_paths(rng, base_: Base) -> Case:
     """One path argument (or the file behind it) made special or too long."""
-    from tests.fuzz.adapters import _adapter_files
+    from tests.fuzz.adapters import adapter_files
 
     template, target = rng.choice(PATH_ARGUMENTS)
     kinds = (*SPECIAL_KINDS, "long", "long")
@@ -55,4 +55,4 @@ def gen_paths(rng, base_: Base) -> Case:
     if template[:1] == ["header-checkpoint"] and target is None and kind != "long":
         invalid = kind != "folder"  # a new empty folder is what it asks for
     return Case(family="paths", mutation=f"{template[0]} {target or 'output'}: {kind}", args=args, invalid=invalid,
-                files=dict(_adapter_files()), special=special)
+                files=dict(adapter_files()), special=special)

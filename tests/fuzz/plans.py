@@ -3,7 +3,7 @@
 
 from planner.plan.schema import SCHEMA_VERSION
 
-from tests.fuzz.core import (Base, Case, DEEP_LEVELS, HUGE_INT, JUNK, VERSION_LINE, _yaml)
+from tests.fuzz.core import (Base, Case, DEEP_LEVELS, HUGE_INT, JUNK, VERSION_LINE, yaml_text)
 
 
 def _plan_paths(plan: dict) -> list[tuple]:
@@ -55,7 +55,7 @@ PLAN_OPTIONAL_TEXT = {"revision", "budget", "stack", "measured_on", "host_memory
                       "gpu_memory"}
 
 
-def _plan_value(rng, current, key: str) -> tuple[object, bool]:
+def plan_value(rng, current, key: str) -> tuple[object, bool]:
     """(new value, invalid) for one field of a plan."""
     choice = rng.random()
     if choice < 0.35:
@@ -87,7 +87,7 @@ def gen_plans(rng, base_: Base) -> Case:
     invalid, raw = True, None
     if kind == "field":
         path = rng.choice(_plan_paths(plan))
-        value, invalid = _plan_value(rng, _get(plan, path), path[-1])
+        value, invalid = plan_value(rng, _get(plan, path), path[-1])
         if invalid is None:
             invalid = not _may_be_null(path)
         _set(plan, path, value)
@@ -142,7 +142,7 @@ def gen_plans(rng, base_: Base) -> Case:
     elif kind == "schema":
         plan["schema_version"] = rng.choice((SCHEMA_VERSION + 1, 0, str(SCHEMA_VERSION), None, float(SCHEMA_VERSION)))
     if raw is None:
-        raw = _yaml(plan).encode()
+        raw = yaml_text(plan).encode()
     command = list(rng.choice(PLAN_COMMANDS))
     files = {"plan.yaml": raw}
     if command[0] == "diff" and rng.random() < 0.5:

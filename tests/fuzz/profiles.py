@@ -4,7 +4,7 @@ import json
 
 import yaml
 
-from tests.fuzz.core import (Base, Case, DEEP_LEVELS, HUGE_INT, JUNK, _make_case)
+from tests.fuzz.core import (Base, Case, DEEP_LEVELS, HUGE_INT, JUNK, make_case)
 
 
 PROFILE_FIGURES = ("gpu_memory_bytes", "hbm_bytes_per_s", "bf16_flops_per_s", "fp8_flops_per_s", "h2d_bytes_per_s",
@@ -90,7 +90,7 @@ def gen_profiles(rng, base_: Base) -> Case:
             "source: assumed", "source: *s", 1).encode()
     if raw is None:
         raw = yaml.safe_dump(profile, sort_keys=False).encode()
-    case = _make_case("profiles", kind, invalid, {"gpu.yaml": raw}, rng)
+    case = make_case("profiles", kind, invalid, {"gpu.yaml": raw}, rng)
     case.args = [a for a in case.args]  # budget from the base, which the test profile allows
     if rng.random() < 0.3:  # the profile's trigger decides the budget
         at = case.args.index("--budget")

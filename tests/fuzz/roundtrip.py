@@ -39,7 +39,7 @@ def _serving_flags(rng) -> list[str]:
 def gen_roundtrip(rng, base_: Base) -> Case:
     """Valid make flags (a weights plan or a serving plan, MoE or dense, with or without an adapter); the plan
     written must pass every reader."""
-    from tests.fuzz.adapters import ADAPTER_ARGS, _adapter_files
+    from tests.fuzz.adapters import ADAPTER_ARGS, adapter_files
 
     moe = rng.random() < 0.3
     serving = rng.random() < 0.45
@@ -49,5 +49,5 @@ def gen_roundtrip(rng, base_: Base) -> Case:
     args = [*BASE_ARGS, *flags, "-o", "new.yaml"]
     mutation = ("serving" if serving else "weights") + (" moe" if moe else "") + (" adapter" if "--adapter" in flags
                                                                                   else "")
-    return Case(family="roundtrip", mutation=mutation, args=args, invalid=False, files=dict(_adapter_files()),
+    return Case(family="roundtrip", mutation=mutation, args=args, invalid=False, files=dict(adapter_files()),
                 moe=moe, then=tuple(list(reader) for reader in READERS))

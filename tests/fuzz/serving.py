@@ -5,8 +5,8 @@ import json
 
 import yaml
 
-from tests.fuzz.adapters import _adapter_files, _adapter_plan_text
-from tests.fuzz.core import BASE_ARGS, GUARD_NAME, Base, Case, _yaml
+from tests.fuzz.adapters import adapter_files, adapter_plan_text
+from tests.fuzz.core import BASE_ARGS, GUARD_NAME, Base, Case, yaml_text
 
 #: (flag, values, values that are invalid) for make --concurrency: the flags a serving plan reads, and those it
 #: does not (--tokens, --sequences) but checks all the same
@@ -165,8 +165,8 @@ def gen_sections(rng, base_: Base) -> Case:
     """A serving or adapters plan with one field of its serving, workload, memory, prediction or adapters section
     null or wrong, or with a contradiction across fields; read by show, export (all targets), diff or check."""
     adapters = rng.random() < 0.4
-    plan = yaml.safe_load(_adapter_plan_text()) if adapters else json.loads(json.dumps(base_.serving_plan))
-    files = dict(_adapter_files()) if adapters else {}
+    plan = yaml.safe_load(adapter_plan_text()) if adapters else json.loads(json.dumps(base_.serving_plan))
+    files = dict(adapter_files()) if adapters else {}
     if rng.random() < 0.5:
         edits = _adapter_contradictions(plan) if adapters else _serving_contradictions(plan)
         mutation, edit = rng.choice(edits)
@@ -182,6 +182,6 @@ def gen_sections(rng, base_: Base) -> Case:
         key = rng.choice(sorted(k for k in section if k not in ("items", "points")))
         mutation, invalid = _edit_field(rng, section, key)
         mutation = f"{where}: {mutation}"
-    files["plan.yaml"] = _yaml(plan).encode()
+    files["plan.yaml"] = yaml_text(plan).encode()
     return Case(family="sections", mutation=mutation, args=list(rng.choice(SECTION_COMMANDS)), invalid=invalid,
                 files=files)

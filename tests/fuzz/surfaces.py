@@ -3,8 +3,8 @@ through every reader), trace's flags and output, header-checkpoint's config, and
 at one of its inputs.
 """
 
-from tests.fuzz.adapters import ADAPTER_ARGS, _adapter_files
-from tests.fuzz.core import BASE_ARGS, GUARD_NAME, Base, Case, _json, _yaml
+from tests.fuzz.adapters import ADAPTER_ARGS, adapter_files
+from tests.fuzz.core import BASE_ARGS, GUARD_NAME, Base, Case, json_bytes, yaml_text
 from tests.fuzz.roundtrip import READERS
 
 #: a GPU link, which make --tp prices its all-reduces over
@@ -12,7 +12,7 @@ LINK = {"value": 4.5e11, "source": "assumed", "note": "a test link"}
 
 
 def _linked_profile(base_: Base) -> bytes:
-    return _yaml(dict(base_.profile, gpu_link_bytes_per_s=LINK)).encode()
+    return yaml_text(dict(base_.profile, gpu_link_bytes_per_s=LINK)).encode()
 
 
 # ---- tensor parallel ------------------------------------------------------------------------------------------
@@ -43,7 +43,7 @@ def gen_tp(rng, base_: Base) -> Case:
         name, edit, bad = rng.choice(TP_CONFIGS)
         config = {key: val for key, val in {**(base_.moe if moe else base_.dense).config, **edit}.items()
                   if val is not None}
-        files["ckpt/config.json"] = _json(config)
+        files["ckpt/config.json"] = json_bytes(config)
         invalid = invalid or (bad and value not in ("1",))
         mutation += f" {name}"
     # always a budget or a serving target: make's default budget against check is another change's
@@ -104,7 +104,7 @@ def gen_trace_cli(rng, base_: Base) -> Case:
     files = {"prompts.txt": rng.choice((b"hello world\n", b"", b"\n\n", b"\xff\xfe"))}
     if rng.random() < 0.5:
         name, edit = rng.choice(TRACE_CONFIGS)
-        files["ckpt/config.json"] = _json({**base_.moe.config, **edit})
+        files["ckpt/config.json"] = json_bytes({**base_.moe.config, **edit})
         names.append(name)
     return Case(family="trace_cli", mutation=", ".join(names) or "plain", args=args, invalid=True, files=files,
                 moe=True)
@@ -144,7 +144,7 @@ def gen_header_checkpoint(rng, base_: Base) -> Case:
     then = ((*BASE_ARGS[:2], output, *BASE_ARGS[3:], "--budget", "1MB", "-o", "new.yaml"),
             *(tuple(reader) for reader in READERS if reader[0] not in ("diff",)))
     return Case(family="header_checkpoint", mutation=f"{name} -> {output}", invalid=invalid,
-                args=["header-checkpoint", "config.json", output], files={"config.json": _json(config)},
+                args=["header-checkpoint", "config.json", output], files={"config.json": json_bytes(config)},
                 then=tuple(list(command) for command in then))
 
 
@@ -159,8 +159,8 @@ OUTPUT_CASES = (
     ("make -o ./profile", [*BASE_ARGS, "-o", "./gpu.yaml"], {}),
     ("make -o trace", [*BASE_ARGS, "--context", "64", "--concurrency", "4", "--routing-trace", "plan.yaml", "-o",
                        "plan.yaml"], {}),
-    ("make -o adapter config", [*BASE_ARGS, *ADAPTER_ARGS, "-o", "ad/adapter_config.json"], _adapter_files()),
-    ("make -o adapter weights", [*BASE_ARGS, *ADAPTER_ARGS, "-o", "ad/adapter_model.safetensors"], _adapter_files()),
+    ("make -o adapter config", [*BASE_ARGS, *ADAPTER_ARGS, "-o", "ad/adapter_config.json"], adapter_files()),
+    ("make -o adapter weights", [*BASE_ARGS, *ADAPTER_ARGS, "-o", "ad/adapter_model.safetensors"], adapter_files()),
     ("make --tp -o profile", ["make", "-m", "ckpt", "-g", "p.tp4.yaml", "--tp", "2,4", "-o", "p.yaml"], None),
     ("make -o link to profile", [*BASE_ARGS, "-o", "link.yaml"], {"link.yaml": "link-to:gpu.yaml"}),
     ("trace -o prompts", [*TRACE, "-o", "prompts.txt"], {"prompts.txt": b"hello\n"}),

@@ -6,7 +6,7 @@ takes (the round trip); every other case is one line of error."""
 import tempfile
 from pathlib import Path
 
-from tests.fuzz.core import BASE_ARGS, GUARD_NAME, SPECIAL_KINDS, Base, Case, _yaml
+from tests.fuzz.core import BASE_ARGS, GUARD_NAME, SPECIAL_KINDS, Base, Case, yaml_text
 
 TRACE = "trace.yaml"
 #: a serving plan over the traced model: --routing-trace is read and checked against it
@@ -278,17 +278,17 @@ def gen_traces(rng, base_: Base) -> Case:
                     "-o", "new.yaml"]
             mutation += " " + " ".join(args[len(MAKE_ARGS):-2])
             then = tuple(list(reader) for reader in READERS)
-        data = _yaml(trace).encode()
+        data = yaml_text(trace).encode()
     elif roll < 0.35:
-        mutation, data = _text_mutation(rng, _yaml(trace))
+        mutation, data = _text_mutation(rng, yaml_text(trace))
     elif roll < 0.45:
         kind = rng.choice(SPECIAL_KINDS)
         mutation, data, special = f"special: {kind}", b"", {TRACE: kind}
     elif roll < 0.5:
-        mutation, data, moe = "dense model", _yaml(trace).encode(), False
+        mutation, data, moe = "dense model", yaml_text(trace).encode(), False
     else:
         mutation, data = rng.choice(TRACE_MUTATIONS)(rng, trace), None
-        data = _yaml(trace).encode()
+        data = yaml_text(trace).encode()
     files = {} if special else {TRACE: data}
     return Case(family="traces", mutation=mutation, args=args, invalid=invalid, files=files, moe=moe,
                 special=special, then=then)

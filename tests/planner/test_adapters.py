@@ -339,7 +339,7 @@ def test_hub_adapter_is_read_from_the_cache_offline(base, workdir, tmp_path_fact
     """An adapter named by hub id reads its config and header from the Hugging Face cache (HF_HUB_OFFLINE=1),
     records the commit, and plans like the same folder given locally; a cache without the weights is one line."""
     from tests.conftest import cli_env, run_cli
-    from tests.conftest import HUB_COMMIT, cache_hub_repo
+    from tests.helpers import HUB_COMMIT, cache_hub_repo
 
     cache = tmp_path_factory.mktemp("hf") / "hub"
     cache_hub_repo(cache, "org/lora", workdir / "ad" / "b")

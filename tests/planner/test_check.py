@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from tests.conftest import ERROR_PREFIX, invoke, make_checkpoint
-from tests.plan_cli import INFEASIBLE, MODEL, OK, PLAN, STALE, _edit, _make
+from tests.plan_cli import INFEASIBLE, MODEL, OK, PLAN, STALE, cli_make, replace_once
 
 
 def _check(*args):
@@ -34,7 +34,7 @@ def test_check_passes_on_a_fresh_plan(dense):
 
 
 def test_check_fails_on_an_edited_plan_with_diff_and_fix(dense):
-    _edit("plan.yaml", f"prefetch_step: {dense['offload']['prefetch_step']}\n  params",
+    replace_once("plan.yaml", f"prefetch_step: {dense['offload']['prefetch_step']}\n  params",
           f"prefetch_step: {dense['offload']['prefetch_step'] + 1}\n  params")
     result = _check("plan.yaml")
     last = _assert_failed(result, STALE)
@@ -48,7 +48,7 @@ def test_check_fails_on_an_edited_plan_with_diff_and_fix(dense):
 
 def test_check_update_rewrites_the_plan(dense):
     original = open("plan.yaml").read()
-    _edit("plan.yaml", "step_ms:", "step_ms: 1.0\n  old_step_ms:")  # not even a valid plan key any more
+    replace_once("plan.yaml", "step_ms:", "step_ms: 1.0\n  old_step_ms:")  # not even a valid plan key any more
     assert _check("plan.yaml").exit_code == PLAN  # invalid files cannot be regenerated from their inputs
     open("plan.yaml", "w").write(original.replace("tokens_per_step: 2048", "tokens_per_step: 2048 ", 1))
     result = _check("--update", "plan.yaml")
@@ -60,8 +60,8 @@ def test_check_update_rewrites_the_plan(dense):
 
 def test_check_fails_when_the_profile_changes(workdir, own_profile):
     make_checkpoint(workdir / "ckpt", num_layers=8, num_shards=3)
-    _make(["--gpu", "my-gpu.yaml", "--budget", "500KB"])
-    _edit(own_profile, "value: 1.0e+9", "value: 2.0e+9")  # a faster host link
+    cli_make(["--gpu", "my-gpu.yaml", "--budget", "500KB"])
+    replace_once(own_profile, "value: 1.0e+9", "value: 2.0e+9")  # a faster host link
     result = _check("plan.yaml")
     _assert_failed(result, STALE)
     assert "-  h2d_bytes_per_s: 1000000000.0\n+  h2d_bytes_per_s: 2000000000.0\n" in result.stdout
@@ -69,10 +69,10 @@ def test_check_fails_when_the_profile_changes(workdir, own_profile):
 
 def test_check_fails_when_the_plan_no_longer_fits(workdir, own_profile):
     make_checkpoint(workdir / "ckpt", num_layers=8, num_shards=3)
-    _make(["--gpu", "my-gpu.yaml", "--budget", "500KB"])
+    cli_make(["--gpu", "my-gpu.yaml", "--budget", "500KB"])
     # 400 KB of memory less 100 MB reserve is refused by the profile itself; shrink memory and reserve together
-    _edit(own_profile, "value: 1000000000\n", "value: 400000\n")
-    _edit(own_profile, "value: 100000000\n", "value: 100000\n")
+    replace_once(own_profile, "value: 1000000000\n", "value: 400000\n")
+    replace_once(own_profile, "value: 100000000\n", "value: 100000\n")
     result = _check("--json", "plan.yaml")
     assert result.exit_code == INFEASIBLE
     (entry,) = json.loads(result.stdout)
@@ -85,8 +85,8 @@ def test_check_passes_a_plan_made_without_a_budget(workdir, own_profile):
     """make's whole-GPU default (no --budget) gives the weights what the KV cache, activations and CUDA context
     leave, past the profile's reserve; check holds that plan to the same rule, not to memory less reserve."""
     make_checkpoint(workdir / "ckpt", num_layers=8, num_shards=3)
-    _edit(own_profile, "value: 100000000\n", "value: 500000000\n")  # a reserve the whole-GPU budget passes
-    plan = _make(["--gpu", "my-gpu.yaml", "--context", "64"])
+    replace_once(own_profile, "value: 100000000\n", "value: 500000000\n")  # a reserve the whole-GPU budget passes
+    plan = cli_make(["--gpu", "my-gpu.yaml", "--context", "64"])
     reserve_limit = 1_000_000_000 - 500_000_000
     assert plan["memory"]["budget_bytes"] > reserve_limit  # the case check refused before
     assert _check("plan.yaml").exit_code == OK
@@ -96,9 +96,9 @@ def test_check_fix_command_refits_a_plan_made_without_a_budget(workdir, own_prof
     """A whole-GPU plan whose profile shrank fails check as not fitting; the fix command check prints writes a plan
     that passes, and so does check --update."""
     make_checkpoint(workdir / "ckpt", num_layers=8, num_shards=3)
-    _make(["--gpu", "my-gpu.yaml", "--context", "64"])
+    cli_make(["--gpu", "my-gpu.yaml", "--context", "64"])
     shutil.copy("plan.yaml", "copy.yaml")
-    _edit(own_profile, "value: 1000000000\n", "value: 900000000\n")
+    replace_once(own_profile, "value: 1000000000\n", "value: 900000000\n")
     result = _check("--json", "plan.yaml")
     assert result.exit_code == INFEASIBLE, result.stderr
     (entry,) = json.loads(result.stdout)

@@ -4,11 +4,11 @@ import json
 
 
 from tests.conftest import invoke, make_checkpoint
-from tests.plan_cli import MOE, _edit, _make
+from tests.plan_cli import MOE, cli_make, replace_once
 
 
 def test_diff_of_two_budgets(dense, test_gpu):
-    fits = _make(["--gpu", test_gpu], output="fits.yaml")
+    fits = cli_make(["--gpu", test_gpu], output="fits.yaml")
     result = invoke(["diff", "plan.yaml", "fits.yaml", "--json"])
     assert result.exit_code == 0, result.stderr
     data = json.loads(result.stdout)
@@ -38,8 +38,8 @@ def test_diff_of_identical_plans_says_nothing_moved(dense):
 
 def test_diff_of_different_models_and_hardware(dense, workdir, own_profile):
     make_checkpoint(workdir / "other", num_layers=8, num_shards=1, moe=MOE)
-    _edit(own_profile, "name: test-gpu", "name: my-gpu")
-    _make(["--gpu", "my-gpu.yaml", "--budget", "500KB", "--params", "experts"], output="moe.yaml", model="other")
+    replace_once(own_profile, "name: test-gpu", "name: my-gpu")
+    cli_make(["--gpu", "my-gpu.yaml", "--budget", "500KB", "--params", "experts"], output="moe.yaml", model="other")
     data = json.loads(invoke(["diff", "plan.yaml", "moe.yaml", "--json"]).stdout)
     assert data["same_model"] is False
     assert (data["hardware"]["old"], data["hardware"]["new"]) == ("test-gpu", "my-gpu")

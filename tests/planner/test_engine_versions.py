@@ -8,7 +8,7 @@ import pytest
 from planner.engines.versions import ENGINE_VERSIONS, MLA_ARCHITECTURES, FlagSpec, engine_version, split_flags
 from planner.errors import UsageError
 from tests.conftest import invoke, make_checkpoint
-from tests.plan_cli import MOE, _make
+from tests.plan_cli import MOE, cli_make
 
 
 def test_the_newest_pinned_version_is_the_default():
@@ -50,7 +50,7 @@ def test_vllm_block_size_of_an_mla_model_is_64(workdir, test_gpu):
     for architecture, block in (("DeepseekV3ForCausalLM", "64"), ("Qwen3MoeForCausalLM", "16")):
         make_checkpoint(workdir / architecture, num_layers=4, num_shards=2, moe=MOE,
                         extra_config={"architectures": [architecture]})
-        _make(["--gpu", "roomy.yaml", "--concurrency", "2", "--context", "100"], model=architecture,
+        cli_make(["--gpu", "roomy.yaml", "--concurrency", "2", "--context", "100"], model=architecture,
               output=f"{architecture}.yaml")
         data = json.loads(invoke(["export", f"{architecture}.yaml", "--to", "vllm", "--json"]).stdout)
         flags = data["flags"]

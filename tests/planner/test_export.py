@@ -7,7 +7,7 @@ import re
 import pytest
 
 from tests.conftest import TEST_GPU_FILE, invoke, make_checkpoint
-from tests.plan_cli import MOE, PLAN, _edit, _make
+from tests.plan_cli import MOE, PLAN, cli_make as _make, replace_once as _edit
 
 
 def _export(*args):

@@ -7,8 +7,8 @@ import time
 import pytest
 import yaml
 
-from tests.conftest import (HUB_COMMIT, TEST_GPU, assert_one_line_error, cache_hub_repo, cli_env, invoke,
-                            make_checkpoint, run_cli)
+from tests.conftest import TEST_GPU, assert_one_line_error, cli_env, invoke, make_checkpoint, run_cli
+from tests.helpers import HUB_COMMIT, cache_hub_repo
 
 
 def _plan(workdir, args, env):

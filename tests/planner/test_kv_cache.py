@@ -12,6 +12,7 @@ import pytest
 
 from planner.errors import ModelInputError
 from planner.model.kv_cache import SUPPORTED_MODEL_TYPES, kv_cache_model
+from tests.helpers import cache_tensors, transformers_cache_difference
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 REAL_CONFIGS = sorted([*REPO_ROOT.glob("plans/models/*/config.json"), *REPO_ROOT.glob("examples/*/config.json")])
@@ -261,47 +262,12 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 
-def _cache_tensors(cache) -> list[tuple[int, str, "torch.Tensor"]]:
-    """(layer, what, tensor) of every tensor a transformers cache holds."""
-    out = []
-    for index, layer in enumerate(cache.layers):
-        for name in ("keys", "values"):
-            tensor = getattr(layer, name, None)
-            if isinstance(tensor, torch.Tensor) and tensor.numel():
-                out.append((index, name, tensor))
-        for name in ("conv_states", "recurrent_states"):
-            for tensor in (getattr(layer, name, None) or {}).values():
-                if isinstance(tensor, torch.Tensor):
-                    out.append((index, name, tensor))
-    return out
-
-
 def _tiny_model(model_type: str, config: dict):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
     hf_config = AutoConfig.for_model(model_type, **config)
     return AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).eval()
-
-
-def _transformers_difference(model, cache, num_sequences: int, context: int) -> int:
-    """Bytes the engines allocate that transformers does not (positive) for this cache, with the reason.
-
-    - Sliding layers: transformers' DynamicSlidingWindowLayer keeps window - 1 tokens (the new token completes
-      the window); vLLM's SlidingWindowSpec and SGLang's SWA pool size a sequence's window at ``window``.
-    - Latent layers: transformers before 5.2 cached the decompressed K (heads x (nope + rope)) and V; since then
-      it caches the latent as the engines do. The older layout is computed from its cached shapes.
-    """
-    difference = 0
-    for layer in model.layers:
-        if layer.kind == "sliding" and context >= layer.window_tokens:
-            difference += num_sequences * layer.elements_per_token * 2
-        if layer.kind == "latent":
-            keys = cache.layers[layer.layer_index].keys
-            if keys.shape[1] != 1:  # decompressed per-head K and V
-                held = keys.numel() + cache.layers[layer.layer_index].values.numel()
-                difference += num_sequences * context * layer.latent_dims * 2 - held * 2
-    return difference
 
 
 @pytest.fixture(params=sorted(TINY_CONFIGS), scope="module")
@@ -322,7 +288,7 @@ def test_every_supported_family_is_held_to_transformers():
 @pytest.mark.parametrize("num_sequences, prompt", [(1, 5), (3, 12), (2, 20)])
 def test_cache_bytes_match_transformers(family, config_source, num_sequences, prompt):
     """Prefill ``prompt`` tokens (below and above the window of 8), then one decode step: every cached tensor's
-    bytes equal the model's prediction, less the differences stated in ``_transformers_difference``.
+    bytes equal the model's prediction, less the differences stated in ``transformers_cache_difference``.
 
     ``raw``: the config.json an older checkpoint writes (the planner derives layer types); ``saved``: what
     transformers' own ``save_pretrained`` writes now (with layer_types and every default spelled out)."""
@@ -340,10 +306,10 @@ def test_cache_bytes_match_transformers(family, config_source, num_sequences, pr
         for context in (prompt, prompt + 1):
             if context > prompt:
                 model(input_ids=ids[:, :1], use_cache=True, **cache_argument(model, cache))
-            held = sum(t.numel() * t.element_size() for _, _, t in _cache_tensors(cache))
+            held = sum(t.numel() * t.element_size() for _, _, t in cache_tensors(cache))
             expected = planned.cache_bytes(num_sequences=num_sequences, context_tokens=context, kv_dtype="auto")
-            assert held + _transformers_difference(planned, cache, num_sequences, context) == expected, (
-                model_type, context, [(i, n, tuple(t.shape), t.dtype) for i, n, t in _cache_tensors(cache)])
+            assert held + transformers_cache_difference(planned, cache, num_sequences, context) == expected, (
+                model_type, context, [(i, n, tuple(t.shape), t.dtype) for i, n, t in cache_tensors(cache)])
 
 
 def test_state_layers_do_not_grow(family):

@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from tests.config_classes import causal_lm_model_types, tiny_config, written  # noqa: E402
-from tests.planner.test_kv_cache import _cache_tensors, _transformers_difference  # noqa: E402
+from tests.helpers import cache_tensors, transformers_cache_difference  # noqa: E402
 
 WINDOW_TOKENS = 4
 PROMPT_TOKENS = 6
@@ -60,10 +60,10 @@ def compare(model_type: str) -> str:
         cache = _cache_of(config)
     except NotRun as error:
         return f"not run: {error}"
-    tensors = _cache_tensors(cache) if hasattr(cache, "layers") else []
+    tensors = cache_tensors(cache) if hasattr(cache, "layers") else []
     held = sum(t.numel() * t.element_size() for _, _, t in tensors)
     expected = planned.cache_bytes(num_sequences=NUM_SEQUENCES, context_tokens=PROMPT_TOKENS, kv_dtype="auto")
-    difference = _transformers_difference(planned, cache, NUM_SEQUENCES, PROMPT_TOKENS) if tensors else 0
+    difference = transformers_cache_difference(planned, cache, NUM_SEQUENCES, PROMPT_TOKENS) if tensors else 0
     assert held + difference == expected, (model_type, held, difference, expected, type(cache).__name__,
                                            [(i, n, tuple(t.shape)) for i, n, t in tensors][:6])
     return f"equal ({expected} bytes)"

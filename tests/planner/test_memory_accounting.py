@@ -9,7 +9,7 @@ from planner.errors import InfeasibleError
 from planner.make.make_plan import make_plan
 from planner.plan.schema import Inputs
 from tests.conftest import TEST_GPU_FILE, invoke, make_checkpoint
-from tests.plan_cli import _make
+from tests.plan_cli import cli_make
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -56,10 +56,11 @@ def test_grace_profiles_check_host_memory(workdir, test_gpu):
     """Pinned params must fit the host memory: from the profile (Grace superchips have one figure) or
     --host-memory, recorded in the plan and in its regenerating command."""
     make_checkpoint(workdir / "ckpt", num_layers=8, num_shards=3)
-    plan = _make(["--gpu", test_gpu, "--budget", "500KB", "--host-memory", "1MB"])
+    plan = cli_make(["--gpu", test_gpu, "--budget", "500KB", "--host-memory", "1MB"])
     assert plan["hardware"]["host_memory_bytes"] == 1_000_000 and plan["inputs"]["host_memory"] == "1MB"
     assert "--host-memory 1MB" in (workdir / "plan.yaml").read_text().splitlines()[1]
-    assert _make(["--gpu", test_gpu, "--budget", "500KB"], output="free.yaml")["hardware"]["host_memory_bytes"] is None
+    free = cli_make(["--gpu", test_gpu, "--budget", "500KB"], output="free.yaml")
+    assert free["hardware"]["host_memory_bytes"] is None
     (workdir / "small-host.yaml").write_text(
         TEST_GPU_FILE.read_text() + "host_memory_bytes:\n  value: 50000\n  source: assumed\n  note: a tiny host\n")
     result = invoke(["make", "--model", "ckpt", "--gpu", "small-host.yaml", "--budget", "500KB"])

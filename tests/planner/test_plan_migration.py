@@ -3,7 +3,7 @@
 import yaml
 
 from tests.conftest import DATA_DIR as TESTS_DATA, invoke
-from tests.contract.test_golden import _make
+from tests.helpers import make_golden_plan
 
 
 def test_schema_1_plans_are_read_upgraded_and_checked_stale(workdir, test_gpu):
@@ -14,7 +14,7 @@ def test_schema_1_plans_are_read_upgraded_and_checked_stale(workdir, test_gpu):
     old_text = (workdir.parent / "schema-1.yaml")
     old_text.write_text((TESTS_DATA / "schema-1-moe-experts.yaml").read_text())
     assert yaml.safe_load(old_text.read_text())["schema_version"] == 1
-    current = yaml.safe_load(_make(workdir, test_gpu, "moe-experts"))
+    current = yaml.safe_load(make_golden_plan(workdir, test_gpu, "moe-experts"))
     upgraded = read_plan(old_text)
     assert upgraded.schema_version == 2 and upgraded.offload.replay_start_copies == 0
     h2d_bytes_per_ms = current["hardware"]["h2d_bytes_per_s"] / 1e3

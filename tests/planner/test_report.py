@@ -51,8 +51,8 @@ def _regime_plans() -> dict[str, str]:
     from pathlib import Path
 
     from tests.fuzz import BASE_ARGS, base
-    from tests.fuzz.adapters import _adapter_plan_text
-    from tests.fuzz.core import _yaml, invoke_cli_in
+    from tests.fuzz.adapters import adapter_plan_text as _adapter_plan_text
+    from tests.fuzz.core import invoke_cli_in, yaml_text as _yaml
 
     plans = {"offloaded": base().plan_text, "experts-graph": base().graph_plan_text,
              "serving": base().serving_plan_text, "adapters": _adapter_plan_text()}

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.contract.test_fuzz_regressions import ALIAS_BOMB, DEEP
+from tests.fuzz import ALIAS_BOMB, DEEP
 
 
 def test_yaml_alias_bomb_and_deep_document_refused_in_well_under_a_second():

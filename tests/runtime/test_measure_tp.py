@@ -17,7 +17,7 @@ from planner.plan.schema import Inputs
 from planner.plan.file import read_plan
 from scripts import bench_tp
 from tests.conftest import REPO_ROOT, assert_one_line_error, invoke
-from tests.scripts.test_bench_tp import _tiny
+from tests.helpers import tiny_bench_tp_config as _tiny
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -18,7 +18,7 @@ def _mistral(folder, window: int = 8):
     """Mistral with a window: every layer slides (no layer_types in its config)."""
     from transformers import AutoModelForCausalLM, MistralConfig
 
-    from tests.runtime_models import _save
+    from tests.runtime_models import save_random as _save
 
     config = MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                            num_attention_heads=4, num_key_value_heads=2, sliding_window=window)

@@ -322,7 +322,7 @@ def test_a_hub_repo_not_in_the_cache_says_how_to_fetch_it(tmp_path, monkeypatch)
 def test_a_hub_repo_in_the_cache_loads_from_its_snapshot(checkpoints, tmp_path, monkeypatch):
     from huggingface_hub import constants
 
-    from tests.conftest import HUB_COMMIT, cache_hub_repo
+    from tests.helpers import HUB_COMMIT, cache_hub_repo
 
     cache = tmp_path / "hub"
     snapshot = cache_hub_repo(cache, "org/tiny", checkpoints("llama"), blobs=True)
@@ -726,7 +726,7 @@ def test_per_expert_tensors_land_in_the_fused_params_in_expert_order(tmp_path):
 
     from runtime.checkpoint_reader import checkpoint_files, read_sources
     from runtime.skeleton import plan_reads
-    from tests.runtime_models import _save
+    from tests.runtime_models import save_random as _save
 
     config = Qwen3MoeConfig(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,

@@ -11,15 +11,11 @@ import pytest
 
 from scripts import bench_tp
 from tests.conftest import REPO_ROOT
+from tests.helpers import tiny_bench_tp_config
 from tests.vllm_shards import llama_rank_bytes, qwen3_moe_rank_bytes
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-
-
-def _tiny(name: str, vocab_size: int = 1024) -> dict:
-    """The bench's shape, shrunk to build in a second on the CPU."""
-    return dict(bench_tp.shape_config(name, tiny=True), vocab_size=vocab_size)
 
 
 def _save(config_values: dict, folder) -> None:
@@ -30,7 +26,7 @@ def _save(config_values: dict, folder) -> None:
 
 @pytest.mark.parametrize("name, expected", [("llama", llama_rank_bytes), ("qwen3_moe", qwen3_moe_rank_bytes)])
 def test_plan_rank_of_a_transformers_checkpoint_is_vllms_sharding(tmp_path, name, expected):
-    values = _tiny(name)
+    values = tiny_bench_tp_config(name)
     _save(values, tmp_path / name)
     planned = bench_tp.plan_rank(tmp_path / name, "h100-sxm", 512)
     assert planned["num_offloaded"] == 0 and planned["step_ms"] > 0
