@@ -333,7 +333,7 @@ def _prediction_figures(plan: Plan) -> str | None:
     decode, routed = _is_decode(plan), bool(routed_rows(plan))
     if routed and decode:
         copied = sum(row.expected_fetched_bytes for row in routed_rows(plan).values())
-    elif routed:
+    elif routed or plan.offload.mechanism == "read_at_use":  # read at use: every offloaded byte, every step
         copied = sum(row.offloaded_bytes for row in plan.layers)
     else:  # a layer alone in its slot stays there: copied once at load, not every step
         from planner.search.schedule import PrefetchSchedule
