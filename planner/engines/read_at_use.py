@@ -240,3 +240,27 @@ def engine_limits(plan) -> str:
     """What make --for held a read-at-use plan to, for show's verdict."""
     return (f"--cpu-offload-gb, the offloader it wires for {plan.model.architecture}: params read at use, no "
             "prefetch")
+
+
+def read_at_use_rule(plan) -> str | None:
+    """The reader's rule for a read-at-use plan ("field value: why", None when kept): made by make --for, its
+    layers the first ones, each but the last moved whole, the GiB reached by them and not before the last."""
+    offload = plan.offload
+    if offload.mechanism != READ_AT_USE:
+        return None
+    if plan.inputs.engine is None:
+        return "offload.mechanism read_at_use but inputs.engine is null (make --for ENGINE writes it)"
+    layers, rows = offload.layers, plan.layers
+    if layers != tuple(range(len(layers))):
+        return f"offload.layers {list(layers)} are not the first layers, which read_at_use fills in order"
+    if layers and (offload.group_size, offload.num_in_group, offload.prefetch_step) != (1, 1, 1):
+        return "offload.group_size, num_in_group and prefetch_step are 1 for read_at_use (one layer at a time)"
+    moved = [rows[i].offloaded_bytes for i in layers]
+    if any(rows[i].offloaded_bytes != rows[i].bytes for i in layers[:-1]):
+        return "layers[].offloaded_bytes: read_at_use moves every layer but the last of offload.layers whole"
+    limit = offload.read_at_use_gib * GIB
+    reached = sum(moved) >= limit or len(layers) == len(rows)
+    if not reached or (layers and sum(moved[:-1]) >= limit):
+        return (f"offload.read_at_use_gib {offload.read_at_use_gib} is not what offload.layers hold "
+                f"({format_bytes(sum(moved))}: the engine stops at the layer that reaches it)")
+    return None

@@ -180,3 +180,22 @@ def test_an_unwired_family_is_still_refused(tmp_path):
     result = run_cli(["make", "--model", "ckpt", "--gpu", "h100-sxm", "--budget", "1MiB", "--for", "sglang"],
                      cwd=tmp_path)
     assert_one_line_error(result.returncode, result.stderr, contains=("offloads none of the weights",))
+
+
+@pytest.mark.parametrize(("old", "new", "words"), [
+    ("read_at_use_gib: 3", "read_at_use_gib: 1", "is not what offload.layers hold"),
+    ("  engine: sglang", "  engine: null", "inputs.engine is null"),
+    ("layers: [0, 1, 2]", "layers: [1, 2]", "are not the first layers"),
+])
+def test_a_hand_edited_read_at_use_plan_is_refused_in_one_line(workdir, test_gpu, old, new, words):
+    make_checkpoint(workdir / "ckpt", num_layers=6, hidden=4096, intermediate=14336, num_heads=32, num_kv_heads=8,
+                    data=False, moe={**MOE, "expert_intermediate": 14336})
+    gpu = _roomy_gpu(workdir, test_gpu)
+    assert invoke(["make", "--model", "ckpt", "--gpu", gpu, "--gpu-memory", "8GB", "--concurrency", "4",
+                   "--context", "2048", "--for", "sglang", "-o", "plan.yaml"]).exit_code == 0
+    text = (workdir / "plan.yaml").read_text()
+    assert old in text
+    (workdir / "edited.yaml").write_text(text.replace(old, new, 1))
+    result = run_cli(["show", "edited.yaml"], cwd=workdir)
+    assert_one_line_error(result.returncode, result.stderr, contains=(words,))
+
