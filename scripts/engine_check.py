@@ -3,8 +3,9 @@
 The corpus is every checked-in plan (plans/*.yaml) and a set of generated plans, made with make over the
 header-only checkpoints the repository writes (scripts/real_checkpoints.py's public configs and examples/*):
 weights plans at several budgets (whole layers, --params experts, CUDA graphs), serving plans (contexts,
-concurrency, FP8 KV cache), make --tp plans and plans with LoRA adapters (header-only PEFT folders). Each is
-exported to vLLM and SGLang at its own TP and, for a one-GPU plan, at --tp 2.
+concurrency, FP8 KV cache), make --tp plans, plans with LoRA adapters (header-only PEFT folders) and plans made
+with make --for each engine (SGLang's --cpu-offload-gb plans among them). Each is exported to vLLM and SGLang at
+its own TP and, for a one-GPU plan, at --tp 2 (a make --for plan is refused for another engine or TP: counted).
 
 Two checks:
 
@@ -126,7 +127,8 @@ def write_adapters(model: Path, work: Path, count: int) -> tuple[str, ...]:
 def plan_inputs(name: str, folder: Path, work: Path) -> list:
     """The generated plans' Inputs for one model: weights plans at four budget shares (whole layers and, for a
     MoE model, --params experts; one with CUDA graphs), serving plans on three GPUs and contexts (one with an
-    FP8 KV cache), make --tp 2/4/8 plans and, for a Llama/Qwen-style model, plans with 1 and 3 adapters."""
+    FP8 KV cache), make --tp 2/4/8 plans, make --for each engine (planned_for_engines) and, for a Llama/Qwen-style
+    model, plans with 1 and 3 adapters."""
     from planner.source.checkpoint import load_checkpoint
     from planner.plan.schema import Inputs
 
@@ -150,10 +152,29 @@ def plan_inputs(name: str, folder: Path, work: Path) -> list:
     for tp in (2, 4, 8):
         inputs.append(replace(base, tp=tp, budget=f"{max(1, int(total_gib / tp * 0.5))}GiB"))
         inputs.append(replace(base, tp=tp, concurrency="auto", context=8192))
+    inputs += planned_for_engines(base, checkpoint.config, total_gib)
     if not moe and any(name.endswith("q_proj.weight") for name in (e.name for e in checkpoint.tensors)):
         for count in (1, 3):
             adapters = write_adapters(folder, work, count)
             inputs.append(replace(base, adapters=adapters, concurrency="8", context=4096))
+    return inputs
+
+
+def planned_for_engines(base, config: dict, total_gib: float) -> list:
+    """make --for each engine: weights plans at two budget shares, a CUDA-graph serving plan and a make --tp 2
+    serving plan. For SGLang these are --cpu-offload-gb plans (offload.mechanism read_at_use) except for the
+    family its prefetch offloader is wired for (DeepSeek: --params experts, which its model code fixes)."""
+    from planner.engines.read_at_use import architecture_of
+    from planner.engines.versions import ENGINE_VERSIONS, engine_version
+
+    inputs = []
+    for engine in ENGINE_VERSIONS:
+        fixed = dict(engine_version(engine).prefetch.fixed_selection).get(architecture_of(config))
+        engine_base = replace(base, engine=engine, params=(fixed,) if fixed else ())
+        for share in (0.25, 0.6):
+            inputs.append(replace(engine_base, budget=f"{max(1, int(total_gib * share))}GiB"))
+        inputs.append(replace(engine_base, concurrency="auto", context=8192, cuda_graph=True))
+        inputs.append(replace(engine_base, tp=2, concurrency="auto", context=8192))
     return inputs
 
 

@@ -29,6 +29,7 @@ SGLang (python/sglang/srt/model_executor/model_runner.py, ModelRunner):
 import math
 from dataclasses import dataclass
 
+from planner.engines.read_at_use import READ_AT_USE
 from planner.plan.schema import Plan
 from planner.search.serving import DECODE_ROOM_TOKENS, NCCL_BYTES_PER_RANK
 from planner.units import format_bytes
@@ -106,9 +107,12 @@ def sglang_memory(plan: Plan, tp_size: int, divisor: int | None = None,
     divisor = tp_size if divisor is None else divisor
     per_token = token_bytes(plan, divisor)
     needed = workload.concurrency * workload.context_tokens
-    weights = math.ceil(memory.gpu_bytes / divisor)
+    # read at use (--cpu-offload-gb): one layer's copies are allocated inside its forward, after the weights are
+    # loaded and the pool is sized, so they come out of the rest as the activations do
+    transient = memory.num_slots * memory.slot_bytes if plan.offload.mechanism == READ_AT_USE else 0
+    weights = math.ceil((memory.gpu_bytes - transient) / divisor)
     free_at_start = plan.hardware.gpu_memory_bytes - startup_bytes(plan, tp_size)
-    outside = math.ceil(((memory.activation_bytes or 0) + memory.cuda_graph_pool_bytes) / divisor)
+    outside = math.ceil(((memory.activation_bytes or 0) + memory.cuda_graph_pool_bytes + transient) / divisor)
     max_share = _floor_share(1 - outside / free_at_start) if free_at_start > 0 else 0.0
     share = _positive(min(_ceil_share((weights + needed * per_token) / free_at_start), max_share)
                       if free_at_start > 0 else 0.0)

@@ -187,9 +187,12 @@ def engine_input_warnings(engine: str | None, params: tuple[str, ...]) -> list[s
     return warnings
 
 
-def check_engine_architecture(engine: str | None, params: tuple[str, ...], config: dict | None) -> None:
+def check_engine_architecture(engine: str | None, params: tuple[str, ...], config: dict | None,
+                              pinned: tuple[str, ...] = ()) -> None:
     """make --for: plan within what the newest pinned engine version wires for the model's family: its prefetch
-    offloader, with the selection its model code fixes (SGLang's DeepSeek-V2/V3: the experts)."""
+    offloader, with the selection its model code fixes (SGLang's DeepSeek-V2/V3: the experts), or where that is
+    not wired its read-at-use offloader (SGLang's --cpu-offload-gb), which takes neither a selection nor G, K, P
+    (``pinned``: the knob flags given)."""
     if engine is None:
         return
     architecture = ((config or {}).get("architectures") or [None])[0]
@@ -201,8 +204,11 @@ def check_engine_architecture(engine: str | None, params: tuple[str, ...], confi
     if release.prefetch_wired(architecture):
         return
     name = shown(architecture, 40) if architecture else "a config that names no architecture"
-    has = (f"it has {release.read_at_use_flag} there (params read at use, no prefetch): make the plan without "
-           f"--for; export --to {engine} restates it") if release.read_at_use_wired(architecture) \
-        else "it offloads none of its weights"
-    raise UsageError(f"--for {engine}: {release.label} does not wire its prefetch offloader (--offload-group-size) "
-                     f"for {name} (only {len(release.prefetch.architectures)} architectures); {has}")
+    if not release.read_at_use_wired(architecture):
+        raise UsageError(f"--for {engine}: {release.label} offloads none of the weights of {name} (its offloaders "
+                         f"are wired for {len(release.read_at_use_architectures)} architectures): make the plan "
+                         "without --for and serve it with offload-plan run")
+    given = [flag for flag, value in (("--params", params), *((flag, True) for flag in pinned)) if value]
+    if given:
+        raise UsageError(f"--for {engine}: {release.label} offloads {name}'s params with {release.read_at_use_flag} "
+                         f"only (the first N GiB, layer 0 onward, read at use), which takes no {given[0]}: drop it")

@@ -13,6 +13,7 @@ from planner.make.assemble import assemble, serving_section
 from planner.source.checkpoint import Checkpoint, collector_paused, load_checkpoint
 from planner.model.cost import ComputeTimes, Workload, is_expert_param
 from planner.engines.plan import check_engine_architecture, check_engine_input, engine_input_warnings
+from planner.engines.read_at_use import READ_AT_USE, ReadAtUseChoice, read_at_use_simulation
 from planner.errors import InfeasibleError, ModelInputError, UsageError, shown
 from planner.search.expert_choice import Comparison, ExpertModel, expert_model
 from planner.model.experts import moe_geometry
@@ -98,8 +99,10 @@ def _make_plan(inputs: Inputs, compute_override: ComputeTimes | None, measure: M
     if other is not None:
         other = replace(other, adapter_bytes=num_slots * slot_bytes_of(model.adapters))
         check_gpu_total(choice, other, workload, gpu_memory)
-    plan = assemble(model, workload, compute, choice, budget, host_limit, gpu_memory, other, serving=None,
+    placed = _placed(model, choice)
+    plan = assemble(placed, workload, compute, choice, budget, host_limit, gpu_memory, other, serving=None,
                     num_adapter_slots=num_slots, expert_points=points)
+    plan = _read_at_use_plan(plan, placed, choice)
     return Planned(plan=plan, checkpoint=model.checkpoint, layout=model.layout, warnings=tuple(model.warnings))
 
 
@@ -158,11 +161,36 @@ def make_serving_plan(model: Model) -> Planned:
     host.check(best.choice, inputs, model.warnings)
     points = tuple(comparisons[p.concurrency].point(p.concurrency) for p in found.points
                    if p.concurrency in comparisons)
-    plan = assemble(model, workload, model.compute(workload), best.choice, best.weights_budget_bytes,
+    placed = _placed(model, best.choice)
+    plan = assemble(placed, workload, model.compute(workload), best.choice, best.weights_budget_bytes,
                     host.limit_bytes, gpu_memory, best.other,
                     serving=serving_section(found, resolved.concurrency, inputs.max_tpot_ms),
                     num_adapter_slots=model.adapter_slots(best.concurrency), expert_points=points)
+    plan = _read_at_use_plan(plan, placed, best.choice)
     return Planned(plan=plan, checkpoint=model.checkpoint, layout=model.layout, warnings=tuple(model.warnings))
+
+
+def _placed(model: Model, choice: Choice) -> Model:
+    """``model`` as the plan records it for ``choice``: a read-at-use placement selects what it moves of each layer
+    by the engine's order, not by --params, so those bytes are the layers' selected bytes."""
+    if not isinstance(choice, ReadAtUseChoice):
+        return model
+    return replace(model, layer_bytes=choice.layer_bytes(model.layer_bytes))
+
+
+def _read_at_use_plan(plan: Plan, model: Model, choice: Choice) -> Plan:
+    """A plan for the engine's read-at-use offloader says so (offload.mechanism, its GiB), and a serving plan's
+    prefill chunk reads its offloaded bytes at use as its decode step does (behind no compute)."""
+    if not isinstance(choice, ReadAtUseChoice):
+        return plan
+    prediction = plan.prediction
+    if plan.serving is not None:
+        compute = model.compute(workload_of(plan.workload.chunk_tokens, 1, 0), graphed=False)
+        chunk = read_at_use_simulation(compute.layer_ms, compute.head_ms,
+                                       {i: plan.layers[i].copy_ms for i in choice.offloaded})
+        prediction = replace(prediction, prefill_chunk_ms=chunk.step_ms)
+    return replace(plan, offload=replace(plan.offload, mechanism=READ_AT_USE, read_at_use_gib=choice.gib),
+                   prediction=prediction)
 
 
 def _read_model(inputs: Inputs, measure: MeasureFunction | None = None,
@@ -177,7 +205,7 @@ def _read_model(inputs: Inputs, measure: MeasureFunction | None = None,
     whole = load_checkpoint(inputs.model, inputs.revision) if whole is None else whole
     check_context(inputs.context, model_config(whole.config))
     checkpoint = shard_checkpoint(whole, inputs.tp)
-    check_engine_architecture(inputs.engine, tuple(inputs.params), whole.config)
+    check_engine_architecture(inputs.engine, tuple(inputs.params), whole.config, _pinned_knobs(inputs))
     layout = build_layout(checkpoint, inputs.stack)
     warnings = _layout_warnings(layout) + engine_input_warnings(inputs.engine, tuple(inputs.params))
     layer_bytes = _layer_bytes(tuple(inputs.params), checkpoint, layout)
@@ -196,6 +224,12 @@ def _read_model(inputs: Inputs, measure: MeasureFunction | None = None,
                  warnings=warnings, measure=measure,
                  measure_activations=measure_activations, adapters=adapters,
                  experts=_read_experts(inputs, checkpoint, layout), measure_link=measure_link)
+
+
+def _pinned_knobs(inputs: Inputs) -> tuple[str, ...]:
+    """The prefetch knobs given on the command line."""
+    return tuple(flag for flag, value in (("--group-size", inputs.group_size), ("--num-in-group", inputs.num_in_group),
+                                          ("--prefetch-step", inputs.prefetch_step)) if value is not None)
 
 
 def _layer_bytes(params: tuple[str, ...], checkpoint: Checkpoint, layout: ModelLayout) -> LayerBytes:

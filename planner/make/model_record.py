@@ -8,6 +8,7 @@ from planner.model.activations import ActivationShape, StepShape, estimate_activ
 from planner.model.adapters import Adapter, default_slots
 from planner.source.checkpoint import Checkpoint
 from planner.model.cost import ComputeTimes, Workload, estimate_compute, geometry_from_config
+from planner.engines.read_at_use import planned_read_at_use, read_at_use_searcher
 from planner.engines.versions import engine_version
 from planner.model.fp8_cost import fp8_compute_for, has_fp8_experts
 from planner.errors import PlanError, UsageError
@@ -74,8 +75,11 @@ class Model:
 
     @functools.cached_property
     def searcher(self) -> Searcher:
-        """The weight search over this model's layers, shared by every budget and compute time."""
+        """The weight search over this model's layers, shared by every budget and compute time: make --for an
+        engine that reads params at use for the model's family searches that engine's placements."""
         inputs = self.inputs
+        if planned_read_at_use(inputs.engine, self.checkpoint.config):
+            return read_at_use_searcher(self.layout, self.checkpoint.config, self.profile, self.layer_bytes.num_tensors)
         return Searcher(
             layers=self.layer_bytes,
             fixed_bytes=self.layout.non_layer_bytes,

@@ -137,6 +137,8 @@ def _prediction_figures(plan: Plan) -> str | None:
     decode, routed = is_decode(plan), bool(routed_rows(plan))
     if routed and decode:
         copied = sum(row.expected_fetched_bytes for row in routed_rows(plan).values())
+    elif plan.offload.mechanism == "read_at_use":  # read at use: every offloaded byte, every step
+        copied = sum(row.offloaded_bytes for row in plan.layers)
     elif routed:  # a prefill stages every expert of a routed layer: its non-resident ones and its resident ones
         copied = sum(row.offloaded_bytes for row in plan.layers)
         staged = len(routed_rows(plan)) * plan.experts.num_experts * plan.experts.expert_bytes

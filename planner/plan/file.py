@@ -19,9 +19,9 @@ import yaml
 
 from planner.errors import PlanError, printable, shown
 from planner.plan.schema import (MAX_PLAN_BYTES, MAX_PLAN_FLOAT, MAX_PLAN_INT, MS_DECIMALS, OPTIONAL_EXPERT_LAYER,
-                                 OPTIONAL_EXPERTS, OPTIONAL_INPUTS, OPTIONAL_SECTIONS, READABLE_SCHEMA_VERSIONS,
-                                 SCHEMA_VERSION, SECTIONS, AdapterRow, AdaptersSection, ExpertLayer, ExpertsPlan,
-                                 ExpertsPoint, LayerRow, Plan, ServingRow, ServingSection)
+                                 OPTIONAL_EXPERTS, OPTIONAL_INPUTS, OPTIONAL_OFFLOAD, OPTIONAL_SECTIONS,
+                                 READABLE_SCHEMA_VERSIONS, SCHEMA_VERSION, SECTIONS, AdapterRow, AdaptersSection,
+                                 ExpertLayer, ExpertsPlan, ExpertsPoint, LayerRow, Plan, ServingRow, ServingSection)
 from planner.plan.migration import upgraded_from_1
 from planner.plan.rules import first_broken_rule
 from planner.source.untrusted import checked_path, load_yaml, read_capped
@@ -61,6 +61,9 @@ def plan_to_dict(plan: Plan) -> dict:
     for key in OPTIONAL_INPUTS:
         if out["inputs"][key] == _plain(OPTIONAL_INPUTS[key]):
             del out["inputs"][key]
+    for key, default in OPTIONAL_OFFLOAD.items():
+        if out["offload"][key] == default:
+            del out["offload"][key]
     out["layers"] = [{key: _plain(value) for key, value in asdict(row).items()} for row in plan.layers]
     if plan.serving is not None:
         out["serving"] = {key: _plain(value) for key, value in asdict(plan.serving).items() if key != "points"}
@@ -173,6 +176,8 @@ def plan_from_dict(data: object, origin: str, *, derived: bool = True) -> Plan:
     if isinstance(data["inputs"], dict):
         data = dict(data, inputs={**{key: list(value) if isinstance(value, tuple) else value
                                      for key, value in OPTIONAL_INPUTS.items()}, **data["inputs"]})
+    if isinstance(data["offload"], dict):  # plans written before these keys, and prefetch plans, omit them
+        data = dict(data, offload={**OPTIONAL_OFFLOAD, **data["offload"]})
     for name, cls in SECTIONS.items():
         kwargs[name] = _section(cls, data[name], f"{origin}: {name}")
     rows = data["layers"]

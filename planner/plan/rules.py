@@ -14,7 +14,10 @@ from planner.plan.schema import NOTHING_FITS, AdaptersSection, Plan, routed_rows
 def first_broken_rule(plan: Plan, *, derived: bool = True) -> str | None:
     """The first rule across fields that ``plan`` breaks ("field value: why"), None when it keeps them all;
     ``derived``: also the figures a reader can derive from the plan's other fields (first_disagreeing_figure)."""
-    for rules in (_input_rules, _workload_rules, _memory_rules, _serving_rules, _adapter_rules, _experts_rules):
+    from planner.engines.read_at_use import read_at_use_rule
+
+    for rules in (_input_rules, _workload_rules, _memory_rules, _serving_rules, _adapter_rules, _experts_rules,
+                  read_at_use_rule):
         broken = rules(plan)
         if broken is not None:
             return broken

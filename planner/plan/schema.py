@@ -216,6 +216,10 @@ class WorkloadSection:
             raise ValueError("workload.tokens_per_step must be a positive multiple of sequences_per_step (>= 1)")
 
 
+#: OffloadSection.mechanism's values
+OFFLOAD_MECHANISMS = ("prefetch", "read_at_use")
+
+
 @dataclass(frozen=True, kw_only=True)
 class OffloadSection:
     """The decisions, in the engines' terms, and the explicit layer list."""
@@ -233,10 +237,20 @@ class OffloadSection:
     #: under CUDA graphs (workload.cuda_graph; written only then): of the copies that wrap past a replay, the
     #: last this many are issued by the next replay as it begins instead of joined at this one's end
     replay_start_copies: int = 0
+    #: how the engine moves the offloaded bytes (OFFLOAD_MECHANISMS; written only where not "prefetch"):
+    #: "prefetch", copies P layers ahead into slots; "read_at_use", SGLang's --cpu-offload-gb (OffloaderV1): the
+    #: first read_at_use_gib GiB of layer params, layer 0 onward, each layer's copied inside its forward
+    mechanism: str = "prefetch"
+    #: read_at_use: the engine's limit in GiB (--cpu-offload-gb); 0 for prefetch
+    read_at_use_gib: int = 0
 
     def __post_init__(self):
         if list(self.layers) != sorted(set(self.layers)):
             raise ValueError("offload.layers must be ascending and distinct")
+        if self.mechanism not in OFFLOAD_MECHANISMS:
+            raise ValueError(f"offload.mechanism must be one of {', '.join(OFFLOAD_MECHANISMS)}")
+        if self.read_at_use_gib and self.mechanism != "read_at_use":
+            raise ValueError("offload.read_at_use_gib applies to mechanism read_at_use only")
         if not 0 <= self.replay_start_copies <= (self.prefetch_step if self.layers else 0):
             raise ValueError("offload.replay_start_copies must be between 0 and prefetch_step")
         if self.layers and (self.prefetch_step < 1 or self.group_size < 1):
@@ -640,6 +654,10 @@ OPTIONAL_EXPERTS = {"prefetch": None, "prefetch_accuracy": None, "prefetch_depth
 
 #: experts.layers keys written only where set (a plan priced from a trace's per-expert figures)
 OPTIONAL_EXPERT_LAYER = {"prefetch_hit_share": None, "prefetch_ahead_share": None}
+
+
+#: offload keys written only where not these (plans for the prefetch offloader keep their bytes)
+OPTIONAL_OFFLOAD = {"mechanism": "prefetch", "read_at_use_gib": 0}
 
 
 #: top-level sections a plan holds only when they apply

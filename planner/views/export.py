@@ -126,7 +126,7 @@ def export_plan(plan: Plan, engine: str, *, tp_size: int = 1, exact: bool = Fals
     problems = flag_problems(built.flags, release)
     if problems:  # every flag comes from the version's own list; a value out of its range is refused here
         raise PlanError(f"{problems[0]}; the plan's figures give a value the engine refuses: make the plan again")
-    plan_prediction = recorded_prediction(source) if routed is not None else predict(
+    plan_prediction = recorded_prediction(source) if routed is not None or built.planned else predict(
         plan, 1, plan.offload.prefetch_step, join_every_steps_for(plan.workload.cuda_graph),
         plan.offload.replay_start_copies)
     prediction = built.prediction or _engine_prediction(built, divisor)
@@ -163,6 +163,8 @@ class _Built:
     read_at_use_what: str | None = None
     read_at_use_gib: float = 0
     read_at_use_step_ms: float = 0.0
+    #: the plan was made for the engine's read-at-use offloader (make --for): its own figures are the engine's
+    planned: bool = False
 
 
 def fp8_weight_share(plan: Plan) -> float:
@@ -209,7 +211,9 @@ def _offload(built: _Built) -> None:
     plan, release = built.plan, built.release
     architecture = plan.model.architecture
     check_rule(plan)
-    if release.prefetch_wired(architecture):
+    if plan.offload.mechanism == "read_at_use":
+        planned_read_at_use(built)
+    elif release.prefetch_wired(architecture):
         _prefetch(built)
     elif release.read_at_use_wired(architecture):
         _read_at_use(built)
@@ -257,6 +261,22 @@ def _read_at_use(built: _Built) -> None:
     built.notes.append(f"{release.read_at_use_flag} {gib:g}: {built.target.read_at_use_note}; the plan's "
                        f"selection ({' '.join(plan.offload.params) or 'whole layers'}), G, K and P do not apply")
     built.prediction = prediction
+
+
+def planned_read_at_use(built: _Built) -> None:
+    """A plan made for the engine's read-at-use offloader (offload.mechanism read_at_use): its own GiB, its own
+    prediction (planner.engines.read_at_use made both as the engine's source runs it)."""
+    plan, release = built.plan, built.release
+    if plan.inputs.engine != release.engine or built.divisor > 1:
+        raise PlanError(f"the plan was made for {plan.inputs.engine}'s --cpu-offload-gb at TP {plan.inputs.tp} (make "
+                        f"--for {plan.inputs.engine}); for {release.label} at TP {built.tp_size} make it again with "
+                        f"--for {release.engine} --tp {built.tp_size}")
+    gib = plan.offload.read_at_use_gib
+    built.flags += [release.read_at_use_flag, str(gib)]
+    built.notes.append(f"{release.read_at_use_flag} {gib}: {built.target.read_at_use_note}; the plan was made for "
+                       "it (offload.mechanism read_at_use): its layers, bytes and step are this flag's")
+    built.prediction = recorded_prediction(plan)
+    built.planned = True
 
 
 def experts_note(plan: Plan, target: EngineTarget) -> str | None:

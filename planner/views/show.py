@@ -5,6 +5,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from planner.engines import read_at_use
 from planner.plan.schema import ExpertsPlan, Plan, routed_expert_bytes
 from planner.search.schedule import PrefetchSchedule
 from planner.search.simulate import STEPS_PER_GRAPH, Simulation, join_every_steps_for, simulate
@@ -26,6 +27,8 @@ def resimulate(plan: Plan) -> Simulation:
     from its layers' expected fetches."""
     if routed_decode(plan):
         return _routed_simulation(plan)
+    if plan.offload.mechanism == "read_at_use":
+        return read_at_use.plan_simulation(plan)
     return simulate(
         layer_ms=tuple(row.compute_ms for row in plan.layers),
         head_ms=plan.prediction.head_ms,
@@ -254,6 +257,7 @@ def _engine_words(plan: Plan) -> str:
     if plan.inputs.engine not in ENGINE_LIMITS:
         return ""
     name, limits = ENGINE_LIMITS[plan.inputs.engine]
+    limits = read_at_use.engine_limits(plan) if plan.offload.mechanism == "read_at_use" else limits
     return f" Planned for {name} (make --for {plan.inputs.engine}: {limits}): export gives exactly this plan."
 
 
@@ -460,7 +464,9 @@ def _summary(plan: Plan) -> Table:
                               + _estimate_spread(plan)
                               + (f"; CUDA-graph replays of {_replay_steps()} ({_replay_boundary(plan)})"
                                  if plan.workload.cuda_graph else ""))
-    if offload.layers:
+    if offload.mechanism == "read_at_use":
+        table.add_row("offload", read_at_use.offload_words(plan))
+    elif offload.layers:
         params = " ".join(offload.params) if offload.params else "whole layers"
         table.add_row("offload", f"{len(offload.layers)} of {model.num_layers} layers ({params}); "
                                  f"group size {offload.group_size}, {offload.num_in_group} per group, "
@@ -501,6 +507,8 @@ def _bound_by(plan: Plan) -> str:
                 "experts (more GPU memory) or a faster link help")
     if not plan.offload.layers or prediction.stall_ms < 0.01 * prediction.step_ms:
         return "compute: copies hide behind compute"
+    if plan.offload.mechanism == "read_at_use":
+        return read_at_use.BOUND_WORDS
     if prediction.link_floor_ms >= 0.98 * prediction.step_ms:
         return "the host link: every copy back to back; more budget is the only way faster"
     return "prefetch latency: the link is idle part of the step; a deeper prefetch or a spread-out layer set helps"
@@ -532,7 +540,8 @@ def _memory(plan: Plan) -> Table:
          memory.resident_layer_bytes),
         *([(f"GPU: resident experts of the {num_routed} routed layer(s)", resident_experts)] if num_routed else []),
         ("GPU: outside the stack (embeddings, norms, head)", memory.non_layer_bytes),
-        (f"GPU: {memory.num_slots} prefetch slot(s) x {format_bytes(memory.slot_bytes)}",
+        (read_at_use.SLOT_WORDS if plan.offload.mechanism == "read_at_use" else
+         f"GPU: {memory.num_slots} prefetch slot(s) x {format_bytes(memory.slot_bytes)}",
          memory.num_slots * memory.slot_bytes),
         *_expert_buffer_rows(plan),
         ("GPU: alignment and allocator rounding (bound)", memory.allocation_slack_bytes),

@@ -123,18 +123,16 @@ def llama_70b(tmp_path_factory) -> Path:
 
 
 def test_make_for_sglang_plans_within_what_sglang_wires_for_the_family(llama_70b):
-    """SGLang 0.5.23 wires its prefetch offloader only in deepseek_v2.py: make --for sglang refuses a Llama plan
-    in one line naming --cpu-offload-gb, which export restates any plan for; a P that does not divide the
-    offloaded layers is no loss (0.5.23 asserts nothing of it), and vLLM plans as make does."""
-    from planner.errors import UsageError
+    """SGLang 0.5.23 wires its prefetch offloader only in deepseek_v2.py: make --for sglang plans a Llama model
+    for --cpu-offload-gb (tests/planner/test_engine_read_at_use.py), which export restates any other plan for; a P
+    that does not divide the offloaded layers is no loss (0.5.23 asserts nothing of it), and vLLM plans as make
+    does."""
     from planner.make.make_plan import make_plan
 
     plan = read_plan(PLANS / "llama-3.1-70b-gh200-64gib.yaml")
     assert len(plan.offload.layers) % plan.offload.prefetch_step
     inputs = replace(plan.inputs, model=str(llama_70b), engine="sglang")
-    with pytest.raises(UsageError, match="for 'LlamaForCausalLM'.*it has --cpu-offload-gb") as refused:
-        make_plan(inputs)
-    assert "\n" not in str(refused.value) and len(str(refused.value)) <= 300
+    assert make_plan(inputs).plan.offload.mechanism == "read_at_use"
     exported = export_plan(plan, "sglang")
     assert _flag(exported.flags, "--cpu-offload-gb") and len(exported.losses) == 1
     for_vllm = make_plan(replace(inputs, engine="vllm")).plan
@@ -145,7 +143,6 @@ def test_make_for_an_engine_plans_whole_layers_and_says_so(tmp_path):
     """A routed MoE plan becomes the whole-layer plan export would have given, and the verdict says it was
     planned for that engine; check regenerates it from its header (--for is an input)."""
     from planner.engines.plan import expressible_plan
-    from planner.errors import UsageError
     from planner.make.make_plan import make_plan
     from planner.plan.schema import Inputs
     from planner.plan.file import render_plan
@@ -167,9 +164,10 @@ def test_make_for_an_engine_plans_whole_layers_and_says_so(tmp_path):
     (tmp_path / "plan.yaml").write_text(render_plan(planned, "offload-plan make"))
     assert "engine: vllm" in (tmp_path / "plan.yaml").read_text()
     assert "Planned for" not in verdict(routed)
-    # SGLang 0.5.23 prefetches only DeepSeek's experts: a Qwen3-MoE plan for it is refused, naming what it has
-    with pytest.raises(UsageError, match="--cpu-offload-gb"):
-        make_plan(replace(inputs, engine="sglang"))
+    # SGLang 0.5.23 prefetches only DeepSeek's experts: a Qwen3-MoE plan for it reads whole layers' params at use
+    for_sglang = make_plan(replace(inputs, engine="sglang")).plan
+    assert for_sglang.offload.mechanism == "read_at_use" and for_sglang.experts.regime == "whole_layer"
+    assert export_plan(for_sglang, "sglang", exact=True).flags[0] == "--cpu-offload-gb"
 
 
 def test_make_for_refuses_what_the_engine_cannot_select(tmp_path):

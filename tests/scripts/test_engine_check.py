@@ -37,18 +37,24 @@ def test_static_check_of_generated_plans_of_one_model(tmp_path):
     assert any(i.adapters for i in inputs) and any(i.tp > 1 for i in inputs) and any(i.concurrency for i in inputs)
     from planner.errors import InfeasibleError
 
-    cases = []
+    cases, read_at_use = [], set()
     for number, one in enumerate(inputs):
         try:
             plan = make_plan(one).plan
         except InfeasibleError:  # the smallest budget shares hold less than the resident weights: counted, skipped
             continue
         cases += engine_check.export_cases(f"qwen3-8b#{number}", plan)
+        if plan.offload.mechanism == "read_at_use" and plan.offload.layers:
+            read_at_use.add(f"qwen3-8b#{number}")
     exported = [case for case in cases if case.refused is None]
     assert {case.engine for case in exported} == {"vllm", "sglang"} and len(exported) > len(inputs)
     assert engine_check.static_failures(cases) == []
     assert any("--lora-modules" in case.flags for case in exported)
     assert any("--cpu-offload-gb" in case.flags for case in exported if case.engine == "sglang")
+    # make --for sglang plans for --cpu-offload-gb itself: exported as planned, refused for vLLM and another TP
+    planned = [case for case in cases if case.plan in read_at_use]
+    assert planned and all(("--cpu-offload-gb" in case.flags) == (case.engine == "sglang" and case.tp_size == 1)
+                           for case in planned)
     bad = replace(exported[0], flags=("--offload-param-names", "experts"), engine="sglang")
     (failure,) = engine_check.static_failures([bad])
     assert "SGLang 0.5.23 has no flag '--offload-param-names'" in failure
