@@ -11,7 +11,8 @@ layer copies reach on the lent H100. HBM: a 2 GiB device-to-device copy, bytes r
 context figure: what the process holds outside torch's allocator once a decoder step's kernel families ran
 (runtime.outside_memory's probe). The host CPU's expert rate (the profile's cpu_experts section): a
 Qwen3-30B-A3B-shaped SwiGLU expert at 1 to 32 tokens in bf16 and fp32 with torch's threads, the faster dtype
-kept (runtime.cpu_experts.cpu_experts_profile). Every timing is a median.
+kept (runtime.cpu_experts.cpu_experts_profile). The layer floor (the profile's layer_floor section): tiny dense
+and MoE layers timed as make --measure times layers (runtime.layer_floor). Every timing is a median.
 """
 
 import datetime
@@ -22,6 +23,7 @@ import torch
 from planner.source.profile import Figure, HardwareProfile, load_profile, profile_to_dict
 from runtime.backend import CudaBackend
 from runtime.cpu_experts import cpu_experts_profile
+from runtime.layer_floor import measured_layer_floor
 from runtime.load import meminfo_bytes
 from runtime.measure import CALIBRATED_SUFFIX, local_profile_name
 from runtime.outside_memory import probe_outside_allocator_bytes
@@ -138,7 +140,8 @@ def calibrate() -> tuple[HardwareProfile, dict]:
     fields["compute_efficiency"] = restated_efficiency(base, matmul)
     cpu_experts, cpu_tables = cpu_experts_profile(stamp=stamp)
     profile = HardwareProfile(name=base.name + CALIBRATED_SUFFIX, description=f"{base.description}; {stamp}",
-                              **measured, **fields, cpu_experts=cpu_experts)
+                              **measured, **fields, cpu_experts=cpu_experts,
+                              layer_floor=measured_layer_floor(stamp))
     return profile, {"h2d_points_bytes_ms": points, "free_bytes": free_bytes, "cpu_experts_ms": cpu_tables}
 
 

@@ -177,7 +177,8 @@ def compute_times(inputs: Inputs, checkpoint, layout, workload, profile, kv: KvC
     shapes = {t.name: t.shape for t in checkpoint.tensors} if shapes is None else shapes
     kv_bytes_of = None if kv is None else functools.partial(kv_step_bytes, kv, kv_dtype=inputs.kv_dtype)
     return estimate_compute(layout, geometry_from_config(checkpoint.config, layout), workload, profile, shapes,
-                            kv_bytes_of, fp8_compute_for(inputs.engine, has_fp8_experts(checkpoint.tensors)))
+                            kv_bytes_of, fp8_compute_for(inputs.engine, has_fp8_experts(checkpoint.tensors)),
+                            graphed)
 
 
 def as_recorded(compute: ComputeTimes, num_layers: int) -> ComputeTimes:

@@ -176,15 +176,19 @@ def estimate_compute(
     checkpoint_shapes: dict[str, tuple[int, ...]],
     kv_bytes_of: Callable[[int, Workload], float] | None = None,
     fp8: Fp8Compute = DEQUANTIZED,
+    graphed: bool = False,
 ) -> ComputeTimes:
-    """Roofline compute time of every layer, and of the LM head for the last token of each sequence.
+    """Roofline compute time of every layer, and of the LM head for the last token of each sequence; where the
+    profile holds a measured layer floor (planner.source.profile.LayerFloor), each layer's time from it.
 
     ``kv_bytes_of(layer_index, workload)``: KV cache bytes a layer reads and writes in one step, from a cache
     model (planner.model.kv_cache); without one, every layer caches ``num_kv_heads x head_dim`` keys and values.
-    ``fp8``: how FP8 linears compute on the plan's target (planner.model.fp8_cost.fp8_compute_for)."""
+    ``fp8``: how FP8 linears compute on the plan's target (planner.model.fp8_cost.fp8_compute_for).
+    ``graphed``: the step is replayed from a CUDA graph (the floor a graphed layer adds, not an eager one's)."""
     layer_ms = tuple(
-        roofline_ms(*layer_cost(layer, geometry, workload, None if kv_bytes_of is None else kv_bytes_of(i, workload),
-                                fp8), profile)
+        _floored(roofline_ms(*layer_cost(layer, geometry, workload,
+                                         None if kv_bytes_of is None else kv_bytes_of(i, workload), fp8), profile),
+                 layer, profile, graphed)
         for i, layer in enumerate(layout.layers)
     )
     head_ms = 0.0
@@ -199,4 +203,16 @@ def estimate_compute(
     )
     if any(dtype in FP8_DTYPES for layer in layout.layers for _, dtype, _, _ in layer.params):
         source += f"; {fp8.description}"
+    floor = profile.layer_floor
+    if floor is not None:
+        source += (f"; with the measured layer floor ({floor.graphed_dense_ms:g} ms dense, {floor.graphed_moe_ms:g} "
+                   f"ms MoE added to a graphed layer; an eager MoE layer at least {floor.eager_moe_ms:g} ms)")
     return ComputeTimes(layer_ms=layer_ms, head_ms=head_ms, source=source)
+
+
+def _floored(roofline: float, layer: LayerInfo, profile: HardwareProfile, graphed: bool) -> float:
+    """The layer's roofline with the profile's measured floor (the roofline alone where none is measured)."""
+    if profile.layer_floor is None:
+        return roofline
+    moe = any(is_expert_param(name) for name, *_ in layer.params)
+    return profile.layer_floor.layer_ms(roofline, moe=moe, graphed=graphed)

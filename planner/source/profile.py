@@ -143,6 +143,45 @@ class Figure:
             raise ValueError(f"value must not be negative, got {self.value}")
 
 
+#: the longest a layer's floor may be: beyond, a unit is off (seconds written as ms)
+MAX_LAYER_FLOOR_MS = 100.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerFloor:
+    """What a decoder layer takes on this stack however small it is, measured by ``calibrate`` on layers whose
+    roofline is ~0: the kernels' launches and the gaps between them, which the roofline leaves out. On the lent
+    H100 a graphed decode layer took 0.083 ms dense and 0.176 ms MoE (OLMoE's 3-layer decode: 0.268 ms measured
+    per layer against a 0.090 ms roofline), and an eager MoE prefill layer 2.2-2.35 ms whatever its size (its
+    router, top-k and grouped GEMM setup are issued from the host one by one)."""
+
+    #: ms a dense layer adds to a step replayed from a CUDA graph (added to the roofline)
+    graphed_dense_ms: float
+    #: likewise a MoE layer (router, top-k, expert kernels)
+    graphed_moe_ms: float
+    #: ms an eager MoE layer takes at least, its kernels issued from the host (the roofline's floor)
+    eager_moe_ms: float
+    #: one of SOURCES
+    source: str = "measured"
+    note: str = ""
+
+    def __post_init__(self):
+        if self.source not in SOURCES:
+            raise ValueError(f"source must be one of {', '.join(SOURCES)}, not {shown(self.source)}")
+        for key in ("graphed_dense_ms", "graphed_moe_ms", "eager_moe_ms"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value) \
+                    or not 0 <= value <= MAX_LAYER_FLOOR_MS:
+                raise ValueError(f"{key} must be ms from 0 to {MAX_LAYER_FLOOR_MS:g}, not {shown(value)}")
+
+    def layer_ms(self, roofline_ms: float, *, moe: bool, graphed: bool) -> float:
+        """A layer's time from its roofline: the floor added when graphed; an eager MoE layer's at least its floor
+        (an eager dense layer keeps its roofline: its host work hides under the GPU's on the sizes measured)."""
+        if graphed:
+            return roofline_ms + (self.graphed_moe_ms if moe else self.graphed_dense_ms)
+        return max(roofline_ms, self.eager_moe_ms) if moe else roofline_ms
+
+
 @dataclass(frozen=True, kw_only=True)
 class HardwareProfile:
     """What the planner needs to know about one GPU and its link to host memory."""
@@ -178,6 +217,9 @@ class HardwareProfile:
     #: the host CPU's rate at computing routed experts (calibrate measures it); None: not measured, and the
     #: planner computes no expert on the CPU
     cpu_experts: CpuExperts | None = None
+    #: the smallest time a layer takes on this stack (calibrate measures it); None: not measured, and estimates
+    #: are the roofline alone
+    layer_floor: LayerFloor | None = None
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name or not self.name.isprintable():
@@ -215,11 +257,13 @@ class HardwareProfile:
         return {
             f.name: (None if getattr(self, f.name) is None else getattr(self, f.name).value)
             for f in fields(self)
-            if f.name not in ("name", "description", "gpu_link_bytes_per_s", "cpu_experts")
+            if f.name not in ("name", "description", "gpu_link_bytes_per_s", *_SECTIONS)
         }
 
 
-_FIGURE_FIELDS = tuple(f.name for f in fields(HardwareProfile) if f.name not in ("name", "description", "cpu_experts"))
+#: the profile's optional sections beside its figures (not recorded in a plan's hardware section)
+_SECTIONS = ("cpu_experts", "layer_floor")
+_FIGURE_FIELDS = tuple(f.name for f in fields(HardwareProfile) if f.name not in ("name", "description", *_SECTIONS))
 _OPTIONAL_FIELDS = ("fp8_flops_per_s", "host_memory_bytes", "cuda_context_bytes", "gpu_link_bytes_per_s")
 
 
@@ -227,19 +271,20 @@ def profile_from_dict(data: object, origin: str) -> HardwareProfile:
     """Build a profile from parsed YAML, naming the field and the fix in any error."""
     if not isinstance(data, dict):
         raise ProfileError(f"{origin}: a profile is a YAML mapping of fields; see profiles/h100-sxm.yaml")
-    known = {"name", "description", "cpu_experts", *_FIGURE_FIELDS}
+    known = {"name", "description", *_SECTIONS, *_FIGURE_FIELDS}
     unknown = sorted(set(data) - known, key=str)  # YAML keys may be numbers too
     if unknown:
         raise ProfileError(f"{origin}: unknown field(s) {shown(unknown, 60)}; the fields are those of "
                            "profiles/h100-sxm.yaml (fp8_flops_per_s, host_memory_bytes, cuda_context_bytes, "
-                           "gpu_link_bytes_per_s, cpu_experts optional)")
-    missing = sorted(k for k in known - set(data) if k not in (*_OPTIONAL_FIELDS, "cpu_experts"))
+                           "gpu_link_bytes_per_s, cpu_experts, layer_floor optional)")
+    missing = sorted(k for k in known - set(data) if k not in (*_OPTIONAL_FIELDS, *_SECTIONS))
     if missing:
         raise ProfileError(f"{origin}: missing field(s) {missing}; see profiles/h100-sxm.yaml for the format")
     kwargs = {"name": data["name"], "description": str(data.get("description") or "")}
     for key in _FIGURE_FIELDS:
         kwargs[key] = _figure(data.get(key), key, origin)
     kwargs["cpu_experts"] = _cpu_experts(data.get("cpu_experts"), origin)
+    kwargs["layer_floor"] = _layer_floor(data.get("layer_floor"), origin)
     try:
         return HardwareProfile(**kwargs)
     except (TypeError, ValueError) as error:
@@ -289,6 +334,24 @@ def _cpu_experts(raw: object, origin: str) -> CpuExperts | None:
     kwargs["note"] = str(kwargs.get("note") or "")
     try:
         return CpuExperts(**kwargs, ms_per_expert_at_tokens=tuple(sorted(table.items(), key=_table_order)))
+    except (TypeError, ValueError) as error:
+        raise ProfileError(f"{where}: {error}") from None
+
+
+_FLOOR_KEYS = ("graphed_dense_ms", "graphed_moe_ms", "eager_moe_ms", "source", "note")
+
+
+def _layer_floor(raw: object, origin: str) -> LayerFloor | None:
+    """The profile's layer_floor section (absent or null: not measured), every key checked; one line on a bad
+    one."""
+    if raw is None:
+        return None
+    where = f"{origin}: layer_floor"
+    if not isinstance(raw, dict) or set(raw) - set(_FLOOR_KEYS) or set(_FLOOR_KEYS[:3]) - set(raw):
+        raise ProfileError(f"{where} must be a mapping of {', '.join(_FLOOR_KEYS)} (source, note optional); "
+                           "offload-plan calibrate writes it")
+    try:
+        return LayerFloor(**{**raw, "note": str(raw.get("note") or "")})
     except (TypeError, ValueError) as error:
         raise ProfileError(f"{where}: {error}") from None
 
@@ -357,4 +420,6 @@ def profile_to_dict(profile: HardwareProfile) -> dict:
             out[key] = {"value": figure.value, "source": figure.source, "note": figure.note}
     if profile.cpu_experts is not None:
         out["cpu_experts"] = cpu_experts_to_dict(profile.cpu_experts)
+    if profile.layer_floor is not None:
+        out["layer_floor"] = {key: getattr(profile.layer_floor, key) for key in _FLOOR_KEYS}
     return out
