@@ -421,24 +421,24 @@ def test_reads_go_device_bound_first_then_piece_by_piece_largest_first(checkpoin
 
 
 def test_the_cli_progress_bar_counts_bytes_from_reader_threads(checkpoints, monkeypatch):
-    """run's bar (offload_plan.commands.run._load_with_progress) takes the loader's byte counts, from several
-    threads."""
-    from offload_plan import runtime_seam
-    from offload_plan.commands.run import _load_with_progress
+    """run's bar (offload_plan.commands.run._loading_bar, handed to runtime.run) takes the loader's byte counts,
+    from several threads."""
+    import runtime.run
+    from offload_plan.commands.run import _loading_bar
     from runtime.load import stream_model
 
     folder = checkpoints("llama")
     plan = plan_with(folder, 3, 2, 1)
     counted = []
 
-    def load(plan, source, progress):
+    def load(plan, progress, source):
         def on_bytes(num_bytes):
             counted.append(num_bytes)
             progress(num_bytes)
         return stream_model(folder, plan, CpuStandIn(), on_bytes=on_bytes)
 
-    monkeypatch.setattr(runtime_seam, "load_with_plan", load)
-    model, _ = _load_with_progress(plan, None)
+    monkeypatch.setattr(runtime.run, "load_with_plan", load)
+    model, _ = runtime.run._load(plan, None, _loading_bar)
     assert sum(counted) == plan.model.total_bytes
 
 
