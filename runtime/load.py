@@ -21,7 +21,8 @@ from planner.units import format_bytes
 from runtime.allocation import alloc_device_or_fail, host_allocation_or_fail
 from runtime.backend import CpuStandIn, CudaBackend
 from runtime.experts_impl import PREFILL, use_phase
-from runtime.routed_experts import RoutedExperts, allocate_for_plan
+from runtime.routed_experts import RoutedExperts
+from runtime.routed_layers import allocate_for_plan
 from planner.model.placement import align_up
 from planner.search.schedule import PrefetchSchedule
 from runtime.engine import (OffloadEngine, PackedParam, host_offsets, host_pieces, offloaded_layouts, pack_layout,

@@ -12,7 +12,9 @@ import torch
 from planner.errors import PlanError
 from runtime.backend import CpuStandIn
 from runtime.graph import DecodeLoop
-from runtime.routed_experts import apply_routed_experts, plan_fetch, routed_from_plan
+from runtime.routed_layers import apply_routed_experts
+from runtime.routed_layers import routed_from_plan
+from runtime.fetch_planning import plan_fetch
 from tests.runtime_models import routed_moe_model
 
 #: layer -> resident expert ids: a layer with some resident, one with none, one with most, one not routed (3)
@@ -126,7 +128,7 @@ def test_routed_from_plan_reads_the_experts_section():
 
 GATHER_SCRIPT = """
 import torch
-from runtime.routed_experts import _gather_rows_triton
+from runtime.uva_gather import _gather_rows_triton
 source = torch.arange(6 * 40, dtype=torch.int32).view(6, 40).to(torch.bfloat16)
 destination = torch.full((4, 40), -1.0, dtype=torch.bfloat16)
 ids = torch.tensor([4, -1, 0, -1])
