@@ -98,7 +98,7 @@ def measured_activation_bytes(checkpoint, layout, workload, graphed: bool, limit
     """``make --measure`` of a serving plan: a step's activation peak on the local GPU, in bytes, measured within
     ``limit_bytes`` of GPU memory (planner.errors.MeasuredOutOfMemoryError where it does not fit them)."""
     require_cuda("make --measure")
-    from runtime.measure import measured_activation_bytes as measure
+    from runtime.measure_activations import measured_activation_bytes as measure
 
     return measure(checkpoint, layout, workload, graphed, limit_bytes).activation_bytes
 

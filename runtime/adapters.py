@@ -24,7 +24,7 @@ from planner.errors import ModelInputError
 from planner.model.placement import align_up
 from runtime.engine import PackedParam, view_as_param
 from runtime.allocation import alloc_device_or_fail, host_allocation_or_fail
-from runtime.load import cached_snapshot
+from runtime.load_source import cached_snapshot
 from runtime.checkpoint_reader import FileHandles, SourceTensor, read_exact, read_sources
 
 _PEFT_PREFIX = "base_model.model."

@@ -14,7 +14,8 @@ from planner.plan.schema import Plan
 from runtime.adapter_bench import run_adapter_bench
 from runtime.bench import check_decode_flags, run_bench
 from runtime.generate import generate
-from runtime.load import LoadSource, Loaded, load_with_plan, open_source, require_cuda
+from runtime.load import Loaded, load_with_plan, require_cuda
+from runtime.load_source import LoadSource, open_source
 from runtime.outside_memory import check_stack_fits
 from runtime.serving import cap_gpu_memory, out_of_memory, run_serving_bench
 from runtime.tensor_parallel import Rank, bench_rank, check_launch, start_rank

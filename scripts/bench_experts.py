@@ -500,7 +500,7 @@ def routed_arm(master, setting: Setting, resident: dict, fetch_slots: int, refer
 
 
 def whole_layer_arm(master, setting: Setting, plan, reference: dict) -> dict:
-    from runtime.load import apply_plan
+    from runtime.placement import apply_plan
     from scripts.bench_serving import sharing_copy
 
     with Capped(setting) as cap:
@@ -974,7 +974,7 @@ def plan_arm(master, setting: Setting, plan, reference: dict, prefetch_after_mis
     """Run ``plan`` (run's loader: routed layers gather from mapped host memory) and measure the hit rate: the
     share of the routed (token, expert) pairs the resident experts served. ``prefetch_after_misses``: the
     routed layers' prefetch order (None: the runtime's default)."""
-    from runtime.load import apply_plan
+    from runtime.placement import apply_plan
     from scripts.bench_serving import sharing_copy
 
     _, _, top_k = expert_shape(master)

@@ -54,7 +54,7 @@ def _served_tokens(work: Path, name: str | None, prompt: torch.Tensor, backend=N
     """The loader's model (offloaded layers streamed by the engine), the adapter attached as run attaches it."""
     from planner.plan.file import read_plan
     from runtime.adapters import attach_adapter
-    from runtime.load import stream_on_cpu
+    from tests.runtime_models import stream_on_cpu
 
     plan = read_plan(work / "plan.yaml")
     assert plan.offload.layers  # the adapter's copies share the engine's link with offloaded weights

@@ -33,6 +33,7 @@ def counted(monkeypatch):
     import planner.source.checkpoint
     import planner.source.safetensors_header
     import runtime.load
+    import runtime.load_source
 
     counts: Counter = Counter()
 
@@ -51,9 +52,10 @@ def counted(monkeypatch):
     # the path's resolution, in its two steps: a plan's source from the plan's folder, then a hub id to its
     # snapshot (a path as it is)
     wrap(planner.source.checkpoint, "resolve_local_source", "from the plan's folder")
-    wrap(runtime.load, "resolve_local_source", "from the plan's folder")
-    wrap(runtime.load, "local_weights", "to a local folder")
-    wrap(runtime.load, "load_checkpoint", "checkpoint reads")
+    wrap(runtime.load_source, "resolve_local_source", "from the plan's folder")
+    wrap(runtime.load_source, "local_weights", "to a local folder")
+    for module in (runtime.load_source, runtime.load):  # open_source's read, and stream_model's when not handed one
+        wrap(module, "load_checkpoint", "checkpoint reads")
     opens = Counter()
     _OPENS.append(opens)
     counts["opens"] = opens
@@ -128,7 +130,8 @@ def test_run_reads_each_header_once_and_resolves_the_path_once(sharded, tmp_path
 
 def test_the_loader_reads_no_header_when_handed_the_checkpoint(sharded, counted):
     """stream_model given LoadSource's checkpoint parses nothing again (fails on a second read)."""
-    from runtime.load import open_source, stream_model
+    from runtime.load import stream_model
+    from runtime.load_source import open_source
 
     plan = plan_with(sharded, 3, 2, 1)
     source = open_source(plan, str(sharded))

@@ -143,7 +143,8 @@ def test_graphed_sliding_decode_bitwise_equal_to_eager_resident(family, shape, d
     """Graphed decode over rings, all-resident and offloaded at three plan shapes: ids and logits bit for bit
     the eager all-resident model's (the same cache, so the same sums)."""
     from runtime.backend import CudaBackend
-    from runtime.load import apply_plan, build_model
+    from runtime.load import build_model
+    from runtime.placement import apply_plan
     from tests.runtime_models import plan_with
 
     saver = {"gemma3": save_tiny_gemma3, "gpt_oss": save_tiny_gpt_oss}[family]
@@ -166,7 +167,8 @@ def test_graphed_sliding_decode_bitwise_equal_to_eager_resident(family, shape, d
 def test_offloaded_sliding_decode_equals_resident_on_the_cpu_stand_in(family, shape, tmp_path):
     """A plan applied through the CPU stand-in of the copy engine (graph mode: copies wrap as in a replay):
     decode past the window gives the resident model's ids and logits bit for bit."""
-    from runtime.load import apply_plan_on_cpu, build_model
+    from runtime.load import build_model
+    from tests.runtime_models import apply_plan_on_cpu
     from tests.runtime_models import plan_with
 
     path = {"gemma3": save_tiny_gemma3, "gpt_oss": save_tiny_gpt_oss}[family](tmp_path)
