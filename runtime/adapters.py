@@ -19,12 +19,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from planner.search.adapter_stream import StreamSchedule, StreamTimes, times_from_events
-from planner.model.adapters import CONFIG_NAME, WEIGHTS_NAME, lora_scaling, parse_adapter_option, read_adapter_config
+from planner.model.adapters import CONFIG_NAME, WEIGHTS_NAME, lora_scaling, read_adapter_config
 from planner.errors import ModelInputError
 from planner.model.placement import align_up
 from runtime.engine import PackedParam, view_as_param
 from runtime.allocation import alloc_device_or_fail, host_allocation_or_fail
-from runtime.load import cached_snapshot
+from runtime.load_source import cached_snapshot
 from runtime.checkpoint_reader import FileHandles, SourceTensor, read_exact, read_sources
 
 _PEFT_PREFIX = "base_model.model."
@@ -199,17 +199,18 @@ class LoraHooks:
         self._handles = []
 
 
-def load_pool(model: nn.Module, plan, backend, plan_path: Path | None = None) -> tuple[AdapterPool, LoraHooks]:
-    """The plan's adapters (inputs.adapters, NAME=PATH) in a pool of the plan's slots, and their hooks."""
+def plan_adapter_folder(row, plan_path: Path | None = None) -> Path:
+    """The local folder of one of the plan's adapters (a row of its adapters section): its source as given to
+    make, from the plan's folder where relative (run works from any directory), at the revision make read."""
     from planner.source.checkpoint import resolve_local_source
 
-    revisions = {row.name: row.revision for row in plan.adapters.items}
-    adapters = []
-    for option in plan.inputs.adapters:
-        name, source = parse_adapter_option(option)
-        if plan_path is not None:
-            source = resolve_local_source(source, plan_path)
-        adapters.append((name, adapter_folder(source, revisions.get(name))))
+    source = row.source if plan_path is None else resolve_local_source(row.source, plan_path)
+    return adapter_folder(source, row.revision)
+
+
+def load_pool(model: nn.Module, plan, backend, plan_path: Path | None = None) -> tuple[AdapterPool, LoraHooks]:
+    """The plan's adapters (its adapters section's rows) in a pool of the plan's slots, and their hooks."""
+    adapters = [(row.name, plan_adapter_folder(row, plan_path)) for row in plan.adapters.items]
     pool = AdapterPool(model, adapters, plan.adapters.num_slots, backend)
     modules = {pair.module for layout in pool.layouts.values() for pair in layout.pairs}
     return pool, LoraHooks(model, modules)
@@ -220,12 +221,8 @@ def attach_adapter(model: nn.Module, plan, backend, name: str,
     """One of the plan's adapters applied to every row of the model's forwards (run --prompt --adapter): read
     into a pinned pool of its own, copied into one GPU slot, and the hooks pointed at it. The caller removes the
     hooks and closes the pool when done."""
-    from planner.source.checkpoint import resolve_local_source
-
-    options = dict(parse_adapter_option(option) for option in plan.inputs.adapters)
-    revisions = {row.name: row.revision for row in plan.adapters.items}
-    source = options[name] if plan_path is None else resolve_local_source(options[name], plan_path)
-    pool = AdapterPool(model, [(name, adapter_folder(source, revisions.get(name)))], 1, backend)
+    row = next(row for row in plan.adapters.items if row.name == name)
+    pool = AdapterPool(model, [(name, plan_adapter_folder(row, plan_path))], 1, backend)
     landed = backend.new_event(f"adapter-{name}")
     pool.copy(name, 0, landed)
     backend.compute_waits(landed)

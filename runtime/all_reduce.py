@@ -90,13 +90,13 @@ def measured_timings(world_size: int) -> tuple[tuple[int, float], ...]:
     (never cached: every rank must take part), else spawned and cached."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() == world_size:
         return time_all_reduces()
-    from runtime.measure import _load_cache, _save_cache
+    from runtime.measure import load_cache, save_cache
 
     key = _cache_key(world_size)
-    cache = _load_cache()
+    cache = load_cache()
     if key not in cache:
         cache[key] = spawned_timings(world_size)
-        _save_cache(cache)
+        save_cache(cache)
     return tuple((int(size), float(ms)) for size, ms in cache[key])
 
 

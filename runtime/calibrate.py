@@ -23,8 +23,8 @@ import torch
 from planner.source.profile import Figure, HardwareProfile, load_profile, profile_to_dict
 from runtime.backend import CudaBackend
 from runtime.cpu_experts import cpu_experts_profile
+from runtime.host_memory import meminfo_bytes
 from runtime.layer_floor import measured_layer_floor
-from runtime.load import meminfo_bytes
 from runtime.measure import CALIBRATED_SUFFIX, local_profile_name
 from runtime.outside_memory import probe_outside_allocator_bytes
 

@@ -18,13 +18,17 @@ each phase's fallback otherwise (planner.model.activations.planned_experts_imple
 decode, eager for prefill. The runtime runs the planned one, or the fallback where this stack has no native
 grouped_mm: ``check_fallback_fits`` then holds the fallback's activation estimate to what the plan set aside,
 before any weight is read.
+
+The fused experts module itself (experts_module), and the proxy through which transformers' experts functions
+compute over other weights (ExpertsProxy: runtime.routed_experts' device and staging buffers), are here too.
 """
 
 import torch
+from torch import nn
 
 from planner.model.activations import (EXPERTS_FALLBACK, activation_shape, decode_activations,
                                         planned_experts_implementation, prefill_activations)
-from planner.errors import UsageError
+from planner.errors import PlanError, UsageError
 from planner.units import format_bytes
 
 DECODE, PREFILL = "decode", "prefill"
@@ -117,3 +121,56 @@ def check_fallback_fits(config: dict, device: torch.device, *, activation_bytes:
                 f"needs {format_bytes(peak.planned_bytes)} of activations where the plan set aside "
                 f"{format_bytes(activation_bytes)}: use bf16 weights and torch >= 2.9 on an sm80+ GPU, or plan a "
                 "smaller step")
+
+
+def experts_module(layer: nn.Module, index: int) -> nn.Module:
+    """The fused experts module of a layer (``mlp.experts``), or a one-line error."""
+    try:
+        module = layer.get_submodule("mlp.experts")
+    except AttributeError:
+        module = None
+    if module is None or not hasattr(module, "num_experts") or not expert_param_names(module):
+        raise PlanError(f"layer {index} has no fused routed experts at mlp.experts (transformers 5 MoE block): "
+                        "this architecture's experts cannot be route-fetched; plan the layer whole_layer")
+    return module
+
+
+def expert_param_names(module: nn.Module) -> list[str]:
+    """Names of the module's own params that hold one row per expert, sorted."""
+    num_experts = getattr(module, "num_experts", None)
+    return sorted(name for name, p in module.named_parameters(recurse=False)
+                  if p.dim() >= 1 and p.shape[0] == num_experts)
+
+
+class ExpertsProxy:
+    """The experts module as transformers' experts functions see it, with other weights (the device buffer or
+    the staging buffer) and num_experts their row count; everything else is the module's own."""
+
+    def __init__(self, module: nn.Module, weights: dict[str, torch.Tensor]):
+        self.__dict__["_module"] = module
+        self.__dict__.update(weights)
+        self.__dict__["num_experts"] = next(iter(weights.values())).shape[0]
+
+    def __getattr__(self, name: str):
+        return getattr(self._module, name)
+
+
+def batched_mm_forward():
+    """transformers' batched_mm experts forward: the decode steps compute with it (capturable, and what the
+    all-resident reference computes with)."""
+    from transformers.integrations.moe import batched_mm_experts_forward
+
+    return batched_mm_experts_forward
+
+
+def prefill_experts_forward(module: nn.Module):
+    """How prefill chunks compute their experts: the implementation the model is configured with (the lead's
+    runtime.experts_impl sets it per phase), so a routed layer prefills as the all-resident model does."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    original = type(module).forward
+    original = getattr(original, "__wrapped__", original)
+    name = getattr(module.config, "_experts_implementation", None) or "eager"
+    if name == "eager":
+        return original
+    return ALL_EXPERTS_FUNCTIONS.get_interface(name, original)

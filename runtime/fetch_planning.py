@@ -90,3 +90,64 @@ def _kernel():
 
         _KERNELS["plan"] = plan
     return _KERNELS["plan"]
+
+
+def plan_fetch(top_k_index: torch.Tensor, resident_row: torch.Tensor, fetch_slots: int, slot_base: int = 0):
+    """(pair -> device-buffer row [S], fetch slot -> expert id to gather or -1 [fetch_slots]) for S <=
+    fetch_slots routed pairs, in fixed shapes: each distinct non-resident expert gets one slot, numbered in
+    ascending expert order (its row: ``slot_base`` + slot); resident experts map to their resident rows."""
+    ids = top_k_index.reshape(-1)  # [S]
+    sorted_ids, order = torch.sort(ids)
+    first = torch.ones_like(sorted_ids, dtype=torch.bool)
+    first[1:] = sorted_ids[1:] != sorted_ids[:-1]
+    resident = resident_row[sorted_ids]  # [S], -1 where not resident
+    new = first & (resident < 0)
+    slot = torch.cumsum(new, 0) - 1  # the distinct non-resident expert's slot, repeated over its pairs
+    rows_sorted = torch.where(resident >= 0, resident, slot + slot_base)
+    pair_rows = torch.empty_like(rows_sorted)
+    pair_rows[order] = rows_sorted
+    # slot -> expert: written by each expert's first pair; others write to a spare last entry
+    sources = torch.full((fetch_slots + 1,), -1, dtype=torch.int64, device=ids.device)
+    sources.scatter_(0, torch.where(new, slot, fetch_slots), torch.where(new, sorted_ids, -1))
+    return pair_rows, sources[:fetch_slots]
+
+
+def plan_fetch_after_prefetch(top_k_index: torch.Tensor, resident_row: torch.Tensor, prefetched: torch.Tensor,
+                              slot_base: int = 0):
+    """For a layer whose slot set already holds ``prefetched`` ([F] expert id per slot, -1 unused; distinct,
+    non-resident): (pair -> device-buffer row [S], slot -> expert id to gather now or -1 [F], counts [4] as
+    FETCH_KINDS: prefetched and routed, prefetched and not routed, missed, 0), in fixed shapes. Prefetched
+    routed experts keep their slots; each miss (routed, not resident, not prefetched) takes the next slot that
+    holds no routed expert (unused, or a wasted prediction), in ascending expert order. There are enough: with
+    H hits, at most F - H distinct experts miss and F - H slots are free."""
+    num_slots, num_experts = prefetched.numel(), resident_row.numel()
+    ids = top_k_index.reshape(-1)  # [S]
+    sorted_ids, order = torch.sort(ids)
+    first = torch.ones_like(sorted_ids, dtype=torch.bool)
+    first[1:] = sorted_ids[1:] != sorted_ids[:-1]
+    resident = resident_row[sorted_ids]  # [S], -1 where not resident
+    # expert -> its slot in the set, -1 if not prefetched (unused slots write the spare last entry)
+    slot_of = torch.full((num_experts + 1,), -1, dtype=torch.int64, device=ids.device)
+    slot_of.scatter_(0, torch.where(prefetched >= 0, prefetched, num_experts),
+                     torch.arange(num_slots, device=ids.device))
+    hit_slot = slot_of[sorted_ids]  # [S]
+    need = first & (resident < 0)
+    hit, miss = need & (hit_slot >= 0), need & (hit_slot < 0)
+    # a slot keeps its expert when the step routes to it; the others are free for the misses
+    routed = torch.zeros(num_experts + 1, dtype=torch.bool, device=ids.device)
+    # index_fill_, not `routed[sorted_ids] = True`: that copies a CPU scalar, which a CUDA graph capture refuses
+    routed.index_fill_(0, sorted_ids, True)
+    keep = (prefetched >= 0) & routed[torch.where(prefetched >= 0, prefetched, num_experts)]
+    free_rank = torch.cumsum(~keep, 0) - 1  # [F]
+    free_slot = torch.full((num_slots + 1,), -1, dtype=torch.int64, device=ids.device)  # rank -> slot
+    free_slot.scatter_(0, torch.where(keep, num_slots, free_rank), torch.arange(num_slots, device=ids.device))
+    miss_rank = torch.cumsum(miss, 0) - 1  # the missed expert's rank, repeated over its pairs
+    slot = torch.where(hit_slot >= 0, hit_slot, free_slot[miss_rank.clamp(min=0)])
+    rows_sorted = torch.where(resident >= 0, resident, slot + slot_base)
+    pair_rows = torch.empty_like(rows_sorted)
+    pair_rows[order] = rows_sorted
+    sources = torch.full((num_slots + 1,), -1, dtype=torch.int64, device=ids.device)
+    sources.scatter_(0, torch.where(miss, slot, num_slots), torch.where(miss, sorted_ids, -1))
+    num_hits, num_missed = hit.sum(), miss.sum()
+    counts = torch.stack((num_hits, (prefetched >= 0).sum() - num_hits, num_missed, torch.zeros_like(num_hits)))
+    return pair_rows, sources[:num_slots], counts

@@ -11,14 +11,11 @@ and workload. For a target GPU other than the local one, times are scaled per la
 profiles' roofline estimates, and the plan says so.
 """
 
-import contextlib
 import copy
-import gc
 import hashlib
 import json
 import os
 import statistics
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,7 +24,7 @@ from torch import nn
 from planner.source.checkpoint import Checkpoint
 from planner.model.cost import ComputeTimes, Workload, estimate_compute, geometry_from_config
 from planner.model.model_config import text_config
-from planner.errors import MeasuredOutOfMemoryError, OffloadPlanError, UsageError
+from planner.errors import OffloadPlanError, UsageError
 from planner.model.kv_cache import attention_layer_types
 from planner.model.layout import ModelLayout, config_num_layers, layer_kinds
 from planner.source.profile import HardwareProfile, load_profile
@@ -54,7 +51,7 @@ class PassThrough(nn.Module):
         return hidden_states
 
 
-def _set_layers(model: nn.Module, stack: str, modules: list[nn.Module]) -> None:
+def set_layers(model: nn.Module, stack: str, modules: list[nn.Module]) -> None:
     parent_name, _, attribute = stack.rpartition(".")
     setattr(model.get_submodule(parent_name), attribute, nn.ModuleList(modules))
 
@@ -81,7 +78,7 @@ def cache_path() -> Path:
     return Path(root) / "layer-times.json"
 
 
-def _cache_key(config: dict, layout: ModelLayout, workload: Workload, graphed: bool) -> str:
+def cache_key(config: dict, layout: ModelLayout, workload: Workload, graphed: bool) -> str:
     import transformers
 
     identity = {
@@ -92,14 +89,14 @@ def _cache_key(config: dict, layout: ModelLayout, workload: Workload, graphed: b
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def _load_cache() -> dict:
+def load_cache() -> dict:
     try:
         return json.loads(cache_path().read_text())
     except (OSError, json.JSONDecodeError):
         return {}
 
 
-def _save_cache(cache: dict) -> None:
+def save_cache(cache: dict) -> None:
     from planner.plan.file import write_atomic
 
     cache_path().parent.mkdir(parents=True, exist_ok=True)
@@ -175,7 +172,7 @@ def build_measure_model(config: dict, kinds: tuple[tuple[int, ...], ...], stack:
     layers = model.get_submodule(stack)
     owners = {index: layers[kind[0]] for kind in kinds for index in kind}
     representatives = {kind[0] for kind in kinds}
-    _set_layers(model, stack, [owners[i] if i in representatives else alias_module(owners[i], i)
+    set_layers(model, stack, [owners[i] if i in representatives else alias_module(owners[i], i)
                                for i in range(num_layers)])
     del layers
     language.num_hidden_layers = num_layers
@@ -241,7 +238,7 @@ def _time_graphed(model, stack: str, kinds, workload: Workload) -> tuple[list[fl
     saved = loop.save_state()
 
     def replay_ms(active: set[int]) -> float:
-        _set_layers(model, stack, [layers[i] if i in active else PassThrough() for i in range(len(layers))])
+        set_layers(model, stack, [layers[i] if i in active else PassThrough() for i in range(len(layers))])
         loop.capture()
         loop.timed_steps(NUM_WARMUP)
         ms = statistics.median(loop.timed_steps(NUM_TIMED_REPLAYS))
@@ -256,7 +253,7 @@ def _time_graphed(model, stack: str, kinds, workload: Workload) -> tuple[list[fl
         kind_ms = (replay_ms(active) - none_ms) / len(kind)
         for index in kind:
             per_layer[index] = max(0.0, kind_ms)
-    _set_layers(model, stack, layers)
+    set_layers(model, stack, layers)
     return per_layer, none_ms
 
 
@@ -301,8 +298,8 @@ def measure_local(
     if config_num_layers(checkpoint.config) not in (None, len(layout.layers)):
         raise UsageError(f"--measure needs config.json's num_hidden_layers to match the {len(layout.layers)} "
                          f"planned layers of {layout.stack}; fix config.json or plan without --measure")
-    key = _cache_key(checkpoint.config, layout, workload, graphed)
-    cache = _load_cache()
+    key = cache_key(checkpoint.config, layout, workload, graphed)
+    cache = load_cache()
     if key not in cache:
         kinds = measured_kinds(layout, checkpoint.config)
         model = build_measure_model(checkpoint.config, kinds, layout.stack)
@@ -315,7 +312,7 @@ def measure_local(
         per_kind = {index: statistics.median(layer_ms[i] for i in kind) for kind in kinds for index in kind}
         cache[key] = {"layer_ms": [per_kind[i] for i in range(len(layout.layers))], "non_layer_ms": rest_ms,
                       "raw_layer_ms": layer_ms}
-        _save_cache(cache)
+        save_cache(cache)
     return tuple(cache[key]["layer_ms"]), cache[key]["non_layer_ms"]
 
 
@@ -348,173 +345,3 @@ def measured_compute(
 
 
 # --- activation peak ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, kw_only=True)
-class ActivationMeasurement:
-    """What one step of the workload took on the GPU beyond the weights, the KV cache and fixed buffers."""
-
-    #: peak bytes allocated during the step above what stayed allocated after it: the step's transient tensors
-    activation_bytes: int
-    #: bytes allocated during the step that stay (when graphed: the cuBLAS workspaces of the warm-up and capture
-    #: streams, which PyTorch allocates through its allocator and keeps)
-    persistent_bytes: int
-    #: bytes the caching allocator reserved beyond its reserve before (a CUDA graph's private pool, when graphed;
-    #: blocks cached for the warm-up's side stream)
-    reserved_bytes: int
-
-
-def activation_model(config: dict, kinds: tuple[tuple[int, ...], ...], stack: str, device: str = "cuda") -> nn.Module:
-    """The model with one layer of each kind, renumbered 0..k-1 (bf16, random weights).
-
-    The activation peak falls inside one layer (plus step-wide tensors that do not grow with depth), so the
-    other layers are left out: neither their weights nor their KV cache are allocated.
-    """
-    model = build_measure_model(config, kinds, stack, device)
-    language = model.config.get_text_config()
-    layers = model.get_submodule(stack)
-    representatives = [kind[0] for kind in kinds]
-    kept = [alias_module(layers[index], new_index) for new_index, index in enumerate(representatives)]
-    layer_types = getattr(language, "layer_types", None)
-    _set_layers(model, stack, kept)
-    language.num_hidden_layers = len(kept)
-    if layer_types:
-        language.layer_types = [layer_types[index] for index in representatives]
-    return model
-
-
-def _reset_peak(device: torch.device) -> tuple[int, int]:
-    """Start of a measured step: (allocated, reserved) now, peak statistics reset.
-
-    cuBLAS keeps a workspace per stream in PyTorch's allocator; a capture may free or add some. Freed here, the
-    step allocates the ones it uses, they stay, and ``_measured_since`` counts them as persistent, not as
-    activations, whichever streams the step runs on.
-    """
-    torch.cuda.synchronize(device)
-    if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
-        torch._C._cuda_clearCublasWorkspaces()
-    torch.cuda.reset_peak_memory_stats(device)
-    return torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
-
-
-def _measured_since(base: tuple[int, int], device: torch.device) -> ActivationMeasurement:
-    torch.cuda.synchronize(device)
-    after = torch.cuda.memory_allocated(device)
-    return ActivationMeasurement(activation_bytes=torch.cuda.max_memory_allocated(device) - after,
-                                 persistent_bytes=after - base[0],
-                                 reserved_bytes=torch.cuda.memory_reserved(device) - base[1])
-
-
-def decode_activation_peak(model: nn.Module, *, num_sequences: int, context_tokens: int, graphed: bool = False,
-                           device: torch.device | None = None) -> ActivationMeasurement:
-    """One decode step of ``num_sequences`` sequences over the runtime's static cache (runtime.graph.DecodeLoop),
-    eagerly after a warm-up, or its CUDA-graph capture (warm-up included) and first replay."""
-    from runtime.graph import DecodeLoop, cache_tokens_for
-
-    device = device or torch.device("cuda")
-    context = max(1, context_tokens)  # a decode step needs one token of cache at least
-    loop = DecodeLoop(model, batch=num_sequences, max_cache_tokens=cache_tokens_for(context), device=device,
-                      steps_per_call=1)
-    vocab = model.config.get_text_config().vocab_size
-    loop.prefill(torch.randint(0, vocab, (num_sequences, context), device=device))
-    if not graphed:
-        loop.warm_up()  # cuBLAS workspaces and lazy inits are persistent: not part of the step's peak
-    base = _reset_peak(device)
-    if graphed:
-        loop.capture()
-    loop.step()
-    return _measured_since(base, device)
-
-
-def prefill_activation_peak(model: nn.Module, *, chunk_tokens: int, context_tokens: int = 0,
-                            device: torch.device | None = None) -> ActivationMeasurement:
-    """One prefill chunk of ``chunk_tokens`` tokens of one sequence after ``context_tokens``, over a static cache
-    of context + chunk + the decode room, allocated (and a chunk run to warm up) before the measured one."""
-    from runtime.graph import cache_tokens_for
-    from runtime.static_cache import static_cache
-
-    device = device or torch.device("cuda")
-    vocab = model.config.get_text_config().vocab_size
-    # the cache the runtime serves with: sliding layers as rings of their window (runtime.static_cache)
-    cache = static_cache(model.config, cache_tokens_for(context_tokens + chunk_tokens))
-    ids = torch.randint(0, vocab, (1, context_tokens + chunk_tokens), device=device)
-
-    def forward(chunk):
-        return model(input_ids=chunk, use_cache=True, logits_to_keep=1, **cache_argument(model, cache))
-
-    with torch.inference_mode():
-        forward(ids[:, context_tokens:])  # allocates the cache, warms up kernels
-        cache.reset()
-        if context_tokens:
-            forward(ids[:, :context_tokens])
-        base = _reset_peak(device)
-        forward(ids[:, context_tokens:])
-    return _measured_since(base, device)
-
-
-def measured_activation_bytes(checkpoint: Checkpoint, layout: ModelLayout, workload: Workload,
-                              graphed: bool = False, limit_bytes: int | None = None) -> ActivationMeasurement:
-    """The activation peak of the plan's workload on the local GPU (cached like the layer times), the process held
-    to ``limit_bytes`` of GPU memory while it measures (the plan's; None: the GPU's): a step that does not fit
-    them raises MeasuredOutOfMemoryError instead of allocating past them.
-
-    A workload of one token per sequence is a decode step (DecodeLoop, as ``run`` serves it: MoE experts
-    through runtime.experts_impl's decode choice); any other is a prefill chunk of ``tokens_per_step`` tokens per
-    sequence.
-    """
-    from runtime.load import require_cuda
-
-    require_cuda("make --measure")
-    if checkpoint.config is None:
-        raise UsageError("--measure builds layers from config.json, and this checkpoint has none")
-    per_sequence = workload.tokens_per_step // workload.sequences_per_step
-    if per_sequence != 1 and workload.sequences_per_step != 1:
-        raise UsageError("--measure measures a decode step (one token per sequence) or a prefill chunk of one "
-                         f"sequence, not {workload.sequences_per_step} sequences of {per_sequence} tokens")
-    identity = [_cache_key(checkpoint.config, layout, workload, graphed), "activation peak v2"]
-    key = hashlib.sha256(json.dumps(identity).encode()).hexdigest()
-    cache = _load_cache()
-    if key not in cache:
-        model = activation_model(checkpoint.config, measured_kinds(layout, checkpoint.config), layout.stack)
-        torch.cuda.empty_cache()
-        # the step's own allocations (its cache, activations, graph pool) are held to the plan's GPU memory; the
-        # model's weights come on top, since a checkpoint of few layers builds whole here, which the plan need not
-        held_bytes = None if limit_bytes is None else torch.cuda.memory_allocated() + limit_bytes
-        try:
-            with held_to(held_bytes, torch.device("cuda"), f"a step of {workload.sequences_per_step} sequence(s)"):
-                measured = _measure_step(model, workload, graphed)
-        finally:
-            del model
-            gc.collect()
-            torch.cuda.empty_cache()
-        cache[key] = vars(measured)
-        _save_cache(cache)
-    return ActivationMeasurement(**cache[key])
-
-
-def _measure_step(model: nn.Module, workload: Workload, graphed: bool) -> ActivationMeasurement:
-    if workload.tokens_per_step == workload.sequences_per_step:
-        return decode_activation_peak(model, num_sequences=workload.sequences_per_step,
-                                      context_tokens=workload.context_tokens, graphed=graphed)
-    return prefill_activation_peak(model, chunk_tokens=workload.tokens_per_step,
-                                   context_tokens=workload.context_tokens)
-
-
-@contextlib.contextmanager
-def held_to(limit_bytes: int | None, device: torch.device, what: str):
-    """The process held to ``limit_bytes`` of the GPU (what CUDA holds outside the allocator counted in) inside;
-    running out of them is planner.errors.MeasuredOutOfMemoryError (the caller frees the memory). None: the
-    GPU's."""
-    from runtime.serving import cap_gpu_memory, release_cap
-
-    capped = limit_bytes is not None and cap_gpu_memory(limit_bytes, device) is not None
-    out_of_memory = False
-    try:
-        yield
-    except torch.OutOfMemoryError:
-        out_of_memory = True  # raised below, once the failed step's frames (and tensors) are gone
-    finally:
-        if capped:
-            release_cap(device)
-    if out_of_memory:
-        raise MeasuredOutOfMemoryError(f"{what} does not fit {limit_bytes} bytes of GPU memory")

@@ -21,25 +21,20 @@ implementation the model is configured with (prefill_experts_forward) over it.
 One device buffer [fetch_slots + sum of resident counts, ...] per expert param holds the fetch slots and every
 layer's resident experts, so one index tensor addresses both without copying resident experts per step.
 
-Next-layer prefetch (``prefetch=True``; a plan's ``experts.prefetch: next_layer_router``): the fetch of step 2
-waits for the layer's router, so without prediction the link and the compute take turns. At routed layer i's
-experts the step holds layer i's router input, the residual stream normed by layer i's post-attention RMSNorm.
-Rescaled by (norm_j.weight / norm_i.weight) it is what layer j's norm gives for the same residual (exact for
-RMSNorm: weight x normalized), so layer j's own router module (the next routed layer's, called as its MoE block
-calls it: same softmax / top-k / grouping rule) predicts layer j's experts from it. The predicted, non-resident
-ones are gathered on a side stream into layer j's slot set while layer i gathers its misses and computes, and
-layer j's attention runs; at layer j the step joins that stream, routes for real, and gathers on the main stream
-only the misses (routed, not resident, not prefetched) into the slots the mispredicted (wasted) or unused ones
-free. Slots are
-double-buffered by the parity of the routed layer's ordinal (layer i still reads its set while j's is written),
-so the buffer holds 2 x fetch_slots slot rows. The side stream's gather runs a bounded grid
+Next-layer prefetch (``prefetch=True``; a plan's ``experts.prefetch: next_layer_router``): the fetch of step 2 waits
+for the layer's router, so without prediction the link and the compute take turns. Layer i's router input, rescaled
+to layer j's norm, predicts the next routed layer j's experts (runtime.router_prediction). The predicted, non-
+resident ones are gathered on a side stream into layer j's slot set while layer i gathers its misses and computes,
+and layer j's attention runs; at layer j the step joins that stream, routes for real, and gathers on the main stream
+only the misses (routed, not resident, not prefetched) into the slots the mispredicted (wasted) or unused ones free.
+Slots are double-buffered by the parity of the routed layer's ordinal (layer i still reads its set while j's is
+written), so the buffer holds 2 x fetch_slots slot rows. The side stream's gather runs a bounded grid
 (PREFETCH_GATHER_PROGRAMS persistent programs) so it leaves the SMs to the compute it overlaps. Everything stays
 inside the captured step (fork and join through stream waits: legal under CUDA-graph capture); the values the
 experts multiply are still the all-resident ones, so the logits stay bitwise equal. The first routed layer (no
 previous one) and layers whose router cannot be called so fetch after their router, as without prefetch.
 """
 
-import copy
 import math
 import types
 import warnings
@@ -49,46 +44,23 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from planner.errors import PlanError, RuntimeUnavailableError
+from planner.errors import PlanError
 from planner.model.placement import ALIGN_BYTES, align_up
-from planner.units import format_bytes
 from runtime.allocation import alloc_device_or_fail, host_allocation_or_fail
 from runtime.engine import PackedParam, backend_unpin, view_as_param
-from runtime.fetch_planning import fused_fetch_plan
+from runtime.experts_impl import ExpertsProxy, batched_mm_forward, expert_param_names, prefill_experts_forward
+from runtime.fetch_planning import fused_fetch_plan, plan_fetch, plan_fetch_after_prefetch
+from runtime.router_prediction import NextLayerPredictor, predictors_for, prefetch_depths
+from runtime.uva_gather import GATHER_BLOCK_WORDS, GATHER_NUM_WARPS, device_view, gather_rows
 
-#: 32-bit words each Triton program copies (4 warps: 32 words, eight 16-byte loads, per thread)
-GATHER_BLOCK_WORDS = 4096
-#: warps per program of the gather (Triton's default; scripts/bench_experts.py --gather-shapes sweeps both)
-GATHER_NUM_WARPS = 4
 #: persistent programs of the side stream's prefetch gather: few enough to leave the SMs to the compute the
 #: prefetch overlaps, enough to keep the link busy. On an H100 (scripts/bench_experts.py --gather-programs) 16,
 #: 32, 64 and 128 programs gathered at 0.992, 0.995, 0.986 and 0.986 of the full grid's rate (47.3 GB/s); the
 #: main stream's miss gather keeps the full grid
 PREFETCH_GATHER_PROGRAMS = 32
-#: the plan's experts.prefetch value that turns next-layer prediction on
-NEXT_LAYER_ROUTER = "next_layer_router"
 #: fetch_counts entries: prefetched and routed; prefetched, not routed; routed, not resident, not prefetched
 #: (fetched after the router of a predicted layer); fetched after the router of a layer nothing predicted
 FETCH_KINDS = ("prefetched", "wasted", "missed", "unpredicted")
-
-
-def experts_module(layer: nn.Module, index: int) -> nn.Module:
-    """The fused experts module of a layer (``mlp.experts``), or a one-line error."""
-    try:
-        module = layer.get_submodule("mlp.experts")
-    except AttributeError:
-        module = None
-    if module is None or not hasattr(module, "num_experts") or not _expert_params(module):
-        raise PlanError(f"layer {index} has no fused routed experts at mlp.experts (transformers 5 MoE block): "
-                        "this architecture's experts cannot be route-fetched; plan the layer whole_layer")
-    return module
-
-
-def _expert_params(module: nn.Module) -> list[str]:
-    """Names of the module's own params that hold one row per expert, sorted."""
-    num_experts = getattr(module, "num_experts", None)
-    return sorted(name for name, p in module.named_parameters(recurse=False)
-                  if p.dim() >= 1 and p.shape[0] == num_experts)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,7 +106,7 @@ class RoutedExperts:
         self.ordinal = {index: position for position, index in enumerate(self.layers)}
         first = modules[self.layers[0]]
         self.num_experts = first.num_experts
-        self.param_names = _expert_params(first)
+        self.param_names = expert_param_names(first)
         #: param name -> (dtype, row shape): every routed layer must agree (one shared buffer)
         self.rows = {name: (getattr(first, name).dtype, tuple(getattr(first, name).shape[1:]))
                      for name in self.param_names}
@@ -172,7 +144,7 @@ class RoutedExperts:
         #: where the fused fetch plan of a prediction adds counts nobody reads
         self._prefetch_counts = torch.zeros(len(FETCH_KINDS), dtype=torch.int64, device=self.device)
         #: routed ordinal -> how to predict the next routed layer's routing (filled by start)
-        self.predictors: dict[int, _Predictor] = {}
+        self.predictors: dict[int, NextLayerPredictor] = {}
         #: the router's top-k as the predictors return it (0 until start finds a predictor)
         self.top_k = 0
         #: predicted routed layer index -> its prefetch depth m: the prediction's ranks 1..m are gathered ahead
@@ -292,20 +264,15 @@ class RoutedExperts:
     def _start_prefetch(self) -> None:
         """A predictor per routed layer whose next routed layer's router can be called on its router input;
         one warning naming the pairs that cannot (they fetch after their router)."""
-        reasons = []
-        for ordinal, (index, following) in enumerate(zip(self.layers, self.layers[1:])):
-            predictor = next_layer_predictor(self.decoder_layers.get(index), self.decoder_layers.get(following),
-                                             self.num_experts, self.device)
-            if isinstance(predictor, str):
-                reasons.append(f"layer {following} from layer {index}: {predictor}")
-                self.prefetch_refusals[following] = predictor
-            else:
-                self.predictors[ordinal] = predictor
-                self.top_k = predictor.top_k
+        self.predictors, self.prefetch_refusals = predictors_for(self.layers, self.decoder_layers, self.num_experts,
+                                                                 self.device)
+        reasons = [f"layer {following} from layer {self.layers[self.layers.index(following) - 1]}: {reason}"
+                   for following, reason in self.prefetch_refusals.items()]
         if reasons:
             warnings.warn(f"next-layer prefetch off for {len(reasons)} routed layer(s), which fetch after their "
                           f"router ({reasons[0]}{'; ...' if len(reasons) > 1 else ''})", stacklevel=3)
         if self.predictors:
+            self.top_k = self.predictors[max(self.predictors)].top_k
             self.rank_counts = torch.zeros((len(self.layers), 2, self.top_k), dtype=torch.int64, device=self.device)
             self.predicted_ids = torch.full((len(self.layers), self.fetch_slots, self.top_k), -1, dtype=torch.int64,
                                             device=self.device)
@@ -318,20 +285,7 @@ class RoutedExperts:
         predicted layer index -> its depth; None: all k). The depth fixes each step's shapes: a captured step
         keeps the depth it was captured with, so capture again after changing it."""
         predicted = [self.layers[ordinal + 1] for ordinal in sorted(self.predictors)]
-        if not predicted:  # nothing predicted (warned at start): no depth to honour
-            self.prefetch_depth = {}
-            return
-        per_layer = depth if isinstance(depth, dict) else {index: self.top_k if depth is None else depth
-                                                           for index in predicted}
-        for index, m in per_layer.items():
-            if isinstance(m, bool) or not isinstance(m, int) or not 0 <= m <= max(self.top_k, 0):
-                raise PlanError(f"prefetch depth {m!r} for layer {index} is not a whole number from 0 to the "
-                                f"router's top-k ({self.top_k}); give one in that range")
-        unknown = sorted(set(per_layer) - set(predicted))
-        if unknown:
-            raise PlanError(f"prefetch depth given for layers {unknown}, which nothing predicts (predicted: "
-                            f"{predicted}); give depths for predicted layers only")
-        self.prefetch_depth = {index: per_layer.get(index, self.top_k) for index in predicted}
+        self.prefetch_depth = prefetch_depths(depth, predicted, self.top_k)
 
     # ---- accounting ----
 
@@ -412,7 +366,7 @@ class RoutedExperts:
                         block_words=words, num_warps=warps)
         if self.prefetch_after_misses:
             self._prefetch_next(ordinal, hidden)
-        proxy = _Proxy(module, {name: self.buffer[name] for name in self.param_names})
+        proxy = ExpertsProxy(module, {name: self.buffer[name] for name in self.param_names})
         return batched_mm_forward()(proxy, hidden, pair_rows.view_as(top_k_index), top_k_weights)
 
     def _count_ranks(self, ordinal: int, top_k_index: torch.Tensor) -> None:
@@ -503,281 +457,8 @@ class RoutedExperts:
             # link's rate, where copying around the resident rows would take up to R + 1 smaller ones
             self.staging[name].copy_(self.host[index, name], non_blocking=True)
         self.staged_bytes += self.num_experts * self.expert_bytes
-        proxy = _Proxy(module, dict(self.staging))
+        proxy = ExpertsProxy(module, dict(self.staging))
         return prefill_experts_forward(module)(proxy, hidden, top_k_index, top_k_weights)
-
-
-def plan_fetch(top_k_index: torch.Tensor, resident_row: torch.Tensor, fetch_slots: int, slot_base: int = 0):
-    """(pair -> device-buffer row [S], fetch slot -> expert id to gather or -1 [fetch_slots]) for S <=
-    fetch_slots routed pairs, in fixed shapes: each distinct non-resident expert gets one slot, numbered in
-    ascending expert order (its row: ``slot_base`` + slot); resident experts map to their resident rows."""
-    ids = top_k_index.reshape(-1)  # [S]
-    sorted_ids, order = torch.sort(ids)
-    first = torch.ones_like(sorted_ids, dtype=torch.bool)
-    first[1:] = sorted_ids[1:] != sorted_ids[:-1]
-    resident = resident_row[sorted_ids]  # [S], -1 where not resident
-    new = first & (resident < 0)
-    slot = torch.cumsum(new, 0) - 1  # the distinct non-resident expert's slot, repeated over its pairs
-    rows_sorted = torch.where(resident >= 0, resident, slot + slot_base)
-    pair_rows = torch.empty_like(rows_sorted)
-    pair_rows[order] = rows_sorted
-    # slot -> expert: written by each expert's first pair; others write to a spare last entry
-    sources = torch.full((fetch_slots + 1,), -1, dtype=torch.int64, device=ids.device)
-    sources.scatter_(0, torch.where(new, slot, fetch_slots), torch.where(new, sorted_ids, -1))
-    return pair_rows, sources[:fetch_slots]
-
-
-def plan_fetch_after_prefetch(top_k_index: torch.Tensor, resident_row: torch.Tensor, prefetched: torch.Tensor,
-                              slot_base: int = 0):
-    """For a layer whose slot set already holds ``prefetched`` ([F] expert id per slot, -1 unused; distinct,
-    non-resident): (pair -> device-buffer row [S], slot -> expert id to gather now or -1 [F], counts [4] as
-    FETCH_KINDS: prefetched and routed, prefetched and not routed, missed, 0), in fixed shapes. Prefetched
-    routed experts keep their slots; each miss (routed, not resident, not prefetched) takes the next slot that
-    holds no routed expert (unused, or a wasted prediction), in ascending expert order. There are enough: with
-    H hits, at most F - H distinct experts miss and F - H slots are free."""
-    num_slots, num_experts = prefetched.numel(), resident_row.numel()
-    ids = top_k_index.reshape(-1)  # [S]
-    sorted_ids, order = torch.sort(ids)
-    first = torch.ones_like(sorted_ids, dtype=torch.bool)
-    first[1:] = sorted_ids[1:] != sorted_ids[:-1]
-    resident = resident_row[sorted_ids]  # [S], -1 where not resident
-    # expert -> its slot in the set, -1 if not prefetched (unused slots write the spare last entry)
-    slot_of = torch.full((num_experts + 1,), -1, dtype=torch.int64, device=ids.device)
-    slot_of.scatter_(0, torch.where(prefetched >= 0, prefetched, num_experts),
-                     torch.arange(num_slots, device=ids.device))
-    hit_slot = slot_of[sorted_ids]  # [S]
-    need = first & (resident < 0)
-    hit, miss = need & (hit_slot >= 0), need & (hit_slot < 0)
-    # a slot keeps its expert when the step routes to it; the others are free for the misses
-    routed = torch.zeros(num_experts + 1, dtype=torch.bool, device=ids.device)
-    # index_fill_, not `routed[sorted_ids] = True`: that copies a CPU scalar, which a CUDA graph capture refuses
-    routed.index_fill_(0, sorted_ids, True)
-    keep = (prefetched >= 0) & routed[torch.where(prefetched >= 0, prefetched, num_experts)]
-    free_rank = torch.cumsum(~keep, 0) - 1  # [F]
-    free_slot = torch.full((num_slots + 1,), -1, dtype=torch.int64, device=ids.device)  # rank -> slot
-    free_slot.scatter_(0, torch.where(keep, num_slots, free_rank), torch.arange(num_slots, device=ids.device))
-    miss_rank = torch.cumsum(miss, 0) - 1  # the missed expert's rank, repeated over its pairs
-    slot = torch.where(hit_slot >= 0, hit_slot, free_slot[miss_rank.clamp(min=0)])
-    rows_sorted = torch.where(resident >= 0, resident, slot + slot_base)
-    pair_rows = torch.empty_like(rows_sorted)
-    pair_rows[order] = rows_sorted
-    sources = torch.full((num_slots + 1,), -1, dtype=torch.int64, device=ids.device)
-    sources.scatter_(0, torch.where(miss, slot, num_slots), torch.where(miss, sorted_ids, -1))
-    num_hits, num_missed = hit.sum(), miss.sum()
-    counts = torch.stack((num_hits, (prefetched >= 0).sum() - num_hits, num_missed, torch.zeros_like(num_hits)))
-    return pair_rows, sources[:num_slots], counts
-
-
-@dataclass(frozen=True, kw_only=True)
-class _Predictor:
-    """How routed layer i's router input predicts the next routed layer j's routing."""
-
-    #: [H] float32: norm_j.weight / norm_i.weight (0 where norm_i's weight is 0: nothing to rescale)
-    ratio: torch.Tensor
-    #: layer j's router module: called as its MoE block calls it, (logits, weights, top-k index)
-    gate: nn.Module
-    #: experts the router picks per token (the top-k index's last dimension)
-    top_k: int
-
-    def top_k_index(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Layer j's router on ``hidden`` [tokens, H] (layer i's router input) rescaled to layer j's norm."""
-        scaled = (hidden.float() * self.ratio).to(hidden.dtype)
-        return self.gate(scaled)[-1]
-
-
-def next_layer_predictor(layer: nn.Module | None, following: nn.Module | None, num_experts: int,
-                         device: torch.device) -> "_Predictor | str":
-    """A predictor of ``following``'s routing from ``layer``'s router input, or why there is none: both layers
-    need an RMSNorm post_attention_layernorm (output = weight x normalized input, checked on a probe) and
-    ``following`` a router at mlp.gate returning a tuple that ends with the top-k expert ids."""
-    norms = [getattr(m, "post_attention_layernorm", None) for m in (layer, following)]
-    weights = [getattr(norm, "weight", None) for norm in norms]
-    if any(w is None or w.dim() != 1 for w in weights) or weights[0].shape != weights[1].shape:
-        return "no post_attention_layernorm with a weight per hidden unit"
-    gate = following.get_submodule("mlp").get_submodule("gate") if hasattr(following, "mlp") and \
-        hasattr(following.mlp, "gate") else None
-    if gate is None or any(w.is_meta for w in weights):
-        return "no router at mlp.gate" if gate is None else "the norms' weights are not loaded"
-    with torch.inference_mode():
-        probe = torch.randn(2, weights[0].shape[0], generator=torch.Generator().manual_seed(0), dtype=torch.float32)
-        ratio = torch.where(weights[0] != 0, weights[1].float() / weights[0].float(), 0.0).cpu()
-        refused = _rescaling_refusal(norms[0], norms[1], ratio, probe)
-        if refused:
-            return refused
-        gate_param = next(gate.parameters(), None)
-        probe_device = probe.to(device=weights[0].device, dtype=weights[0].dtype)
-        try:
-            output = gate(probe_device if gate_param is None else probe_device.to(gate_param.device, gate_param.dtype))
-        except Exception as error:  # an architecture's router with another signature
-            return f"its router cannot be called on the hidden state ({type(error).__name__}: {error})"[:300]
-    top_k = output[-1] if isinstance(output, tuple) else None
-    if top_k is None or top_k.dtype not in (torch.int32, torch.int64) or top_k.dim() != 2 or top_k.shape[0] != 2 \
-            or int(top_k.max()) >= num_experts:
-        return "its router does not return (logits, weights, top-k expert ids)"
-    return _Predictor(ratio=ratio.to(device), gate=gate, top_k=top_k.shape[1])
-
-
-#: relative deviation of norm_i(x) x ratio from norm_j(x) (float32 copies of the norms on the CPU) above which
-#: the norms are not both weight x normalized input: float32 rounding of the two products and the ratio is
-#: ~1e-7 relative, so this only refuses a norm of another form (a shift, a mean, a different normalization)
-NORM_CHECK_RTOL = 1e-4
-
-
-def _rescaling_refusal(norm: nn.Module, following: nn.Module, ratio: torch.Tensor, probe: torch.Tensor) -> str | None:
-    """Why rescaling ``norm``'s output by ``ratio`` does not give ``following``'s on the same input, or None.
-
-    The check runs float32 copies of both norms on the CPU: the property is structural (RMSNorm's output is its
-    weight times a normalized input), so it must not depend on the model's dtype or device. In bf16 a norm's
-    own output rounds to 2^-9 relative and its weight may sit near zero (a random tiny model), so a check in the
-    model's dtype against a fixed absolute tolerance refused true RMSNorms. It decides only whether prediction
-    is attempted: the logits stay bitwise whatever it says. Where norm_i's weight is 0, nothing rescales to
-    norm_j's output there: those units are left out of the check and of the prediction's input."""
-    devices = list(dict.fromkeys([torch.device("cpu"), norm.weight.device]))
-    for position, device in enumerate(devices):  # the CPU first; the norm's own device if it runs only there
-        try:
-            copies = [copy.deepcopy(n).to(device=device, dtype=torch.float32) for n in (norm, following)]
-            expected, got = (c(probe.to(device)).cpu() for c in copies)
-            break
-        except Exception as error:  # a norm that cannot be copied or run in float32 there
-            if position == len(devices) - 1:
-                return f"its norm cannot be checked on a float32 probe ({type(error).__name__}: {error})"[:300]
-    if not isinstance(expected, torch.Tensor) or expected.shape != probe.shape or got.shape != probe.shape:
-        return "its norm does not map a hidden state to one of the same shape"
-    rescaled = expected.float() * ratio
-    # where norm_i's weight is 0 its output holds nothing to rescale: those units stay 0 in the prediction's input
-    # (a little less information, never a wrong form), so the form is checked on the others. The H100's tiny test
-    # model has exact zeros there (transformers 5.17 on torch 2.11), and refusing it turned prediction off
-    informative = (ratio != 0) | (copies[1].weight.detach().float().cpu() == 0)
-    deviation = ((rescaled - got.float()).abs() * informative)
-    scale = got.float().abs().clamp(min=torch.finfo(torch.float32).tiny) + \
-        NORM_CHECK_RTOL * got.float().abs().max().clamp(min=torch.finfo(torch.float32).tiny)
-    relative = deviation / scale
-    worst = int(relative.argmax())
-    if float(relative.flatten()[worst]) <= NORM_CHECK_RTOL:
-        return None
-    unit = worst % probe.shape[1]
-    return (f"its norm is not weight x normalized input (RMSNorm), so no rescaling gives layer j's (unit {unit}: "
-            f"{float(rescaled.flatten()[worst]):.4g} rescaled vs {float(got.flatten()[worst]):.4g}, weights "
-            f"{float(copies[0].weight[unit]):.4g} and {float(copies[1].weight[unit]):.4g})")
-
-
-def gather_rows(source: torch.Tensor, destination: torch.Tensor, source_ids: torch.Tensor,
-                max_programs: int | None = None, block_words: int = GATHER_BLOCK_WORDS,
-                num_warps: int = GATHER_NUM_WARPS) -> None:
-    """destination[k] = source[source_ids[k]] for every k with source_ids[k] >= 0; the others untouched.
-    ``source`` [E, ...] may be host memory mapped into the device (UVA): on CUDA a Triton kernel reads only the
-    rows asked for, with at most ``max_programs`` persistent programs (None: one per block of every slot, the
-    full grid) of ``num_warps`` warps, each copying ``block_words`` 32-bit words at a time (a power of two); on
-    the CPU (tests) the same semantics in torch."""
-    if destination.device.type == "cuda":
-        _gather_rows_triton(source, destination, source_ids, max_programs, block_words, num_warps)
-        return
-    take = (source_ids >= 0).nonzero().flatten()
-    destination[take] = source[source_ids[take]]
-
-
-def _gather_rows_triton(source: torch.Tensor, destination: torch.Tensor, source_ids: torch.Tensor,
-                        max_programs: int | None = None, block_words: int = GATHER_BLOCK_WORDS,
-                        num_warps: int = GATHER_NUM_WARPS) -> None:
-    row_bytes = source[0].numel() * source.element_size()
-    words = 4 if row_bytes % 4 == 0 else 1
-    dtype = torch.int32 if words == 4 else torch.uint8
-    row_words = row_bytes // words
-    source_words = source.view(torch.uint8).view(dtype) if source.dtype != dtype else source
-    destination_words = destination.view(torch.uint8).view(dtype) if destination.dtype != dtype else destination
-    chunks_per_row = -(-row_words // block_words)
-    num_items = source_ids.numel() * chunks_per_row
-    grid = (max(1, min(num_items, max_programs or num_items)),)
-    _gather_kernel()[grid](source_words, destination_words, source_ids, row_words, chunks_per_row, num_items,
-                           BLOCK=block_words, num_warps=num_warps)
-
-
-_KERNEL = {}
-
-
-def _gather_kernel():
-    """The Triton gather, compiled on first use (triton ships with CUDA builds of torch)."""
-    if "gather" not in _KERNEL:
-        import triton
-        import triton.language as tl
-
-        @triton.jit
-        def gather(source, destination, source_ids, row_words, chunks_per_row, num_items, BLOCK: tl.constexpr):
-            # persistent programs: item = slot x chunks_per_row + chunk, strided over the grid, so a bounded
-            # grid (a side stream's prefetch) still covers every block of every slot
-            for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
-                slot = item // chunks_per_row
-                chunk = item % chunks_per_row
-                expert = tl.load(source_ids + slot)
-                if expert >= 0:  # an unused slot or one already there: nothing crosses the link
-                    offsets = chunk * BLOCK + tl.arange(0, BLOCK)
-                    mask = offsets < row_words
-                    values = tl.load(source + expert.to(tl.int64) * row_words + offsets, mask=mask)
-                    tl.store(destination + slot.to(tl.int64) * row_words + offsets, values, mask=mask)
-
-        _KERNEL["gather"] = gather
-    return _KERNEL["gather"]
-
-
-class _CudaArray:
-    """A page-locked, mapped host range described as a CUDA array (``__cuda_array_interface__``), so torch
-    wraps it as a CUDA tensor at the same address (unified virtual addressing)."""
-
-    def __init__(self, tensor: torch.Tensor):
-        self._keep = tensor
-        typestr = {torch.uint8: "|u1", torch.int16: "<i2", torch.int32: "<i4", torch.int64: "<i8"}[tensor.dtype]
-        self.__cuda_array_interface__ = {"shape": tuple(tensor.shape), "typestr": typestr,
-                                         "data": (tensor.data_ptr(), False), "version": 3,
-                                         "strides": tuple(s * tensor.element_size() for s in tensor.stride())}
-
-
-def device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``host`` (page-locked, mapped) as a tensor on ``device`` over the same memory; on the CPU, itself."""
-    if device.type != "cuda":
-        return host
-    raw = host.view(torch.uint8) if host.element_size() == 1 else host.view({2: torch.int16, 4: torch.int32,
-                                                                              8: torch.int64}[host.element_size()])
-    try:
-        view = torch.as_tensor(_CudaArray(raw), device=device)
-    except RuntimeError as error:
-        raise RuntimeUnavailableError(f"cannot map {format_bytes(host.numel() * host.element_size())} of page-locked "
-                                      f"host memory into the GPU's address space ({str(error).splitlines()[0]}); "
-                                      "routed experts need unified addressing (64-bit Linux, CUDA >= 4)") from None
-    return view.view(host.dtype)
-
-
-class _Proxy:
-    """The experts module as transformers' experts functions see it, with other weights (the device buffer or
-    the staging buffer) and num_experts their row count; everything else is the module's own."""
-
-    def __init__(self, module: nn.Module, weights: dict[str, torch.Tensor]):
-        self.__dict__["_module"] = module
-        self.__dict__.update(weights)
-        self.__dict__["num_experts"] = next(iter(weights.values())).shape[0]
-
-    def __getattr__(self, name: str):
-        return getattr(self._module, name)
-
-
-def batched_mm_forward():
-    """transformers' batched_mm experts forward: the decode steps compute with it (capturable, and what the
-    all-resident reference computes with)."""
-    from transformers.integrations.moe import batched_mm_experts_forward
-
-    return batched_mm_experts_forward
-
-
-def prefill_experts_forward(module: nn.Module):
-    """How prefill chunks compute their experts: the implementation the model is configured with (the lead's
-    runtime.experts_impl sets it per phase), so a routed layer prefills as the all-resident model does."""
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
-    original = type(module).forward
-    original = getattr(original, "__wrapped__", original)
-    name = getattr(module.config, "_experts_implementation", None) or "eager"
-    if name == "eager":
-        return original
-    return ALL_EXPERTS_FUNCTIONS.get_interface(name, original)
 
 
 def _route(module: nn.Module, routed: RoutedExperts, index: int) -> None:
@@ -795,74 +476,3 @@ def _route(module: nn.Module, routed: RoutedExperts, index: int) -> None:
         empty = torch.empty((0,), dtype=routed.rows[name][0], device=routed.device)
         module._parameters[name] = nn.Parameter(empty, requires_grad=False)
     module._routed_experts = routed
-
-
-def apply_routed_experts(model: nn.Module, routed: dict[int, tuple[int, ...]], fetch_slots: int, backend,
-                         stack: str = "model.layers", adopt_host: bool = False, prefetch: bool = False,
-                         prefetch_programs: int = PREFETCH_GATHER_PROGRAMS,
-                         prefetch_depth: "int | dict[int, int] | None" = None) -> RoutedExperts | None:
-    """Route-fetch the experts of the layers ``routed`` names (layer index -> resident expert ids): their
-    fused expert params move to page-locked, mapped host memory (resident ones also to the GPU) and their
-    forward fetches what each step routes to. Non-expert params are left where they are (the caller puts
-    them on the GPU); ``adopt_host``, ``prefetch``, ``prefetch_programs``, ``prefetch_depth``: see
-    RoutedExperts. None when ``routed`` is empty."""
-    if not routed:
-        return None
-    layers = list(model.get_submodule(stack))
-    bad = [index for index in routed if not 0 <= index < len(layers)]
-    if bad:
-        raise PlanError(f"routed layers {bad} are outside the model's {len(layers)} layers")
-    modules = {index: experts_module(layers[index], index) for index in routed}
-    experts = RoutedExperts(modules=modules, resident=routed, fetch_slots=fetch_slots, backend=backend,
-                            adopt_host=adopt_host, decoder_layers={index: layers[index] for index in routed},
-                            prefetch=prefetch, prefetch_programs=prefetch_programs, prefetch_depth=prefetch_depth)
-    try:
-        experts.start()
-    except BaseException:
-        experts.close()
-        raise
-    return experts
-
-
-def allocate_for_plan(plan, layers: list[nn.Module], backend) -> "RoutedExperts | None":
-    """The routed experts of a plan's ``experts`` section, allocated (host and device) but not started: the
-    loader reads their params into ``host_allocation`` at ``host_items``, then calls ``start``. None where the
-    plan routes no layer."""
-    routed, fetch_slots = routed_from_plan(plan)
-    if not routed:
-        return None
-    bad = [index for index in routed if not 0 <= index < len(layers)]
-    if bad:
-        raise PlanError(f"the plan routes layers {bad} but the model has {len(layers)}; regenerate the plan")
-    overlap = sorted(set(routed) & set(plan.offload.layers))
-    if overlap:
-        raise PlanError(f"layers {overlap} are both offloaded whole and routed in the plan; regenerate it")
-    modules = {index: experts_module(layers[index], index) for index in routed}
-    return RoutedExperts(modules=modules, resident=routed, fetch_slots=fetch_slots, backend=backend,
-                         decoder_layers={index: layers[index] for index in routed},
-                         prefetch=prefetch_from_plan(plan), prefetch_depth=prefetch_depth_from_plan(plan))
-
-
-def prefetch_from_plan(plan) -> bool:
-    """Whether the plan's experts section asks for next-layer prefetch (``prefetch: next_layer_router``);
-    plans made before it have no such field: no prefetch."""
-    return getattr(getattr(plan, "experts", None), "prefetch", None) == NEXT_LAYER_ROUTER
-
-
-def prefetch_depth_from_plan(plan) -> int | None:
-    """The plan's experts.prefetch_depth (ranks of each prediction prefetched); None (all k) in plans made
-    before it."""
-    depth = getattr(getattr(plan, "experts", None), "prefetch_depth", None)
-    return None if depth is None else int(depth)
-
-
-def routed_from_plan(plan) -> tuple[dict[int, tuple[int, ...]], int]:
-    """(layer -> resident ids, fetch_slots) of the plan's routed layers; empty where the plan has no
-    ``experts`` section (dense plans, plans made before it) or routes no layer. Read defensively: the
-    planner's dataclasses (planner.plan.schema ExpertsPlan / ExpertLayer) may lack fields in older plans."""
-    experts = getattr(plan, "experts", None)
-    if experts is None:
-        return {}, 0
-    routed = {layer.index: tuple(layer.resident) for layer in getattr(experts, "layers", ())
-              if getattr(layer, "regime", None) == "routed"}
-    return routed, int(getattr(experts, "fetch_slots", 0) or 0)

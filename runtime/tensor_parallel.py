@@ -124,7 +124,9 @@ def load_rank_with_plan(plan: Plan, source, device: torch.device, backend=None):
     """This rank's shards loaded by transformers, then the rank's plan applied (runtime.load.Loaded; its
     ``weights_gpu_bytes`` is what the GPU holds after the plan: arena and slots)."""
     from runtime.backend import CudaBackend
-    from runtime.load import Loaded, apply_plan, check_fingerprint
+    from runtime.load import Loaded
+    from runtime.placement import apply_plan
+    from runtime.load_source import check_fingerprint
 
     check_fingerprint(plan, source)
     check_rank_plan(plan)

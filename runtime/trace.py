@@ -63,7 +63,7 @@ class RoutingCounter:
             self._start_prediction(list(model.get_submodule(stack)))
 
     def _start_prediction(self, layers: list[nn.Module]) -> None:
-        from runtime.routed_experts import next_layer_predictor
+        from runtime.router_prediction import next_layer_predictor
 
         moe = sorted(self.counts)
         for index, following in zip(moe, moe[1:]):

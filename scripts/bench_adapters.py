@@ -260,7 +260,8 @@ def load_placement(plan_path: Path, checkpoint: Path, device: str):
         from runtime.load import load_with_plan
 
         return load_with_plan(plan, str(checkpoint))
-    from runtime.load import Loaded, stream_on_cpu
+    from runtime.load import Loaded
+    from tests.runtime_models import stream_on_cpu
 
     model, engine = stream_on_cpu(checkpoint, plan)
     return Loaded(model=model, engine=engine, plan=plan, weights_gpu_bytes=0)

@@ -34,7 +34,8 @@ from scripts.benchmarking import (CONTEXT_TOKENS, checkpoint_parser, determinist
                                   pinned_h2d_bytes_per_s, plan_for, product_kernels, write_calibrated,
                                   write_random_checkpoint, write_report)
 from runtime.graph import DecodeLoop, cache_tokens_for  # noqa: E402
-from runtime.load import apply_plan, build_model  # noqa: E402
+from runtime.load import build_model  # noqa: E402
+from runtime.placement import apply_plan
 
 BATCHES = (1, 16, 64, 256)
 BUDGET_SHARE = 0.5

@@ -225,7 +225,7 @@ def count_prediction(model) -> tuple[list, dict]:
     skew's hook included, as the routed runtime predicts) against the ids the layer routes. The predicting call
     is left out of the routers' own counts. Returns the hooks and, per predicted layer index, [top_k] hits per
     rank, [E, top_k] predictions and [E, top_k] hits per expert and rank (runtime.trace.prediction_counts)."""
-    from runtime.routed_experts import next_layer_predictor
+    from runtime.router_prediction import next_layer_predictor
 
     layers = list(model.model.layers)
     _, num_experts, top_k = expert_shape(model)
@@ -471,7 +471,7 @@ def routed_arm(master, setting: Setting, resident: dict, fetch_slots: int, refer
                gather_programs: tuple[int, ...] = (), gather_shapes: tuple[tuple[int, int], ...] = ()) -> dict:
     """Every layer routed with ``resident`` (layer -> ids), capped; the host copy is the master's own, pinned
     in place. ``prefetch``: next-layer prefetch; ``gather_programs``: the bounded grid's rates to measure."""
-    from runtime.routed_experts import apply_routed_experts
+    from runtime.routed_layers import apply_routed_experts
     from scripts.bench_serving import sharing_copy
 
     with Capped(setting) as cap:
@@ -500,7 +500,7 @@ def routed_arm(master, setting: Setting, resident: dict, fetch_slots: int, refer
 
 
 def whole_layer_arm(master, setting: Setting, plan, reference: dict) -> dict:
-    from runtime.load import apply_plan
+    from runtime.placement import apply_plan
     from scripts.bench_serving import sharing_copy
 
     with Capped(setting) as cap:
@@ -547,7 +547,7 @@ def gather_rate(routed, setting: Setting, max_programs: int | None = None, shape
     grid of a miss gather); ``shape``: (32-bit words a program copies at a time, warps) in place of the
     runtime's."""
     from runtime.calibrate import median_event_ms
-    from runtime.routed_experts import gather_rows
+    from runtime.uva_gather import gather_rows
 
     layer = routed.layers[0]
     candidates = [e for e in range(routed.num_experts) if e not in routed.resident[layer]]
@@ -704,7 +704,8 @@ class StepVariant:
 
     def apply(self, routed, top_k: int) -> None:
         """Set the knobs on a RoutedExperts (capture again afterwards)."""
-        from runtime.routed_experts import GATHER_BLOCK_WORDS, GATHER_NUM_WARPS, PREFETCH_GATHER_PROGRAMS
+        from runtime.routed_experts import PREFETCH_GATHER_PROGRAMS
+        from runtime.uva_gather import GATHER_BLOCK_WORDS, GATHER_NUM_WARPS
 
         routed.set_prefetch_depth(min(self.depth, top_k))
         routed.gather_shape = self.gather_shape or (GATHER_BLOCK_WORDS, GATHER_NUM_WARPS)
@@ -729,7 +730,7 @@ def depth_rows(master, setting: Setting, rows: Rows, h2d_bytes_per_s: float, dep
     (the planner's rule, planner.search.expert_choice.choose_prefetch_depth, on the measured figures); with ``plans``,
     the plan make gives this setting (its h100-sxm estimates) records its own depth in a row of its own."""
     from planner.model.experts import prefetch_shares
-    from runtime.routed_experts import apply_routed_experts
+    from runtime.routed_layers import apply_routed_experts
     from scripts.bench_serving import sharing_copy
 
     num_layers, num_experts, top_k = expert_shape(master)
@@ -973,7 +974,7 @@ def plan_arm(master, setting: Setting, plan, reference: dict, prefetch_after_mis
     """Run ``plan`` (run's loader: routed layers gather from mapped host memory) and measure the hit rate: the
     share of the routed (token, expert) pairs the resident experts served. ``prefetch_after_misses``: the
     routed layers' prefetch order (None: the runtime's default)."""
-    from runtime.load import apply_plan
+    from runtime.placement import apply_plan
     from scripts.bench_serving import sharing_copy
 
     _, _, top_k = expert_shape(master)

@@ -47,7 +47,7 @@ def decode_arm(model, implementation: str, batch: int) -> dict:
     """Median ms of a captured decode step and its activation peak, experts through ``implementation``."""
     import runtime.experts_impl as experts_impl
     from runtime.graph import DecodeLoop, cache_tokens_for
-    from runtime.measure import decode_activation_peak
+    from runtime.measure_activations import decode_activation_peak
 
     original = experts_impl.implementation_for
     # decode steps only: the prefill that fills the cache keeps the runtime's choice (batched_mm would gather
@@ -70,7 +70,7 @@ def decode_arm(model, implementation: str, batch: int) -> dict:
 
 def prefill_arm(model, implementation: str) -> dict:
     """Median ms of a 2048-token chunk and its activation peak."""
-    from runtime.measure import prefill_activation_peak
+    from runtime.measure_activations import prefill_activation_peak
 
     model.set_experts_implementation(implementation)
     torch.cuda.empty_cache()

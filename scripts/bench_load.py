@@ -342,7 +342,7 @@ def child_main(spec: dict) -> None:
         model, engine, phases = loaded.model, loaded.engine, loaded.load_phases
         gpu_peak = torch.cuda.max_memory_allocated()
     else:
-        from runtime.load import stream_on_cpu
+        from tests.runtime_models import stream_on_cpu
         from runtime.stream_load import LoadPhases
 
         phases = LoadPhases()

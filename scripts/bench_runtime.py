@@ -24,7 +24,8 @@ from runtime.backend import CudaBackend
 from runtime.timing import forward_step, time_steps
 from scripts.benchmarking import (checkpoint_parser, free, log, pinned_h2d_bytes_per_s, plan_for, write_calibrated,
                                   write_random_checkpoint, write_report)
-from runtime.load import apply_plan, build_model
+from runtime.load import build_model
+from runtime.placement import apply_plan
 
 BUDGET_SHARES = (0.75, 0.5, 0.25)
 TOKENS = (2048, 8192)

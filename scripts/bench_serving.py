@@ -199,7 +199,8 @@ def reference_logits(master, plan) -> torch.Tensor:
 def run_arm(master, plan, reference: torch.Tensor) -> dict:
     """Place the plan's weights, cap the process to its GPU memory, serve graphed; the figures as a dict."""
     from runtime.backend import CudaBackend
-    from runtime.load import Loaded, apply_plan
+    from runtime.load import Loaded
+    from runtime.placement import apply_plan
     from runtime.serving import cap_gpu_memory, release_cap, serve_and_time
 
     device = torch.device("cuda", torch.cuda.current_device())

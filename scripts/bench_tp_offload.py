@@ -159,7 +159,7 @@ def bench_arm(folder: Path, plan, workload: dict, device, reference: list) -> di
 
     from runtime.backend import CpuStandIn
     from runtime.bench import run_bench
-    from runtime.load import open_source
+    from runtime.load_source import open_source
     from runtime.tensor_parallel import held_beyond_plan_bytes, load_rank_with_plan
 
     backend = CpuStandIn() if device.type == "cpu" else None

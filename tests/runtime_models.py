@@ -144,3 +144,21 @@ def exactly_predictable(model):
         layers[0].mlp.experts.down_proj.zero_()
         layers[1].self_attn.o_proj.weight.zero_()
     return changed
+
+
+def apply_plan_on_cpu(model, plan: Plan, lazy_copies: bool = False):
+    """runtime.placement.apply_plan on the CPU stand-in: the plan's schedule executed in issue order, copies
+    landing at once or (with ``lazy_copies``) only when awaited; the engine."""
+    from runtime.backend import CpuStandIn
+    from runtime.placement import apply_plan
+
+    return apply_plan(model, plan, CpuStandIn(lazy_copies=lazy_copies))
+
+
+def stream_on_cpu(folder: Path, plan: Plan, lazy_copies: bool = False, backend=None, phases=None):
+    """``run``'s loader (runtime.load.stream_model) on the CPU stand-in: (the model streamed from its files, its
+    engine); ``phases``: a runtime.stream_load.LoadPhases to fill."""
+    from runtime.backend import CpuStandIn
+    from runtime.load import stream_model
+
+    return stream_model(Path(folder), plan, backend or CpuStandIn(lazy_copies=lazy_copies), phases=phases)

@@ -24,7 +24,8 @@ from runtime.timing import random_ids
 from scripts.benchmarking import (CONTEXT_TOKENS, NUM_ARM_STEPS, arm_loops, arms_for, checkpoint_parser,
                                   deterministic_decode, free, log, pinned_h2d_bytes_per_s, pinned_plan, time_arm,
                                   write_random_checkpoint)
-from runtime.load import apply_plan, build_model
+from runtime.load import build_model
+from runtime.placement import apply_plan
 
 def run_batch(checkpoint: Path, batch: int, steps: list[int], joined: bool, rounds: int) -> dict:
     plan = pinned_plan(checkpoint, batch)

@@ -24,7 +24,8 @@ import torch
 
 from runtime.backend import CudaBackend
 from runtime.host_pages import huge_page_empty
-from runtime.routed_experts import PREFETCH_GATHER_PROGRAMS, device_view, gather_rows
+from runtime.routed_experts import PREFETCH_GATHER_PROGRAMS
+from runtime.uva_gather import device_view, gather_rows
 
 NUM_EXPERTS = 128
 SLOTS = 8

@@ -33,7 +33,7 @@ import torch
 
 from runtime.calibrate import median_event_ms
 from runtime.backend import CudaBackend
-from runtime.routed_experts import device_view
+from runtime.uva_gather import device_view
 
 NUM_EXPERTS = 128
 TOP_K = 8

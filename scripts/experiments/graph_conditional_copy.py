@@ -28,7 +28,7 @@ import sys
 import torch
 
 from runtime.calibrate import median_event_ms
-from runtime.routed_experts import gather_rows
+from runtime.uva_gather import gather_rows
 
 NUM_LAYERS = 48
 NUM_EXPERTS = 128
@@ -157,7 +157,7 @@ def main() -> int:
         chosen = routed[layer].nonzero().flatten()
         ids[layer, :chosen.numel()] = chosen
     ids = ids.cuda()
-    from runtime.routed_experts import device_view
+    from runtime.uva_gather import device_view
     host_views = {name: device_view(t, torch.device("cuda")) for name, t in host.items()}
     # the gather writes slot k; give it TOP_K rows
     gather_slots = slots(TOP_K)

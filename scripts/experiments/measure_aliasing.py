@@ -22,7 +22,7 @@ import statistics
 import torch
 
 from runtime.graph import DecodeLoop, cache_tokens_for
-from runtime.measure import _set_layers, alias_module
+from runtime.measure import set_layers, alias_module
 
 
 def step_ms(model, context: int, **loop_options) -> float:
@@ -74,13 +74,13 @@ def main() -> None:
                                                               for i in range(1, len(layers))]),
                         ("8 distinct, cycled", [layers[i] if i < 8 else alias_module(layers[i % 8], i)
                                                 for i in range(len(layers))])):
-        _set_layers(model, "model.layers", stack)
+        set_layers(model, "model.layers", stack)
         ms = step_ms(model, args.context)
         rows[name] = {"step_ms": ms, "per_layer_ms": ms / len(layers), **routed_experts(model, stack)}
         print(name, json.dumps(rows[name]))
     # what else differs from scripts/bench_experts.py's all-resident arm (28 ms a step on the same GPU): one step
     # per replay, and deterministic algorithms (its bitwise checks turn them on for the whole process)
-    _set_layers(model, "model.layers", layers)
+    set_layers(model, "model.layers", layers)
     rows["distinct, one step per replay"] = {"step_ms": step_ms(model, args.context, steps_per_call=1)}
     from scripts.benchmarking import deterministic_decode
 

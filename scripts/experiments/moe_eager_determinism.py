@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 
 from runtime.backend import CudaBackend
-from runtime.load import apply_plan, build_model
+from runtime.load import build_model
+from runtime.placement import apply_plan
 from tests.runtime_models import plan_with, save_tiny_moe
 
 

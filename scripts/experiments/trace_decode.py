@@ -27,7 +27,8 @@ from runtime.timing import random_ids
 from scripts.benchmarking import (CONTEXT_TOKENS, NUM_ARM_STEPS, PLAN_SHAPE, arm_loops, arms_for, checkpoint_parser,
                                   deterministic_decode, enter, pinned_plan, time_arm, write_random_checkpoint)
 from runtime.graph import calls_for
-from runtime.load import apply_plan, build_model
+from runtime.load import build_model
+from runtime.placement import apply_plan
 from runtime.timeline import summarize
 
 NUM_TRACED_STEPS = 4

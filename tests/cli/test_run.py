@@ -5,7 +5,7 @@ CPU only: the GPU-bound calls are replaced by recorders, so what is checked is t
 the graphed path itself is tested on the GPU (tests/runtime/test_engine_gpu.py).
 """
 
-import contextlib
+from types import SimpleNamespace
 
 import pytest
 
@@ -29,22 +29,19 @@ def plans(tmp_path_factory):
 @pytest.fixture
 def handed(monkeypatch):
     """The cuda_graph value ``run --prompt`` hands the runtime's generate, with the GPU calls stubbed out."""
-    from offload_plan import runtime_seam
-    from offload_plan.commands import run
+    import runtime.run
 
     calls = []
-    monkeypatch.setattr(runtime_seam, "require_cuda", lambda what: None)
-    monkeypatch.setattr(runtime_seam, "check_stack_fits", lambda plan: 0)
-    monkeypatch.setattr(runtime_seam, "out_of_memory_in_one_line", lambda plan, what: contextlib.nullcontext())
-    monkeypatch.setattr(runtime_seam, "cap_gpu_memory", lambda plan: None)
-    monkeypatch.setattr(run, "_load_with_progress", lambda plan, source: object())
+    monkeypatch.setattr(runtime.run, "require_cuda", lambda what: None)
+    monkeypatch.setattr(runtime.run, "check_stack_fits", lambda plan, device: 0)
+    monkeypatch.setattr(runtime.run, "cap_gpu_memory", lambda limit_bytes, device, booked_outside_bytes: None)
+    monkeypatch.setattr(runtime.run, "load_with_plan", lambda plan, progress, source: SimpleNamespace(source=source))
 
-    def generate(loaded, prompt, max_new_tokens, cuda_graph, compile_backend, adapter=None,
-                 plan_path=None):
+    def generate(loaded, prompt, model_path, max_new_tokens, cuda_graph, compile_backend, adapter, plan_path):
         calls.append(cuda_graph)
         return "text", 0.578
 
-    monkeypatch.setattr(runtime_seam, "generate", generate)
+    monkeypatch.setattr(runtime.run, "generate", generate)
     return calls
 
 
@@ -61,11 +58,10 @@ def test_prompt_follows_the_plan_unless_a_flag_overrides(plans, handed, monkeypa
     assert handed == [graphed]
     mode = "CUDA graph replays" if graphed else "eager steps"
     assert f"0.578 tokens/s with the plan applied ({mode})" in result.stderr
+    assert result.stdout == "text\n"
 
 
 def test_graphed_steps_resolves_the_tri_state():
-    from types import SimpleNamespace
-
     from offload_plan.commands.run import graphed_steps
 
     for made in (True, False):

@@ -354,8 +354,8 @@ def test_decode_with_kv_heads_repeated(sequences, tmp_path, monkeypatch):
 
 
 def test_activation_model_keeps_one_layer_per_kind():
-    """runtime.measure's model for the activation peak: one layer of each kind, renumbered, its own cache."""
-    from runtime.measure import activation_model
+    """runtime.measure_activations' model for the activation peak: one layer of each kind, renumbered, its own cache."""
+    from runtime.measure_activations import activation_model
 
     config = dict(model_type="gpt_oss", hidden_size=64, intermediate_size=64, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128, sliding_window=8,

@@ -2,7 +2,7 @@
 
 Each case measures ``torch.cuda.max_memory_allocated`` during one step minus what is allocated after it
 (weights, the static KV cache, the decode loop's buffers, and what the step allocates for good: cuBLAS
-workspaces of new streams when graphed, listed as "kept"; runtime.measure.ActivationMeasurement): decode
+workspaces of new streams when graphed, listed as "kept"; runtime.measure_activations.ActivationMeasurement): decode
 steps of B = 1, 16, 64, 256 sequences at context 1024 over the runtime's static cache, eagerly and captured
 in a CUDA graph, and prefill chunks of 2048 tokens. The estimate must bound the measured peak and
 stay within BOUND of it. The CUDA context (memory the driver holds outside PyTorch's allocator) is measured
@@ -65,7 +65,7 @@ def _record(case: str, estimate, measured) -> float:
 @pytest.mark.parametrize("num_sequences", [1, 16, 64, 256])
 def test_decode_step_peak(qwen3_8b_two_layers, num_sequences, graphed):
     from runtime.graph import cache_tokens_for
-    from runtime.measure import decode_activation_peak
+    from runtime.measure_activations import decode_activation_peak
 
     config, model = qwen3_8b_two_layers
     torch.cuda.empty_cache()
@@ -82,7 +82,7 @@ def test_decode_step_peak(qwen3_8b_two_layers, num_sequences, graphed):
 @pytest.mark.parametrize("context_tokens", [0, CHUNK_TOKENS])
 def test_prefill_chunk_peak(qwen3_8b_two_layers, context_tokens):
     from runtime.graph import cache_tokens_for
-    from runtime.measure import prefill_activation_peak
+    from runtime.measure_activations import prefill_activation_peak
 
     config, model = qwen3_8b_two_layers
     torch.cuda.empty_cache()
@@ -128,7 +128,7 @@ def test_moe_decode_step_peak(moe_two_layers, num_sequences):
     """Captured decode, experts through the implementation run's decode loop picks (runtime.experts_impl)."""
     from runtime.experts_impl import DECODE, implementation_for
     from runtime.graph import cache_tokens_for
-    from runtime.measure import decode_activation_peak
+    from runtime.measure_activations import decode_activation_peak
 
     name, config, model = moe_two_layers
     torch.cuda.empty_cache()
@@ -146,7 +146,7 @@ def test_moe_prefill_chunk_peak(moe_two_layers):
     """A 2048-token chunk: the allocation that ran a serving plan out of memory through batched_mm."""
     from runtime.experts_impl import PREFILL, implementation_for
     from runtime.graph import cache_tokens_for
-    from runtime.measure import prefill_activation_peak
+    from runtime.measure_activations import prefill_activation_peak
 
     name, config, model = moe_two_layers
     torch.cuda.empty_cache()
@@ -191,7 +191,7 @@ def test_sliding_decode_step_peak(sliding_model, num_sequences, graphed):
     peak, and the estimate (windows ignored) holds it."""
     from runtime.experts_impl import DECODE, implementation_for
     from runtime.graph import cache_tokens_for
-    from runtime.measure import decode_activation_peak
+    from runtime.measure_activations import decode_activation_peak
 
     name, config, model = sliding_model
     torch.cuda.empty_cache()
@@ -210,7 +210,7 @@ def test_sliding_decode_step_peak(sliding_model, num_sequences, graphed):
 def test_sliding_prefill_chunk_peak(sliding_model, context_tokens):
     from runtime.experts_impl import PREFILL, implementation_for
     from runtime.graph import cache_tokens_for
-    from runtime.measure import prefill_activation_peak
+    from runtime.measure_activations import prefill_activation_peak
 
     name, config, model = sliding_model
     torch.cuda.empty_cache()

@@ -54,7 +54,7 @@ def _served_tokens(work: Path, name: str | None, prompt: torch.Tensor, backend=N
     """The loader's model (offloaded layers streamed by the engine), the adapter attached as run attaches it."""
     from planner.plan.file import read_plan
     from runtime.adapters import attach_adapter
-    from runtime.load import stream_on_cpu
+    from tests.runtime_models import stream_on_cpu
 
     plan = read_plan(work / "plan.yaml")
     assert plan.offload.layers  # the adapter's copies share the engine's link with offloaded weights
@@ -122,3 +122,26 @@ def test_unknown_adapter_is_one_line_listing_the_plans(checkpoint_and_plan):
     proc = subprocess.run([sys.executable, "-m", "offload_plan", "run", str(work / "plan.yaml"), "--prompt", "hi",
                            "--adapter", "sq1"], capture_output=True, text=True, cwd=REPO)
     assert_one_line_error(proc.returncode, proc.stderr, contains=("sq1", "chat, code, sql"))
+
+
+def test_the_runtime_reads_the_plans_adapters_section(checkpoint_and_plan):
+    """The pool is filled from the adapters section's rows (name, source, revision), not from the make flags the
+    plan echoes in inputs.adapters: handed the section alone (no inputs), every adapter loads, from its row's
+    folder."""
+    from types import SimpleNamespace
+
+    from planner.plan.file import read_plan
+    from runtime.adapters import load_pool, plan_adapter_folder
+    from runtime.backend import CpuStandIn
+    from runtime.load import build_model
+
+    work, folders = checkpoint_and_plan
+    plan = read_plan(work / "plan.yaml")
+    plan = SimpleNamespace(adapters=plan.adapters)  # no inputs section to read NAME=PATH flags from
+    assert {row.name: plan_adapter_folder(row, work / "plan.yaml") for row in plan.adapters.items} == folders
+    pool, hooks = load_pool(build_model(str(work / "ckpt"), None), plan, CpuStandIn(), work / "plan.yaml")
+    try:
+        assert sorted(pool.layouts) == sorted(NAMES)
+    finally:
+        hooks.remove()
+        pool.close()

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from planner.search.schedule import PrefetchSchedule
-from runtime.load import apply_plan_on_cpu, build_model
+from runtime.load import build_model
+from tests.runtime_models import apply_plan_on_cpu
 from tests.runtime_models import PLAN_SHAPES, plan_with, save_tiny_llama, save_tiny_moe, with_replay_start_copies
 
 
@@ -132,7 +133,7 @@ def test_selection_mismatch_is_a_plan_error(moe):
 
 def test_fingerprint_mismatch_is_a_plan_error(llama, moe):
     from planner.errors import PlanError
-    from runtime.load import check_fingerprint, open_source
+    from runtime.load_source import check_fingerprint, open_source
 
     plan = plan_with(llama, 1, 1, 2)
     check_fingerprint(plan, open_source(plan, str(llama)))
@@ -420,7 +421,7 @@ def test_meminfo_reads_the_hosts_memory():
     """calibrate records MemTotal as the host memory figure; run checks MemAvailable before loading."""
     import os
 
-    from runtime.load import meminfo_bytes
+    from runtime.host_memory import meminfo_bytes
 
     if not os.path.exists("/proc/meminfo"):
         pytest.skip("no /proc/meminfo here")

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from runtime.backend import CudaBackend
-from runtime.load import apply_plan, build_model
+from runtime.load import build_model
+from runtime.placement import apply_plan
 from tests.runtime_models import PLAN_SHAPES, plan_with, save_tiny_llama, save_tiny_moe, with_replay_start_copies
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -15,7 +15,7 @@ def check_against_torch(device: str = "cpu") -> int:
     """Random layers (experts, top-k, tokens, resident rows, a slot set partly prefetched): the fused plan's pair
     rows, slot sources and counts equal plan_fetch's and plan_fetch_after_prefetch's. Returns the cases run."""
     from runtime.fetch_planning import fused_fetch_plan
-    from runtime.routed_experts import plan_fetch, plan_fetch_after_prefetch
+    from runtime.fetch_planning import plan_fetch, plan_fetch_after_prefetch
 
     generator = torch.Generator().manual_seed(0)
 

@@ -33,6 +33,7 @@ def counted(monkeypatch):
     import planner.source.checkpoint
     import planner.source.safetensors_header
     import runtime.load
+    import runtime.load_source
 
     counts: Counter = Counter()
 
@@ -51,9 +52,10 @@ def counted(monkeypatch):
     # the path's resolution, in its two steps: a plan's source from the plan's folder, then a hub id to its
     # snapshot (a path as it is)
     wrap(planner.source.checkpoint, "resolve_local_source", "from the plan's folder")
-    wrap(runtime.load, "resolve_local_source", "from the plan's folder")
-    wrap(runtime.load, "local_weights", "to a local folder")
-    wrap(runtime.load, "load_checkpoint", "checkpoint reads")
+    wrap(runtime.load_source, "resolve_local_source", "from the plan's folder")
+    wrap(runtime.load_source, "local_weights", "to a local folder")
+    for module in (runtime.load_source, runtime.load):  # open_source's read, and stream_model's when not handed one
+        wrap(module, "load_checkpoint", "checkpoint reads")
     opens = Counter()
     _OPENS.append(opens)
     counts["opens"] = opens
@@ -85,12 +87,11 @@ def _on_the_cpu(monkeypatch) -> None:
     import torch
 
     import runtime.load as load
-    from offload_plan import runtime_seam
+    import runtime.run
 
-    monkeypatch.setattr(runtime_seam, "require_cuda", lambda what: None)
-    monkeypatch.setattr(runtime_seam, "check_stack_fits", lambda plan: 0)
-    monkeypatch.setattr(runtime_seam, "cap_gpu_memory", lambda plan: None)
-    monkeypatch.setattr(runtime_seam, "check_decode_flags", lambda plan, cuda_graph, compile_backend: None)
+    monkeypatch.setattr(runtime.run, "require_cuda", lambda what: torch.device("cpu"))
+    monkeypatch.setattr(runtime.run, "check_stack_fits", lambda plan, device: 0)
+    monkeypatch.setattr(runtime.run, "cap_gpu_memory", lambda limit_bytes, device, booked_outside_bytes: None)
     monkeypatch.setattr(load, "require_cuda", lambda what="": torch.device("cpu"))
     monkeypatch.setattr(load, "CudaBackend", lambda device: CpuStandIn())
     monkeypatch.setattr(load, "check_memory", lambda plan, device, working_set_bytes: None)
@@ -101,7 +102,7 @@ def _on_the_cpu(monkeypatch) -> None:
 def test_run_reads_each_header_once_and_resolves_the_path_once(sharded, tmp_path, monkeypatch, counted):
     """run PLAN --bench from another directory: the relative source resolved once, each shard's header parsed
     once and the shard opened twice in all (its header, then one descriptor for its data)."""
-    from offload_plan import runtime_seam
+    import runtime.run
 
     plan_path = write_plan(plan_with(sharded, 3, 2, 1), tmp_path / "plan.yaml")
     loads = []
@@ -115,7 +116,7 @@ def test_run_reads_each_header_once_and_resolves_the_path_once(sharded, tmp_path
         return Result()
 
     _on_the_cpu(monkeypatch)
-    monkeypatch.setattr(runtime_seam, "run_bench", bench)
+    monkeypatch.setattr(runtime.run, "run_bench", bench)
     _reset(counted)
     result = invoke(["run", plan_path, "--bench", "--json"])
     assert result.exit_code == 0, result.stderr
@@ -129,7 +130,8 @@ def test_run_reads_each_header_once_and_resolves_the_path_once(sharded, tmp_path
 
 def test_the_loader_reads_no_header_when_handed_the_checkpoint(sharded, counted):
     """stream_model given LoadSource's checkpoint parses nothing again (fails on a second read)."""
-    from runtime.load import open_source, stream_model
+    from runtime.load import stream_model
+    from runtime.load_source import open_source
 
     plan = plan_with(sharded, 3, 2, 1)
     source = open_source(plan, str(sharded))

@@ -11,7 +11,7 @@ import torch
 
 from planner.errors import ModelInputError
 from runtime.backend import CpuStandIn
-from runtime.load import stream_on_cpu
+from tests.runtime_models import stream_on_cpu
 from tests.runtime_models import plan_with
 
 #: a Qwen3 shape small enough for the CPU, with 32x32 blocks so every linear has several block rows and columns

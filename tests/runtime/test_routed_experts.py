@@ -12,7 +12,9 @@ import torch
 from planner.errors import PlanError
 from runtime.backend import CpuStandIn
 from runtime.graph import DecodeLoop
-from runtime.routed_experts import apply_routed_experts, plan_fetch, routed_from_plan
+from runtime.routed_layers import apply_routed_experts
+from runtime.routed_layers import routed_from_plan
+from runtime.fetch_planning import plan_fetch
 from tests.runtime_models import routed_moe_model
 
 #: layer -> resident expert ids: a layer with some resident, one with none, one with most, one not routed (3)
@@ -126,7 +128,7 @@ def test_routed_from_plan_reads_the_experts_section():
 
 GATHER_SCRIPT = """
 import torch
-from runtime.routed_experts import _gather_rows_triton
+from runtime.uva_gather import _gather_rows_triton
 source = torch.arange(6 * 40, dtype=torch.int32).view(6, 40).to(torch.bfloat16)
 destination = torch.full((4, 40), -1.0, dtype=torch.bfloat16)
 ids = torch.tensor([4, -1, 0, -1])
@@ -168,7 +170,8 @@ def moe_checkpoint(tmp_path_factory):
 def mixed_plan_and_reference(checkpoint):
     """The tiny MoE's plan with 2 of 7 layers offloaded whole and the others routed (odd ones keep expert 1
     resident, 2 fetch slots), and the same plan's greedy decode without routing: (plan, routed, ids, logits)."""
-    from runtime.load import apply_plan_on_cpu, build_model
+    from runtime.load import build_model
+    from tests.runtime_models import apply_plan_on_cpu
     from tests.runtime_models import plan_with
 
     plan = plan_with(checkpoint, 7, 2, 1)
@@ -183,7 +186,8 @@ def mixed_plan_and_reference(checkpoint):
 def load_on_cpu(checkpoint, plan, streamed: bool):
     """``plan`` applied to a built model, or streamed from the files, on the CPU stand-in, experts computed by
     batched_mm: (model, engine)."""
-    from runtime.load import apply_plan_on_cpu, build_model, stream_on_cpu
+    from runtime.load import build_model
+    from tests.runtime_models import apply_plan_on_cpu, stream_on_cpu
 
     if streamed:
         model, engine = stream_on_cpu(checkpoint, plan)
@@ -216,7 +220,8 @@ def test_plan_with_routed_layers_loads_and_decodes_bitwise(moe_checkpoint, strea
 
 
 def test_a_plan_routing_an_offloaded_layer_is_refused(moe_checkpoint):
-    from runtime.load import apply_plan_on_cpu, build_model
+    from runtime.load import build_model
+    from tests.runtime_models import apply_plan_on_cpu
     from tests.runtime_models import plan_with
 
     plan = plan_with(moe_checkpoint, 7, 2, 1)

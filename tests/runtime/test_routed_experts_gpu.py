@@ -12,7 +12,8 @@ import torch
 
 from runtime.backend import CudaBackend
 from runtime.graph import DecodeLoop
-from runtime.routed_experts import apply_routed_experts, device_view, gather_rows
+from runtime.routed_layers import apply_routed_experts
+from runtime.uva_gather import device_view, gather_rows
 from tests.runtime_models import routed_moe_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -12,8 +12,11 @@ import torch
 
 from runtime.backend import CpuStandIn
 from runtime.graph import DecodeLoop
-from runtime.routed_experts import (FETCH_KINDS, apply_routed_experts, next_layer_predictor, plan_fetch_after_prefetch,
-                                    prefetch_from_plan)
+from runtime.routed_experts import FETCH_KINDS
+from runtime.routed_layers import apply_routed_experts
+from runtime.routed_layers import prefetch_from_plan
+from runtime.router_prediction import next_layer_predictor
+from runtime.fetch_planning import plan_fetch_after_prefetch
 from tests.runtime_models import exactly_predictable, routed_moe_model
 
 #: layer -> resident ids over 16 experts: layer 0 (first routed: nothing predicts it), 1 none resident, 2 most
@@ -168,7 +171,7 @@ def test_prefetch_from_plan_reads_the_experts_section():
 
 BOUNDED_GATHER_SCRIPT = """
 import torch
-from runtime.routed_experts import _gather_rows_triton
+from runtime.uva_gather import _gather_rows_triton
 source = torch.arange(6 * 9000, dtype=torch.int32).view(6, 9000)
 for programs in (None, 1, 3):
     destination = torch.full((4, 9000), -1, dtype=torch.int32)

@@ -10,7 +10,7 @@ import torch
 from planner.errors import PlanError
 from runtime.backend import CpuStandIn
 from runtime.graph import DecodeLoop
-from runtime.routed_experts import apply_routed_experts
+from runtime.routed_layers import apply_routed_experts
 from tests.runtime_models import routed_moe_model
 
 TOP_K = 4

@@ -18,11 +18,11 @@ def _mistral(folder, window: int = 8):
     """Mistral with a window: every layer slides (no layer_types in its config)."""
     from transformers import AutoModelForCausalLM, MistralConfig
 
-    from tests.runtime_models import save_random as _save
+    from tests.runtime_models import save_random
 
     config = MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                            num_attention_heads=4, num_key_value_heads=2, sliding_window=window)
-    return _save(AutoModelForCausalLM.from_config(config), folder, 0)
+    return save_random(AutoModelForCausalLM.from_config(config), folder, 0)
 
 
 SAVERS = {"gemma3": save_tiny_gemma3, "gpt_oss": save_tiny_gpt_oss, "mistral": _mistral}
@@ -143,7 +143,8 @@ def test_graphed_sliding_decode_bitwise_equal_to_eager_resident(family, shape, d
     """Graphed decode over rings, all-resident and offloaded at three plan shapes: ids and logits bit for bit
     the eager all-resident model's (the same cache, so the same sums)."""
     from runtime.backend import CudaBackend
-    from runtime.load import apply_plan, build_model
+    from runtime.load import build_model
+    from runtime.placement import apply_plan
     from tests.runtime_models import plan_with
 
     saver = {"gemma3": save_tiny_gemma3, "gpt_oss": save_tiny_gpt_oss}[family]
@@ -166,7 +167,8 @@ def test_graphed_sliding_decode_bitwise_equal_to_eager_resident(family, shape, d
 def test_offloaded_sliding_decode_equals_resident_on_the_cpu_stand_in(family, shape, tmp_path):
     """A plan applied through the CPU stand-in of the copy engine (graph mode: copies wrap as in a replay):
     decode past the window gives the resident model's ids and logits bit for bit."""
-    from runtime.load import apply_plan_on_cpu, build_model
+    from runtime.load import build_model
+    from tests.runtime_models import apply_plan_on_cpu
     from tests.runtime_models import plan_with
 
     path = {"gemma3": save_tiny_gemma3, "gpt_oss": save_tiny_gpt_oss}[family](tmp_path)

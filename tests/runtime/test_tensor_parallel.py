@@ -64,7 +64,7 @@ def _rank_main(local_rank: int, device_type: str, folder, plan_path, port: int, 
                       LOCAL_RANK=str(local_rank))
     torch.set_num_threads(1)
     from runtime.backend import CpuStandIn
-    from runtime.load import open_source
+    from runtime.load_source import open_source
     from runtime.params import is_shard
     from runtime.tensor_parallel import engine_bytes, held_beyond_plan_bytes, load_rank_with_plan, load_tp_model
     from runtime.tensor_parallel import start_rank
