@@ -398,7 +398,9 @@ def plan_figures(path: Path) -> dict:
             "memory": {key: value for key, value in memory.items() if not isinstance(value, (list, dict))},
             "regime": experts.get("regime"), "offloaded_layers": len(offload.get("layers") or []),
             "knobs": [offload.get("group_size"), offload.get("num_in_group"), offload.get("prefetch_step")],
-            "concurrency": (plan.get("workload") or {}).get("concurrency")}
+            "concurrency": (plan.get("workload") or {}).get("concurrency"),
+            "architecture": (plan.get("model") or {}).get("architecture"),
+            "mechanism": offload.get("mechanism", "prefetch")}
 
 
 def gpu_clean() -> int:
@@ -457,7 +459,7 @@ def verdicts(arm: Arm, row: dict, reference_text: str | None) -> dict:
     """Each verdict True/False, or None where the arm has no figure for it (run skipped or failed before)."""
     bench, memory = row.get("bench"), row.get("plan", {}).get("memory", {})
     errors = " ".join(row.get("errors", {}).values()).lower()
-    result = {"exit_ok": all(code == 0 for code in row["exit"].values()),
+    result = {"exit_ok": exits_ok(row),
               "no_oom": "out of memory" not in errors and "out of gpu memory" not in errors
               and 70 not in row["exit"].values()}
     if not bench:
@@ -478,6 +480,25 @@ def verdicts(arm: Arm, row: dict, reference_text: str | None) -> dict:
         "error_within": all(abs(error) <= limit for error in row["prediction_errors"].values())
         if row["prediction_errors"] else None,
         "tokens_equal": tokens_equal(row, reference_text)}
+
+
+def exits_ok(row: dict) -> bool:
+    """Every command exited 0, or refused in one line where that is the promise (expected_refusals)."""
+    expected = expected_refusals(row.get("plan", {}).get("architecture"))
+    return all(code == 0 or (step in expected and code not in (2, 70)) for step, code in row["exit"].items())
+
+
+def expected_refusals(architecture: str | None) -> set[str]:
+    """The exports whose engine wires no offloader for the architecture: a one-line refusal (a plan error, not a
+    usage error or a crash) is what they promise."""
+    from planner.engines.versions import engine_version
+
+    refused = set()
+    for engine in ("vllm", "sglang"):
+        release = engine_version(engine)
+        if not release.prefetch_wired(architecture) and not release.read_at_use_wired(architecture):
+            refused.add(f"export_{engine}")
+    return refused
 
 
 def prediction_errors(bench: dict) -> dict:
@@ -552,8 +573,7 @@ def finish_arm(arm: Arm, made: dict, other: Path | None, caps: dict, no_run: boo
             row["exit"] |= ran.pop("exit")
             row["errors"] |= ran.pop("errors")
             row |= ran
-    row["verdicts"] = verdicts(arm, row, reference) if not no_run else {
-        "exit_ok": all(code == 0 for code in row["exit"].values())}
+    row["verdicts"] = verdicts(arm, row, reference) if not no_run else {"exit_ok": exits_ok(row)}
     row["seconds"] = round(made["make_s"] + time.perf_counter() - start, 1)
     return row
 
