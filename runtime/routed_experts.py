@@ -51,6 +51,7 @@ from torch import nn
 
 from planner.errors import PlanError, RuntimeUnavailableError
 from planner.model.placement import ALIGN_BYTES, align_up
+from planner.plan.schema import NEXT_LAYER_ROUTER
 from planner.units import format_bytes
 from runtime.allocation import alloc_device_or_fail, host_allocation_or_fail
 from runtime.engine import PackedParam, backend_unpin, view_as_param
@@ -65,8 +66,6 @@ GATHER_NUM_WARPS = 4
 #: 32, 64 and 128 programs gathered at 0.992, 0.995, 0.986 and 0.986 of the full grid's rate (47.3 GB/s); the
 #: main stream's miss gather keeps the full grid
 PREFETCH_GATHER_PROGRAMS = 32
-#: the plan's experts.prefetch value that turns next-layer prediction on
-NEXT_LAYER_ROUTER = "next_layer_router"
 #: fetch_counts entries: prefetched and routed; prefetched, not routed; routed, not resident, not prefetched
 #: (fetched after the router of a predicted layer); fetched after the router of a layer nothing predicted
 FETCH_KINDS = ("prefetched", "wasted", "missed", "unpredicted")

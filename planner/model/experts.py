@@ -43,11 +43,11 @@ DEFAULT_TOP_K = 2
 #: (scripts/bench_experts.py, runtime.routed_experts' Triton gather inside the captured step, Qwen3-30B-A3B):
 #: 46.9 and 48.4 GB/s in-step against 52.9 GB/s pinned copy-engine H2D, 0.89-0.91 (benchmarks/2026-11-25-*)
 ROUTED_FETCH_EFFICIENCY = 0.89
-#: the share of a decode step's routed, non-resident experts that next-layer prediction prefetches (the runtime's
-#: next_layer_router: the next routed layer's router on this layer's router input). Measured 0.777 on an H100 by
-#: scripts/bench_experts.py --prefetch on (Qwen3-30B-A3B shape, 24 GiB, one sequence, uniform routing, random
-#: weights, 64 greedy steps; benchmarks/2026-11-25-prefetch-h100.md). Trained routers differ by model: make
-#: --prefetch-accuracy overrides it, and the plan records the figure used
+#: the share of a decode step's routed, non-resident experts that next-layer prediction prefetches (the plan's
+#: experts.prefetch next_layer_router: the next routed layer's router on this layer's router input). Measured
+#: 0.777 on an H100 by scripts/bench_experts.py --prefetch on (Qwen3-30B-A3B shape, 24 GiB, one sequence,
+#: uniform routing, random weights, 64 greedy steps; benchmarks/2026-11-25-prefetch-h100.md). Trained routers
+#: differ by model: make --prefetch-accuracy overrides it, and the plan records the figure used
 PREFETCH_ACCURACY = 0.78
 #: the per-rank accuracy of that prediction (rank 1: the predicting router's highest score) measured on the H100 by
 #: scripts/bench_experts.py --prefetch-depth (same shape and run as above, 64 steps x 47 predicted layers;
@@ -65,15 +65,11 @@ PREFETCH_MACHINERY_MS = 0.0285
 #: 128.2 and 132.1 us beside a gather of 1, 2 and 4 experts on the H100 (+13% to +19%;
 #: scripts/experiments/gather_contention.py, benchmarks/2026-11-26-gather-contention-h100.json)
 GATHER_COMPUTE_SLOWDOWN = 0.15
-#: the plan's experts.prefetch where routed layers prefetch the next routed layer's predicted experts
-NEXT_LAYER_ROUTER = "next_layer_router"
 #: the MoE block modules whose experts transformers 5 holds as the fused params of its experts interface, which
 #: the runtime route-fetches (Mixtral's block_sparse_moe is renamed to mlp on load)
 ROUTED_EXPERT_MODULES = ("mlp", "block_sparse_moe")
 #: expert-bytes savings closer than this share are a tie (the lower expert id, the lower layer wins)
 SAVING_DECIMALS = 12
-
-REGIMES = ("routed", "whole_layer", "mixed")
 
 
 def is_expert_param(relative_name: str) -> bool:
@@ -282,6 +278,12 @@ class RoutedLayer:
     prefetch_hit_share: float | None = None
     prefetch_ahead_share: float | None = None
 
+    @property
+    def expert_ms(self) -> float | None:
+        """One expert's fetch time (None where the layer fetches nothing)."""
+        experts = self.expert_bytes and self.expected_fetched_bytes / self.expert_bytes
+        return self.fetch_ms / experts if experts else None
+
 
 @dataclass(frozen=True, kw_only=True)
 class RoutedPlacement:
@@ -411,27 +413,30 @@ def with_prefetch_depth(placement: RoutedPlacement, rank_accuracy: tuple[float, 
             row_hit, row_ahead = predictions[row.index].shares(row.resident, depth)
             row = replace(row, prefetch_hit_share=row_hit, prefetch_ahead_share=row_ahead)
         rows.append(row)
-    predicted = rows[1:]  # the first routed layer: nothing predicts it
-    weight = math.fsum(row.expected_fetched_bytes for row in predicted)
-    if weight:
-        shares = [(_row_shares(row, hit, ahead), row.expected_fetched_bytes) for row in predicted]
-        hit = math.fsum(row_hit * nbytes for (row_hit, _), nbytes in shares) / weight
-        ahead = math.fsum(row_ahead * nbytes for (_, row_ahead), nbytes in shares) / weight
+    hit, ahead = fetch_weighted_shares(rows[1:], hit, ahead)  # the first routed layer: nothing predicts it
     return replace(placement, layers=tuple(rows), prefetch_accuracy=hit, prefetch_ahead_share=ahead,
                    prefetch_depth=depth)
 
 
-def _expert_ms(row: RoutedLayer) -> float | None:
-    """One expert's fetch time in a routed layer (None where the layer fetches nothing)."""
-    experts = row.expert_bytes and row.expected_fetched_bytes / row.expert_bytes
-    return row.fetch_ms / experts if experts else None
-
-
-def _row_shares(row: RoutedLayer, hit: float, ahead: float) -> tuple[float, float]:
-    """A layer's (hit, ahead) shares: its own where a trace gave them, else the placement's."""
-    if row.prefetch_hit_share is None:
+def layer_shares(row, hit: float | None, ahead: float) -> tuple[float | None, float]:
+    """A routed layer's (hit, ahead) prefetch shares: its own where a trace's per-expert figures gave them
+    (``row.prefetch_hit_share``, ``row.prefetch_ahead_share``: a RoutedLayer or a plan's experts.layers row), else
+    the placement's ``hit`` and ``ahead`` (hit None: no prefetch, whatever the row holds)."""
+    if hit is None or row.prefetch_hit_share is None:
         return hit, ahead
     return row.prefetch_hit_share, row.prefetch_ahead_share
+
+
+def fetch_weighted_shares(rows, hit: float, ahead: float) -> tuple[float, float]:
+    """(hit, ahead) of a step's predicted ``rows`` (every routed layer but the first) weighted by their expected
+    fetched bytes, each row's own shares or ``hit`` and ``ahead`` (layer_shares); ``hit`` and ``ahead`` where the
+    rows fetch nothing. One rule for the planner's placement and the plan read back."""
+    weight = math.fsum(row.expected_fetched_bytes for row in rows)
+    if not weight:
+        return hit, ahead
+    shares = [(layer_shares(row, hit, ahead), row.expected_fetched_bytes) for row in rows]
+    return (math.fsum(row_hit * nbytes for (row_hit, _), nbytes in shares) / weight,
+            math.fsum(row_ahead * nbytes for (_, row_ahead), nbytes in shares) / weight)
 
 
 def wasted_prefetch_bytes(placement: RoutedPlacement) -> float:
@@ -439,8 +444,9 @@ def wasted_prefetch_bytes(placement: RoutedPlacement) -> float:
     routed layer but the first), (ahead - hit) x its routed, non-resident bytes; 0 without prefetch."""
     if placement.prefetch_accuracy is None:
         return 0.0
-    return math.fsum((ahead - hit) * row.expected_fetched_bytes for row in placement.layers[1:]
-                     for hit, ahead in (_row_shares(row, placement.prefetch_accuracy, placement.prefetch_ahead_share),))
+    hit, ahead = placement.prefetch_accuracy, placement.prefetch_ahead_share
+    return math.fsum((row_ahead - row_hit) * row.expected_fetched_bytes for row in placement.layers[1:]
+                     for row_hit, row_ahead in (layer_shares(row, hit, ahead),))
 
 
 def routed_fetch_bytes_per_s(h2d_bytes_per_s: float) -> float:
@@ -527,11 +533,6 @@ def routed_placement(geometry: MoeGeometry, routing: tuple[LayerRouting, ...], *
                            staging_buffer_bytes=staging, host_pinned_bytes=host, prefetch_accuracy=prefetch_accuracy)
 
 
-def routed_step_ms(layer_ms: tuple[float, ...], head_ms: float, placement: RoutedPlacement) -> float:
-    """A decode step with every MoE layer routed: each layer's compute and its wait for its fetch."""
-    return head_ms + math.fsum(layer_ms) + math.fsum(routed_stalls_ms(placement, layer_ms).values())
-
-
 def prefetch_layer_stall_ms(compute_ms: float, fetch_ms: float, accuracy: float | None, predicted: bool,
                             ahead_share: float = 1.0, expert_ms: float | None = None,
                             num_slots: int | None = None, compute_slowdown: float = 0.0,
@@ -560,7 +561,7 @@ def prefetch_layer_stall_ms(compute_ms: float, fetch_ms: float, accuracy: float 
     ``compute_slowdown`` s: the compute the prefetch overlaps runs (1 + s) slower (GATHER_COMPUTE_SLOWDOWN), so a
     prefetch X shorter than the compute c costs s x X, and a longer one max(X - c, s x c): a link-bound layer
     hides the slower compute behind the link. ``machinery_ms``: the predicting layer's own cost
-    (PREFETCH_MACHINERY_MS). Both 0 by default: the plan passes the measured figures (routed_stalls_ms)."""
+    (PREFETCH_MACHINERY_MS). Both 0 by default: the plan passes the measured figures (planned_layer_stall_ms)."""
     if accuracy is None or not predicted:
         return fetch_ms
     if expert_ms and num_slots:
@@ -635,21 +636,6 @@ def binomial_terms(trials: int, p: float, lowest: int) -> list[tuple[int, float]
             break
         terms.append((count - 1, pmf))
     return terms
-
-
-def routed_stalls_ms(placement: RoutedPlacement, layer_ms: tuple[float, ...] | None = None) -> dict[int, float]:
-    """Per routed layer index, its wait for its experts in a decode step (``layer_ms``: every layer's compute,
-    needed with prefetch)."""
-    stalls, predicted = {}, False
-    for layer in placement.layers:
-        compute_ms = 0.0 if layer_ms is None else layer_ms[layer.index]
-        accuracy, ahead = placement.prefetch_accuracy, placement.prefetch_ahead_share
-        if accuracy is not None:
-            accuracy, ahead = _row_shares(layer, accuracy, ahead)
-        stalls[layer.index] = planned_layer_stall_ms(compute_ms, layer.fetch_ms, accuracy, predicted, ahead,
-                                                     _expert_ms(layer), placement.fetch_slots)
-        predicted = True
-    return stalls
 
 
 def non_resident_bytes(geometry: MoeGeometry, placement: RoutedPlacement) -> dict[int, int]:

@@ -4,9 +4,9 @@ Reading and writing the file is planner.plan.file; the rules across fields a pla
 reading schema 1 plans, planner.plan.migration.
 """
 
-import math
 from dataclasses import dataclass, field
 
+from planner.model.experts import fetch_weighted_shares, prefetch_shares
 from planner.source.profile import FIGURE_MAX, FIGURE_MIN
 from planner.units import SIZE_HELP
 
@@ -423,11 +423,20 @@ class AdaptersSection:
             raise ValueError("adapters.items must have distinct names, sorted")
 
 
-EXPERT_REGIMES = ("routed", "whole_layer", "mixed")
-
-
-#: experts.prefetch: none, or the next routed layer's router predicting its experts (runtime.routed_experts)
-EXPERT_PREFETCH = (None, "next_layer_router")
+#: the experts vocabulary, declared here once (the planner writes it, show and the runtime read it through the
+#: predicates below: ExpertLayer.routed, ExpertsPoint.routed, ExpertsPlan.routed_layers and .prefetching).
+#: A layer's regime (experts.layers, experts.points): only its routed, non-resident experts cross the link
+ROUTED = "routed"
+#: a layer's regime: resident, or streamed whole as offload.layers says
+WHOLE_LAYER = "whole_layer"
+#: experts.regime only: the section's layers hold both regimes
+MIXED = "mixed"
+EXPERT_REGIMES = (ROUTED, WHOLE_LAYER, MIXED)
+#: experts.prefetch: each routed layer predicts the next routed layer's experts with that layer's router and
+#: gathers them ahead (runtime.routed_experts)
+NEXT_LAYER_ROUTER = "next_layer_router"
+#: experts.prefetch: none, or the next routed layer's router
+EXPERT_PREFETCH = (None, NEXT_LAYER_ROUTER)
 #: experts.prefetch_accuracy_source: the default curve or make --prefetch-accuracy, a trace's per-rank figures over
 #: every expert, or a trace's per-expert figures over each layer's non-resident experts
 PREFETCH_ACCURACY_SOURCES = ("assumed", "trace_per_rank", "trace_per_expert")
@@ -454,11 +463,11 @@ class ExpertLayer:
     prefetch_ahead_share: float | None = None
 
     def __post_init__(self):
-        if self.regime not in EXPERT_REGIMES[:2]:
-            raise ValueError(f"experts.layers regime {self.regime!r} is not one of routed, whole_layer")
+        if self.regime not in (ROUTED, WHOLE_LAYER):
+            raise ValueError(f"experts.layers regime {self.regime!r} is not one of {ROUTED}, {WHOLE_LAYER}")
         if list(self.resident) != sorted(set(self.resident)):
             raise ValueError("experts.layers resident ids must be ascending and distinct")
-        if self.resident and self.regime != "routed":
+        if self.resident and not self.routed:
             raise ValueError("experts.layers: only routed layers keep resident experts")
         if not 0 <= self.hit_rate <= 1:
             raise ValueError("experts.layers hit_rate must be a share in [0, 1]")
@@ -468,6 +477,17 @@ class ExpertLayer:
                 1.0, self.prefetch_ahead_share):
             raise ValueError("experts.layers prefetch_hit_share must be a share in [0, 1], at most "
                              "prefetch_ahead_share")
+
+    @property
+    def routed(self) -> bool:
+        """Whether the layer fetches its routed experts (else it is resident or streams whole)."""
+        return self.regime == ROUTED
+
+
+def summary_regime(layers: tuple[ExpertLayer, ...]) -> str:
+    """experts.regime for these layers: their one regime, or MIXED."""
+    regimes = {row.regime for row in layers}
+    return regimes.pop() if len(regimes) == 1 else MIXED
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -484,6 +504,11 @@ class ExpertsPoint:
     whole_layer_step_ms: float | None
     #: resident experts of the routed placement, all layers (0 when it does not fit)
     num_resident: int
+
+    @property
+    def routed(self) -> bool:
+        """Whether routed experts were chosen at this step size."""
+        return self.regime == ROUTED
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -530,21 +555,31 @@ class ExpertsPlan:
     #: None in plans made before it
     prefetch_accuracy_source: str | None = None
 
+    @property
+    def routed_layers(self) -> tuple[ExpertLayer, ...]:
+        """The layers that fetch their routed experts, ascending."""
+        return tuple(row for row in self.layers if row.routed)
+
+    @property
+    def prefetching(self) -> bool:
+        """Whether routed layers prefetch the next one's predicted experts (NEXT_LAYER_ROUTER)."""
+        return self.prefetch == NEXT_LAYER_ROUTER
+
     def prefetch_shares(self) -> tuple[float, float] | None:
-        """(hit share, ahead share) of the routed, non-resident experts (planner.model.experts.prefetch_shares) at the
-        plan's depth; None without prefetch. Plans made before the depth gather every rank at their accuracy.
-        Layers priced from a trace's per-expert figures: their shares, weighted by their expected bytes."""
-        if self.prefetch is None:
+        """(hit share, ahead share) of the routed, non-resident experts at the plan's depth, as the planner's
+        placement holds them (planner.model.experts.with_prefetch_depth): the per-rank curve's
+        (planner.model.experts.prefetch_shares), or, where layers hold a trace's per-expert shares, the predicted
+        layers' fetch-weighted mean (fetch_weighted_shares). None without prefetch. Plans made before the depth
+        gather every rank at their accuracy."""
+        if not self.prefetching:
             return None
-        rows = [row for row in self.layers[1:] if row.prefetch_hit_share is not None]
-        weight = math.fsum(row.expected_fetched_bytes for row in rows)
-        if rows and weight:
-            return (math.fsum(row.prefetch_hit_share * row.expected_fetched_bytes for row in rows) / weight,
-                    math.fsum(row.prefetch_ahead_share * row.expected_fetched_bytes for row in rows) / weight)
         if self.prefetch_depth is None or self.prefetch_rank_accuracy is None:
-            return self.prefetch_accuracy, 1.0
-        return (math.fsum(self.prefetch_rank_accuracy[:self.prefetch_depth]) / len(self.prefetch_rank_accuracy),
-                self.prefetch_depth / len(self.prefetch_rank_accuracy))
+            hit, ahead = self.prefetch_accuracy, 1.0
+        else:
+            hit, ahead = prefetch_shares(self.prefetch_rank_accuracy, self.prefetch_depth)
+        if any(row.prefetch_hit_share is not None for row in self.layers):
+            return fetch_weighted_shares(self.layers[1:], hit, ahead)
+        return hit, ahead
 
     def __post_init__(self):
         if self.prefetch not in EXPERT_PREFETCH:
@@ -568,8 +603,7 @@ class ExpertsPlan:
                              "per-expert figures (prefetch_accuracy_source trace_per_expert)")
         if self.regime not in EXPERT_REGIMES:
             raise ValueError(f"experts.regime {self.regime!r} is not one of {', '.join(EXPERT_REGIMES)}")
-        regimes = {row.regime for row in self.layers}
-        if self.layers and self.regime != (regimes.pop() if len(regimes) == 1 else "mixed"):
+        if self.layers and self.regime != summary_regime(self.layers):
             raise ValueError("experts.regime must summarise its layers' regimes")
         if [row.index for row in self.layers] != sorted({row.index for row in self.layers}):
             raise ValueError("experts.layers must have distinct indices, ascending")
@@ -617,7 +651,7 @@ class Plan:
         if self.adapters is not None and len(self.adapters.items) != len(self.inputs.adapters):
             raise ValueError("the adapters section needs one item per inputs.adapters entry")
         if self.experts is not None:
-            routed = {row.index for row in self.experts.layers if row.regime == "routed"}
+            routed = {row.index for row in self.experts.routed_layers}
             if routed & set(self.offload.layers):
                 raise ValueError("a routed MoE layer (experts.layers) must not be in offload.layers")
             if any(row.index >= self.model.num_layers for row in self.experts.layers):
@@ -661,7 +695,7 @@ def routed_rows(plan: Plan) -> dict:
     """index -> experts.layers row of every routed MoE layer."""
     if plan.experts is None:
         return {}
-    return {row.index: row for row in plan.experts.layers if row.regime == "routed"}
+    return {row.index: row for row in plan.experts.routed_layers}
 
 
 def routed_expert_bytes(plan: Plan) -> tuple[int, int]:
@@ -669,12 +703,12 @@ def routed_expert_bytes(plan: Plan) -> tuple[int, int]:
     the host) as the plan's rows give them: what memory.resident_layer_bytes leaves out (0, 0 without routed
     layers). show's memory rows and the reader's rules both count them so."""
     routed = routed_rows(plan)
-    each = {index: _expert_bytes_of(plan, row) for index, row in routed.items()}
+    each = {index: routed_layer_expert_bytes(plan, row) for index, row in routed.items()}
     return (sum(len(routed[index].resident) * nbytes for index, nbytes in each.items()),
             sum(plan.experts.num_experts * nbytes for nbytes in each.values()))
 
 
-def _expert_bytes_of(plan: "Plan", row) -> int:
+def routed_layer_expert_bytes(plan: Plan, row: ExpertLayer) -> int:
     """One expert of a routed layer: its non-resident bytes over its non-resident experts (the section's
     expert_bytes, the largest layer's, where every expert is resident)."""
     non_resident = plan.experts.num_experts - len(row.resident)

@@ -6,6 +6,7 @@ from rich.table import Table
 from rich.text import Text
 
 from planner.plan.schema import ExpertsPlan, Plan, routed_expert_bytes
+from planner.search.routed_step import plan_decode_step
 from planner.search.schedule import PrefetchSchedule
 from planner.search.simulate import STEPS_PER_GRAPH, Simulation, join_every_steps_for, simulate
 from planner.search.serving import OFFLOAD_MARGIN_SHARE
@@ -25,7 +26,7 @@ def resimulate(plan: Plan) -> Simulation:
     """Re-run the plan's simulation from its recorded per-layer times (for the timeline); a routed decode step
     from its layers' expected fetches."""
     if routed_decode(plan):
-        return _routed_simulation(plan)
+        return plan_decode_step(plan)
     return simulate(
         layer_ms=tuple(row.compute_ms for row in plan.layers),
         head_ms=plan.prediction.head_ms,
@@ -42,48 +43,11 @@ def routed_decode(plan: Plan) -> bool:
     return (plan.experts is not None and plan.experts.fetch_slots > 0 and plan.prediction.decode_step_ms is not None)
 
 
-def _routed_simulation(plan: Plan) -> Simulation:
-    """A routed decode step: each routed layer waits for its fetch after its router (planner.search.expert_choice)."""
-    from planner.search.simulate import Interval
-
-    from planner.model.experts import planned_layer_stall_ms
-
-    experts = plan.experts
-    routed = [row for row in experts.layers if row.regime == "routed"]
-    accuracy, ahead = experts.prefetch_shares() or (None, 1.0)
-
-    def shares(row) -> tuple[float | None, float]:  # a layer priced from a trace's per-expert figures: its own
-        if accuracy is None or row.prefetch_hit_share is None:
-            return accuracy, ahead
-        return row.prefetch_hit_share, row.prefetch_ahead_share
-
-    rate = experts.routed_fetch_bytes_per_s
-    link_ms = {row.index: 1e3 * row.expected_fetched_bytes / rate for row in routed}
-    fetch_ms = {row.index: planned_layer_stall_ms(plan.layers[row.index].compute_ms,
-                                                   1e3 * row.expected_fetched_bytes / rate,
-                                                   row_hit, predicted=row is not routed[0], ahead_share=row_ahead,
-                                                   expert_ms=1e3 * experts.expert_bytes / rate,
-                                                   num_slots=experts.fetch_slots)
-                for row in routed for row_hit, row_ahead in (shares(row),)}
-    head = plan.prediction.head_ms
-    intervals, stalls, fetches, now = [Interval(layer=-1, start_ms=0.0, end_ms=head)], [], [], head
-    for row in plan.layers:
-        stall = fetch_ms.get(row.index, 0.0)
-        intervals.append(Interval(layer=row.index, start_ms=now + stall, end_ms=now + stall + row.compute_ms))
-        if row.index in link_ms and link_ms[row.index] > 0:  # the fetch ends as the layer starts
-            fetches.append(Interval(layer=row.index, start_ms=max(0.0, now + stall - link_ms[row.index]),
-                                    end_ms=now + stall))
-        stalls.append(stall)
-        now += stall + row.compute_ms
-    return Simulation(step_ms=now, stall_ms=sum(stalls), compute=tuple(intervals), copies=tuple(fetches),
-                      layer_stall_ms=tuple(stalls))
-
-
 def experts_text(plan: Plan) -> Text:
     """The experts section in words: the regime, why, what stays resident, what a step fetches, and the figures
     that decide between routed experts and whole layers."""
     experts = plan.experts
-    routed = [row for row in experts.layers if row.regime == "routed"]
+    routed = experts.routed_layers
     lines = [f"Experts: {experts.regime.replace('_', ' ')} ({len(experts.layers)} MoE layers, top-{experts.top_k} of "
              f"{experts.num_experts} experts of {format_bytes(experts.expert_bytes)}; routing: "
              f"{_routing_words(experts)})."]
@@ -181,7 +145,7 @@ def _crossover_lines(plan: Plan, experts: ExpertsPlan) -> list[str]:
                      f"{format_ms(here.routed_step_ms)} per step{than} against "
                      f"{format_ms(here.whole_layer_step_ms)} streaming whole layers; not planned, as said above.")
     elif here is not None and here.routed_step_ms is not None and here.whole_layer_step_ms is not None:
-        faster = "routed" if here.regime == "routed" else "whole layers"
+        faster = "routed" if here.routed else "whole layers"
         slower_ms, faster_ms = sorted((here.routed_step_ms, here.whole_layer_step_ms), reverse=True)
         # a step rounds to 0 ms on a tiny model: no ratio to give then
         verdict = f"{faster} x{slower_ms / faster_ms:.2f} faster" if faster_ms > 0 else f"{faster} chosen"
@@ -190,8 +154,8 @@ def _crossover_lines(plan: Plan, experts: ExpertsPlan) -> list[str]:
     elif here is not None and here.routed_step_ms is None and experts.routed_unavailable is None:
         lines.append(f"  At {here.concurrency} sequence(s) routed experts do not fit: their buffers and the resident "
                      "non-expert weights need more than the budget.")
-    routed_at = [p.concurrency for p in experts.points if p.regime == "routed"]
-    whole_at = [p.concurrency for p in experts.points if p.regime == "whole_layer" and p.whole_layer_step_ms]
+    routed_at = [p.concurrency for p in experts.points if p.routed]
+    whole_at = [p.concurrency for p in experts.points if not p.routed and p.whole_layer_step_ms]
     if len(experts.points) > 1 and routed_at and whole_at:
         lines.append(f"  Across the concurrencies searched, routed wins at {_list(routed_at)} sequence(s), whole "
                      f"layers at {_list(whole_at)} (more sequences touch more experts per step).")
@@ -227,7 +191,7 @@ def verdict(plan: Plan) -> str:
     where = f"{plan.hardware.profile} ({format_bytes(plan.memory.gpu_memory_bytes)} of GPU memory)"
     placement = f"offloading {offloaded} of {num_layers} layers" if offloaded else "with every weight resident"
     if plan.experts is not None and plan.experts.fetch_slots:
-        num_routed = sum(row.regime == "routed" for row in plan.experts.layers)
+        num_routed = len(plan.experts.routed_layers)
         placement = (f"fetching routed experts in {num_routed} of {num_layers} layers"
                      + (f", offloading {offloaded} whole" if offloaded else ""))
     prediction, workload = plan.prediction, plan.workload
@@ -310,7 +274,7 @@ def serving_chart(plan: Plan, bar_columns: int = CHART_MAX_BAR_COLUMNS) -> Table
                   padding=(0, 1, 0, 0))
     for name in ("sequences", "tokens/s", "", "per token", "offloaded", "KV cache", "GPU total"):
         table.add_column(name, justify="left" if name == "" else "right")
-    routed = {p.concurrency for p in plan.experts.points if p.regime == "routed"} if plan.experts else set()
+    routed = {p.concurrency for p in plan.experts.points if p.routed} if plan.experts else set()
     for point in points:
         fits = point.step_ms is not None
         bar = "#" * round(bar_columns * point.tokens_per_s / top)
@@ -522,7 +486,7 @@ def _memory(plan: Plan) -> Table:
     table.add_column("bytes", justify="right")
     table.add_column("", justify="right")
     resident_experts, _ = routed_expert_bytes(plan)
-    num_routed = sum(row.regime == "routed" for row in plan.experts.layers) if resident_experts else 0
+    num_routed = len(plan.experts.routed_layers) if resident_experts else 0
     rows = [
         ("GPU: resident layer params" + (" (routed layers: all but their experts)" if num_routed else ""),
          memory.resident_layer_bytes),
@@ -597,7 +561,7 @@ def _layer_table(plan: Plan, simulation: Simulation) -> Table:
     # leaves on the host)
     moved = {row.index: row.offloaded_bytes for row in plan.layers}
     if fetch_ms:
-        moved.update({row.index: row.expected_fetched_bytes for row in plan.experts.layers if row.regime == "routed"})
+        moved.update({row.index: row.expected_fetched_bytes for row in plan.experts.routed_layers})
     for row in plan.layers:
         stall = simulation.layer_stall_ms[row.index]
         where = (Text("offloaded", style="cyan") if row.index in offloaded else Text("routed", style="magenta")
@@ -621,8 +585,7 @@ def _fetch_ms_by_layer(plan: Plan) -> dict[int, float]:
     if plan.experts is None:
         return {}
     rate = plan.experts.routed_fetch_bytes_per_s
-    return {row.index: 1e3 * row.expected_fetched_bytes / rate for row in plan.experts.layers
-            if row.regime == "routed"}
+    return {row.index: 1e3 * row.expected_fetched_bytes / rate for row in plan.experts.routed_layers}
 
 
 def timeline_rows(simulation: Simulation, offloaded: set[int], columns: int = TIMELINE_COLUMNS) -> tuple[str, str]:

@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from planner.model.cost import ComputeTimes
 from planner.model.experts import (GATHER_COMPUTE_SLOWDOWN, PREFETCH_ACCURACY, PREFETCH_MACHINERY_MS, MoeGeometry,
-                                    MoeLayer, prefetch_layer_stall_ms, routed_placement, routed_step_ms,
-                                    uniform_routing)
+                                    MoeLayer, prefetch_layer_stall_ms, routed_placement, uniform_routing)
 from planner.make.make_plan import make_plan
+from planner.search.expert_choice import decode_simulation
 from planner.plan.schema import Inputs
 from planner.plan.file import plan_from_dict, plan_to_dict
 from tests.conftest import assert_one_line_error, make_checkpoint, run_cli
@@ -55,11 +56,12 @@ def test_prefetch_doubles_the_fetch_slots_in_gpu_bytes_at_the_cost_of_resident_e
                                       machinery_ms=PREFETCH_MACHINERY_MS)
               for i, row in enumerate(with_prefetch.layers)]
     # the plan prices the prefetch's measured costs beside its bytes: slower compute under it, its machinery
-    assert routed_step_ms(layer_ms, 0.1, with_prefetch) == pytest.approx(0.1 + 1.5 + sum(stalls))
+    compute = ComputeTimes(layer_ms=layer_ms, head_ms=0.1, source="test")
+    assert decode_simulation(compute, with_prefetch).step_ms == pytest.approx(0.1 + 1.5 + sum(stalls))
     bare = [prefetch_layer_stall_ms(0.5, row.fetch_ms, 0.8, predicted=i > 0, expert_ms=expert_ms, num_slots=1)
             for i, row in enumerate(with_prefetch.layers)]
     assert sum(stalls) >= sum(bare) + 2 * PREFETCH_MACHINERY_MS - 1e-12
-    assert routed_step_ms(layer_ms, 0.1, without) == pytest.approx(0.1 + 1.5 + without.fetch_ms)
+    assert decode_simulation(compute, without).step_ms == pytest.approx(0.1 + 1.5 + without.fetch_ms)
 
 
 def serving_inputs(model: Path, **extra) -> Inputs:
