@@ -631,7 +631,7 @@ def uniform_rows(master, setting: Setting, rows: Rows, h2d_bytes_per_s: float, w
         expected = num_layers * top_k * (num_experts - num_resident) / num_experts * routed["expert_bytes"]
         link_ms = 1e3 * routed["routed_bytes_per_step"] / h2d_bytes_per_s
         floor_ms = max(reference["step_ms"], link_ms)
-        from planner.model.experts import PREFETCH_ACCURACY
+        from planner.model.expert_prefetch import PREFETCH_ACCURACY
 
         def modelled(accuracy):
             step_ms = model_step_ms(reference["step_ms"], num_layers, expected / num_layers, h2d_bytes_per_s,
@@ -672,7 +672,7 @@ def model_step_ms(resident_step_ms: float, num_layers: int, fetched_bytes_per_la
     run: the all-resident step split evenly over the layers, every layer routed, each layer's expected fetch at
     the planner's gather rate, with prefetch at ``accuracy`` (None: no prefetch; the first layer is unpredicted
     either way) gathering ``ahead_share`` of the fetch ahead (a prefetch depth m of k: m / k, ``accuracy`` then the
-    hits' share: planner.model.experts.prefetch_shares)."""
+    hits' share: planner.model.expert_prefetch.prefetch_shares)."""
     from planner.model.experts import routed_fetch_bytes_per_s
     from planner.search.routed_step import RoutedFetch, routed_decode_step
 
@@ -728,7 +728,7 @@ def depth_rows(master, setting: Setting, rows: Rows, h2d_bytes_per_s: float, dep
     this run's all-resident step, rate and per-rank accuracy. ``pick``: the depth that model predicts fastest
     (the planner's rule, planner.search.expert_choice.choose_prefetch_depth, on the measured figures); with ``plans``,
     the plan make gives this setting (its h100-sxm estimates) records its own depth in a row of its own."""
-    from planner.model.experts import prefetch_shares
+    from planner.model.expert_prefetch import prefetch_shares
     from runtime.routed_experts import apply_routed_experts
     from scripts.bench_serving import sharing_copy
 

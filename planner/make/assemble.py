@@ -7,7 +7,8 @@ from planner.model.adapters import adapter_waits, missing_per_batch, slot_bytes_
 from planner.source.checkpoint import Checkpoint
 from planner.model.cost import ComputeTimes, Workload
 from planner.search.expert_choice import RoutedChoice, experts_section, prefill_simulation
-from planner.model.experts import ROUTED_FETCH_EFFICIENCY, non_resident_bytes
+from planner.model.expert_placement import non_resident_bytes
+from planner.model.experts import ROUTED_FETCH_EFFICIENCY
 from planner.model.layout import ModelLayout
 from planner.make.inputs import workload_of
 from planner.make.model_record import Model

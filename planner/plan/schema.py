@@ -6,7 +6,7 @@ reading schema 1 plans, planner.plan.migration.
 
 from dataclasses import dataclass, field
 
-from planner.model.experts import fetch_weighted_shares, prefetch_shares
+from planner.model.expert_prefetch import fetch_weighted_shares, prefetch_shares
 from planner.source.profile import FIGURE_MAX, FIGURE_MIN
 from planner.units import SIZE_HELP
 
@@ -567,10 +567,10 @@ class ExpertsPlan:
 
     def prefetch_shares(self) -> tuple[float, float] | None:
         """(hit share, ahead share) of the routed, non-resident experts at the plan's depth, as the planner's
-        placement holds them (planner.model.experts.with_prefetch_depth): the per-rank curve's
-        (planner.model.experts.prefetch_shares), or, where layers hold a trace's per-expert shares, the predicted
-        layers' fetch-weighted mean (fetch_weighted_shares). None without prefetch. Plans made before the depth
-        gather every rank at their accuracy."""
+        placement holds them (planner.model.expert_placement.with_prefetch_depth): the per-rank curve's
+        (planner.model.expert_prefetch.prefetch_shares), or, where layers hold a trace's per-expert shares, the
+        predicted layers' fetch-weighted mean (fetch_weighted_shares). None without prefetch. Plans made before the
+        depth gather every rank at their accuracy."""
         if not self.prefetching:
             return None
         if self.prefetch_depth is None or self.prefetch_rank_accuracy is None:

@@ -4,17 +4,19 @@ physics; this module turns it into a Choice the weight and serving searches comp
 
 At every step size a MoE plan is searched at (a serving concurrency, or a weights plan's one step), two
 placements compete within the same GPU bytes: today's whole-layer search (planner.search.groups), and every MoE layer
-routed with as many resident experts as the budget holds (chosen by planner.model.experts.choose_resident). The faster
-step wins; a tie goes to whole layers (what engines run). Both use the one host link: a routed plan copies
+routed with as many resident experts as the budget holds (chosen by planner.model.expert_placement.choose_resident).
+The faster step wins; a tie goes to whole layers (what engines run). Both use the one host link: a routed plan copies
 nothing whole at decode, so its fetches have the link to themselves.
 """
 
 import math
 from dataclasses import dataclass
 
-from planner.model.experts import (PREFETCH_ACCURACY, ExpertPrediction, LayerRouting, MoeGeometry, RoutedPlacement,
-                                    default_rank_accuracy, non_resident_bytes, routed_fetch_bytes_per_s,
-                                    routed_placement, uniform_routing, wasted_prefetch_bytes, with_prefetch_depth)
+from planner.model.expert_placement import (RoutedPlacement, non_resident_bytes, routed_placement,
+                                             wasted_prefetch_bytes, with_prefetch_depth)
+from planner.model.expert_prefetch import PREFETCH_ACCURACY, ExpertPrediction, default_rank_accuracy
+from planner.model.expert_routing import LayerRouting, uniform_routing
+from planner.model.experts import MoeGeometry, routed_fetch_bytes_per_s
 from planner.plan.schema import (NEXT_LAYER_ROUTER, ROUTED, WHOLE_LAYER, ExpertLayer, ExpertsPlan, ExpertsPoint,
                                  summary_regime)
 from planner.search.groups import STEP_MS_DECIMALS, Choice, LayerBytes, Searcher, copy_ms_of
@@ -47,7 +49,7 @@ class ExpertModel:
     #: next-layer prefetch's accuracy over every rank (make --prefetch-accuracy, else the rank curve's mean)
     prefetch_accuracy: float = PREFETCH_ACCURACY
     #: per rank of the prediction (top_k of them), its accuracy: --prefetch-accuracy at every rank, a trace's
-    #: measured figures, else planner.model.experts.default_rank_accuracy
+    #: measured figures, else planner.model.expert_prefetch.default_rank_accuracy
     rank_accuracy: tuple[float, ...] = ()
     #: make --prefetch-depth: the depth the plan must use (0: no prefetch); None: the planner chooses
     prefetch_depth: int | None = None
@@ -159,7 +161,8 @@ def choose_prefetch_depth(experts: ExpertModel, compute: ComputeTimes,
     """The prefetching ``placement`` at the depth m (ranks of each token's prediction gathered ahead, 1..k) whose
     decode step is predicted fastest, with its simulation; make --prefetch-depth pins m. Ties go to the smaller m
     (fewer bytes on the link). Each rank gathered in one layer's compute shadow only saves; past it, a rank costs
-    its wasted bytes on the critical path (planner.model.experts.prefetch_layer_stall_ms), so poor deep ranks lower m.
+    its wasted bytes on the critical path (planner.model.expert_prefetch.prefetch_layer_stall_ms), so poor deep
+    ranks lower m.
     With a trace's per-expert figures each layer's shares are its non-resident experts' (with_prefetch_depth)."""
     pinned = experts.prefetch_depth
     depths = range(1, len(experts.rank_accuracy) + 1) if pinned is None else (pinned,)

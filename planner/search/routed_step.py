@@ -14,7 +14,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from planner.model.experts import RoutedPlacement, layer_shares, planned_layer_stall_ms
+from planner.model.expert_placement import RoutedPlacement
+from planner.model.expert_prefetch import layer_shares, planned_layer_stall_ms
 from planner.plan.schema import Plan, routed_layer_expert_bytes
 from planner.search.simulate import Interval, Simulation
 
@@ -34,7 +35,7 @@ class RoutedFetch:
     #: one expert at the gather's rate (the fetch comes in whole experts); None: the layer fetches nothing
     expert_ms: float | None
     #: next-layer prefetch: the hits and the predictions gathered ahead as shares of the layer's routed,
-    #: non-resident experts (planner.model.experts.layer_shares); hit_share None: no prefetch
+    #: non-resident experts (planner.model.expert_prefetch.layer_shares); hit_share None: no prefetch
     hit_share: float | None
     ahead_share: float = 1.0
 

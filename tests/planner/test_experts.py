@@ -1,14 +1,15 @@
-"""Expert-granular offloading: the routing model (planner.model.experts) and the routed placement in plans (make, show,
-check, diff, export). Routing trace files: tests/planner/test_routing_trace.py; recording them (runtime.trace,
-``offload-plan trace``): tests/runtime/test_trace.py."""
+"""Expert-granular offloading: a checkpoint's experts (planner.model.experts) and the routed placement in plans (make,
+show, check, diff, export); the routing model: test_expert_routing.py, the placement: test_expert_placement.py.
+Routing trace files: tests/planner/test_routing_trace.py; recording them (runtime.trace, ``offload-plan trace``):
+tests/runtime/test_trace.py."""
 
 from pathlib import Path
 
 import pytest
 
 from planner.source.checkpoint import load_checkpoint
-from planner.model.experts import (LayerRouting, MoeGeometry, MoeLayer, ROUTED_FETCH_EFFICIENCY, choose_resident,
-                                   expected_distinct_uniform, moe_geometry, routed_placement, uniform_routing)
+from planner.model.expert_routing import expected_distinct_uniform, uniform_routing
+from planner.model.experts import MoeGeometry, moe_geometry
 from planner.model.layout import build_layout
 from planner.make.make_plan import make_plan
 from planner.plan.schema import Inputs
@@ -35,53 +36,6 @@ def test_distinct_experts_of_qwen3_30b_at_1_4_16_64_sequences(qwen3_30b):
     distinct = [round(routing.expected_distinct(b)) for b in (1, 4, 16, 64)]
     assert distinct == [8, 29, 82, 126]
     assert [round(expected_distinct_uniform(128, 8, b)) for b in (1, 4, 16, 64)] == distinct
-
-
-def test_skewed_routing_keeps_the_hottest_experts_and_hits_more():
-    # 20% of the experts take 80% of the assignments
-    num_experts, top_k = 10, 2
-    hot, cold = 0.8 * top_k / 2, 0.2 * top_k / 8
-    shares = tuple(hot if e in (3, 7) else cold for e in range(num_experts))
-    routing = LayerRouting(index=0, shares=shares)
-    assert routing.hottest(2) == (3, 7)
-    assert routing.hit_rate((3, 7)) == pytest.approx(0.8)
-    uniform = LayerRouting(index=0, shares=(top_k / num_experts,) * num_experts)
-    assert uniform.hottest(2) == (0, 1)
-    assert uniform.hit_rate((0, 1)) == pytest.approx(0.2)
-    # at one token, the hot pair saves more of the expected fetch than the first two ids would
-    assert routing.expected_fetched((3, 7), 1) < routing.expected_fetched((0, 1), 1)
-    assert routing.expected_distinct(1) == pytest.approx(sum(1 - (1 - p) for p in shares))
-
-
-def test_resident_experts_spread_over_layers_and_follow_the_savings():
-    layers = tuple(MoeLayer(index=i, expert_bytes=100, other_bytes=50) for i in range(3))
-    geometry = MoeGeometry(num_experts=8, top_k=2, layers=layers, unroutable_reason=None)
-    # uniform: the layers take turns, each its first ids
-    assert choose_resident(geometry, uniform_routing(geometry), 1, 700) == ((0, 1, 2), (0, 1), (0, 1))
-    skewed = list(uniform_routing(geometry))
-    skewed[2] = LayerRouting(index=2, shares=(0.9, 0.9, 0.05, 0.05, 0.025, 0.025, 0.025, 0.025))
-    chosen = choose_resident(geometry, tuple(skewed), 1, 300)
-    assert chosen[2] == (0, 1) and sum(map(len, chosen)) == 3
-    assert choose_resident(geometry, uniform_routing(geometry), 1, 99) == ((), (), ())
-
-
-def test_routed_placement_counts_buffers_and_fetch_rate():
-    layers = tuple(MoeLayer(index=i, expert_bytes=1000, other_bytes=500) for i in range(2))
-    geometry = MoeGeometry(num_experts=4, top_k=1, layers=layers, unroutable_reason=None)
-    totals = (4500, 4500)
-    # base: non-layer 100 + 2 x 500 non-expert + fetch buffer (1 slot) 1000 + staging (4 slots) 4000
-    base = 100 + 1000 + 1000 + 4000
-    assert routed_placement(geometry, uniform_routing(geometry), num_tokens=1, layer_total_bytes=totals,
-                            non_layer_bytes=100, weight_limit_bytes=base - 1, h2d_bytes_per_s=1e9) is None
-    placement = routed_placement(geometry, uniform_routing(geometry), num_tokens=1, layer_total_bytes=totals,
-                                 non_layer_bytes=100, weight_limit_bytes=base + 2000, h2d_bytes_per_s=1e9)
-    assert [row.resident for row in placement.layers] == [(0,), (0,)]
-    # every expert pinned on the host, resident ones too (the runtime pins whole fused params)
-    assert placement.weight_bytes == base + 2000 and placement.host_pinned_bytes == 2 * 4 * 1000
-    # one token touches one of 4 experts: 3/4 of the time a non-resident one, fetched at the derated rate
-    assert placement.layers[0].expected_fetched_bytes == pytest.approx(750)
-    assert placement.layers[0].fetch_ms == pytest.approx(1e3 * 750 / (1e9 * ROUTED_FETCH_EFFICIENCY))
-    assert placement.layers[0].hit_rate == pytest.approx(0.25)
 
 
 # ---- plans -----------------------------------------------------------------------------------------------------

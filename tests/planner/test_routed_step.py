@@ -5,8 +5,9 @@ import pytest
 
 from planner.make.make_plan import make_plan
 from planner.model.cost import ComputeTimes
-from planner.model.experts import (MoeGeometry, MoeLayer, RoutedLayer, RoutedPlacement, routed_placement,
-                                    uniform_routing, with_prefetch_depth)
+from planner.model.expert_placement import RoutedLayer, RoutedPlacement, routed_placement, with_prefetch_depth
+from planner.model.expert_routing import uniform_routing
+from planner.model.experts import MoeGeometry, MoeLayer
 from planner.plan.schema import Inputs, routed_layer_expert_bytes
 from planner.search.expert_choice import decode_simulation
 from planner.search.routed_step import WAIT_AT_LAYER_SHARE, RoutedFetch, plan_fetches, routed_decode_step
