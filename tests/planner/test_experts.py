@@ -111,7 +111,7 @@ def test_an_architecture_the_runtime_cannot_route_fetch_falls_back_to_whole_laye
     # quantized experts still come in whole experts: the routed regime is priced beside whole layers, on paper
     point = plan.experts.points[0]
     assert point.regime == "whole_layer" and point.routed_step_ms is not None and point.whole_layer_step_ms
-    from planner.views.show import experts_text
+    from planner.views.show_experts import experts_text
 
     assert "On paper, at 1 sequence(s): routed experts would take" in " ".join(experts_text(plan).plain.split())
 
@@ -203,17 +203,3 @@ def test_export_of_a_routed_plan_gives_the_planners_whole_layer_plan_and_its_los
 def exported_line(stderr: str) -> str:
     """export's loss line on stderr, without its prefix."""
     return next(line for line in stderr.splitlines() if "cannot express" in line).removeprefix("offload-plan: loss: ")
-
-
-def test_show_of_a_plan_whose_steps_round_to_zero_names_the_regime_without_a_ratio():
-    """A tiny model's steps round to 0 ms: the crossover line must not divide by them (the round-trip fuzz
-    found `show` exiting 70 on such a weights plan with --params experts)."""
-    from types import SimpleNamespace as NS
-
-    from planner.views.show import _crossover_lines
-
-    point = NS(concurrency=1, regime="whole_layer", routed_step_ms=0.0, whole_layer_step_ms=0.0, num_resident=24)
-    plan = NS(workload=NS(concurrency=1))
-    experts = NS(points=(point,), routed_unavailable=None)
-    (line,) = _crossover_lines(plan, experts)
-    assert "whole layers chosen" in line and "x" not in line.split(":")[-1]
