@@ -51,7 +51,7 @@ from torch import nn
 
 from planner.errors import PlanError, RuntimeUnavailableError
 from planner.model.placement import ALIGN_BYTES, align_up
-from planner.plan.schema import NEXT_LAYER_ROUTER
+from planner.plan.experts_section import NEXT_LAYER_ROUTER
 from planner.units import format_bytes
 from runtime.allocation import alloc_device_or_fail, host_allocation_or_fail
 from runtime.engine import PackedParam, backend_unpin, view_as_param

@@ -13,9 +13,9 @@ from planner.model.layout import ModelLayout
 from planner.make.inputs import workload_of
 from planner.make.model_record import Model
 from planner.model.model_config import model_config
-from planner.plan.schema import (SCHEMA_VERSION, AdapterRow, AdaptersSection, HardwareSection, LayerRow, MemorySection,
-                                 ModelSection, OffloadSection, Plan, PredictionSection, ServingRow, ServingSection,
-                                 WorkloadSection)
+from planner.plan.adapters_section import AdapterRow, AdaptersSection
+from planner.plan.schema import (SCHEMA_VERSION, HardwareSection, LayerRow, MemorySection, ModelSection, OffloadSection,
+                                 Plan, PredictionSection, ServingRow, ServingSection, WorkloadSection)
 from planner.search.groups import Choice, copy_ms_of, weight_gpu_bytes
 from planner.search.serving import ConcurrencyRange, OtherBytes, ServingPoint, ServingSearch
 from planner.search.simulate import simulate

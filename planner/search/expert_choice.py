@@ -17,8 +17,8 @@ from planner.model.expert_placement import (RoutedPlacement, non_resident_bytes,
 from planner.model.expert_prefetch import PREFETCH_ACCURACY, ExpertPrediction, default_rank_accuracy
 from planner.model.expert_routing import LayerRouting, uniform_routing
 from planner.model.experts import MoeGeometry, routed_fetch_bytes_per_s
-from planner.plan.schema import (NEXT_LAYER_ROUTER, ROUTED, WHOLE_LAYER, ExpertLayer, ExpertsPlan, ExpertsPoint,
-                                 summary_regime)
+from planner.plan.experts_section import (NEXT_LAYER_ROUTER, ROUTED, WHOLE_LAYER, ExpertLayer, ExpertsPlan,
+                                          ExpertsPoint, summary_regime)
 from planner.search.groups import STEP_MS_DECIMALS, Choice, LayerBytes, Searcher, copy_ms_of
 from planner.search.routed_step import placement_fetches, routed_decode_step
 from planner.search.simulate import Simulation, simulate

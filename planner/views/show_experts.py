@@ -3,7 +3,9 @@ figures that decided between routed experts and whole layers."""
 
 from rich.text import Text
 
-from planner.plan.schema import ExpertLayer, ExpertsPlan, Plan
+from planner.plan.experts_section import ExpertLayer, ExpertsPlan
+
+from planner.plan.schema import Plan
 from planner.units import format_bytes, format_ms
 
 
@@ -47,7 +49,7 @@ def _routed_lines(plan: Plan, experts: ExpertsPlan, routed: tuple[ExpertLayer, .
         _fetch_line(experts, fetch_ms, plan.inputs.prefetch_depth == 0) + f" {format_ms(fetch_ms)} of link per step at "
         f"{experts.routed_fetch_bytes_per_s / 1e9:.1f} GB/s ({share:.2f} of the copy engine's "
         f"{plan.hardware.h2d_bytes_per_s / 1e9:.1f} GB/s: GPU threads reading mapped host memory).",
-        f"  GPU buffers: fetch {experts.fetch_slots} experts{' x 2 slot sets' if experts.prefetch else ''} "
+        f"  GPU buffers: fetch {experts.fetch_slots} experts{' x 2 slot sets' if experts.prefetching else ''} "
         f"({format_bytes(experts.fetch_buffer_bytes)}), prefill "
         f"staging {experts.num_experts} experts ({format_bytes(experts.staging_buffer_bytes)}); a prefill chunk copies "
         "each routed layer's non-resident experts whole.",
@@ -57,7 +59,7 @@ def _routed_lines(plan: Plan, experts: ExpertsPlan, routed: tuple[ExpertLayer, .
 def _fetch_line(experts: ExpertsPlan, fetch_ms: float, prefetch_off: bool = False) -> str:
     """How a routed step waits for its fetch: after each router, or prefetched from the previous layer's
     prediction with only the misses after the router."""
-    if experts.prefetch is None:
+    if not experts.prefetching:
         tried = ("" if experts.prefetch_accuracy is None else " (next-layer prefetch off: --prefetch-depth 0)"
                  if prefetch_off else
                  f" (next-layer prefetch at {100 * experts.prefetch_accuracy:.0f}% accuracy was not faster)")

@@ -200,7 +200,7 @@ def test_prefetch_depth_on_a_dense_model_is_one_line(tmp_path):
 
 
 def test_plans_made_before_the_depth_read_as_every_rank():
-    from planner.plan.schema import ExpertsPlan
+    from planner.plan.experts_section import ExpertsPlan
 
     old = ExpertsPlan(regime="routed", routing="uniform", fetch_slots=8, layers=(), num_experts=128, top_k=8,
                       expert_bytes=1, fetch_buffer_bytes=16, staging_buffer_bytes=128, routed_fetch_bytes_per_s=1.0,

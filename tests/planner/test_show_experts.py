@@ -2,7 +2,7 @@
 
 from types import SimpleNamespace as NS
 
-from planner.plan.schema import WHOLE_LAYER, ExpertsPoint
+from planner.plan.experts_section import WHOLE_LAYER, ExpertsPoint
 from planner.views.show_experts import _crossover_lines
 
 
