@@ -7,7 +7,7 @@ next routed layer's prefetch, gathers its misses (with no prediction, every rout
 only then computes the experts. So a routed layer's wait for its experts sits inside the layer, between its
 router and its experts: the layer ends its compute plus its wait after it starts, and the next layer starts then.
 The plan records one compute figure per layer, not where its router falls in it, so the timeline draws the wait
-at WAIT_AT_LAYER_SHARE of the layer's compute; the step, its stalls and the link's busy time do not depend on it.
+at WAIT_AT_LAYER_SHARE of the layer's compute; the step and its stalls do not depend on it.
 """
 
 import math
@@ -20,7 +20,7 @@ from planner.plan.schema import Plan, routed_layer_expert_bytes
 from planner.search.simulate import Interval, Simulation
 
 #: where in a routed layer's compute the timeline draws its wait: after attention and the router, before the
-#: experts. A picture's choice only (see the module's docstring): no figure of a plan depends on it
+#: experts. A picture's choice (see the module's docstring): the step and its waits do not depend on it
 WAIT_AT_LAYER_SHARE = 0.5
 
 
@@ -44,28 +44,43 @@ def routed_decode_step(layer_ms: Sequence[float], head_ms: float, fetches: Seque
                        num_slots: int) -> Simulation:
     """The decode step: head, then every layer in order, a routed layer (``fetches``, in layer order) waiting
     inside its interval for what its fetch leaves on the critical path (planned_layer_stall_ms; the first routed
-    layer is predicted by none), with the fetch on the link ending as the wait does. ``num_slots``: the distinct
-    experts a step can route a layer to."""
+    layer is predicted by none). On the link (``copies``): an unpredicted layer's fetch as it waits; a predicted
+    one's prefetch (its ahead share) from the previous routed layer's wait, where the runtime starts it, and its
+    misses ending as it stops waiting. ``num_slots``: the distinct experts a step can route a layer to."""
     waits = _waits_ms(layer_ms, fetches, num_slots)
-    link_ms = {fetch.index: fetch.link_ms for fetch in fetches}
+    by_index = {fetch.index: (position, fetch) for position, fetch in enumerate(fetches)}
     compute, copies, stalls = [Interval(layer=-1, start_ms=0.0, end_ms=head_ms)], [], []
-    now = head_ms
+    now, previous_wait_ms = head_ms, None
     for index, duration in enumerate(layer_ms):
         wait = waits.get(index, 0.0)
-        if index not in waits:
+        if index not in by_index:
             compute.append(Interval(layer=index, start_ms=now, end_ms=now + duration))
         else:
             wait_start = now + WAIT_AT_LAYER_SHARE * duration
             compute += [Interval(layer=index, start_ms=now, end_ms=wait_start),
                         Interval(layer=index, start_ms=wait_start + wait, end_ms=now + duration + wait)]
-            if link_ms[index] > 0:
-                copies.append(Interval(layer=index, start_ms=max(0.0, wait_start + wait - link_ms[index]),
-                                       end_ms=wait_start + wait))
+            position, fetch = by_index[index]
+            copies += _fetch_intervals(fetch, position > 0 and fetch.hit_share is not None, previous_wait_ms,
+                                       wait_start + wait)
+            previous_wait_ms = wait_start
         stalls.append(wait)
         now += duration + wait
     stall_ms = math.fsum(stalls)
     return Simulation(step_ms=head_ms + math.fsum(layer_ms) + stall_ms, stall_ms=stall_ms, compute=tuple(compute),
                       copies=tuple(copies), layer_stall_ms=tuple(stalls))
+
+
+def _fetch_intervals(fetch: RoutedFetch, predicted: bool, previous_wait_ms: float | None,
+                     wait_end_ms: float) -> list[Interval]:
+    """One routed layer's time on the link: its whole fetch ending as its wait ends, or, predicted, its prefetch
+    from the previous routed layer's wait and its misses ending as its wait ends (empty parts left out)."""
+    if not predicted:
+        parts = [(wait_end_ms - fetch.link_ms, wait_end_ms)]
+    else:
+        misses_ms = (1 - fetch.hit_share) * fetch.link_ms
+        parts = [(previous_wait_ms, previous_wait_ms + fetch.ahead_share * fetch.link_ms),
+                 (wait_end_ms - misses_ms, wait_end_ms)]
+    return [Interval(layer=fetch.index, start_ms=start, end_ms=end) for start, end in parts if end > start]
 
 
 def _waits_ms(layer_ms: Sequence[float], fetches: Sequence[RoutedFetch], num_slots: int) -> dict[int, float]:

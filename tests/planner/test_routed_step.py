@@ -31,6 +31,11 @@ def test_the_first_routed_layer_is_predicted_by_none():
     step = routed_decode_step((3.0, 3.0), 0.0, fetches, num_slots=1)
     assert step.layer_stall_ms[0] == 1.0  # its whole fetch; the second's hides behind the first's compute
     assert step.layer_stall_ms[1] < 1.0
+    # the link: the first layer's fetch as it waits, the second's prefetch from that wait (every expert
+    # predicted: no misses)
+    first_wait = step.compute[1].end_ms
+    assert [(i.layer, i.start_ms, i.end_ms) for i in step.copies] == [(0, first_wait, first_wait + 1.0),
+                                                                     (1, first_wait, first_wait + 1.0)]
 
 
 def _intervals(simulation):
