@@ -7,12 +7,9 @@ for tests and benchmarks).
 from torch import nn
 
 from planner.errors import PlanError
+from planner.plan.experts_section import NEXT_LAYER_ROUTER
 from runtime.experts_impl import experts_module
 from runtime.routed_experts import PREFETCH_GATHER_PROGRAMS, RoutedExperts
-
-#: the plan's experts.prefetch value that turns next-layer prediction on
-NEXT_LAYER_ROUTER = "next_layer_router"
-
 
 def allocate_for_plan(plan, layers: list[nn.Module], backend) -> RoutedExperts | None:
     """The routed experts of a plan's ``experts`` section, allocated (host and device) but not started: the

@@ -631,7 +631,7 @@ def uniform_rows(master, setting: Setting, rows: Rows, h2d_bytes_per_s: float, w
         expected = num_layers * top_k * (num_experts - num_resident) / num_experts * routed["expert_bytes"]
         link_ms = 1e3 * routed["routed_bytes_per_step"] / h2d_bytes_per_s
         floor_ms = max(reference["step_ms"], link_ms)
-        from planner.model.experts import PREFETCH_ACCURACY
+        from planner.model.expert_prefetch import PREFETCH_ACCURACY
 
         def modelled(accuracy):
             step_ms = model_step_ms(reference["step_ms"], num_layers, expected / num_layers, h2d_bytes_per_s,
@@ -660,7 +660,7 @@ def uniform_rows(master, setting: Setting, rows: Rows, h2d_bytes_per_s: float, w
         if isinstance(plan, str):
             rows.add({"arm": arm, "error": plan})
             continue
-        routed_layers = sum(layer.regime == "routed" for layer in plan.experts.layers) if plan.experts else 0
+        routed_layers = len(plan.experts.routed_layers) if plan.experts else 0
         rows.add({"arm": arm, "routed_layers": routed_layers, **whole_layer_arm(master, setting, plan, reference)})
     return reference, num_resident
 
@@ -668,20 +668,20 @@ def uniform_rows(master, setting: Setting, rows: Rows, h2d_bytes_per_s: float, w
 def model_step_ms(resident_step_ms: float, num_layers: int, fetched_bytes_per_layer: float, h2d_bytes_per_s: float,
                   accuracy: float | None, ahead_share: float = 1.0, expert_bytes: int | None = None,
                   num_slots: int | None = None) -> float:
-    """The planner's routed decode step (planner.model.experts) for this run: the all-resident step split evenly
-    over the layers, each layer's expected fetch at the planner's gather rate, with prefetch at ``accuracy``
-    (None: no prefetch; the first layer is unpredicted either way) gathering ``ahead_share`` of the fetch ahead
-    (a prefetch depth m of k: m / k, ``accuracy`` then the hits' share: planner.model.experts.prefetch_shares)."""
-    from planner.model.experts import planned_layer_stall_ms, routed_fetch_bytes_per_s
+    """The planner's routed decode step (planner.search.routed_step, the timeline plans are priced on) for this
+    run: the all-resident step split evenly over the layers, every layer routed, each layer's expected fetch at
+    the planner's gather rate, with prefetch at ``accuracy`` (None: no prefetch; the first layer is unpredicted
+    either way) gathering ``ahead_share`` of the fetch ahead (a prefetch depth m of k: m / k, ``accuracy`` then the
+    hits' share: planner.model.expert_prefetch.prefetch_shares)."""
+    from planner.model.experts import routed_fetch_bytes_per_s
+    from planner.search.routed_step import RoutedFetch, routed_decode_step
 
-    layer_ms = resident_step_ms / num_layers
     rate = routed_fetch_bytes_per_s(h2d_bytes_per_s)
     fetch_ms = 1e3 * fetched_bytes_per_layer / rate
-    expert_ms = None if expert_bytes is None else 1e3 * expert_bytes / rate
-    return resident_step_ms + sum(planned_layer_stall_ms(layer_ms, fetch_ms, accuracy, predicted=index > 0,
-                                                          ahead_share=ahead_share, expert_ms=expert_ms,
-                                                          num_slots=num_slots)
-                                  for index in range(num_layers))
+    expert_ms = None if expert_bytes is None or not fetch_ms else 1e3 * expert_bytes / rate
+    fetches = [RoutedFetch(index=index, link_ms=fetch_ms, expert_ms=expert_ms, hit_share=accuracy,
+                           ahead_share=ahead_share) for index in range(num_layers)]
+    return routed_decode_step((resident_step_ms / num_layers,) * num_layers, 0.0, fetches, num_slots or 0).step_ms
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -729,7 +729,7 @@ def depth_rows(master, setting: Setting, rows: Rows, h2d_bytes_per_s: float, dep
     this run's all-resident step, rate and per-rank accuracy. ``pick``: the depth that model predicts fastest
     (the planner's rule, planner.search.expert_choice.choose_prefetch_depth, on the measured figures); with ``plans``,
     the plan make gives this setting (its h100-sxm estimates) records its own depth in a row of its own."""
-    from planner.model.experts import prefetch_shares
+    from planner.model.expert_prefetch import prefetch_shares
     from runtime.routed_layers import apply_routed_experts
     from scripts.bench_serving import sharing_copy
 
@@ -826,7 +826,7 @@ def regime_rows(master, setting: Setting, rows: Rows, work: Path) -> None:
     if isinstance(pick, str):
         rows.add({"arm": f"B={batch} pick", "sequences": batch, "error": pick})
         return
-    routed_pick = bool(pick.experts) and any(layer.regime == "routed" for layer in pick.experts.layers)
+    routed_pick = bool(pick.experts) and bool(pick.experts.routed_layers)
     measured = {"pick": {"arm": f"B={batch} pick ({'routed' if routed_pick else 'whole layers'})",
                          "sequences": batch, **whole_layer_arm(master, setting, pick, reference)}}
     if routed_pick:
@@ -1007,7 +1007,7 @@ def _missed_bytes(result: dict) -> float:
 
 def predicted(plan) -> dict:
     """The plan's own prediction: tokens/s and the mean hit rate of its routed layers."""
-    rows = [layer.hit_rate for layer in plan.experts.layers if layer.regime == "routed"] if plan.experts else []
+    rows = [layer.hit_rate for layer in plan.experts.routed_layers] if plan.experts else []
     shares = plan.experts.prefetch_shares() if plan.experts else None
     step = plan.prediction
     return {"predicted_tokens_per_s": plan.prediction.decode_tokens_per_s,
@@ -1097,8 +1097,8 @@ def save_plan(plan, path: Path) -> None:
 
 def uniform_residency(plan):
     """``plan`` with each routed layer's resident experts replaced by ids 0..R-1 (as many, chosen blind)."""
-    layers = tuple(replace(row, resident=tuple(range(len(row.resident)))) if row.regime == "routed"
-                   else row for row in plan.experts.layers)
+    layers = tuple(replace(row, resident=tuple(range(len(row.resident)))) if row.routed else row
+                    for row in plan.experts.layers)
     return replace(plan, experts=replace(plan.experts, layers=layers))
 
 

@@ -62,7 +62,7 @@ def routed_layers(plan: Plan) -> tuple[int, ...]:
     """The MoE layers the plan fetches routed experts for (none for a dense or whole-layer plan)."""
     if plan.experts is None:
         return ()
-    return tuple(row.index for row in plan.experts.layers if row.regime == "routed")
+    return tuple(row.index for row in plan.experts.routed_layers)
 
 
 def whole_layer_searcher(plan: Plan, space: SearchSpace = SearchSpace()) -> Searcher:
@@ -155,7 +155,7 @@ def expressible_plan(plan: Plan) -> tuple[Plan, Loss | None]:
 
 
 def _mean_hit_rate(plan: Plan) -> float:
-    rows = [row.hit_rate for row in plan.experts.layers if row.regime == "routed"]
+    rows = [row.hit_rate for row in plan.experts.routed_layers]
     return sum(rows) / len(rows)
 
 

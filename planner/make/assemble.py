@@ -7,14 +7,15 @@ from planner.model.adapters import adapter_waits, missing_per_batch, slot_bytes_
 from planner.source.checkpoint import Checkpoint
 from planner.model.cost import ComputeTimes, Workload
 from planner.search.expert_choice import RoutedChoice, experts_section, prefill_simulation
-from planner.model.experts import ROUTED_FETCH_EFFICIENCY, non_resident_bytes
+from planner.model.expert_placement import non_resident_bytes
+from planner.model.experts import ROUTED_FETCH_EFFICIENCY
 from planner.model.layout import ModelLayout
 from planner.make.inputs import workload_of
 from planner.make.model_record import Model
 from planner.model.model_config import model_config
-from planner.plan.schema import (SCHEMA_VERSION, AdapterRow, AdaptersSection, HardwareSection, LayerRow, MemorySection,
-                                 ModelSection, OffloadSection, Plan, PredictionSection, ServingRow, ServingSection,
-                                 WorkloadSection)
+from planner.plan.adapters_section import AdapterRow, AdaptersSection
+from planner.plan.schema import (SCHEMA_VERSION, HardwareSection, LayerRow, MemorySection, ModelSection, OffloadSection,
+                                 Plan, PredictionSection, ServingRow, ServingSection, WorkloadSection)
 from planner.search.groups import Choice, copy_ms_of, weight_gpu_bytes
 from planner.search.serving import ConcurrencyRange, OtherBytes, ServingPoint, ServingSearch
 from planner.search.simulate import simulate

@@ -18,10 +18,11 @@ from typing import Any
 import yaml
 
 from planner.errors import PlanError, printable, shown
-from planner.plan.schema import (MAX_PLAN_BYTES, MAX_PLAN_FLOAT, MAX_PLAN_INT, MS_DECIMALS, OPTIONAL_EXPERT_LAYER,
-                                 OPTIONAL_EXPERTS, OPTIONAL_INPUTS, OPTIONAL_OFFLOAD, OPTIONAL_SECTIONS,
-                                 READABLE_SCHEMA_VERSIONS, SCHEMA_VERSION, SECTIONS, AdapterRow, AdaptersSection,
-                                 ExpertLayer, ExpertsPlan, ExpertsPoint, LayerRow, Plan, ServingRow, ServingSection)
+from planner.plan.adapters_section import AdapterRow, AdaptersSection
+from planner.plan.experts_section import OPTIONAL_EXPERT_LAYER, OPTIONAL_EXPERTS, ExpertLayer, ExpertsPlan, ExpertsPoint
+from planner.plan.schema import (MAX_PLAN_BYTES, MAX_PLAN_FLOAT, MAX_PLAN_INT, MS_DECIMALS, OPTIONAL_INPUTS,
+                                 OPTIONAL_OFFLOAD, OPTIONAL_SECTIONS, READABLE_SCHEMA_VERSIONS, SCHEMA_VERSION,
+                                 SECTIONS, LayerRow, Plan, ServingRow, ServingSection)
 from planner.plan.migration import upgraded_from_1
 from planner.plan.rules import first_broken_rule
 from planner.source.untrusted import checked_path, load_yaml, read_capped

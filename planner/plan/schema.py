@@ -1,12 +1,14 @@
 """The plan's schema: a frozen dataclass tree, one class per section, each field with its meaning.
 
-Reading and writing the file is planner.plan.file; the rules across fields a plan must keep, planner.plan.rules;
-reading schema 1 plans, planner.plan.migration.
+The experts section (and the experts vocabulary) is planner.plan.experts_section, the adapters section
+planner.plan.adapters_section. Reading and writing the file is planner.plan.file; the rules across fields a plan
+must keep, planner.plan.rules; reading schema 1 plans, planner.plan.migration.
 """
 
-import math
 from dataclasses import dataclass, field
 
+from planner.plan.adapters_section import AdaptersSection
+from planner.plan.experts_section import ExpertLayer, ExpertsPlan
 from planner.source.profile import FIGURE_MAX, FIGURE_MIN
 from planner.units import SIZE_HELP
 
@@ -367,236 +369,6 @@ class ServingSection:
 
 
 @dataclass(frozen=True, kw_only=True)
-class AdapterRow:
-    """One LoRA adapter of the plan."""
-
-    name: str
-    #: the folder or hub id as given
-    source: str
-    #: hub commit the files were read at; null for local folders
-    revision: str | None
-    #: sha256 over the tensors' names, dtypes and shapes and the config's rank and alpha
-    fingerprint: str
-    rank: int
-    alpha: float
-    #: adapted module names (last name segments)
-    target_modules: tuple[str, ...]
-    num_tensors: int
-    bytes: int
-    #: copy time of this adapter over the whole link
-    copy_ms: float
-
-
-@dataclass(frozen=True, kw_only=True)
-class AdaptersSection:
-    """LoRA adapters served beside the model (make --adapter): GPU slots, the pinned pool, and the wait of a
-    batch whose adapters are not loaded, blocking against pipelined (planner.model.adapters says how it is modelled)."""
-
-    #: adapters kept on the GPU at once (the engines' max-loras per batch)
-    num_slots: int
-    #: one slot holds the largest adapter
-    slot_bytes: int
-    #: num_slots x slot_bytes, counted in memory.total_gpu_bytes
-    gpu_bytes: int
-    #: every adapter, pinned in host memory (slots hold copies)
-    host_pinned_bytes: int
-    max_rank: int
-    #: adapters a new batch misses: min(slots, sequences, adapters)
-    num_missing: int
-    #: one slot-sized adapter over the whole link
-    copy_ms: float
-    #: one adapter over the link's share left by the running steps' weight copies
-    shared_copy_ms: float
-    #: blocking (copy all, then compute): every request waits this; the compute stream idles as long
-    blocking_wait_ms: float
-    #: pipelined (each request starts when its adapter lands): the first request's wait, compute idle as long
-    pipelined_first_wait_ms: float
-    #: pipelined: the last request's wait
-    pipelined_last_wait_ms: float
-    #: pipelined: a step while adapters load (longer than the plan's only where the weights give up link time)
-    pipelined_step_ms: float
-    #: the loading mode run serves: the one planner.search.adapter_stream predicts faster over the stream below
-    mode: str
-    #: that stream: stream_num_batches batches of stream_requests_per_batch requests over distinct adapters
-    stream_requests_per_batch: int
-    stream_num_batches: int
-    #: its predicted total, each mode (the offloaded weights' copies on the link too)
-    blocking_stream_ms: float
-    pipelined_stream_ms: float
-    #: the other mode's total over the chosen one's, less 1
-    mode_margin: float
-    #: rows by name
-    items: tuple[AdapterRow, ...]
-
-    def __post_init__(self):
-        if not self.items or not 1 <= self.num_slots:
-            raise ValueError("adapters needs at least one adapter and one slot")
-        if self.gpu_bytes != self.num_slots * self.slot_bytes:
-            raise ValueError("adapters.gpu_bytes must be num_slots x slot_bytes")
-        if [row.name for row in self.items] != sorted({row.name for row in self.items}):
-            raise ValueError("adapters.items must have distinct names, sorted")
-
-
-EXPERT_REGIMES = ("routed", "whole_layer", "mixed")
-
-
-#: experts.prefetch: none, or the next routed layer's router predicting its experts (runtime.routed_experts)
-EXPERT_PREFETCH = (None, "next_layer_router")
-#: experts.prefetch_accuracy_source: the default curve or make --prefetch-accuracy, a trace's per-rank figures over
-#: every expert, or a trace's per-expert figures over each layer's non-resident experts
-PREFETCH_ACCURACY_SOURCES = ("assumed", "trace_per_rank", "trace_per_expert")
-
-
-@dataclass(frozen=True, kw_only=True)
-class ExpertLayer:
-    """One MoE layer of the plan: whether it fetches routed experts or streams (or keeps) the whole layer."""
-
-    #: the layer's index in the stack
-    index: int
-    #: "routed": only routed, non-resident experts cross the link; "whole_layer": as offload.layers says
-    regime: str
-    #: expert ids kept on the GPU, ascending (routed layers; () otherwise)
-    resident: tuple[int, ...]
-    #: expected bytes over the link per decode step, at the plan's concurrency
-    expected_fetched_bytes: int
-    #: share of routed (token, expert) pairs served by experts already on the GPU
-    hit_rate: float
-    #: prefetching plans priced from a trace's per-expert figures only (experts.prefetch_accuracy_source
-    #: trace_per_expert): the layer's prefetch hits and predictions gathered ahead as shares of its non-resident
-    #: experts' routed assignments (None elsewhere, and not written)
-    prefetch_hit_share: float | None = None
-    prefetch_ahead_share: float | None = None
-
-    def __post_init__(self):
-        if self.regime not in EXPERT_REGIMES[:2]:
-            raise ValueError(f"experts.layers regime {self.regime!r} is not one of routed, whole_layer")
-        if list(self.resident) != sorted(set(self.resident)):
-            raise ValueError("experts.layers resident ids must be ascending and distinct")
-        if self.resident and self.regime != "routed":
-            raise ValueError("experts.layers: only routed layers keep resident experts")
-        if not 0 <= self.hit_rate <= 1:
-            raise ValueError("experts.layers hit_rate must be a share in [0, 1]")
-        if (self.prefetch_hit_share is None) != (self.prefetch_ahead_share is None):
-            raise ValueError("experts.layers prefetch_hit_share and prefetch_ahead_share come together")
-        if self.prefetch_hit_share is not None and not 0 <= self.prefetch_hit_share <= min(
-                1.0, self.prefetch_ahead_share):
-            raise ValueError("experts.layers prefetch_hit_share must be a share in [0, 1], at most "
-                             "prefetch_ahead_share")
-
-
-@dataclass(frozen=True, kw_only=True)
-class ExpertsPoint:
-    """One step size the expert regimes were compared at: a serving concurrency, or a weights plan's step."""
-
-    concurrency: int
-    #: the regime chosen there
-    regime: str
-    #: the step with every MoE layer routed (None: it does not fit, or routed is unavailable; priced on paper,
-    #: never chosen, where only the experts' quantization keeps the runtime from gathering them)
-    routed_step_ms: float | None
-    #: the step streaming whole layers (today's search; None: nothing fits)
-    whole_layer_step_ms: float | None
-    #: resident experts of the routed placement, all layers (0 when it does not fit)
-    num_resident: int
-
-
-@dataclass(frozen=True, kw_only=True)
-class ExpertsPlan:
-    """MoE plans only: per MoE layer, routed experts against whole layers, and how the regime was chosen."""
-
-    #: "routed", "whole_layer" or "mixed" (a summary of the layers)
-    regime: str
-    #: "uniform" or "trace sha256:<hex of the trace file's bytes>"
-    routing: str
-    #: experts the decode gather buffer holds: min(concurrency x top_k, num_experts) (0 without routed layers)
-    fetch_slots: int
-    #: one row per MoE layer
-    layers: tuple[ExpertLayer, ...]
-    num_experts: int
-    top_k: int
-    #: one routed expert (the largest layer's)
-    expert_bytes: int
-    #: fetch_slots x expert_bytes, on the GPU (counted in memory.gpu_bytes)
-    fetch_buffer_bytes: int
-    #: num_experts x expert_bytes, where prefill chunks copy a routed layer's experts (0 without routed layers)
-    staging_buffer_bytes: int
-    #: tokens_per_step x top_k x expert_bytes, where a routed decode step's batched_mm gathers each routed
-    #: (token, expert) pair's weights (0 where a step routes more pairs than num_experts, and without routed layers)
-    gather_workspace_bytes: int
-    #: the routed gather's rate: hardware.h2d_bytes_per_s x planner.model.experts.ROUTED_FETCH_EFFICIENCY
-    routed_fetch_bytes_per_s: float
-    #: why no layer may be routed (an architecture the runtime cannot route-fetch, pinned knobs); None: it may
-    routed_unavailable: str | None
-    #: the regimes compared, ascending concurrency
-    points: tuple[ExpertsPoint, ...]
-    #: routed plans only: "next_layer_router" where each routed layer prefetches the next one's predicted experts
-    #: (two slot sets in fetch_buffer_bytes), None where routed layers fetch after their router
-    prefetch: str | None = None
-    #: routed plans only: the prediction accuracy the step was modelled with (--prefetch-accuracy, else the
-    #: planner's measured figure), whether or not prefetch was chosen
-    prefetch_accuracy: float | None = None
-    #: routed plans only: the ranks of each token's prediction gathered ahead (1..top_k) where prefetch is on;
-    #: None where it is off, and in plans made before the depth (every rank)
-    prefetch_depth: int | None = None
-    #: routed plans only: per rank of the prediction, the accuracy the depth was chosen from (a trace's, the
-    #: planner's default curve, or --prefetch-accuracy at every rank)
-    prefetch_rank_accuracy: tuple[float, ...] | None = None
-    #: routed plans only: where the accuracy comes from (PREFETCH_ACCURACY_SOURCES); with trace_per_expert,
-    #: prefetch_accuracy and prefetch_rank_accuracy are the non-resident experts' (their assignments predicted at
-    #: any rank; per rank, the share of their predictions routed) and each predicted layer row holds its shares.
-    #: None in plans made before it
-    prefetch_accuracy_source: str | None = None
-
-    def prefetch_shares(self) -> tuple[float, float] | None:
-        """(hit share, ahead share) of the routed, non-resident experts (planner.model.experts.prefetch_shares) at the
-        plan's depth; None without prefetch. Plans made before the depth gather every rank at their accuracy.
-        Layers priced from a trace's per-expert figures: their shares, weighted by their expected bytes."""
-        if self.prefetch is None:
-            return None
-        rows = [row for row in self.layers[1:] if row.prefetch_hit_share is not None]
-        weight = math.fsum(row.expected_fetched_bytes for row in rows)
-        if rows and weight:
-            return (math.fsum(row.prefetch_hit_share * row.expected_fetched_bytes for row in rows) / weight,
-                    math.fsum(row.prefetch_ahead_share * row.expected_fetched_bytes for row in rows) / weight)
-        if self.prefetch_depth is None or self.prefetch_rank_accuracy is None:
-            return self.prefetch_accuracy, 1.0
-        return (math.fsum(self.prefetch_rank_accuracy[:self.prefetch_depth]) / len(self.prefetch_rank_accuracy),
-                self.prefetch_depth / len(self.prefetch_rank_accuracy))
-
-    def __post_init__(self):
-        if self.prefetch not in EXPERT_PREFETCH:
-            raise ValueError(f"experts.prefetch {self.prefetch!r} is not null or {EXPERT_PREFETCH[1]}")
-        if self.prefetch_accuracy is not None and not 0 <= self.prefetch_accuracy <= 1:
-            raise ValueError("experts.prefetch_accuracy must be a share in [0, 1]")
-        if self.prefetch is not None and self.prefetch_accuracy is None:
-            raise ValueError("experts.prefetch needs its prefetch_accuracy")
-        ranks = self.prefetch_rank_accuracy
-        if ranks is not None and (len(ranks) != self.top_k or not all(0 <= a <= 1 for a in ranks)):
-            raise ValueError(f"experts.prefetch_rank_accuracy must hold top_k ({self.top_k}) shares in [0, 1]")
-        if self.prefetch_depth is not None and (self.prefetch is None or not 1 <= self.prefetch_depth <= self.top_k):
-            raise ValueError(f"experts.prefetch_depth must be from 1 to top_k ({self.top_k}) with prefetch on, "
-                             "null with it off")
-        if self.prefetch_accuracy_source not in (None, *PREFETCH_ACCURACY_SOURCES):
-            raise ValueError(f"experts.prefetch_accuracy_source {self.prefetch_accuracy_source!r} is not null or "
-                             f"one of {', '.join(PREFETCH_ACCURACY_SOURCES)}")
-        if any(row.prefetch_hit_share is not None for row in self.layers) and (
-                self.prefetch is None or self.prefetch_accuracy_source != "trace_per_expert"):
-            raise ValueError("experts.layers prefetch shares belong to prefetching plans priced from a trace's "
-                             "per-expert figures (prefetch_accuracy_source trace_per_expert)")
-        if self.regime not in EXPERT_REGIMES:
-            raise ValueError(f"experts.regime {self.regime!r} is not one of {', '.join(EXPERT_REGIMES)}")
-        regimes = {row.regime for row in self.layers}
-        if self.layers and self.regime != (regimes.pop() if len(regimes) == 1 else "mixed"):
-            raise ValueError("experts.regime must summarise its layers' regimes")
-        if [row.index for row in self.layers] != sorted({row.index for row in self.layers}):
-            raise ValueError("experts.layers must have distinct indices, ascending")
-        if not self.routing == "uniform" and not self.routing.startswith("trace sha256:"):
-            raise ValueError("experts.routing must be uniform or trace sha256:<hex>")
-        if any(e >= self.num_experts for row in self.layers for e in row.resident):
-            raise ValueError("experts.layers resident ids must be below num_experts")
-
-
-@dataclass(frozen=True, kw_only=True)
 class Plan:
     """A whole plan file."""
 
@@ -634,7 +406,7 @@ class Plan:
         if self.adapters is not None and len(self.adapters.items) != len(self.inputs.adapters):
             raise ValueError("the adapters section needs one item per inputs.adapters entry")
         if self.experts is not None:
-            routed = {row.index for row in self.experts.layers if row.regime == "routed"}
+            routed = {row.index for row in self.experts.routed_layers}
             if routed & set(self.offload.layers):
                 raise ValueError("a routed MoE layer (experts.layers) must not be in offload.layers")
             if any(row.index >= self.model.num_layers for row in self.experts.layers):
@@ -645,15 +417,6 @@ class Plan:
 OPTIONAL_INPUTS = {"adapters": (), "adapter_slots": None, "routing_trace": None, "prefetch_accuracy": None,
                    "prefetch_depth": None,
                    "tp": 1, "engine": None}
-
-
-#: experts keys written only where the plan routes layers (whole-layer MoE plans keep their bytes)
-OPTIONAL_EXPERTS = {"prefetch": None, "prefetch_accuracy": None, "prefetch_depth": None,
-                    "prefetch_rank_accuracy": None, "prefetch_accuracy_source": None}
-
-
-#: experts.layers keys written only where set (a plan priced from a trace's per-expert figures)
-OPTIONAL_EXPERT_LAYER = {"prefetch_hit_share": None, "prefetch_ahead_share": None}
 
 
 #: offload keys written only where not these (plans for the prefetch offloader keep their bytes)
@@ -682,7 +445,7 @@ def routed_rows(plan: Plan) -> dict:
     """index -> experts.layers row of every routed MoE layer."""
     if plan.experts is None:
         return {}
-    return {row.index: row for row in plan.experts.layers if row.regime == "routed"}
+    return {row.index: row for row in plan.experts.routed_layers}
 
 
 def routed_expert_bytes(plan: Plan) -> tuple[int, int]:
@@ -690,12 +453,12 @@ def routed_expert_bytes(plan: Plan) -> tuple[int, int]:
     the host) as the plan's rows give them: what memory.resident_layer_bytes leaves out (0, 0 without routed
     layers). show's memory rows and the reader's rules both count them so."""
     routed = routed_rows(plan)
-    each = {index: _expert_bytes_of(plan, row) for index, row in routed.items()}
+    each = {index: routed_layer_expert_bytes(plan, row) for index, row in routed.items()}
     return (sum(len(routed[index].resident) * nbytes for index, nbytes in each.items()),
             sum(plan.experts.num_experts * nbytes for nbytes in each.values()))
 
 
-def _expert_bytes_of(plan: "Plan", row) -> int:
+def routed_layer_expert_bytes(plan: Plan, row: ExpertLayer) -> int:
     """One expert of a routed layer: its non-resident bytes over its non-resident experts (the section's
     expert_bytes, the largest layer's, where every expert is resident)."""
     non_resident = plan.experts.num_experts - len(row.resident)

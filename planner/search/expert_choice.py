@@ -4,21 +4,24 @@ physics; this module turns it into a Choice the weight and serving searches comp
 
 At every step size a MoE plan is searched at (a serving concurrency, or a weights plan's one step), two
 placements compete within the same GPU bytes: today's whole-layer search (planner.search.groups), and every MoE layer
-routed with as many resident experts as the budget holds (chosen by planner.model.experts.choose_resident). The faster
-step wins; a tie goes to whole layers (what engines run). Both use the one host link: a routed plan copies
+routed with as many resident experts as the budget holds (chosen by planner.model.expert_placement.choose_resident).
+The faster step wins; a tie goes to whole layers (what engines run). Both use the one host link: a routed plan copies
 nothing whole at decode, so its fetches have the link to themselves.
 """
 
 import math
 from dataclasses import dataclass
 
-from planner.model.experts import (NEXT_LAYER_ROUTER, PREFETCH_ACCURACY, ExpertPrediction, LayerRouting, MoeGeometry,
-                                    RoutedPlacement, default_rank_accuracy, staged_bytes,
-                                    routed_fetch_bytes_per_s, routed_placement, routed_stalls_ms, uniform_routing,
-                                    wasted_prefetch_bytes, with_prefetch_depth)
-from planner.plan.schema import ExpertLayer, ExpertsPlan, ExpertsPoint
+from planner.model.expert_placement import (RoutedPlacement, routed_placement, staged_bytes, wasted_prefetch_bytes,
+                                             with_prefetch_depth)
+from planner.model.expert_prefetch import PREFETCH_ACCURACY, ExpertPrediction, default_rank_accuracy
+from planner.model.expert_routing import LayerRouting, uniform_routing
+from planner.model.experts import MoeGeometry, routed_fetch_bytes_per_s
+from planner.plan.experts_section import (NEXT_LAYER_ROUTER, ROUTED, WHOLE_LAYER, ExpertLayer, ExpertsPlan,
+                                          ExpertsPoint, summary_regime)
 from planner.search.groups import STEP_MS_DECIMALS, Choice, LayerBytes, Searcher, copy_ms_of
-from planner.search.simulate import Interval, Simulation
+from planner.search.routed_step import placement_fetches, routed_decode_step
+from planner.search.simulate import Simulation
 from planner.model.cost import ComputeTimes
 
 
@@ -46,7 +49,7 @@ class ExpertModel:
     #: next-layer prefetch's accuracy over every rank (make --prefetch-accuracy, else the rank curve's mean)
     prefetch_accuracy: float = PREFETCH_ACCURACY
     #: per rank of the prediction (top_k of them), its accuracy: --prefetch-accuracy at every rank, a trace's
-    #: measured figures, else planner.model.experts.default_rank_accuracy
+    #: measured figures, else planner.model.expert_prefetch.default_rank_accuracy
     rank_accuracy: tuple[float, ...] = ()
     #: make --prefetch-depth: the depth the plan must use (0: no prefetch); None: the planner chooses
     prefetch_depth: int | None = None
@@ -104,7 +107,7 @@ class Comparison:
         chosen = self.chosen
         return ExpertsPoint(
             concurrency=concurrency,
-            regime="routed" if isinstance(chosen, RoutedChoice) else "whole_layer",
+            regime=ROUTED if isinstance(chosen, RoutedChoice) else WHOLE_LAYER,
             routed_step_ms=None if self.routed is None else self.routed.simulation.step_ms,
             whole_layer_step_ms=None if self.whole is None else self.whole.simulation.step_ms,
             num_resident=0 if self.routed is None else self.routed.placement.num_resident,
@@ -158,7 +161,8 @@ def choose_prefetch_depth(experts: ExpertModel, compute: ComputeTimes,
     """The prefetching ``placement`` at the depth m (ranks of each token's prediction gathered ahead, 1..k) whose
     decode step is predicted fastest, with its simulation; make --prefetch-depth pins m. Ties go to the smaller m
     (fewer bytes on the link). Each rank gathered in one layer's compute shadow only saves; past it, a rank costs
-    its wasted bytes on the critical path (planner.model.experts.prefetch_layer_stall_ms), so poor deep ranks lower m.
+    its wasted bytes on the critical path (planner.model.expert_prefetch.prefetch_layer_stall_ms), so poor deep
+    ranks lower m.
     With a trace's per-expert figures each layer's shares are its non-resident experts' (with_prefetch_depth)."""
     pinned = experts.prefetch_depth
     depths = range(1, len(experts.rank_accuracy) + 1) if pinned is None else (pinned,)
@@ -172,20 +176,9 @@ def choose_prefetch_depth(experts: ExpertModel, compute: ComputeTimes,
 
 
 def decode_simulation(compute: ComputeTimes, placement: RoutedPlacement) -> Simulation:
-    """A routed decode step: head, then each layer's compute, a routed layer's wait for its experts in it (the
-    router runs first and the experts wait for their fetch: the fetch, or with prefetch what the prefetch did not
-    hide and the misses, is on the critical path, shown as the layer's stall)."""
-    fetch_ms = routed_stalls_ms(placement, compute.layer_ms)
-    intervals, stalls = [Interval(layer=-1, start_ms=0.0, end_ms=compute.head_ms)], []
-    now = compute.head_ms
-    for index, duration in enumerate(compute.layer_ms):
-        stall = fetch_ms.get(index, 0.0)
-        intervals.append(Interval(layer=index, start_ms=now, end_ms=now + duration + stall))
-        stalls.append(stall)
-        now += duration + stall
-    stall_ms = math.fsum(stalls)
-    return Simulation(step_ms=compute.head_ms + math.fsum(compute.layer_ms) + stall_ms,
-                      stall_ms=stall_ms, compute=tuple(intervals), copies=(), layer_stall_ms=tuple(stalls))
+    """A routed decode step of ``placement`` on the one routed timeline (planner.search.routed_step): each routed
+    layer waits, between its router and its experts, for what its fetch leaves on the critical path."""
+    return routed_decode_step(compute.layer_ms, compute.head_ms, placement_fetches(placement), placement.fetch_slots)
 
 
 def prefill_simulation(geometry: MoeGeometry, compute: ComputeTimes, h2d_bytes_per_s: float,
@@ -209,7 +202,7 @@ def experts_section(experts: ExpertModel, chosen: Choice, layers: LayerBytes, po
     geometry = experts.geometry
     if isinstance(chosen, RoutedChoice):
         placement = chosen.placement
-        rows = tuple(ExpertLayer(index=row.index, regime="routed", resident=row.resident,
+        rows = tuple(ExpertLayer(index=row.index, regime=ROUTED, resident=row.resident,
                                  expected_fetched_bytes=round(row.expected_fetched_bytes), hit_rate=row.hit_rate,
                                  prefetch_hit_share=_share(row.prefetch_hit_share),
                                  prefetch_ahead_share=_share(row.prefetch_ahead_share))
@@ -223,15 +216,14 @@ def experts_section(experts: ExpertModel, chosen: Choice, layers: LayerBytes, po
                     placement.prefetch_depth, tuple(round(a, 4) for a in ranks), experts.accuracy_source)
     else:
         offloaded = set(chosen.offloaded)
-        rows = tuple(ExpertLayer(index=layer.index, regime="whole_layer", resident=(),
+        rows = tuple(ExpertLayer(index=layer.index, regime=WHOLE_LAYER, resident=(),
                                  expected_fetched_bytes=layers.selected[layer.index] if layer.index in offloaded else 0,
                                  hit_rate=0.0 if layer.index in offloaded else 1.0)
                      for layer in geometry.layers)
         buffers = (0, 0, 0, 0)
         prefetch = (None, None, None, None, None)
-    regimes = {row.regime for row in rows}
     return ExpertsPlan(
-        regime=regimes.pop() if len(regimes) == 1 else "mixed", routing=experts.routing_label,
+        regime=summary_regime(rows), routing=experts.routing_label,
         fetch_slots=buffers[0], layers=rows, num_experts=geometry.num_experts, top_k=geometry.top_k,
         expert_bytes=geometry.max_expert_bytes, fetch_buffer_bytes=buffers[1], staging_buffer_bytes=buffers[2],
         gather_workspace_bytes=buffers[3],

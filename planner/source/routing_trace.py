@@ -16,15 +16,15 @@ names the file by the sha256 of its bytes, so ``check`` finds a changed trace. A
 ``prefetch_hits`` (optional, a layer that the previous MoE layer predicts): per rank r of the prediction (the
 runtime's next-layer router on the previous MoE layer's router input, rank 1 its highest score), how many of the
 num_tokens tokens the layer then routed to the expert predicted at rank r. The planner chooses its prefetch depth
-from these accuracies (planner.model.experts.prefetch_shares); traces without them leave it the default curve.
+from these accuracies (planner.model.expert_prefetch.prefetch_shares); traces without them leave it the default curve.
 
 ``expert_predicted`` and ``expert_hits`` (optional, together, on a layer with prefetch_hits): per expert a list
 of one int per rank: how many tokens the prediction put at that rank on the expert, and how many of those the
 layer then routed to it. Under skew the hot experts are resident, so a prefetch's worth is the cold experts'
 accuracy, which differs from the all-expert per-rank figure; with these the planner prices each layer's prefetch
-over its own non-resident experts (planner.model.experts.ExpertPrediction). Each rank predicts one expert per token
-(a rank's expert_predicted sum to num_tokens), a token's ranks name distinct experts (an expert's sum to at most
-num_tokens), and each rank's expert_hits sum to its prefetch_hits.
+over its own non-resident experts (planner.model.expert_prefetch.ExpertPrediction). Each rank predicts one expert
+per token (a rank's expert_predicted sum to num_tokens), a token's ranks name distinct experts (an expert's sum to
+at most num_tokens), and each rank's expert_hits sum to its prefetch_hits.
 
 A trace from another model (fingerprint), with other layers, or with impossible counts is one line of error.
 """
@@ -36,7 +36,9 @@ from pathlib import Path
 import yaml
 
 from planner.errors import ModelInputError, printable, shown
-from planner.model.experts import ExpertPrediction, LayerRouting, MoeGeometry
+from planner.model.expert_prefetch import ExpertPrediction
+from planner.model.expert_routing import LayerRouting
+from planner.model.experts import MoeGeometry
 from planner.source.untrusted import load_yaml, read_capped
 
 TRACE_SCHEMA_VERSION = 1

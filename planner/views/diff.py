@@ -74,7 +74,7 @@ def _experts_figures(plan: Plan) -> dict:
     if experts is None:
         return {"regime": None, "routing": None, "num_routed": 0, "num_resident": 0, "expected_fetched_bytes": 0,
                 "hit_rate": 0.0}
-    routed = [row for row in experts.layers if row.regime == "routed"]
+    routed = experts.routed_layers
     return {"regime": experts.regime, "routing": experts.routing, "num_routed": len(routed),
             "num_resident": sum(len(row.resident) for row in routed),
             "expected_fetched_bytes": sum(row.expected_fetched_bytes for row in routed),

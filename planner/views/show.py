@@ -1,17 +1,19 @@
 """``show``: explain a plan to a person with rich tables and a one-step copy/compute timeline."""
 
-from rich import box
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from planner.engines import read_at_use
-from planner.plan.schema import ExpertsPlan, Plan, routed_expert_bytes
+from planner.plan.schema import Plan, routed_expert_bytes
+from planner.search.routed_step import plan_decode_step
 from planner.search.schedule import PrefetchSchedule
 from planner.search.simulate import STEPS_PER_GRAPH, Simulation, join_every_steps_for, simulate
 from planner.search.serving import OFFLOAD_MARGIN_SHARE
 from planner.views.tp_comparison import tp_row
 from planner.units import format_bytes, format_ms, format_rate
+from planner.views.show_experts import experts_text
+from planner.views.show_serving import adapters_table, chart_bar_columns, serving_chart
 
 TIMELINE_COLUMNS = 96
 NUM_STALLS_LISTED = 8
@@ -26,7 +28,7 @@ def resimulate(plan: Plan) -> Simulation:
     """Re-run the plan's simulation from its recorded per-layer times (for the timeline); a routed decode step
     from its layers' expected fetches."""
     if routed_decode(plan):
-        return _routed_simulation(plan)
+        return plan_decode_step(plan)
     if plan.offload.mechanism == "read_at_use":
         return read_at_use.plan_simulation(plan)
     return simulate(
@@ -43,166 +45,6 @@ def resimulate(plan: Plan) -> Simulation:
 def routed_decode(plan: Plan) -> bool:
     """Whether the plan's step is a decode step with routed MoE layers."""
     return (plan.experts is not None and plan.experts.fetch_slots > 0 and plan.prediction.decode_step_ms is not None)
-
-
-def _routed_simulation(plan: Plan) -> Simulation:
-    """A routed decode step: each routed layer waits for its fetch after its router (planner.search.expert_choice)."""
-    from planner.search.simulate import Interval
-
-    from planner.model.experts import planned_layer_stall_ms
-
-    experts = plan.experts
-    routed = [row for row in experts.layers if row.regime == "routed"]
-    accuracy, ahead = experts.prefetch_shares() or (None, 1.0)
-
-    def shares(row) -> tuple[float | None, float]:  # a layer priced from a trace's per-expert figures: its own
-        if accuracy is None or row.prefetch_hit_share is None:
-            return accuracy, ahead
-        return row.prefetch_hit_share, row.prefetch_ahead_share
-
-    rate = experts.routed_fetch_bytes_per_s
-    link_ms = {row.index: 1e3 * row.expected_fetched_bytes / rate for row in routed}
-    fetch_ms = {row.index: planned_layer_stall_ms(plan.layers[row.index].compute_ms,
-                                                   1e3 * row.expected_fetched_bytes / rate,
-                                                   row_hit, predicted=row is not routed[0], ahead_share=row_ahead,
-                                                   expert_ms=1e3 * experts.expert_bytes / rate,
-                                                   num_slots=experts.fetch_slots)
-                for row in routed for row_hit, row_ahead in (shares(row),)}
-    head = plan.prediction.head_ms
-    intervals, stalls, fetches, now = [Interval(layer=-1, start_ms=0.0, end_ms=head)], [], [], head
-    for row in plan.layers:
-        stall = fetch_ms.get(row.index, 0.0)
-        intervals.append(Interval(layer=row.index, start_ms=now + stall, end_ms=now + stall + row.compute_ms))
-        if row.index in link_ms and link_ms[row.index] > 0:  # the fetch ends as the layer starts
-            fetches.append(Interval(layer=row.index, start_ms=max(0.0, now + stall - link_ms[row.index]),
-                                    end_ms=now + stall))
-        stalls.append(stall)
-        now += stall + row.compute_ms
-    return Simulation(step_ms=now, stall_ms=sum(stalls), compute=tuple(intervals), copies=tuple(fetches),
-                      layer_stall_ms=tuple(stalls))
-
-
-def experts_text(plan: Plan) -> Text:
-    """The experts section in words: the regime, why, what stays resident, what a step fetches, and the figures
-    that decide between routed experts and whole layers."""
-    experts = plan.experts
-    routed = [row for row in experts.layers if row.regime == "routed"]
-    lines = [f"Experts: {experts.regime.replace('_', ' ')} ({len(experts.layers)} MoE layers, top-{experts.top_k} of "
-             f"{experts.num_experts} experts of {format_bytes(experts.expert_bytes)}; routing: "
-             f"{_routing_words(experts)})."]
-    if routed:
-        lines += _routed_lines(plan, experts, routed)
-    else:
-        lines.append(_whole_layer_line(plan, experts))
-    lines += _crossover_lines(plan, experts)
-    return Text("\n".join(lines))
-
-
-def _routing_words(experts: ExpertsPlan) -> str:
-    if experts.routing == "uniform":
-        return "uniform, every expert equally likely"
-    return f"recorded {experts.routing.removeprefix('trace ')[:19]}..., the hottest experts kept resident"
-
-
-def _routed_lines(plan: Plan, experts: ExpertsPlan, routed: list) -> list[str]:
-    counts = sorted({len(row.resident) for row in routed})
-    kept = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
-    rule = ("the first ids: under uniform routing any experts are alike" if experts.routing == "uniform"
-            else "the most frequent in the trace")
-    fetched = sum(row.expected_fetched_bytes for row in routed)
-    hit = sum(row.hit_rate for row in routed) / len(routed)
-    fetch_ms = 1e3 * fetched / experts.routed_fetch_bytes_per_s
-    per_layer = fetched / len(routed) / experts.expert_bytes
-    share = experts.routed_fetch_bytes_per_s / plan.hardware.h2d_bytes_per_s
-    return [
-        f"  Each routed layer keeps attention, norms, router and shared experts on the GPU and {kept} of its "
-        f"{experts.num_experts} experts resident ({rule}); the rest stay in pinned host memory.",
-        f"  A decode step of {plan.workload.concurrency} sequence(s) fetches {per_layer:.1f} experts per layer "
-        f"(expected), {format_bytes(fetched)} per step; hit rate {100 * hit:.1f}% of routed (token, expert) pairs.",
-        _fetch_line(experts, fetch_ms, plan.inputs.prefetch_depth == 0) + f" {format_ms(fetch_ms)} of link per step at "
-        f"{experts.routed_fetch_bytes_per_s / 1e9:.1f} GB/s ({share:.2f} of the copy engine's "
-        f"{plan.hardware.h2d_bytes_per_s / 1e9:.1f} GB/s: GPU threads reading mapped host memory).",
-        f"  GPU buffers: fetch {experts.fetch_slots} experts{' x 2 slot sets' if experts.prefetch else ''} "
-        f"({format_bytes(experts.fetch_buffer_bytes)}), prefill "
-        f"staging {experts.num_experts} experts ({format_bytes(experts.staging_buffer_bytes)}); a prefill chunk copies "
-        "each routed layer's non-resident experts whole.",
-    ]
-
-
-def _fetch_line(experts: ExpertsPlan, fetch_ms: float, prefetch_off: bool = False) -> str:
-    """How a routed step waits for its fetch: after each router, or prefetched from the previous layer's
-    prediction with only the misses after the router."""
-    if experts.prefetch is None:
-        tried = ("" if experts.prefetch_accuracy is None else " (next-layer prefetch off: --prefetch-depth 0)"
-                 if prefetch_off else
-                 f" (next-layer prefetch at {100 * experts.prefetch_accuracy:.0f}% accuracy was not faster)")
-        return f"  The fetch starts after each layer's router, on the critical path{tried}:"
-    return (f"  Each routed layer predicts the next one's experts with that layer's router and prefetches them "
-            f"behind its compute ({100 * experts.prefetch_accuracy:.0f}% accuracy{_source_words(experts)})"
-            f"{_depth_words(experts)}; the misses are fetched after the router, on the critical path:")
-
-
-def _source_words(experts: ExpertsPlan) -> str:
-    """Where the prediction's accuracy comes from, in words."""
-    source = experts.prefetch_accuracy_source
-    if source == "trace_per_expert":
-        return (" over each layer's non-resident experts, from the trace's per-expert figures: predicting a "
-                "resident expert saves nothing")
-    if source == "trace_per_rank":
-        return " over all experts, from the trace's per-rank figures"
-    return " assumed"
-
-
-def _depth_words(experts: ExpertsPlan) -> str:
-    """The prefetch depth and the per-rank accuracies it was chosen from; nothing for plans made before it."""
-    if experts.prefetch_depth is None or experts.prefetch_rank_accuracy is None:
-        return ""
-    ranks = experts.prefetch_rank_accuracy
-    shown = ", ".join(f"{100 * a:.0f}" for a in ranks)
-    hit, ahead = experts.prefetch_shares()
-    over = " of the non-resident experts' predictions" if experts.prefetch_accuracy_source == "trace_per_expert" else ""
-    return (f", the top {experts.prefetch_depth} of each token's {len(ranks)} predicted experts (accuracy by rank"
-            f"{over} {shown}%): {100 * ahead:.0f}% of the routed experts' bytes cross ahead, {100 * hit:.0f}% of them "
-            f"useful, {100 * (ahead - hit):.0f}% wasted")
-
-
-def _whole_layer_line(plan: Plan, experts: ExpertsPlan) -> str:
-    if experts.routed_unavailable is not None:
-        return f"  Routed experts are not planned: {experts.routed_unavailable}; the plan streams whole layers."
-    return ("  Every MoE layer is resident or streamed whole (offload.layers): fetching only routed experts is "
-            "slower here, or does not fit.")
-
-
-def _crossover_lines(plan: Plan, experts: ExpertsPlan) -> list[str]:
-    here = next((p for p in experts.points if p.concurrency == plan.workload.concurrency), None)
-    lines = []
-    if here is not None and None not in (here.routed_step_ms, here.whole_layer_step_ms) and \
-            experts.routed_unavailable is not None:
-        ratio = here.whole_layer_step_ms / here.routed_step_ms if here.routed_step_ms > 0 else None
-        than = "" if ratio is None else f" (x{ratio:.2f} {'faster' if ratio >= 1 else 'slower'} than whole layers)"
-        lines.append(f"  On paper, at {here.concurrency} sequence(s): routed experts would take "
-                     f"{format_ms(here.routed_step_ms)} per step{than} against "
-                     f"{format_ms(here.whole_layer_step_ms)} streaming whole layers; not planned, as said above.")
-    elif here is not None and here.routed_step_ms is not None and here.whole_layer_step_ms is not None:
-        faster = "routed" if here.regime == "routed" else "whole layers"
-        slower_ms, faster_ms = sorted((here.routed_step_ms, here.whole_layer_step_ms), reverse=True)
-        # a step rounds to 0 ms on a tiny model: no ratio to give then
-        verdict = f"{faster} x{slower_ms / faster_ms:.2f} faster" if faster_ms > 0 else f"{faster} chosen"
-        lines.append(f"  At {here.concurrency} sequence(s): routed {format_ms(here.routed_step_ms)} per step against "
-                     f"{format_ms(here.whole_layer_step_ms)} streaming whole layers: {verdict}.")
-    elif here is not None and here.routed_step_ms is None and experts.routed_unavailable is None:
-        lines.append(f"  At {here.concurrency} sequence(s) routed experts do not fit: their buffers and the resident "
-                     "non-expert weights need more than the budget.")
-    routed_at = [p.concurrency for p in experts.points if p.regime == "routed"]
-    whole_at = [p.concurrency for p in experts.points if p.regime == "whole_layer" and p.whole_layer_step_ms]
-    if len(experts.points) > 1 and routed_at and whole_at:
-        lines.append(f"  Across the concurrencies searched, routed wins at {_list(routed_at)} sequence(s), whole "
-                     f"layers at {_list(whole_at)} (more sequences touch more experts per step).")
-    return lines
-
-
-def _list(values: list[int]) -> str:
-    return ", ".join(map(str, values))
 
 
 def show_plan(plan: Plan, console: Console, *, layer_table: bool = True) -> None:
@@ -230,7 +72,7 @@ def verdict(plan: Plan) -> str:
     where = f"{plan.hardware.profile} ({format_bytes(plan.memory.gpu_memory_bytes)} of GPU memory)"
     placement = f"offloading {offloaded} of {num_layers} layers" if offloaded else "with every weight resident"
     if plan.experts is not None and plan.experts.fetch_slots:
-        num_routed = sum(row.regime == "routed" for row in plan.experts.layers)
+        num_routed = len(plan.experts.routed_layers)
         placement = (f"fetching routed experts in {num_routed} of {num_layers} layers"
                      + (f", offloading {offloaded} whole" if offloaded else ""))
     prediction, workload = plan.prediction, plan.workload
@@ -287,95 +129,6 @@ def _against_no_offload(plan: Plan) -> str:
 def _slowdown(plan: Plan) -> float:
     prediction = plan.prediction
     return prediction.step_ms / prediction.resident_step_ms if prediction.resident_step_ms else 1.0
-
-
-#: the serving chart's columns other than its bar, with their padding (six columns of 9 or 10 characters:
-#: "sequences", "582.75 MiB"); measured on the checked-in serving plans (65-66), one spare: an 80-column terminal
-#: leaves the bar 13
-CHART_TEXT_COLUMNS = 67
-CHART_MIN_BAR_COLUMNS, CHART_MAX_BAR_COLUMNS = 8, 40
-
-
-def chart_bar_columns(console_columns: int) -> int:
-    """The bar's width for a console this wide: the text columns keep theirs (issue 26: at 80 columns the headers
-    collapsed to "sequenc…"), the bar takes what is left."""
-    return max(CHART_MIN_BAR_COLUMNS, min(CHART_MAX_BAR_COLUMNS, console_columns - CHART_TEXT_COLUMNS))
-
-
-def serving_chart(plan: Plan, bar_columns: int = CHART_MAX_BAR_COLUMNS) -> Table:
-    """Tokens/s against concurrency, one row per concurrency searched, with the best placement at each."""
-    points = plan.serving.points
-    top = max((p.tokens_per_s for p in points), default=0.0) or 1.0
-    title = "Decode tokens/s by concurrency (the best placement at each; > the plan, = offloads nothing)"
-    if plan.serving.max_tpot_ms is not None:
-        title += f"; x: over --max-tpot-ms {plan.serving.max_tpot_ms:g}"
-    # no vertical rules and no edge padding: the six text columns and a bar fit 80 columns
-    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False,
-                  padding=(0, 1, 0, 0))
-    for name in ("sequences", "tokens/s", "", "per token", "offloaded", "KV cache", "GPU total"):
-        table.add_column(name, justify="left" if name == "" else "right")
-    routed = {p.concurrency for p in plan.experts.points if p.regime == "routed"} if plan.experts else set()
-    for point in points:
-        fits = point.step_ms is not None
-        bar = "#" * round(bar_columns * point.tokens_per_s / top)
-        resident = point.num_offloaded == 0 and point.concurrency not in routed
-        mark = ">" if point.concurrency == plan.workload.concurrency else ("=" if resident else " ")
-        if fits and plan.serving.max_tpot_ms is not None and point.step_ms > plan.serving.max_tpot_ms:
-            mark = "x"
-        table.add_row(
-            f"{mark} {point.concurrency}",
-            format_rate(point.tokens_per_s) if fits else "-",
-            Text(bar, style="cyan" if mark == ">" else "green" if mark == "=" else ""),
-            format_ms(point.step_ms) if fits else "does not fit",
-            f"{point.num_offloaded}/{plan.model.num_layers}{' routed' if point.concurrency in routed else ''}"
-            if fits else "-",
-            format_bytes(point.kv_cache_bytes),
-            format_bytes(point.total_gpu_bytes) if fits else "-",
-        )
-    return table
-
-
-def adapters_table(plan: Plan) -> Table:
-    """The adapters, their slots and pinned pool, and the wait of a batch whose adapters are not loaded."""
-    adapters = plan.adapters
-    title = (f"Adapters: {len(adapters.items)} pinned in host memory ({format_bytes(adapters.host_pinned_bytes)}), "
-             f"{adapters.num_slots} GPU slot(s) x {format_bytes(adapters.slot_bytes)}")
-    table = Table(title=title, title_justify="left")
-    for name, justify in (("name", "left"), ("source", "left"), ("rank", "right"), ("alpha", "right"),
-                          ("modules", "left"), ("bytes", "right"), ("copy", "right")):
-        table.add_column(name, justify=justify)
-    for row in adapters.items:
-        table.add_row(row.name, row.source + (f" @ {row.revision[:12]}" if row.revision else ""), str(row.rank),
-                      f"{row.alpha:g}", " ".join(row.target_modules), format_bytes(row.bytes), format_ms(row.copy_ms))
-    table.caption = (
-        f"A batch missing {adapters.num_missing} adapter(s): blocking (copy all, then compute) makes every request "
-        f"wait {format_ms(adapters.blocking_wait_ms)}, the compute stream idle as long; pipelined (each request "
-        f"starts when its adapter lands) starts the first after {format_ms(adapters.pipelined_first_wait_ms)} and "
-        f"the last after {format_ms(adapters.pipelined_last_wait_ms)}, later copies sharing the link with the "
-        f"offloaded weights ({format_ms(adapters.shared_copy_ms)} each); steps meanwhile take "
-        f"{format_ms(adapters.pipelined_step_ms)} (planned {format_ms(plan.prediction.step_ms)}).\n"
-        + mode_sentence(plan)
-    )
-    table.caption_justify = "left"
-    return table
-
-
-def mode_sentence(plan: Plan) -> str:
-    """Which loading mode run serves, and why: the predicted totals of the stream it was chosen on."""
-    adapters = plan.adapters
-    totals = {"blocking": adapters.blocking_stream_ms, "pipelined": adapters.pipelined_stream_ms}
-    other = "pipelined" if adapters.mode == "blocking" else "blocking"
-    if adapters.mode == "pipelined":
-        why = ("the copies after each wave's first land while its lead computes"
-               + (", and the offloaded weights' extra pass per wave stays under compute" if plan.offload.layers
-                  else ""))
-    else:
-        why = ("a pipelined wave runs as two forwards, each copying the offloaded weights again"
-               if plan.offload.layers else "a wave's adapters load before it as fast as beside its lead")
-    return (f"Loading: {adapters.mode} (run --bench serves it; --adapter-mode {other} forces the other). Over "
-            f"{adapters.stream_num_batches} batches of {adapters.stream_requests_per_batch} requests, each a "
-            f"different adapter, it is predicted {format_ms(totals[adapters.mode])} against "
-            f"{format_ms(totals[other])} {other} ({other} takes {adapters.mode_margin:.1%} longer): {why}.")
 
 
 #: the hardware figures a prediction rests on, as (plan.hardware field, label, how to show its value)
@@ -534,7 +287,7 @@ def _memory(plan: Plan) -> Table:
     table.add_column("bytes", justify="right")
     table.add_column("", justify="right")
     resident_experts, _ = routed_expert_bytes(plan)
-    num_routed = sum(row.regime == "routed" for row in plan.experts.layers) if resident_experts else 0
+    num_routed = len(plan.experts.routed_layers) if resident_experts else 0
     rows = [
         ("GPU: resident layer params" + (" (routed layers: all but their experts)" if num_routed else ""),
          memory.resident_layer_bytes),
@@ -610,7 +363,7 @@ def _layer_table(plan: Plan, simulation: Simulation) -> Table:
     # leaves on the host)
     moved = {row.index: row.offloaded_bytes for row in plan.layers}
     if fetch_ms:
-        moved.update({row.index: row.expected_fetched_bytes for row in plan.experts.layers if row.regime == "routed"})
+        moved.update({row.index: row.expected_fetched_bytes for row in plan.experts.routed_layers})
     for row in plan.layers:
         stall = simulation.layer_stall_ms[row.index]
         where = (Text("offloaded", style="cyan") if row.index in offloaded else Text("routed", style="magenta")
@@ -634,8 +387,7 @@ def _fetch_ms_by_layer(plan: Plan) -> dict[int, float]:
     if plan.experts is None:
         return {}
     rate = plan.experts.routed_fetch_bytes_per_s
-    return {row.index: 1e3 * row.expected_fetched_bytes / rate for row in plan.experts.layers
-            if row.regime == "routed"}
+    return {row.index: 1e3 * row.expected_fetched_bytes / rate for row in plan.experts.routed_layers}
 
 
 def timeline_rows(simulation: Simulation, offloaded: set[int], columns: int = TIMELINE_COLUMNS) -> tuple[str, str]:

@@ -6,26 +6,18 @@ from pathlib import Path
 
 import pytest
 
-from planner.model.experts import (GATHER_COMPUTE_SLOWDOWN, PREFETCH_ACCURACY, PREFETCH_MACHINERY_MS, MoeGeometry,
-                                    MoeLayer, prefetch_layer_stall_ms, routed_placement, routed_step_ms,
-                                    uniform_routing)
+from planner.model.cost import ComputeTimes
+from planner.model.expert_placement import routed_placement
+from planner.model.expert_prefetch import (GATHER_COMPUTE_SLOWDOWN, PREFETCH_ACCURACY, PREFETCH_MACHINERY_MS,
+                                           prefetch_layer_stall_ms)
+from planner.model.expert_routing import uniform_routing
+from planner.model.experts import MoeGeometry, MoeLayer
 from planner.make.make_plan import make_plan
+from planner.search.expert_choice import decode_simulation
 from planner.plan.schema import Inputs
 from planner.plan.file import plan_from_dict, plan_to_dict
 from tests.conftest import assert_one_line_error, make_checkpoint, run_cli
 
-
-
-def test_the_stall_is_the_fetch_the_prefetch_cannot_hide_plus_the_misses():
-    # no prediction (no prefetch, or the first routed layer): the whole fetch after the router
-    assert prefetch_layer_stall_ms(0.5, 1.2, None, predicted=True) == 1.2
-    assert prefetch_layer_stall_ms(0.5, 1.2, 0.9, predicted=False) == 1.2
-    # every expert predicted: only what one layer's compute does not cover
-    assert prefetch_layer_stall_ms(0.5, 1.2, 1.0, predicted=True) == pytest.approx(0.7)
-    assert prefetch_layer_stall_ms(2.0, 1.2, 1.0, predicted=True) == 0.0
-    # none predicted: the wasted prefetch takes the link first, then every miss
-    assert prefetch_layer_stall_ms(0.5, 1.2, 0.0, predicted=True) == pytest.approx(0.7 + 1.2)
-    assert prefetch_layer_stall_ms(0.5, 1.2, 0.75, predicted=True) == pytest.approx(0.7 + 0.3)
 
 
 def _placement(accuracy, limit_bytes):
@@ -56,11 +48,12 @@ def test_prefetch_doubles_the_fetch_slots_in_gpu_bytes_at_the_cost_of_resident_e
                                       machinery_ms=PREFETCH_MACHINERY_MS)
               for i, row in enumerate(with_prefetch.layers)]
     # the plan prices the prefetch's measured costs beside its bytes: slower compute under it, its machinery
-    assert routed_step_ms(layer_ms, 0.1, with_prefetch) == pytest.approx(0.1 + 1.5 + sum(stalls))
+    compute = ComputeTimes(layer_ms=layer_ms, head_ms=0.1, source="test")
+    assert decode_simulation(compute, with_prefetch).step_ms == pytest.approx(0.1 + 1.5 + sum(stalls))
     bare = [prefetch_layer_stall_ms(0.5, row.fetch_ms, 0.8, predicted=i > 0, expert_ms=expert_ms, num_slots=1)
             for i, row in enumerate(with_prefetch.layers)]
     assert sum(stalls) >= sum(bare) + 2 * PREFETCH_MACHINERY_MS - 1e-12
-    assert routed_step_ms(layer_ms, 0.1, without) == pytest.approx(0.1 + 1.5 + without.fetch_ms)
+    assert decode_simulation(compute, without).step_ms == pytest.approx(0.1 + 1.5 + without.fetch_ms)
 
 
 def serving_inputs(model: Path, **extra) -> Inputs:
@@ -148,7 +141,7 @@ def test_the_depth_fills_the_compute_shadow_and_poor_deep_ranks_make_it_shallowe
 
 
 def test_the_chosen_depth_is_the_fastest_and_its_shares_match_the_ranks():
-    from planner.model.experts import prefetch_shares
+    from planner.model.expert_prefetch import prefetch_shares
 
     ranks = (0.9, 0.8, 0.5, 0.2)
     chosen, simulation, placement = _depth_pick(ranks, 2.5)
@@ -164,7 +157,7 @@ def test_the_chosen_depth_is_the_fastest_and_its_shares_match_the_ranks():
 
 
 def test_make_records_the_depth_and_its_ranks_and_prefetch_depth_pins_it(qwen3_30b, tmp_path):
-    from planner.model.experts import default_rank_accuracy
+    from planner.model.expert_prefetch import default_rank_accuracy
 
     chosen = make_plan(serving_inputs(qwen3_30b)).plan.experts
     assert chosen.prefetch_rank_accuracy == tuple(round(a, 4) for a in default_rank_accuracy(8))
@@ -208,7 +201,7 @@ def test_prefetch_depth_on_a_dense_model_is_one_line(tmp_path):
 
 
 def test_plans_made_before_the_depth_read_as_every_rank():
-    from planner.plan.schema import ExpertsPlan
+    from planner.plan.experts_section import ExpertsPlan
 
     old = ExpertsPlan(regime="routed", routing="uniform", fetch_slots=8, layers=(), num_experts=128, top_k=8,
                       expert_bytes=1, fetch_buffer_bytes=16, staging_buffer_bytes=128, gather_workspace_bytes=8,
@@ -219,38 +212,3 @@ def test_plans_made_before_the_depth_read_as_every_rank():
         ExpertsPlan(**{**vars(old), "prefetch_depth": 9, "prefetch_rank_accuracy": (0.5,) * 8})
 
 
-def test_a_fetch_of_whole_experts_outlasts_the_window_more_than_its_mean():
-    """A batch-1 step fetches a whole number of experts: the prefetch beyond one layer's compute is priced over
-    N ~ Binomial(slots, mean / slots), not at the mean (convex: never less)."""
-    from planner.model.experts import expected_excess_ms
-
-    # one slot, half the steps fetch the expert (1 ms) against a 0.6 ms window: 0.5 x 0.4, where the mean
-    # (0.5 ms) fits the window
-    assert expected_excess_ms(1.0, 0.6, 0.5, 1) == pytest.approx(0.2)
-    # two slots, mean 1: P(1) = 0.5 (0.4 ms over), P(2) = 0.25 (1.4 ms over)
-    assert expected_excess_ms(1.0, 0.6, 1.0, 2) == pytest.approx(0.5 * 0.4 + 0.25 * 1.4)
-    assert expected_excess_ms(1.0, 2.5, 1.0, 2) == 0.0  # no count outlasts the window
-    assert expected_excess_ms(1.0, 0.5, 3.0, 3) == pytest.approx(2.5)  # every slot, every step
-    for mean in (0.3, 1.3, 5.5):
-        spread = prefetch_layer_stall_ms(0.35, 0.19 * mean, 0.7, predicted=True, expert_ms=0.19, num_slots=8)
-        at_mean = prefetch_layer_stall_ms(0.35, 0.19 * mean, 0.7, predicted=True)
-        assert spread >= at_mean - 1e-12
-    # many slots and a large mean: the spread narrows toward the mean's figure
-    wide = prefetch_layer_stall_ms(1.0, 0.01 * 400, 0.9, predicted=True, expert_ms=0.01, num_slots=4096)
-    assert wide == pytest.approx(prefetch_layer_stall_ms(1.0, 4.0, 0.9, predicted=True), rel=0.02)
-
-
-def test_a_prefetch_slows_the_compute_it_overlaps_and_a_link_bound_layer_hides_it():
-    """Hand-computed, one slot (a step fetches 0 or 1 expert, half the steps each), compute 0.6 ms, s = 0.15."""
-    from planner.model.experts import expected_excess_ms
-
-    # an expert of 0.4 ms under the compute costs s x 0.4; none costs nothing
-    assert expected_excess_ms(0.4, 0.6, 0.5, 1, 0.15) == pytest.approx(0.5 * 0.15 * 0.4)
-    # an expert of 1.0 ms outlasts it: max(1.0 - 0.6, 0.15 x 0.6) = 0.4, the slower compute hidden behind it
-    assert expected_excess_ms(1.0, 0.6, 0.5, 1, 0.15) == pytest.approx(0.5 * 0.4)
-    # a prefetch barely past the compute: the slowed compute, not the link, sets the layer's time
-    assert expected_excess_ms(0.62, 0.6, 1.0, 1, 0.15) == pytest.approx(0.15 * 0.6)
-    # the machinery is the predicting layer's own, on top; an unpredicted layer waits for its fetch alone
-    assert prefetch_layer_stall_ms(0.6, 0.4, 1.0, predicted=True, compute_slowdown=0.15, machinery_ms=0.03) == \
-        pytest.approx(0.15 * 0.4 + 0.03)
-    assert prefetch_layer_stall_ms(0.6, 0.4, 1.0, predicted=False, compute_slowdown=0.15, machinery_ms=0.03) == 0.4

@@ -1,15 +1,15 @@
-"""Expert-granular offloading: the routing model (planner.model.experts) and the routed placement in plans (make, show,
-check, diff, export). Routing trace files: tests/planner/test_routing_trace.py; recording them (runtime.trace,
-``offload-plan trace``): tests/runtime/test_trace.py."""
+"""Expert-granular offloading: a checkpoint's experts (planner.model.experts) and the routed placement in plans (make,
+show, check, diff, export); the routing model: test_expert_routing.py, the placement: test_expert_placement.py.
+Routing trace files: tests/planner/test_routing_trace.py; recording them (runtime.trace, ``offload-plan trace``):
+tests/runtime/test_trace.py."""
 
 from pathlib import Path
 
 import pytest
 
 from planner.source.checkpoint import load_checkpoint
-from planner.model.experts import (LayerRouting, MoeGeometry, MoeLayer, ROUTED_FETCH_EFFICIENCY, choose_resident,
-                                   decode_gather_bytes, expected_distinct_uniform, moe_geometry, routed_placement,
-                                   uniform_routing)
+from planner.model.expert_routing import expected_distinct_uniform, uniform_routing
+from planner.model.experts import MoeGeometry, moe_geometry
 from planner.model.layout import build_layout
 from planner.make.make_plan import make_plan
 from planner.plan.schema import Inputs
@@ -36,62 +36,6 @@ def test_distinct_experts_of_qwen3_30b_at_1_4_16_64_sequences(qwen3_30b):
     distinct = [round(routing.expected_distinct(b)) for b in (1, 4, 16, 64)]
     assert distinct == [8, 29, 82, 126]
     assert [round(expected_distinct_uniform(128, 8, b)) for b in (1, 4, 16, 64)] == distinct
-
-
-def test_skewed_routing_keeps_the_hottest_experts_and_hits_more():
-    # 20% of the experts take 80% of the assignments
-    num_experts, top_k = 10, 2
-    hot, cold = 0.8 * top_k / 2, 0.2 * top_k / 8
-    shares = tuple(hot if e in (3, 7) else cold for e in range(num_experts))
-    routing = LayerRouting(index=0, shares=shares)
-    assert routing.hottest(2) == (3, 7)
-    assert routing.hit_rate((3, 7)) == pytest.approx(0.8)
-    uniform = LayerRouting(index=0, shares=(top_k / num_experts,) * num_experts)
-    assert uniform.hottest(2) == (0, 1)
-    assert uniform.hit_rate((0, 1)) == pytest.approx(0.2)
-    # at one token, the hot pair saves more of the expected fetch than the first two ids would
-    assert routing.expected_fetched((3, 7), 1) < routing.expected_fetched((0, 1), 1)
-    assert routing.expected_distinct(1) == pytest.approx(sum(1 - (1 - p) for p in shares))
-
-
-def test_resident_experts_spread_over_layers_and_follow_the_savings():
-    layers = tuple(MoeLayer(index=i, expert_bytes=100, other_bytes=50) for i in range(3))
-    geometry = MoeGeometry(num_experts=8, top_k=2, layers=layers, unroutable_reason=None)
-    # uniform: the layers take turns, each its first ids
-    assert choose_resident(geometry, uniform_routing(geometry), 1, 700) == ((0, 1, 2), (0, 1), (0, 1))
-    skewed = list(uniform_routing(geometry))
-    skewed[2] = LayerRouting(index=2, shares=(0.9, 0.9, 0.05, 0.05, 0.025, 0.025, 0.025, 0.025))
-    chosen = choose_resident(geometry, tuple(skewed), 1, 300)
-    assert chosen[2] == (0, 1) and sum(map(len, chosen)) == 3
-    assert choose_resident(geometry, uniform_routing(geometry), 1, 99) == ((), (), ())
-
-
-def test_routed_placement_counts_buffers_and_fetch_rate():
-    layers = tuple(MoeLayer(index=i, expert_bytes=1000, other_bytes=500) for i in range(2))
-    geometry = MoeGeometry(num_experts=4, top_k=1, layers=layers, unroutable_reason=None)
-    totals = (4500, 4500)
-    # base: non-layer 100 + 2 x 500 non-expert + fetch buffer (1 slot) 1000 + staging (4 slots) 4000 + the decode
-    # gather of 1 token x top-1 = 1 pair's weights 1000
-    base = 100 + 1000 + 1000 + 4000 + 1000
-    assert routed_placement(geometry, uniform_routing(geometry), num_tokens=1, layer_total_bytes=totals,
-                            non_layer_bytes=100, weight_limit_bytes=base - 1, h2d_bytes_per_s=1e9) is None
-    placement = routed_placement(geometry, uniform_routing(geometry), num_tokens=1, layer_total_bytes=totals,
-                                 non_layer_bytes=100, weight_limit_bytes=base + 2000, h2d_bytes_per_s=1e9)
-    assert [row.resident for row in placement.layers] == [(0,), (0,)]
-    # every expert pinned on the host, resident ones too (the runtime pins whole fused params)
-    assert placement.weight_bytes == base + 2000 and placement.host_pinned_bytes == 2 * 4 * 1000
-    assert placement.gather_workspace_bytes == 1000
-    # one token touches one of 4 experts: 3/4 of the time a non-resident one, fetched at the derated rate
-    assert placement.layers[0].expected_fetched_bytes == pytest.approx(750)
-    assert placement.layers[0].fetch_ms == pytest.approx(1e3 * 750 / (1e9 * ROUTED_FETCH_EFFICIENCY))
-    assert placement.layers[0].hit_rate == pytest.approx(0.25)
-
-
-def test_the_decode_gather_holds_every_routed_pair_and_none_past_the_experts():
-    assert decode_gather_bytes(num_tokens=4, top_k=8, num_experts=64, expert_bytes=12) == 32 * 12
-    assert decode_gather_bytes(num_tokens=8, top_k=8, num_experts=64, expert_bytes=12) == 64 * 12
-    # 72 pairs over 64 experts: the step runs the prefill path over the staging buffer, which gathers nothing
-    assert decode_gather_bytes(num_tokens=9, top_k=8, num_experts=64, expert_bytes=12) == 0
 
 
 # ---- plans -----------------------------------------------------------------------------------------------------
@@ -167,7 +111,7 @@ def test_an_architecture_the_runtime_cannot_route_fetch_falls_back_to_whole_laye
     # quantized experts still come in whole experts: the routed regime is priced beside whole layers, on paper
     point = plan.experts.points[0]
     assert point.regime == "whole_layer" and point.routed_step_ms is not None and point.whole_layer_step_ms
-    from planner.views.show import experts_text
+    from planner.views.show_experts import experts_text
 
     assert "On paper, at 1 sequence(s): routed experts would take" in " ".join(experts_text(plan).plain.split())
 
@@ -259,17 +203,3 @@ def test_export_of_a_routed_plan_gives_the_planners_whole_layer_plan_and_its_los
 def exported_line(stderr: str) -> str:
     """export's loss line on stderr, without its prefix."""
     return next(line for line in stderr.splitlines() if "cannot express" in line).removeprefix("offload-plan: loss: ")
-
-
-def test_show_of_a_plan_whose_steps_round_to_zero_names_the_regime_without_a_ratio():
-    """A tiny model's steps round to 0 ms: the crossover line must not divide by them (the round-trip fuzz
-    found `show` exiting 70 on such a weights plan with --params experts)."""
-    from types import SimpleNamespace as NS
-
-    from planner.views.show import _crossover_lines
-
-    point = NS(concurrency=1, regime="whole_layer", routed_step_ms=0.0, whole_layer_step_ms=0.0, num_resident=24)
-    plan = NS(workload=NS(concurrency=1))
-    experts = NS(points=(point,), routed_unavailable=None)
-    (line,) = _crossover_lines(plan, experts)
-    assert "whole layers chosen" in line and "x" not in line.split(":")[-1]

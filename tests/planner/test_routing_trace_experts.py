@@ -12,9 +12,10 @@ from planner.model.cost import ComputeTimes
 from planner.errors import ModelInputError
 from planner.source.checkpoint import load_checkpoint
 from planner.search.expert_choice import choose_prefetch_depth, cold_accuracy, expert_model
-from planner.model.experts import (PREFETCH_MACHINERY_MS, ExpertPrediction, MoeGeometry, MoeLayer,
-                                   planned_layer_stall_ms, prefetch_layer_stall_ms, moe_geometry, routed_placement,
-                                   wasted_prefetch_bytes)
+from planner.model.expert_placement import routed_placement, wasted_prefetch_bytes
+from planner.model.expert_prefetch import (PREFETCH_MACHINERY_MS, ExpertPrediction, planned_layer_stall_ms,
+                                           prefetch_layer_stall_ms)
+from planner.model.experts import MoeGeometry, MoeLayer, moe_geometry
 from planner.model.layout import build_layout
 from planner.plan.file import read_plan
 from planner.source.routing_trace import RoutingTrace, read_trace, render_trace, trace_from_dict
@@ -154,7 +155,7 @@ def test_the_planner_prices_the_prefetch_from_the_cold_experts_accuracy():
 
 def test_at_more_sequences_the_cold_shares_scale_the_layer_fetch_as_the_rank_curve_does():
     """Batch > 1: the shares stay those of one token's assignments and apply to the step's expected distinct
-    non-resident bytes, as planner.model.experts.prefetch_shares' curve does."""
+    non-resident bytes, as planner.model.expert_prefetch.prefetch_shares' curve does."""
     geometry, trace = _geometry(), _trace()
     routing = trace.routing()
     placement = routed_placement(geometry, routing, num_tokens=4, layer_total_bytes=(4500,) * 3, non_layer_bytes=100,
@@ -203,7 +204,7 @@ def test_make_check_and_show_a_plan_priced_from_the_expert_figures(tmp_path):
     would not choose it), the plan's rows hold the cold shares, check regenerates it byte for byte and show
     says where the accuracy comes from."""
     # experts of 1.5 MB: a routed step saves more link time than the prefetch's own machinery costs a layer
-    # (planner.model.experts.PREFETCH_MACHINERY_MS), so the routed regime is the plan's
+    # (planner.model.expert_prefetch.PREFETCH_MACHINERY_MS), so the routed regime is the plan's
     written = make_checkpoint(tmp_path / "moe", moe={"num_experts": 4, "top_k": 1, "expert_intermediate": 4096})
     checkpoint = load_checkpoint(str(written.path))
     geometry = moe_geometry(checkpoint.config, build_layout(checkpoint, None))

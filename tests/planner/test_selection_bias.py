@@ -5,7 +5,7 @@ import statistics
 
 import pytest
 
-from planner.model.experts import LayerRouting
+from planner.model.expert_routing import LayerRouting
 from planner.model.selection_bias import SelectionOptimism, poisson
 
 

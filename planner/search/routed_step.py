@@ -1,0 +1,124 @@
+"""One routed decode step as a timeline: the one a plan is priced with (planner.search.expert_choice), ``show``
+draws (planner.views.show) and scripts/bench_experts.py predicts its arms with.
+
+The runtime orders a routed layer so (runtime.routed_experts, ``RoutedExperts.decode``): the layer's attention
+and router run; at its experts the step joins the prefetch the previous routed layer started (if any), starts the
+next routed layer's prefetch, gathers its misses (with no prediction, every routed, non-resident expert), and
+only then computes the experts. So a routed layer's wait for its experts sits inside the layer, between its
+router and its experts: the layer ends its compute plus its wait after it starts, and the next layer starts then.
+The plan records one compute figure per layer, not where its router falls in it, so the timeline draws the wait
+at WAIT_AT_LAYER_SHARE of the layer's compute; the step and its stalls do not depend on it.
+"""
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from planner.model.expert_placement import RoutedPlacement
+from planner.model.expert_prefetch import layer_shares, planned_layer_stall_ms
+from planner.plan.schema import Plan, routed_layer_expert_bytes
+from planner.search.simulate import Interval, Simulation
+
+#: where in a routed layer's compute the timeline draws its wait: after attention and the router, before the
+#: experts. A picture's choice (see the module's docstring): the step and its waits do not depend on it
+WAIT_AT_LAYER_SHARE = 0.5
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoutedFetch:
+    """What one routed layer's experts cost a decode step on the link."""
+
+    #: the layer's index in the stack
+    index: int
+    #: its routed, non-resident experts' bytes at the gather's rate
+    link_ms: float
+    #: one expert at the gather's rate (the fetch comes in whole experts); None: the layer fetches nothing
+    expert_ms: float | None
+    #: next-layer prefetch: the hits and the predictions gathered ahead as shares of the layer's routed,
+    #: non-resident experts (planner.model.expert_prefetch.layer_shares); hit_share None: no prefetch
+    hit_share: float | None
+    ahead_share: float = 1.0
+
+
+def routed_decode_step(layer_ms: Sequence[float], head_ms: float, fetches: Sequence[RoutedFetch],
+                       num_slots: int) -> Simulation:
+    """The decode step: head, then every layer in order, a routed layer (``fetches``, in layer order) waiting
+    inside its interval for what its fetch leaves on the critical path (planned_layer_stall_ms; the first routed
+    layer is predicted by none). On the link (``copies``): an unpredicted layer's fetch as it waits; a predicted
+    one's prefetch (its ahead share) from the previous routed layer's wait, where the runtime starts it, and its
+    misses ending as it stops waiting. ``num_slots``: the distinct experts a step can route a layer to."""
+    waits = _waits_ms(layer_ms, fetches, num_slots)
+    by_index = {fetch.index: (position, fetch) for position, fetch in enumerate(fetches)}
+    compute, copies, stalls = [Interval(layer=-1, start_ms=0.0, end_ms=head_ms)], [], []
+    now, previous_wait_ms = head_ms, None
+    for index, duration in enumerate(layer_ms):
+        wait = waits.get(index, 0.0)
+        if index not in by_index:
+            compute.append(Interval(layer=index, start_ms=now, end_ms=now + duration))
+        else:
+            wait_start = now + WAIT_AT_LAYER_SHARE * duration
+            compute += [Interval(layer=index, start_ms=now, end_ms=wait_start),
+                        Interval(layer=index, start_ms=wait_start + wait, end_ms=now + duration + wait)]
+            position, fetch = by_index[index]
+            copies += _fetch_intervals(fetch, position > 0 and fetch.hit_share is not None, previous_wait_ms,
+                                       wait_start + wait)
+            previous_wait_ms = wait_start
+        stalls.append(wait)
+        now += duration + wait
+    stall_ms = math.fsum(stalls)
+    return Simulation(step_ms=head_ms + math.fsum(layer_ms) + stall_ms, stall_ms=stall_ms, compute=tuple(compute),
+                      copies=tuple(copies), layer_stall_ms=tuple(stalls))
+
+
+def _fetch_intervals(fetch: RoutedFetch, predicted: bool, previous_wait_ms: float | None,
+                     wait_end_ms: float) -> list[Interval]:
+    """One routed layer's time on the link: its whole fetch ending as its wait ends, or, predicted, its prefetch
+    from the previous routed layer's wait and its misses ending as its wait ends (empty parts left out)."""
+    if not predicted:
+        parts = [(wait_end_ms - fetch.link_ms, wait_end_ms)]
+    else:
+        misses_ms = (1 - fetch.hit_share) * fetch.link_ms
+        parts = [(previous_wait_ms, previous_wait_ms + fetch.ahead_share * fetch.link_ms),
+                 (wait_end_ms - misses_ms, wait_end_ms)]
+    return [Interval(layer=fetch.index, start_ms=start, end_ms=end) for start, end in parts if end > start]
+
+
+def _waits_ms(layer_ms: Sequence[float], fetches: Sequence[RoutedFetch], num_slots: int) -> dict[int, float]:
+    """Per routed layer index, its wait for its experts: every layer but the first routed one is predicted."""
+    return {fetch.index: planned_layer_stall_ms(layer_ms[fetch.index], fetch.link_ms, fetch.hit_share,
+                                                predicted=position > 0, ahead_share=fetch.ahead_share,
+                                                expert_ms=fetch.expert_ms, num_slots=num_slots)
+            for position, fetch in enumerate(fetches)}
+
+
+def placement_fetches(placement: RoutedPlacement) -> tuple[RoutedFetch, ...]:
+    """The planner's routed placement as the timeline's fetches."""
+    hit, ahead = placement.prefetch_accuracy, placement.prefetch_ahead_share
+    return tuple(RoutedFetch(index=row.index, link_ms=row.fetch_ms, expert_ms=row.expert_ms,
+                             **_shares(layer_shares(row, hit, ahead))) for row in placement.layers)
+
+
+def plan_fetches(plan: Plan) -> tuple[RoutedFetch, ...]:
+    """A plan's routed layers as the timeline's fetches, from the figures the plan holds: each layer's expected
+    fetched bytes and expert bytes at the section's gather rate, its prefetch shares (ExpertsPlan.prefetch_shares
+    where the layer holds none)."""
+    experts = plan.experts
+    rate = experts.routed_fetch_bytes_per_s
+    hit, ahead = experts.prefetch_shares() or (None, 1.0)
+    fetches = []
+    for row in experts.routed_layers:
+        expert_ms = 1e3 * routed_layer_expert_bytes(plan, row) / rate
+        fetches.append(RoutedFetch(index=row.index, link_ms=1e3 * row.expected_fetched_bytes / rate,
+                                   expert_ms=expert_ms if row.expected_fetched_bytes else None,
+                                   **_shares(layer_shares(row, hit, ahead))))
+    return tuple(fetches)
+
+
+def plan_decode_step(plan: Plan) -> Simulation:
+    """A routed plan's decode step from its own rows (what show draws and check holds prediction.step_ms to)."""
+    return routed_decode_step(tuple(row.compute_ms for row in plan.layers), plan.prediction.head_ms,
+                              plan_fetches(plan), plan.experts.fetch_slots)
+
+
+def _shares(shares: tuple[float | None, float]) -> dict:
+    return {"hit_share": shares[0], "ahead_share": shares[1]}
