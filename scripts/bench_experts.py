@@ -1049,12 +1049,13 @@ def trace_rows(master, setting: Setting, rows: Rows, work: Path, orders: tuple[b
     same number of resident experts per layer, ids 0..R-1) and the plan made without the trace. ``orders``: the
     traced plan decoded with each prefetch order (True: after the misses; None: the runtime's default)."""
     import scripts.bench_serving as serving
-    from scripts.benchmarking import write_calibrated
+    from scripts.benchmarking import roofline_profile, write_calibrated
 
     serving.MEASURE["on"] = setting.measure and setting.device.type == "cuda"
     setting = replace(setting, forced_tokens_seed=0)  # every arm decodes the same random token stream
     work.mkdir(parents=True, exist_ok=True)
-    profile = write_calibrated(work) if serving.MEASURE["on"] else "h100-sxm"
+    profile = write_calibrated(work) if serving.MEASURE["on"] else \
+        roofline_profile(work) if setting.device.type == "cpu" else "h100-sxm"
     checkpoint = serving.header_checkpoint(str(setting.config), work)
     if not hasattr(gates(master)[0], "routing_bias"):
         skew_routers(master)

@@ -80,6 +80,18 @@ def gpu_profile(**changes) -> dict:
 
 
 
+def roofline_profile(folder: Path, name: str = "h100-sxm") -> str:
+    """A built-in profile without its measured layer floor, written into ``folder``: tests that hold a tiny
+    model's plan to the roofline's choice (a measured floor makes a tiny layer's copy free to hide)."""
+    from planner.source.profile import load_profile, profile_to_dict
+
+    data = profile_to_dict(load_profile(name))
+    data.pop("layer_floor", None)
+    path = folder / f"{name}-roofline.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
 def write_profile(path: Path, data: dict | str) -> str:
     """Write a profile (a dict as YAML, or text as it is) to ``path``; its file name."""
     path.write_text(yaml.safe_dump(data) if not isinstance(data, str) else data)

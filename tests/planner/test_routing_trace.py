@@ -19,6 +19,7 @@ from planner.plan.file import read_plan
 from planner.source.routing_trace import RoutingTrace, check_against, read_trace, render_trace, trace_from_dict
 from runtime.trace import count_routing
 from tests.conftest import assert_one_line_error, make_checkpoint, run_cli
+from tests.helpers import roofline_profile
 from tests.runtime_models import exactly_predictable, routed_moe_model
 
 
@@ -68,8 +69,10 @@ def test_make_with_a_trace_records_its_hash_keeps_hot_experts_and_check_finds_a_
     trace = RoutingTrace(model_fingerprint=checkpoint.fingerprint(), num_experts=4, top_k=1, num_tokens=20,
                          layers=tuple((layer.index, counts) for layer in geometry.layers))
     (tmp_path / "trace.yaml").write_text(render_trace(trace, "offload-plan trace"))
-    words = ["make", "--model", "moe", "--gpu", "h100-sxm", "--tokens", "1", "--context", "64", "--budget"]
-    # a budget with room for the non-expert weights, both buffers and one resident expert per layer
+    words = ["make", "--model", "moe", "--gpu", roofline_profile(tmp_path), "--tokens", "1", "--context", "64",
+             "--budget"]
+    # a budget with room for the non-expert weights, both buffers and one resident expert per layer, priced by the
+    # roofline (the measured layer floor hides a tiny layer's whole copy, and whole layers would win)
     layer = geometry.layers[0]
     budget = (written.non_layer_bytes + 4 * layer.other_bytes + (1 + 4 + 1) * layer.expert_bytes) * 1.5
     words += [f"{math.ceil(budget)}B", "--routing-trace", "trace.yaml", "-o", "plan.yaml"]
@@ -162,7 +165,7 @@ def test_make_takes_the_rank_accuracy_from_the_trace(tmp_path):
     # as make's trace plan above: room for one resident expert per layer
     layer = geometry.layers[0]
     budget = (written.non_layer_bytes + 4 * layer.other_bytes + (1 + 4 + 1) * layer.expert_bytes) * 1.5
-    plan = make_plan(Inputs(model=str(written.path), gpu="h100-sxm", tokens=1, context=64, budget=f"{int(budget)}B",
-                            routing_trace=str(tmp_path / "trace.yaml"))).plan
+    plan = make_plan(Inputs(model=str(written.path), gpu=roofline_profile(tmp_path), tokens=1, context=64,
+                            budget=f"{int(budget)}B", routing_trace=str(tmp_path / "trace.yaml"))).plan
     assert plan.experts.regime == "routed", plan.experts
     assert plan.experts.prefetch_rank_accuracy == (0.75,) and plan.experts.prefetch_accuracy == 0.75
