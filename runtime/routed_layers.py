@@ -7,7 +7,7 @@ for tests and benchmarks).
 from torch import nn
 
 from planner.errors import PlanError
-from planner.plan.experts_section import NEXT_LAYER_ROUTER
+from planner.plan.experts_section import NEXT_LAYER_ROUTER, ROUTED
 from runtime.experts_impl import experts_module
 from runtime.routed_experts import PREFETCH_GATHER_PROGRAMS, RoutedExperts
 
@@ -51,7 +51,7 @@ def routed_from_plan(plan) -> tuple[dict[int, tuple[int, ...]], int]:
     if experts is None:
         return {}, 0
     routed = {layer.index: tuple(layer.resident) for layer in getattr(experts, "layers", ())
-              if getattr(layer, "regime", None) == "routed"}
+              if getattr(layer, "regime", None) == ROUTED}
     return routed, int(getattr(experts, "fetch_slots", 0) or 0)
 
 

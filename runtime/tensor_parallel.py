@@ -19,7 +19,9 @@ from dataclasses import dataclass
 import torch
 
 from planner.errors import UsageError
+from planner.plan.experts_section import ROUTED
 from planner.plan.schema import Plan
+
 from runtime.params import local_bytes
 
 #: torchrun's environment: this process's rank, the number of ranks, and its GPU on this host
@@ -113,7 +115,7 @@ def load_tp_model(folder, device: torch.device):
 def check_rank_plan(plan: Plan) -> None:
     """What a TP rank's plan asks that this runtime does not run under transformers' sharding, refused before
     loading: routed experts (their gather reads whole experts) and LoRA adapters."""
-    if plan.experts is not None and any(row.regime == "routed" for row in plan.experts.layers):
+    if plan.experts is not None and any(row.regime == ROUTED for row in plan.experts.layers):
         raise UsageError("run does not gather routed experts under --tp yet; make the rank plan again with make "
                          "--tp (which streams whole layers on a rank), or plan one GPU")
     if plan.adapters is not None:

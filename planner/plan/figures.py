@@ -6,6 +6,7 @@ or None. planner.plan.rules runs them after the rules across fields (first_broke
 
 import math
 
+from planner.plan.experts_section import WHOLE_LAYER
 from planner.plan.schema import Plan, routed_expert_bytes, routed_rows
 
 
@@ -206,7 +207,7 @@ def _experts_row_rules(plan: Plan) -> str | None:
     offloaded = set(plan.offload.layers)
     for i, row in enumerate(experts.layers):
         where, layer = f"experts.layers[{i}]", plan.layers[row.index]
-        if row.regime == "whole_layer":
+        if row.regime == WHOLE_LAYER:
             moved = row.index in offloaded
             if row.expected_fetched_bytes != (layer.selected_bytes if moved else 0):
                 return f"{where}.expected_fetched_bytes {row.expected_fetched_bytes} is not what the whole layer moves"

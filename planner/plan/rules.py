@@ -239,7 +239,7 @@ def _experts_rules(plan: Plan) -> str | None:
                 f"(the largest holds {largest})")
     routed = bool(routed_rows(plan))
     slots = min(plan.workload.tokens_per_step * experts.top_k, experts.num_experts) if routed else 0
-    sets = 2 if experts.prefetch is not None else 1
+    sets = 2 if experts.prefetching else 1
     derived = {"fetch_slots": slots, "fetch_buffer_bytes": slots * experts.expert_bytes * sets,
                "staging_buffer_bytes": experts.num_experts * experts.expert_bytes if routed else 0}
     pairs = plan.workload.tokens_per_step * experts.top_k
@@ -263,7 +263,7 @@ def _experts_point_rule(plan: Plan) -> str | None:
     if here is None:
         return f"experts.points has no row at the plan's concurrency {plan.workload.concurrency}"
     routed = routed_rows(plan)
-    if here.regime != ("routed" if routed else "whole_layer"):
+    if here.routed != bool(routed):
         return f"experts.points at concurrency {here.concurrency} chose {here.regime}, not the plan's regime"
     if routed and here.num_resident != sum(len(row.resident) for row in routed.values()):
         return f"experts.points at concurrency {here.concurrency}: num_resident is not the plan's resident experts"
