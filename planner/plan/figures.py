@@ -7,7 +7,7 @@ or None. planner.plan.rules runs them after the rules across fields (first_broke
 import math
 
 from planner.plan.experts_section import WHOLE_LAYER
-from planner.plan.schema import Plan, routed_expert_bytes, routed_rows
+from planner.plan.schema import Plan, routed_expert_bytes, routed_layer_expert_bytes, routed_rows
 
 
 def first_disagreeing_figure(plan: Plan) -> str | None:
@@ -141,10 +141,8 @@ def _prediction_figures(plan: Plan) -> str | None:
     elif plan.offload.mechanism == "read_at_use":  # read at use: every offloaded byte, every step
         copied = sum(row.offloaded_bytes for row in plan.layers)
     elif routed:  # a prefill stages every expert of a routed layer: its non-resident ones and its resident ones
-        copied = sum(row.offloaded_bytes for row in plan.layers)
-        staged = len(routed_rows(plan)) * plan.experts.num_experts * plan.experts.expert_bytes
-        if copied <= prediction.copy_bytes_per_step <= staged:
-            copied = prediction.copy_bytes_per_step
+        copied = sum(plan.experts.num_experts * routed_layer_expert_bytes(plan, row)
+                     for row in routed_rows(plan).values())
     else:  # a layer alone in its slot stays there: copied once at load, not every step
         from planner.search.schedule import PrefetchSchedule
 
