@@ -1049,7 +1049,8 @@ def trace_rows(master, setting: Setting, rows: Rows, work: Path, orders: tuple[b
     same number of resident experts per layer, ids 0..R-1) and the plan made without the trace. ``orders``: the
     traced plan decoded with each prefetch order (True: after the misses; None: the runtime's default)."""
     import scripts.bench_serving as serving
-    from scripts.benchmarking import roofline_profile, write_calibrated
+    from scripts.benchmarking import write_calibrated
+    from tests.helpers import roofline_profile  # the tiny CPU run plans by the roofline, as the tests do
 
     serving.MEASURE["on"] = setting.measure and setting.device.type == "cuda"
     setting = replace(setting, forced_tokens_seed=0)  # every arm decodes the same random token stream

@@ -202,21 +202,6 @@ def write_calibrated(out: Path) -> Path:
     return path
 
 
-def roofline_profile(out: Path, name: str = "h100-sxm") -> Path:
-    """The built-in profile without its measured layer floor, written into ``out``: a CPU stand-in's tiny
-    layers are planned by the roofline alone (the GPU's floor would hide their whole copies, and whole layers
-    would win where the tiny run exists to exercise routed experts)."""
-    import yaml
-
-    from planner.source.profile import load_profile, profile_to_dict
-
-    data = profile_to_dict(load_profile(name))
-    data.pop("layer_floor", None)
-    path = out / f"{name}-roofline.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
-
-
 def free() -> None:
     """Return GPU memory once the caller has dropped its references, cuBLAS's per-stream workspaces included
     (kept otherwise until the process ends; safe here: no captured graph that could use them is left)."""

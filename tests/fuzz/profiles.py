@@ -29,11 +29,32 @@ def _figure_invalid(key: str, value, profile: dict) -> bool:
     return isinstance(memory, (int, float)) and isinstance(reserve, (int, float)) and reserve >= memory
 
 
+def _layer_floor(rng) -> tuple[object, bool]:
+    """A layer_floor section with one thing changed, and whether the reader must refuse it."""
+    floor = {"graphed_dense_ms": 0.08, "graphed_moe_ms": 0.18, "eager_moe_ms": 2.3}
+    change = rng.choice((*sorted(floor), "extra", "missing", "whole", "valid"))
+    if change == "whole":
+        section = rng.choice((5, "x", [], None))
+        return section, section is not None
+    if change == "extra":
+        return {**floor, "surprise": 1}, True
+    if change == "missing":
+        floor.pop(rng.choice(sorted(floor)))
+        return floor, True
+    if change == "valid":
+        return floor, False
+    value = rng.choice((*JUNK, 0, 0.5, 100, 101, -1.0, float("nan"), float("inf"), True))
+    floor[change] = value
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and value == value and 0 <= value <= 100
+    return floor, not ok
+
+
 def gen_profiles(rng, base_: Base) -> Case:
     """Mutate a profile (figures, sources, names, YAML structure) and make a plan with it."""
     profile = json.loads(json.dumps(base_.profile))
     kind = rng.choice(("value", "value", "value", "source", "note", "name", "delete", "add", "figure_junk",
-                       "alias_bomb", "deep", "huge_int", "big_file", "duplicate", "not_mapping", "utf8", "alias"))
+                       "layer_floor", "alias_bomb", "deep", "huge_int", "big_file", "duplicate", "not_mapping",
+                       "utf8", "alias"))
     invalid, raw = True, None
     if kind == "value":
         key = rng.choice(PROFILE_FIGURES)
@@ -58,10 +79,13 @@ def gen_profiles(rng, base_: Base) -> Case:
     elif kind == "delete":
         key = rng.choice(sorted(profile))
         del profile[key]
-        invalid = key not in ("fp8_flops_per_s", "host_memory_bytes", "cuda_context_bytes", "description")
+        invalid = key not in ("fp8_flops_per_s", "host_memory_bytes", "cuda_context_bytes", "description",
+                              "cpu_experts", "layer_floor")
     elif kind == "add":
         profile[rng.choice(("surprise", "name\n"))] = 1
         profile[rng.choice((5, 1.5, True, None))] = 1  # YAML keys need not be strings
+    elif kind == "layer_floor":
+        profile["layer_floor"], invalid = _layer_floor(rng)
     elif kind == "figure_junk":
         key = rng.choice(PROFILE_FIGURES)
         profile[key] = rng.choice((5, "x", [], None, {"value": 1}, {"source": "assumed"}))
