@@ -58,6 +58,8 @@ class ServingBench:
     #: times the allocator found no free block under the cap, returned its cache to CUDA and tried again (slow:
     #: a step that does so each time runs slower than predicted though it fits)
     allocator_retries: int = 0
+    #: every timed prefill chunk's ms, in order (the median is prefill_chunk_ms)
+    prefill_chunk_ms_all: tuple[float, ...] = ()
 
     def as_dict(self) -> dict:
         """Plain data for --json."""
@@ -116,8 +118,8 @@ def out_of_memory(what: str, plan) -> RuntimeUnavailableError:
         "or --measure so activations are measured rather than estimated")
 
 
-def time_prefill_chunk(loaded, chunk_tokens: int, device: torch.device) -> float:
-    """Median ms of a forward over one new sequence's ``chunk_tokens`` tokens (no cache), offload hooks eager."""
+def time_prefill_chunk(loaded, chunk_tokens: int, device: torch.device) -> list[float]:
+    """ms of each timed forward over one new sequence's ``chunk_tokens`` tokens (no cache), offload hooks eager."""
     from runtime.timing import forward_step, random_ids, time_steps
 
     ids = random_ids(loaded.model, (1, chunk_tokens), device, seed=1)
@@ -125,7 +127,7 @@ def time_prefill_chunk(loaded, chunk_tokens: int, device: torch.device) -> float
     with torch.inference_mode():
         for _ in range(NUM_WARMUP_CHUNKS):
             forward_step(loaded.model, ids)
-        return statistics.median(time_steps(loaded.model, ids, NUM_TIMED_CHUNKS))
+        return time_steps(loaded.model, ids, NUM_TIMED_CHUNKS)
 
 
 def run_serving_bench(loaded, cuda_graph: bool, compile_backend: str | None = None,
@@ -176,7 +178,7 @@ def serve_and_time(loaded, cuda_graph: bool, compile_backend: str | None = None,
             engine.set_graph_mode(False)
         # with the cache and the captured step still held, as a server prefills between decode steps
         phases["steps"] = live.after("steps", torch.cuda.max_memory_reserved(device))
-        chunk_ms = time_prefill_chunk(loaded, workload.chunk_tokens, device)
+        chunk_ms_all = time_prefill_chunk(loaded, workload.chunk_tokens, device)
         phases["chunk"] = live.after("chunk", torch.cuda.max_memory_reserved(device))
         del loop
     except torch.OutOfMemoryError:
@@ -190,12 +192,13 @@ def serve_and_time(loaded, cuda_graph: bool, compile_backend: str | None = None,
         predicted_decode_step_ms=plan.prediction.decode_step_ms,
         decode_tokens_per_s=1e3 * concurrency / median_ms,
         predicted_decode_tokens_per_s=plan.prediction.decode_tokens_per_s,
-        prefill_chunk_tokens=workload.chunk_tokens, prefill_chunk_ms=chunk_ms,
+        prefill_chunk_tokens=workload.chunk_tokens, prefill_chunk_ms=statistics.median(chunk_ms_all),
         predicted_prefill_chunk_ms=plan.prediction.prefill_chunk_ms, peak_gpu_bytes=peak_gpu_bytes(device),
         predicted_total_gpu_bytes=plan.memory.total_gpu_bytes, gpu_memory_bytes=plan.memory.gpu_memory_bytes,
         memory_fraction=memory_fraction, mode=mode, decode_step_ms_all=tuple(step_ms),
         outside_allocator_bytes=outside_allocator_bytes(device), reserved_bytes_by_phase=phases,
         allocated_bytes_by_phase=live.allocated,
         first_step_bitwise=None if reference_logits is None else torch.equal(first_logits, reference_logits),
-        allocator_retries=torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+        allocator_retries=torch.cuda.memory_stats(device).get("num_alloc_retries", 0),
+        prefill_chunk_ms_all=tuple(chunk_ms_all))
     return bench, first_logits

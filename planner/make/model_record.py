@@ -178,7 +178,7 @@ def compute_times(inputs: Inputs, checkpoint, layout, workload, profile, kv: KvC
     kv_bytes_of = None if kv is None else functools.partial(kv_step_bytes, kv, kv_dtype=inputs.kv_dtype)
     return estimate_compute(layout, geometry_from_config(checkpoint.config, layout), workload, profile, shapes,
                             kv_bytes_of, fp8_compute_for(inputs.engine, has_fp8_experts(checkpoint.tensors)),
-                            graphed)
+                            graphed, expand_kv_heads=inputs.engine is None)
 
 
 def as_recorded(compute: ComputeTimes, num_layers: int) -> ComputeTimes:

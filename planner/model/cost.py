@@ -125,10 +125,13 @@ def _param_sums(layer: LayerInfo) -> tuple[int, int, int, int, int, int]:
 
 
 def layer_cost(layer: LayerInfo, geometry: ModelGeometry, workload: Workload,
-               kv_bytes: float | None = None, fp8: Fp8Compute = DEQUANTIZED) -> tuple[float, float, bool]:
+               kv_bytes: float | None = None, fp8: Fp8Compute = DEQUANTIZED,
+               expand_kv_heads: bool = True) -> tuple[float, float, bool]:
     """(FLOPs, HBM bytes, FP8 rate) of one layer for one step; ``kv_bytes``: the KV cache the step reads and
     writes in this layer, where a cache model knows it (sliding windows, latent attention), else from the
-    geometry; ``fp8``: how the FP8 linears compute (planner.model.fp8_cost)."""
+    geometry; ``fp8``: how the FP8 linears compute (planner.model.fp8_cost); ``expand_kv_heads``: the attention
+    expands shared KV heads before its kernel (run's transformers attention: gqa_kv_traffic), where an engine's
+    kernels read each KV head once."""
     tokens = workload.tokens_per_step
     dense_params, expert_params, dense_bytes, expert_bytes, dense_fp8, expert_fp8 = _param_sums(layer)
     active_share = geometry.top_k / geometry.num_experts if expert_params and geometry.num_experts else 1.0
@@ -144,10 +147,25 @@ def layer_cost(layer: LayerInfo, geometry: ModelGeometry, workload: Workload,
             * (workload.context_tokens + tokens_per_sequence)
             * 2 * geometry.num_kv_heads * geometry.head_dim * KV_ELEMENT_BYTES
         )
-    hbm_bytes = dense_bytes + touched_share * expert_bytes + kv_bytes
+    kv_traffic = gqa_kv_traffic(geometry, workload) if expand_kv_heads else 1.0
+    hbm_bytes = dense_bytes + touched_share * expert_bytes + kv_bytes * kv_traffic
     # the FP8 weights' traffic beyond their stored byte (dequantizing paths)
     hbm_bytes += (fp8.hbm_bytes_per_fp8_byte - 1) * (dense_fp8 + touched_share * expert_fp8)
     return flops, hbm_bytes, fp8.fp8_rate and (dense_fp8 + expert_fp8) * 2 > layer.nbytes
+
+
+def gqa_kv_traffic(geometry: ModelGeometry, workload: Workload) -> float:
+    """How many times a step over a cache moves each cached K and V byte: once, or, where several query heads share
+    a KV head, 1 + 2 x (query heads per KV head). A step over a cache reaches transformers' sdpa (and eager)
+    attention with a mask, and there each KV head is expanded to its query heads (``repeat_kv``: written, then
+    read by the kernel) before the product: transformers' ``use_gqa_in_sdpa`` lets the kernel share KV heads on
+    CUDA only where no mask is given. On the H100 a graphed Qwen3-MoE decode layer (32 query heads on 4 KV heads)
+    at context 4096 took 0.36, 0.72, 1.16, 2.00 and 3.54 ms at 1, 4, 8, 16 and 32 sequences where OLMoE's (no
+    sharing) took 0.27, 0.41, 0.54, 0.71 and 0.93 (scripts/experiments/moe_decode_rate.py). A chunk of a new
+    sequence (no cache, no mask) shares KV heads in the kernel."""
+    if not workload.context_tokens or geometry.num_kv_heads <= 0 or geometry.num_heads <= geometry.num_kv_heads:
+        return 1.0
+    return 1 + 2 * geometry.num_heads / geometry.num_kv_heads
 
 
 def roofline_ms(flops: float, hbm_bytes: float, fp8: bool, profile: HardwareProfile) -> float:
@@ -177,6 +195,7 @@ def estimate_compute(
     kv_bytes_of: Callable[[int, Workload], float] | None = None,
     fp8: Fp8Compute = DEQUANTIZED,
     graphed: bool = False,
+    expand_kv_heads: bool = True,
 ) -> ComputeTimes:
     """Roofline compute time of every layer, and of the LM head for the last token of each sequence; where the
     profile holds a measured layer floor (planner.source.profile.LayerFloor), each layer's time from it.
@@ -184,10 +203,12 @@ def estimate_compute(
     ``kv_bytes_of(layer_index, workload)``: KV cache bytes a layer reads and writes in one step, from a cache
     model (planner.model.kv_cache); without one, every layer caches ``num_kv_heads x head_dim`` keys and values.
     ``fp8``: how FP8 linears compute on the plan's target (planner.model.fp8_cost.fp8_compute_for).
-    ``graphed``: the step is replayed from a CUDA graph (the floor a graphed layer adds, not an eager one's)."""
+    ``graphed``: the step is replayed from a CUDA graph (the floor a graphed layer adds, not an eager one's).
+    ``expand_kv_heads``: run's attention (layer_cost); False for an engine's."""
     layer_ms = tuple(
         _floored(roofline_ms(*layer_cost(layer, geometry, workload,
-                                         None if kv_bytes_of is None else kv_bytes_of(i, workload), fp8), profile),
+                                         None if kv_bytes_of is None else kv_bytes_of(i, workload), fp8,
+                                         expand_kv_heads), profile),
                  layer, profile, graphed)
         for i, layer in enumerate(layout.layers)
     )
@@ -203,6 +224,8 @@ def estimate_compute(
     )
     if any(dtype in FP8_DTYPES for layer in layout.layers for _, dtype, _, _ in layer.params):
         source += f"; {fp8.description}"
+    if expand_kv_heads and gqa_kv_traffic(geometry, workload) > 1:
+        source += "; each shared KV head expanded to its query heads, as run's attention does over a cache"
     floor = profile.layer_floor
     if floor is not None:
         source += (f"; with the measured layer floor ({floor.graphed_dense_ms:g} ms dense, {floor.graphed_moe_ms:g} "
