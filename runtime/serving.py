@@ -18,9 +18,11 @@ from runtime.outside_memory import outside_allocator_bytes
 
 NUM_WARMUP_STEPS = 3
 NUM_TIMED_STEPS = 10
-#: prefill chunks timed (median) after NUM_WARMUP_CHUNKS: at 3 the same plan's chunk read 14.3 and 16.3 ms in two
-#: runs on the H100 (2026-11-27 sweep)
-NUM_TIMED_CHUNKS = 9
+#: prefill chunks timed (median) after NUM_WARMUP_CHUNKS. A small model's eager chunk is as long as the host
+#: takes to issue its kernels, and the host's pace drifts: on the H100 one Gemma-3-shaped plan's chunk read 10.34,
+#: 10.70 and 12.95 ms in three runs back to back in one process (scripts/experiments/chunk_timing.py); the
+#: median of more chunks steadies the figure within a run, not across them
+NUM_TIMED_CHUNKS = 15
 NUM_WARMUP_CHUNKS = 2
 
 

@@ -126,12 +126,14 @@ def _param_sums(layer: LayerInfo) -> tuple[int, int, int, int, int, int]:
 
 def layer_cost(layer: LayerInfo, geometry: ModelGeometry, workload: Workload,
                kv_bytes: float | None = None, fp8: Fp8Compute = DEQUANTIZED,
-               expand_kv_heads: bool = True) -> tuple[float, float, bool]:
-    """(FLOPs, HBM bytes, FP8 rate) of one layer for one step; ``kv_bytes``: the KV cache the step reads and
-    writes in this layer, where a cache model knows it (sliding windows, latent attention), else from the
-    geometry; ``fp8``: how the FP8 linears compute (planner.model.fp8_cost); ``expand_kv_heads``: the attention
-    expands shared KV heads before its kernel (run's transformers attention: gqa_kv_traffic), where an engine's
-    kernels read each KV head once."""
+               expand_kv_heads: bool = True) -> tuple[float, float, float, bool]:
+    """(FLOPs, HBM bytes, streamed cache bytes, FP8 rate) of one layer for one step (roofline_ms: the cache's
+    plain read streams at KV_STREAM_EFFICIENCY of the HBM rate, the rest at the profile's efficiency).
+
+    ``kv_bytes``: the KV cache the step reads and writes in this layer, where a cache model knows it (sliding
+    windows, latent attention), else from the geometry; ``fp8``: how the FP8 linears compute
+    (planner.model.fp8_cost); ``expand_kv_heads``: the attention expands shared KV heads before its kernel (run's
+    transformers attention: gqa_kv_traffic), where an engine's kernels read each KV head once."""
     tokens = workload.tokens_per_step
     dense_params, expert_params, dense_bytes, expert_bytes, dense_fp8, expert_fp8 = _param_sums(layer)
     active_share = geometry.top_k / geometry.num_experts if expert_params and geometry.num_experts else 1.0
@@ -148,10 +150,11 @@ def layer_cost(layer: LayerInfo, geometry: ModelGeometry, workload: Workload,
             * 2 * geometry.num_kv_heads * geometry.head_dim * KV_ELEMENT_BYTES
         )
     kv_traffic = gqa_kv_traffic(geometry, workload) if expand_kv_heads else 1.0
-    hbm_bytes = dense_bytes + touched_share * expert_bytes + kv_bytes * kv_traffic
+    # the cache's own read streams; its expansion (kv_traffic - 1 more) is copies and a kernel's reads of them
+    hbm_bytes = dense_bytes + touched_share * expert_bytes + kv_bytes * (kv_traffic - 1)
     # the FP8 weights' traffic beyond their stored byte (dequantizing paths)
     hbm_bytes += (fp8.hbm_bytes_per_fp8_byte - 1) * (dense_fp8 + touched_share * expert_fp8)
-    return flops, hbm_bytes, fp8.fp8_rate and (dense_fp8 + expert_fp8) * 2 > layer.nbytes
+    return flops, hbm_bytes, kv_bytes, fp8.fp8_rate and (dense_fp8 + expert_fp8) * 2 > layer.nbytes
 
 
 def gqa_kv_traffic(geometry: ModelGeometry, workload: Workload) -> float:
@@ -168,13 +171,23 @@ def gqa_kv_traffic(geometry: ModelGeometry, workload: Workload) -> float:
     return 1 + 2 * geometry.num_heads / geometry.num_kv_heads
 
 
-def roofline_ms(flops: float, hbm_bytes: float, fp8: bool, profile: HardwareProfile) -> float:
-    """max(FLOPs / rate, bytes / bandwidth), both derated by the profile's compute efficiency."""
+#: the share of the HBM rate a step's plain read of its KV cache runs at (long contiguous reads, unlike the
+#: weights' small-batch matrix products the profile's compute_efficiency is fitted to): on the H100 an OLMoE decode
+#: layer (no shared KV heads) at 8 sequences took 0.164 ms more at context 8192 than at 512, its cache 503 MB
+#: larger: 0.92 of 3.35 TB/s (scripts/experiments/moe_decode_rate.py)
+KV_STREAM_EFFICIENCY = 0.9
+
+
+def roofline_ms(flops: float, hbm_bytes: float, stream_bytes: float, fp8: bool, profile: HardwareProfile) -> float:
+    """max(FLOPs / rate, bytes / bandwidth): FLOPs and ``hbm_bytes`` derated by the profile's compute efficiency,
+    ``stream_bytes`` (a cache's plain read) at KV_STREAM_EFFICIENCY of the bandwidth."""
     rate = profile.bf16_flops_per_s.value
     if fp8 and profile.fp8_flops_per_s is not None:
         rate = profile.fp8_flops_per_s.value
     efficiency = profile.compute_efficiency.value
-    return 1e3 * max(flops / (rate * efficiency), hbm_bytes / (profile.hbm_bytes_per_s.value * efficiency))
+    bandwidth = profile.hbm_bytes_per_s.value
+    return 1e3 * max(flops / (rate * efficiency),
+                     hbm_bytes / (bandwidth * efficiency) + stream_bytes / (bandwidth * KV_STREAM_EFFICIENCY))
 
 
 def _head_shape(layout: ModelLayout, checkpoint_shapes: dict[str, tuple[int, ...]]) -> tuple[int, ...] | None:
@@ -217,7 +230,7 @@ def estimate_compute(
     if shape is not None:
         vocab, hidden = shape
         head_flops = 2 * workload.sequences_per_step * vocab * hidden
-        head_ms = roofline_ms(head_flops, vocab * hidden * 2, False, profile)
+        head_ms = roofline_ms(head_flops, vocab * hidden * 2, 0.0, False, profile)
     source = (
         f"estimated: roofline from layer shapes at {profile.name} datasheet rates x compute_efficiency "
         f"{profile.compute_efficiency.value:g}"

@@ -7,10 +7,12 @@ config.json) and each batch: the measured ms per MoE layer (runtime.measure, CUD
 times it), the estimate (planner.model.cost with the local profile's layer floor), the experts a step touches in
 expectation, and the rate at which the measured time beyond the one-sequence step reads the extra touched experts.
 
-    PYTHONPATH=. python3 scripts/experiments/moe_decode_rate.py      # on a machine with a GPU
+    PYTHONPATH=. python3 scripts/experiments/moe_decode_rate.py [SHAPES [BATCHES [CONTEXT]]]   # with a GPU
+    e.g. ... moe_decode_rate.py mistral-nemo,olmoe 1,8 8192
 """
 
 import json
+from dataclasses import replace
 import statistics
 import sys
 import tempfile
@@ -38,6 +40,10 @@ SHAPES = {
                 "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
                 "num_local_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 2, "vocab_size": 32000,
                 "max_position_embeddings": 32768, "torch_dtype": "bfloat16"},
+    "mistral-nemo": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_size": 5120,
+                     "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                     "num_hidden_layers": 2, "vocab_size": 131072, "max_position_embeddings": 131072,
+                     "torch_dtype": "bfloat16"},
     "qwen2-moe": {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "hidden_size": 2048,
                   "intermediate_size": 5632, "num_attention_heads": 16, "num_key_value_heads": 16,
                   "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632, "num_experts": 60,
@@ -55,7 +61,10 @@ def touched(num_experts: int, top_k: int, tokens: int) -> float:
 def main() -> int:
     profile = load_profile(local_profile_name())
     names = sys.argv[1].split(",") if len(sys.argv) > 1 else list(SHAPES)
+    batches = tuple(int(b) for b in sys.argv[2].split(",")) if len(sys.argv) > 2 else BATCHES
+    context_tokens = int(sys.argv[3]) if len(sys.argv) > 3 else CONTEXT_TOKENS
     rows = []
+    print(f"context {context_tokens} tokens")
     print("| shape | batch | measured ms/layer | estimate ms/layer | touched experts | extra GB/s |")
     print("|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as folder:
@@ -70,9 +79,11 @@ def main() -> int:
             shapes = {t.name: t.shape for t in checkpoint.tensors}
             expert_bytes = 3 * config["hidden_size"] * config["moe_intermediate_size" if "moe_intermediate_size"
                                                               in config else "intermediate_size"] * 2
+            if not geometry.num_experts:  # a dense layer: its MLP read once, "touched" once
+                geometry = replace(geometry, num_experts=1, top_k=1)
             base = None
-            for batch in BATCHES:
-                workload = Workload(tokens_per_step=batch, sequences_per_step=batch, context_tokens=CONTEXT_TOKENS)
+            for batch in batches:
+                workload = Workload(tokens_per_step=batch, sequences_per_step=batch, context_tokens=context_tokens)
                 measured, rest_ms = measure_local(checkpoint, layout, workload, graphed=True)
                 estimate = estimate_compute(layout, geometry, workload, profile, shapes, graphed=True).layer_ms
                 layer_ms, estimate_ms = statistics.fmean(measured), statistics.fmean(estimate)
@@ -82,7 +93,8 @@ def main() -> int:
                     base = (layer_ms, hit)
                 elif layer_ms > base[0]:
                     extra = f"{(hit - base[1]) * expert_bytes / ((layer_ms - base[0]) * 1e-3) / 1e9:.0f}"
-                rows.append({"shape": name, "batch": batch, "measured_ms": layer_ms, "estimate_ms": estimate_ms,
+                rows.append({"shape": name, "batch": batch, "context_tokens": context_tokens,
+                             "measured_ms": layer_ms, "estimate_ms": estimate_ms,
                              "touched": hit, "expert_bytes": expert_bytes, "non_layer_ms": rest_ms})
                 print(f"| {name} | {batch} | {layer_ms:.4f} | {estimate_ms:.4f} | {hit:.1f} | {extra} |", flush=True)
     print(json.dumps(rows))

@@ -32,13 +32,13 @@ def test_run_pays_the_dequantized_traffic_and_the_bf16_rate():
     decode = Workload(tokens_per_step=1, sequences_per_step=1, context_tokens=0)
     weights = 3 * HIDDEN * INNER
     fp8 = _layer("F8_E4M3", 1)
-    flops, hbm_bytes, fp8_rate = layer_cost(fp8, _geometry(), decode, kv_bytes=0, fp8=DEQUANTIZED)
+    flops, hbm_bytes, _, fp8_rate = layer_cost(fp8, _geometry(), decode, kv_bytes=0, fp8=DEQUANTIZED)
     assert not fp8_rate
     scale_bytes = fp8.nbytes - weights
     assert hbm_bytes == pytest.approx(9 * weights + scale_bytes)
-    _, native_bytes, native_rate = layer_cost(fp8, _geometry(), decode, kv_bytes=0, fp8=NATIVE)
+    _, native_bytes, _, native_rate = layer_cost(fp8, _geometry(), decode, kv_bytes=0, fp8=NATIVE)
     assert native_rate and native_bytes == pytest.approx(weights + scale_bytes)
-    bf16_flops, bf16_bytes, _ = layer_cost(_layer("BF16", 2), _geometry(), decode, kv_bytes=0)
+    bf16_flops, bf16_bytes, _, _ = layer_cost(_layer("BF16", 2), _geometry(), decode, kv_bytes=0)
     assert flops == bf16_flops and hbm_bytes > 4 * bf16_bytes  # decode on run's FP8 path: ~4.5x the bf16 bytes
 
 
