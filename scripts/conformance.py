@@ -1,7 +1,7 @@
 """Conformance sweep on a CUDA GPU: every plan `make` writes keeps its promise on architectures no benchmark used.
 
 For each model (a transformers config class at a released model's real widths: hidden size, heads, KV heads,
-head_dim, intermediate sizes, experts, vocab; only 2-6 layers, so each checkpoint is a few GB), a random-weight
+head_dim, intermediate sizes, experts, vocab; only 3-6 layers, so each checkpoint is at most ~9 GB), a random-weight
 checkpoint in release format (planner.source.release_format where it knows the family, else transformers'
 ``save_pretrained``, which writes one tensor per expert) with a word-level tokenizer over its whole vocab. Each
 arm, through the CLI in-process (one process per model): ``make -o plan.yaml``, then ``show``, ``export --to
@@ -14,6 +14,11 @@ summary (arms, passes per verdict, worst peak / cap, median |error|) come last, 
     PYTHONPATH=. python3 scripts/conformance.py --out $OUT --models qwen2-moe,mixtral --time-budget-s 480
     PYTHONPATH=. python3 scripts/conformance.py --list                            # the arms, no GPU needed
     PYTHONPATH=. python3 scripts/conformance.py --tiny --no-run --out /tmp/c      # CPU: make and the readers
+    PYTHONPATH=. python3 scripts/conformance.py --dry-run --out /tmp/c           # CPU: full widths, headers only
+
+MoE models are planned at two caps of their own (caps_for): a loose one that holds every weight and a tight one
+where make routes with about 45% of each layer's experts on the host and whole layers still fit, so routed and
+whole-layer arms run beside the all-resident one. ``--list`` states the arms and the device seconds expected.
 
 Verdicts per arm: every command exits 0; no out-of-memory; peak GPU at or under the plan's gpu_memory_bytes (the
 cap of a serving plan); peak at least 0.9 of the predicted total; measured / predicted - 1 within 10% for
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import io
 import json
 import math
@@ -43,6 +49,9 @@ MAX_NEW_TOKENS = 32
 SERVING_CONTEXT = 4096
 DECODE_CONTEXT = 2048
 DECODE_SEQUENCES = 4
+#: sequences of each weights plan's decode mode: MoE models' routed decode arm is one sequence's (at 4 sequences
+#: Mixtral's and Phi-3.5-MoE's top-2 of 8 and 16 route to most experts of a layer, and whole layers win)
+DECODE_MODES = {"decode": DECODE_SEQUENCES, "decode-1": 1}
 PREFILL_TOKENS = 2048
 #: share of the layer bytes the GPU holds at each cap (weights plans: of the budget; serving: taken from an
 #: all-resident serving plan's total)
@@ -77,27 +86,27 @@ _TINY = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, 
 _TINY_MOE = _TINY | {"moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2}
 
 MODELS = {model.name: model for model in (
-    Model("qwen2-moe", "Qwen2MoeConfig", "Qwen/Qwen1.5-MoE-A2.7B", 2, True, dict(
+    Model("qwen2-moe", "Qwen2MoeConfig", "Qwen/Qwen1.5-MoE-A2.7B", 4, True, dict(
         vocab_size=151936, hidden_size=2048, intermediate_size=5632, num_attention_heads=16, num_key_value_heads=16,
         moe_intermediate_size=1408, shared_expert_intermediate_size=5632, num_experts=60, num_experts_per_tok=4,
         max_position_embeddings=8192, tie_word_embeddings=False),
         tiny=_TINY_MOE | {"num_key_value_heads": 4, "shared_expert_intermediate_size": 64}),
-    Model("mixtral", "MixtralConfig", "mistralai/Mixtral-8x7B-v0.1", 2, True, dict(
+    Model("mixtral", "MixtralConfig", "mistralai/Mixtral-8x7B-v0.1", 3, True, dict(
         vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
         num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=32768, rope_theta=1e6,
         sliding_window=None, tie_word_embeddings=False),
         tiny=_TINY | {"num_local_experts": 4, "num_experts_per_tok": 2}),
-    Model("qwen3-moe", "Qwen3MoeConfig", "Qwen/Qwen3-30B-A3B", 2, True, dict(
+    Model("qwen3-moe", "Qwen3MoeConfig", "Qwen/Qwen3-30B-A3B", 4, True, dict(
         vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_attention_heads=32, num_key_value_heads=4,
         head_dim=128, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1,
         max_position_embeddings=40960, rope_theta=1e6, tie_word_embeddings=False),
         tiny=_TINY_MOE | {"head_dim": 16}),
-    Model("olmoe", "OlmoeConfig", "allenai/OLMoE-1B-7B-0924", 3, True, dict(
+    Model("olmoe", "OlmoeConfig", "allenai/OLMoE-1B-7B-0924", 4, True, dict(
         vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_attention_heads=16, num_key_value_heads=16,
         num_experts=64, num_experts_per_tok=8, max_position_embeddings=4096, pad_token_id=1, eos_token_id=50279,
         tie_word_embeddings=False),
         tiny=_TINY_MOE | {"num_key_value_heads": 4, "intermediate_size": 32, "pad_token_id": 1, "eos_token_id": 2}),
-    Model("deepseek-v2-lite", "DeepseekV2Config", "deepseek-ai/DeepSeek-V2-Lite", 3, True, dict(
+    Model("deepseek-v2-lite", "DeepseekV2Config", "deepseek-ai/DeepSeek-V2-Lite", 5, True, dict(
         vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
         num_attention_heads=16, num_key_value_heads=16, n_routed_experts=64, n_shared_experts=2,
         num_experts_per_tok=6, first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
@@ -106,6 +115,14 @@ MODELS = {model.name: model for model in (
         tiny=_TINY | {"num_key_value_heads": 4, "moe_intermediate_size": 32, "n_routed_experts": 8,
                       "n_shared_experts": 1, "num_experts_per_tok": 2, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
                       "qk_rope_head_dim": 8, "v_head_dim": 16}),
+    # Phi-3.5-MoE: the release's Mixtral-style block_sparse_moe.experts.E.w1/w2/w3 and block_sparse_moe.gate (which
+    # transformers 5 renames to mlp.router and fuses into mlp.experts on load, and save_pretrained writes back),
+    # LayerNorms with biases, attention and lm_head biases
+    Model("phimoe", "PhimoeConfig", "microsoft/Phi-3.5-MoE-instruct", 3, True, dict(
+        vocab_size=32064, hidden_size=4096, intermediate_size=6400, num_attention_heads=32, num_key_value_heads=8,
+        num_local_experts=16, num_experts_per_tok=2, max_position_embeddings=131072, rope_theta=1e4,
+        attention_bias=True, lm_head_bias=True, sliding_window=None, tie_word_embeddings=False),
+        tiny=_TINY | {"num_local_experts": 4, "num_experts_per_tok": 2}),
     Model("qwen3-fp8", "Qwen3Config", "Qwen/Qwen3-4B-FP8", 6, False, dict(
         vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_attention_heads=32, num_key_value_heads=8,
         head_dim=128, max_position_embeddings=40960, rope_theta=1e6, tie_word_embeddings=True),
@@ -142,7 +159,7 @@ class Arm:
     """One plan of one model: a mode at a cap, measured or estimated, routed or whole-layer experts."""
 
     model: str
-    mode: str  # serving-1, serving-4, serving-auto, decode, prefill
+    mode: str  # serving-1, serving-4, serving-auto, decode, decode-1, prefill
     cap: str  # loose, tight
     measure: bool
     #: MoE only: None (make's choice, routed where it pays) or "whole-layer" (whole_layer_flags)
@@ -158,32 +175,69 @@ class Arm:
         return self.mode.startswith("serving")
 
 
-#: (mode, measure, experts) pairs run at both caps, most important first
-CORE_MODES = [("serving-1", True, None), ("serving-1", True, "whole-layer"), ("serving-4", False, None)]
-#: one more pair per model, in turn, so that every mode is covered once the models are all run
+#: dense models: (mode, measure, experts) pairs run at both caps, most important first
+CORE_MODES = [("serving-1", True, None), ("serving-4", False, None)]
+#: one more pair per dense model, in turn, so that every mode is covered once the dense models are all run
 ROTATING_MODES = [("serving-auto", True, None), ("decode", False, None), ("prefill", False, None),
                   ("serving-auto", False, None), ("serving-4", True, None)]
+#: MoE models: (mode, measure, experts, caps), most important first. At the tight cap (caps_for: the routed plan's
+#: own) make's choice is routed with part of each layer's experts on the host; the loose cap holds every weight (the
+#: serving-1 plan there keeps them all resident); whole layers at the tight cap beside them. Loose serving-4 and
+#: decode arms (all resident) are left out to keep two calls within ~15 minutes of device time
+MOE_MODES = [("serving-1", True, None, ("loose", "tight")), ("serving-1", True, "whole-layer", ("tight",)),
+             ("serving-4", False, None, ("tight",)), ("decode-1", False, None, ("tight",))]
 ALL_MODES = [("serving-1", True, None), ("serving-1", True, "whole-layer"), ("serving-auto", True, None),
              ("serving-4", True, None), ("serving-1", False, None), ("serving-4", False, None),
              ("serving-auto", False, None), ("decode", False, None), ("decode", False, "whole-layer"),
-             ("decode", True, None), ("prefill", False, None), ("prefill", True, None)]
+             ("decode", True, None), ("decode-1", False, None), ("prefill", False, None), ("prefill", True, None)]
 MODE_NAMES = sorted({mode for mode, _, _ in ALL_MODES})
+CAPS = ("loose", "tight")
 
 
 def arms_for(model: Model, modes: list[str] | None, everything: bool = False) -> list[Arm]:
     """The model's arms, most important first, each mode at the loose then the tight cap; ``modes`` filters by
-    mode name, ``everything`` takes the whole grid instead of the core pairs and the model's turn of the rest."""
+    mode name, ``everything`` takes the whole grid at both caps instead of the model's own list (MoE: MOE_MODES;
+    dense: the core pairs and the model's turn of the rest)."""
     if everything:
-        chosen = list(ALL_MODES)
+        chosen = [(mode, measure, experts, CAPS) for mode, measure, experts in ALL_MODES]
+    elif model.moe:
+        chosen = MOE_MODES
     else:
-        turn = ROTATING_MODES[list(MODELS).index(model.name) % len(ROTATING_MODES)]
-        chosen = CORE_MODES + [turn]
+        dense = [name for name, other in MODELS.items() if not other.moe]
+        turn = ROTATING_MODES[dense.index(model.name) % len(ROTATING_MODES)]
+        chosen = [(mode, measure, experts, CAPS) for mode, measure, experts in CORE_MODES + [turn]]
     arms = []
-    for mode, measure, experts in chosen:
+    for mode, measure, experts, caps in chosen:
         if (experts and not model.moe) or (modes and mode not in modes):
             continue
-        arms += [Arm(model.name, mode, cap, measure, experts) for cap in CAP_SHARES]
+        arms += [Arm(model.name, mode, cap, measure, experts) for cap in caps]
     return arms
+
+
+#: estimated device seconds of an arm (make, the readers, run --bench and run --prompt; the 2026-11-28 sweep's
+#: rows: 2-6 s, routed arms 4-8 s, serving-auto with --measure up to 15 s) and of a model's fixed work (its process
+#: and imports, caps_for's ~100 estimated plans, 1-2 s on the CPU here, the all-resident reference make and run)
+#: beside writing its checkpoint
+ARM_S = {"serving-auto": 10.0, "prefill": 5.0}
+ARM_DEFAULT_S = 4.0
+ARM_MEASURE_S = 1.5
+ARM_ROUTED_S = 2.5
+MODEL_FIXED_S = 18.0
+#: random weights written per second (the 2026-11-28 sweep: 6.3 GB in 19 s, 2.9-3.7 GB in 13-21 s), and the start
+WRITE_BYTES_PER_S = 0.4e9
+WRITE_START_S = 5.0
+CALIBRATE_S = 30.0
+
+
+def arm_seconds(arm: Arm) -> float:
+    """The arm's estimated device seconds: its mode's, more with --measure and where the tight cap routes."""
+    routed = MODELS[arm.model].moe and arm.cap == "tight" and arm.experts is None
+    return ARM_S.get(arm.mode, ARM_DEFAULT_S) + ARM_MEASURE_S * arm.measure + ARM_ROUTED_S * routed
+
+
+def model_seconds(model: Model, arms: list[Arm], checkpoint_bytes: int) -> float:
+    """A model's estimated device seconds: writing its checkpoint, its fixed work and its arms."""
+    return WRITE_START_S + checkpoint_bytes / WRITE_BYTES_PER_S + MODEL_FIXED_S + sum(map(arm_seconds, arms))
 
 
 # --- checkpoints -----------------------------------------------------------------------------------------------
@@ -208,16 +262,64 @@ def config_dict(model: Model, tiny: bool) -> dict:
     return written | extra
 
 
-def ensure_checkpoint(model: Model, root: Path, tiny: bool, device: str) -> tuple[Path, float]:
-    """The model's checkpoint folder under ``root`` (reused when this script wrote it) and the seconds taken."""
-    from planner.source.header_checkpoint import marker_kind, write_owned_folder
+def ensure_checkpoint(model: Model, root: Path, tiny: bool, device: str, header_only: bool = False
+                      ) -> tuple[Path, float]:
+    """The model's checkpoint folder under ``root`` (reused when this script wrote it) and the seconds taken;
+    ``header_only``: the tensors' headers at full widths and no weights (sparse shards: --dry-run's plans)."""
+    from planner.source.header_checkpoint import HEADER_ONLY, marker_kind, write_owned_folder, write_sparse_shards
 
-    folder = root / (model.name + ("-tiny" if tiny else ""))
+    folder = root / (model.name + ("-tiny" if tiny else "") + ("-header" if header_only else ""))
     start = time.perf_counter()
-    if marker_kind(folder) != KIND:
+    if marker_kind(folder) != (HEADER_ONLY if header_only else KIND):
         config = config_dict(model, tiny)
-        write_owned_folder(folder, kind=KIND, fill=lambda staging: fill_checkpoint(config, staging, device))
+        if header_only:
+            def fill(staging: Path) -> None:
+                (staging / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True) + "\n")
+                write_sparse_shards(checkpoint_specs(config), staging, 5 * GiB)
+
+            write_owned_folder(folder, kind=HEADER_ONLY, fill=fill)
+        else:
+            write_owned_folder(folder, kind=KIND, fill=lambda staging: fill_checkpoint(config, staging, device))
     return folder, time.perf_counter() - start
+
+
+def checkpoint_specs(config: dict) -> list[tuple[str, str, list[int]]]:
+    """(name, dtype, shape) of every tensor the sweep's checkpoint of ``config`` holds, without writing it: the
+    release layout where planner.source.release_format knows the family, else what save_pretrained writes (the
+    model built on the meta device, its fused experts named back one tensor per expert as transformers 5 saves
+    them)."""
+    import tempfile
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from planner.source.release_format import knows, release_specs
+
+    if knows(config):
+        return release_specs(config)
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / "config.json").write_text(json.dumps(config))
+        transformers_config = AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(transformers_config, dtype=torch.bfloat16)
+    state = model.state_dict()
+    try:  # transformers 5's saving map (the loading conversions reversed)
+        from transformers.core_model_loading import revert_weight_conversion
+
+        state = revert_weight_conversion(model, state)
+    except ImportError:  # the fused names: the same bytes, which is what the plans read
+        pass
+    dtypes = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+    tied = getattr(transformers_config, "tie_word_embeddings", False)
+    return sorted((name, dtypes.get(tensor.dtype, "BF16"), list(tensor.shape)) for name, tensor in state.items()
+                  if not (tied and name == "lm_head.weight"))
+
+
+def checkpoint_bytes(config: dict) -> int:
+    """The bytes of the sweep's checkpoint of ``config`` (checkpoint_specs), without writing it."""
+    from planner.source.header_checkpoint import num_bytes
+
+    return sum(num_bytes(spec) for spec in checkpoint_specs(config))
 
 
 def fill_checkpoint(config: dict, folder: Path, device: str) -> None:
@@ -330,9 +432,10 @@ def make_args(arm: Arm, folder: Path, profile: str, caps: dict, output: Path) ->
     if arm.serving:
         args += ["--concurrency", arm.mode.split("-", 1)[1], "--context", SERVING_CONTEXT, "--cuda-graph",
                  "--gpu-memory", mib(caps["gpu_memory"][arm.cap])]
-    elif arm.mode == "decode":
-        args += ["--tokens", DECODE_SEQUENCES, "--sequences", DECODE_SEQUENCES, "--context", DECODE_CONTEXT,
-                 "--cuda-graph", "--budget", mib(caps["budget"][arm.cap])]
+    elif arm.mode in DECODE_MODES:
+        sequences = DECODE_MODES[arm.mode]
+        args += ["--tokens", sequences, "--sequences", sequences, "--context", DECODE_CONTEXT, "--cuda-graph",
+                 "--budget", mib(caps["budget"][arm.cap])]
     else:
         args += ["--tokens", PREFILL_TOKENS, "--budget", mib(caps["budget"][arm.cap])]
     if arm.measure:
@@ -359,30 +462,119 @@ def mib(num_bytes: int) -> str:
     return f"{max(1, -(-num_bytes // 2**20))}MiB"
 
 
-def caps_for(folder: Path, profile: str) -> dict:
-    """Budgets (weights plans) and GPU memory (serving plans) per cap: all non-layer bytes plus the cap's share of
-    the layer bytes; serving adds to that what an all-resident plan at 4 sequences books beyond its weights (KV
-    cache, activations, graph pool, CUDA context), or 3 GiB where the planner makes no such plan."""
+def caps_for(folder: Path, profile: str, moe: bool = False) -> dict:
+    """Budgets (weights plans) and GPU memory (serving plans) per cap.
+
+    Dense models: all non-layer bytes plus the cap's share of the layer bytes; serving adds to that what an
+    all-resident plan at 4 sequences books beyond its weights (KV cache, activations, graph pool, CUDA context), or
+    3 GiB where the planner makes no such plan. MoE models (``moe``): the loose cap holds every weight (the
+    all-resident serving-4 plan's total; the weights' bytes), the tight cap is the routed plan's own (moe_tight_cap):
+    where make routes, about ROUTED_TARGET_SHARE of each layer's experts on the host, and whole layers still fit."""
     from planner.source.checkpoint import load_checkpoint
     from planner.model.layout import build_layout
     from planner.make.make_plan import make_plan
     from planner.plan.schema import Inputs
 
-    layout = build_layout(load_checkpoint(str(folder)))
+    checkpoint = load_checkpoint(str(folder))
+    layout = build_layout(checkpoint)
     # a cap below the leanest whole-layer placement (everything outside the stack and two layers' slots) is a make
     # refusal, not a plan: the tight cap stays a little above it
     leanest = layout.non_layer_bytes + 2 * max(layer.nbytes for layer in layout.layers)
     weights = {cap: max(int(layout.non_layer_bytes + share * layout.layer_bytes), int(LEANEST_MARGIN * leanest))
                for cap, share in CAP_SHARES.items()}
     total_bytes = layout.non_layer_bytes + layout.layer_bytes
+    resident_total = None
     try:
         resident = make_plan(Inputs(model=str(folder), gpu=profile, context=SERVING_CONTEXT, cuda_graph=True,
-                                    concurrency="4")).plan
+                                    concurrency="4"), checkpoint=checkpoint).plan
         beyond = resident.memory.total_gpu_bytes - resident.memory.gpu_bytes
+        resident_total = resident.memory.total_gpu_bytes
     except Exception:  # noqa: BLE001 -- the arms' own make records why; the caps only need a figure
         beyond = 3 * GiB
-    return {"budget": weights, "gpu_memory": {cap: beyond + num_bytes for cap, num_bytes in weights.items()},
+    caps = {"budget": weights, "gpu_memory": {cap: beyond + num_bytes for cap, num_bytes in weights.items()},
             "all_resident_budget": int(total_bytes * 1.05) + GiB, "total_bytes": total_bytes}
+    if moe and resident_total is not None:
+        plan = functools.partial(plan_at, folder, profile, checkpoint)
+        serving = moe_tight_cap(lambda cap, **flags: plan("serving", cap, **flags), resident_total,
+                                whole_layer=whole_layer_inputs(folder))
+        decode = moe_tight_cap(lambda cap, **flags: plan("decode-1", cap, **flags), total_bytes)
+        caps["gpu_memory"] = {"loose": resident_total + LOOSE_MARGIN_BYTES,
+                              "tight": serving["cap_bytes"] or caps["gpu_memory"]["tight"]}
+        caps["budget"] = {"loose": total_bytes + LOOSE_MARGIN_BYTES, "tight": decode["cap_bytes"] or weights["tight"]}
+        caps["routed_search"] = {"serving-1": serving, "decode-1": decode}
+    return caps
+
+
+#: MoE tight caps: the share of each routed layer's experts left on the host that the cap aims at, the band it
+#: accepts, and the caps tried (shares of the all-resident figure)
+ROUTED_TARGET_SHARE = 0.45
+ROUTED_SHARE_BAND = (0.3, 0.6)
+CAP_GRID = [0.25 + 0.75 * step / 40 for step in range(41)]
+#: above the all-resident figure at the loose cap (MiB rounding, the plan's own alignment)
+LOOSE_MARGIN_BYTES = 64 * 2**20
+
+
+def plan_at(folder: Path, profile: str, checkpoint, kind: str, cap_bytes: int, **flags):
+    """make's plan of ``kind`` ("serving": serving-1 as the arms make it; a DECODE_MODES name: that mode's weights
+    plan) at ``cap_bytes`` of GPU memory (serving) or budget (decode), estimated; ``flags``: more Inputs fields."""
+    from planner.make.make_plan import make_plan
+    from planner.plan.schema import Inputs
+
+    if kind == "serving":
+        inputs = Inputs(model=str(folder), gpu=profile, context=SERVING_CONTEXT, cuda_graph=True, concurrency="1",
+                        gpu_memory=mib(cap_bytes), **flags)
+    else:
+        sequences = DECODE_MODES[kind]
+        inputs = Inputs(model=str(folder), gpu=profile, tokens=sequences, sequences=sequences,
+                        context=DECODE_CONTEXT, cuda_graph=True, budget=mib(cap_bytes), **flags)
+    return make_plan(inputs, checkpoint=checkpoint).plan
+
+
+def whole_layer_inputs(folder: Path) -> dict:
+    """whole_layer_flags as Inputs fields."""
+    flags = whole_layer_flags(folder)
+    return {"engine": "vllm"} if flags[0] == "--for" else {"prefetch_step": 1}
+
+
+def host_shares(plan) -> list[float] | None:
+    """Each routed layer's share of its experts not resident (None: the plan routes no layer)."""
+    from planner.plan.experts_section import MIXED, ROUTED
+
+    experts = getattr(plan, "experts", None)
+    if experts is None or experts.regime not in (ROUTED, MIXED):
+        return None
+    return [1 - len(layer.resident) / experts.num_experts for layer in experts.layers if layer.routed]
+
+
+def moe_tight_cap(plan, top_bytes: int, whole_layer: dict | None = None) -> dict:
+    """The tight cap of a MoE model's mode: of the caps CAP_GRID tries below ``top_bytes`` (the all-resident
+    figure), the one where ``plan(cap)`` routes with each layer's host share nearest ROUTED_TARGET_SHARE, inside
+    ROUTED_SHARE_BAND where one is, and (``whole_layer``: Inputs fields that keep layers whole) where a whole-layer
+    plan fits too. Returns the cap (None: make routes at no cap tried) and what make chose there."""
+    tried = []
+    for share in CAP_GRID:
+        cap_bytes = int(share * top_bytes)
+        try:
+            made = plan(cap_bytes)
+        except Exception:  # noqa: BLE001 -- a cap make refuses is no candidate
+            continue
+        shares = host_shares(made)
+        if shares:
+            tried.append((cap_bytes, shares, made.experts.regime))
+    low, high = ROUTED_SHARE_BAND
+    tried.sort(key=lambda item: (not low <= min(item[1]) <= max(item[1]) <= high,
+                                 abs(statistics.mean(item[1]) - ROUTED_TARGET_SHARE)))
+    for cap_bytes, shares, regime in tried:
+        if whole_layer is not None:
+            try:
+                whole = plan(cap_bytes, **whole_layer)
+            except Exception:  # noqa: BLE001 -- whole layers do not fit here: a higher cap
+                continue
+            offloaded = len(whole.offload.layers) if whole.offload else 0
+        return {"cap_bytes": cap_bytes, "gib": round(cap_bytes / GiB, 2), "regime": regime,
+                "host_share": [round(min(shares), 2), round(max(shares), 2)],
+                "whole_layer_offloaded": offloaded if whole_layer is not None else None}
+    return {"cap_bytes": None, "gib": None, "regime": None, "host_share": None, "whole_layer_offloaded": None}
 
 
 # --- one arm -----------------------------------------------------------------------------------------------------
@@ -397,10 +589,20 @@ def plan_figures(path: Path) -> dict:
     return {"predicted": {key: value for key, value in prediction.items() if not isinstance(value, (list, dict))},
             "memory": {key: value for key, value in memory.items() if not isinstance(value, (list, dict))},
             "regime": experts.get("regime"), "offloaded_layers": len(offload.get("layers") or []),
+            "host_share": host_share_figures(experts),
             "knobs": [offload.get("group_size"), offload.get("num_in_group"), offload.get("prefetch_step")],
             "concurrency": (plan.get("workload") or {}).get("concurrency"),
             "architecture": (plan.get("model") or {}).get("architecture"),
             "mechanism": offload.get("mechanism", "prefetch")}
+
+
+def host_share_figures(experts: dict) -> list[float] | None:
+    """[least, most] of the routed layers' shares of experts left on the host, from the plan file's experts
+    section (None: no layer routed)."""
+    num_experts = experts.get("num_experts")
+    shares = [1 - len(layer.get("resident") or []) / num_experts for layer in experts.get("layers") or []
+              if layer.get("regime") == "routed"] if num_experts else []
+    return [round(min(shares), 2), round(max(shares), 2)] if shares else None
 
 
 def gpu_clean() -> int:
@@ -522,36 +724,55 @@ def run_model(model: Model, arms: list[Arm], args, emit) -> None:
     """Write (or reuse) the checkpoint, then every arm in pairs of caps; ``emit(row)`` as each ends."""
     device = "cpu" if args.no_run else "cuda"
     try:
-        folder, write_s = ensure_checkpoint(model, args.checkpoints, args.tiny, device)
+        folder, write_s = ensure_checkpoint(model, args.checkpoints, args.tiny, device, header_only=args.dry_run)
     except Exception as error:  # noqa: BLE001 -- the sweep never crashes: the failure is the model's row
         emit({"kind": "checkpoint", "model": model.name, "error": one_line(error)})
         return
     emit(checkpoint_facts(model, folder) | {"write_s": round(write_s, 1)})
     work = args.out / "plans" / folder.name
     work.mkdir(parents=True, exist_ok=True)
-    caps = caps_for(folder, args.profile)
+    caps = caps_for(folder, args.profile, moe=model.moe)
+    emit(caps_row(model, caps))
     family = json.loads((folder / "config.json").read_text()).get("model_type")
     reference = None if args.no_run else reference_text(folder, args.profile, caps, work, emit, model)
     pairs: dict[tuple, list[Arm]] = {}
     for arm in arms:
         pairs.setdefault((arm.mode, arm.measure, arm.experts), []).append(arm)
+    # (mode, cap) -> a plan made there: an arm without a pair is diffed against the same mode's plan at either cap,
+    # else a plan of its kind (serving or weights) at its cap
+    plans: dict[tuple, Path] = {}
     for pair in pairs.values():
         if time.time() > args.deadline:
             emit({"kind": "skipped", "model": model.name, "arms": [arm.name for arm in pair],
                   "why": "past --time-budget-s"})
             continue
-        made = {arm: make_arm(arm, folder, args.profile, caps, work) for arm in pair}
+        made = {arm: make_arm(arm, folder, args.profile, caps, work, args.dry_run) for arm in pair}
         for arm in pair:
             other = next((made[a]["path"] for a in pair if a != arm and made[a]["exit"]["make"] == 0), None)
+            other = other or next((path for (mode, cap), path in plans.items()
+                                   if (mode, cap) == (arm.mode, arm.cap) or mode == arm.mode), None) or next(
+                (path for (mode, cap), path in plans.items()
+                 if cap == arm.cap and mode.startswith("serving") == arm.serving), None)
             emit(finish_arm(arm, made[arm], other, caps, args.no_run, reference) | {"family": family})
+        plans |= {(arm.mode, arm.cap): made[arm]["path"] for arm in pair
+                  if made[arm]["exit"]["make"] == 0 and (arm.mode, arm.cap) not in plans}
 
 
-def make_arm(arm: Arm, folder: Path, profile: str, caps: dict, work: Path) -> dict:
-    """make -o for the arm: its plan's path, exit code, error line and seconds."""
+def caps_row(model: Model, caps: dict) -> dict:
+    """The caps the model's arms are made at, in GiB, and (MoE) what make chose at each tight cap."""
+    return {"kind": "caps", "model": model.name,
+            "gpu_memory_gib": {cap: round(b / GiB, 2) for cap, b in caps["gpu_memory"].items()},
+            "budget_gib": {cap: round(b / GiB, 2) for cap, b in caps["budget"].items()},
+            "routed_search": caps.get("routed_search")}
+
+
+def make_arm(arm: Arm, folder: Path, profile: str, caps: dict, work: Path, dry_run: bool = False) -> dict:
+    """make -o for the arm: its plan's path, exit code, error line and seconds (``dry_run``: estimated, without
+    --measure, which needs the GPU)."""
     start = time.perf_counter()
     path = work / (arm.name.split("/", 1)[1].replace("/", "-") + ".yaml")
     path.unlink(missing_ok=True)  # a plan a previous sweep left must not stand in for a failed make
-    made = cli(make_args(arm, folder, profile, caps, path))
+    made = cli([a for a in make_args(arm, folder, profile, caps, path) if not (dry_run and a == "--measure")])
     return {"path": path, "exit": {"make": made.code}, "errors": {"make": made.error} if made.error else {},
             "make_s": time.perf_counter() - start}
 
@@ -621,6 +842,9 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--tiny", action="store_true", help="tiny widths (a CPU smoke of the non-run parts)")
     parser.add_argument("--no-run", action="store_true",
                         help="make and the readers only, on the CPU, in this process (no run --bench/--prompt)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="--no-run on header-only checkpoints at full widths (no weights written) and estimated "
+                             "plans (--measure dropped): the caps and the regimes make picks, on the CPU")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
     return parser
@@ -639,12 +863,13 @@ def selected(args) -> list[tuple[Model, list[Arm]]]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    args.no_run = args.no_run or args.dry_run
     plan = selected(args)
     if args.list:
         for model, arms in plan:
             for arm in arms:
                 print(arm.name)
-        print(f"{sum(len(arms) for _, arms in plan)} arms over {len(plan)} models")
+        print(f"{sum(len(arms) for _, arms in plan)} arms over {len(plan)} models; {estimate(plan, args.tiny)}")
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     args.deadline = args.deadline or time.time() + args.time_budget_s
@@ -665,6 +890,14 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "table.md").write_text(text + "\n")
     print(text.split("\n## Arms")[0] if "\n## Arms" in text else text, flush=True)
     return 0
+
+
+def estimate(plan: list[tuple[Model, list[Arm]]], tiny: bool) -> str:
+    """The device seconds the selection is expected to take (model_seconds, and calibrate), per model."""
+    seconds = {model.name: model_seconds(model, arms, checkpoint_bytes(config_dict(model, tiny)))
+               for model, arms in plan}
+    each = ", ".join(f"{name} {value:.0f}" for name, value in seconds.items())
+    return f"about {sum(seconds.values()) + CALIBRATE_S:.0f} s of device time with calibrate ({each})"
 
 
 def append_row(path: Path, row: dict) -> None:
@@ -730,10 +963,22 @@ def report(rows: list[dict], wall_s: float) -> str:
             lines.append(f"| {row['model']} | {row.get('family', '-')} | {row.get('num_layers', '-')} | "
                          f"{row.get('gb', '-')} | {', '.join(row.get('expert_tensor_names', [])[:4]) or '-'} | "
                          f"{row.get('write_s', row.get('error', '-'))} |")
+    lines += ["", "## Caps", "", "| model | serving GiB loose / tight | budget GiB loose / tight | make at the tight "
+              "caps (estimated: regime, share of experts on the host) |", "|---|---|---|---|"]
+    lines += [caps_line(row) for row in rows if row.get("kind") == "caps"]
     lines += ["", "## Arms", "", "| arm | exits | regime | predicted / measured ms | error | peak / cap | "
               "peak / predicted | tokens | s | first error |", "|---|---|---|---|---|---|---|---|---|---|"]
     lines += [arm_line(row) for row in arms]
     return "\n".join(lines)
+
+
+def caps_line(row: dict) -> str:
+    searched = "; ".join(f"{mode}: {found['regime']} {found['host_share'][0]:.2f}-{found['host_share'][1]:.2f}"
+                         if found.get("regime") else f"{mode}: routed at no cap"
+                         for mode, found in (row.get("routed_search") or {}).items()) or "-"
+    serving, budget = row["gpu_memory_gib"], row["budget_gib"]
+    return (f"| {row['model']} | {serving['loose']} / {serving['tight']} | {budget['loose']} / {budget['tight']} | "
+            f"{searched} |")
 
 
 def arm_line(row: dict) -> str:
@@ -745,10 +990,16 @@ def arm_line(row: dict) -> str:
     error = ", ".join(f"{name} {value:+.1%}" for name, value in errors.items()) or "-"
     first = next(iter(row.get("errors", {}).items()), None)
     return (f"| {row['arm']} | {' '.join(f'{k}:{v}' for k, v in row['exit'].items())} | "
-            f"{(row.get('plan') or {}).get('regime') or '-'} | {timing} | {error} | "
+            f"{regime_text(row.get('plan') or {})} | {timing} | {error} | "
             f"{fmt(row.get('peak_over_cap'))} | {fmt(row.get('peak_over_predicted'))} | "
             f"{row.get('verdicts', {}).get('tokens_equal', '-')} | {row['seconds']} | "
             f"{f'{first[0]}: {first[1][:120]}' if first else ''} |")
+
+
+def regime_text(plan: dict) -> str:
+    """The plan's experts regime, with its routed layers' shares of experts on the host where it routes."""
+    share = plan.get("host_share")
+    return (plan.get("regime") or "-") + (f" {share[0]:.2f}-{share[1]:.2f}" if share else "")
 
 
 def fmt(value: float | None) -> str:

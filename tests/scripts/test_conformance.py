@@ -14,7 +14,8 @@ def test_list_covers_the_issue_targets(capsys):
     assert conformance.main(["--list"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     names = lines[:-1]
-    assert lines[-1] == f"{len(names)} arms over {len(conformance.MODELS)} models" and len(names) >= 60
+    assert lines[-1].startswith(f"{len(names)} arms over {len(conformance.MODELS)} models; about ")
+    assert len(names) >= 60
     assert len(conformance.MODELS) >= 10 and sum(model.moe for model in conformance.MODELS.values()) >= 4
     modes = {name.split("/")[1] for name in names}
     assert modes == set(conformance.MODE_NAMES)
@@ -23,6 +24,9 @@ def test_list_covers_the_issue_targets(capsys):
     for model in conformance.MODELS:
         own = [name for name in names if name.startswith(model + "/")]
         assert own[0] == f"{model}/serving-1/loose/measure"
+    for model in (model for model in conformance.MODELS.values() if model.moe):  # routed and whole layers
+        assert {f"{model.name}/{arm}" for arm in ("serving-1/tight/measure", "serving-1/tight/measure/whole-layer",
+                                                   "serving-4/tight/estimate", "decode-1/tight/estimate")} < set(names)
     everything = [arm.name for model in conformance.MODELS.values() for arm in conformance.arms_for(model, None,
                                                                                                     True)]
     assert set(names) < set(everything) and len(set(everything)) == len(everything)
@@ -69,6 +73,58 @@ def test_tiny_sweep_makes_and_reads_plans_on_the_cpu(tmp_path):
     assert conformance.main(args[:-1] + ["--models", "mixtral", "--modes", "prefill"]) == 0  # folders reused
     again = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()][len(rows):]
     assert again[0]["kind"] == "checkpoint" and again[0]["write_s"] < 1
+
+
+def _fake_plan(num_experts: int, resident: int | None, offloaded: int = 0):
+    """What moe_tight_cap reads of a plan: routed layers keeping ``resident`` experts (None: no layer routed)."""
+    from types import SimpleNamespace
+
+    layers = [SimpleNamespace(routed=resident is not None, resident=tuple(range(resident or 0)))] * 3
+    return SimpleNamespace(experts=SimpleNamespace(regime="whole_layer" if resident is None else "routed",
+                                                   num_experts=num_experts, layers=layers),
+                           offload=SimpleNamespace(layers=[0] * offloaded))
+
+
+def test_moe_tight_cap_takes_the_routed_cap_nearest_the_target_where_whole_layers_fit():
+    """Routed below 80 of 100 units, all resident above; resident experts grow with the cap; whole layers fit from 60
+    units: the cap is the one nearest 45% on the host of those where whole layers fit (a routed cap nearer the target
+    below 60 is passed over), and a model routed at no cap gets none."""
+    def plan(cap_bytes, **whole_layer):
+        if whole_layer:
+            if cap_bytes < 60:
+                raise ValueError("below the leanest whole-layer placement")
+            return _fake_plan(64, None, offloaded=2)
+        if cap_bytes < 30:
+            raise ValueError("does not fit")
+        return _fake_plan(64, None if cap_bytes >= 80 else round(64 * (cap_bytes - 30) / 50))
+
+    chosen = conformance.moe_tight_cap(plan, 100, whole_layer={"prefetch_step": 1})
+    assert chosen["regime"] == "routed" and chosen["whole_layer_offloaded"] == 2 and chosen["cap_bytes"] >= 60
+    assert conformance.ROUTED_SHARE_BAND[0] <= chosen["host_share"][0] <= chosen["host_share"][1] <= 0.6
+    assert conformance.moe_tight_cap(plan, 100)["cap_bytes"] < 60  # without the whole-layer condition: nearer 45%
+    assert conformance.moe_tight_cap(lambda cap, **_: _fake_plan(8, None), 100)["cap_bytes"] is None
+
+
+def test_dry_run_plans_header_only_checkpoints_without_measuring(tmp_path):
+    """--dry-run: a header-only checkpoint (no weights on disk), the caps row, every arm made estimated (--measure
+    dropped) and read back; the arms MoE models get."""
+    out, checkpoints = tmp_path / "out", tmp_path / "checkpoints"
+    assert conformance.main(["--dry-run", "--tiny", "--out", str(out), "--checkpoints", str(checkpoints),
+                             "--models", "phimoe"]) == 0
+    rows = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]
+    folder = checkpoints / "phimoe-tiny-header"
+    assert json.loads((folder / ".offload-plan-checkpoint").read_text())["kind"] == "header-only"
+    assert sum(path.stat().st_blocks for path in folder.glob("*.safetensors")) * 512 < 2**20  # sparse
+    facts = next(row for row in rows if row["kind"] == "checkpoint")
+    assert facts["expert_tensor_names"] == [
+        f"model.layers.N.block_sparse_moe.experts.N.{w}.weight" for w in ("w1", "w2", "w3")]
+    caps = next(row for row in rows if row["kind"] == "caps")
+    assert set(caps["routed_search"]) == {"serving-1", "decode-1"}
+    arms = [row for row in rows if row["kind"] == "arm"]
+    assert [row["arm"] for row in arms] == [arm.name for arm in conformance.arms_for(conformance.MODELS["phimoe"],
+                                                                                      None)]
+    assert all(row["exit"]["make"] == 0 and row["verdicts"]["exit_ok"] for row in arms), [r["errors"] for r in arms]
+    assert {row["plan"]["regime"] for row in arms if row["experts"] == "whole-layer"} == {"whole_layer"}
 
 
 def _serving_row(peak_bytes: int, decode_ms: float, text: str) -> dict:
