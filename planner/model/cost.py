@@ -124,11 +124,26 @@ def _param_sums(layer: LayerInfo) -> tuple[int, int, int, int, int, int]:
     return sums
 
 
+@dataclass(frozen=True, kw_only=True)
+class LayerCost:
+    """What one layer's step does, for roofline_ms."""
+
+    flops: float
+    #: weights, expert weights touched, a shared KV head's expanded copies and their reads, at the profile's
+    #: compute efficiency, overlapping the FLOPs
+    hbm_bytes: float
+    #: the KV cache's own read: streamed at KV_STREAM_EFFICIENCY of the HBM rate, overlapping the FLOPs
+    stream_bytes: float = 0.0
+    #: passes that run before the matmuls (FP8 weights widened and scaled on run's path): added to the step
+    serial_bytes: float = 0.0
+    #: the matmuls run at the profile's FP8 rate
+    fp8_rate: bool = False
+
+
 def layer_cost(layer: LayerInfo, geometry: ModelGeometry, workload: Workload,
                kv_bytes: float | None = None, fp8: Fp8Compute = DEQUANTIZED,
-               expand_kv_heads: bool = True) -> tuple[float, float, float, bool]:
-    """(FLOPs, HBM bytes, streamed cache bytes, FP8 rate) of one layer for one step (roofline_ms: the cache's
-    plain read streams at KV_STREAM_EFFICIENCY of the HBM rate, the rest at the profile's efficiency).
+               expand_kv_heads: bool = True) -> LayerCost:
+    """What one layer computes and moves in one step of ``workload`` (LayerCost).
 
     ``kv_bytes``: the KV cache the step reads and writes in this layer, where a cache model knows it (sliding
     windows, latent attention), else from the geometry; ``fp8``: how the FP8 linears compute
@@ -152,9 +167,13 @@ def layer_cost(layer: LayerInfo, geometry: ModelGeometry, workload: Workload,
     kv_traffic = gqa_kv_traffic(geometry, workload) if expand_kv_heads else 1.0
     # the cache's own read streams; its expansion (kv_traffic - 1 more) is copies and a kernel's reads of them
     hbm_bytes = dense_bytes + touched_share * expert_bytes + kv_bytes * (kv_traffic - 1)
-    # the FP8 weights' traffic beyond their stored byte (dequantizing paths)
-    hbm_bytes += (fp8.hbm_bytes_per_fp8_byte - 1) * (dense_fp8 + touched_share * expert_fp8)
-    return flops, hbm_bytes, kv_bytes, fp8.fp8_rate and (dense_fp8 + expert_fp8) * 2 > layer.nbytes
+    # the FP8 weights' traffic beyond their stored byte (dequantizing paths): the matmul's wider read, and the
+    # passes before it
+    fp8_bytes = dense_fp8 + touched_share * expert_fp8
+    hbm_bytes += (fp8.matmul_bytes_per_fp8_byte - 1) * fp8_bytes
+    return LayerCost(flops=flops, hbm_bytes=hbm_bytes, stream_bytes=kv_bytes,
+                     serial_bytes=(fp8.hbm_bytes_per_fp8_byte - fp8.matmul_bytes_per_fp8_byte) * fp8_bytes,
+                     fp8_rate=fp8.fp8_rate and (dense_fp8 + expert_fp8) * 2 > layer.nbytes)
 
 
 def gqa_kv_traffic(geometry: ModelGeometry, workload: Workload) -> float:
@@ -178,16 +197,17 @@ def gqa_kv_traffic(geometry: ModelGeometry, workload: Workload) -> float:
 KV_STREAM_EFFICIENCY = 0.9
 
 
-def roofline_ms(flops: float, hbm_bytes: float, stream_bytes: float, fp8: bool, profile: HardwareProfile) -> float:
-    """max(FLOPs / rate, bytes / bandwidth): FLOPs and ``hbm_bytes`` derated by the profile's compute efficiency,
-    ``stream_bytes`` (a cache's plain read) at KV_STREAM_EFFICIENCY of the bandwidth."""
+def roofline_ms(cost: LayerCost, profile: HardwareProfile) -> float:
+    """max(FLOPs / rate, bytes / bandwidth), then the serial passes' bytes: FLOPs and bytes derated by the
+    profile's compute efficiency, the cache's plain read at KV_STREAM_EFFICIENCY of the bandwidth."""
     rate = profile.bf16_flops_per_s.value
-    if fp8 and profile.fp8_flops_per_s is not None:
+    if cost.fp8_rate and profile.fp8_flops_per_s is not None:
         rate = profile.fp8_flops_per_s.value
     efficiency = profile.compute_efficiency.value
     bandwidth = profile.hbm_bytes_per_s.value
-    return 1e3 * max(flops / (rate * efficiency),
-                     hbm_bytes / (bandwidth * efficiency) + stream_bytes / (bandwidth * KV_STREAM_EFFICIENCY))
+    overlapped = max(cost.flops / (rate * efficiency),
+                     cost.hbm_bytes / (bandwidth * efficiency) + cost.stream_bytes / (bandwidth * KV_STREAM_EFFICIENCY))
+    return 1e3 * (overlapped + cost.serial_bytes / (bandwidth * efficiency))
 
 
 def _head_shape(layout: ModelLayout, checkpoint_shapes: dict[str, tuple[int, ...]]) -> tuple[int, ...] | None:
@@ -219,7 +239,7 @@ def estimate_compute(
     ``graphed``: the step is replayed from a CUDA graph (the floor a graphed layer adds, not an eager one's).
     ``expand_kv_heads``: run's attention (layer_cost); False for an engine's."""
     layer_ms = tuple(
-        _floored(roofline_ms(*layer_cost(layer, geometry, workload,
+        _floored(roofline_ms(layer_cost(layer, geometry, workload,
                                          None if kv_bytes_of is None else kv_bytes_of(i, workload), fp8,
                                          expand_kv_heads), profile),
                  layer, profile, graphed)
@@ -230,7 +250,7 @@ def estimate_compute(
     if shape is not None:
         vocab, hidden = shape
         head_flops = 2 * workload.sequences_per_step * vocab * hidden
-        head_ms = roofline_ms(head_flops, vocab * hidden * 2, 0.0, False, profile)
+        head_ms = roofline_ms(LayerCost(flops=head_flops, hbm_bytes=vocab * hidden * 2), profile)
     source = (
         f"estimated: roofline from layer shapes at {profile.name} datasheet rates x compute_efficiency "
         f"{profile.compute_efficiency.value:g}"

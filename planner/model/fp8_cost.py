@@ -6,7 +6,9 @@ transformers 5.17 to 5.24, which the supported stack does not have; there each F
 every step instead: FP8 -> bf16 (read 1 byte, write 2), times its block scale into bf16 (read 2, write 2), then
 a bf16 matmul that reads the 2-byte weight. That is 9 bytes of HBM traffic per FP8 weight against the 1 byte
 stored, and the matmul's FLOPs at the bf16 rate: a memory-bound decode step costs about 4.5x its bf16 bytes,
-not half of them. An engine's FP8 kernel (vLLM, SGLang) reads the FP8 byte once and multiplies at the FP8 rate.
+not half of them. The two passes run before the matmul, so their 7 bytes add to its time in a compute-bound
+prefill chunk as in decode. An engine's FP8 kernel (vLLM, SGLang) reads the FP8 byte once and multiplies at the
+FP8 rate.
 
 The link is unaffected: an offloaded layer copies its stored bytes (1 a weight, its float32 scales beside it),
 as the layout counts them from the headers. ``make --measure`` times the path that actually runs.
@@ -18,6 +20,8 @@ from dataclasses import dataclass
 FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
 #: HBM bytes one step moves per FP8 weight on the dequantizing path: 1 + 2 (widen), 2 + 2 (scale), 2 (matmul)
 DEQUANTIZED_BYTES_PER_FP8_BYTE = 9
+#: of them, the matmul's own read of the widened weight
+DEQUANTIZED_MATMUL_BYTES_PER_FP8_BYTE = 2
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,6 +30,8 @@ class Fp8Compute:
 
     #: HBM bytes moved per byte of FP8 weight each step
     hbm_bytes_per_fp8_byte: float
+    #: of them, what the matmul reads (the rest are passes before it: they add to its time, never overlap it)
+    matmul_bytes_per_fp8_byte: float = 1
     #: the matmul runs at the profile's FP8 rate (an FP8 kernel), else at its bf16 rate
     fp8_rate: bool
     #: recorded in the plan's compute source
@@ -34,10 +40,13 @@ class Fp8Compute:
     def __post_init__(self):
         if self.hbm_bytes_per_fp8_byte < 1:
             raise ValueError("hbm_bytes_per_fp8_byte must be at least 1: the stored byte is read")
+        if not 1 <= self.matmul_bytes_per_fp8_byte <= self.hbm_bytes_per_fp8_byte:
+            raise ValueError("matmul_bytes_per_fp8_byte must be from 1 to hbm_bytes_per_fp8_byte")
 
 
 #: offload-plan's runtime without transformers' hub FP8 kernel (the supported stack)
-DEQUANTIZED = Fp8Compute(hbm_bytes_per_fp8_byte=DEQUANTIZED_BYTES_PER_FP8_BYTE, fp8_rate=False,
+DEQUANTIZED = Fp8Compute(hbm_bytes_per_fp8_byte=DEQUANTIZED_BYTES_PER_FP8_BYTE,
+                         matmul_bytes_per_fp8_byte=DEQUANTIZED_MATMUL_BYTES_PER_FP8_BYTE, fp8_rate=False,
                          description="FP8 weights dequantized to bf16 each step (transformers' FP8Linear without its "
                                      "hub kernel)")
 #: an engine's FP8 tensor-core kernel

@@ -27,9 +27,9 @@ def test_gqa_kv_traffic(heads, kv_heads, workload, expected):
 def test_a_shared_kv_head_decode_step_moves_the_expanded_cache():
     layer = LayerInfo(index=0, params=(("mlp.down_proj.weight", "BF16", (2048, 2048), 2048 * 2048 * 2),))
     kv_bytes = 1e8
-    _, shared_bytes, shared_stream, _ = layer_cost(layer, _geometry(32, 4), DECODE, kv_bytes=kv_bytes)
-    _, unshared_bytes, unshared_stream, _ = layer_cost(layer, _geometry(32, 32), DECODE, kv_bytes=kv_bytes)
-    assert shared_bytes - unshared_bytes == pytest.approx(16 * kv_bytes)  # the expansion's copies and reads
-    assert shared_stream == unshared_stream == kv_bytes  # the cache's own read, once either way
-    _, engine_bytes, _, _ = layer_cost(layer, _geometry(32, 4), DECODE, kv_bytes=kv_bytes, expand_kv_heads=False)
-    assert engine_bytes == unshared_bytes
+    shared = layer_cost(layer, _geometry(32, 4), DECODE, kv_bytes=kv_bytes)
+    unshared = layer_cost(layer, _geometry(32, 32), DECODE, kv_bytes=kv_bytes)
+    assert shared.hbm_bytes - unshared.hbm_bytes == pytest.approx(16 * kv_bytes)  # the expansion's copies, reads
+    assert shared.stream_bytes == unshared.stream_bytes == kv_bytes  # the cache's own read, once either way
+    engine = layer_cost(layer, _geometry(32, 4), DECODE, kv_bytes=kv_bytes, expand_kv_heads=False)
+    assert engine.hbm_bytes == unshared.hbm_bytes
