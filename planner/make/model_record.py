@@ -11,6 +11,7 @@ from planner.model.cost import ComputeTimes, Workload, estimate_compute, geometr
 from planner.engines.read_at_use import planned_read_at_use, read_at_use_searcher
 from planner.engines.versions import engine_version
 from planner.model.fp8_cost import fp8_compute_for, has_fp8_experts
+from planner.model.expert_placement import gather_rate
 from planner.errors import PlanError, UsageError
 from planner.search.expert_choice import Comparison, ExpertModel, routed_choice
 from planner.model.kv_cache import KvCacheModel
@@ -110,7 +111,9 @@ class Model:
                                num_tokens=workload.tokens_per_step, decode=decode,
                                non_layer_bytes=self.layout.non_layer_bytes,
                                h2d_bytes_per_s=self.profile.h2d_bytes_per_s.value,
-                               copy_overhead_us=self.profile.copy_overhead_us.value)
+                               copy_overhead_us=self.profile.copy_overhead_us.value,
+                               gather_bytes_per_s=gather_rate(self.profile.hbm_bytes_per_s.value,
+                                                              self.profile.compute_efficiency.value))
         return Comparison(num_tokens=workload.tokens_per_step, whole=whole, routed=routed,
                           routed_runnable=self.experts.unavailable is None)
 

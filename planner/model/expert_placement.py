@@ -28,6 +28,8 @@ class RoutedLayer:
     fetch_ms: float
     #: one expert's bytes (the fetch comes in whole experts: prefetch_layer_stall_ms)
     expert_bytes: int = 0
+    #: the decode gather's time in the layer's compute, beyond the all-resident layer's (gather_ms)
+    gather_ms: float = 0.0
     #: next-layer prefetch from a trace's per-expert prediction statistics: this layer's hit and ahead shares of
     #: its own non-resident experts' routed assignments (ExpertPrediction.shares); None: the placement's shares
     prefetch_hit_share: float | None = None
@@ -108,6 +110,21 @@ def decode_gather_bytes(num_tokens: int, top_k: int, num_experts: int, expert_by
     return pairs * expert_bytes if pairs <= num_experts else 0
 
 
+def gather_rate(hbm_bytes_per_s: float, compute_efficiency: float) -> float:
+    """The rate a decode gather moves its bytes at: the GPU's memory at the efficiency estimates read weights at."""
+    return hbm_bytes_per_s * compute_efficiency
+
+
+def gather_ms(num_tokens: int, top_k: int, num_experts: int, expert_bytes: int, gather_bytes_per_s: float) -> float:
+    """What a routed layer's decode gather adds to its compute: batched_mm writes every pair's weights
+    (decode_gather_bytes) to its workspace and its product reads them back, twice the gather's bytes at
+    ``gather_bytes_per_s`` (the rate estimates read weights at: HBM x compute efficiency); its reads of the
+    buffer stand in for the all-resident layer's own reads of the experts it touches. On the H100's conformance
+    sweep (2026-11-28) routed steps at one sequence ran 6-20% slower than priced without it (Qwen2-MoE, Qwen3-MoE,
+    OLMoE, DeepSeek-V2-Lite shapes: 0.06-0.22 ms a routed layer; this gives 0.09-0.14)."""
+    return 2e3 * decode_gather_bytes(num_tokens, top_k, num_experts, expert_bytes) / gather_bytes_per_s
+
+
 def choose_resident(geometry: MoeGeometry, routing: tuple[LayerRouting, ...], num_tokens: int,
                     allowance_bytes: int) -> tuple[tuple[int, ...], ...]:
     """Resident experts per MoE layer within ``allowance_bytes``: the (layer, expert) pairs that save the most
@@ -148,10 +165,12 @@ def _ranked_savings(routing: LayerRouting, num_tokens: int, expert_bytes: int) -
 
 def routed_placement(geometry: MoeGeometry, routing: tuple[LayerRouting, ...], *, num_tokens: int,
                      layer_total_bytes: tuple[int, ...], non_layer_bytes: int, weight_limit_bytes: int,
-                     h2d_bytes_per_s: float, prefetch_accuracy: float | None = None) -> RoutedPlacement | None:
+                     h2d_bytes_per_s: float, prefetch_accuracy: float | None = None,
+                     gather_bytes_per_s: float | None = None) -> RoutedPlacement | None:
     """The all-routed placement with the most resident experts whose weights fit ``weight_limit_bytes`` (before
     the arena's slack), for steps of ``num_tokens`` tokens; None when even no resident expert fits.
-    ``prefetch_accuracy``: next-layer prefetch with that accuracy (two slot sets); None: none."""
+    ``prefetch_accuracy``: next-layer prefetch with that accuracy (two slot sets); None: none.
+    ``gather_bytes_per_s``: the rate a decode step's gather runs at (gather_ms); None: not priced."""
     prefetch = prefetch_accuracy is not None
     base, fetch_buffer, staging, gather = fixed_routed_bytes(geometry, layer_total_bytes, non_layer_bytes, num_tokens,
                                                      prefetch)
@@ -165,8 +184,11 @@ def routed_placement(geometry: MoeGeometry, routing: tuple[LayerRouting, ...], *
         hit_rate, fetched_experts = layer_routing.out_of_sample(ids, num_tokens)
         fetched = fetched_experts * layer.expert_bytes
         resident_bytes += len(ids) * layer.expert_bytes
+        layer_gather_ms = 0.0 if gather_bytes_per_s is None else gather_ms(
+            num_tokens, geometry.top_k, geometry.num_experts, layer.expert_bytes, gather_bytes_per_s)
         rows.append(RoutedLayer(index=layer.index, resident=ids, expected_fetched_bytes=fetched,
-                                hit_rate=hit_rate, fetch_ms=1e3 * fetched / rate, expert_bytes=layer.expert_bytes))
+                                hit_rate=hit_rate, fetch_ms=1e3 * fetched / rate, expert_bytes=layer.expert_bytes,
+                                gather_ms=layer_gather_ms))
     # the runtime pins every expert of a routed layer, resident ones too: the loader writes whole fused params,
     # and a prefill chunk copies the layer's experts from one place (runtime.routed_experts)
     host = sum(layer.expert_bytes * geometry.num_experts for layer in geometry.layers)

@@ -116,7 +116,7 @@ class Comparison:
 
 def routed_choice(experts: ExpertModel, *, searcher: Searcher, compute: ComputeTimes, budget_bytes: int,
                   num_tokens: int, decode: bool, non_layer_bytes: int, h2d_bytes_per_s: float,
-                  copy_overhead_us: float) -> RoutedChoice | None:
+                  copy_overhead_us: float, gather_bytes_per_s: float | None = None) -> RoutedChoice | None:
     """Every MoE layer routed, with the most resident experts whose arena fits ``budget_bytes``; None where
     routed placements are unavailable (unless priced on paper) or even none resident does not fit. ``decode``:
     steps of one token per sequence gather routed experts, with next-layer prefetch where that is predicted
@@ -131,7 +131,8 @@ def routed_choice(experts: ExpertModel, *, searcher: Searcher, compute: ComputeT
         return routed_placement(experts.geometry, experts.routing, num_tokens=num_tokens,
                                 layer_total_bytes=layers.total, non_layer_bytes=non_layer_bytes,
                                 weight_limit_bytes=searcher.weight_limit(budget_bytes),
-                                h2d_bytes_per_s=h2d_bytes_per_s, prefetch_accuracy=accuracy)
+                                h2d_bytes_per_s=h2d_bytes_per_s, prefetch_accuracy=accuracy,
+                                gather_bytes_per_s=gather_bytes_per_s if decode else None)
 
     placement = placed(None)
     if placement is None:

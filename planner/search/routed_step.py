@@ -14,7 +14,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from planner.model.expert_placement import RoutedPlacement
+from planner.model.expert_placement import RoutedPlacement, gather_ms, gather_rate
 from planner.model.expert_prefetch import layer_shares, planned_layer_stall_ms
 from planner.plan.schema import Plan, routed_layer_expert_bytes
 from planner.search.simulate import Interval, Simulation
@@ -38,6 +38,9 @@ class RoutedFetch:
     #: non-resident experts (planner.model.expert_prefetch.layer_shares); hit_share None: no prefetch
     hit_share: float | None
     ahead_share: float = 1.0
+    #: the decode gather's time in the layer's compute beyond the all-resident layer's
+    #: (planner.model.expert_placement.gather_ms)
+    gather_ms: float = 0.0
 
 
 def routed_decode_step(layer_ms: Sequence[float], head_ms: float, fetches: Sequence[RoutedFetch],
@@ -47,6 +50,7 @@ def routed_decode_step(layer_ms: Sequence[float], head_ms: float, fetches: Seque
     layer is predicted by none). On the link (``copies``): an unpredicted layer's fetch as it waits; a predicted
     one's prefetch (its ahead share) from the previous routed layer's wait, where the runtime starts it, and its
     misses ending as it stops waiting. ``num_slots``: the distinct experts a step can route a layer to."""
+    layer_ms = _with_gathers(layer_ms, fetches)
     waits = _waits_ms(layer_ms, fetches, num_slots)
     by_index = {fetch.index: (position, fetch) for position, fetch in enumerate(fetches)}
     compute, copies, stalls = [Interval(layer=-1, start_ms=0.0, end_ms=head_ms)], [], []
@@ -68,6 +72,12 @@ def routed_decode_step(layer_ms: Sequence[float], head_ms: float, fetches: Seque
     stall_ms = math.fsum(stalls)
     return Simulation(step_ms=head_ms + math.fsum(layer_ms) + stall_ms, stall_ms=stall_ms, compute=tuple(compute),
                       copies=tuple(copies), layer_stall_ms=tuple(stalls))
+
+
+def _with_gathers(layer_ms: Sequence[float], fetches: Sequence[RoutedFetch]) -> tuple[float, ...]:
+    """Each layer's compute, a routed layer's with its decode gather."""
+    gathers = {fetch.index: fetch.gather_ms for fetch in fetches}
+    return tuple(ms + gathers.get(index, 0.0) for index, ms in enumerate(layer_ms))
 
 
 def _fetch_intervals(fetch: RoutedFetch, predicted: bool, previous_wait_ms: float | None,
@@ -94,7 +104,7 @@ def _waits_ms(layer_ms: Sequence[float], fetches: Sequence[RoutedFetch], num_slo
 def placement_fetches(placement: RoutedPlacement) -> tuple[RoutedFetch, ...]:
     """The planner's routed placement as the timeline's fetches."""
     hit, ahead = placement.prefetch_accuracy, placement.prefetch_ahead_share
-    return tuple(RoutedFetch(index=row.index, link_ms=row.fetch_ms, expert_ms=row.expert_ms,
+    return tuple(RoutedFetch(index=row.index, link_ms=row.fetch_ms, expert_ms=row.expert_ms, gather_ms=row.gather_ms,
                              **_shares(layer_shares(row, hit, ahead))) for row in placement.layers)
 
 
@@ -102,14 +112,19 @@ def plan_fetches(plan: Plan) -> tuple[RoutedFetch, ...]:
     """A plan's routed layers as the timeline's fetches, from the figures the plan holds: each layer's expected
     fetched bytes and expert bytes at the section's gather rate, its prefetch shares (ExpertsPlan.prefetch_shares
     where the layer holds none)."""
-    experts = plan.experts
+    experts, hardware = plan.experts, plan.hardware
     rate = experts.routed_fetch_bytes_per_s
     hit, ahead = experts.prefetch_shares() or (None, 1.0)
+    tokens = plan.workload.tokens_per_step
+    gathering = tokens == plan.workload.sequences_per_step and plan.workload.context_tokens > 0  # decode steps
     fetches = []
     for row in experts.routed_layers:
-        expert_ms = 1e3 * routed_layer_expert_bytes(plan, row) / rate
+        expert_bytes = routed_layer_expert_bytes(plan, row)
+        expert_ms = 1e3 * expert_bytes / rate
+        gather = gather_ms(tokens, experts.top_k, experts.num_experts, expert_bytes,
+                           gather_rate(hardware.hbm_bytes_per_s, hardware.compute_efficiency)) if gathering else 0.0
         fetches.append(RoutedFetch(index=row.index, link_ms=1e3 * row.expected_fetched_bytes / rate,
-                                   expert_ms=expert_ms if row.expected_fetched_bytes else None,
+                                   expert_ms=expert_ms if row.expected_fetched_bytes else None, gather_ms=gather,
                                    **_shares(layer_shares(row, hit, ahead))))
     return tuple(fetches)
 

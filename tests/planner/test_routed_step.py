@@ -5,7 +5,8 @@ import pytest
 
 from planner.make.make_plan import make_plan
 from planner.model.cost import ComputeTimes
-from planner.model.expert_placement import RoutedLayer, RoutedPlacement, routed_placement, with_prefetch_depth
+from planner.model.expert_placement import (RoutedLayer, RoutedPlacement, gather_ms, gather_rate, routed_placement,
+                                            with_prefetch_depth)
 from planner.model.expert_routing import uniform_routing
 from planner.model.experts import MoeGeometry, MoeLayer
 from planner.plan.schema import Inputs, routed_layer_expert_bytes
@@ -55,11 +56,16 @@ def test_the_plan_and_show_draw_the_same_step(qwen3_30b):
     # the placement the search priced, rebuilt from the plan's rows, on the search's own path
     rate = experts.routed_fetch_bytes_per_s
     hit, ahead = experts.prefetch_shares()
+    hardware = plan.hardware
     rows = tuple(RoutedLayer(index=row.index, resident=row.resident, expected_fetched_bytes=row.expected_fetched_bytes,
                              hit_rate=row.hit_rate, fetch_ms=1e3 * row.expected_fetched_bytes / rate,
                              expert_bytes=routed_layer_expert_bytes(plan, row),
+                             gather_ms=gather_ms(1, experts.top_k, experts.num_experts,
+                                                 routed_layer_expert_bytes(plan, row),
+                                                 gather_rate(hardware.hbm_bytes_per_s, hardware.compute_efficiency)),
                              prefetch_hit_share=row.prefetch_hit_share, prefetch_ahead_share=row.prefetch_ahead_share)
                  for row in experts.routed_layers)
+    assert all(row.gather_ms > 0 for row in rows)  # one sequence's 8 pairs, under the 128 experts
     placement = RoutedPlacement(layers=rows, fetch_slots=experts.fetch_slots, weight_bytes=0, fetch_buffer_bytes=0,
                                 staging_buffer_bytes=0, gather_workspace_bytes=0, host_pinned_bytes=0,
                                 prefetch_accuracy=hit, prefetch_ahead_share=ahead,
@@ -95,3 +101,9 @@ def test_the_benchmark_predicts_the_step_the_planner_prices():
                                   placement.prefetch_ahead_share, expert_bytes=expert_bytes,
                                   num_slots=placement.fetch_slots)
         assert predicted == pytest.approx(planned, rel=1e-12)
+
+
+def test_a_decode_gather_is_written_and_read_back_and_only_where_it_runs():
+    expert_bytes, rate = 9 * 2**20, 1.5e12
+    assert gather_ms(4, 8, 128, expert_bytes, rate) == pytest.approx(2e3 * 32 * expert_bytes / rate)
+    assert gather_ms(32, 8, 128, expert_bytes, rate) == 0  # 256 pairs: the step runs the prefill path instead
