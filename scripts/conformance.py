@@ -685,9 +685,18 @@ def verdicts(arm: Arm, row: dict, reference_text: str | None) -> dict:
 
 
 def exits_ok(row: dict) -> bool:
-    """Every command exited 0, or refused in one line where that is the promise (expected_refusals)."""
+    """Every command exited 0, or refused in one line where that is the promise: an export whose engine wires no
+    offloader for the architecture (expected_refusals), or one that names the make command whose plan the engine
+    can express (SGLang's DeepSeek code offloads only routed experts, never whole layers)."""
     expected = expected_refusals(row.get("plan", {}).get("architecture"))
-    return all(code == 0 or (step in expected and code not in (2, 70)) for step, code in row["exit"].items())
+    errors = row.get("errors", {})
+    return all(code == 0 or (code not in (2, 70) and (step in expected or _names_the_fix(step, errors.get(step))))
+               for step, code in row["exit"].items())
+
+
+def _names_the_fix(step: str, error: str | None) -> bool:
+    """An export's one-line refusal that says which plan to make instead."""
+    return step.startswith("export_") and bool(error) and "\n" not in error.strip() and "make the plan" in error
 
 
 def expected_refusals(architecture: str | None) -> set[str]:
