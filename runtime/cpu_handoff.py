@@ -47,6 +47,7 @@ import ctypes
 import functools
 import math
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +56,7 @@ from planner.errors import PlanError, RuntimeUnavailableError
 from planner.model.placement import align_up
 from runtime.allocation import host_allocation_or_fail
 from runtime.cpu_experts import CPU_DTYPES, HostExperts, compute_pairs, cpu_threads
+from runtime.engine import backend_unpin
 from runtime.experts_impl import ExpertsProxy
 
 #: the host function's C type: CUhostFn, ``void (*)(void *userData)`` (cdecl on Linux)
@@ -194,9 +196,11 @@ class CpuExperts:
         self.allocation = host_allocation_or_fail(align_up(total), "the CPU experts' handoff", "plan fewer tokens")
         self.buffers = {name: self.allocation[offsets[name]:offsets[name] + math.prod(shape) * dtype.itemsize]
                         .view(dtype).view(shape) for name, (shape, dtype) in shapes.items()}
-        self.pinned = self.device.type == "cuda"
-        if self.pinned:
+        self._unpin = lambda: None
+        if self.device.type == "cuda":
             self.backend.pin(self.allocation)
+            # unpinned before the memory can be freed, even if close is never called (as RoutedExperts does)
+            self._unpin = weakref.finalize(self, backend_unpin, self.backend, [self.allocation])
             self.device_out = torch.zeros((max_pairs, hidden_size), dtype=torch.float32, device=self.device)
 
     @property
@@ -318,7 +322,5 @@ class CpuExperts:
             return
         self.wait()
         self.closed = True
-        if self.pinned:
-            self.backend.unpin(self.allocation)
-            self.pinned = False
+        self._unpin()
         self.layers = {}
