@@ -33,6 +33,15 @@ written), so the buffer holds 2 x fetch_slots slot rows. The side stream's gathe
 inside the captured step (fork and join through stream waits: legal under CUDA-graph capture); the values the
 experts multiply are still the all-resident ones, so the logits stay bitwise equal. The first routed layer (no
 previous one) and layers whose router cannot be called so fetch after their router, as without prefetch.
+
+CPU experts (``cpu``: layer -> expert ids computed by the host CPU; runtime.cpu_handoff): such a layer's decode step
+forks a side stream after its router that hands the hidden states to the host, computes the CPU experts' pairs
+there in a host node (inside the captured step) and brings the result back; the CPU experts are marked resident at
+a ZERO ROW of the device buffer (one row of zeros after the resident experts), so the fetch plan never gathers
+them and their pairs add exactly 0 on the GPU; the main stream joins the side stream after its own experts and
+adds the CPU's output. The sum is not bitwise the all-resident one (runtime.cpu_experts' tolerances apply to the
+layer's output). Without CPU experts nothing of this exists and the step is the one above, bit for bit. Prefill
+chunks stage all E experts on the GPU, CPU experts included, as before.
 """
 
 import math
@@ -47,6 +56,8 @@ from torch import nn
 from planner.errors import PlanError
 from planner.model.placement import ALIGN_BYTES, align_up
 from runtime.allocation import alloc_device_or_fail, host_allocation_or_fail
+from runtime.cpu_experts import CPU_DTYPES
+from runtime.cpu_handoff import CPU_PARAMS, CpuExperts, cpu_layer
 from runtime.engine import PackedParam, backend_unpin, view_as_param
 from runtime.experts_impl import ExpertsProxy, batched_mm_forward, expert_param_names, prefill_experts_forward
 from runtime.fetch_planning import fused_fetch_plan, plan_fetch, plan_fetch_after_prefetch
@@ -78,7 +89,9 @@ class RoutedExperts:
     def __init__(self, *, modules: dict[int, nn.Module], resident: dict[int, tuple[int, ...]], fetch_slots: int,
                  backend, adopt_host: bool = False, decoder_layers: dict[int, nn.Module] | None = None,
                  prefetch: bool = False, prefetch_programs: int = PREFETCH_GATHER_PROGRAMS,
-                 prefetch_depth: "int | dict[int, int] | None" = None):
+                 prefetch_depth: "int | dict[int, int] | None" = None,
+                 cpu: dict[int, tuple[int, ...]] | None = None, cpu_dtype: str = "fp32",
+                 cpu_threads: int | None = None):
         """Allocate (nothing read, nothing pinned yet): ``modules``: layer index -> its experts module (its
         params may be on the meta device: only their shapes are read here); ``resident``: layer index -> expert
         ids kept on the GPU; ``fetch_slots``: distinct experts one decode step can fetch (the plan's
@@ -88,7 +101,9 @@ class RoutedExperts:
         the layers. ``prefetch``: predict and prefetch each next routed layer's experts (module docstring); it
         needs ``decoder_layers`` (layer index -> decoder layer: its post-attention norm and its router);
         ``prefetch_programs``: the side stream gather's persistent programs; ``prefetch_depth``: how many of
-        each predicted token's top-k ranks are prefetched (``set_prefetch_depth``; None: all k)."""
+        each predicted token's top-k ranks are prefetched (``set_prefetch_depth``; None: all k). ``cpu``: layer
+        index -> expert ids the host CPU computes (runtime.cpu_handoff), from a host copy in ``cpu_dtype`` ("bf16",
+        "fp32") with ``cpu_threads`` threads (None: torch's current count)."""
         if prefetch and decoder_layers is None:
             raise PlanError("next-layer prefetch needs the decoder layers (their norms and routers); pass them")
         if prefetch_programs < 1:
@@ -112,6 +127,13 @@ class RoutedExperts:
                      for name in self.param_names}
         self._check(modules, resident, fetch_slots)
         self.resident = {index: tuple(sorted(resident.get(index, ()))) for index in self.layers}
+        #: routed layer index -> the expert ids its CPU computes (layers with none left out)
+        self.cpu = {index: tuple(sorted(ids)) for index, ids in (cpu or {}).items() if ids}
+        self.cpu_dtype = cpu_dtype
+        self.cpu_threads = torch.get_num_threads() if cpu_threads is None else int(cpu_threads)
+        self._check_cpu()
+        #: the CPU side (runtime.cpu_handoff.CpuExperts), made by start where some layer has CPU experts
+        self.cpu_experts: CpuExperts | None = None
         self.row_bytes = {name: math.prod(shape) * dtype.itemsize for name, (dtype, shape) in self.rows.items()}
         self.expert_bytes = sum(self.row_bytes.values())
         self._unpin = lambda: None
@@ -127,8 +149,11 @@ class RoutedExperts:
         #: (layer, param) -> where its [E, *row] tensor sits in host_allocation (the loader's destinations)
         self.host_items = {} if self.adopt_host else self._host_layout()
         num_rows = self.slot_rows + sum(len(r) for r in self.resident.values())
-        #: param -> [slot rows + resident rows, *row] on the device: fetch slots first (one set, or two when
-        #: prefetching), then each routed layer's resident experts in layer order
+        #: the row of zeros CPU experts map to (the last row), None without CPU experts
+        self.zero_row = num_rows if self.cpu else None
+        num_rows += 1 if self.cpu else 0
+        #: param -> [slot rows + resident rows (+ the zero row), *row] on the device: fetch slots first (one set,
+        #: or two when prefetching), then each routed layer's resident experts in layer order, then the zero row
         self.buffer = {name: self._device_rows(name, num_rows) for name in self.param_names}
         #: param -> [E, *row] on the device: one routed layer's experts during a prefill chunk
         self.staging = {name: self._device_rows(name, self.num_experts) for name in self.param_names}
@@ -193,6 +218,27 @@ class RoutedExperts:
             raise PlanError(f"fetch_slots must be in [1, {self.num_experts}] (distinct experts one decode step "
                             f"fetches), got {fetch_slots}")
 
+    def _check_cpu(self) -> None:
+        """CPU experts only in routed layers, distinct ids in range, none resident; a known dtype, >= 1 thread."""
+        for index, ids in self.cpu.items():
+            if index not in self.modules:
+                raise PlanError(f"layer {index} has CPU experts but is not routed; route it or drop its CPU experts")
+            bad = [e for e in ids if not 0 <= e < self.num_experts]
+            if bad or len(set(ids)) != len(ids):
+                raise PlanError(f"routed layer {index}: CPU experts must be distinct ids in [0, {self.num_experts}), "
+                                f"got {list(ids)}")
+            both = sorted(set(ids) & set(self.resident[index]))
+            if both:
+                raise PlanError(f"routed layer {index}: experts {both} are both resident and CPU experts; regenerate "
+                                "the plan")
+        if self.cpu and sorted(self.param_names) != CPU_PARAMS:
+            raise PlanError(f"experts with params {self.param_names} are not computed on the CPU (gated SwiGLU "
+                            f"experts without biases: {CPU_PARAMS}); plan without CPU experts")
+        if self.cpu_dtype not in CPU_DTYPES:
+            raise PlanError(f"the CPU experts' dtype must be one of {', '.join(CPU_DTYPES)}, not {self.cpu_dtype!r}")
+        if self.cpu_threads < 1:
+            raise PlanError(f"CPU experts need at least 1 thread, got {self.cpu_threads}")
+
     def _allocate_host(self) -> torch.Tensor:
         """One host allocation for every routed layer's E experts per param, back to back (each param's rows
         on an aligned offset), on huge pages; its storage begins at its first byte: torch asks is_pinned about
@@ -252,14 +298,29 @@ class RoutedExperts:
             ids = list(self.resident[index])
             resident_row = torch.full((self.num_experts,), -1, dtype=torch.int64)
             resident_row[ids] = torch.arange(row, row + len(ids))
+            # CPU experts read as resident at the zero row: never fetched, their pairs add exactly 0 here
+            if index in self.cpu:
+                resident_row[list(self.cpu[index])] = self.zero_row
             for name in self.param_names:
                 self.buffer[name][row:row + len(ids)].copy_(self.host[index, name][ids])
             self.tables[index] = RouteTables(resident_row=resident_row.to(self.device))
             row += len(ids)
+        if self.cpu:
+            self._start_cpu()
         if self.prefetch:
             self._start_prefetch()
         for index in self.layers:
             _route(modules[index], self, index)
+
+    def _start_cpu(self) -> None:
+        """The zero row zeroed and the CPU side made over the host copy (runtime.cpu_handoff)."""
+        for name in self.param_names:
+            self.buffer[name][self.zero_row].zero_()
+        layers = {index: cpu_layer(self.modules[index], self.host[index, "gate_up_proj"], self.host[index, "down_proj"],
+                                   ids, self.cpu_dtype) for index, ids in self.cpu.items()}
+        dtype, shape = self.rows["down_proj"]  # [H, I]
+        self.cpu_experts = CpuExperts(layers, hidden_size=shape[0], max_pairs=self.fetch_slots, hidden_dtype=dtype,
+                                      threads=self.cpu_threads, device=self.device, backend=self.backend)
 
     def _start_prefetch(self) -> None:
         """A predictor per routed layer whose next routed layer's router can be called on its router input;
@@ -295,6 +356,12 @@ class RoutedExperts:
         return len(self.layers) * self.num_experts * self.expert_bytes
 
     @property
+    def cpu_host_bytes(self) -> int:
+        """Host bytes of the CPU side beyond host_bytes: the CPU experts' copy where its dtype differs (theirs
+        only) and the handoff's buffers; 0 without CPU experts."""
+        return 0 if self.cpu_experts is None else self.cpu_experts.host_bytes
+
+    @property
     def device_bytes(self) -> int:
         """GPU bytes: fetch slots and resident experts, and the staging buffer of E experts."""
         return sum(b.numel() * b.element_size() for b in (*self.buffer.values(), *self.staging.values()))
@@ -322,13 +389,23 @@ class RoutedExperts:
         return {self.layers[ordinal + 1]: self.rank_accuracy(self.layers[ordinal + 1])
                 for ordinal in sorted(self.predictors)}
 
+    def cpu_stats(self) -> dict | None:
+        """The CPU side's counters since the last reset (runtime.cpu_handoff.CpuExperts.stats: layer steps, pairs,
+        the CPU's share of them, callback ms), after the host functions already enqueued ran; None without CPU
+        experts. Raises the error a callback recorded, in one line."""
+        return None if self.cpu_experts is None else self.cpu_experts.stats()
+
     def reset_counters(self) -> None:
+        if self.cpu_experts is not None:
+            self.cpu_experts.reset()
         self.fetch_counts.zero_()
         self.rank_counts.zero_()
         self.staged_bytes = 0
 
     def close(self) -> None:
         """Unpin the host allocation (after the device stopped reading it); the model must not run after."""
+        if self.cpu_experts is not None:
+            self.cpu_experts.close()
         self._unpin()
         self.host_allocation = None
         self.host, self.host_device, self.buffer, self.staging, self.modules = {}, {}, {}, {}, {}
@@ -338,7 +415,11 @@ class RoutedExperts:
     def decode(self, module: nn.Module, index: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
                top_k_weights: torch.Tensor) -> torch.Tensor:
         """A step with at most fetch_slots (token, expert) pairs: gather the routed non-resident experts, then
-        batched_mm over the device buffer. No host synchronisation."""
+        batched_mm over the device buffer; with CPU experts, their pairs on the host meanwhile (module docstring). No
+        host synchronisation."""
+        cpu = self.cpu_experts if index in self.cpu else None
+        # first, right after the router: the side stream's copies to the host start while the GPU plans its fetch
+        pending = None if cpu is None else cpu.fork(index, hidden, top_k_index, top_k_weights)
         ordinal = self.ordinal[index]
         base = self._slot_base(ordinal)
         resident_row = self.tables[index].resident_row
@@ -367,7 +448,8 @@ class RoutedExperts:
         if self.prefetch_after_misses:
             self._prefetch_next(ordinal, hidden)
         proxy = ExpertsProxy(module, {name: self.buffer[name] for name in self.param_names})
-        return batched_mm_forward()(proxy, hidden, pair_rows.view_as(top_k_index), top_k_weights)
+        out = batched_mm_forward()(proxy, hidden, pair_rows.view_as(top_k_index), top_k_weights)
+        return out if cpu is None else cpu.join(pending, out)
 
     def _count_ranks(self, ordinal: int, top_k_index: torch.Tensor) -> None:
         """Per rank, how many of this step's predictions for this layer it routed the same token to."""

@@ -1,7 +1,7 @@
 """Which layers of a model route-fetch their experts, set up as one runtime.routed_experts.RoutedExperts: from a
 plan's ``experts`` section (which layers are routed, with which resident experts and fetch slots, and whether and
-how deep the next layer's experts are prefetched), or from a layer -> resident experts map (apply_routed_experts,
-for tests and benchmarks).
+how deep the next layer's experts are prefetched, which experts the host CPU computes), or from a layer ->
+resident experts map (apply_routed_experts, for tests and benchmarks).
 """
 
 from torch import nn
@@ -25,9 +25,11 @@ def allocate_for_plan(plan, layers: list[nn.Module], backend) -> RoutedExperts |
     if overlap:
         raise PlanError(f"layers {overlap} are both offloaded whole and routed in the plan; regenerate it")
     modules = {index: experts_module(layers[index], index) for index in routed}
+    cpu, cpu_dtype, cpu_threads = cpu_from_plan(plan)
     return RoutedExperts(modules=modules, resident=routed, fetch_slots=fetch_slots, backend=backend,
                          decoder_layers={index: layers[index] for index in routed},
-                         prefetch=prefetch_from_plan(plan), prefetch_depth=prefetch_depth_from_plan(plan))
+                         prefetch=prefetch_from_plan(plan), prefetch_depth=prefetch_depth_from_plan(plan),
+                         cpu=cpu, cpu_dtype=cpu_dtype, cpu_threads=cpu_threads)
 
 
 def prefetch_from_plan(plan) -> bool:
@@ -41,6 +43,20 @@ def prefetch_depth_from_plan(plan) -> int | None:
     before it."""
     depth = getattr(getattr(plan, "experts", None), "prefetch_depth", None)
     return None if depth is None else int(depth)
+
+
+def cpu_from_plan(plan) -> tuple[dict[int, tuple[int, ...]], str, int | None]:
+    """(routed layer -> CPU expert ids, the host copy's dtype, threads) of the plan's experts section: each routed
+    layer's ``cpu`` ids and the section's ``cpu`` (dtype, threads). Plans made before CPU experts have neither:
+    none, "fp32", None (torch's thread count)."""
+    experts = getattr(plan, "experts", None)
+    if experts is None:
+        return {}, "fp32", None
+    cpu = {layer.index: tuple(getattr(layer, "cpu", ()) or ()) for layer in getattr(experts, "layers", ())
+           if getattr(layer, "regime", None) == ROUTED and getattr(layer, "cpu", ())}
+    section = getattr(experts, "cpu", None)
+    threads = getattr(section, "threads", None)
+    return cpu, getattr(section, "dtype", None) or "fp32", int(threads) if threads else None
 
 
 def routed_from_plan(plan) -> tuple[dict[int, tuple[int, ...]], int]:
@@ -58,12 +74,14 @@ def routed_from_plan(plan) -> tuple[dict[int, tuple[int, ...]], int]:
 def apply_routed_experts(model: nn.Module, routed: dict[int, tuple[int, ...]], fetch_slots: int, backend,
                          stack: str = "model.layers", adopt_host: bool = False, prefetch: bool = False,
                          prefetch_programs: int = PREFETCH_GATHER_PROGRAMS,
-                         prefetch_depth: "int | dict[int, int] | None" = None) -> RoutedExperts | None:
+                         prefetch_depth: "int | dict[int, int] | None" = None,
+                         cpu: dict[int, tuple[int, ...]] | None = None, cpu_dtype: str = "fp32",
+                         cpu_threads: int | None = None) -> RoutedExperts | None:
     """Route-fetch the experts of the layers ``routed`` names (layer index -> resident expert ids): their
     fused expert params move to page-locked, mapped host memory (resident ones also to the GPU) and their
     forward fetches what each step routes to. Non-expert params are left where they are (the caller puts
-    them on the GPU); ``adopt_host``, ``prefetch``, ``prefetch_programs``, ``prefetch_depth``: see
-    RoutedExperts. None when ``routed`` is empty."""
+    them on the GPU); ``adopt_host``, ``prefetch``, ``prefetch_programs``, ``prefetch_depth``, ``cpu``,
+    ``cpu_dtype``, ``cpu_threads``: see RoutedExperts. None when ``routed`` is empty."""
     if not routed:
         return None
     layers = list(model.get_submodule(stack))
@@ -73,7 +91,8 @@ def apply_routed_experts(model: nn.Module, routed: dict[int, tuple[int, ...]], f
     modules = {index: experts_module(layers[index], index) for index in routed}
     experts = RoutedExperts(modules=modules, resident=routed, fetch_slots=fetch_slots, backend=backend,
                             adopt_host=adopt_host, decoder_layers={index: layers[index] for index in routed},
-                            prefetch=prefetch, prefetch_programs=prefetch_programs, prefetch_depth=prefetch_depth)
+                            prefetch=prefetch, prefetch_programs=prefetch_programs, prefetch_depth=prefetch_depth,
+                            cpu=cpu, cpu_dtype=cpu_dtype, cpu_threads=cpu_threads)
     try:
         experts.start()
     except BaseException:

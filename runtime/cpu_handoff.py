@@ -1,0 +1,326 @@
+"""Routed experts computed on the host CPU inside the decode step, captured in a CUDA graph or run eagerly alike.
+
+A routed layer (runtime.routed_experts) may name a static set of CPU experts (the plan's ``experts.layers[i].cpu``).
+Their pairs are computed by the host CPU from its own copy of their weights (runtime.cpu_experts.HostExperts) while
+the GPU computes the others; neither side ever moves a CPU expert's weights over the link. One decode step of
+such a layer, every operation capturable (no host synchronisation):
+
+1. the main stream has run the router (``top_k_index``, ``top_k_weights``); a side stream forks from it (event
+   wait) and copies the hidden states [T, H], the indices and the weights to page-locked host buffers
+   (``non_blocking`` device-to-host copies);
+2. on the side stream, a HOST NODE: the driver's ``cuLaunchHostFunc`` (libcuda.so.1 through ctypes) enqueues a
+   Python callback that runs, in stream order, once the copies have landed: eagerly, and on every replay of a
+   graph that captured it (CUDA captures ``cuLaunchHostFunc`` as a host node). It computes the CPU's pairs
+   (runtime.cpu_experts.compute_pairs, ``threads`` intra-op threads), weights them and sums them per token into a
+   page-locked fp32 output [T, H] (zeros for a token none of whose pairs is the CPU's);
+3. on the side stream, the output is copied to a device buffer (host-to-device, ``non_blocking``);
+4. meanwhile the main stream fetches the layer's non-resident GPU experts and computes its pairs (batched_mm);
+   a pair routed to a CPU expert reads the ZERO ROW, a device-buffer row of zeros that the fetch plan takes for a
+   resident expert (so it is never gathered) and whose SwiGLU output is exactly 0;
+5. the main stream waits for the side stream (event wait) and adds the CPU's output to its own.
+
+The zero row stands in for the brief's weight-0 mask (is_cpu[E] on the GPU): with the CPU experts marked resident
+at that row, the fetch plan (the fused Triton kernel and its torch twin, prefetch included) skips them as it skips
+resident experts, with no new kernel and no extra node per step; a zero expert's output times any finite weight
+adds exactly 0.0, so the GPU's partial sum is the sum of its own pairs in the router's order.
+
+The callback must not call CUDA (CUDA forbids API calls in host functions): it runs torch CPU ops on host tensors
+only. It must not raise either (an exception cannot cross the C frame): it catches, records the first error, and
+fills the output with NaN so the step is visibly wrong; the next Python-side call (a decode step, ``stats``)
+raises it as one line (RuntimeUnavailableError).
+
+The GIL: the callback runs on a CUDA driver thread and takes the GIL (ctypes' callback wrapper). It cannot
+deadlock with the main thread, because every call by which the main thread waits for GPU work releases the GIL
+while it waits (pytorch/pytorch, torch/csrc): ``CUDAGraph.replay`` is bound with ``wrap_pybind_function_no_gil``
+(cuda/Graph.cpp); ``torch.cuda.synchronize`` runs ``c10::cuda::device_synchronize`` under
+``pybind11::gil_scoped_release`` (cuda/Module.cpp, THCPModule_cudaSynchronize), as do ``Stream.synchronize``
+(cuda/Stream.cpp, THCPStream_synchronize), ``Tensor.item`` (autograd/python_variable_methods.cpp, dispatch_item_)
+and ``Tensor.tolist`` (utils/tensor_list.cpp: the device-to-host copy under gil_scoped_release); torch's generated
+op bindings release it around every dispatch (so a launch that blocks on a full queue does not hold it), Triton's
+launcher releases it around cuLaunchKernel, and ctypes releases it around ``cuLaunchHostFunc``. The runtime's own
+waits (``stats``, ``close``) use those. Eagerly, a callback that wants the GIL while the main thread runs Python
+gets it at the main thread's next torch call (each releases it), at worst after sys.getswitchinterval (5 ms): a
+cost, not a deadlock; graphed, the main thread sits in replay or a synchronisation, GIL released.
+"""
+
+import ctypes
+import functools
+import math
+import time
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from planner.errors import PlanError, RuntimeUnavailableError
+from planner.model.placement import align_up
+from runtime.allocation import host_allocation_or_fail
+from runtime.cpu_experts import CPU_DTYPES, HostExperts, compute_pairs, cpu_threads
+from runtime.engine import backend_unpin
+from runtime.experts_impl import ExpertsProxy
+
+#: the host function's C type: CUhostFn, ``void (*)(void *userData)`` (cdecl on Linux)
+HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+#: the params a CPU-computed experts module holds: gated SwiGLU experts without biases (HostExperts)
+CPU_PARAMS = ["down_proj", "gate_up_proj"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CpuLayer:
+    """One routed layer's CPU experts on the host: their weights and the per-expert tables the callback reads."""
+
+    host: HostExperts
+    #: [E] bool, on the host: whether expert e is computed on the CPU
+    is_cpu: torch.Tensor
+    #: [E] int64, on the host: expert e's index in ``host`` (-1 where not a CPU expert)
+    local: torch.Tensor
+    #: host bytes of a copy made for the CPU (its dtype differs from the routed host copy's), else 0
+    copy_bytes: int
+
+
+def cpu_layer(module: torch.nn.Module, gate_up: torch.Tensor, down: torch.Tensor, expert_ids: tuple[int, ...],
+              dtype: str) -> CpuLayer:
+    """The CPU side of one routed layer: ``gate_up`` [E, 2I, H] and ``down`` [E, H, I] its experts in host memory
+    (the routed experts' page-locked copy), ``expert_ids`` those the CPU computes, ``dtype`` the copy's ("bf16",
+    "fp32"). Host weights already in ``dtype`` are read where they lie (no second copy); otherwise only the CPU
+    experts are copied, in ``dtype`` (an fp32 copy of bf16 experts holds just theirs)."""
+    num_experts = gate_up.shape[0]
+    ids = torch.tensor(sorted(expert_ids), dtype=torch.int64)
+    in_place = gate_up.dtype == CPU_DTYPES[dtype]
+    weights = {"gate_up_proj": gate_up, "down_proj": down} if in_place else \
+        {"gate_up_proj": gate_up[ids], "down_proj": down[ids]}
+    try:
+        host = HostExperts.from_module(ExpertsProxy(module, weights), dtype)
+    except ValueError as error:
+        raise PlanError(f"{error}; plan this model's experts without CPU experts") from None
+    is_cpu = torch.zeros(num_experts, dtype=torch.bool)
+    is_cpu[ids] = True
+    local = torch.full((num_experts,), -1, dtype=torch.int64)
+    local[ids] = ids if in_place else torch.arange(len(ids))
+    return CpuLayer(host=host, is_cpu=is_cpu, local=local, copy_bytes=0 if in_place else host.nbytes)
+
+
+def cpu_partial_sum(layer: CpuLayer, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                    out: torch.Tensor) -> tuple[int, int]:
+    """``out`` [T, H] (fp32) = per token, the sum over its pairs routed to the layer's CPU experts of weight x the
+    expert's output, in rank order (as batched_mm sums); zeros where a token has none. ``hidden`` [T, H],
+    ``top_k_index`` and ``top_k_weights`` [T, k], all host tensors. Returns (pairs, distinct experts) computed."""
+    num_top_k = top_k_index.shape[1]
+    ids = top_k_index.reshape(-1)  # [S], token-major
+    rows = layer.is_cpu[ids].nonzero().squeeze(1)  # [P] the CPU's pairs, ascending: by token, then rank
+    out.zero_()
+    if rows.numel() == 0:
+        return 0, 0
+    tokens = rows // num_top_k
+    local = layer.local[ids[rows]]
+    pairs = compute_pairs(layer.host, hidden[tokens], local)  # [P, H] unweighted, in the copy's dtype
+    weighted = pairs.float() * top_k_weights.reshape(-1)[rows].float().unsqueeze(-1)
+    out.index_add_(0, tokens, weighted)  # sequential on the CPU: each token's pairs in rank order
+    return rows.numel(), torch.unique(local).numel()
+
+
+@functools.cache
+def _driver():
+    """libcuda.so.1's cuLaunchHostFunc and cuGetErrorName, typed."""
+    try:
+        library = ctypes.CDLL("libcuda.so.1")
+    except OSError as error:
+        raise RuntimeUnavailableError(f"cannot load the CUDA driver (libcuda.so.1: {error}); CPU experts need a "
+                                      "CUDA GPU's driver, or plan without CPU experts") from None
+    launch = library.cuLaunchHostFunc
+    launch.argtypes = [ctypes.c_void_p, HOST_FN, ctypes.c_void_p]
+    launch.restype = ctypes.c_int
+    error_name = library.cuGetErrorName
+    error_name.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+    error_name.restype = ctypes.c_int
+    return launch, error_name
+
+
+def launch_host_func(stream: "torch.cuda.Stream", callback) -> None:
+    """Enqueue ``callback`` (a HOST_FN, which the caller keeps alive as long as any graph that captures it) on
+    ``stream``: it runs on a driver thread once the stream's earlier work is done; under stream capture it becomes
+    the graph's host node, run in order on each replay."""
+    launch, error_name = _driver()
+    code = launch(ctypes.c_void_p(stream.cuda_stream), callback, None)
+    if code != 0:
+        name = ctypes.c_char_p()
+        error_name(code, ctypes.byref(name))
+        raise RuntimeUnavailableError(f"cuLaunchHostFunc failed ({(name.value or b'').decode()} {code}); plan "
+                                      "without CPU experts")
+
+
+@dataclass
+class CpuCounters:
+    """Host-side counts of the CPU's work since the last reset, updated by the callback (or the inline path)."""
+
+    #: layer steps computed on the CPU side, pairs they had in all, pairs routed to CPU experts, distinct CPU
+    #: experts summed over layer steps
+    calls: int = 0
+    pairs_total: int = 0
+    pairs_cpu: int = 0
+    experts_cpu: int = 0
+    #: wall seconds inside the callbacks (perf_counter), compute and bookkeeping: the rest of what the CPU side
+    #: adds to a step is the handoff (copies, the host node's wake-up, the GIL)
+    callback_s: float = 0.0
+
+
+class CpuExperts:
+    """The CPU side of the routed layers with CPU experts: their host copies, the page-locked buffers of the
+    handoff, the side stream, the host functions (kept alive as long as this object: a graph that captured one
+    must not be replayed after ``close``) and the counters."""
+
+    def __init__(self, layers: dict[int, CpuLayer], *, hidden_size: int, max_pairs: int, hidden_dtype: torch.dtype,
+                 threads: int, device: torch.device, backend):
+        """``max_pairs``: the most (token, expert) pairs of a decode step (fetch_slots), so the most tokens too."""
+        if threads < 1:
+            raise PlanError(f"CPU experts need at least 1 thread, got {threads}")
+        self.layers, self.threads, self.device, self.backend = dict(layers), threads, device, backend
+        self.counters = CpuCounters()
+        #: the first error a callback caught, one line; raised by the next Python-side call
+        self.error: str | None = None
+        self.closed = False
+        self._allocate(hidden_size, max_pairs, hidden_dtype)
+        #: (layer, tokens, top-k) -> its HOST_FN
+        self._host_funcs: dict[tuple[int, int, int], object] = {}
+        self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+
+    def _allocate(self, hidden_size: int, max_pairs: int, hidden_dtype: torch.dtype) -> None:
+        """The handoff's host buffers in one allocation (page-locked when the device is a GPU: the copies are
+        asynchronous and capturable only from page-locked memory) and the device copy of the output."""
+        shapes = {"hidden": ((max_pairs, hidden_size), hidden_dtype), "index": ((max_pairs,), torch.int64),
+                  "weights": ((max_pairs,), torch.float32), "out": ((max_pairs, hidden_size), torch.float32)}
+        offsets, total = {}, 0
+        for name, (shape, dtype) in shapes.items():
+            offsets[name] = total
+            total = align_up(total + math.prod(shape) * dtype.itemsize)
+        self.allocation = host_allocation_or_fail(align_up(total), "the CPU experts' handoff", "plan fewer tokens")
+        self.buffers = {name: self.allocation[offsets[name]:offsets[name] + math.prod(shape) * dtype.itemsize]
+                        .view(dtype).view(shape) for name, (shape, dtype) in shapes.items()}
+        self._unpin = lambda: None
+        if self.device.type == "cuda":
+            self.backend.pin(self.allocation)
+            # unpinned before the memory can be freed, even if close is never called (as RoutedExperts does)
+            self._unpin = weakref.finalize(self, backend_unpin, self.backend, [self.allocation])
+            self.device_out = torch.zeros((max_pairs, hidden_size), dtype=torch.float32, device=self.device)
+
+    @property
+    def host_bytes(self) -> int:
+        """Host bytes the CPU side holds beyond the routed experts' copy: copies in another dtype (only the CPU
+        experts'; a copy in the experts' own dtype reads the routed host copy in place) and the buffers."""
+        return sum(layer.copy_bytes for layer in self.layers.values()) + self.allocation.numel()
+
+    # ---- the step ----
+
+    def fork(self, index: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        """Start the CPU's pairs of layer ``index`` (steps 1 to 3 of the module docstring, on the side stream), right
+        after the router; returns what ``join`` takes. On the CPU stand-in (tests) nothing runs until ``join``."""
+        self.check()
+        if self.stream is None:
+            return index, hidden, top_k_index, top_k_weights
+        num_tokens, num_top_k = top_k_index.shape
+        main = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(main)
+        with torch.cuda.stream(self.stream):
+            self.buffers["hidden"][:num_tokens].copy_(hidden, non_blocking=True)
+            self.buffers["index"][:num_tokens * num_top_k].view(num_tokens, num_top_k).copy_(top_k_index,
+                                                                                           non_blocking=True)
+            self.buffers["weights"][:num_tokens * num_top_k].view(num_tokens, num_top_k).copy_(top_k_weights,
+                                                                                             non_blocking=True)
+            launch_host_func(self.stream, self.host_func(index, num_tokens, num_top_k))
+            self.device_out[:num_tokens].copy_(self.buffers["out"][:num_tokens], non_blocking=True)
+        # the inputs are read on the side stream before ``join`` (called before the layer returns, so before
+        # the caller can free them) makes the main stream wait for it: no record_stream needed
+        return num_tokens
+
+    def join(self, pending, out: torch.Tensor) -> torch.Tensor:
+        """The main stream waits for the side stream's output and adds it to ``out`` [T, H], the GPU's partial sum
+        (in place, rounded once to its dtype); on the CPU stand-in the CPU's pairs are computed here, inline."""
+        if self.stream is None:
+            index, hidden, top_k_index, top_k_weights = pending
+            partial = torch.empty(hidden.shape, dtype=torch.float32)
+            with cpu_threads(self.threads):  # this thread's count restored after
+                self._compute(index, hidden, top_k_index, top_k_weights, partial)
+            self.check()
+            return out.add_(partial)
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        return out.add_(self.device_out[:pending])
+
+    def host_func(self, index: int, num_tokens: int, num_top_k: int):
+        """The HOST_FN of layer ``index`` at ``num_tokens`` x ``num_top_k`` pairs (made once, kept here)."""
+        key = (index, num_tokens, num_top_k)
+        if key not in self._host_funcs:
+            self._host_funcs[key] = HOST_FN(lambda _user_data: self._host_step(*key))
+        return self._host_funcs[key]
+
+    def _host_step(self, index: int, num_tokens: int, num_top_k: int) -> None:
+        """The host node's body: the CPU's pairs from the page-locked inputs into the page-locked output. Runs on a
+        driver thread: no CUDA call, and nothing may escape (module docstring)."""
+        if self.closed:
+            return
+        num_pairs = num_tokens * num_top_k
+        buffers = self.buffers
+        self._compute(index, buffers["hidden"][:num_tokens], buffers["index"][:num_pairs].view(num_tokens, num_top_k),
+                      buffers["weights"][:num_pairs].view(num_tokens, num_top_k), buffers["out"][:num_tokens])
+
+    def _compute(self, index: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                 out: torch.Tensor) -> None:
+        """cpu_partial_sum with the threads set and the counters kept; an error is recorded, the output NaN."""
+        start = time.perf_counter()
+        try:
+            # torch's intra-op thread count is the calling thread's (OpenMP's per-thread setting): the driver's
+            # thread starts with the process default, so it is set here, where the work runs
+            if torch.get_num_threads() != self.threads:
+                torch.set_num_threads(self.threads)
+            with torch.inference_mode():
+                pairs, experts = cpu_partial_sum(self.layers[index], hidden, top_k_index, top_k_weights, out)
+            counters = self.counters
+            counters.calls += 1
+            counters.pairs_total += top_k_index.numel()
+            counters.pairs_cpu += pairs
+            counters.experts_cpu += experts
+        except BaseException as error:  # noqa: BLE001 - nothing may leave a host function
+            if self.error is None:
+                reason = (str(error).strip().splitlines() or [""])[0][:160]
+                self.error = f"layer {index}: {type(error).__name__}: {reason}"
+            try:
+                out.fill_(float("nan"))
+            except BaseException:  # noqa: BLE001
+                pass
+        self.counters.callback_s += time.perf_counter() - start
+
+    # ---- the host side's bookkeeping ----
+
+    def check(self) -> None:
+        """Raise, in one line, the error a callback recorded (it filled its output with NaN)."""
+        if self.error is not None:
+            raise RuntimeUnavailableError(f"the CPU experts failed inside a decode step ({self.error}); the steps "
+                                          "since are wrong (NaN); plan without CPU experts or report it")
+
+    def wait(self) -> None:
+        """Wait for the side stream's host functions to finish (GIL released while waiting)."""
+        if self.stream is not None:
+            self.stream.synchronize()
+
+    def stats(self) -> dict:
+        """The counters since the last reset, after the callbacks already enqueued have run; raises a recorded
+        error. ``pairs_share``: the CPU's share of the routed layers-with-CPU-experts' pairs."""
+        self.wait()
+        self.check()
+        counts = vars(self.counters).copy()
+        counts["pairs_share"] = counts["pairs_cpu"] / counts["pairs_total"] if counts["pairs_total"] else 0.0
+        counts["callback_ms_per_call"] = 1e3 * counts["callback_s"] / counts["calls"] if counts["calls"] else 0.0
+        return counts
+
+    def reset(self) -> None:
+        self.wait()
+        self.counters = CpuCounters()
+
+    def close(self) -> None:
+        """Unpin the buffers once the side stream is idle; a host function still captured in a graph does nothing
+        from now on (the graph must not be replayed: the device buffers it reads are gone too)."""
+        if self.closed:
+            return
+        self.wait()
+        self.closed = True
+        self._unpin()
+        self.layers = {}

@@ -1,0 +1,225 @@
+"""runtime.cpu_handoff on the CPU: the host node's compute equals the hybrid layer's CPU part, the GPU part (CPU
+experts at a zero row) plus the CPU part is the all-resident layer within the stated tolerance, the callback runs
+through its ctypes wrapper and turns an error into NaN and one line, and routed greedy decode with CPU experts on
+the CPU stand-in equals the all-resident model's tokens with the CPU experts never fetched and their pairs counted.
+The CUDA side (side stream, host node inside a captured step) is tests/runtime/test_cpu_handoff_gpu.py."""
+
+import copy
+from types import SimpleNamespace as NS
+
+import pytest
+import torch
+
+from planner.errors import PlanError, RuntimeUnavailableError
+from runtime.backend import CpuStandIn
+from runtime.cpu_experts import BF16_TOLERANCE, FP32_TOLERANCE, HostExperts, hybrid_experts_forward
+from runtime.cpu_handoff import CpuExperts, cpu_layer, cpu_partial_sum
+from runtime.experts_impl import ExpertsProxy, batched_mm_forward
+from runtime.routed_layers import apply_routed_experts, cpu_from_plan
+from tests.runtime.test_routed_experts import ROUTED, _greedy, _record_routing, _routed_copy
+from tests.runtime_models import routed_moe_model
+
+NUM_EXPERTS = 16
+CPU_IDS = (0, 3, 6, 9, 12, 15)
+#: routed layer -> CPU experts: none of them resident (ROUTED's), layer 2 has one of its few non-resident ones
+CPU = {0: (0, 2, 4, 6), 1: (3, 7, 11), 2: (13, 15)}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return routed_moe_model(num_experts=NUM_EXPERTS)
+
+
+@pytest.fixture(scope="module")
+def layer(model):
+    """Layer 0's experts module of the tiny model (fp32) and a batch of 6 tokens' routing."""
+    block = model.model.layers[0].mlp
+    hidden = torch.randn(6, 64, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        _, weights, index = block.gate(hidden)
+    assert set(index.flatten().tolist()) & set(CPU_IDS) and set(index.flatten().tolist()) - set(CPU_IDS)
+    return block.experts, hidden, index, weights
+
+
+def _cpu_layer(experts, dtype="fp32", ids=CPU_IDS):
+    return cpu_layer(experts, experts.gate_up_proj.detach(), experts.down_proj.detach(), ids, dtype)
+
+
+def _within(actual, reference, tolerance):
+    return (actual.float() - reference.float()).abs().max() <= tolerance * reference.float().abs().max()
+
+
+def _gpu_part(experts, hidden, index, weights, ids=CPU_IDS):
+    """What the GPU computes: batched_mm over the device rows, the CPU experts' rows zero (the zero row)."""
+    rows = {name: getattr(experts, name).detach().clone() for name in ("gate_up_proj", "down_proj")}
+    for tensor in rows.values():
+        tensor[list(ids)] = 0
+    with torch.no_grad():
+        return batched_mm_forward()(ExpertsProxy(experts, rows), hidden, index, weights)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_host_nodes_compute_is_the_hybrid_layers_cpu_part(layer, dtype):
+    """The CPU's partial sum equals hybrid_experts_forward with only the CPU experts' pairs weighted (the device's
+    pairs times 0), each computed from a host copy in ``dtype``."""
+    experts, hidden, index, weights = layer
+    on_cpu = torch.zeros(NUM_EXPERTS, dtype=torch.bool)
+    on_cpu[list(CPU_IDS)] = True
+    cpu_only_weights = torch.where(on_cpu[index], weights, torch.zeros_like(weights))
+    with torch.no_grad():
+        expected = hybrid_experts_forward(experts, hidden, index, cpu_only_weights,
+                                          host=HostExperts.from_module(experts, dtype), on_cpu=on_cpu,
+                                          placeholder_expert=1)
+    out = torch.full_like(hidden, 7.0)
+    pairs, num_experts = cpu_partial_sum(_cpu_layer(experts, dtype), hidden, index, weights, out)
+    assert pairs == int(on_cpu[index].sum()) and num_experts == len(set(index[on_cpu[index]].tolist()))
+    assert _within(out, expected, FP32_TOLERANCE if dtype == "fp32" else BF16_TOLERANCE)
+    untouched = ~on_cpu[index].any(dim=1)  # tokens with no CPU pair: exactly zero
+    assert untouched.any() and not out[untouched].any()
+
+
+def test_gpu_part_plus_cpu_part_is_the_all_resident_layer(layer):
+    experts, hidden, index, weights = layer
+    with torch.no_grad():
+        reference = batched_mm_forward()(experts, hidden, index, weights)
+    out = torch.empty_like(hidden)
+    cpu_partial_sum(_cpu_layer(experts), hidden, index, weights, out)
+    combined = _gpu_part(experts, hidden, index, weights).add_(out)
+    assert _within(combined, reference, FP32_TOLERANCE)
+    assert not torch.equal(_gpu_part(experts, hidden, index, weights), reference)  # the CPU had pairs to add
+
+
+def test_a_bf16_layer_with_either_host_copy_is_within_the_bf16_tolerance(layer):
+    experts, hidden, index, weights = layer
+    experts = copy.deepcopy(experts).to(torch.bfloat16)
+    args = (hidden.bfloat16(), index, weights.bfloat16())
+    with torch.no_grad():
+        reference = batched_mm_forward()(experts, *args)
+    for dtype in ("fp32", "bf16"):
+        out = torch.empty(hidden.shape)
+        cpu_partial_sum(_cpu_layer(experts, dtype), *args, out)
+        combined = _gpu_part(experts, *args).add_(out)
+        assert combined.dtype == torch.bfloat16 and _within(combined, reference, BF16_TOLERANCE)
+
+
+def test_the_host_copy_holds_only_the_cpu_experts_in_another_dtype(layer):
+    experts = copy.deepcopy(layer[0]).to(torch.bfloat16)
+    copied = _cpu_layer(experts, "fp32")
+    assert copied.host.num_experts == len(CPU_IDS) and copied.host.gate_up.dtype == torch.float32
+    assert copied.copy_bytes == copied.host.nbytes == len(CPU_IDS) * experts.gate_up_proj[0].numel() * 3 * 4 // 2
+    in_place = _cpu_layer(experts, "bf16")  # the routed host copy's own dtype: read where it lies
+    assert in_place.copy_bytes == 0 and in_place.host.gate_up.data_ptr() == experts.gate_up_proj.data_ptr()
+    assert in_place.local[list(CPU_IDS)].tolist() == list(CPU_IDS)
+    assert copied.local[list(CPU_IDS)].tolist() == list(range(len(CPU_IDS))) and copied.local[1] == -1
+
+
+def _side(experts, threads=1):
+    return CpuExperts({0: _cpu_layer(experts)}, hidden_size=64, max_pairs=16, hidden_dtype=torch.float32,
+                      threads=threads, device=torch.device("cpu"), backend=CpuStandIn())
+
+
+def _stage(side, hidden, index, weights):
+    """The side's host buffers as the device-to-host copies leave them."""
+    num_tokens, num_top_k = index.shape
+    side.buffers["hidden"][:num_tokens].copy_(hidden)
+    side.buffers["index"][:index.numel()].copy_(index.flatten())
+    side.buffers["weights"][:index.numel()].copy_(weights.flatten())
+
+
+def test_the_host_function_runs_through_ctypes_and_counts(layer):
+    """The HOST_FN the driver would call, called here through its ctypes wrapper: it writes the CPU's partial sum
+    into the output buffer and counts the pairs; one wrapper per (layer, tokens, k), kept."""
+    experts, hidden, index, weights = layer
+    side = _side(experts)
+    _stage(side, hidden, index, weights)
+    function = side.host_func(0, *index.shape)
+    assert side.host_func(0, *index.shape) is function
+    function(None)
+    expected = torch.empty_like(hidden)
+    pairs, num_experts = cpu_partial_sum(_cpu_layer(experts), hidden, index, weights, expected)
+    assert torch.equal(side.buffers["out"][:hidden.shape[0]], expected)
+    stats = side.stats()
+    assert (stats["calls"], stats["pairs_total"], stats["pairs_cpu"], stats["experts_cpu"]) == \
+        (1, index.numel(), pairs, num_experts)
+    assert stats["pairs_share"] == pairs / index.numel() and stats["callback_s"] > 0
+    side.reset()
+    assert side.stats()["calls"] == 0
+    side.close()
+    function(None)  # after close a captured node does nothing
+    assert side.counters.calls == 0
+
+
+def test_an_error_in_the_host_function_is_nan_then_one_line(layer):
+    experts, hidden, index, weights = layer
+    side = _side(experts)
+    _stage(side, hidden, index, weights)
+    side.host_func(1, *index.shape)(None)  # layer 1 has no CPU side here: the callback's KeyError is caught
+    assert side.buffers["out"][:hidden.shape[0]].isnan().all()
+    with pytest.raises(RuntimeUnavailableError) as error:
+        side.stats()
+    assert "layer 1" in str(error.value) and "\n" not in str(error.value)
+    with pytest.raises(RuntimeUnavailableError):
+        side.fork(0, hidden, index, weights)  # the next decode step too
+
+
+def test_greedy_decode_with_cpu_experts_on_the_stand_in(model):
+    """Routed layers with CPU experts: the all-resident model's tokens, logits within a few fp32 roundings, every
+    CPU pair computed on the CPU side and no CPU expert fetched."""
+    batch, num_steps = 2, 8
+    reference = copy.deepcopy(model)
+    calls = _record_routing(reference, ROUTED)
+    ids, logits, prefill = _greedy(reference, batch, num_steps)
+    routed_model = copy.deepcopy(model)
+    routed_model.set_experts_implementation("batched_mm")
+    routed = apply_routed_experts(routed_model, ROUTED, 2 * batch, CpuStandIn(), cpu=CPU, cpu_threads=1)
+    try:
+        routed_ids, routed_logits, routed_prefill = _greedy(routed_model, batch, num_steps)
+        assert torch.equal(routed_prefill, prefill)  # prefill stages every expert on the device, as before
+        assert torch.equal(routed_ids, ids)
+        assert all(_within(a, b, 1e-5) for a, b in zip(routed_logits, logits))
+        decode_calls = {index: calls[index][1:] for index in ROUTED}  # call 0 is the prefill
+        cpu_pairs = sum(int(torch.isin(top_k, torch.tensor(CPU[index])).sum())
+                        for index in CPU for top_k in decode_calls[index])
+        fetched = sum(len(set(top_k.flatten().tolist()) - set(ROUTED[index]) - set(CPU[index]))
+                      for index in ROUTED for top_k in decode_calls[index])
+        stats = routed.cpu_stats()
+        assert stats["calls"] == len(CPU) * num_steps and stats["pairs_cpu"] == cpu_pairs > 0
+        assert routed.fetched_bytes() == fetched * routed.expert_bytes
+    finally:
+        routed.close()
+
+
+def test_without_cpu_experts_nothing_is_added(model):
+    """A layer with no CPU experts is as without the argument: no CPU side, no zero row; one with is one row more."""
+    _, plain = _routed_copy(model, fetch_slots=2)
+    empty = apply_routed_experts(copy.deepcopy(model), ROUTED, 2, CpuStandIn(), cpu={0: ()})
+    assert empty.cpu_experts is None and empty.zero_row is None and empty.cpu_stats() is None
+    assert empty.device_bytes == plain.device_bytes and empty.cpu_host_bytes == 0
+    with_cpu = apply_routed_experts(copy.deepcopy(model), ROUTED, 2, CpuStandIn(), cpu={0: (0,)})
+    assert with_cpu.device_bytes == plain.device_bytes + with_cpu.expert_bytes  # the zero row
+    for routed in (plain, empty, with_cpu):
+        routed.close()
+
+
+@pytest.mark.parametrize("cpu, options, wrong", [
+    ({3: (0,)}, {}, "not routed"),
+    ({0: (16,)}, {}, "distinct ids"),
+    ({0: (2, 2)}, {}, "distinct ids"),
+    ({0: (1, 2)}, {}, "both resident"),
+    ({0: (2,)}, {"cpu_dtype": "fp16"}, "dtype"),
+    ({0: (2,)}, {"cpu_threads": 0}, "thread"),
+])
+def test_bad_cpu_experts_are_one_line(model, cpu, options, wrong):
+    with pytest.raises(PlanError, match=wrong) as error:
+        apply_routed_experts(copy.deepcopy(model), ROUTED, 2, CpuStandIn(), cpu=cpu, **options)
+    assert "\n" not in str(error.value)
+
+
+def test_cpu_experts_are_read_from_the_plan_where_it_has_them():
+    layers = (NS(index=0, regime="routed", resident=(1,), cpu=(2, 3)), NS(index=1, regime="routed", resident=()),
+              NS(index=2, regime="whole_layer", resident=(), cpu=(4,)))
+    plan = NS(experts=NS(layers=layers, fetch_slots=2, cpu=NS(dtype="bf16", threads=12)))
+    assert cpu_from_plan(plan) == ({0: (2, 3)}, "bf16", 12)
+    older = NS(experts=NS(layers=layers[1:2], fetch_slots=2))  # made before CPU experts
+    assert cpu_from_plan(older) == ({}, "fp32", None)
+    assert cpu_from_plan(NS()) == ({}, "fp32", None)
