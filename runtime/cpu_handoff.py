@@ -324,3 +324,40 @@ class CpuExperts:
         self.closed = True
         self._unpin()
         self.layers = {}
+
+
+def check_cpu_experts(cpu: dict[int, tuple[int, ...]], resident: dict[int, tuple[int, ...]], num_experts: int,
+                      param_names, dtype: str, threads: int) -> None:
+    """One line (PlanError) unless CPU experts are in routed layers (``resident``'s keys), distinct ids in range,
+    none resident, of gated SwiGLU experts without biases, in a known dtype, with at least one thread."""
+    for index, ids in cpu.items():
+        if index not in resident:
+            raise PlanError(f"layer {index} has CPU experts but is not routed; route it or drop its CPU experts")
+        bad = [e for e in ids if not 0 <= e < num_experts]
+        if bad or len(set(ids)) != len(ids):
+            raise PlanError(f"routed layer {index}: CPU experts must be distinct ids in [0, {num_experts}), "
+                            f"got {list(ids)}")
+        both = sorted(set(ids) & set(resident[index]))
+        if both:
+            raise PlanError(f"routed layer {index}: experts {both} are both resident and CPU experts; regenerate "
+                            "the plan")
+    if cpu and sorted(param_names) != CPU_PARAMS:
+        raise PlanError(f"experts with params {list(param_names)} are not computed on the CPU (gated SwiGLU experts "
+                        f"without biases: {CPU_PARAMS}); plan without CPU experts")
+    if dtype not in CPU_DTYPES:
+        raise PlanError(f"the CPU experts' dtype must be one of {', '.join(CPU_DTYPES)}, not {dtype!r}")
+    if threads < 1:
+        raise PlanError(f"CPU experts need at least 1 thread, got {threads}")
+
+
+def start_cpu_experts(routed) -> CpuExperts:
+    """The CPU side of a started runtime.routed_experts.RoutedExperts: its zero row zeroed, and the CPU experts
+    over its host copy (their own copy where the dtype differs)."""
+    for name in routed.param_names:
+        routed.buffer[name][routed.zero_row].zero_()
+    layers = {index: cpu_layer(routed.modules[index], routed.host[index, "gate_up_proj"],
+                               routed.host[index, "down_proj"], ids, routed.cpu_dtype)
+              for index, ids in routed.cpu.items()}
+    dtype, shape = routed.rows["down_proj"]  # [H, I]
+    return CpuExperts(layers, hidden_size=shape[0], max_pairs=routed.fetch_slots, hidden_dtype=dtype,
+                      threads=routed.cpu_threads, device=routed.device, backend=routed.backend)

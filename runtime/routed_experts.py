@@ -34,14 +34,8 @@ inside the captured step (fork and join through stream waits: legal under CUDA-g
 experts multiply are still the all-resident ones, so the logits stay bitwise equal. The first routed layer (no
 previous one) and layers whose router cannot be called so fetch after their router, as without prefetch.
 
-CPU experts (``cpu``: layer -> expert ids computed by the host CPU; runtime.cpu_handoff): such a layer's decode step
-forks a side stream after its router that hands the hidden states to the host, computes the CPU experts' pairs
-there in a host node (inside the captured step) and brings the result back; the CPU experts are marked resident at
-a ZERO ROW of the device buffer (one row of zeros after the resident experts), so the fetch plan never gathers
-them and their pairs add exactly 0 on the GPU; the main stream joins the side stream after its own experts and
-adds the CPU's output. The sum is not bitwise the all-resident one (runtime.cpu_experts' tolerances apply to the
-layer's output). Without CPU experts nothing of this exists and the step is the one above, bit for bit. Prefill
-chunks stage all E experts on the GPU, CPU experts included, as before.
+CPU experts (``cpu``: layer -> expert ids the host CPU computes): runtime.cpu_handoff says how such a layer's step
+hands them to the host inside the captured step; without them the step is the one above, bit for bit.
 """
 
 import math
@@ -56,12 +50,12 @@ from torch import nn
 from planner.errors import PlanError
 from planner.model.placement import ALIGN_BYTES, align_up
 from runtime.allocation import alloc_device_or_fail, host_allocation_or_fail
-from runtime.cpu_experts import CPU_DTYPES
-from runtime.cpu_handoff import CPU_PARAMS, CpuExperts, cpu_layer
+from runtime.cpu_handoff import CpuExperts, check_cpu_experts, start_cpu_experts
 from runtime.engine import PackedParam, backend_unpin, view_as_param
 from runtime.experts_impl import ExpertsProxy, batched_mm_forward, expert_param_names, prefill_experts_forward
 from runtime.fetch_planning import fused_fetch_plan, plan_fetch, plan_fetch_after_prefetch
 from runtime.router_prediction import NextLayerPredictor, predictors_for, prefetch_depths
+from runtime.routed_prefetch import prefetch_next
 from runtime.uva_gather import GATHER_BLOCK_WORDS, GATHER_NUM_WARPS, device_view, gather_rows
 
 #: persistent programs of the side stream's prefetch gather: few enough to leave the SMs to the compute the
@@ -131,7 +125,8 @@ class RoutedExperts:
         self.cpu = {index: tuple(sorted(ids)) for index, ids in (cpu or {}).items() if ids}
         self.cpu_dtype = cpu_dtype
         self.cpu_threads = torch.get_num_threads() if cpu_threads is None else int(cpu_threads)
-        self._check_cpu()
+        check_cpu_experts(self.cpu, self.resident, self.num_experts, self.param_names, self.cpu_dtype,
+                          self.cpu_threads)
         #: the CPU side (runtime.cpu_handoff.CpuExperts), made by start where some layer has CPU experts
         self.cpu_experts: CpuExperts | None = None
         self.row_bytes = {name: math.prod(shape) * dtype.itemsize for name, (dtype, shape) in self.rows.items()}
@@ -167,7 +162,7 @@ class RoutedExperts:
         #: set (-1: none), written by the previous routed layer's prediction
         self.prefetched = torch.full((len(self.layers), self.fetch_slots), -1, dtype=torch.int64, device=self.device)
         #: where the fused fetch plan of a prediction adds counts nobody reads
-        self._prefetch_counts = torch.zeros(len(FETCH_KINDS), dtype=torch.int64, device=self.device)
+        self.prefetch_counts = torch.zeros(len(FETCH_KINDS), dtype=torch.int64, device=self.device)
         #: routed ordinal -> how to predict the next routed layer's routing (filled by start)
         self.predictors: dict[int, NextLayerPredictor] = {}
         #: the router's top-k as the predictors return it (0 until start finds a predictor)
@@ -193,10 +188,10 @@ class RoutedExperts:
         #: the link first) rather than before it (both share the link); capture again after changing it
         self.prefetch_after_misses = False
         #: routed layers whose prefetch was started this step and not yet joined
-        self._pending: set[int] = set()
+        self.pending: set[int] = set()
         #: the side stream of the prefetches (CUDA only) and the router input it reads, copied on the main stream
         self.stream = None
-        self._predict_input: torch.Tensor | None = None
+        self.predict_input: torch.Tensor | None = None
         #: bytes copied into the staging buffer by prefill chunks (eager: counted on the host)
         self.staged_bytes = 0
         self.host: dict[tuple[int, str], torch.Tensor] = {}
@@ -217,27 +212,6 @@ class RoutedExperts:
         if not 1 <= fetch_slots <= self.num_experts:
             raise PlanError(f"fetch_slots must be in [1, {self.num_experts}] (distinct experts one decode step "
                             f"fetches), got {fetch_slots}")
-
-    def _check_cpu(self) -> None:
-        """CPU experts only in routed layers, distinct ids in range, none resident; a known dtype, >= 1 thread."""
-        for index, ids in self.cpu.items():
-            if index not in self.modules:
-                raise PlanError(f"layer {index} has CPU experts but is not routed; route it or drop its CPU experts")
-            bad = [e for e in ids if not 0 <= e < self.num_experts]
-            if bad or len(set(ids)) != len(ids):
-                raise PlanError(f"routed layer {index}: CPU experts must be distinct ids in [0, {self.num_experts}), "
-                                f"got {list(ids)}")
-            both = sorted(set(ids) & set(self.resident[index]))
-            if both:
-                raise PlanError(f"routed layer {index}: experts {both} are both resident and CPU experts; regenerate "
-                                "the plan")
-        if self.cpu and sorted(self.param_names) != CPU_PARAMS:
-            raise PlanError(f"experts with params {self.param_names} are not computed on the CPU (gated SwiGLU "
-                            f"experts without biases: {CPU_PARAMS}); plan without CPU experts")
-        if self.cpu_dtype not in CPU_DTYPES:
-            raise PlanError(f"the CPU experts' dtype must be one of {', '.join(CPU_DTYPES)}, not {self.cpu_dtype!r}")
-        if self.cpu_threads < 1:
-            raise PlanError(f"CPU experts need at least 1 thread, got {self.cpu_threads}")
 
     def _allocate_host(self) -> torch.Tensor:
         """One host allocation for every routed layer's E experts per param, back to back (each param's rows
@@ -306,21 +280,11 @@ class RoutedExperts:
             self.tables[index] = RouteTables(resident_row=resident_row.to(self.device))
             row += len(ids)
         if self.cpu:
-            self._start_cpu()
+            self.cpu_experts = start_cpu_experts(self)
         if self.prefetch:
             self._start_prefetch()
         for index in self.layers:
             _route(modules[index], self, index)
-
-    def _start_cpu(self) -> None:
-        """The zero row zeroed and the CPU side made over the host copy (runtime.cpu_handoff)."""
-        for name in self.param_names:
-            self.buffer[name][self.zero_row].zero_()
-        layers = {index: cpu_layer(self.modules[index], self.host[index, "gate_up_proj"], self.host[index, "down_proj"],
-                                   ids, self.cpu_dtype) for index, ids in self.cpu.items()}
-        dtype, shape = self.rows["down_proj"]  # [H, I]
-        self.cpu_experts = CpuExperts(layers, hidden_size=shape[0], max_pairs=self.fetch_slots, hidden_dtype=dtype,
-                                      threads=self.cpu_threads, device=self.device, backend=self.backend)
 
     def _start_prefetch(self) -> None:
         """A predictor per routed layer whose next routed layer's router can be called on its router input;
@@ -421,13 +385,13 @@ class RoutedExperts:
         # first, right after the router: the side stream's copies to the host start while the GPU plans its fetch
         pending = None if cpu is None else cpu.fork(index, hidden, top_k_index, top_k_weights)
         ordinal = self.ordinal[index]
-        base = self._slot_base(ordinal)
+        base = self.slot_base(ordinal)
         resident_row = self.tables[index].resident_row
         predicted = self._join(index)
         # the next layer's prefetch first (by default): the link stays busy while this layer plans its misses,
         # and the misses' full grid takes most of the link from the prefetch's bounded one while both run
         if not self.prefetch_after_misses:
-            self._prefetch_next(ordinal, hidden)
+            prefetch_next(self, ordinal, hidden)
         if predicted and self.count_ranks:
             self._count_ranks(ordinal, top_k_index)
         ahead = predicted and self.prefetch_depth[index] > 0  # depth 0: predicted, nothing gathered ahead
@@ -446,7 +410,7 @@ class RoutedExperts:
             gather_rows(self.host_device[index, name], self.buffer[name][base:base + self.fetch_slots], source_ids,
                         block_words=words, num_warps=warps)
         if self.prefetch_after_misses:
-            self._prefetch_next(ordinal, hidden)
+            prefetch_next(self, ordinal, hidden)
         proxy = ExpertsProxy(module, {name: self.buffer[name] for name in self.param_names})
         out = batched_mm_forward()(proxy, hidden, pair_rows.view_as(top_k_index), top_k_weights)
         return out if cpu is None else cpu.join(pending, out)
@@ -459,73 +423,18 @@ class RoutedExperts:
         self.rank_counts[ordinal, 0].add_(hits.sum(0))
         self.rank_counts[ordinal, 1].add_(num_tokens)
 
-    def _slot_base(self, ordinal: int) -> int:
+    def slot_base(self, ordinal: int) -> int:
         """The first slot row of a routed layer's slot set: by its ordinal's parity when prefetching."""
         return (ordinal % 2) * self.fetch_slots if self.prefetch else 0
 
     def _join(self, index: int) -> bool:
         """Whether a prefetch was started for this layer in this step; the main stream then waits for it."""
-        if index not in self._pending:
+        if index not in self.pending:
             return False
-        self._pending.discard(index)
+        self.pending.discard(index)
         if self.stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
         return True
-
-    def _prefetch_next(self, ordinal: int, hidden: torch.Tensor) -> None:
-        """Predict the next routed layer's experts from this layer's router input ``hidden`` [tokens, H] and
-        gather its predicted, non-resident ones into that layer's slot set, on the side stream (inline on the
-        CPU). The side stream first waits for the main stream, where the set's previous reader (the routed layer
-        before this one: same parity) is enqueued; this layer's own set and prefetched ids are not touched."""
-        predictor = self.predictors.get(ordinal)
-        if predictor is None:
-            return
-        following = self.layers[ordinal + 1]
-        inputs = self._router_input(hidden)
-        base = self._slot_base(ordinal + 1)
-
-        depth = self.prefetch_depth[following]
-
-        def work():
-            predicted = predictor.top_k_index(inputs)  # [tokens, top_k], ranks by descending router score
-            self.predicted_ids[ordinal + 1, :predicted.shape[0]].copy_(predicted)
-            if depth == 0:  # predicted and counted by rank; nothing gathered ahead
-                return
-            # the top ``depth`` ranks only: a fixed slice, so the captured shapes stay fixed
-            predicted = predicted[:, :depth]
-            source_ids = self.prefetched[ordinal + 1]
-            if self.device.type == "cuda":  # the counts of a prediction are taken at its layer: a scratch here
-                fused_fetch_plan(predicted, self.tables[following].resident_row, self.fetch_slots, 0,
-                                 self._prefetch_counts, sources_out=source_ids)
-            else:
-                source_ids.copy_(plan_fetch(predicted, self.tables[following].resident_row, self.fetch_slots)[1])
-            words, warps = self.gather_shape
-            for name in self.param_names:
-                gather_rows(self.host_device[following, name], self.buffer[name][base:base + self.fetch_slots],
-                            source_ids, max_programs=self.prefetch_programs, block_words=words, num_warps=warps)
-
-        if self.stream is None:
-            work()
-        else:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.stream):
-                work()
-        self._pending.add(following)
-
-    def _router_input(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden`` copied (main stream) into a buffer the step keeps, which the side stream reads: the
-        caller's tensor may be freed and its memory reused on the main stream before the side stream reads it.
-        The next routed layer overwrites it only after joining the side stream."""
-        buffer = self._predict_input
-        if buffer is None or buffer.dtype != hidden.dtype or buffer.shape[1] != hidden.shape[1] or \
-                buffer.shape[0] < hidden.shape[0]:
-            # decode steps have at most fetch_slots tokens (each routes to at least one expert)
-            buffer = torch.empty((max(self.fetch_slots, hidden.shape[0]), hidden.shape[1]), dtype=hidden.dtype,
-                                 device=hidden.device)
-            self._predict_input = buffer
-        inputs = buffer[:hidden.shape[0]]
-        inputs.copy_(hidden)
-        return inputs
 
     def prefill(self, module: nn.Module, index: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:

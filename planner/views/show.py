@@ -326,11 +326,12 @@ def _memory(plan: Plan) -> Table:
     return table
 
 
-#: how far measured steps ran from estimated plans' predictions on the H100 conformance sweep of 2026-11-27
-#: (benchmarks/2026-11-27-conformance-h100.md): decode steps, prefill steps and serving prefill chunks of bf16
-#: models (decode alone 0.97-1.13x over 14 arms; prefill 0.92-1.51x over 23), and of the FP8 model (2 arms)
-ESTIMATE_SPREAD_BF16 = (0.92, 1.51)
-ESTIMATE_SPREAD_FP8 = (1.35, 1.92)
+#: how far measured steps ran from estimated plans' predictions on the H100 conformance sweep of 2026-11-28
+#: (benchmarks/2026-11-28-conformance-routed-h100.md): decode steps, weights plans' steps and serving prefill
+#: chunks of bf16 models (decode alone 0.90-1.08x over 17 arms; weights plans 0.93-1.21x over 9; chunks
+#: 0.96-1.40x over 17), and of the FP8 model (decode 1.01-1.26x, chunks 1.31-1.72x; 2 arms)
+ESTIMATE_SPREAD_BF16 = (0.90, 1.40)
+ESTIMATE_SPREAD_FP8 = (1.01, 1.72)
 
 
 def _estimate_spread(plan: Plan) -> str:
