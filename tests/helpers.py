@@ -146,3 +146,30 @@ def tiny_bench_tp_config(name: str, vocab_size: int = 1024) -> dict:
     from scripts import bench_tp
 
     return dict(bench_tp.shape_config(name, tiny=True), vocab_size=vocab_size)
+
+
+def seeded_prompt(batch: int):
+    """A 40-token prompt per sequence on the GPU, token ids below 256 (the tiny routed MoE models' vocabulary),
+    seeded by the batch size."""
+    import torch
+
+    return torch.randint(0, 256, (batch, 40), generator=torch.Generator().manual_seed(batch)).to("cuda")
+
+
+def greedy_decode(model, batch: int, graphed: bool, num_steps: int, after_capture=None):
+    """(ids, per-step logits), both on the CPU, of ``num_steps`` greedy decode steps after a 40-token seeded
+    prompt of token ids below 256 (the tiny routed MoE models' vocabulary), eager or replayed from a captured
+    graph; ``after_capture``: called after the capture (or where it would be), before the steps."""
+    import torch
+
+    from runtime.graph import DecodeLoop
+
+    loop = DecodeLoop(model, batch=batch, max_cache_tokens=40 + num_steps + 16, device=torch.device("cuda"),
+                      steps_per_call=1)
+    loop.prefill(seeded_prompt(batch))
+    if graphed:
+        loop.capture()
+    if after_capture is not None:
+        after_capture()
+    ids, logits = loop.generate(num_steps)
+    return ids.cpu(), [out.cpu() for out in logits]

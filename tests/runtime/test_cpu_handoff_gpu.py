@@ -14,8 +14,8 @@ import torch
 from runtime.backend import CudaBackend
 from runtime.cpu_experts import BF16_TOLERANCE
 from runtime.cpu_handoff import HOST_FN, launch_host_func
-from runtime.graph import DecodeLoop
 from runtime.routed_layers import apply_routed_experts
+from tests.helpers import greedy_decode
 from tests.runtime_models import routed_moe_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -33,19 +33,9 @@ def model():
     return routed_moe_model(hidden=256, num_experts=32, top_k=4, dtype=torch.bfloat16)
 
 
-def _prompt(batch: int) -> torch.Tensor:
-    return torch.randint(0, 256, (batch, 40), generator=torch.Generator().manual_seed(batch)).to(CUDA)
-
-
 def _decode(model, batch: int, graphed: bool, after_capture=None):
-    loop = DecodeLoop(model, batch=batch, max_cache_tokens=40 + NUM_STEPS + 16, device=CUDA, steps_per_call=1)
-    loop.prefill(_prompt(batch))
-    if graphed:
-        loop.capture()
-    if after_capture is not None:
-        after_capture()
-    ids, logits = loop.generate(NUM_STEPS)
-    return ids.cpu(), [out.cpu().float() for out in logits]
+    ids, logits = greedy_decode(model, batch, graphed, NUM_STEPS, after_capture)
+    return ids, [out.float() for out in logits]
 
 
 def _within(actual, reference, tolerance=BF16_TOLERANCE):

@@ -14,6 +14,7 @@ from runtime.backend import CudaBackend
 from runtime.graph import DecodeLoop
 from runtime.routed_layers import apply_routed_experts
 from runtime.uva_gather import device_view, gather_rows
+from tests.helpers import greedy_decode, seeded_prompt
 from tests.runtime_models import routed_moe_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -53,19 +54,8 @@ def test_gather_from_mapped_host_memory_inside_a_graph():
         backend.unpin(host)
 
 
-def _prompt(batch: int) -> torch.Tensor:
-    return torch.randint(0, 256, (batch, 40), generator=torch.Generator().manual_seed(batch)).to(CUDA)
-
-
 def _decode(model, batch: int, graphed: bool, after_capture=None):
-    loop = DecodeLoop(model, batch=batch, max_cache_tokens=40 + NUM_STEPS + 16, device=CUDA, steps_per_call=1)
-    loop.prefill(_prompt(batch))
-    if graphed:
-        loop.capture()
-    if after_capture is not None:
-        after_capture()
-    ids, logits = loop.generate(NUM_STEPS)
-    return ids.cpu(), [out.cpu() for out in logits]
+    return greedy_decode(model, batch, graphed, NUM_STEPS, after_capture)
 
 
 def _record_routing(model):
@@ -123,7 +113,7 @@ def test_plan_with_routed_layers_streams_and_decodes_graphed(tmp_path, prefetch)
     try:
         loop = DecodeLoop(model, batch=1, max_cache_tokens=40 + NUM_STEPS + 16, device=CUDA, engine=engine,
                           steps_per_call=1)
-        loop.prefill(_prompt(1))
+        loop.prefill(seeded_prompt(1))
         loop.capture()
         ids, logits = loop.generate(NUM_STEPS)
         assert torch.equal(ids.cpu(), expected[0])
