@@ -16,7 +16,7 @@ def test_h2d_line_fit_weighs_every_size_alike():
 
 
 def test_calibrated_efficiency_keeps_the_fitted_layer_time():
-    from planner.model.cost import roofline_ms
+    from planner.model.cost import LayerCost, roofline_ms
     from planner.source.profile import load_profile
     from runtime.calibrate import restated_efficiency
 
@@ -27,4 +27,5 @@ def test_calibrated_efficiency_keeps_the_fitted_layer_time():
                                                                                        source="measured")})
     flops = 3.5e12
     # equal up to the 4 significant digits the profile keeps
-    assert roofline_ms(flops, 0, False, calibrated) == pytest.approx(roofline_ms(flops, 0, False, base), rel=1e-4)
+    cost = LayerCost(flops=flops, hbm_bytes=0)
+    assert roofline_ms(cost, calibrated) == pytest.approx(roofline_ms(cost, base), rel=1e-4)
