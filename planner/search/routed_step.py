@@ -38,6 +38,9 @@ class RoutedFetch:
     #: non-resident experts (planner.model.expert_prefetch.layer_shares); hit_share None: no prefetch
     hit_share: float | None
     ahead_share: float = 1.0
+    #: the layer's CPU path after its router (handoff and its CPU experts' compute; 0: no CPU experts): the layer
+    #: waits for the later of it and the link
+    cpu_ms: float = 0.0
 
 
 def routed_decode_step(layer_ms: Sequence[float], head_ms: float, fetches: Sequence[RoutedFetch],
@@ -84,17 +87,19 @@ def _fetch_intervals(fetch: RoutedFetch, predicted: bool, previous_wait_ms: floa
 
 
 def _waits_ms(layer_ms: Sequence[float], fetches: Sequence[RoutedFetch], num_slots: int) -> dict[int, float]:
-    """Per routed layer index, its wait for its experts: every layer but the first routed one is predicted."""
-    return {fetch.index: planned_layer_stall_ms(layer_ms[fetch.index], fetch.link_ms, fetch.hit_share,
-                                                predicted=position > 0, ahead_share=fetch.ahead_share,
-                                                expert_ms=fetch.expert_ms, num_slots=num_slots)
+    """Per routed layer index, its wait for its experts: every layer but the first routed one is predicted; a
+    layer with CPU experts waits for the later of its link and its CPU path."""
+    return {fetch.index: max(fetch.cpu_ms,
+                             planned_layer_stall_ms(layer_ms[fetch.index], fetch.link_ms, fetch.hit_share,
+                                                    predicted=position > 0, ahead_share=fetch.ahead_share,
+                                                    expert_ms=fetch.expert_ms, num_slots=num_slots))
             for position, fetch in enumerate(fetches)}
 
 
 def placement_fetches(placement: RoutedPlacement) -> tuple[RoutedFetch, ...]:
     """The planner's routed placement as the timeline's fetches."""
     hit, ahead = placement.prefetch_accuracy, placement.prefetch_ahead_share
-    return tuple(RoutedFetch(index=row.index, link_ms=row.fetch_ms, expert_ms=row.expert_ms,
+    return tuple(RoutedFetch(index=row.index, link_ms=row.fetch_ms, expert_ms=row.expert_ms, cpu_ms=row.cpu_ms,
                              **_shares(layer_shares(row, hit, ahead))) for row in placement.layers)
 
 
@@ -110,7 +115,7 @@ def plan_fetches(plan: Plan) -> tuple[RoutedFetch, ...]:
         expert_ms = 1e3 * routed_layer_expert_bytes(plan, row) / rate
         fetches.append(RoutedFetch(index=row.index, link_ms=1e3 * row.expected_fetched_bytes / rate,
                                    expert_ms=expert_ms if row.expected_fetched_bytes else None,
-                                   **_shares(layer_shares(row, hit, ahead))))
+                                   cpu_ms=row.cpu_ms or 0.0, **_shares(layer_shares(row, hit, ahead))))
     return tuple(fetches)
 
 
