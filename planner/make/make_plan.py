@@ -5,6 +5,7 @@ planner.model.memory_accounting, and the plan's sections built in planner.make.a
 runs the search (the weights within a budget, or a serving target on the whole GPU)."""
 
 import contextlib
+import math
 from dataclasses import dataclass, replace
 
 from planner.model.adapters import Adapter, load_adapters, slot_bytes_of
@@ -15,6 +16,7 @@ from planner.model.cost import ComputeTimes, Workload, is_expert_param
 from planner.engines.plan import check_engine_architecture, check_engine_input, engine_input_warnings
 from planner.engines.read_at_use import READ_AT_USE, ReadAtUseChoice, read_at_use_simulation
 from planner.errors import InfeasibleError, ModelInputError, UsageError, shown
+from planner.search.cpu_placement import CpuInputs
 from planner.search.expert_choice import Comparison, ExpertModel, expert_model
 from planner.model.experts import moe_geometry
 from planner.model.kv_cache import activation_dtype, kv_cache_model, with_weights_dtype
@@ -223,7 +225,28 @@ def _read_model(inputs: Inputs, measure: MeasureFunction | None = None,
                  layer_bytes=layer_bytes, kv=kv, activation_shape=shape, activation_dtype=activation_dtype(config),
                  warnings=warnings, measure=measure,
                  measure_activations=measure_activations, adapters=adapters,
-                 experts=_read_experts(inputs, checkpoint, layout), measure_link=measure_link)
+                 experts=_with_cpu_experts(_read_experts(inputs, checkpoint, layout), inputs, profile, layout,
+                                           host_memory_bytes_for(resolved, profile)),
+                 measure_link=measure_link)
+
+
+def _with_cpu_experts(experts: ExpertModel | None, inputs: Inputs, profile, layout: ModelLayout,
+                      host_limit_bytes: int | None) -> ExpertModel | None:
+    """The experts with the host CPU's figures where make weighs CPU experts: --cpu-experts auto, a profile with a
+    cpu_experts section, a weights plan (serving plans fetch every miss for now: docs/limitations.md)."""
+    if experts is None or inputs.cpu_experts == "off" or profile.cpu_experts is None \
+            or inputs.concurrency is not None:
+        return experts
+    by_index = {layer.index: layer for layer in layout.layers}
+    params = tuple(_expert_params(by_index[layer.index], experts.geometry.num_experts)
+                   for layer in experts.geometry.layers)
+    return replace(experts, cpu=CpuInputs(cpu=profile.cpu_experts, expert_params=params,
+                                          host_limit_bytes=host_limit_bytes))
+
+
+def _expert_params(layer, num_experts: int) -> int:
+    """One routed expert's weights in ``layer``: its expert params' elements over the experts."""
+    return max(1, sum(math.prod(shape) for name, _, shape, _ in layer.params if is_expert_param(name)) // num_experts)
 
 
 def _pinned_knobs(inputs: Inputs) -> tuple[str, ...]:

@@ -34,6 +34,10 @@ class RoutedLayer:
     #: its own non-resident experts' routed assignments (ExpertPrediction.shares); None: the placement's shares
     prefetch_hit_share: float | None = None
     prefetch_ahead_share: float | None = None
+    #: expert ids computed on the host CPU (planner.search.cpu_placement; expected_fetched_bytes and fetch_ms are
+    #: then the link's part alone), and the CPU path after the router, ms (0: none)
+    cpu: tuple[int, ...] = ()
+    cpu_ms: float = 0.0
 
     @property
     def expert_ms(self) -> float | None:

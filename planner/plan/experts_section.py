@@ -23,6 +23,11 @@ EXPERT_PREFETCH = (None, NEXT_LAYER_ROUTER)
 #: experts.prefetch_accuracy_source: the default curve or make --prefetch-accuracy, a trace's per-rank figures over
 #: every expert, or a trace's per-expert figures over each layer's non-resident experts
 PREFETCH_ACCURACY_SOURCES = ("assumed", "trace_per_rank", "trace_per_expert")
+#: make --cpu-experts (inputs.cpu_experts): auto (the planner weighs the host CPU where the profile measured it) or
+#: off (fetch every miss)
+CPU_EXPERTS_CHOICES = ("auto", "off")
+#: experts.cpu.dtype: the host copy of the CPU experts the CPU reads (planner.source.profile.CPU_EXPERT_DTYPES)
+CPU_COPY_DTYPES = ("bf16", "fp32")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,6 +49,12 @@ class ExpertLayer:
     #: experts' routed assignments (None elsewhere, and not written)
     prefetch_hit_share: float | None = None
     prefetch_ahead_share: float | None = None
+    #: expert ids computed on the host CPU, ascending, disjoint from resident (routed layers only; () elsewhere,
+    #: and not written): the runtime sends every (token, expert) pair routed to them to the CPU
+    cpu: tuple[int, ...] = ()
+    #: the layer's CPU path after its router, ms: the handoff and its CPU experts' expected compute (with cpu
+    #: ids only; None elsewhere, and not written). The step waits for the later of it and the link's fetches
+    cpu_ms: float | None = None
 
     def __post_init__(self):
         if self.regime not in (ROUTED, WHOLE_LAYER):
@@ -60,7 +71,20 @@ class ExpertLayer:
                 1.0, self.prefetch_ahead_share):
             raise ValueError("experts.layers prefetch_hit_share must be a share in [0, 1], at most "
                              "prefetch_ahead_share")
+        self._check_cpu()
 
+    def _check_cpu(self) -> None:
+        """The CPU ids' invariants (ExpertsPlan checks them against num_experts and its cpu section)."""
+        if list(self.cpu) != sorted(set(self.cpu)):
+            raise ValueError(f"experts.layers[{self.index}] cpu ids must be ascending and distinct")
+        if self.cpu and not self.routed:
+            raise ValueError(f"experts.layers[{self.index}] is a whole layer: only routed layers compute experts "
+                             "on the CPU (drop its cpu ids)")
+        if set(self.cpu) & set(self.resident):
+            raise ValueError(f"experts.layers[{self.index}] cpu ids {sorted(set(self.cpu) & set(self.resident))} are "
+                             "also resident: an expert is resident, fetched or on the CPU, not two")
+        if bool(self.cpu) != (self.cpu_ms is not None):
+            raise ValueError(f"experts.layers[{self.index}] cpu_ms is given exactly where cpu ids are")
     @property
     def routed(self) -> bool:
         """Whether the layer fetches its routed experts (else it is resident or streams whole)."""
@@ -92,6 +116,34 @@ class ExpertsPoint:
     def routed(self) -> bool:
         """Whether routed experts were chosen at this step size."""
         return self.regime == ROUTED
+
+
+@dataclass(frozen=True, kw_only=True)
+class CpuPlacement:
+    """The routed experts the host CPU computes (experts.layers' cpu ids): how, and their share of the step."""
+
+    #: the host copy the CPU reads: "bf16" (the pinned experts themselves) or "fp32" (a second copy of the CPU
+    #: experts, host_copy_bytes more host memory)
+    dtype: str
+    #: CPU threads the experts are computed with (the profile's cpu_experts.threads)
+    threads: int
+    #: host bytes beside the pinned experts: an fp32 copy of the CPU experts (0 for bf16)
+    host_copy_bytes: int
+    #: a routed layer's fixed cost on the CPU path: hidden states to the host, the threads' wake-up, results back
+    handoff_ms: float
+    #: summed over routed layers, after their routers: the CPU's path (handoffs and compute) and the link's
+    cpu_ms_per_step: float
+    link_ms_per_step: float
+
+    def __post_init__(self):
+        if self.dtype not in CPU_COPY_DTYPES:
+            raise ValueError(f"experts.cpu.dtype {self.dtype!r} is not one of {', '.join(CPU_COPY_DTYPES)}")
+        if self.threads < 1:
+            raise ValueError("experts.cpu.threads must be at least 1")
+        if (self.host_copy_bytes > 0) != (self.dtype == "fp32"):
+            raise ValueError("experts.cpu.host_copy_bytes counts an fp32 copy: positive for fp32, 0 for bf16")
+        if min(self.handoff_ms, self.cpu_ms_per_step, self.link_ms_per_step) < 0:
+            raise ValueError("experts.cpu handoff_ms, cpu_ms_per_step and link_ms_per_step must not be negative")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,6 +192,16 @@ class ExpertsPlan:
     #: any rank; per rank, the share of their predictions routed) and each predicted layer row holds its shares.
     #: None in plans made before it
     prefetch_accuracy_source: str | None = None
+    #: where some routed layer computes experts on the host CPU: how (None elsewhere, and not written)
+    cpu: CpuPlacement | None = None
+    #: why the CPU takes no expert, where the profile measured it and layers are routed (None elsewhere, and not
+    #: written)
+    cpu_declined: str | None = None
+
+    @property
+    def cpu_layers(self) -> tuple[ExpertLayer, ...]:
+        """The routed layers with experts on the CPU, ascending."""
+        return tuple(row for row in self.layers if row.cpu)
 
     @property
     def routed_layers(self) -> tuple[ExpertLayer, ...]:
@@ -197,6 +259,13 @@ class ExpertsPlan:
             raise ValueError("experts.routing must be uniform or trace sha256:<hex>")
         if any(e >= self.num_experts for row in self.layers for e in row.resident):
             raise ValueError("experts.layers resident ids must be below num_experts")
+        if any(e >= self.num_experts for row in self.layers for e in row.cpu):
+            raise ValueError(f"experts.layers cpu ids must be below num_experts ({self.num_experts})")
+        if bool(self.cpu_layers) != (self.cpu is not None):
+            raise ValueError("experts.cpu is given exactly where some layer has cpu ids (add the section or drop "
+                             "the ids)")
+        if self.cpu is not None and self.cpu_declined is not None:
+            raise ValueError("experts.cpu_declined says why the CPU takes no expert: not with experts.cpu")
 
 
 #: experts keys written only where the plan routes layers (whole-layer MoE plans keep their bytes)
@@ -204,5 +273,9 @@ OPTIONAL_EXPERTS = {"prefetch": None, "prefetch_accuracy": None, "prefetch_depth
                     "prefetch_rank_accuracy": None, "prefetch_accuracy_source": None}
 
 
-#: experts.layers keys written only where set (a plan priced from a trace's per-expert figures)
-OPTIONAL_EXPERT_LAYER = {"prefetch_hit_share": None, "prefetch_ahead_share": None}
+#: experts keys written only where set (plans with CPU experts, or with the CPU measured and declined)
+OPTIONAL_EXPERTS_SET = {"cpu": None, "cpu_declined": None}
+
+
+#: experts.layers keys written only where set (a plan priced from a trace's per-expert figures; CPU experts)
+OPTIONAL_EXPERT_LAYER = {"prefetch_hit_share": None, "prefetch_ahead_share": None, "cpu": (), "cpu_ms": None}

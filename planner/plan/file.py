@@ -19,7 +19,8 @@ import yaml
 
 from planner.errors import PlanError, printable, shown
 from planner.plan.adapters_section import AdapterRow, AdaptersSection
-from planner.plan.experts_section import OPTIONAL_EXPERT_LAYER, OPTIONAL_EXPERTS, ExpertLayer, ExpertsPlan, ExpertsPoint
+from planner.plan.experts_section import (OPTIONAL_EXPERT_LAYER, OPTIONAL_EXPERTS, OPTIONAL_EXPERTS_SET, CpuPlacement,
+                                          ExpertLayer, ExpertsPlan, ExpertsPoint)
 from planner.plan.schema import (MAX_PLAN_BYTES, MAX_PLAN_FLOAT, MAX_PLAN_INT, MS_DECIMALS, OPTIONAL_INPUTS,
                                  OPTIONAL_OFFLOAD, OPTIONAL_SECTIONS, READABLE_SCHEMA_VERSIONS, SCHEMA_VERSION,
                                  SECTIONS, LayerRow, Plan, ServingRow, ServingSection)
@@ -77,10 +78,14 @@ def plan_to_dict(plan: Plan) -> dict:
     if plan.experts is not None:
         rows = {"layers", "points"}
         out["experts"] = {key: _plain(value) for key, value in asdict(plan.experts).items() if key not in rows
-                          and not (key in OPTIONAL_EXPERTS and plan.experts.fetch_slots == 0)}
+                          and not (key in OPTIONAL_EXPERTS and plan.experts.fetch_slots == 0)
+                          and not (key in OPTIONAL_EXPERTS_SET and value is None)}
+        if plan.experts.cpu is not None:
+            out["experts"]["cpu"] = {key: _plain(value) for key, value in asdict(plan.experts.cpu).items()}
         for name in sorted(rows):
             out["experts"][name] = [{key: _plain(value) for key, value in asdict(row).items()
-                                     if not (key in OPTIONAL_EXPERT_LAYER and value is None)}
+                                     if not (key in OPTIONAL_EXPERT_LAYER and _plain(value) == _plain(
+                                         OPTIONAL_EXPERT_LAYER[key]))}
                                     for row in getattr(plan.experts, name)]
     return out
 
@@ -192,12 +197,14 @@ def plan_from_dict(data: object, origin: str, *, derived: bool = True) -> Plan:
     if data.get("experts") is not None:
         experts = data["experts"]
         if isinstance(experts, dict):
-            experts = {**OPTIONAL_EXPERTS, **experts}
+            experts = {**OPTIONAL_EXPERTS, **OPTIONAL_EXPERTS_SET, **experts}
             if isinstance(experts.get("layers"), list):  # absent: refused below, naming the key
-                experts["layers"] = [{**OPTIONAL_EXPERT_LAYER, **row} if isinstance(row, dict) else row
+                experts["layers"] = [{**{key: _plain(value) for key, value in OPTIONAL_EXPERT_LAYER.items()}, **row}
+                                     if isinstance(row, dict) else row
                                      for row in experts["layers"]]
         kwargs["experts"] = _section(ExpertsPlan, experts, f"{origin}: experts",
-                                     rows={"layers": ExpertLayer, "points": ExpertsPoint})
+                                     rows={"layers": ExpertLayer, "points": ExpertsPoint},
+                                     nested={"cpu": CpuPlacement})
     misplaced = [i for i, row in enumerate(kwargs["layers"]) if row.index != i]
     if misplaced:
         raise PlanError(f"{origin}: layers[{misplaced[0]}] has index {kwargs['layers'][misplaced[0]].index}; rows must "
@@ -227,8 +234,10 @@ _TYPES = {int: (int,), float: (int, float), str: (str,), bool: (bool,)}
 
 
 
-def _section(cls, raw: object, origin: str, rows: dict[str, type] | None = None):
-    """One section (or row) checked against its dataclass; ``rows``: fields that hold a list of rows of a class."""
+def _section(cls, raw: object, origin: str, rows: dict[str, type] | None = None,
+             nested: dict[str, type] | None = None):
+    """One section (or row) checked against its dataclass; ``rows``: fields that hold a list of rows of a class;
+    ``nested``: fields that hold one (optional) section of a class."""
     if not isinstance(raw, dict):
         raise PlanError(f"{origin} must be a mapping; regenerate the plan")
     names = [f.name for f in fields(cls)]
@@ -239,6 +248,9 @@ def _section(cls, raw: object, origin: str, rows: dict[str, type] | None = None)
     for f in fields(cls):
         if rows and f.name in rows:
             values[f.name] = _rows(rows[f.name], raw[f.name], f"{origin}.{f.name}")
+        elif nested and f.name in nested:
+            values[f.name] = None if raw[f.name] is None else _section(nested[f.name], raw[f.name],
+                                                                       f"{origin}.{f.name}")
         else:
             values[f.name] = _check_type(raw[f.name], f.type, f"{origin}.{f.name}", f.metadata.get("lowest", 0))
     try:

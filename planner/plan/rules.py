@@ -7,6 +7,7 @@ are planner.plan.figures, checked after these.
 import re
 
 from planner.errors import shown
+from planner.plan.experts_section import CPU_EXPERTS_CHOICES
 from planner.plan.figures import first_disagreeing_figure, is_decode, near
 from planner.plan.schema import NOTHING_FITS, AdaptersSection, Plan, routed_rows
 
@@ -52,6 +53,10 @@ def _input_rules(plan: Plan) -> str | None:
         return "inputs.concurrency and the serving section come together"
     if not 1 <= inputs.tp <= 1024:
         return f"inputs.tp {inputs.tp} is not a number of GPUs from 1 to 1024"
+    if inputs.cpu_experts not in CPU_EXPERTS_CHOICES:
+        return f"inputs.cpu_experts {shown(inputs.cpu_experts)} is not one of {', '.join(CPU_EXPERTS_CHOICES)}"
+    if inputs.cpu_experts == "off" and plan.experts is not None and plan.experts.cpu is not None:
+        return "experts.cpu is given but inputs.cpu_experts is off"
     return None
 
 
@@ -253,7 +258,33 @@ def _experts_rules(plan: Plan) -> str | None:
         return "experts: prefetch figures belong to plans with routed layers"
     if experts.prefetch is not None and experts.prefetch_depth is None and experts.prefetch_rank_accuracy is not None:
         return "experts.prefetch is on but prefetch_depth is null"
-    return _experts_point_rule(plan)
+    return _experts_cpu_rule(plan) or _experts_point_rule(plan)
+
+
+def _experts_cpu_rule(plan: Plan) -> str | None:
+    """experts.cpu: CPU experts in routed decode plans only, the section's step figures the layers' sums, and a
+    decline reason only where layers are routed and none is on the CPU."""
+    experts = plan.experts
+    if experts.cpu_declined is not None and not experts.routed_layers:
+        return "experts.cpu_declined says why routed layers compute no expert on the CPU: drop it (no routed layers)"
+    cpu = experts.cpu
+    if cpu is None:
+        return None
+    if not is_decode(plan):
+        return "experts.cpu: CPU experts are planned for decode steps (a context, one token per sequence) only"
+    if not any(row.cpu for row in experts.routed_layers):
+        return "experts.cpu is given but no routed layer has cpu ids"
+    layers_cpu_ms = sum(row.cpu_ms for row in experts.cpu_layers)
+    if not near(cpu.cpu_ms_per_step, layers_cpu_ms, len(experts.layers) + 1):
+        return f"experts.cpu.cpu_ms_per_step {cpu.cpu_ms_per_step:g} is not its layers' cpu_ms ({layers_cpu_ms:.4f})"
+    link_ms = sum(1e3 * row.expected_fetched_bytes / experts.routed_fetch_bytes_per_s
+                  for row in experts.routed_layers)
+    if not near(cpu.link_ms_per_step, link_ms, len(experts.layers) + 1):
+        return (f"experts.cpu.link_ms_per_step {cpu.link_ms_per_step:g} is not its routed layers' expected fetches "
+                f"over routed_fetch_bytes_per_s ({link_ms:.4f})")
+    if any(row.cpu_ms < cpu.handoff_ms for row in experts.cpu_layers):
+        return f"experts.layers cpu_ms below experts.cpu.handoff_ms {cpu.handoff_ms:g}: a CPU path pays its handoff"
+    return None
 
 
 def _experts_point_rule(plan: Plan) -> str | None:

@@ -123,6 +123,9 @@ class Inputs:
     engine: str | None = field(default=None, metadata=option(
         "--for", "Plan within what this engine expresses, vllm or sglang (whole layers, no routed experts; "
                  "SGLang: P divides the offloaded layers), so export gives exactly this plan."))
+    cpu_experts: str = field(default="auto", metadata=option(
+        "--cpu-experts", "MoE, routed experts, decode: auto (compute some non-resident experts on the host CPU where "
+                         "the profile measured its rate and that step is faster) or off (fetch every miss)."))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -416,7 +419,7 @@ class Plan:
 #: Inputs keys a plan holds only when they are given (their defaults otherwise)
 OPTIONAL_INPUTS = {"adapters": (), "adapter_slots": None, "routing_trace": None, "prefetch_accuracy": None,
                    "prefetch_depth": None,
-                   "tp": 1, "engine": None}
+                   "tp": 1, "engine": None, "cpu_experts": "auto"}
 
 
 #: offload keys written only where not these (plans for the prefetch offloader keep their bytes)

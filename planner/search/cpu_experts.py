@@ -16,6 +16,10 @@ beyond its compute, against n f fetching alone; the split is taken only where it
 than fetch-only. The split is in expectation: the runtime assigns a share n_cpu / n of the non-resident expert
 ids to the CPU (any of them under uniform routing), and a step's integer counts scatter around it.
 
+Run one after the other instead (the H100 host measured so: CPU_PATH_OVERLAPS_LINK), the layer waits for both,
+n_link x f + h - g + n_cpu x c, which is linear in the split: the CPU takes every miss or none, whichever is
+faster. CPU_HANDOFF_MS is the handoff measured inside the captured step.
+
 The CPU is declined, and the reason said, where its time for one expert at the layer's tokens per expert is more
 than CPU_WITHIN_LINK_FACTOR times the link's (a slower CPU would take too small a share to repay its handoff and
 its threads), or where the profile holds no CPU figures. A prefill chunk decides by tokens per expert: its link
@@ -23,7 +27,7 @@ copies each non-resident expert whole, and the CPU's time grows with the tokens 
 takes experts only where few tokens reach each (``max_cpu_tokens_per_expert``: KTransformers' and llama.cpp's
 hand-set prefill thresholds, computed from the measured rates).
 
-Pure Python: the profile's figures in, a split out; nothing here is wired into make's search yet.
+Pure Python: the profile's figures in, a split out; planner.search.cpu_placement takes it into make's search.
 """
 
 from dataclasses import dataclass
@@ -34,9 +38,27 @@ from planner.source.profile import CpuExperts
 #: the link's time for it (issue 37's rule: beyond, the planner declines the CPU and says why)
 CPU_WITHIN_LINK_FACTOR = 2.0
 #: a routed layer's handoff to the CPU and back, beside the CPU's compute: its tokens' hidden states to the host,
-#: the CPU threads' wake-up, the results to the GPU and the join. Assumed until scripts/bench_cpu_experts.py
-#: measures it on the GPU host (its handoff_ms row)
-CPU_HANDOFF_MS = 0.05
+#: the host node's callback and the CPU threads' wake-up, the results to the GPU and the join. Measured inside
+#: the captured step on the H100 host (runtime.cpu_handoff, scripts/smoke_cpu_experts_graph.py): 0.383 ms a layer
+#: step with 0.34 CPU pairs in it (benchmarks/2026-11-28-cpu-experts-graph-h100.md)
+CPU_HANDOFF_MS = 0.35
+#: whether a layer's CPU path runs beside its link's fetches (the layer waits for the later) or after them (the
+#: sum). Measured serial on the H100: each hybrid step ran close to the fetch-only step less the experts not
+#: fetched plus the whole callback (32 CPU experts: 1.204 - 1.8 x 0.2 + 1.306 = 2.15 ms against 2.29 measured;
+#: benchmarks/2026-11-28-cpu-experts-graph-h100.md). Priced as measured until the runtime overlaps them
+CPU_PATH_OVERLAPS_LINK = False
+
+
+def layer_wait_ms(link_ms: float, cpu_ms: float, overlapped: bool | None = None) -> float:
+    """A routed layer's wait after its router for its link's ``link_ms`` and its CPU path's ``cpu_ms``: the later
+    of the two where they run side by side, else both (``overlapped`` None: CPU_PATH_OVERLAPS_LINK)."""
+    overlapped = CPU_PATH_OVERLAPS_LINK if overlapped is None else overlapped
+    return max(link_ms, cpu_ms, 0.0) if overlapped else max(link_ms, 0.0) + max(cpu_ms, 0.0)
+
+
+def resolved_handoff_ms(handoff_ms: float | None) -> float:
+    """``handoff_ms``, or the measured CPU_HANDOFF_MS where None."""
+    return CPU_HANDOFF_MS if handoff_ms is None else handoff_ms
 
 
 def cpu_expert_ms(cpu: CpuExperts, expert_params: int, num_tokens: float) -> float:
@@ -122,15 +144,18 @@ def balanced_cpu_experts(num_missed: float, link_ms_per_expert: float, cpu_ms_pe
 
 def split_layer(*, num_missed: float, expert_bytes: int, expert_params: int, link_bytes_per_s: float,
                 cpu: CpuExperts | None, tokens_per_expert: float, compute_ms: float, gpu_overlap_ms: float = 0.0,
-                handoff_ms: float = CPU_HANDOFF_MS) -> CpuSplit:
+                handoff_ms: float | None = None, overlapped: bool | None = None) -> CpuSplit:
     """One routed layer's ``num_missed`` expected misses split between the link (``link_bytes_per_s``: the routed
     gather's rate at decode, the copy engine's for a prefill chunk's whole copies) and the CPU (the profile's
     ``cpu``, None where not measured) so both finish together, each expert of ``expert_bytes`` on the link and
     ``expert_params`` weights on the CPU, ``tokens_per_expert`` tokens routed to each. ``compute_ms``: the
     layer's compute on the GPU, all experts resident; ``gpu_overlap_ms``: the part of it after the router that the
-    CPU's work runs beside (the GPU's experts); ``handoff_ms``: the CPU path's fixed cost. The CPU is declined
-    (its reason said) where it is not within CPU_WITHIN_LINK_FACTOR of the link per expert, and takes nothing
-    where that is not faster than fetching every miss."""
+    CPU's work runs beside (the GPU's experts); ``handoff_ms``: the CPU path's fixed cost (None: CPU_HANDOFF_MS);
+    ``overlapped``: the CPU path runs beside the link (None: CPU_PATH_OVERLAPS_LINK, as measured). The CPU is
+    declined (its reason said) where it is not within CPU_WITHIN_LINK_FACTOR of the link per expert, and takes
+    nothing where that is not faster than fetching every miss."""
+    overlapped = CPU_PATH_OVERLAPS_LINK if overlapped is None else overlapped
+    handoff_ms = resolved_handoff_ms(handoff_ms)
     if num_missed < 0 or expert_bytes <= 0 or link_bytes_per_s <= 0 or compute_ms < 0:
         raise ValueError("a layer's misses, expert bytes, link rate and compute must be positive")
     link_ms = link_expert_ms(expert_bytes, link_bytes_per_s)
@@ -140,7 +165,7 @@ def split_layer(*, num_missed: float, expert_bytes: int, expert_params: int, lin
     def split(cpu_experts: float, declined: str | None) -> CpuSplit:
         cpu_path = 0.0 if cpu_experts <= 0 else handoff_ms - gpu_overlap_ms + cpu_experts * cpu_ms
         link_path = (num_missed - cpu_experts) * link_ms
-        stall = max(link_path, cpu_path, 0.0)
+        stall = layer_wait_ms(link_path, cpu_path, overlapped)
         return CpuSplit(num_missed=num_missed, cpu_experts=cpu_experts, link_experts=num_missed - cpu_experts,
                         tokens_per_expert=tokens_per_expert, cpu_ms_per_expert=cpu_ms, link_ms_per_expert=link_ms,
                         link_ms=link_path, cpu_ms=cpu_path, stall_ms=stall, fetch_only_stall_ms=fetch_only,
@@ -149,10 +174,16 @@ def split_layer(*, num_missed: float, expert_bytes: int, expert_params: int, lin
     reason = _declined(cpu, num_missed, cpu_ms, link_ms, tokens_per_expert)
     if reason is not None:
         return split(0.0, reason)
-    hybrid = split(balanced_cpu_experts(num_missed, link_ms, cpu_ms, handoff_ms - gpu_overlap_ms), None)
+    # side by side, the best split ends both paths together; one after the other, the step is linear in the CPU's
+    # share, so the best is all or none
+    taken = (balanced_cpu_experts(num_missed, link_ms, cpu_ms, handoff_ms - gpu_overlap_ms) if overlapped
+             else num_missed)
+    hybrid = split(taken, None)
     if hybrid.cpu_experts <= 0 or hybrid.stall_ms >= fetch_only:
-        return split(0.0, f"the CPU's handoff ({handoff_ms:.3f} ms) outlasts what it would save: fetching "
-                          f"{num_missed:.2f} experts takes {fetch_only:.3f} ms")
+        how = "beside the link" if overlapped else "after the link (serial, as measured on the H100)"
+        return split(0.0, f"computing them on the CPU {how} takes {hybrid.cpu_ms:.3f} ms with its "
+                          f"{handoff_ms:.3f} ms handoff and saves nothing: fetching {num_missed:.2f} experts takes "
+                          f"{fetch_only:.3f} ms")
     return hybrid
 
 
@@ -172,7 +203,7 @@ def _declined(cpu: CpuExperts | None, num_missed: float, cpu_ms: float, link_ms:
 
 def decode_split(*, num_tokens: int, top_k: int, num_experts: int, num_missed: float, expert_bytes: int,
                  expert_params: int, routed_fetch_bytes_per_s: float, cpu: CpuExperts | None, compute_ms: float,
-                 gpu_overlap_ms: float = 0.0, handoff_ms: float = CPU_HANDOFF_MS) -> CpuSplit:
+                 gpu_overlap_ms: float = 0.0, handoff_ms: float | None = None) -> CpuSplit:
     """A decode step of ``num_tokens`` sequences under uniform routing: each missed expert gets
     tokens_per_touched_expert tokens; the link is the routed gather (``routed_fetch_bytes_per_s``,
     planner.model.experts.routed_fetch_bytes_per_s). ``num_missed``: the routed model's expected touched,
@@ -185,7 +216,7 @@ def decode_split(*, num_tokens: int, top_k: int, num_experts: int, num_missed: f
 
 def prefill_split(*, num_tokens: int, top_k: int, num_experts: int, num_non_resident: int, expert_bytes: int,
                   expert_params: int, h2d_bytes_per_s: float, cpu: CpuExperts | None, compute_ms: float,
-                  gpu_overlap_ms: float = 0.0, handoff_ms: float = CPU_HANDOFF_MS) -> CpuSplit:
+                  gpu_overlap_ms: float = 0.0, handoff_ms: float | None = None) -> CpuSplit:
     """A prefill chunk of ``num_tokens`` tokens: its link copies each of the ``num_non_resident`` experts whole
     over the copy engine (``h2d_bytes_per_s``), and each gets num_tokens x top_k / E tokens under uniform routing
     (an expert the chunk routes nothing to costs the CPU nothing; counted all the same: a chunk touches nearly

@@ -17,8 +17,9 @@ from planner.model.expert_placement import (RoutedPlacement, routed_placement, s
 from planner.model.expert_prefetch import PREFETCH_ACCURACY, ExpertPrediction, default_rank_accuracy
 from planner.model.expert_routing import LayerRouting, uniform_routing
 from planner.model.experts import MoeGeometry, routed_fetch_bytes_per_s
-from planner.plan.experts_section import (NEXT_LAYER_ROUTER, ROUTED, WHOLE_LAYER, ExpertLayer, ExpertsPlan,
-                                          ExpertsPoint, summary_regime)
+from planner.plan.experts_section import (NEXT_LAYER_ROUTER, ROUTED, WHOLE_LAYER, CpuPlacement, ExpertLayer,
+                                          ExpertsPlan, ExpertsPoint, summary_regime)
+from planner.search.cpu_placement import CpuInputs, hybrid_placement, prefill_declined
 from planner.search.groups import STEP_MS_DECIMALS, Choice, LayerBytes, Searcher, copy_ms_of
 from planner.search.routed_step import placement_fetches, routed_decode_step
 from planner.search.simulate import Simulation
@@ -30,6 +31,10 @@ class RoutedChoice(Choice):
     """A placement with every MoE layer routed (offloaded is empty: no layer streams whole)."""
 
     placement: RoutedPlacement
+    #: the layers' experts on the host CPU (placement's rows hold their ids), None: fetch only
+    cpu: CpuPlacement | None = None
+    #: why the CPU takes no expert where the profile measured it (None: it takes some, or was not measured)
+    cpu_declined: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,6 +64,9 @@ class ExpertModel:
     #: where the prediction's accuracy comes from (the plan's experts.prefetch_accuracy_source): "assumed" (the
     #: default curve or --prefetch-accuracy), "trace_per_rank" or "trace_per_expert"
     accuracy_source: str = "assumed"
+    #: the host CPU's expert figures and the model's expert sizes (make --cpu-experts auto with a profile that
+    #: measured them, weights plans); None: every miss is fetched
+    cpu: CpuInputs | None = None
 
 
 def expert_model(geometry: MoeGeometry, routing: tuple[LayerRouting, ...] | None, routing_label: str,
@@ -146,15 +154,39 @@ def routed_choice(experts: ExpertModel, *, searcher: Searcher, compute: ComputeT
             pinned = experts.prefetch_depth is not None
             if pinned or round(with_prefetch.step_ms, STEP_MS_DECIMALS) < round(simulation.step_ms, STEP_MS_DECIMALS):
                 placement, simulation = prefetching, with_prefetch
+        placement, simulation, cpu, declined = _with_cpu(experts, compute, placement, simulation, num_tokens,
+                                                         h2d_bytes_per_s)
         # the link carries the ranks gathered ahead (hits and wasted) and the misses: as many as the step routes
         # to, plus the wasted ones
         copy_bytes = round(placement.expected_fetched_bytes + wasted_prefetch_bytes(placement))
     else:
         simulation = prefill_simulation(experts.geometry, compute, h2d_bytes_per_s, copy_overhead_us)
         copy_bytes = sum(staged_bytes(experts.geometry).values())
+        cpu, declined = None, None if experts.cpu is None else prefill_declined(experts.cpu, experts.geometry,
+                                                                                num_tokens, h2d_bytes_per_s)
     return RoutedChoice(group_size=0, num_in_group=0, prefetch_step=0, offloaded=(), replay_start_copies=0,
                         simulation=simulation, gpu_bytes=searcher.gpu_bytes(placement.weight_bytes),
-                        host_pinned_bytes=placement.host_pinned_bytes, copy_bytes=copy_bytes, placement=placement)
+                        host_pinned_bytes=placement.host_pinned_bytes, copy_bytes=copy_bytes, placement=placement,
+                        cpu=cpu, cpu_declined=declined)
+
+
+def _with_cpu(experts: ExpertModel, compute: ComputeTimes, placement: RoutedPlacement, simulation: Simulation,
+              num_tokens: int, h2d_bytes_per_s: float):
+    """The decode ``placement`` with experts on the CPU where the profile measured it and that step is faster:
+    (placement, simulation, its CpuPlacement or None, why the CPU was declined or None)."""
+    if experts.cpu is None:
+        return placement, simulation, None, None
+    hybrid, section, declined = hybrid_placement(placement, geometry=experts.geometry, routing=experts.routing,
+                                                 inputs=experts.cpu, num_tokens=num_tokens,
+                                                 layer_ms=compute.layer_ms,
+                                                 link_bytes_per_s=routed_fetch_bytes_per_s(h2d_bytes_per_s))
+    if hybrid is None:
+        return placement, simulation, None, declined
+    with_cpu = decode_simulation(compute, hybrid)
+    if round(with_cpu.step_ms, STEP_MS_DECIMALS) < round(simulation.step_ms, STEP_MS_DECIMALS):
+        return hybrid, with_cpu, section, None
+    return placement, simulation, None, (f"the step with CPU experts ({with_cpu.step_ms:.3f} ms) is no faster than "
+                                         f"fetching every miss ({simulation.step_ms:.3f} ms)")
 
 
 def choose_prefetch_depth(experts: ExpertModel, compute: ComputeTimes,
@@ -206,7 +238,8 @@ def experts_section(experts: ExpertModel, chosen: Choice, layers: LayerBytes, po
         rows = tuple(ExpertLayer(index=row.index, regime=ROUTED, resident=row.resident,
                                  expected_fetched_bytes=round(row.expected_fetched_bytes), hit_rate=row.hit_rate,
                                  prefetch_hit_share=_share(row.prefetch_hit_share),
-                                 prefetch_ahead_share=_share(row.prefetch_ahead_share))
+                                 prefetch_ahead_share=_share(row.prefetch_ahead_share), cpu=row.cpu,
+                                 cpu_ms=row.cpu_ms if row.cpu else None)
                      for row in placement.layers)
         buffers = (placement.fetch_slots, placement.fetch_buffer_bytes, placement.staging_buffer_bytes,
                    placement.gather_workspace_bytes)
@@ -215,6 +248,7 @@ def experts_section(experts: ExpertModel, chosen: Choice, layers: LayerBytes, po
             accuracy, ranks = cold_accuracy(experts, placement)
         prefetch = (None if placement.prefetch_accuracy is None else NEXT_LAYER_ROUTER, accuracy,
                     placement.prefetch_depth, tuple(round(a, 4) for a in ranks), experts.accuracy_source)
+        cpu = (chosen.cpu, chosen.cpu_declined)
     else:
         offloaded = set(chosen.offloaded)
         rows = tuple(ExpertLayer(index=layer.index, regime=WHOLE_LAYER, resident=(),
@@ -223,6 +257,7 @@ def experts_section(experts: ExpertModel, chosen: Choice, layers: LayerBytes, po
                      for layer in geometry.layers)
         buffers = (0, 0, 0, 0)
         prefetch = (None, None, None, None, None)
+        cpu = (None, None)
     return ExpertsPlan(
         regime=summary_regime(rows), routing=experts.routing_label,
         fetch_slots=buffers[0], layers=rows, num_experts=geometry.num_experts, top_k=geometry.top_k,
@@ -230,7 +265,7 @@ def experts_section(experts: ExpertModel, chosen: Choice, layers: LayerBytes, po
         gather_workspace_bytes=buffers[3],
         routed_fetch_bytes_per_s=routed_fetch_bytes_per_s(h2d_bytes_per_s), routed_unavailable=experts.unavailable,
         points=points, prefetch=prefetch[0], prefetch_accuracy=prefetch[1], prefetch_depth=prefetch[2],
-        prefetch_rank_accuracy=prefetch[3], prefetch_accuracy_source=prefetch[4])
+        prefetch_rank_accuracy=prefetch[3], prefetch_accuracy_source=prefetch[4], cpu=cpu[0], cpu_declined=cpu[1])
 
 
 def _share(value: float | None) -> float | None:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from planner.model.expert_placement import RoutedPlacement, gather_ms, gather_rate
+from planner.search.cpu_experts import layer_wait_ms
 from planner.model.expert_prefetch import layer_shares, planned_layer_stall_ms
 from planner.plan.schema import Plan, routed_layer_expert_bytes
 from planner.search.simulate import Interval, Simulation
@@ -41,6 +42,9 @@ class RoutedFetch:
     #: the decode gather's time in the layer's compute beyond the all-resident layer's
     #: (planner.model.expert_placement.gather_ms)
     gather_ms: float = 0.0
+    #: the layer's CPU path after its router (handoff and its CPU experts' compute; 0: no CPU experts): the layer
+    #: waits for the later of it and the link
+    cpu_ms: float = 0.0
 
 
 def routed_decode_step(layer_ms: Sequence[float], head_ms: float, fetches: Sequence[RoutedFetch],
@@ -94,10 +98,13 @@ def _fetch_intervals(fetch: RoutedFetch, predicted: bool, previous_wait_ms: floa
 
 
 def _waits_ms(layer_ms: Sequence[float], fetches: Sequence[RoutedFetch], num_slots: int) -> dict[int, float]:
-    """Per routed layer index, its wait for its experts: every layer but the first routed one is predicted."""
-    return {fetch.index: planned_layer_stall_ms(layer_ms[fetch.index], fetch.link_ms, fetch.hit_share,
-                                                predicted=position > 0, ahead_share=fetch.ahead_share,
-                                                expert_ms=fetch.expert_ms, num_slots=num_slots)
+    """Per routed layer index, its wait for its experts: every layer but the first routed one is predicted; a
+    layer with CPU experts waits for its link and its CPU path (planner.search.cpu_experts.layer_wait_ms: one after
+    the other, as measured, unless they overlap)."""
+    return {fetch.index: layer_wait_ms(planned_layer_stall_ms(layer_ms[fetch.index], fetch.link_ms, fetch.hit_share,
+                                                              predicted=position > 0, ahead_share=fetch.ahead_share,
+                                                              expert_ms=fetch.expert_ms, num_slots=num_slots),
+                                       fetch.cpu_ms)
             for position, fetch in enumerate(fetches)}
 
 
@@ -105,6 +112,7 @@ def placement_fetches(placement: RoutedPlacement) -> tuple[RoutedFetch, ...]:
     """The planner's routed placement as the timeline's fetches."""
     hit, ahead = placement.prefetch_accuracy, placement.prefetch_ahead_share
     return tuple(RoutedFetch(index=row.index, link_ms=row.fetch_ms, expert_ms=row.expert_ms, gather_ms=row.gather_ms,
+                             cpu_ms=row.cpu_ms,
                              **_shares(layer_shares(row, hit, ahead))) for row in placement.layers)
 
 
@@ -125,7 +133,7 @@ def plan_fetches(plan: Plan) -> tuple[RoutedFetch, ...]:
                            gather_rate(hardware.hbm_bytes_per_s, hardware.compute_efficiency)) if gathering else 0.0
         fetches.append(RoutedFetch(index=row.index, link_ms=1e3 * row.expected_fetched_bytes / rate,
                                    expert_ms=expert_ms if row.expected_fetched_bytes else None, gather_ms=gather,
-                                   **_shares(layer_shares(row, hit, ahead))))
+                                   cpu_ms=row.cpu_ms or 0.0, **_shares(layer_shares(row, hit, ahead))))
     return tuple(fetches)
 
 

@@ -108,6 +108,8 @@ def export_plan(plan: Plan, engine: str, *, tp_size: int = 1, exact: bool = Fals
     expert_note = experts_note(source, target) if routed is None else f"experts: {target.experts_note}"
     if expert_note is not None:
         built.notes.append(expert_note)
+    if source.experts is not None and source.experts.cpu is not None:
+        built.notes.append(cpu_experts_note(source, target))
     built.flags += [target.tp_flag, str(tp_size)] if tp_size > 1 else []
     if plan.offload.layers:
         _offload(built)
@@ -289,6 +291,18 @@ def experts_note(plan: Plan, target: EngineTarget) -> str | None:
     routed = (f" (routed experts would take {format_ms(here.routed_step_ms)} per step here)"
               if here is not None and here.routed_step_ms is not None else "")
     return f"experts: the plan streams whole layers, as {target.name} can{routed}; {target.experts_note}"
+
+
+def cpu_experts_note(plan: Plan, target: EngineTarget) -> str:
+    """What becomes of a plan's CPU experts (experts.cpu): the engine computes no expert on the CPU, and
+    llama.cpp's nearest expression places whole layers' experts there, not single experts."""
+    layers = [row.index for row in plan.experts.cpu_layers]
+    count = sum(len(row.cpu) for row in plan.experts.cpu_layers)
+    numbers = "|".join(str(index) for index in layers)
+    return (f"experts: {target.display_name} has no CPU experts: the plan's {count} CPU experts in {len(layers)} "
+            "layer(s) travel over the link with the rest in this export. llama.cpp keeps a layer's experts in one "
+            f"stacked tensor, so its nearest expression puts layers {', '.join(map(str, layers))} on the CPU whole: "
+            f'-ot "blk\\.({numbers})\\.ffn_(up|down|gate)_exps=CPU" (--n-cpu-moe N: the first N layers\' experts)')
 
 
 def check_rule(plan: Plan) -> None:

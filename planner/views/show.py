@@ -303,6 +303,10 @@ def _memory(plan: Plan) -> Table:
         ("host: pinned every expert of the routed layers" if num_routed else "host: pinned offloaded params",
          memory.host_pinned_bytes),
     ]
+    cpu = plan.experts.cpu if plan.experts is not None else None
+    if cpu is not None and cpu.host_copy_bytes:
+        rows.append(("host: fp32 copy of the CPU experts (not pinned; held to host memory with the pinned)",
+                     cpu.host_copy_bytes))
     if plan.adapters is not None:
         rows += [(f"GPU: {plan.adapters.num_slots} adapter slot(s) x {format_bytes(plan.adapters.slot_bytes)}",
                   plan.adapters.gpu_bytes),

@@ -6,6 +6,7 @@ from rich.text import Text
 from planner.plan.experts_section import ExpertLayer, ExpertsPlan
 
 from planner.plan.schema import Plan
+from planner.views.show_cpu_experts import cpu_lines
 from planner.units import format_bytes, format_ms
 
 
@@ -18,7 +19,7 @@ def experts_text(plan: Plan) -> Text:
              f"{experts.num_experts} experts of {format_bytes(experts.expert_bytes)}; routing: "
              f"{_routing_words(experts)})."]
     if routed:
-        lines += _routed_lines(plan, experts, routed)
+        lines += _routed_lines(plan, experts, routed) + cpu_lines(plan, experts)
     else:
         lines.append(_whole_layer_line(plan, experts))
     lines += _crossover_lines(plan, experts)

@@ -6,6 +6,7 @@ import itertools
 import pytest
 
 from planner.errors import ProfileError
+from planner.search import cpu_experts
 from planner.search.cpu_experts import (CPU_WITHIN_LINK_FACTOR, balanced_cpu_experts, cpu_expert_ms, decode_split,
                                         link_expert_ms, max_cpu_tokens_per_expert, prefill_split, split_layer,
                                         tokens_per_touched_expert)
@@ -30,6 +31,27 @@ def _split(cpu, num_missed, tokens=1.0, handoff_ms=0.05, overlap_ms=0.0):
     return split_layer(num_missed=num_missed, expert_bytes=QWEN_BYTES, expert_params=QWEN_PARAMS,
                        link_bytes_per_s=LINK_BYTES_PER_S, cpu=cpu, tokens_per_expert=tokens, compute_ms=0.3,
                        gpu_overlap_ms=overlap_ms, handoff_ms=handoff_ms)
+
+
+@pytest.fixture(autouse=True)
+def side_by_side(monkeypatch):
+    """The split with the CPU path beside the link (the balanced split these tests hold); the H100 measured it
+    after the link: test_a_serial_cpu_path_takes_every_miss_or_none."""
+    monkeypatch.setattr(cpu_experts, "CPU_PATH_OVERLAPS_LINK", True)
+
+
+@pytest.mark.parametrize(("ms_at_1", "num_missed", "handoff_ms"), [(0.05, 5.1, 0.05), (0.18, 5.1, 0.05),
+                                                                   (0.185, 5.8, 0.35), (0.05, 20.0, 0.35)])
+def test_a_serial_cpu_path_takes_every_miss_or_none(ms_at_1, num_missed, handoff_ms):
+    serial = split_layer(num_missed=num_missed, expert_bytes=QWEN_BYTES, expert_params=QWEN_PARAMS,
+                         link_bytes_per_s=LINK_BYTES_PER_S, cpu=_cpu(ms_at_1), tokens_per_expert=1.0, compute_ms=0.3,
+                         handoff_ms=handoff_ms, overlapped=False)
+    assert serial.cpu_experts in (0.0, num_missed)
+    assert serial.stall_ms <= serial.fetch_only_stall_ms + 1e-12
+    cpu_all = handoff_ms + num_missed * serial.cpu_ms_per_expert
+    assert (serial.cpu_experts == num_missed) == (cpu_all < serial.fetch_only_stall_ms)
+    if serial.cpu_experts:
+        assert serial.stall_ms == pytest.approx(cpu_all)  # nothing fetched: the CPU path alone
 
 
 GRID = list(itertools.product((0.05, 0.1, 0.2, 0.35, 0.6), (0.5, 1.3, 5.1, 20.0), (0.0, 0.05, 0.3)))

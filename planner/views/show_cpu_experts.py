@@ -1,0 +1,55 @@
+"""``show``'s lines on the third placement of a routed expert: which experts the host CPU computes, the CPU's and
+the link's share of the step, the numerics, and why the CPU was declined where it was."""
+
+from itertools import groupby
+
+from planner.plan.experts_section import ExpertsPlan
+from planner.plan.schema import Plan
+from planner.units import format_bytes, format_ms
+
+#: the CPU experts' tolerance against the all-resident layer on the GPU, as a share of the reference output's
+#: largest magnitude: runtime.cpu_experts' FP32_TOLERANCE and BF16_TOLERANCE (planner/ imports no runtime module)
+NUMERICS = ("CPU arithmetic is not bitwise the GPU's (another kernel, another summation order): with an fp32 host "
+            "copy a layer's output is within 1e-5, with bf16 within 2^-6, of the reference output's largest "
+            "magnitude (the same experts in fp32 on both sides); greedy tokens are checked against all-resident "
+            "on the GPU (runtime/cpu_experts.py)")
+
+
+def cpu_lines(plan: Plan, experts: ExpertsPlan) -> list[str]:
+    """The CPU experts in words, or why the CPU takes none (nothing where the profile measured no CPU)."""
+    if experts.cpu_declined is not None:
+        return [f"  CPU experts: declined: {experts.cpu_declined}."]
+    cpu = experts.cpu
+    if cpu is None:
+        return []
+    layers = experts.cpu_layers
+    num_cpu = sum(len(row.cpu) for row in layers)
+    copy = (f", an fp32 copy of them: {format_bytes(cpu.host_copy_bytes)} of host memory beside the pinned experts"
+            if cpu.host_copy_bytes else ", reading the pinned bf16 experts in place")
+    step = plan.prediction.step_ms
+    return [
+        f"  Third placement: the host CPU computes {num_cpu} experts of {len(layers)} routed layers ({cpu.threads} "
+        f"threads{copy}); every (token, expert) pair routed to them goes to the CPU, the link fetches the other "
+        "misses, and each layer waits after its router for the later of the two.",
+        "  Experts per layer, resident / CPU / fetched when touched: " + _per_layer(experts) + ".",
+        f"  After the routers, per step: the CPU {format_ms(cpu.cpu_ms_per_step)} (with a {format_ms(cpu.handoff_ms)} "
+        f"handoff per layer), the link {format_ms(cpu.link_ms_per_step)}; against the step's {format_ms(step)}: "
+        f"CPU {_share(cpu.cpu_ms_per_step, step)}, link {_share(cpu.link_ms_per_step, step)} (the two overlap).",
+        f"  Numerics: {NUMERICS}.",
+    ]
+
+
+def _per_layer(experts: ExpertsPlan) -> str:
+    """Each routed layer's resident / CPU / fetched counts, runs of equal counts as one range."""
+    counts = [(row.index, (len(row.resident), len(row.cpu), experts.num_experts - len(row.resident) - len(row.cpu)))
+              for row in experts.routed_layers]
+    parts = []
+    for triple, run in groupby(counts, key=lambda item: item[1]):
+        indices = [index for index, _ in run]
+        where = f"layer {indices[0]}" if len(indices) == 1 else f"layers {indices[0]}-{indices[-1]}"
+        parts.append(f"{where} {triple[0]} / {triple[1]} / {triple[2]}")
+    return "; ".join(parts)
+
+
+def _share(part_ms: float, step_ms: float) -> str:
+    return f"{100 * part_ms / step_ms:.0f}%" if step_ms > 0 else "-"

@@ -1,0 +1,212 @@
+"""make with the third placement of a routed expert (planner.search.cpu_placement): a profile with cpu_experts
+writes CPU expert ids that keep the invariants, --cpu-experts off and a profile without the section plan the same,
+a slow CPU is declined with its reason, and show, check, diff and export read what make wrote; hand edits that
+break the invariants are refused in one line."""
+
+import pytest
+import yaml
+
+from planner.errors import PlanError
+from planner.plan.file import read_plan
+from planner.search import cpu_experts
+from tests.conftest import invoke, make_checkpoint
+from tests.helpers import roofline_profile
+
+#: the measured expert of the profiles below: Qwen3-30B-A3B's (H 2048, I 768)
+QWEN_PARAMS = 3 * 2048 * 768
+#: tokens per expert the table holds, and each further token's ms
+TABLE_TOKENS = (1, 2, 4, 8, 16)
+PER_TOKEN_MS = 0.02
+#: the H100 host's bf16 figure for one Qwen3-30B-A3B expert at one token (issue 37), and a CPU ten times slower
+FAST_MS, SLOW_MS = 0.342, 3.42
+MAKE = ["--tokens", "1", "--context", "64", "--budget", "200MiB"]
+
+
+def cpu_section(ms_at_1: float, dtype: str = "bf16") -> dict:
+    """A profile's cpu_experts section for a CPU that computes a Qwen3 expert in ``ms_at_1`` at one token."""
+    width = 2 if dtype == "bf16" else 4
+    return {"threads": 16, "dtype": dtype, "hidden_size": 2048, "intermediate_size": 768,
+            "ms_per_expert_at_tokens": {t: ms_at_1 + (t - 1) * PER_TOKEN_MS for t in TABLE_TOKENS},
+            "weight_bytes_per_s": width * QWEN_PARAMS / ((ms_at_1 - 0.01) / 1e3),
+            "flops_per_s": 2 * QWEN_PARAMS / (PER_TOKEN_MS / 1e3), "overhead_us": 10.0, "source": "assumed",
+            "note": "built by the test"}
+
+
+@pytest.fixture
+def measured_moe(tmp_path, monkeypatch):
+    """A header-only MoE checkpoint whose experts (4.5 MiB) take the link ~0.1 ms each, and profiles with and
+    without the CPU's figures, in a working directory; the CPU path priced as measured on the H100 (its handoff,
+    after the link)."""
+    monkeypatch.chdir(tmp_path)
+    make_checkpoint(tmp_path / "moe", hidden=1024, intermediate=1024, num_heads=8, data=False,
+                    moe={"num_experts": 16, "top_k": 2, "expert_intermediate": 768})
+    base = yaml.safe_load(open(roofline_profile(tmp_path)))
+    for name, section in (("fast", cpu_section(FAST_MS)), ("slow", cpu_section(SLOW_MS)),
+                          ("fp32", cpu_section(FAST_MS / 2, "fp32"))):
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump({**base, "cpu_experts": section}))
+    (tmp_path / "none.yaml").write_text(yaml.safe_dump(base))
+    return tmp_path
+
+
+@pytest.fixture
+def moe(measured_moe, monkeypatch):
+    """measured_moe on a host whose CPU path runs beside the link after a 0.05 ms handoff: what the plan's wiring
+    needs to be exercised (the H100's measured path is declined: test_the_measured_cpu_path_is_declined)."""
+    monkeypatch.setattr(cpu_experts, "CPU_PATH_OVERLAPS_LINK", True)
+    monkeypatch.setattr(cpu_experts, "CPU_HANDOFF_MS", 0.05)
+    return measured_moe
+
+
+def test_the_measured_cpu_path_is_declined(measured_moe):
+    """With the handoff and the serial CPU path measured inside the captured step on the H100, even the fast CPU
+    saves nothing: make fetches every miss and says why."""
+    make("fast.yaml", "plan.yaml")
+    make("none.yaml", "none-plan.yaml")
+    experts = read_plan("plan.yaml").experts
+    assert experts.cpu is None and not any(row.cpu for row in experts.layers)
+    assert "after the link" in experts.cpu_declined and "handoff" in experts.cpu_declined
+    assert read_plan("plan.yaml").prediction.step_ms == read_plan("none-plan.yaml").prediction.step_ms
+
+
+def make(profile: str, output: str, *extra: str) -> None:
+    result = invoke(["make", "--model", "moe", "--gpu", profile, *MAKE, *extra, "-o", output])
+    assert result.exit_code == 0, result.stderr
+
+
+def test_make_puts_non_resident_experts_on_the_cpu_within_the_invariants(moe):
+    make("fast.yaml", "plan.yaml")
+    make("fast.yaml", "off.yaml", "--cpu-experts", "off")
+    plan, off = read_plan("plan.yaml"), read_plan("off.yaml")
+    experts = plan.experts
+    assert experts.cpu is not None and experts.cpu.dtype == "bf16" and experts.cpu.host_copy_bytes == 0
+    assert experts.cpu.threads == 16 and experts.cpu_declined is None
+    for row in experts.routed_layers:
+        assert row.cpu and list(row.cpu) == sorted(set(row.cpu))
+        assert not set(row.cpu) & set(row.resident) and max(row.cpu) < experts.num_experts
+        # uniform routing: the highest non-resident ids
+        assert row.cpu == tuple(range(experts.num_experts - len(row.cpu), experts.num_experts))
+        assert row.cpu_ms >= experts.cpu.handoff_ms
+    assert experts.cpu.cpu_ms_per_step == pytest.approx(sum(row.cpu_ms for row in experts.cpu_layers), abs=1e-3)
+    # the hybrid step beats fetching every miss, and the link carries less
+    assert plan.prediction.step_ms < off.prediction.step_ms
+    assert plan.prediction.copy_bytes_per_step < off.prediction.copy_bytes_per_step
+    assert [row.resident for row in experts.layers] == [row.resident for row in off.experts.layers]
+
+
+def test_cpu_experts_off_plans_as_a_profile_without_the_section(moe):
+    make("fast.yaml", "off.yaml", "--cpu-experts", "off")
+    make("none.yaml", "none.yaml.out")
+    make("none.yaml", "none-off.yaml", "--cpu-experts", "off")
+
+    def body(path: str) -> dict:
+        data = yaml.safe_load(open(path))
+        data["inputs"].pop("cpu_experts", None)
+        data["inputs"].pop("gpu")
+        data["hardware"].pop("profile")
+        return data
+
+    assert body("off.yaml") == body("none.yaml.out") == body("none-off.yaml")
+    text = open("none.yaml.out").read()
+    assert "cpu" not in yaml.safe_load(text)["experts"] and "cpu_experts" not in text  # nothing new written
+
+
+def test_a_slow_cpu_is_declined_and_the_plan_says_why(moe):
+    make("slow.yaml", "slow.yaml.out")
+    make("none.yaml", "none.yaml.out")
+    plan, fetch_only = read_plan("slow.yaml.out"), read_plan("none.yaml.out")
+    assert plan.experts.cpu is None and plan.experts.cpu_layers == ()
+    assert "more than 2x" in plan.experts.cpu_declined and "fetching only" in plan.experts.cpu_declined
+    assert plan.prediction.step_ms == fetch_only.prediction.step_ms
+    shown = invoke(["show", "slow.yaml.out"])
+    assert shown.exit_code == 0 and "CPU experts: declined:" in shown.stdout
+
+
+def test_an_fp32_host_copy_is_counted_and_held_to_the_host_memory(moe):
+    make("fp32.yaml", "fp32.yaml.out")
+    plan = read_plan("fp32.yaml.out")
+    cpu, layers = plan.experts.cpu, plan.experts.cpu_layers
+    expert_params = 3 * 1024 * 768
+    assert cpu.dtype == "fp32" and cpu.host_copy_bytes == 4 * expert_params * sum(len(row.cpu) for row in layers)
+    room = plan.memory.host_pinned_bytes + cpu.host_copy_bytes - 1
+    make("fp32.yaml", "tight.yaml", "--host-memory", f"{room}B")
+    tight = read_plan("tight.yaml")
+    assert tight.experts.cpu is None and "fp32 host copy" in tight.experts.cpu_declined
+
+
+def test_show_check_diff_and_export_read_a_plan_with_cpu_experts(moe):
+    make("fast.yaml", "plan.yaml")
+    make("fast.yaml", "off.yaml", "--cpu-experts", "off")
+    shown = invoke(["show", "plan.yaml"])
+    assert shown.exit_code == 0, shown.stderr
+    text = " ".join(shown.stdout.split())
+    assert "Third placement: the host CPU computes" in text and "resident / CPU / fetched" in text
+    assert "2^-6" in text and "1e-5" in text
+    assert invoke(["check", "plan.yaml", "off.yaml"]).exit_code == 0
+    diff = invoke(["diff", "off.yaml", "plan.yaml"])
+    assert diff.exit_code == 0, diff.stderr
+    for engine in ("vllm", "sglang"):
+        exported = invoke(["export", "plan.yaml", "--to", engine])
+        assert exported.exit_code == 0, exported.stderr
+        said = " ".join(exported.stderr.split())
+        assert "has no CPU experts" in said and "--n-cpu-moe" in said
+        layers = "|".join(str(row.index) for row in read_plan("plan.yaml").experts.cpu_layers)
+        assert f'-ot "blk\\.({layers})\\.ffn_(up|down|gate)_exps=CPU"' in said
+    again = invoke(["show", "--json", "plan.yaml"])
+    assert again.exit_code == 0 and '"cpu"' in again.stdout
+
+
+def _edited(path: str, edit) -> str:
+    data = yaml.safe_load(open(path))
+    edit(data)
+    out = path.replace(".yaml", "-edited.yaml")
+    with open(out, "w") as handle:
+        yaml.safe_dump(data, handle, sort_keys=False)
+    return out
+
+
+def _first_cpu_layer(data: dict) -> dict:
+    return next(row for row in data["experts"]["layers"] if row.get("cpu"))
+
+
+def _slower_cpu_path(data: dict, more_ms: float) -> None:
+    """One layer's CPU path longer, the section's sum with it: the step the plan states no longer follows."""
+    _first_cpu_layer(data)["cpu_ms"] += more_ms
+    data["experts"]["cpu"]["cpu_ms_per_step"] += more_ms
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda d: _first_cpu_layer(d).__setitem__("cpu", [*_first_cpu_layer(d)["resident"][:1],
+                                                       *_first_cpu_layer(d)["cpu"]]), "also resident"),
+    (lambda d: d["experts"].pop("cpu"), "experts.cpu is given exactly where"),
+    (lambda d: _first_cpu_layer(d).__setitem__("cpu", [99]), "below num_experts"),
+    (lambda d: _first_cpu_layer(d).__setitem__("cpu", [15, 14]), "ascending and distinct"),
+    (lambda d: d["experts"]["cpu"].__setitem__("cpu_ms_per_step", 9.0), "cpu_ms_per_step"),
+    (lambda d: d["experts"]["cpu"].__setitem__("dtype", "int8"), "experts.cpu.dtype"),
+    (lambda d: d["inputs"].__setitem__("cpu_experts", "off"), "inputs.cpu_experts is off"),
+    (lambda d: _slower_cpu_path(d, 5.0), "prediction.step_ms"),
+])
+def test_hand_edits_that_break_the_cpu_invariants_are_refused_in_one_line(moe, edit, words):
+    make("fast.yaml", "plan.yaml")
+    with pytest.raises(PlanError) as error:
+        read_plan(_edited("plan.yaml", edit))
+    assert words in str(error.value) and "\n" not in str(error.value)
+    result = invoke(["check", _edited("plan.yaml", edit)])
+    assert result.exit_code != 0 and "Traceback" not in result.stderr
+
+
+def test_cpu_ids_on_a_whole_layer_are_refused(moe):
+    make("none.yaml", "whole.yaml", "--budget", "120MiB")
+    whole = yaml.safe_load(open("whole.yaml"))
+    assert whole["experts"]["regime"] == "whole_layer"
+
+    def edit(data):
+        data["experts"]["layers"][0]["cpu"] = [15]
+        data["experts"]["layers"][0]["cpu_ms"] = 0.1
+
+    with pytest.raises(PlanError, match="is a whole layer"):
+        read_plan(_edited("whole.yaml", edit))
+
+
+def test_make_refuses_an_unknown_cpu_experts_choice_in_one_line(moe):
+    result = invoke(["make", "--model", "moe", "--gpu", "fast.yaml", *MAKE, "--cpu-experts", "maybe"])
+    assert result.exit_code != 0 and "--cpu-experts" in result.stderr and "Traceback" not in result.stderr
