@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from planner.search.cpu_experts import CPU_PATH_OVERLAPS_LINK
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -24,7 +26,11 @@ def test_tiny_shape_writes_the_cpu_table_link_and_verdict(tmp_path):
     # 1 MB/s: the link takes 12 ms an expert, far slower than any CPU at a 64 x 32 expert, so the CPU takes some
     assert not row["link"]["measured"] and row["link"]["copy_ms_per_expert"] == 12.288
     assert row["verdict"]["1"]["within_2x"] and row["split"]["declined"] is None
-    assert 0 < row["split"]["cpu_experts"] < 2 and row["split"]["stall_ms"] < row["split"]["fetch_only_stall_ms"]
+    # after the link (as measured on the H100: CPU_PATH_OVERLAPS_LINK) the CPU takes every miss or none; beside
+    # it, a balanced share
+    split, missed = row["split"]["cpu_experts"], row["split"]["missed"]
+    assert 0 < split < missed if CPU_PATH_OVERLAPS_LINK else split == missed
+    assert row["split"]["stall_ms"] < row["split"]["fetch_only_stall_ms"]
     assert "| tiny |" in proc.stdout and "on the CPU, stall" in proc.stdout
 
 
