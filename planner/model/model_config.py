@@ -55,7 +55,9 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 #: config.json keys that give the number of routed experts, and the experts each token picks
 EXPERT_COUNT_KEYS = ("num_local_experts", "n_routed_experts", "num_experts", "moe_num_experts")
-TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k")
+#: the routed experts a token takes, by each family's name: Ernie 4.5's MoE config writes moe_k (transformers'
+#: Ernie4_5_MoeConfig; ERNIE-4.5-21B-A3B: 6 of 64)
+TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k", "top_k")
 
 #: The one limits table of config.json: every whole-number key the planner reads, with the range a real model's
 #: value lies in (wider than any model today, narrow enough that the arithmetic on them stays small and fast).

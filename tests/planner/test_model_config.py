@@ -109,3 +109,13 @@ def test_context_beyond_the_model_is_one_line_naming_the_limit(tmp_path, test_gp
         "--context 4097 is beyond the model's 4096 tokens",
         "original_max_position_embeddings 1024 x rope_scaling yarn factor 4"))
     assert invoke([*args, "--context", "4096"]).exit_code == 0
+
+
+def test_ernie_moe_names_its_top_k_moe_k():
+    """Ernie 4.5's MoE config writes its top-k as moe_k and its expert count as moe_num_experts (transformers'
+    Ernie4_5_MoeConfig, as ERNIE-4.5-21B-A3B's config.json): read as 6 of 64, not a default top-k."""
+    import transformers
+
+    written = json.loads(transformers.Ernie4_5_MoeConfig(moe_k=6, moe_num_experts=64).to_json_string(use_diff=False))
+    record = model_config(written)
+    assert (record.num_experts, record.top_k) == (64, 6)
