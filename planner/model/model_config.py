@@ -30,6 +30,8 @@ TEXT_DEFAULTS = {
     "gemma3_text": MappingProxyType({"vocab_size": 262_208, "max_position_embeddings": 131_072,
                                      "sliding_window": 4096, "tie_word_embeddings": True,
                                      "num_key_value_heads": 4, "head_dim": 256}),
+    # MistralConfig's window where config.json names none (Mistral-7B-v0.1's own; Nemo's states null)
+    "mistral": MappingProxyType({"sliding_window": 4096}),
 }
 #: the keys read here and by the KV cache model and the activation estimate, and the other names config classes
 #: write them under (transformers' attribute_map of GPT-2, GPT-J, BLOOM, MPT, OPT, Falcon ...): a config that

@@ -119,3 +119,12 @@ def test_ernie_moe_names_its_top_k_moe_k():
     written = json.loads(transformers.Ernie4_5_MoeConfig(moe_k=6, moe_num_experts=64).to_json_string(use_diff=False))
     record = model_config(written)
     assert (record.num_experts, record.top_k) == (64, 6)
+
+
+def test_a_mistral_config_silent_on_its_window_gets_mistral_configs():
+    """transformers' MistralConfig attends over a 4096-token window where config.json names none, so the cache and
+    the step are planned over it; a config that states null (Mistral-Nemo) keeps full attention."""
+    silent = {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_size": 512,
+              "num_attention_heads": 8, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 1024}
+    assert model_config(silent).sliding_window_tokens == 4096
+    assert model_config({**silent, "sliding_window": None}).sliding_window_tokens is None
