@@ -5,7 +5,7 @@ from collections import Counter
 from planner.search.adapter_stream import WeightsOnLink, choose_mode, weights_of_layers
 from planner.model.adapters import adapter_waits, missing_per_batch, slot_bytes_of
 from planner.source.checkpoint import Checkpoint
-from planner.model.cost import ComputeTimes, Workload
+from planner.model.cost import ComputeTimes, Workload, is_decode_step
 from planner.search.expert_choice import RoutedChoice, experts_section, prefill_simulation
 from planner.model.expert_placement import non_resident_bytes
 from planner.model.experts import ROUTED_FETCH_EFFICIENCY
@@ -54,11 +54,6 @@ def assemble(model: Model, workload: Workload, compute: ComputeTimes, choice: Ch
 def _routed(choice: Choice):
     """A routed choice's placement of experts (planner.search.expert_choice), None for whole layers."""
     return choice.placement if isinstance(choice, RoutedChoice) else None
-
-
-def _is_decode(workload: Workload) -> bool:
-    """One new token per sequence after a context."""
-    return workload.context_tokens > 0 and workload.tokens_per_step == workload.sequences_per_step
 
 
 def _layer_rows(model: Model, compute: ComputeTimes, choice: Choice) -> tuple[LayerRow, ...]:
@@ -134,7 +129,7 @@ def _prediction_section(model: Model, workload: Workload, compute: ComputeTimes,
                         resident_step_ms: float, serving_chunk_tokens: int | None) -> PredictionSection:
     """The step's time, stalls and link use; ``serving_chunk_tokens``: a serving plan's prefill chunk, which has
     its own layer times (a weights-only plan's prefill step is its chunk)."""
-    simulation, routed, decode = choice.simulation, _routed(choice), _is_decode(workload)
+    simulation, routed, decode = choice.simulation, _routed(choice), is_decode_step(workload)
     h2d = model.profile.h2d_bytes_per_s.value
     # a routed decode step gathers at the routed fetch rate; a routed prefill copies whole through the copy engine
     link_rate = h2d * ROUTED_FETCH_EFFICIENCY if routed is not None and decode else h2d

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from planner.model.activations import ActivationShape, StepShape, estimate_activations, planned_experts_implementation
 from planner.model.adapters import Adapter, default_slots
 from planner.source.checkpoint import Checkpoint
-from planner.model.cost import ComputeTimes, Workload, estimate_compute, geometry_from_config
+from planner.model.cost import ComputeTimes, Workload, estimate_compute, geometry_from_config, is_decode_step
 from planner.engines.read_at_use import planned_read_at_use, read_at_use_searcher
 from planner.engines.versions import engine_version
 from planner.model.fp8_cost import fp8_compute_for, has_fp8_experts
@@ -106,7 +106,7 @@ class Model:
         """Whole layers against routed experts within ``budget_bytes`` at ``workload`` (a MoE model; routed is
         None where unavailable or nothing routed fits, whole None where no whole-layer placement fits)."""
         whole = self.search_or_none(compute, budget_bytes)
-        decode = workload.tokens_per_step == workload.sequences_per_step and workload.context_tokens > 0
+        decode = is_decode_step(workload)
         routed = routed_choice(self.experts, searcher=self.searcher, compute=compute, budget_bytes=budget_bytes,
                                num_tokens=workload.tokens_per_step, decode=decode,
                                non_layer_bytes=self.layout.non_layer_bytes,

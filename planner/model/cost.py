@@ -44,6 +44,12 @@ class Workload:
             raise ValueError("tokens per step must be a multiple of sequences per step")
 
 
+def is_decode_step(workload) -> bool:
+    """Whether a step (a Workload, or a plan's workload section) is a decode step: one new token per sequence
+    after a context."""
+    return workload.context_tokens > 0 and workload.tokens_per_step == workload.sequences_per_step
+
+
 @dataclass(frozen=True, kw_only=True)
 class ComputeTimes:
     """Compute time of each planned layer and of the work outside the stack, for one step."""

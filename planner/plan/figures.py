@@ -6,6 +6,7 @@ or None. planner.plan.rules runs them after the rules across fields (first_broke
 
 import math
 
+from planner.model.cost import is_decode_step
 from planner.plan.experts_section import WHOLE_LAYER
 from planner.plan.schema import Plan, routed_expert_bytes, routed_layer_expert_bytes, routed_rows
 
@@ -121,8 +122,7 @@ def _memory_figures(plan: Plan) -> str | None:
 
 def is_decode(plan: Plan) -> bool:
     """Whether the plan's step is a decode step: a context, one token per sequence."""
-    workload = plan.workload
-    return workload.context_tokens > 0 and workload.tokens_per_step == workload.sequences_per_step
+    return is_decode_step(plan.workload)
 
 
 def _prediction_figures(plan: Plan) -> str | None:

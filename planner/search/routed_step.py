@@ -14,6 +14,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from planner.model.cost import is_decode_step
 from planner.model.expert_placement import RoutedPlacement, gather_ms, gather_rate
 from planner.search.cpu_experts import layer_wait_ms
 from planner.model.expert_prefetch import layer_shares, planned_layer_stall_ms
@@ -124,7 +125,7 @@ def plan_fetches(plan: Plan) -> tuple[RoutedFetch, ...]:
     rate = experts.routed_fetch_bytes_per_s
     hit, ahead = experts.prefetch_shares() or (None, 1.0)
     tokens = plan.workload.tokens_per_step
-    gathering = tokens == plan.workload.sequences_per_step and plan.workload.context_tokens > 0  # decode steps
+    gathering = is_decode_step(plan.workload)
     fetches = []
     for row in experts.routed_layers:
         expert_bytes = routed_layer_expert_bytes(plan, row)
