@@ -49,6 +49,16 @@ def _finite(value: int | float) -> bool:
     return abs(value) <= 1e300 and math.isfinite(value)
 
 
+def _check_figure(key: str, value: object, lowest: float, highest: float, *, whole: bool = False,
+                  kind: str | None = None) -> None:
+    """ValueError (one line) unless ``value`` is a finite number (a whole one where ``whole``; never a bool) from
+    ``lowest`` to ``highest``; ``kind`` names it in the message (default: "a whole number" or "a number")."""
+    if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)) or not _finite(value) \
+            or not lowest <= value <= highest:
+        kind = kind or ("a whole number" if whole else "a number")
+        raise ValueError(f"{key} must be {kind} from {lowest:g} to {highest:g}, not {shown(value)}")
+
+
 #: the host copy's dtypes the CPU's expert rates may be measured for (runtime.cpu_experts.CPU_DTYPES)
 CPU_EXPERT_DTYPES = ("bf16", "fp32")
 #: plausible bounds of the CPU's expert figures, far beyond any host: a figure outside is a unit off or a corrupt
@@ -94,12 +104,8 @@ class CpuExperts:
         if self.source not in SOURCES:
             raise ValueError(f"source must be one of {', '.join(SOURCES)}, not {shown(self.source)}")
         for key, (lowest, highest) in CPU_EXPERT_BOUNDS.items():
-            value = getattr(self, key)
-            whole = key in ("threads", "hidden_size", "intermediate_size")
-            if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)) \
-                    or not _finite(value) or not lowest <= value <= highest:
-                kind = "a whole number" if whole else "a number"
-                raise ValueError(f"{key} must be {kind} from {lowest:g} to {highest:g}, not {shown(value)}")
+            _check_figure(key, getattr(self, key), lowest, highest,
+                          whole=key in ("threads", "hidden_size", "intermediate_size"))
         self._check_table()
 
     def _check_table(self) -> None:
@@ -169,10 +175,7 @@ class LayerFloor:
         if self.source not in SOURCES:
             raise ValueError(f"source must be one of {', '.join(SOURCES)}, not {shown(self.source)}")
         for key in ("graphed_dense_ms", "graphed_moe_ms", "eager_moe_ms"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value) \
-                    or not 0 <= value <= MAX_LAYER_FLOOR_MS:
-                raise ValueError(f"{key} must be ms from 0 to {MAX_LAYER_FLOOR_MS:g}, not {shown(value)}")
+            _check_figure(key, getattr(self, key), 0, MAX_LAYER_FLOOR_MS, kind="ms")
 
     def layer_ms(self, roofline_ms: float, *, moe: bool, graphed: bool) -> float:
         """A layer's time from its roofline: the floor added when graphed; an eager MoE layer's at least its floor
