@@ -6,18 +6,24 @@ the GPU computes the others; neither side ever moves a CPU expert's weights over
 such a layer, every operation capturable (no host synchronisation):
 
 1. the main stream has run the router (``top_k_index``, ``top_k_weights``); a side stream forks from it (event
-   wait) and copies the hidden states [T, H], the indices and the weights to page-locked host buffers
-   (``non_blocking`` device-to-host copies);
+   wait) and writes the hidden states [T, H], the indices and the weights into page-locked host buffers through
+   their device view (runtime.uva_gather.device_view: copy KERNELS storing over the link, not the copy engine's
+   device-to-host copies; see below);
 2. on the side stream, a HOST NODE: the driver's ``cuLaunchHostFunc`` (libcuda.so.1 through ctypes) enqueues a
    Python callback that runs, in stream order, once the copies have landed: eagerly, and on every replay of a
    graph that captured it (CUDA captures ``cuLaunchHostFunc`` as a host node). It computes the CPU's pairs
    (runtime.cpu_experts.compute_pairs, ``threads`` intra-op threads), weights them and sums them per token into a
    page-locked fp32 output [T, H] (zeros for a token none of whose pairs is the CPU's);
-3. on the side stream, the output is copied to a device buffer (host-to-device, ``non_blocking``);
+3. nothing moves the output back: the main stream's add reads it where it lies, through its device view;
 4. meanwhile the main stream fetches the layer's non-resident GPU experts and computes its pairs (batched_mm);
    a pair routed to a CPU expert reads the ZERO ROW, a device-buffer row of zeros that the fetch plan takes for a
    resident expert (so it is never gathered) and whose SwiGLU output is exactly 0;
 5. the main stream waits for the side stream (event wait) and adds the CPU's output to its own.
+
+Why kernels and not copies: on the H100, a captured unit of [the routed gather (a kernel reading mapped host
+rows, 0.99 ms)] beside [D2H copy, a 0.5 ms host node, H2D copy] took 1.03 ms replayed alone but 1.36-1.47 ms a
+unit when units ran one after another (8 in one graph, or replays back to back), as a decode step's layers do;
+without the two copies the same units took 1.007 ms back to back (scripts/experiments/host_node_overlap.py).
 
 The zero row stands in for the brief's weight-0 mask (is_cpu[E] on the GPU): with the CPU experts marked resident
 at that row, the fetch plan (the fused Triton kernel and its torch twin, prefetch included) skips them as it skips
@@ -58,6 +64,7 @@ from runtime.allocation import host_allocation_or_fail
 from runtime.cpu_experts import CPU_DTYPES, HostExperts, compute_pairs, cpu_threads
 from runtime.engine import backend_unpin
 from runtime.experts_impl import ExpertsProxy
+from runtime.uva_gather import device_view
 
 #: the host function's C type: CUhostFn, ``void (*)(void *userData)`` (cdecl on Linux)
 HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
@@ -185,8 +192,8 @@ class CpuExperts:
         self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
 
     def _allocate(self, hidden_size: int, max_pairs: int, hidden_dtype: torch.dtype) -> None:
-        """The handoff's host buffers in one allocation (page-locked when the device is a GPU: the copies are
-        asynchronous and capturable only from page-locked memory) and the device copy of the output."""
+        """The handoff's host buffers in one allocation (page-locked and mapped when the device is a GPU: GPU kernels
+        read and write them in place, capturable) and their device views."""
         shapes = {"hidden": ((max_pairs, hidden_size), hidden_dtype), "index": ((max_pairs,), torch.int64),
                   "weights": ((max_pairs,), torch.float32), "out": ((max_pairs, hidden_size), torch.float32)}
         offsets, total = {}, 0
@@ -201,7 +208,8 @@ class CpuExperts:
             self.backend.pin(self.allocation)
             # unpinned before the memory can be freed, even if close is never called (as RoutedExperts does)
             self._unpin = weakref.finalize(self, backend_unpin, self.backend, [self.allocation])
-            self.device_out = torch.zeros((max_pairs, hidden_size), dtype=torch.float32, device=self.device)
+            #: the same buffers as device tensors over the host memory: GPU kernels store and load them directly
+            self.mapped = {name: device_view(buffer, self.device) for name, buffer in self.buffers.items()}
 
     @property
     def host_bytes(self) -> int:
@@ -220,14 +228,14 @@ class CpuExperts:
         num_tokens, num_top_k = top_k_index.shape
         main = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(main)
+        num_pairs, mapped = num_tokens * num_top_k, self.mapped
         with torch.cuda.stream(self.stream):
-            self.buffers["hidden"][:num_tokens].copy_(hidden, non_blocking=True)
-            self.buffers["index"][:num_tokens * num_top_k].view(num_tokens, num_top_k).copy_(top_k_index,
-                                                                                           non_blocking=True)
-            self.buffers["weights"][:num_tokens * num_top_k].view(num_tokens, num_top_k).copy_(top_k_weights,
-                                                                                             non_blocking=True)
+            # copy kernels storing into mapped host memory (module docstring: the copy engine's copies serialize
+            # with the routed gather when layers follow one another)
+            mapped["hidden"][:num_tokens].copy_(hidden)
+            mapped["index"][:num_pairs].view(num_tokens, num_top_k).copy_(top_k_index)
+            mapped["weights"][:num_pairs].view(num_tokens, num_top_k).copy_(top_k_weights)
             launch_host_func(self.stream, self.host_func(index, num_tokens, num_top_k))
-            self.device_out[:num_tokens].copy_(self.buffers["out"][:num_tokens], non_blocking=True)
         # the inputs are read on the side stream before ``join`` (called before the layer returns, so before
         # the caller can free them) makes the main stream wait for it: no record_stream needed
         return num_tokens
@@ -243,7 +251,7 @@ class CpuExperts:
             self.check()
             return out.add_(partial)
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
-        return out.add_(self.device_out[:pending])
+        return out.add_(self.mapped["out"][:pending])  # reads the host's output over the link, in the add
 
     def host_func(self, index: int, num_tokens: int, num_top_k: int):
         """The HOST_FN of layer ``index`` at ``num_tokens`` x ``num_top_k`` pairs (made once, kept here)."""

@@ -107,7 +107,7 @@ def _capture_mode() -> str:
     return "thread_local" if distributed else "global"
 
 
-def capture_steps(graph, steps, model_name: str) -> None:
+def capture_steps(graph, steps, model_name: str, what: str = "decode step") -> None:
     """Capture ``steps()`` into ``graph``; an op the capture forbids (a host copy or synchronisation inside the
     model's own code, such as transformers 5.17's eager attention mask, which copies a CPU scalar each step; the
     loop's steps now take their eager masks from runtime.step_masks instead) is one line naming the model, not a
@@ -120,8 +120,39 @@ def capture_steps(graph, steps, model_name: str) -> None:
     except RuntimeError as error:
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
         raise RuntimeUnavailableError(
-            f"{model_name}'s decode step cannot be captured as a CUDA graph on this stack ({reason}); run it "
+            f"{model_name}'s {what} cannot be captured as a CUDA graph on this stack ({reason}); run it "
             "without --cuda-graph (plan it without --cuda-graph), or with a newer transformers") from None
+
+
+def chunk_graph(model, input_ids: torch.Tensor, engine=None) -> "torch.cuda.CUDAGraph":
+    """One cacheless forward over ``input_ids`` (a prefill chunk of new sequences, the last token's logits) captured
+    in a CUDA graph: warmed up on the side stream, the warm-up's cached blocks released (the capture reuses their
+    memory rather than adding its own), then captured. With ``engine`` (whole layers offloaded) the forward runs in
+    the engine's graph mode, each replay joining its copies at its end as a decode replay does; the caller turns
+    graph mode off when done with the graph."""
+    device = input_ids.device
+
+    def forward() -> None:
+        if engine is not None:
+            engine.start_step(first=True, last=True)
+        model(input_ids=input_ids, use_cache=False, logits_to_keep=1)
+        if engine is not None:
+            engine.finish_step(True)
+
+    if engine is not None:
+        engine.set_graph_mode(True)
+    side = warm_up_stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side), torch.inference_mode():
+        for _ in range(NUM_WARMUP_CALLS):
+            forward()
+    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    graph = torch.cuda.CUDAGraph()
+    capture_steps(graph, forward, type(model).__name__, "prefill chunk")
+    torch.cuda.synchronize(device)
+    return graph
 
 
 class DecodeLoop:

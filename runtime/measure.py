@@ -183,9 +183,10 @@ def build_measure_model(config: dict, kinds: tuple[tuple[int, ...], ...], stack:
     return model.eval()
 
 
-def _time_forward(model, stack: str, workload: Workload) -> tuple[list[float], float]:
+def _time_forward(model, stack: str, workload: Workload, captured: bool = False) -> tuple[list[float], float]:
     """Median ms of every layer position, and of the rest of the forward, over NUM_TIMED forwards, scaled so
-    that they add up to the median forward timed without the per-layer events.
+    that they add up to the median forward timed without the per-layer events (``captured``: the forward replayed
+    from a CUDA graph, as run replays a graphed serving plan's prefill chunk).
 
     The events ride on forward hooks, and the hooks cost the host time: an eager prefill chunk of a small model
     is as long as the host takes to issue its kernels (on the H100 a DeepSeek-V2-Lite-shaped chunk of 2048
@@ -202,7 +203,7 @@ def _time_forward(model, stack: str, workload: Workload) -> tuple[list[float], f
     sequences = workload.sequences_per_step
     step_ids = torch.randint(0, vocab, (sequences, workload.tokens_per_step // sequences), device="cuda")
     cache = _prefill(model, vocab, workload)
-    unhooked_ms = _time_unhooked(model, step_ids, cache, workload)
+    unhooked_ms = _time_captured(model, step_ids) if captured else _time_unhooked(model, step_ids, cache, workload)
     forwards = []
     with torch.inference_mode():
         for repeat in range(NUM_WARMUP + NUM_TIMED):
@@ -243,6 +244,21 @@ def _time_unhooked(model, step_ids: torch.Tensor, cache, workload: Workload) -> 
         for _ in range(NUM_WARMUP):
             forward()
         return statistics.median(time_calls(forward, NUM_TIMED))
+
+
+def _time_captured(model, step_ids: torch.Tensor) -> float:
+    """Median ms of NUM_TIMED replays back to back of one cacheless forward captured in a CUDA graph (the forward
+    hooks must not be installed yet: their events cannot be captured)."""
+    from runtime.graph import chunk_graph
+    from runtime.timing import time_calls
+
+    graph = chunk_graph(model, step_ids)
+    for _ in range(NUM_WARMUP):
+        graph.replay()
+    ms = statistics.median(time_calls(graph.replay, NUM_TIMED))
+    del graph
+    torch.cuda.empty_cache()
+    return ms
 
 
 def _time_graphed(model, stack: str, kinds, workload: Workload) -> tuple[list[float], float]:
@@ -328,10 +344,10 @@ def measure_local(
     if key not in cache:
         kinds = measured_kinds(layout, checkpoint.config)
         model = build_measure_model(checkpoint.config, kinds, layout.stack)
-        if graphed:
+        if graphed and workload.context_tokens:
             layer_ms, rest_ms = _time_graphed(model, layout.stack, kinds, workload)
-        else:
-            layer_ms, rest_ms = _time_forward(model, layout.stack, workload)
+        else:  # a graphed prefill chunk: the layers' split from events, its length from replays
+            layer_ms, rest_ms = _time_forward(model, layout.stack, workload, captured=graphed)
         del model
         torch.cuda.empty_cache()
         per_kind = {index: statistics.median(layer_ms[i] for i in kind) for kind in kinds for index in kind}

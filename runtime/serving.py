@@ -121,15 +121,28 @@ def out_of_memory(what: str, plan) -> RuntimeUnavailableError:
 
 
 def time_prefill_chunk(loaded, chunk_tokens: int, device: torch.device) -> list[float]:
-    """ms of each timed forward over one new sequence's ``chunk_tokens`` tokens (no cache), offload hooks eager."""
-    from runtime.timing import forward_step, random_ids, time_steps
+    """ms of each timed forward over one new sequence's ``chunk_tokens`` tokens (no cache): replays of a CUDA graph
+    where the plan says its chunk is graphed (workload.chunk_graphed), else eager forwards, offload hooks eager."""
+    from runtime.graph import chunk_graph
+    from runtime.timing import forward_step, random_ids, time_calls, time_steps
 
     ids = random_ids(loaded.model, (1, chunk_tokens), device, seed=1)
     use_phase(loaded.model, PREFILL, device)  # the decode loop left its own implementation set
-    with torch.inference_mode():
+    if not loaded.plan.workload.chunk_graphed:
+        with torch.inference_mode():
+            for _ in range(NUM_WARMUP_CHUNKS):
+                forward_step(loaded.model, ids)
+            return time_steps(loaded.model, ids, NUM_TIMED_CHUNKS)
+    graph = chunk_graph(loaded.model, ids, loaded.engine)
+    try:
         for _ in range(NUM_WARMUP_CHUNKS):
-            forward_step(loaded.model, ids)
-        return time_steps(loaded.model, ids, NUM_TIMED_CHUNKS)
+            graph.replay()
+        return time_calls(graph.replay, NUM_TIMED_CHUNKS)
+    finally:
+        if loaded.engine is not None:
+            torch.cuda.synchronize(device)
+            loaded.engine.set_graph_mode(False)
+        del graph
 
 
 def run_serving_bench(loaded, cuda_graph: bool, compile_backend: str | None = None,

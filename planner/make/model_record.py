@@ -74,6 +74,18 @@ class Model:
             return self.inputs.adapter_slots
         return default_slots(self.adapters, num_sequences, 2**62 if free_bytes is None else free_bytes)
 
+    @property
+    def chunk_graphed(self) -> bool:
+        """Whether run replays a serving plan's prefill chunk from a CUDA graph: a --cuda-graph plan of a dense
+        model on one GPU, without adapters, for the runtime (not an engine's flags). Eagerly, a small model's chunk
+        is as long as the host takes to issue its kernels, and the host's pace drifts between processes: on the
+        H100 a Gemma-2-shaped all-resident chunk of 2048 tokens read 7.2-10.7 ms in two processes minutes apart
+        (scripts/experiments/chunk_timing.py), which no prediction can follow. A MoE model's prefill experts ask
+        the host which experts were hit (not capturable: runtime.experts_impl), so its chunk stays eager."""
+        inputs = self.inputs
+        return (inputs.cuda_graph and self.experts is None and inputs.engine is None and inputs.tp == 1
+                and not self.adapters)
+
     @functools.cached_property
     def searcher(self) -> Searcher:
         """The weight search over this model's layers, shared by every budget and compute time: make --for an

@@ -215,8 +215,14 @@ class WorkloadSection:
     chunk_tokens: int = 2048
     #: KV cache element type (bf16, fp16, fp8, fp32)
     kv_dtype: str = "bf16"
+    #: a serving plan's prefill chunk is replayed from a CUDA graph (planner.make.model_record.Model.chunk_graphed),
+    #: and predicted so; written only when true
+    chunk_graphed: bool = False
 
     def __post_init__(self):
+        if self.chunk_graphed and not self.cuda_graph:
+            raise ValueError("workload.chunk_graphed needs workload.cuda_graph: a plan with eager steps replays no "
+                             "chunk; regenerate the plan with make")
         if self.tokens_per_step < 1 or self.sequences_per_step < 1 or self.tokens_per_step % self.sequences_per_step:
             raise ValueError("workload.tokens_per_step must be a positive multiple of sequences_per_step (>= 1)")
 
@@ -424,6 +430,8 @@ OPTIONAL_INPUTS = {"adapters": (), "adapter_slots": None, "routing_trace": None,
 
 #: offload keys written only where not these (plans for the prefetch offloader keep their bytes)
 OPTIONAL_OFFLOAD = {"mechanism": "prefetch", "read_at_use_gib": 0}
+#: workload keys written only when not their default, so plans made before them keep their bytes
+OPTIONAL_WORKLOAD = {"chunk_graphed": False}
 
 
 #: top-level sections a plan holds only when they apply

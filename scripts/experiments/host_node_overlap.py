@@ -99,12 +99,17 @@ def main_work(kind: str, cycles: int, gather):
     return lambda: gather_rows(source, destination, ids)
 
 
-def capture(work, host, launch, num_units: int = 1, copies: bool = True):
+def capture(work, host, launch, num_units: int = 1, copies: str = "copy"):
     """A graph of ``num_units`` units one after another, each ``work`` on the capture stream and, when ``host`` is
-    given, the side branch beside it (with its device-to-host and host-to-device copies when ``copies``)."""
+    given, the side branch beside it. ``copies``: how the side branch moves its data: "copy" (device-to-host and
+    host-to-device copies, the copy engine's), "mapped" (kernels writing and reading mapped host memory through
+    its device view: no copy-engine node) or "none"."""
+    from runtime.uva_gather import device_view
+
     side = torch.cuda.Stream()
     small = torch.zeros(2048, device="cuda")
     pinned = torch.zeros(2048, pin_memory=True)
+    mapped = device_view(pinned, torch.device("cuda"))
     back = torch.zeros(2048, device="cuda")
     graph = torch.cuda.CUDAGraph()
     side.wait_stream(torch.cuda.current_stream())
@@ -115,17 +120,19 @@ def capture(work, host, launch, num_units: int = 1, copies: bool = True):
             if host is not None:
                 side.wait_stream(capture_stream)
                 with torch.cuda.stream(side):
-                    if copies:
+                    if copies == "copy":
                         pinned.copy_(small, non_blocking=True)
+                    elif copies == "mapped":
+                        mapped.copy_(small)
                     code = launch(ctypes.c_void_p(side.cuda_stream), ctypes.c_void_p(host[0]),
                                   ctypes.c_void_p(host[1]))
                     assert code == 0, code
-                    if copies:
+                    if copies == "copy":
                         back.copy_(pinned, non_blocking=True)
             work()
             if host is not None:
                 capture_stream.wait_stream(side)
-                small.add_(back)
+                small.add_(mapped if copies == "mapped" else back)
     return graph
 
 
@@ -165,9 +172,10 @@ def main() -> int:
     ids = torch.arange(num_rows, device="cuda")
     functions = host_functions(args.host_ms)
     rows = []
-    arms = [(kind, name, 1, True) for kind in ("spin", "gather") for name in ("none", *functions)]
-    arms += [("gather", name, 8, True) for name in ("none", "c-usleep", "py-sleep")]
-    arms += [("gather", name, 1, False) for name in ("c-usleep", "py-sleep")]
+    arms = [(kind, name, 1, "copy") for kind in ("spin", "gather") for name in ("none", *functions)]
+    arms += [("gather", name, 8, "copy") for name in ("none", "c-usleep", "py-sleep")]
+    arms += [("gather", name, units, copies) for copies in ("none", "mapped") for units in (1, 8)
+             for name in ("c-usleep", "py-sleep")]
     for kind, name, num_units, copies in arms:
         work = main_work(kind, cycles, (mapped, destination, ids))
         work()
@@ -181,7 +189,7 @@ def main() -> int:
     print(f"\nwork {args.work_ms} ms, host path {args.host_ms} ms; overlap means per unit ~ max, serial ~ sum")
     print(f"{'work':8s} {'host node':10s} {'units':>5s} {'copies':>6s} {'b2b ms/unit':>12s} {'synced ms/unit':>15s}")
     for row in rows:
-        print(f"{row['work']:8s} {row['host']:10s} {row['units']:5d} {str(row['copies']):>6s} "
+        print(f"{row['work']:8s} {row['host']:10s} {row['units']:5d} {row['copies']:>6s} "
               f"{row['back_to_back_ms']:12.3f} {row['synced_wall_ms']:15.3f}")
     if args.out:
         with open(args.out, "w") as handle:

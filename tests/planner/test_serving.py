@@ -1,6 +1,7 @@
 """The serving search: concurrency and weight placement chosen together, against hand-worked cases and brute force."""
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -123,9 +124,10 @@ def test_candidates_of_a_range_stay_inside_it():
     assert candidate_concurrencies(ConcurrencyRange(low=64, high=64), 300, 50) == (64,)
 
 
-def test_make_measures_decode_graphed_and_the_prefill_chunk_eagerly(tmp_path):
-    """With --measure --cuda-graph the decode steps are timed as graph replays and the prefill chunk eagerly,
-    as they run (timing the chunk as a graphed one-token step made the H100 predict 12 ms for a 74 ms chunk)."""
+def test_make_measures_decode_graphed_and_a_dense_models_prefill_chunk_graphed(tmp_path):
+    """With --measure --cuda-graph the decode steps are timed as graph replays and a dense model's prefill chunk as
+    a replayed cacheless chunk (runtime.measure: not as a graphed one-token step, which made the H100 predict 12 ms
+    for a 74 ms chunk), as run replays it: the plan says so (workload.chunk_graphed)."""
     from planner.model.cost import ComputeTimes
     from planner.make.make_plan import make_plan
     from planner.plan.schema import Inputs
@@ -141,9 +143,34 @@ def test_make_measures_decode_graphed_and_the_prefill_chunk_eagerly(tmp_path):
     inputs = Inputs(model=str(tmp_path / "ckpt"), gpu=str(TEST_GPU_FILE), context=256, concurrency="auto", chunk=64,
                     measure=True, cuda_graph=True)
     plan = make_plan(inputs, measure=measure).plan
-    assert (64, 1, False) in calls
-    assert all(graphed for tokens, sequences, graphed in calls if (tokens, sequences) != (64, 1))
+    assert (64, 1, True) in calls and all(graphed for _, _, graphed in calls)
     assert plan.prediction.prefill_chunk_ms == pytest.approx(4 * 1.0 + 0.5)
+    assert plan.workload.chunk_graphed
+    calls.clear()
+    eager = make_plan(replace(inputs, cuda_graph=False), measure=measure).plan
+    assert (64, 1, False) in calls and not eager.workload.chunk_graphed
+
+
+def test_a_moe_models_prefill_chunk_stays_eager_in_a_graphed_plan(tmp_path):
+    """A MoE model's prefill experts ask the host which experts were hit (not capturable): its chunk is measured
+    and run eagerly beside graphed decode steps, and the plan says so."""
+    from planner.model.cost import ComputeTimes
+    from planner.make.make_plan import make_plan
+    from planner.plan.schema import Inputs
+    from tests.conftest import TEST_GPU_FILE, make_checkpoint
+
+    folder = tmp_path / "ckpt"
+    make_checkpoint(folder, num_layers=4, moe={"num_experts": 4, "top_k": 2, "expert_intermediate": 32})
+    calls = []
+
+    def measure(checkpoint, layout, workload, profile, measured_on, graphed):
+        calls.append((workload.tokens_per_step, workload.sequences_per_step, graphed))
+        return ComputeTimes(layer_ms=(1.0,) * len(layout.layers), head_ms=0.5, source="measured: test")
+
+    inputs = Inputs(model=str(folder), gpu=str(TEST_GPU_FILE), context=256, concurrency="1", chunk=64,
+                    measure=True, cuda_graph=True)
+    plan = make_plan(inputs, measure=measure).plan
+    assert (64, 1, False) in calls and not plan.workload.chunk_graphed
 
 
 def test_make_measure_replaces_a_serving_plans_activation_estimate(tmp_path):

@@ -42,6 +42,25 @@ def _within(actual, reference, tolerance=BF16_TOLERANCE):
     return all((a - b).abs().max() <= tolerance * b.abs().max() for a, b in zip(actual, reference))
 
 
+def _agree_but_at_near_ties(actual, reference, tolerance=BF16_TOLERANCE) -> int:
+    """Per-step logits [batch, vocab] of two greedy decodes: each sequence's logits are within ``tolerance`` x the
+    step's largest reference magnitude, and its greedy token is the reference's, until a step whose reference top
+    two are within twice that (a near tie the tolerance admits: the CPU's arithmetic may pick either); from there
+    the sequences decode different tokens and are compared no further. Returns how many sequences split so
+    (printed by -s runs)."""
+    split = torch.zeros(reference[0].shape[0], dtype=torch.bool)
+    for step_actual, step_reference in zip(actual, reference):
+        bound = tolerance * step_reference.abs().max()
+        live = ~split
+        assert (step_actual[live] - step_reference[live]).abs().max() <= bound, "logits beyond the tolerance"
+        differ = live & (step_actual.argmax(-1) != step_reference.argmax(-1))
+        for sequence in differ.nonzero().flatten().tolist():
+            top_two = step_reference[sequence].topk(2).values
+            assert top_two[0] - top_two[1] <= 2 * bound, "a greedy token differs where the reference has no tie"
+        split |= differ
+    return int(split.sum())
+
+
 def test_a_host_node_launched_through_ctypes_replays_with_its_graph():
     calls = []
     callback = HOST_FN(lambda _user_data: calls.append(1))
@@ -65,7 +84,9 @@ def test_a_host_node_launched_through_ctypes_replays_with_its_graph():
 @pytest.mark.parametrize("cpu_dtype", ["fp32", "bf16"])
 def test_graphed_decode_with_cpu_experts_is_within_the_tolerance(model, batch, cpu_dtype):
     """Graphed steps: greedy tokens of the all-resident model, logits within BF16_TOLERANCE x their largest
-    magnitude; eager steps within the same of the graphed; the CPU's pairs counted in the callbacks."""
+    magnitude, but where the all-resident model's top two tokens are within the tolerance (random weights make near
+    ties; the CPU's bf16 arithmetic may break one the other way: seen once at batch 4, step 15, on the H100); eager
+    steps within the same of the graphed; the CPU's pairs counted in the callbacks."""
     expected_ids, expected_logits = _decode(copy.deepcopy(model).to(CUDA), batch, graphed=False)
     routed_model = copy.deepcopy(model)
     routed = apply_routed_experts(routed_model, ROUTED, 4 * batch, CudaBackend(CUDA), cpu=CPU, cpu_dtype=cpu_dtype)
@@ -73,8 +94,7 @@ def test_graphed_decode_with_cpu_experts_is_within_the_tolerance(model, batch, c
     try:
         ids, logits = _decode(routed_model, batch, graphed=True, after_capture=routed.reset_counters)
         stats = routed.cpu_stats()
-        assert torch.equal(ids, expected_ids)
-        assert _within(logits, expected_logits)
+        print(f"sequences split at a near tie: {_agree_but_at_near_ties(logits, expected_logits)} of {batch}")
         assert stats["calls"] == len(CPU) * NUM_STEPS and stats["pairs_cpu"] > 0 and stats["callback_s"] > 0
         eager_ids, eager_logits = _decode(routed_model, batch, graphed=False)
         assert torch.equal(eager_ids, ids) and _within(eager_logits, logits)
