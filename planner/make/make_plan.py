@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass, replace
 
 from planner.model.adapters import Adapter, load_adapters, slot_bytes_of
+from planner.model.architectures import check_decode_capturable
 from planner.model.activations import activation_shape
 from planner.make.assemble import assemble, serving_section
 from planner.source.checkpoint import Checkpoint, collector_paused, load_checkpoint
@@ -205,7 +206,10 @@ def _read_model(inputs: Inputs, measure: MeasureFunction | None = None,
     check_tp_inputs(inputs, profile)
     # one rank's shard under --tp: its tensors' shapes and its config (heads, KV heads, widths) as vLLM splits them
     whole = load_checkpoint(inputs.model, inputs.revision) if whole is None else whole
-    check_context(inputs.context, model_config(whole.config))
+    record = model_config(whole.config)
+    check_context(inputs.context, record)
+    # an engine's plan (--for) is captured by the engine, over its own model code
+    check_decode_capturable(record and record.model_type, inputs.cuda_graph and inputs.engine is None)
     checkpoint = shard_checkpoint(whole, inputs.tp)
     check_engine_architecture(inputs.engine, tuple(inputs.params), whole.config, _pinned_knobs(inputs))
     layout = build_layout(checkpoint, inputs.stack)

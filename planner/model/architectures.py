@@ -11,6 +11,8 @@ that model to transformers' own caches for every config class it ships.
 
 from dataclasses import dataclass
 
+from planner.errors import UsageError, printable
+
 #: how the layers of an architecture cache: K/V per head, MLA's compressed latent, or attention beside
 #: linear-attention/state-space layers
 CACHES = ("attention", "latent", "hybrid")
@@ -123,3 +125,28 @@ def model_types_with(**traits) -> tuple[str, ...]:
     """The listed model types whose entry has every one of ``traits`` (e.g. ``eager_attention=True``), sorted."""
     return tuple(sorted(name for name, entry in ARCHITECTURES.items()
                         if all(getattr(entry, key) == value for key, value in traits.items())))
+
+
+#: model_types whose decode step transformers' own code cannot capture in a CUDA graph, with why and the
+#: transformers releases whose modeling file was read. Read from the source, not detected: the planner imports no
+#: torch, and what breaks a capture (a host copy or synchronisation) shows only on a GPU.
+UNCAPTURABLE_DECODE: dict[str, tuple[str, tuple[str, ...]]] = {
+    # modeling_phimoe.py, PhimoeRotaryEmbedding.forward, every step: ``inv_freq, attention_scaling =
+    # self.rope_init_fn(self.config)`` builds the frequencies on the CPU, then ``inv_freq.to(device=x.device,
+    # ...)`` copies them to the GPU from pageable memory, which a capture refuses ("Cannot copy between CPU and
+    # CUDA tensors during CUDA graph capture unless the CPU tensor is pinned"; the H100 sweep of 2026-11-28); with
+    # longrope (Phi-3.5-MoE's config) ``if ... and seq_len`` also reads ``torch.max(position_ids) + 1`` on the host
+    "phimoe": ("its rotary embedding rebuilds its frequencies on the CPU and copies them to the GPU inside every "
+               "step (PhimoeRotaryEmbedding.forward)", ("5.17", "5.24")),
+}
+
+
+def check_decode_capturable(model_type: str | None, cuda_graph: bool) -> None:
+    """--cuda-graph on an architecture whose decode step transformers cannot capture (UNCAPTURABLE_DECODE): one
+    line saying why and what to do, before a plan that run would refuse is written."""
+    if not cuda_graph or not isinstance(model_type, str) or model_type not in UNCAPTURABLE_DECODE:
+        return
+    reason, versions = UNCAPTURABLE_DECODE[model_type]
+    raise UsageError(f"--cuda-graph: transformers ({', '.join(versions)} read) cannot capture a "
+                     f"{printable(model_type)} decode step in a CUDA graph: {reason}; make the plan without "
+                     "--cuda-graph")

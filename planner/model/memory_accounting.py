@@ -11,9 +11,24 @@ from planner.make.inputs import workload_of
 from planner.make.model_record import Model
 from planner.plan.schema import Inputs
 from planner.search.groups import Choice
-from planner.search.serving import (CUDA_CONTEXT_BYTES, DECODE_ROOM_TOKENS, GRAPH_POOL_FACTOR, NCCL_BYTES_PER_RANK,
+from planner.search.serving import (CUDA_CONTEXT_BYTES, DECODE_ROOM_TOKENS, NCCL_BYTES_PER_RANK,
                                     PINNED_PAGE_TABLE_SHARE, RUNTIME_ALLOCATOR_BYTES, OtherBytes)
 from planner.units import format_bytes
+
+#: a captured decode step's pool over its activation peak (planner.model.activations, per layer: the step's tensors
+#: die layer by layer and the pool reuses their blocks within the capture). The H100 conformance sweeps of 2026-11-28
+#: (benchmarks/2026-11-28-conformance-*h100.json, torch 2.11, transformers 5.17) bound the pool from above: run's
+#: capture starts from the cache alone (its warm-up's blocks released), so the pool and the warm-up stream's
+#: workspace fit within the fill step's reserved growth plus the capture's: 0.99-1.02x the estimated step at 4 and 7
+#: sequences of Mistral (32 / 8 heads), Mixtral, Qwen3-MoE and DeepSeek-V2-Lite shapes, 1.16-1.28x for Qwen3-FP8
+#: and Gemma-3. The 1.75 booked before over-booked Mistral's 7 sequences by 510 MB (peak 0.860 of predicted).
+GRAPH_POOL_FACTOR = 1.25
+#: what every capture adds beside the step's tensors: the cuBLAS workspace of the warm-up stream the capture runs
+#: on (32 MiB with CUBLAS_WORKSPACE_CONFIG=:4096:8, runtime.graph.warm_up_stream) and the private pool's own
+#: segments, which cannot borrow the shared pool's (2 MiB small-block segments, a 20 MiB one for 1-10 MB blocks):
+#: those sweeps' capture grew the reserved peak by 36-38 MiB at one sequence and 56-58 MiB for MoE steps at 4-15
+#: sequences (Qwen2-MoE, OLMoE), whose pools the activation estimate puts at 2-7 MB
+GRAPH_CAPTURE_BYTES = 58 * 2**20
 
 
 def serving_other_bytes(model: Model, concurrency: int, gpu_memory_bytes: int | None = None) -> OtherBytes:
@@ -48,8 +63,14 @@ def other_bytes(model: Model, kv_bytes: int, decode_bytes: int, chunk_bytes: int
     workspaces and allocator rounding, a graphed decode step's pool and what is held outside the allocator."""
     transient_bytes = max(chunk_bytes, 0 if graphed else decode_bytes)
     return OtherBytes(kv_cache_bytes=kv_bytes, activation_bytes=transient_bytes + RUNTIME_ALLOCATOR_BYTES,
-                      cuda_graph_pool_bytes=math.ceil(GRAPH_POOL_FACTOR * decode_bytes) if graphed else 0,
+                      cuda_graph_pool_bytes=graph_pool_bytes(decode_bytes) if graphed else 0,
                       cuda_context_bytes=outside_allocator_bytes(model))
+
+
+def graph_pool_bytes(decode_bytes: int) -> int:
+    """What a captured decode step whose eager activation peak is ``decode_bytes`` holds beyond the allocator's
+    other blocks: its pool (GRAPH_POOL_FACTOR) and the capture's fixed cost (GRAPH_CAPTURE_BYTES)."""
+    return math.ceil(GRAPH_POOL_FACTOR * decode_bytes) + GRAPH_CAPTURE_BYTES
 
 
 def outside_allocator_bytes(model: Model) -> int:

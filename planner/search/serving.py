@@ -40,12 +40,6 @@ NCCL_BYTES_PER_RANK = 842 * 2**20
 RUNTIME_ALLOCATOR_BYTES = 320 * 2**20
 #: cache entries run keeps past a weights-only decode plan's context (runtime.graph.DECODE_ROOM_TOKENS)
 DECODE_ROOM_TOKENS = 64
-#: a captured decode step's pool over the eager step's activation peak. On the H100 (torch 2.11, transformers 5.17)
-#: the pool held 1.56-1.71x the eager peak for Qwen3-8B/14B-shaped steps with offloaded layers and 1.10-1.20x
-#: for others (scripts/bench_serving.py, reserved bytes after capture less before): inside a capture the
-#: allocator reuses a block freed on the compute stream less readily once the offload hooks' event waits sit
-#: between the layers. Planned at the upper end for every graphed plan.
-GRAPH_POOL_FACTOR = 1.75
 #: concurrencies tried by ``--concurrency auto`` (and, clipped, by a range): powers of two and their midpoints
 CONCURRENCY_GRID = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 MAX_CONCURRENCY = 4096

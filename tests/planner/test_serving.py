@@ -1,6 +1,5 @@
 """The serving search: concurrency and weight placement chosen together, against hand-worked cases and brute force."""
 
-import math
 from dataclasses import replace
 
 import pytest
@@ -179,7 +178,8 @@ def test_make_measure_replaces_a_serving_plans_activation_estimate(tmp_path):
     from planner.model.cost import ComputeTimes
     from planner.make.make_plan import make_plan
     from planner.plan.schema import Inputs
-    from planner.search.serving import GRAPH_POOL_FACTOR, RUNTIME_ALLOCATOR_BYTES
+    from planner.model.memory_accounting import graph_pool_bytes
+    from planner.search.serving import RUNTIME_ALLOCATOR_BYTES
     from tests.conftest import TEST_GPU_FILE, make_checkpoint
 
     make_checkpoint(tmp_path / "ckpt", num_layers=4, num_shards=2)
@@ -195,7 +195,7 @@ def test_make_measure_replaces_a_serving_plans_activation_estimate(tmp_path):
                     measure=True, cuda_graph=True)
     measured = make_plan(inputs, measure=measure, measure_activations=activations).plan.memory
     assert measured.activation_bytes == 1000 + RUNTIME_ALLOCATOR_BYTES
-    assert measured.cuda_graph_pool_bytes == math.ceil(GRAPH_POOL_FACTOR * 3000)
+    assert measured.cuda_graph_pool_bytes == graph_pool_bytes(3000)
     estimated = make_plan(inputs, measure=measure).plan.memory
     assert estimated.activation_bytes != 1000 and estimated.cuda_graph_pool_bytes != measured.cuda_graph_pool_bytes
 

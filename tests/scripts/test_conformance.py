@@ -110,9 +110,9 @@ def test_dry_run_plans_header_only_checkpoints_without_measuring(tmp_path):
     dropped) and read back; the arms MoE models get."""
     out, checkpoints = tmp_path / "out", tmp_path / "checkpoints"
     assert conformance.main(["--dry-run", "--tiny", "--out", str(out), "--checkpoints", str(checkpoints),
-                             "--models", "phimoe"]) == 0
+                             "--models", "mixtral"]) == 0
     rows = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]
-    folder = checkpoints / "phimoe-tiny-header"
+    folder = checkpoints / "mixtral-tiny-header"
     assert json.loads((folder / ".offload-plan-checkpoint").read_text())["kind"] == "header-only"
     assert sum(path.stat().st_blocks for path in folder.glob("*.safetensors")) * 512 < 2**20  # sparse
     facts = next(row for row in rows if row["kind"] == "checkpoint")
@@ -121,7 +121,7 @@ def test_dry_run_plans_header_only_checkpoints_without_measuring(tmp_path):
     caps = next(row for row in rows if row["kind"] == "caps")
     assert set(caps["routed_search"]) == {"serving-1", "decode-1"}
     arms = [row for row in rows if row["kind"] == "arm"]
-    assert [row["arm"] for row in arms] == [arm.name for arm in conformance.arms_for(conformance.MODELS["phimoe"],
+    assert [row["arm"] for row in arms] == [arm.name for arm in conformance.arms_for(conformance.MODELS["mixtral"],
                                                                                       None)]
     assert all(row["exit"]["make"] == 0 and row["verdicts"]["exit_ok"] for row in arms), [r["errors"] for r in arms]
     assert {row["plan"]["regime"] for row in arms if row["experts"] == "whole-layer"} == {"whole_layer"}
