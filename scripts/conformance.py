@@ -79,6 +79,12 @@ class Model:
     extra: dict = field(default_factory=dict)
     #: --tiny: widths small enough for the CPU (layers, layer types and the kind of attention kept)
     tiny: dict = field(default_factory=dict)
+    #: decode steps planned --cuda-graph (make refuses it where transformers cannot capture the step)
+    graphed: bool = True
+
+    @property
+    def graph_flags(self) -> list[str]:
+        return ["--cuda-graph"] if self.graphed else []
 
 
 _TINY = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -122,7 +128,9 @@ MODELS = {model.name: model for model in (
         vocab_size=32064, hidden_size=4096, intermediate_size=6400, num_attention_heads=32, num_key_value_heads=8,
         num_local_experts=16, num_experts_per_tok=2, max_position_embeddings=131072, rope_theta=1e4,
         attention_bias=True, lm_head_bias=True, sliding_window=None, tie_word_embeddings=False),
-        tiny=_TINY | {"num_local_experts": 4, "num_experts_per_tok": 2}),
+        tiny=_TINY | {"num_local_experts": 4, "num_experts_per_tok": 2},
+        # its rotary embedding rebuilds inv_freq on the CPU every step: make --cuda-graph refuses it
+        graphed=False),
     Model("qwen3-fp8", "Qwen3Config", "Qwen/Qwen3-4B-FP8", 6, False, dict(
         vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_attention_heads=32, num_key_value_heads=8,
         head_dim=128, max_position_embeddings=40960, rope_theta=1e6, tie_word_embeddings=True),
@@ -429,12 +437,13 @@ def cli(args: list) -> Outcome:
 def make_args(arm: Arm, folder: Path, profile: str, caps: dict, output: Path) -> list:
     """make's flags for the arm (its cap from ``caps``: {"budget"|"gpu_memory": {cap: bytes}})."""
     args = ["make", "--model", folder, "--gpu", profile, "-o", output]
+    graph = MODELS[arm.model].graph_flags if arm.model in MODELS else ["--cuda-graph"]
     if arm.serving:
-        args += ["--concurrency", arm.mode.split("-", 1)[1], "--context", SERVING_CONTEXT, "--cuda-graph",
+        args += ["--concurrency", arm.mode.split("-", 1)[1], "--context", SERVING_CONTEXT, *graph,
                  "--gpu-memory", mib(caps["gpu_memory"][arm.cap])]
     elif arm.mode in DECODE_MODES:
         sequences = DECODE_MODES[arm.mode]
-        args += ["--tokens", sequences, "--sequences", sequences, "--context", DECODE_CONTEXT, "--cuda-graph",
+        args += ["--tokens", sequences, "--sequences", sequences, "--context", DECODE_CONTEXT, *graph,
                  "--budget", mib(caps["budget"][arm.cap])]
     else:
         args += ["--tokens", PREFILL_TOKENS, "--budget", mib(caps["budget"][arm.cap])]
@@ -462,14 +471,15 @@ def mib(num_bytes: int) -> str:
     return f"{max(1, -(-num_bytes // 2**20))}MiB"
 
 
-def caps_for(folder: Path, profile: str, moe: bool = False) -> dict:
+def caps_for(folder: Path, profile: str, moe: bool = False, graphed: bool = True) -> dict:
     """Budgets (weights plans) and GPU memory (serving plans) per cap.
 
     Dense models: all non-layer bytes plus the cap's share of the layer bytes; serving adds to that what an
     all-resident plan at 4 sequences books beyond its weights (KV cache, activations, graph pool, CUDA context), or
     3 GiB where the planner makes no such plan. MoE models (``moe``): the loose cap holds every weight (the
     all-resident serving-4 plan's total; the weights' bytes), the tight cap is the routed plan's own (moe_tight_cap):
-    where make routes, about ROUTED_TARGET_SHARE of each layer's experts on the host, and whole layers still fit."""
+    where make routes, about ROUTED_TARGET_SHARE of each layer's experts on the host, and whole layers still fit.
+    ``graphed``: planned --cuda-graph, as the model's arms are."""
     from planner.source.checkpoint import load_checkpoint
     from planner.model.layout import build_layout
     from planner.make.make_plan import make_plan
@@ -485,7 +495,7 @@ def caps_for(folder: Path, profile: str, moe: bool = False) -> dict:
     total_bytes = layout.non_layer_bytes + layout.layer_bytes
     resident_total = None
     try:
-        resident = make_plan(Inputs(model=str(folder), gpu=profile, context=SERVING_CONTEXT, cuda_graph=True,
+        resident = make_plan(Inputs(model=str(folder), gpu=profile, context=SERVING_CONTEXT, cuda_graph=graphed,
                                     concurrency="4"), checkpoint=checkpoint).plan
         beyond = resident.memory.total_gpu_bytes - resident.memory.gpu_bytes
         resident_total = resident.memory.total_gpu_bytes
@@ -494,7 +504,7 @@ def caps_for(folder: Path, profile: str, moe: bool = False) -> dict:
     caps = {"budget": weights, "gpu_memory": {cap: beyond + num_bytes for cap, num_bytes in weights.items()},
             "all_resident_budget": int(total_bytes * 1.05) + GiB, "total_bytes": total_bytes}
     if moe and resident_total is not None:
-        plan = functools.partial(plan_at, folder, profile, checkpoint)
+        plan = functools.partial(plan_at, folder, profile, checkpoint, graphed=graphed)
         serving = moe_tight_cap(lambda cap, **flags: plan("serving", cap, **flags), resident_total,
                                 whole_layer=whole_layer_inputs(folder))
         decode = moe_tight_cap(lambda cap, **flags: plan("decode-1", cap, **flags), total_bytes)
@@ -514,19 +524,19 @@ CAP_GRID = [0.25 + 0.75 * step / 40 for step in range(41)]
 LOOSE_MARGIN_BYTES = 64 * 2**20
 
 
-def plan_at(folder: Path, profile: str, checkpoint, kind: str, cap_bytes: int, **flags):
+def plan_at(folder: Path, profile: str, checkpoint, kind: str, cap_bytes: int, graphed: bool = True, **flags):
     """make's plan of ``kind`` ("serving": serving-1 as the arms make it; a DECODE_MODES name: that mode's weights
     plan) at ``cap_bytes`` of GPU memory (serving) or budget (decode), estimated; ``flags``: more Inputs fields."""
     from planner.make.make_plan import make_plan
     from planner.plan.schema import Inputs
 
     if kind == "serving":
-        inputs = Inputs(model=str(folder), gpu=profile, context=SERVING_CONTEXT, cuda_graph=True, concurrency="1",
+        inputs = Inputs(model=str(folder), gpu=profile, context=SERVING_CONTEXT, cuda_graph=graphed, concurrency="1",
                         gpu_memory=mib(cap_bytes), **flags)
     else:
         sequences = DECODE_MODES[kind]
         inputs = Inputs(model=str(folder), gpu=profile, tokens=sequences, sequences=sequences,
-                        context=DECODE_CONTEXT, cuda_graph=True, budget=mib(cap_bytes), **flags)
+                        context=DECODE_CONTEXT, cuda_graph=graphed, budget=mib(cap_bytes), **flags)
     return make_plan(inputs, checkpoint=checkpoint).plan
 
 
@@ -740,7 +750,7 @@ def run_model(model: Model, arms: list[Arm], args, emit) -> None:
     emit(checkpoint_facts(model, folder) | {"write_s": round(write_s, 1)})
     work = args.out / "plans" / folder.name
     work.mkdir(parents=True, exist_ok=True)
-    caps = caps_for(folder, args.profile, moe=model.moe)
+    caps = caps_for(folder, args.profile, moe=model.moe, graphed=model.graphed)
     emit(caps_row(model, caps))
     family = json.loads((folder / "config.json").read_text()).get("model_type")
     reference = None if args.no_run else reference_text(folder, args.profile, caps, work, emit, model)
@@ -813,7 +823,7 @@ def reference_text(folder: Path, profile: str, caps: dict, work: Path, emit, mod
     path = work / "all-resident.yaml"
     path.unlink(missing_ok=True)
     made = cli(["make", "--model", folder, "--gpu", profile, "--tokens", 1, "--sequences", 1, "--context",
-                DECODE_CONTEXT, "--cuda-graph", "--budget", mib(caps["all_resident_budget"]), "-o", path])
+                DECODE_CONTEXT, *model.graph_flags, "--budget", mib(caps["all_resident_budget"]), "-o", path])
     row = {"kind": "reference", "model": model.name, "exit": {"make": made.code},
            "errors": {"make": made.error} if made.error else {}}
     if made.code == 0:
