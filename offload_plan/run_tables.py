@@ -70,7 +70,8 @@ def _serving_table(result) -> Table:
     for name in ("", "measured", "predicted", "measured / predicted"):
         table.add_column(name, justify="right" if name else "left")
     rows = (("decode tokens/s", result.decode_tokens_per_s, result.predicted_decode_tokens_per_s, format_rate),
-            ("decode step (per token)", result.decode_step_ms, result.predicted_decode_step_ms, format_ms),
+            (f"decode step ({result.decode_step_statistic} of {len(result.decode_step_ms_all)})",
+             result.decode_step_ms, result.predicted_decode_step_ms, format_ms),
             (f"prefill chunk ({result.prefill_chunk_tokens} tokens)", result.prefill_chunk_ms,
              result.predicted_prefill_chunk_ms, format_ms),
             ("peak GPU memory", result.peak_gpu_bytes, result.predicted_total_gpu_bytes, format_bytes))

@@ -7,7 +7,7 @@ import torch
 
 from planner.errors import UsageError
 from runtime.load import Loaded
-from runtime.timing import forward_step, model_device, random_ids, time_steps
+from runtime.timing import forward_step, model_device, random_ids, step_figure, time_steps, timed_step_count
 
 NUM_WARMUP_STEPS = 3
 NUM_TIMED_STEPS = 10
@@ -33,6 +33,8 @@ class BenchResult:
     host_pinned_bytes: int
     #: "prefill", "decode eager" or "decode graphed"
     mode: str = "prefill"
+    #: how step_ms sums step_ms_all: "median", or "mean" where the plan fetches routed experts (runtime.timing)
+    step_statistic: str = "median"
     tokens_per_s: float = 0.0
     #: the process's GPU memory at its peak over the whole run (loading included): the allocator's reserved
     #: peak plus what CUDA holds outside it at the end; against memory.total_gpu_bytes
@@ -99,7 +101,9 @@ def _result(loaded: Loaded, step_ms: list[float], stats, device, *, timed: bool,
     from runtime.outside_memory import outside_allocator_bytes
 
     plan, engine = loaded.plan, loaded.engine
-    median_ms = statistics.median(step_ms)
+    # a prefill step reads every expert: only decode steps of a routed plan vary with the routing
+    median_ms, statistic = step_figure(plan, step_ms) if plan.workload.context_tokens else (
+        statistics.median(step_ms), "median")
     outside_bytes = outside_allocator_bytes(device)
     return BenchResult(
         step_ms=median_ms,
@@ -119,6 +123,7 @@ def _result(loaded: Loaded, step_ms: list[float], stats, device, *, timed: bool,
         process_peak_gpu_bytes=max(earlier_reserved_bytes, torch.cuda.max_memory_reserved(device)) + outside_bytes,
         predicted_total_gpu_bytes=plan.memory.total_gpu_bytes,
         outside_allocator_bytes=outside_bytes,
+        step_statistic=statistic,
         **extra,
     )
 
@@ -148,7 +153,7 @@ def run_decode_bench(loaded: Loaded, num_steps: int, cuda_graph: bool,
     earlier_reserved_bytes = torch.cuda.max_memory_reserved(device)
     torch.cuda.reset_peak_memory_stats(device)
     engine.timing = not cuda_graph
-    step_ms = loop.timed_steps(num_steps)
+    step_ms = loop.timed_steps(timed_step_count(plan, num_steps))
     engine.timing = False
     mode = "decode " + ("graphed" if cuda_graph else "eager") + (", compiled" if compile_backend else "")
     return _result(loaded, step_ms, engine.take_stats(), device, timed=not cuda_graph, mode=mode,

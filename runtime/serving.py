@@ -62,6 +62,8 @@ class ServingBench:
     allocator_retries: int = 0
     #: every timed prefill chunk's ms, in order (the median is prefill_chunk_ms)
     prefill_chunk_ms_all: tuple[float, ...] = ()
+    #: how decode_step_ms sums decode_step_ms_all: "median", or "mean" where the plan fetches routed experts
+    decode_step_statistic: str = "median"
 
     def as_dict(self) -> dict:
         """Plain data for --json."""
@@ -159,7 +161,7 @@ def serve_and_time(loaded, cuda_graph: bool, compile_backend: str | None = None,
     comparing them with ``reference_logits`` (another model's over the same seeded cache). ``timing_kernels``: a
     context manager factory the timed steps run in, the step captured again inside it (a benchmark that checks
     bits with deterministic kernels and times the ones serving runs)."""
-    from runtime.timing import model_device
+    from runtime.timing import model_device, step_figure, timed_step_count
     from runtime.graph import DecodeLoop, cache_tokens_for
 
     plan, engine = loaded.plan, loaded.engine
@@ -188,7 +190,7 @@ def serve_and_time(loaded, cuda_graph: bool, compile_backend: str | None = None,
             if timing_kernels is not None and cuda_graph:
                 loop.capture_again()
             loop.timed_steps(NUM_WARMUP_STEPS)
-            step_ms = loop.timed_steps(NUM_TIMED_STEPS)
+            step_ms = loop.timed_steps(timed_step_count(plan, NUM_TIMED_STEPS))
         if engine is not None:
             engine.set_graph_mode(False)
         # with the cache and the captured step still held, as a server prefills between decode steps
@@ -200,12 +202,12 @@ def serve_and_time(loaded, cuda_graph: bool, compile_backend: str | None = None,
         by_phase = ", ".join(f"{name} {format_bytes(value)}" for name, value in phases.items())
         held = f"; {format_bytes(torch.cuda.memory_reserved(device))} reserved ({by_phase})"
         raise out_of_memory(f"at {concurrency} sequences of {context} tokens{held}", plan) from None
-    median_ms = statistics.median(step_ms)
+    step_ms_figure, statistic = step_figure(plan, step_ms)
     mode = "decode " + ("graphed" if cuda_graph else "eager") + (", compiled" if compile_backend else "")
     bench = ServingBench(
-        concurrency=concurrency, context_tokens=context, decode_step_ms=median_ms,
+        concurrency=concurrency, context_tokens=context, decode_step_ms=step_ms_figure,
         predicted_decode_step_ms=plan.prediction.decode_step_ms,
-        decode_tokens_per_s=1e3 * concurrency / median_ms,
+        decode_tokens_per_s=1e3 * concurrency / step_ms_figure,
         predicted_decode_tokens_per_s=plan.prediction.decode_tokens_per_s,
         prefill_chunk_tokens=workload.chunk_tokens, prefill_chunk_ms=statistics.median(chunk_ms_all),
         predicted_prefill_chunk_ms=plan.prediction.prefill_chunk_ms, peak_gpu_bytes=peak_gpu_bytes(device),
@@ -215,5 +217,5 @@ def serve_and_time(loaded, cuda_graph: bool, compile_backend: str | None = None,
         allocated_bytes_by_phase=live.allocated,
         first_step_bitwise=None if reference_logits is None else torch.equal(first_logits, reference_logits),
         allocator_retries=torch.cuda.memory_stats(device).get("num_alloc_retries", 0),
-        prefill_chunk_ms_all=tuple(chunk_ms_all))
+        prefill_chunk_ms_all=tuple(chunk_ms_all), decode_step_statistic=statistic)
     return bench, first_logits

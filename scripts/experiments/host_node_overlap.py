@@ -96,7 +96,8 @@ def main_work(kind: str, cycles: int, gather):
     from runtime.uva_gather import gather_rows
 
     source, destination, ids = gather
-    return lambda: gather_rows(source, destination, ids)
+    programs = int(kind.split("-")[1]) if "-" in kind else None  # "gather-32": at most 32 persistent programs
+    return lambda: gather_rows(source, destination, ids, max_programs=programs)
 
 
 def capture(work, host, launch, num_units: int = 1, copies: str = "copy"):
@@ -176,6 +177,9 @@ def main() -> int:
     arms += [("gather", name, 8, "copy") for name in ("none", "c-usleep", "py-sleep")]
     arms += [("gather", name, units, copies) for copies in ("none", "mapped") for units in (1, 8)
              for name in ("c-usleep", "py-sleep")]
+    # the full grid holds every SM for the gather's length: does a side kernel (or copy) wait for SMs?
+    arms += [(f"gather-{programs}", name, units, copies) for programs in (32, 64) for copies in ("copy", "mapped")
+             for units in (1, 8) for name in ("none", "py-sleep")]
     for kind, name, num_units, copies in arms:
         work = main_work(kind, cycles, (mapped, destination, ids))
         work()

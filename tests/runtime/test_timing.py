@@ -43,3 +43,23 @@ def test_time_calls_times_each_call():
     step_ms = time_calls(lambda: calls.append(torch.ones(256, 256, device="cuda") @ torch.ones(256, 256,
                                                                                              device="cuda")), 4)
     assert len(step_ms) == 4 == len(calls) and all(ms >= 0 for ms in step_ms)
+
+
+def _plan_with_layers(*regimes: str):
+    rows = tuple(SimpleNamespace(routed=regime == "routed") for regime in regimes)
+    return SimpleNamespace(experts=SimpleNamespace(layers=rows) if regimes else None)
+
+
+def test_a_routed_plans_steps_are_held_as_their_mean_over_more_steps():
+    """A plan that fetches routed experts predicts the expected step over the routing: its steps are timed longer
+    and summed by their mean (whole experts make the times jump, and a median of few picks one of the jumps);
+    a dense, whole-layer or all-resident plan keeps the median of the default count."""
+    from runtime.timing import NUM_TIMED_ROUTED_STEPS, step_figure, timed_step_count
+
+    steps = [10.0, 10.0, 10.0, 24.0, 31.0]
+    routed = _plan_with_layers("whole_layer", "routed")
+    assert step_figure(routed, steps) == (pytest.approx(17.0), "mean")
+    assert timed_step_count(routed, 10) == NUM_TIMED_ROUTED_STEPS > 10
+    for plan in (_plan_with_layers(), _plan_with_layers("whole_layer", "whole_layer")):
+        assert step_figure(plan, steps) == (10.0, "median")
+        assert timed_step_count(plan, 10) == 10
