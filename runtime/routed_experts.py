@@ -63,10 +63,6 @@ from runtime.uva_gather import GATHER_BLOCK_WORDS, GATHER_NUM_WARPS, device_view
 #: 32, 64 and 128 programs gathered at 0.992, 0.995, 0.986 and 0.986 of the full grid's rate (47.3 GB/s); the
 #: main stream's miss gather keeps the full grid
 PREFETCH_GATHER_PROGRAMS = 32
-#: persistent programs of the miss gather in a layer with CPU experts: the full grid holds every SM for the
-#: gather's length, so the side stream's handoff kernels would wait for it to end (scripts/experiments/
-#: host_node_overlap.py); 64 programs gather at the full grid's rate (above)
-CPU_LAYER_GATHER_PROGRAMS = 64
 #: fetch_counts entries: prefetched and routed; prefetched, not routed; routed, not resident, not prefetched
 #: (fetched after the router of a predicted layer); fetched after the router of a layer nothing predicted
 FETCH_KINDS = ("prefetched", "wasted", "missed", "unpredicted")
@@ -410,9 +406,11 @@ class RoutedExperts:
             pair_rows, source_ids = plan_fetch(top_k_index, resident_row, self.fetch_slots, slot_base=base)
             self.fetch_counts.add_(torch.nn.functional.pad((source_ids >= 0).sum().view(1), (len(FETCH_KINDS) - 1, 0)))
         words, warps = self.gather_shape
-        # the misses, on the critical path: the full grid, but in a layer with CPU experts as many programs as the
-        # prefetch's, leaving SMs to the side stream's handoff kernels (see CPU_LAYER_GATHER_PROGRAMS)
-        programs = CPU_LAYER_GATHER_PROGRAMS if index in self.cpu else None
+        # the misses, on the critical path: the full grid, but in a layer with CPU experts the prefetch's programs
+        # (the same rate): the full grid holds every SM for the gather's length, and the side stream's handoff
+        # kernels waited for it to end (on the H100, 8 captured units of a 0.99 ms gather beside a 0.5 ms host
+        # path: 1.40-1.50 ms a unit at the full grid, 1.02-1.04 at 32 programs; host_node_overlap.py)
+        programs = self.prefetch_programs if index in self.cpu else None
         for name in self.param_names:
             gather_rows(self.host_device[index, name], self.buffer[name][base:base + self.fetch_slots], source_ids,
                         max_programs=programs, block_words=words, num_warps=warps)
