@@ -646,10 +646,36 @@ def views(arm: Arm, plan: Path, other: Path | None) -> dict:
     return result
 
 
+#: the link probe before each bench: pinned host-to-device copies of this many bytes, timed back to back
+LINK_PROBE_BYTES = 256 * 2**20
+LINK_PROBE_COPIES = 4
+
+
+def link_rate_now() -> float:
+    """GB/s of pinned host-to-device copies right now, recorded beside each arm's steps: link-bound steps drift
+    from arm to arm and within one run (on the H100, a Mistral-SW plan whose link floor is 16.1 ms stepped 16.7 to
+    30.8 ms in one run of ten steps)."""
+    import torch
+
+    host = torch.empty(LINK_PROBE_BYTES, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty(LINK_PROBE_BYTES, dtype=torch.uint8, device="cuda")
+    device.copy_(host, non_blocking=True)  # warm
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(LINK_PROBE_COPIES):
+        device.copy_(host, non_blocking=True)
+    end.record()
+    end.synchronize()
+    rate = LINK_PROBE_COPIES * LINK_PROBE_BYTES / (start.elapsed_time(end) * 1e6)
+    del host, device
+    return round(rate, 2)
+
+
 def run_plan(plan: Path) -> dict:
     """run --bench --json and run --prompt, each from a clean GPU; their exit codes, figures and text."""
     row = {"exit": {}, "errors": {}}
     row["allocated_before_bench_bytes"] = gpu_clean()
+    row["link_gb_per_s_before"] = link_rate_now()
     bench = cli(["run", plan, "--bench", "--json"])
     row["exit"]["bench"] = bench.code
     if bench.error:
