@@ -20,10 +20,15 @@ such a layer, every operation capturable (no host synchronisation):
    resident expert (so it is never gathered) and whose SwiGLU output is exactly 0;
 5. the main stream waits for the side stream (event wait) and adds the CPU's output to its own.
 
-Why kernels and not copies: on the H100, a captured unit of [the routed gather (a kernel reading mapped host
-rows, 0.99 ms)] beside [D2H copy, a 0.5 ms host node, H2D copy] took 1.03 ms replayed alone but 1.36-1.47 ms a
-unit when units ran one after another (8 in one graph, or replays back to back), as a decode step's layers do;
-without the two copies the same units took 1.007 ms back to back (scripts/experiments/host_node_overlap.py).
+What kept the CPU path from running beside the fetch (scripts/experiments/host_node_overlap.py, H100): a captured
+unit of [the routed gather, a kernel reading mapped host rows, 0.99 ms] beside [hand the data over, a 0.5 ms host
+node, take it back] took 1.03 ms replayed alone, but 1.36-1.50 ms a unit when units ran one after another (8 in one
+graph, or replays back to back), as a decode step's layers do, whether the side branch moved its data with the copy
+engine's copies or with kernels through mapped memory; with no data moved, 1.01. The gather's full grid holds
+every SM for its length, so the side branch's first node waited for it to end. Gathering with 32 persistent
+programs (the same rate) the units took 1.01-1.04 ms with either; at 64 programs the copies serialized once more
+(1.74 ms) where the kernels did not (1.02). So the routed layer's miss gather runs the prefetch's programs where the
+layer has CPU experts (runtime.routed_experts), and the side branch moves its data with kernels.
 
 The zero row stands in for the brief's weight-0 mask (is_cpu[E] on the GPU): with the CPU experts marked resident
 at that row, the fetch plan (the fused Triton kernel and its torch twin, prefetch included) skips them as it skips

@@ -45,8 +45,21 @@ CPU_HANDOFF_MS = 0.35
 #: whether a layer's CPU path runs beside its link's fetches (the layer waits for the later) or after them (the
 #: sum). Measured serial on the H100: each hybrid step ran close to the fetch-only step less the experts not
 #: fetched plus the whole callback (32 CPU experts: 1.204 - 1.8 x 0.2 + 1.306 = 2.15 ms against 2.29 measured;
-#: benchmarks/2026-11-28-cpu-experts-graph-h100.md). Priced as measured until the runtime overlaps them
+#: benchmarks/2026-11-28-cpu-experts-graph-h100.md). The runtime's miss gather now leaves SMs to the handoff, and a
+#: bare host node then runs beside it, but the smoke's hybrid steps still read nearer the sum than the later path
+#: (8 / 32 / 64 CPU experts: 1.37 / 2.17 / 3.41 ms after the router against 1.65 / 2.48 / 3.55 summed and 1.04 /
+#: 1.72 / 3.15 overlapped, pairs at CPU_PAIR_IN_STEP_MS + CPU_IN_STEP_FACTOR x the lone rate): priced serial
 CPU_PATH_OVERLAPS_LINK = False
+#: one (token, expert) pair computed inside the captured step costs more than calibrate's lone expert on the main
+#: thread: the host node's Python (the pair's indexing, its weighting and sum) and the CPU threads' reads of the
+#: weights beside the link's reads of host memory. A pair inside the step = CPU_PAIR_IN_STEP_MS + CPU_IN_STEP_FACTOR
+#: x calibrate's expert, fitted to the two shapes measured on the H100 host (16 threads, fp32 copies): a
+#: Qwen3-30B-A3B-shaped expert, 0.185 ms alone, took 0.754 ms a pair inside the step (the smoke's slope over 8, 32
+#: and 64 CPU experts, the link fetching the rest; 2026-11-28, this session); a Mixtral-shaped expert, about 6.9 ms
+#: alone, took about 9.6 ms a pair (the conformance sweep's decode-1 arm, every miss on the CPU: 34.3 ms a step
+#: against 24.1 ms predicted from the lone rate)
+CPU_PAIR_IN_STEP_MS = 0.51
+CPU_IN_STEP_FACTOR = 1.32
 
 
 def layer_wait_ms(link_ms: float, cpu_ms: float, overlapped: bool | None = None) -> float:
@@ -63,15 +76,17 @@ def resolved_handoff_ms(handoff_ms: float | None) -> float:
 
 def cpu_expert_ms(cpu: CpuExperts, expert_params: int, num_tokens: float) -> float:
     """ms for the CPU to compute one SwiGLU expert of ``expert_params`` weights (3 x H x I) for ``num_tokens``
-    tokens, from the profile's measured table: read at ``num_tokens`` (linear between the measured counts, the
-    first row below it; beyond the last, the fitted per-token FLOP rate adds each further token), then scaled by
-    the expert's size over the measured one's (a SwiGLU expert's bytes and FLOPs per token both scale with
-    H x I), the fixed per-expert overhead kept."""
+    tokens inside the decode step: the profile's measured table read at ``num_tokens`` (linear between the
+    measured counts, the first row below it; beyond the last, the fitted per-token FLOP rate adds each further
+    token), scaled by the expert's size over the measured one's (a SwiGLU expert's bytes and FLOPs per token both
+    scale with H x I), the fixed per-expert overhead kept; then as the step runs it (CPU_PAIR_IN_STEP_MS,
+    CPU_IN_STEP_FACTOR)."""
     if expert_params <= 0 or num_tokens < 0:
         raise ValueError(f"an expert of {expert_params} weights for {num_tokens} tokens")
     overhead_ms = cpu.overhead_us / 1e3
     measured_ms = _table_ms(cpu, num_tokens)
-    return overhead_ms + max(0.0, measured_ms - overhead_ms) * expert_params / cpu.num_params
+    alone_ms = overhead_ms + max(0.0, measured_ms - overhead_ms) * expert_params / cpu.num_params
+    return CPU_PAIR_IN_STEP_MS + CPU_IN_STEP_FACTOR * alone_ms
 
 
 def _table_ms(cpu: CpuExperts, num_tokens: float) -> float:

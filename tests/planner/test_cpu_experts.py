@@ -35,9 +35,13 @@ def _split(cpu, num_missed, tokens=1.0, handoff_ms=0.05, overlap_ms=0.0):
 
 @pytest.fixture(autouse=True)
 def side_by_side(monkeypatch):
-    """The split with the CPU path beside the link (the balanced split these tests hold); the H100 measured it
-    after the link: test_a_serial_cpu_path_takes_every_miss_or_none."""
+    """The split with the CPU path beside the link (the balanced split these tests hold), a pair at the profile's
+    lone rate; the H100 measured it after the link (test_a_serial_cpu_path_takes_every_miss_or_none) and dearer
+    inside the step (test_a_pair_in_the_step_costs_more)."""
     monkeypatch.setattr(cpu_experts, "CPU_PATH_OVERLAPS_LINK", True)
+    # the profile's lone rate as the pair's cost (the in-step pricing: test_a_pair_in_the_step_costs_more)
+    monkeypatch.setattr(cpu_experts, "CPU_PAIR_IN_STEP_MS", 0.0)
+    monkeypatch.setattr(cpu_experts, "CPU_IN_STEP_FACTOR", 1.0)
 
 
 @pytest.mark.parametrize(("ms_at_1", "num_missed", "handoff_ms"), [(0.05, 5.1, 0.05), (0.18, 5.1, 0.05),
@@ -216,3 +220,18 @@ def test_a_cpu_section_missing_a_key_or_not_a_mapping_is_refused():
     data["cpu_experts"] = "fast"
     with pytest.raises(ProfileError, match="must be a mapping"):
         profile_from_dict(data, "bad.yaml")
+
+
+def test_a_pair_in_the_step_costs_more(monkeypatch):
+    """Inside the captured step a pair costs CPU_PAIR_IN_STEP_MS more than CPU_IN_STEP_FACTOR x the lone expert
+    (the H100's two measured shapes); a CPU whose lone expert is as fast as the link's is then declined."""
+    cpu = _cpu(ms_at_1=0.15)
+    lone_ms = cpu_expert_ms(cpu, QWEN_PARAMS, 1.0)
+    monkeypatch.undo()
+    assert cpu_experts.CPU_PAIR_IN_STEP_MS > 0 and cpu_experts.CPU_IN_STEP_FACTOR > 1
+    in_step_ms = cpu_expert_ms(cpu, QWEN_PARAMS, 1.0)
+    assert in_step_ms == pytest.approx(cpu_experts.CPU_PAIR_IN_STEP_MS + cpu_experts.CPU_IN_STEP_FACTOR * lone_ms)
+    link_ms = link_expert_ms(QWEN_BYTES, LINK_BYTES_PER_S)
+    assert lone_ms < link_ms < in_step_ms / CPU_WITHIN_LINK_FACTOR
+    split = _split(cpu, num_missed=4.0)
+    assert split.cpu_experts == 0 and split.declined

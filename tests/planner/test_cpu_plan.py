@@ -54,18 +54,27 @@ def moe(measured_moe, monkeypatch):
     needs to be exercised (the H100's measured path is declined: test_the_measured_cpu_path_is_declined)."""
     monkeypatch.setattr(cpu_experts, "CPU_PATH_OVERLAPS_LINK", True)
     monkeypatch.setattr(cpu_experts, "CPU_HANDOFF_MS", 0.05)
+    monkeypatch.setattr(cpu_experts, "CPU_PAIR_IN_STEP_MS", 0.0)
+    monkeypatch.setattr(cpu_experts, "CPU_IN_STEP_FACTOR", 1.0)
     return measured_moe
 
 
-def test_the_measured_cpu_path_is_declined(measured_moe):
-    """With the handoff and the serial CPU path measured inside the captured step on the H100, even the fast CPU
-    saves nothing: make fetches every miss and says why."""
+def test_the_measured_cpu_path_is_declined(measured_moe, monkeypatch):
+    """With a pair priced as it ran inside the captured step on the H100 (CPU_PAIR_IN_STEP_MS, CPU_IN_STEP_FACTOR),
+    even the fast CPU is more than twice the link's time for an expert: make fetches every miss and says why; and
+    priced at calibrate's lone rate, the serial path after the link (its handoff) saves nothing either."""
     make("fast.yaml", "plan.yaml")
     make("none.yaml", "none-plan.yaml")
     experts = read_plan("plan.yaml").experts
     assert experts.cpu is None and not any(row.cpu for row in experts.layers)
-    assert "after the link" in experts.cpu_declined and "handoff" in experts.cpu_declined
+    assert "link" in experts.cpu_declined
     assert read_plan("plan.yaml").prediction.step_ms == read_plan("none-plan.yaml").prediction.step_ms
+    monkeypatch.setattr(cpu_experts, "CPU_PAIR_IN_STEP_MS", 0.0)
+    monkeypatch.setattr(cpu_experts, "CPU_IN_STEP_FACTOR", 1.0)
+    make("fast.yaml", "lone.yaml")
+    declined = read_plan("lone.yaml").experts.cpu_declined
+    assert "after the link" in declined and "handoff" in declined
+    assert experts.cpu_declined != declined
 
 
 def make(profile: str, output: str, *extra: str) -> None:
