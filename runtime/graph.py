@@ -139,20 +139,34 @@ def chunk_graph(model, input_ids: torch.Tensor, engine=None) -> "torch.cuda.CUDA
         if engine is not None:
             engine.finish_step(True)
 
+    def warm_up() -> None:
+        with torch.inference_mode():
+            for _ in range(NUM_WARMUP_CALLS):
+                forward()
+
     if engine is not None:
         engine.set_graph_mode(True)
+    return warm_up_and_capture(device, warm_up, forward, type(model).__name__, "prefill chunk")[0]
+
+
+def warm_up_and_capture(device: torch.device, warm_up, steps, model_name: str, what: str = "decode step"
+                        ) -> tuple["torch.cuda.CUDAGraph", float]:
+    """Run ``warm_up()`` on the side stream (warm_up_stream), release what it left cached, then capture ``steps()``
+    (capture_steps): the graph and the capture's wall seconds. The warm-up's activations sit cached for the side
+    stream, and the graph's pool cannot take blocks cached for another stream: released, the captured step reuses
+    their memory rather than adding its own (a planned serving GPU holds one step's activations, not two)."""
     side = warm_up_stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side), torch.inference_mode():
-        for _ in range(NUM_WARMUP_CALLS):
-            forward()
+    with torch.cuda.stream(side):
+        warm_up()
     torch.cuda.current_stream(device).wait_stream(side)
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
+    started = time.perf_counter()
     graph = torch.cuda.CUDAGraph()
-    capture_steps(graph, forward, type(model).__name__, "prefill chunk")
+    capture_steps(graph, steps, model_name, what)
     torch.cuda.synchronize(device)
-    return graph
+    return graph, time.perf_counter() - started
 
 
 class DecodeLoop:
@@ -328,21 +342,8 @@ class DecodeLoop:
         """Warm up on a side stream, then capture one call's steps; the cache and ids are left as they were."""
         if self.engine is not None:
             self.engine.set_graph_mode(True)
-        side = warm_up_stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            self.warm_up()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        torch.cuda.synchronize(self.device)
-        # The warm-up's activations sit cached for the side stream, and the graph's pool cannot take blocks
-        # cached for another stream: released, the captured step reuses their memory rather than adding its own
-        # (a planned serving GPU holds one decode step's activations, not two).
-        self._release_cached()
-        started = time.perf_counter()
-        self.graph = torch.cuda.CUDAGraph()
-        capture_steps(self.graph, self._steps, type(self.model).__name__)
-        torch.cuda.synchronize(self.device)
-        self.capture_s = time.perf_counter() - started
+        self.graph, self.capture_s = warm_up_and_capture(self.device, self.warm_up, self._steps,
+                                                         type(self.model).__name__)
 
     @torch.inference_mode()
     def save_state(self) -> list:
