@@ -38,7 +38,8 @@ def assemble(model: Model, workload: Workload, compute: ComputeTimes, choice: Ch
         inputs=model.inputs,
         model=model_section(model.checkpoint, model.layout),
         hardware=HardwareSection(profile=profile.name, **(profile.figures() | {"host_memory_bytes": host_limit})),
-        workload=_workload_section(model, workload, compute, chunk_tokens, serving is not None),
+        workload=_workload_section(model, workload, compute, chunk_tokens, serving is not None,
+                                   chunk_graphed(model, choice)),
         offload=_offload_section(model, choice),
         memory=_memory_section(model, choice, budget, gpu_memory, other),
         prediction=_prediction_section(model, workload, compute, choice, resident_step_ms,
@@ -49,6 +50,12 @@ def assemble(model: Model, workload: Workload, compute: ComputeTimes, choice: Ch
         experts=None if model.experts is None else experts_section(model.experts, choice, model.layer_bytes,
                                                                    expert_points, profile.h2d_bytes_per_s.value),
     )
+
+
+def chunk_graphed(model: Model, choice: Choice) -> bool:
+    """Whether run replays this placement's prefill chunk from a CUDA graph (Model.chunk_graphed): not where
+    routed layers copy their experts through the staging buffer, which stays eager as measured."""
+    return model.chunk_graphed and not isinstance(choice, RoutedChoice)
 
 
 def _routed(choice: Choice):
@@ -76,7 +83,7 @@ def _layer_rows(model: Model, compute: ComputeTimes, choice: Choice) -> tuple[La
 
 
 def _workload_section(model: Model, workload: Workload, compute: ComputeTimes, chunk_tokens: int,
-                      serving: bool) -> WorkloadSection:
+                      serving: bool, graphed_chunk: bool) -> WorkloadSection:
     return WorkloadSection(
         tokens_per_step=workload.tokens_per_step,
         sequences_per_step=workload.sequences_per_step,
@@ -86,7 +93,7 @@ def _workload_section(model: Model, workload: Workload, compute: ComputeTimes, c
         concurrency=workload.sequences_per_step,
         chunk_tokens=chunk_tokens,
         kv_dtype=_kv_dtype_name(model),
-        chunk_graphed=serving and model.chunk_graphed,
+        chunk_graphed=serving and graphed_chunk,
     )
 
 
@@ -199,9 +206,9 @@ def _kv_dtype_name(model: Model) -> str:
 
 def _prefill_chunk_ms(model: Model, choice: Choice, chunk_tokens: int) -> float:
     """One prefill chunk of a new sequence with the plan's placement, steps back to back (replayed from a CUDA graph
-    where Model.chunk_graphed, else eager); routed layers copy all their experts through the staging buffer, on the
+    where chunk_graphed, else eager); routed layers copy all their experts through the staging buffer, on the
     compute stream."""
-    compute = model.compute(workload_of(chunk_tokens, 1, 0), graphed=model.chunk_graphed)
+    compute = model.compute(workload_of(chunk_tokens, 1, 0), graphed=chunk_graphed(model, choice))
     if isinstance(choice, RoutedChoice):
         profile = model.profile
         return prefill_simulation(model.experts.geometry, compute, profile.h2d_bytes_per_s.value,

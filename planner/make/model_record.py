@@ -76,15 +76,27 @@ class Model:
 
     @property
     def chunk_graphed(self) -> bool:
-        """Whether run replays a serving plan's prefill chunk from a CUDA graph: a --cuda-graph plan of a dense
-        model on one GPU, without adapters, for the runtime (not an engine's flags). Eagerly, a small model's chunk
-        is as long as the host takes to issue its kernels, and the host's pace drifts between processes: on the
-        H100 a Gemma-2-shaped all-resident chunk of 2048 tokens read 7.2-10.7 ms in two processes minutes apart
-        (scripts/experiments/chunk_timing.py), which no prediction can follow. A MoE model's prefill experts ask
-        the host which experts were hit (not capturable: runtime.experts_impl), so its chunk stays eager."""
+        """Whether run replays a serving plan's prefill chunk from a CUDA graph, where the plan's placement lets it
+        (planner.make.assemble: not through routed experts): a --cuda-graph plan on one GPU, without adapters, for
+        the runtime (not an engine's flags), of a dense model or of a MoE model whose prefill experts run
+        transformers' grouped_mm (bf16 weights, unquantized), which takes its group offsets on the GPU. Eagerly, a
+        small model's chunk is as long as the host takes to issue its kernels, and the host's pace drifts between
+        processes: on the H100 a Gemma-2-shaped all-resident chunk of 2048 tokens read 7.2-10.7 ms in two processes
+        minutes apart (scripts/experiments/chunk_timing.py), and eager MoE chunks read 11-27% away from make's
+        timing; on the H200 two-layer MoE chunks ran 1.1-2.4x faster replayed than eager
+        (scripts/experiments/moe_chunk_capture.py). Other experts implementations ask the host which experts
+        were hit (runtime.experts_impl): those chunks stay eager."""
         inputs = self.inputs
-        return (inputs.cuda_graph and self.experts is None and inputs.engine is None and inputs.tp == 1
-                and not self.adapters)
+        return (inputs.cuda_graph and inputs.engine is None and inputs.tp == 1 and not self.adapters
+                and (self.experts is None or self._prefill_experts_capturable))
+
+    @property
+    def _prefill_experts_capturable(self) -> bool:
+        """A MoE model's prefill experts run grouped_mm: bf16 weights and no quantized experts."""
+        quantized = has_fp8_experts(self.checkpoint.tensors) or bool(
+            (self.checkpoint.config or {}).get("quantization_config"))
+        dtype = self.activation_shape.dtype if self.activation_shape is not None else self.activation_dtype
+        return not quantized and planned_experts_implementation("prefill", dtype) == "grouped_mm"
 
     @functools.cached_property
     def searcher(self) -> Searcher:

@@ -46,8 +46,11 @@ def serving_inputs(model: Path, concurrency: str, **extra) -> Inputs:
 
 
 def test_qwen3_30b_routed_at_one_sequence_whole_layers_at_64(qwen3_30b):
+    """Routed at one sequence, whole layers at 64; the routed plan's prefill chunk (experts copied through the
+    staging buffer) stays eager, the whole-layer plan's bf16 grouped_mm chunk is replayed from a graph."""
     one = make_plan(serving_inputs(qwen3_30b, "1", gpu_memory="24GiB")).plan
     assert one.experts.regime == "routed" and one.offload.layers == ()
+    assert not one.workload.chunk_graphed
     point = one.experts.points[0]
     assert point.routed_step_ms < point.whole_layer_step_ms / 5
     assert one.prediction.step_ms == pytest.approx(point.routed_step_ms)
@@ -59,6 +62,7 @@ def test_qwen3_30b_routed_at_one_sequence_whole_layers_at_64(qwen3_30b):
     assert total <= one.memory.gpu_memory_bytes
     sixty_four = make_plan(serving_inputs(qwen3_30b, "64")).plan
     assert sixty_four.experts.regime == "whole_layer" and sixty_four.offload.layers
+    assert sixty_four.workload.chunk_graphed
     point = sixty_four.experts.points[0]
     assert point.whole_layer_step_ms < point.routed_step_ms
 

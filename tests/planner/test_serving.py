@@ -150,26 +150,35 @@ def test_make_measures_decode_graphed_and_a_dense_models_prefill_chunk_graphed(t
     assert (64, 1, False) in calls and not eager.workload.chunk_graphed
 
 
-def test_a_moe_models_prefill_chunk_stays_eager_in_a_graphed_plan(tmp_path):
-    """A MoE model's prefill experts ask the host which experts were hit (not capturable): its chunk is measured
-    and run eagerly beside graphed decode steps, and the plan says so."""
+def test_a_moe_models_prefill_chunk_is_graphed_where_its_experts_run_grouped_mm(tmp_path):
+    """A bf16 MoE model's prefill experts run grouped_mm, which takes its group offsets on the GPU: its chunk is
+    measured and run replayed from a graph, as a dense model's; an fp32 model's experts ask the host which were hit:
+    its chunk stays eager, and the plan says which (routed placements: tests/planner/test_experts.py)."""
     from planner.model.cost import ComputeTimes
     from planner.make.make_plan import make_plan
     from planner.plan.schema import Inputs
     from tests.conftest import TEST_GPU_FILE, make_checkpoint
 
-    folder = tmp_path / "ckpt"
-    make_checkpoint(folder, num_layers=4, moe={"num_experts": 4, "top_k": 2, "expert_intermediate": 32})
+    moe = {"num_experts": 4, "top_k": 2, "expert_intermediate": 32}
     calls = []
 
     def measure(checkpoint, layout, workload, profile, measured_on, graphed):
         calls.append((workload.tokens_per_step, workload.sequences_per_step, graphed))
         return ComputeTimes(layer_ms=(1.0,) * len(layout.layers), head_ms=0.5, source="measured: test")
 
-    inputs = Inputs(model=str(folder), gpu=str(TEST_GPU_FILE), context=256, concurrency="1", chunk=64,
-                    measure=True, cuda_graph=True)
-    plan = make_plan(inputs, measure=measure).plan
-    assert (64, 1, False) in calls and not plan.workload.chunk_graphed
+    def plan_of(folder, **flags):
+        inputs = Inputs(model=str(folder), gpu=str(TEST_GPU_FILE), context=256, concurrency="1", chunk=64,
+                        measure=True, cuda_graph=True, **flags)
+        calls.clear()
+        return make_plan(inputs, measure=measure).plan
+
+    make_checkpoint(tmp_path / "bf16", num_layers=4, moe=moe)
+    plan = plan_of(tmp_path / "bf16")
+    assert plan.experts is not None and plan.offload.layers == ()
+    assert (64, 1, True) in calls and (64, 1, False) not in calls and plan.workload.chunk_graphed
+    make_checkpoint(tmp_path / "fp32", num_layers=4, moe=moe, dtype="F32", extra_config={"torch_dtype": "float32"})
+    fp32 = plan_of(tmp_path / "fp32")
+    assert (64, 1, False) in calls and not fp32.workload.chunk_graphed
 
 
 def test_make_measure_replaces_a_serving_plans_activation_estimate(tmp_path):
