@@ -677,6 +677,7 @@ def run_plan(plan: Path) -> dict:
     row["allocated_before_bench_bytes"] = gpu_clean()
     row["link_gb_per_s_before"] = link_rate_now()
     bench = cli(["run", plan, "--bench", "--json"])
+    row["link_gb_per_s_after"] = link_rate_now()  # a link that moved during the bench shows here
     row["exit"]["bench"] = bench.code
     if bench.error:
         row["errors"]["bench"] = bench.error

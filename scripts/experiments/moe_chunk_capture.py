@@ -45,6 +45,9 @@ def one_family(name: str, num_layers: int) -> dict:
 
     model_spec = conformance.MODELS[name]
     config_json = conformance.config_dict(model_spec, tiny=False) | {"num_hidden_layers": num_layers}
+    for key in ("layer_types", "mlp_only_layers"):  # per-layer lists follow the layers kept
+        if isinstance(config_json.get(key), list):
+            config_json[key] = config_json[key][:num_layers]
     config = transformers.AutoConfig.for_model(**config_json)
     torch.manual_seed(0)
     with torch.device("cuda"):
