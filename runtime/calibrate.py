@@ -7,9 +7,10 @@ layer-sized ones (16 MiB and up) gives the bandwidth (slope) and the fixed cost 
 is fitted to relative error, so every size counts alike: an ordinary least-squares fit is decided by the two
 largest copies alone, and small copies (whose rate does not follow a line) pulled the slope 6% under the rate
 layer copies reach on the lent H100. HBM: a 2 GiB device-to-device copy, bytes read plus written. Matmul: an
-8192^3 bf16 product on random data. Memory: what the driver reports; host memory: the host's MemTotal; the CUDA
-context figure: what the process holds outside torch's allocator once a decoder step's kernel families ran
-(runtime.outside_memory's probe). The host CPU's expert rate (the profile's cpu_experts section): a
+8192^3 bf16 product on random data. FP8: a layer-sized FP8 weight dequantized as run's FP8 linears do before
+each matmul (the profile's fp8_dequant_bytes_per_s). Memory: what the driver reports; host memory: the host's
+MemTotal; the CUDA context figure: what the process holds outside torch's allocator once a decoder step's kernel
+families ran (runtime.outside_memory's probe). The host CPU's expert rate (the profile's cpu_experts section): a
 Qwen3-30B-A3B-shaped SwiGLU expert at 1 to 32 tokens in bf16 and fp32 with torch's threads, the faster dtype
 kept (runtime.cpu_experts.cpu_experts_profile). The layer floor (the profile's layer_floor section): tiny dense
 and MoE layers timed as make --measure times layers (runtime.layer_floor). Every timing is a median.
@@ -105,6 +106,26 @@ def bf16_flops_per_s(size: int = 8192) -> float:
     return 2 * size**3 / (ms / 1e3)
 
 
+#: the weight calibrate dequantizes: one MLP projection of a 7B model ([out, in] 14336 x 4096), 128 x 128 blocks
+FP8_WEIGHT_SHAPE = (14336, 4096)
+FP8_BLOCK = (128, 128)
+
+
+def fp8_dequant_bytes_per_s() -> float:
+    """HBM bytes per second of the passes run's FP8 linears make before each bf16 matmul
+    (runtime.quantized.dequantize_fp8) over a layer-sized weight, counted as the planner prices them
+    (planner.model.fp8_cost: the bytes beyond the matmul's read)."""
+    from planner.model.fp8_cost import DEQUANTIZED
+    from runtime.quantized import dequantize_fp8
+
+    rows, cols = FP8_WEIGHT_SHAPE
+    weight = torch.randn(rows, cols, device="cuda").to(torch.float8_e4m3fn)
+    scale = torch.rand(rows // FP8_BLOCK[0], cols // FP8_BLOCK[1], device="cuda") + 0.5
+    ms = median_event_ms(lambda: dequantize_fp8(weight, scale, FP8_BLOCK, torch.bfloat16))
+    bytes_per_weight = DEQUANTIZED.hbm_bytes_per_fp8_byte - DEQUANTIZED.matmul_bytes_per_fp8_byte
+    return bytes_per_weight * weight.numel() / (ms / 1e3)
+
+
 def calibrate() -> tuple[HardwareProfile, dict]:
     """Measure this GPU; figures that cannot be measured come from its built-in profile, marked as such."""
     base = load_profile(local_profile_name())
@@ -125,6 +146,10 @@ def calibrate() -> tuple[HardwareProfile, dict]:
                                        f"fitted to relative error; {stamp}"),
         "copy_overhead_us": Figure(value=overhead_us, source="measured",
                                    note=f"intercept of the same line; {stamp}"),
+        "fp8_dequant_bytes_per_s": Figure(
+            value=fp8_dequant_bytes_per_s(), source="measured",
+            note=f"FP8 weight {FP8_WEIGHT_SHAPE[0]}x{FP8_WEIGHT_SHAPE[1]} widened and scaled by its 128x128 block "
+                 f"scales into bf16 as run's FP8 linears do, 7 bytes a weight; {stamp}"),
         "cuda_context_bytes": Figure(value=context_bytes, source="measured",
                                      note=f"held outside torch's allocator once a decoder step's kernels ran "
                                           f"(runtime.outside_memory's probe); {stamp}"),

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from planner.errors import ModelInputError
 from planner.model.experts import DEFAULT_TOP_K, count_experts, is_expert_param
-from planner.model.fp8_cost import DEQUANTIZED, FP8_DTYPES, Fp8Compute
+from planner.model.fp8_cost import DEQUANTIZED, FP8_DTYPES, Fp8Compute, dequant_bytes_per_s, dequant_rate_text
 from planner.model.layout import LayerInfo, ModelLayout
 from planner.model.model_config import model_config
 from planner.source.profile import HardwareProfile
@@ -205,7 +205,8 @@ KV_STREAM_EFFICIENCY = 0.9
 
 def roofline_ms(cost: LayerCost, profile: HardwareProfile) -> float:
     """max(FLOPs / rate, bytes / bandwidth), then the serial passes' bytes: FLOPs and bytes derated by the
-    profile's compute efficiency, the cache's plain read at KV_STREAM_EFFICIENCY of the bandwidth."""
+    profile's compute efficiency, the cache's plain read at KV_STREAM_EFFICIENCY of the bandwidth, the passes at the
+    rate they reach (planner.model.fp8_cost.dequant_bytes_per_s)."""
     rate = profile.bf16_flops_per_s.value
     if cost.fp8_rate and profile.fp8_flops_per_s is not None:
         rate = profile.fp8_flops_per_s.value
@@ -213,7 +214,8 @@ def roofline_ms(cost: LayerCost, profile: HardwareProfile) -> float:
     bandwidth = profile.hbm_bytes_per_s.value
     overlapped = max(cost.flops / (rate * efficiency),
                      cost.hbm_bytes / (bandwidth * efficiency) + cost.stream_bytes / (bandwidth * KV_STREAM_EFFICIENCY))
-    return 1e3 * (overlapped + cost.serial_bytes / (bandwidth * efficiency))
+    serial_s = cost.serial_bytes / dequant_bytes_per_s(profile) if cost.serial_bytes else 0.0
+    return 1e3 * (overlapped + serial_s)
 
 
 def _head_shape(layout: ModelLayout, checkpoint_shapes: dict[str, tuple[int, ...]]) -> tuple[int, ...] | None:
@@ -263,6 +265,8 @@ def estimate_compute(
     )
     if any(dtype in FP8_DTYPES for layer in layout.layers for _, dtype, _, _ in layer.params):
         source += f"; {fp8.description}"
+        if fp8.hbm_bytes_per_fp8_byte > fp8.matmul_bytes_per_fp8_byte:
+            source += f", {dequant_rate_text(profile)}"
     if expand_kv_heads and gqa_kv_traffic(geometry, workload) > 1:
         source += "; each shared KV head expanded to its query heads, as run's attention does over a cache"
     floor = profile.layer_floor

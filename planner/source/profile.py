@@ -30,17 +30,17 @@ def profiles_dir() -> Path:
 #: 1e9) or a corrupt file, and the arithmetic on it would overflow or mislead
 FIGURE_MAX = {"gpu_memory_bytes": 2**50, "hbm_bytes_per_s": 1e16, "bf16_flops_per_s": 1e19,
               "fp8_flops_per_s": 1e19, "h2d_bytes_per_s": 1e14, "copy_overhead_us": 1e6, "reserve_bytes": 2**50,
-              "host_memory_bytes": 2**60, "gpu_link_bytes_per_s": 1e14}
+              "host_memory_bytes": 2**60, "gpu_link_bytes_per_s": 1e14, "fp8_dequant_bytes_per_s": 1e16}
 #: plausible lower bounds of the rates and shares, far below any chip: a rate of 1e-300 is a typo, and the
 #: planner's times (bytes / rate) would overflow to infinity
-FIGURE_MIN = {"gpu_link_bytes_per_s": 1e6,
+FIGURE_MIN = {"gpu_link_bytes_per_s": 1e6, "fp8_dequant_bytes_per_s": 1e6,
               "hbm_bytes_per_s": 1e6, "bf16_flops_per_s": 1e6, "fp8_flops_per_s": 1e6, "h2d_bytes_per_s": 1e6,
               "compute_efficiency": 1e-3}
 #: figures that must be above zero (trigger and compute_efficiency are shares, checked as such): the planner
 #: divides by the rates, and zero memory holds nothing. A zero
 #: rate is refused, not read as "unknown": fp8_flops_per_s is null (or left out) on chips without fp8
 POSITIVE_FIGURES = ("gpu_memory_bytes", "hbm_bytes_per_s", "bf16_flops_per_s", "fp8_flops_per_s",
-                    "h2d_bytes_per_s", "host_memory_bytes", "gpu_link_bytes_per_s")
+                    "h2d_bytes_per_s", "host_memory_bytes", "gpu_link_bytes_per_s", "fp8_dequant_bytes_per_s")
 MAX_PROFILE_BYTES = 2**20
 
 
@@ -217,6 +217,9 @@ class HardwareProfile:
     #: GPU-to-GPU bandwidth per direction of each GPU (NVLink) that tensor-parallel all-reduces cross; None where
     #: the GPUs have no such link (make --tp refuses the profile then)
     gpu_link_bytes_per_s: Figure | None = None
+    #: HBM bytes per second the passes that dequantize FP8 weights before each bf16 matmul move (run's FP8 path,
+    #: planner.model.fp8_cost; calibrate measures it); None: FP8_DEQUANT_HBM_SHARE of hbm_bytes_per_s
+    fp8_dequant_bytes_per_s: Figure | None = None
     #: the host CPU's rate at computing routed experts (calibrate measures it); None: not measured, and the
     #: planner computes no expert on the CPU
     cpu_experts: CpuExperts | None = None
@@ -256,18 +259,20 @@ class HardwareProfile:
         return int(self.gpu_memory_bytes.value - self.reserve_bytes.value)
 
     def figures(self) -> dict[str, float | None]:
-        """Field name -> value, for plans and tables (the GPU link is recorded by tensor-parallel plans alone)."""
+        """Field name -> value, for plans and tables (the GPU link is recorded by tensor-parallel plans alone, the
+        FP8 dequantizing rate in the compute source of the plans it prices)."""
         return {
             f.name: (None if getattr(self, f.name) is None else getattr(self, f.name).value)
             for f in fields(self)
-            if f.name not in ("name", "description", "gpu_link_bytes_per_s", *_SECTIONS)
+            if f.name not in ("name", "description", "gpu_link_bytes_per_s", "fp8_dequant_bytes_per_s", *_SECTIONS)
         }
 
 
 #: the profile's optional sections beside its figures (not recorded in a plan's hardware section)
 _SECTIONS = ("cpu_experts", "layer_floor")
 _FIGURE_FIELDS = tuple(f.name for f in fields(HardwareProfile) if f.name not in ("name", "description", *_SECTIONS))
-_OPTIONAL_FIELDS = ("fp8_flops_per_s", "host_memory_bytes", "cuda_context_bytes", "gpu_link_bytes_per_s")
+_OPTIONAL_FIELDS = ("fp8_flops_per_s", "host_memory_bytes", "cuda_context_bytes", "gpu_link_bytes_per_s",
+                    "fp8_dequant_bytes_per_s")
 
 
 def profile_from_dict(data: object, origin: str) -> HardwareProfile:
@@ -279,7 +284,7 @@ def profile_from_dict(data: object, origin: str) -> HardwareProfile:
     if unknown:
         raise ProfileError(f"{origin}: unknown field(s) {shown(unknown, 60)}; the fields are those of "
                            "profiles/h100-sxm.yaml (fp8_flops_per_s, host_memory_bytes, cuda_context_bytes, "
-                           "gpu_link_bytes_per_s, cpu_experts, layer_floor optional)")
+                           "gpu_link_bytes_per_s, fp8_dequant_bytes_per_s, cpu_experts, layer_floor optional)")
     missing = sorted(k for k in known - set(data) if k not in (*_OPTIONAL_FIELDS, *_SECTIONS))
     if missing:
         raise ProfileError(f"{origin}: missing field(s) {missing}; see profiles/h100-sxm.yaml for the format")
