@@ -29,6 +29,13 @@ GRAPH_POOL_FACTOR = 1.25
 #: those sweeps' capture grew the reserved peak by 36-38 MiB at one sequence and 56-58 MiB for MoE steps at 4-15
 #: sequences (Qwen2-MoE, OLMoE), whose pools the activation estimate puts at 2-7 MB
 GRAPH_CAPTURE_BYTES = 58 * 2**20
+#: a prefill chunk replayed from a CUDA graph (Model.chunk_graphed) over its eager activation peak: its capture
+#: allocates in a private pool that cannot borrow the shared pool's segments, which the eager chunk reuses from the
+#: cache fill's, and it keeps every segment the capture's allocation order needed. The H200 sweep of 2026-11-28
+#: (benchmarks/2026-11-28-conformance-h200.md) read the chunk phase's reserved peak 3-268 MiB over the plans that
+#: booked the eager peak, up to 0.84x the chunk's own activations (Qwen3-FP8's dequantized weights, DeepSeek-V2-Lite's
+#: grouped_mm experts), and one Gemma-3 plan ran out of memory there at its cap
+CHUNK_GRAPH_FACTOR = 2.0
 
 
 def serving_other_bytes(model: Model, concurrency: int, gpu_memory_bytes: int | None = None) -> OtherBytes:
@@ -59,9 +66,12 @@ def serving_other_bytes(model: Model, concurrency: int, gpu_memory_bytes: int | 
 
 
 def other_bytes(model: Model, kv_bytes: int, decode_bytes: int, chunk_bytes: int, graphed: bool) -> OtherBytes:
-    """The KV cache, the larger activation peak (an eager decode step's or a prefill chunk's) with the runtime's
-    workspaces and allocator rounding, a graphed decode step's pool and what is held outside the allocator."""
-    transient_bytes = max(chunk_bytes, 0 if graphed else decode_bytes)
+    """The KV cache, the larger activation peak (an eager decode step's or a prefill chunk's, CHUNK_GRAPH_FACTOR of
+    it where the chunk is graphed) with the runtime's workspaces and allocator rounding, a graphed decode step's pool
+    and what is held outside the allocator. A routed placement's chunk stays eager (planner.make.assemble) and is
+    booked as a graphed one's: the memory is set before the placement is searched."""
+    chunk_factor = CHUNK_GRAPH_FACTOR if model.chunk_graphed else 1.0
+    transient_bytes = max(math.ceil(chunk_factor * chunk_bytes), 0 if graphed else decode_bytes)
     return OtherBytes(kv_cache_bytes=kv_bytes, activation_bytes=transient_bytes + RUNTIME_ALLOCATOR_BYTES,
                       cuda_graph_pool_bytes=graph_pool_bytes(decode_bytes) if graphed else 0,
                       cuda_context_bytes=outside_allocator_bytes(model))

@@ -183,11 +183,12 @@ def test_a_moe_models_prefill_chunk_is_graphed_where_its_experts_run_grouped_mm(
 
 def test_make_measure_replaces_a_serving_plans_activation_estimate(tmp_path):
     """A serving plan made with --measure plans the activation peaks measured on the GPU (the caller's function),
-    the graph pool from the measured decode step; without the function it keeps the estimate."""
+    the graphed chunk's at CHUNK_GRAPH_FACTOR of its eager peak, the graph pool from the measured decode step;
+    without the function it keeps the estimate."""
     from planner.model.cost import ComputeTimes
     from planner.make.make_plan import make_plan
     from planner.plan.schema import Inputs
-    from planner.model.memory_accounting import graph_pool_bytes
+    from planner.model.memory_accounting import CHUNK_GRAPH_FACTOR, graph_pool_bytes
     from planner.search.serving import RUNTIME_ALLOCATOR_BYTES
     from tests.conftest import TEST_GPU_FILE, make_checkpoint
 
@@ -203,7 +204,9 @@ def test_make_measure_replaces_a_serving_plans_activation_estimate(tmp_path):
     inputs = Inputs(model=str(tmp_path / "ckpt"), gpu=str(TEST_GPU_FILE), context=256, concurrency="8", chunk=64,
                     measure=True, cuda_graph=True)
     measured = make_plan(inputs, measure=measure, measure_activations=activations).plan.memory
-    assert measured.activation_bytes == 1000 + RUNTIME_ALLOCATOR_BYTES
+    assert measured.activation_bytes == CHUNK_GRAPH_FACTOR * 1000 + RUNTIME_ALLOCATOR_BYTES
+    eager = make_plan(replace(inputs, cuda_graph=False), measure=measure, measure_activations=activations).plan.memory
+    assert eager.activation_bytes == 3000 + RUNTIME_ALLOCATOR_BYTES  # an eager decode step's peak is the larger
     assert measured.cuda_graph_pool_bytes == graph_pool_bytes(3000)
     estimated = make_plan(inputs, measure=measure).plan.memory
     assert estimated.activation_bytes != 1000 and estimated.cuda_graph_pool_bytes != measured.cuda_graph_pool_bytes
