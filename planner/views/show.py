@@ -330,12 +330,13 @@ def _memory(plan: Plan) -> Table:
     return table
 
 
-#: how far measured steps ran from estimated plans' predictions on the H100 conformance sweep of 2026-11-28
-#: (benchmarks/2026-11-28-conformance-routed-h100.md): decode steps, weights plans' steps and serving prefill
-#: chunks of bf16 models (decode alone 0.90-1.08x over 17 arms; weights plans 0.93-1.21x over 9; chunks
-#: 0.96-1.40x over 17), and of the FP8 model (decode 1.01-1.26x, chunks 1.31-1.72x; 2 arms)
-ESTIMATE_SPREAD_BF16 = (0.90, 1.40)
-ESTIMATE_SPREAD_FP8 = (1.01, 1.72)
+#: how far measured steps ran from estimated plans' predictions in the conformance sweeps of 2026-11-28: bf16 models'
+#: decode steps, weights plans' steps and serving prefill chunks ran 0.90-1.40x on the H100
+#: (benchmarks/2026-11-28-conformance-routed-h100.md, 43 figures) and 0.93-1.43x on the H200
+#: (benchmarks/2026-11-28-conformance-h200.md, 46 figures; the high end a Gemma-2 prefill plan's step); the FP8
+#: model's, since its dequantizing passes are priced at their own rate, 1.00-1.14x (H200, 4 figures)
+ESTIMATE_SPREAD_BF16 = (0.90, 1.43)
+ESTIMATE_SPREAD_FP8 = (1.00, 1.14)
 
 
 def _estimate_spread(plan: Plan) -> str:
@@ -346,7 +347,7 @@ def _estimate_spread(plan: Plan) -> str:
     low, high = ESTIMATE_SPREAD_FP8 if fp8 else ESTIMATE_SPREAD_BF16
     kind = "FP8" if fp8 else "bf16"
     return (f" (an estimate: measured steps of {kind} models ran {low:.2f}-{high:.2f}x of such estimates on the "
-            "H100; make --measure times the layers)")
+            "H100 and H200; make --measure times the layers)")
 
 
 def _context_source(plan: Plan) -> str:
