@@ -69,16 +69,19 @@ def compare_serving(old: Plan, new: Plan) -> dict:
 
 
 def _experts_figures(plan: Plan) -> dict:
-    """A plan's expert figures: regime, routing, routed layers, resident experts, fetched bytes, mean hit rate."""
+    """A plan's expert figures: regime, routing, routed layers, resident experts, fetched bytes, mean hit rate,
+    experts computed on the host CPU and their ms per decode step."""
     experts = plan.experts
     if experts is None:
         return {"regime": None, "routing": None, "num_routed": 0, "num_resident": 0, "expected_fetched_bytes": 0,
-                "hit_rate": 0.0}
+                "hit_rate": 0.0, "num_cpu": 0, "cpu_ms_per_step": 0.0}
     routed = experts.routed_layers
     return {"regime": experts.regime, "routing": experts.routing, "num_routed": len(routed),
             "num_resident": sum(len(row.resident) for row in routed),
             "expected_fetched_bytes": sum(row.expected_fetched_bytes for row in routed),
-            "hit_rate": round(sum(row.hit_rate for row in routed) / len(routed), 4) if routed else 0.0}
+            "hit_rate": round(sum(row.hit_rate for row in routed) / len(routed), 4) if routed else 0.0,
+            "num_cpu": sum(len(row.cpu) for row in experts.layers),
+            "cpu_ms_per_step": experts.cpu.cpu_ms_per_step if experts.cpu is not None else 0.0}
 
 
 def compare_experts(old: Plan, new: Plan) -> dict:
@@ -190,6 +193,10 @@ def _experts_sentence(experts: dict) -> str | None:
              f"{resident['old']} -> {resident['new']}, fetched per decode step "
              f"{_bytes_change(experts['expected_fetched_bytes'])}, hit rate {100 * hit['old']:.1f}% -> "
              f"{100 * hit['new']:.1f}%")
+    cpu, cpu_ms = experts["num_cpu"], experts["cpu_ms_per_step"]
+    if cpu["old"] or cpu["new"]:
+        text += (f"; experts on the host CPU {cpu['old']} -> {cpu['new']} ({cpu_ms['old']:g} -> {cpu_ms['new']:g} ms "
+                 "of CPU path per decode step)")
     if experts["resident_changed"]:
         text += f"; resident experts differ in layers {format_layers(experts['resident_changed'])}"
     return text + "."

@@ -3,6 +3,8 @@ writes CPU expert ids that keep the invariants, --cpu-experts off and a profile 
 a slow CPU is declined with its reason, and show, check, diff and export read what make wrote; hand edits that
 break the invariants are refused in one line."""
 
+import json
+
 import pytest
 import yaml
 
@@ -153,6 +155,14 @@ def test_show_check_diff_and_export_read_a_plan_with_cpu_experts(moe):
     assert invoke(["check", "plan.yaml", "off.yaml"]).exit_code == 0
     diff = invoke(["diff", "off.yaml", "plan.yaml"])
     assert diff.exit_code == 0, diff.stderr
+    plan = read_plan("plan.yaml")
+    count = sum(len(row.cpu) for row in plan.experts.cpu_layers)
+    assert f"experts on the host CPU 0 -> {count}" in " ".join(diff.stdout.split())
+    figures = invoke(["diff", "--json", "off.yaml", "plan.yaml"])
+    assert figures.exit_code == 0, figures.stderr
+    experts = json.loads(figures.stdout)["experts"]
+    assert experts["num_cpu"]["old"] == 0 and experts["num_cpu"]["new"] == count > 0
+    assert experts["cpu_ms_per_step"]["new"] == plan.experts.cpu.cpu_ms_per_step
     for engine in ("vllm", "sglang"):
         exported = invoke(["export", "plan.yaml", "--to", engine])
         assert exported.exit_code == 0, exported.stderr
