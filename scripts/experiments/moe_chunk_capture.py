@@ -5,7 +5,7 @@ them 11-27% away from what make --measure had timed minutes before (benchmarks/2
 h100.md). transformers' grouped_mm experts take their group offsets from torch.histc on the GPU, so a chunk through
 them should capture. For each MoE family of the sweep, at its real widths and a few layers, this builds the model
 with random bf16 weights, runs a 2048-token chunk eagerly and from a graph (runtime.graph.chunk_graph), and prints
-whether the logits are bitwise equal and each one's median ms over repeated calls.
+whether the logits are bitwise equal and each one's median ms over back-to-back calls.
 
     PYTHONPATH=. python3 scripts/experiments/moe_chunk_capture.py --out $OUT/moe-chunk
 """
@@ -24,24 +24,12 @@ CHUNK_TOKENS = 2048
 NUM_CALLS = 10
 
 
-def timed(call, num_calls: int) -> list[float]:
-    """ms of each call, by CUDA events around it."""
-    times = []
-    for _ in range(num_calls):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        call()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
-
-
 def one_family(name: str, num_layers: int) -> dict:
     import transformers
 
     from runtime.experts_impl import PREFILL, use_phase
     from runtime.graph import warm_up_and_capture
+    from runtime.timing import time_calls
 
     model_spec = conformance.MODELS[name]
     config_json = conformance.config_dict(model_spec, tiny=False) | {"num_hidden_layers": num_layers}
@@ -60,7 +48,7 @@ def one_family(name: str, num_layers: int) -> dict:
         eager_logits = model(input_ids=ids, use_cache=False, logits_to_keep=1).logits.clone()
         for _ in range(3):
             model(input_ids=ids, use_cache=False, logits_to_keep=1)
-        eager_ms = timed(lambda: model(input_ids=ids, use_cache=False, logits_to_keep=1), NUM_CALLS)
+        eager_ms = time_calls(lambda: model(input_ids=ids, use_cache=False, logits_to_keep=1), NUM_CALLS)
     row["eager_ms"] = statistics.median(eager_ms)
     row["eager_ms_all"] = eager_ms
     held = {}
@@ -83,7 +71,7 @@ def one_family(name: str, num_layers: int) -> dict:
     torch.cuda.synchronize()
     row["bitwise_equal"] = bool(torch.equal(held["logits"], eager_logits))
     row["max_abs_diff"] = float((held["logits"].float() - eager_logits.float()).abs().max())
-    graphed_ms = timed(graph.replay, NUM_CALLS)
+    graphed_ms = time_calls(graph.replay, NUM_CALLS)
     row["graphed_ms"] = statistics.median(graphed_ms)
     row["graphed_ms_all"] = graphed_ms
     return row
