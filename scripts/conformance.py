@@ -1013,7 +1013,8 @@ def report(rows: list[dict], wall_s: float) -> str:
               "caps (estimated: regime, share of experts on the host) |", "|---|---|---|---|"]
     lines += [caps_line(row) for row in rows if row.get("kind") == "caps"]
     lines += ["", "## Arms", "", "| arm | exits | regime | predicted / measured ms | error | peak / cap | "
-              "peak / predicted | tokens | s | first error |", "|---|---|---|---|---|---|---|---|---|---|"]
+              "peak / predicted | tokens | link GB/s before / after | s | first error |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     lines += [arm_line(row) for row in arms]
     return "\n".join(lines)
 
@@ -1038,8 +1039,14 @@ def arm_line(row: dict) -> str:
     return (f"| {row['arm']} | {' '.join(f'{k}:{v}' for k, v in row['exit'].items())} | "
             f"{regime_text(row.get('plan') or {})} | {timing} | {error} | "
             f"{fmt(row.get('peak_over_cap'))} | {fmt(row.get('peak_over_predicted'))} | "
-            f"{row.get('verdicts', {}).get('tokens_equal', '-')} | {row['seconds']} | "
+            f"{row.get('verdicts', {}).get('tokens_equal', '-')} | {link_text(row)} | {row['seconds']} | "
             f"{f'{first[0]}: {first[1][:120]}' if first else ''} |")
+
+
+def link_text(row: dict) -> str:
+    """The link probe's rates around the arm's bench (a link that moved shows as two figures apart)."""
+    before, after = row.get("link_gb_per_s_before"), row.get("link_gb_per_s_after")
+    return "-" if before is None else f"{before} / {after if after is not None else '-'}"
 
 
 def regime_text(plan: dict) -> str:
