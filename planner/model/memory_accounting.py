@@ -58,19 +58,21 @@ def serving_other_bytes(model: Model, concurrency: int, gpu_memory_bytes: int | 
     except MeasuredOutOfMemoryError:
         if not measured:
             raise
-        return replace(other_bytes(model, kv_bytes, gpu_memory_bytes, gpu_memory_bytes, inputs.cuda_graph),
-                       measured_out_of_memory=True)
-    other = other_bytes(model, kv_bytes, decode_bytes, chunk_bytes, inputs.cuda_graph)
+        return replace(other_bytes(model, kv_bytes, gpu_memory_bytes, gpu_memory_bytes, inputs.cuda_graph,
+                                   model.chunk_graphed), measured_out_of_memory=True)
+    other = other_bytes(model, kv_bytes, decode_bytes, chunk_bytes, inputs.cuda_graph, model.chunk_graphed)
     # the adapters' slots are GPU memory at every concurrency: one per sequence by default, so they grow with it
     return replace(other, adapter_bytes=model.adapter_slots(concurrency) * slot_bytes_of(model.adapters))
 
 
-def other_bytes(model: Model, kv_bytes: int, decode_bytes: int, chunk_bytes: int, graphed: bool) -> OtherBytes:
+def other_bytes(model: Model, kv_bytes: int, decode_bytes: int, chunk_bytes: int, graphed: bool,
+                chunk_graphed: bool = False) -> OtherBytes:
     """The KV cache, the larger activation peak (an eager decode step's or a prefill chunk's, CHUNK_GRAPH_FACTOR of
-    it where the chunk is graphed) with the runtime's workspaces and allocator rounding, a graphed decode step's pool
-    and what is held outside the allocator. A routed placement's chunk stays eager (planner.make.assemble) and is
-    booked as a graphed one's: the memory is set before the placement is searched."""
-    chunk_factor = CHUNK_GRAPH_FACTOR if model.chunk_graphed else 1.0
+    it where a serving plan's chunk is graphed, ``chunk_graphed``) with the runtime's workspaces and allocator
+    rounding, a graphed decode step's pool and what is held outside the allocator. A routed placement's chunk stays
+    eager (planner.make.assemble) and is booked as a graphed one's: the memory is set before the placement is
+    searched. A weights plan's step is never a graphed chunk (make refuses --cuda-graph for a prefill step)."""
+    chunk_factor = CHUNK_GRAPH_FACTOR if chunk_graphed else 1.0
     transient_bytes = max(math.ceil(chunk_factor * chunk_bytes), 0 if graphed else decode_bytes)
     return OtherBytes(kv_cache_bytes=kv_bytes, activation_bytes=transient_bytes + RUNTIME_ALLOCATOR_BYTES,
                       cuda_graph_pool_bytes=graph_pool_bytes(decode_bytes) if graphed else 0,
