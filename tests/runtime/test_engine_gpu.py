@@ -166,6 +166,10 @@ def test_calibrate_writes_a_profile_make_reads(tmp_path, llama):
     assert profile.bf16_flops_per_s.source == "measured" and profile.gpu_memory_bytes.source == "measured"
     assert profile.host_memory_bytes.source == "measured" and profile.host_memory_bytes.value > 0
     assert profile.cpu_experts.source == "measured" and profile.cpu_experts.ms_per_expert_at_tokens[0][0] == 1
+    # the FP8 dequantizing passes: far under the copy rate (0.20 of it on the H200), never above it
+    dequant = profile.fp8_dequant_bytes_per_s
+    assert dequant.source == "measured" and 0.02 * profile.hbm_bytes_per_s.value < dequant.value
+    assert dequant.value < profile.hbm_bytes_per_s.value
     made = _cli("make", "-m", str(llama), "-g", str(tmp_path / "gpu.yaml"), "--budget", "1GiB")
     assert made.returncode == 0, made.stderr
 
