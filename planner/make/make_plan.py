@@ -18,7 +18,7 @@ from planner.engines.plan import check_engine_architecture, check_engine_input, 
 from planner.engines.read_at_use import READ_AT_USE, ReadAtUseChoice, read_at_use_simulation
 from planner.errors import InfeasibleError, ModelInputError, UsageError, shown
 from planner.search.cpu_placement import CpuInputs
-from planner.search.expert_choice import Comparison, ExpertModel, expert_model
+from planner.search.expert_choice import Comparison, ExpertModel, RoutedChoice, expert_model
 from planner.model.experts import moe_geometry
 from planner.model.kv_cache import activation_dtype, kv_cache_model, with_weights_dtype
 from planner.model.layout import ModelLayout, build_layout, param_selected
@@ -33,7 +33,7 @@ from planner.plan.schema import Inputs, Plan
 from planner.source.profile import load_profile, with_measured_context
 from planner.source.routing_trace import check_against, read_trace
 from planner.search.groups import Choice, LayerBytes, gpu_bytes_of, minimum_gpu_bytes
-from planner.search.serving import search_serving
+from planner.search.serving import OtherBytes, search_serving
 from planner.make.tp_sizes import check_tp_inputs
 from planner.model.tensor_parallel import shard_checkpoint
 from planner.units import format_bytes
@@ -134,10 +134,21 @@ def make_serving_plan(model: Model) -> Planned:
     comparisons: dict[int, Comparison] = {}
     host = HostLimit(host_memory_bytes_for(resolved, model.profile), adapter_host_bytes(model))
 
+    def other_at(concurrency: int) -> OtherBytes:
+        return serving_other_bytes(model, concurrency, gpu_memory)
+
+    def other_for(concurrency: int, choice: Choice) -> OtherBytes:
+        """A routed placement's prefill chunk stays eager (assemble.chunk_graphed): it does not hold the graphed
+        chunk's pool."""
+        other = other_at(concurrency)
+        return other.with_eager_chunk() if isinstance(choice, RoutedChoice) else other
+
     def place(compute: ComputeTimes, budget_bytes: int, concurrency: int) -> Choice | None:
         if model.experts is None:
             return host.within(model.search_or_none(compute, budget_bytes))
-        compared = model.compare(compute, budget_bytes, decode(concurrency))
+        # without --budget, routed experts may take the room a graphed chunk would have held
+        extra = other_at(concurrency).chunk_graph_extra_bytes if resolved.budget_bytes is None else 0
+        compared = model.compare(compute, budget_bytes, decode(concurrency), routed_extra_bytes=extra)
         # each regime held to the host: routed pins every expert, whole layers only the offloaded ones
         comparisons[concurrency] = replace(compared, whole=host.within(compared.whole),
                                            routed=host.within(compared.routed))
@@ -147,13 +158,14 @@ def make_serving_plan(model: Model) -> Planned:
         found = search_serving(
             wanted=resolved.concurrency,
             gpu_memory_bytes=gpu_memory,
-            other_bytes_at=lambda b: serving_other_bytes(model, b, gpu_memory),
+            other_bytes_at=other_at,
             compute_at=lambda b: model.compute(decode(b)),
             search_weights=place,
             minimum_weight_bytes=minimum_gpu_bytes(model.layout.non_layer_bytes, model.layer_bytes),
             resident_weight_bytes=gpu_bytes_of(model.layout.non_layer_bytes, model.layer_bytes, (), 0),
             weights_budget_bytes=resolved.budget_bytes,
             max_tpot_ms=inputs.max_tpot_ms,
+            other_for=other_for,
         )
     except InfeasibleError:
         if host.refused_pinned_bytes:  # the GPU held some placement, the host none of them: say so

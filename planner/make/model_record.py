@@ -126,12 +126,15 @@ class Model:
         leanest placement needs)."""
         return self.search(compute, budget_bytes) if self.searcher.fits(budget_bytes) else None
 
-    def compare(self, compute: ComputeTimes, budget_bytes: int, workload: Workload) -> Comparison:
+    def compare(self, compute: ComputeTimes, budget_bytes: int, workload: Workload,
+                routed_extra_bytes: int = 0) -> Comparison:
         """Whole layers against routed experts within ``budget_bytes`` at ``workload`` (a MoE model; routed is
-        None where unavailable or nothing routed fits, whole None where no whole-layer placement fits)."""
+        None where unavailable or nothing routed fits, whole None where no whole-layer placement fits); routed
+        experts get ``routed_extra_bytes`` more (what a graphed prefill chunk would hold, which theirs does not)."""
         whole = self.search_or_none(compute, budget_bytes)
         decode = is_decode_step(workload)
-        routed = routed_choice(self.experts, searcher=self.searcher, compute=compute, budget_bytes=budget_bytes,
+        routed = routed_choice(self.experts, searcher=self.searcher, compute=compute,
+                               budget_bytes=budget_bytes + routed_extra_bytes,
                                num_tokens=workload.tokens_per_step, decode=decode,
                                non_layer_bytes=self.layout.non_layer_bytes,
                                h2d_bytes_per_s=self.profile.h2d_bytes_per_s.value,

@@ -69,14 +69,16 @@ def other_bytes(model: Model, kv_bytes: int, decode_bytes: int, chunk_bytes: int
                 chunk_graphed: bool = False) -> OtherBytes:
     """The KV cache, the larger activation peak (an eager decode step's or a prefill chunk's, CHUNK_GRAPH_FACTOR of
     it where a serving plan's chunk is graphed, ``chunk_graphed``) with the runtime's workspaces and allocator
-    rounding, a graphed decode step's pool and what is held outside the allocator. A routed placement's chunk stays
-    eager (planner.make.assemble) and is booked as a graphed one's: the memory is set before the placement is
-    searched. A weights plan's step is never a graphed chunk (make refuses --cuda-graph for a prefill step)."""
-    chunk_factor = CHUNK_GRAPH_FACTOR if chunk_graphed else 1.0
-    transient_bytes = max(math.ceil(chunk_factor * chunk_bytes), 0 if graphed else decode_bytes)
+    rounding, a graphed decode step's pool and what is held outside the allocator. The graphed chunk's share
+    (``chunk_graph_extra_bytes``) is what a routed placement, whose chunk stays eager (planner.make.assemble), does
+    not hold (OtherBytes.with_eager_chunk). A weights plan's step is never a graphed chunk (make refuses --cuda-graph
+    for a prefill step)."""
+    eager_bytes = max(chunk_bytes, 0 if graphed else decode_bytes)
+    transient_bytes = max(math.ceil(CHUNK_GRAPH_FACTOR * chunk_bytes), eager_bytes) if chunk_graphed else eager_bytes
     return OtherBytes(kv_cache_bytes=kv_bytes, activation_bytes=transient_bytes + RUNTIME_ALLOCATOR_BYTES,
                       cuda_graph_pool_bytes=graph_pool_bytes(decode_bytes) if graphed else 0,
-                      cuda_context_bytes=outside_allocator_bytes(model))
+                      cuda_context_bytes=outside_allocator_bytes(model),
+                      chunk_graph_extra_bytes=transient_bytes - eager_bytes)
 
 
 def graph_pool_bytes(decode_bytes: int) -> int:

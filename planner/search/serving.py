@@ -11,7 +11,7 @@ beside the cache (the weight search returns the all-resident placement there), s
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from planner.model.cost import ComputeTimes
 from planner.errors import InfeasibleError
@@ -68,6 +68,14 @@ class OtherBytes:
     #: make --measure: a step measured within the plan's GPU memory did not fit it (or its KV cache alone does not),
     #: so nothing fits at this concurrency; the activations then stand at the whole GPU memory
     measured_out_of_memory: bool = False
+    #: of activation_bytes, what a graphed prefill chunk's private pool adds over its eager peak
+    #: (planner.model.memory_accounting.CHUNK_GRAPH_FACTOR): a placement whose chunk stays eager does not hold it
+    chunk_graph_extra_bytes: int = 0
+
+    def with_eager_chunk(self) -> "OtherBytes":
+        """The same memory for a placement whose prefill chunk runs eagerly (routed experts)."""
+        return replace(self, activation_bytes=self.activation_bytes - self.chunk_graph_extra_bytes,
+                       chunk_graph_extra_bytes=0)
 
     @property
     def total_bytes(self) -> int:
@@ -182,6 +190,7 @@ def search_serving(
     resident_weight_bytes: int,
     weights_budget_bytes: int | None = None,
     max_tpot_ms: float | None = None,
+    other_for: Callable[[int, Choice], OtherBytes] | None = None,
 ) -> ServingSearch:
     """The concurrency and placement with the most decode tokens/s that fit ``gpu_memory_bytes``.
 
@@ -190,7 +199,9 @@ def search_serving(
     ``budget`` GPU bytes at B sequences (a MoE model's: whole layers or routed experts), None if none fits;
     ``minimum_weight_bytes``/``resident_weight_bytes``: GPU bytes of the
     leanest placement and of all-resident weights; ``weights_budget_bytes``: a fixed share for the weights
-    (``--budget``), else whatever the rest leaves.
+    (``--budget``), else whatever the rest leaves; ``other_for(B, choice)``: the GPU bytes besides weights that
+    ``choice`` holds at B, where a placement holds less than ``other_bytes_at(B)`` (a routed placement's eager
+    prefill chunk; search_weights then gave it that room), its weights budget then the GPU's rest of it.
     """
 
     def budget_at(concurrency: int) -> int:
@@ -207,8 +218,10 @@ def search_serving(
         budget = budget_at(concurrency)
         fits = budget >= minimum_weight_bytes
         choice = search_weights(compute_at(concurrency), budget, concurrency) if fits else None
-        points.append(ServingPoint(concurrency=concurrency, other=other_bytes_at(concurrency),
-                                   weights_budget_bytes=budget, choice=choice))
+        other = other_bytes_at(concurrency) if choice is None or other_for is None else other_for(concurrency, choice)
+        if weights_budget_bytes is None:
+            budget = gpu_memory_bytes - other.total_bytes
+        points.append(ServingPoint(concurrency=concurrency, other=other, weights_budget_bytes=budget, choice=choice))
     placed = [p for p in points if p.choice is not None]
     if not placed:
         raise InfeasibleError(_nothing_fits(wanted.low, gpu_memory_bytes, other_bytes_at(wanted.low),

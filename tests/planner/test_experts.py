@@ -67,6 +67,22 @@ def test_qwen3_30b_routed_at_one_sequence_whole_layers_at_64(qwen3_30b):
     assert point.whole_layer_step_ms < point.routed_step_ms
 
 
+def test_a_routed_plans_eager_chunk_leaves_its_experts_the_graphed_chunks_room(qwen3_30b):
+    """A routed placement's prefill chunk stays eager, so the plan books the eager chunk (as a plan without
+    --cuda-graph does at one sequence) and its weights budget is the rest of the GPU after that."""
+    from dataclasses import replace
+
+    inputs = serving_inputs(qwen3_30b, "1", gpu_memory="24GiB")
+    routed = make_plan(inputs).plan
+    eager = make_plan(replace(inputs, cuda_graph=False)).plan
+    assert routed.experts.regime == "routed" and not routed.workload.chunk_graphed
+    memory = routed.memory
+    assert memory.activation_bytes == eager.memory.activation_bytes
+    rest = memory.gpu_memory_bytes - (memory.kv_cache_bytes + memory.activation_bytes + memory.cuda_graph_pool_bytes
+                                      + memory.cuda_context_bytes)
+    assert memory.budget_bytes == rest and memory.total_gpu_bytes <= memory.gpu_memory_bytes
+
+
 def test_a_routed_plan_reads_back_equal_and_check_regenerates_it(qwen3_30b, tmp_path):
     planned = make_plan(serving_inputs(qwen3_30b, "1", gpu_memory="24GiB")).plan
     assert plan_to_dict(plan_from_dict(plan_to_dict(planned), "test")) == plan_to_dict(planned)
