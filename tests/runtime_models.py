@@ -22,14 +22,15 @@ def save_tiny_llama(folder: Path, *, hidden: int = 64, num_layers: int = 7, seed
     return save_random(AutoModelForCausalLM.from_config(config).to(dtype), folder, seed)
 
 
-def save_tiny_moe(folder: Path, *, hidden: int = 64, num_layers: int = 7, seed: int = 0) -> Path:
+def save_tiny_moe(folder: Path, *, hidden: int = 64, num_layers: int = 7, seed: int = 0,
+                  dtype: torch.dtype = torch.float32) -> Path:
     """A Qwen3-MoE checkpoint: per-expert tensors on disk, fused expert params in the model."""
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
     config = Qwen3MoeConfig(vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden,
                             moe_intermediate_size=hidden, num_hidden_layers=num_layers, num_attention_heads=4,
                             num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2)
-    return save_random(AutoModelForCausalLM.from_config(config), folder, seed)
+    return save_random(AutoModelForCausalLM.from_config(config).to(dtype), folder, seed)
 
 
 def save_tiny_gemma3(folder: Path, *, hidden: int = 64, num_layers: int = 6, window: int = 8, seed: int = 0,

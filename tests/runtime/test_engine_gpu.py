@@ -38,6 +38,11 @@ def moe(tmp_path_factory):
     return save_tiny_moe(tmp_path_factory.mktemp("moe"), hidden=256, num_layers=7)
 
 
+@pytest.fixture(scope="module")
+def moe_bf16(tmp_path_factory):
+    return save_tiny_moe(tmp_path_factory.mktemp("moe-bf16"), hidden=256, num_layers=7, dtype=torch.bfloat16)
+
+
 def _run(model, calls):
     ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1)).cuda()
     with torch.inference_mode():
@@ -297,6 +302,26 @@ def test_cli_run_bench_of_a_serving_plan(llama, tmp_path, monkeypatch):
     assert result["prefill_chunk_ms"] > 0 and result["prefill_chunk_tokens"] == 256
     assert 0 < result["memory_fraction"] < 12 * 2**30 / torch.cuda.get_device_properties(0).total_memory
     assert result["peak_gpu_bytes"] <= 12 * 2**30
+
+
+def test_cli_run_bench_of_a_moe_serving_plan_replays_its_chunk(moe_bf16, tmp_path, monkeypatch):
+    """A bf16 MoE model's experts run grouped_mm, so its serving plan replays the prefill chunk from a CUDA graph
+    (workload.chunk_graphed) and run --bench times it so, within the plan's memory."""
+    import json
+
+    import yaml
+
+    monkeypatch.setenv("OFFLOAD_PLAN_CACHE", str(tmp_path))
+    plan_path = tmp_path / "serve.yaml"
+    made = _cli("make", "-m", str(moe_bf16), "-g", "h100-sxm", "--context", "512", "--concurrency", "2", "--chunk",
+                "256", "--gpu-memory", "8GiB", "--cuda-graph", "-o", str(plan_path))
+    assert made.returncode == 0, made.stderr
+    assert yaml.safe_load(plan_path.read_text())["workload"]["chunk_graphed"] is True
+    bench = _cli("run", str(plan_path), "--bench", "--cuda-graph", "--json")
+    assert bench.returncode == 0, bench.stderr
+    result = json.loads(bench.stdout)
+    assert result["prefill_chunk_ms"] > 0 and result["prefill_chunk_tokens"] == 256
+    assert result["peak_gpu_bytes"] <= 8 * 2**30
 
 
 # ---- run's streaming loader (issue 14) ----------------------------------------------------------------------
