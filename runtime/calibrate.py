@@ -148,8 +148,9 @@ def calibrate() -> tuple[HardwareProfile, dict]:
                                    note=f"intercept of the same line; {stamp}"),
         "fp8_dequant_bytes_per_s": Figure(
             value=fp8_dequant_bytes_per_s(), source="measured",
-            note=f"FP8 weight {FP8_WEIGHT_SHAPE[0]}x{FP8_WEIGHT_SHAPE[1]} widened and scaled by its 128x128 block "
-                 f"scales into bf16 as run's FP8 linears do, 7 bytes a weight; {stamp}"),
+            note=f"FP8 weight {FP8_WEIGHT_SHAPE[0]}x{FP8_WEIGHT_SHAPE[1]} widened and scaled by its "
+                 f"{FP8_BLOCK[0]}x{FP8_BLOCK[1]} block scales into bf16 as run's FP8 linears do, 7 bytes a weight; "
+                 f"{stamp}"),
         "cuda_context_bytes": Figure(value=context_bytes, source="measured",
                                      note=f"held outside torch's allocator once a decoder step's kernels ran "
                                           f"(runtime.outside_memory's probe); {stamp}"),

@@ -38,8 +38,8 @@ def assemble(model: Model, workload: Workload, compute: ComputeTimes, choice: Ch
         inputs=model.inputs,
         model=model_section(model.checkpoint, model.layout),
         hardware=HardwareSection(profile=profile.name, **(profile.figures() | {"host_memory_bytes": host_limit})),
-        workload=_workload_section(model, workload, compute, chunk_tokens, serving is not None,
-                                   chunk_graphed(model, choice)),
+        workload=_workload_section(model, workload, compute, chunk_tokens,
+                                   serving is not None and chunk_graphed(model, choice)),
         offload=_offload_section(model, choice),
         memory=_memory_section(model, choice, budget, gpu_memory, other),
         prediction=_prediction_section(model, workload, compute, choice, resident_step_ms,
@@ -83,7 +83,7 @@ def _layer_rows(model: Model, compute: ComputeTimes, choice: Choice) -> tuple[La
 
 
 def _workload_section(model: Model, workload: Workload, compute: ComputeTimes, chunk_tokens: int,
-                      serving: bool, graphed_chunk: bool) -> WorkloadSection:
+                      graphed_chunk: bool) -> WorkloadSection:
     return WorkloadSection(
         tokens_per_step=workload.tokens_per_step,
         sequences_per_step=workload.sequences_per_step,
@@ -93,7 +93,7 @@ def _workload_section(model: Model, workload: Workload, compute: ComputeTimes, c
         concurrency=workload.sequences_per_step,
         chunk_tokens=chunk_tokens,
         kv_dtype=_kv_dtype_name(model),
-        chunk_graphed=serving and graphed_chunk,
+        chunk_graphed=graphed_chunk,
     )
 
 

@@ -5,20 +5,21 @@ planner.model.memory_accounting, and the plan's sections built in planner.make.a
 runs the search (the weights within a budget, or a serving target on the whole GPU)."""
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass, replace
 
 from planner.model.adapters import Adapter, load_adapters, slot_bytes_of
 from planner.model.architectures import check_decode_capturable
 from planner.model.activations import activation_shape
-from planner.make.assemble import assemble, serving_section
+from planner.make.assemble import assemble, chunk_graphed, serving_section
 from planner.source.checkpoint import Checkpoint, collector_paused, load_checkpoint
 from planner.model.cost import ComputeTimes, Workload, is_expert_param
 from planner.engines.plan import check_engine_architecture, check_engine_input, engine_input_warnings
 from planner.engines.read_at_use import READ_AT_USE, ReadAtUseChoice, read_at_use_simulation
 from planner.errors import InfeasibleError, ModelInputError, UsageError, shown
 from planner.search.cpu_placement import CpuInputs
-from planner.search.expert_choice import Comparison, ExpertModel, RoutedChoice, expert_model
+from planner.search.expert_choice import Comparison, ExpertModel, expert_model
 from planner.model.experts import moe_geometry
 from planner.model.kv_cache import activation_dtype, kv_cache_model, with_weights_dtype
 from planner.model.layout import ModelLayout, build_layout, param_selected
@@ -134,14 +135,14 @@ def make_serving_plan(model: Model) -> Planned:
     comparisons: dict[int, Comparison] = {}
     host = HostLimit(host_memory_bytes_for(resolved, model.profile), adapter_host_bytes(model))
 
+    @functools.cache  # the search asks for each concurrency's figures several times
     def other_at(concurrency: int) -> OtherBytes:
         return serving_other_bytes(model, concurrency, gpu_memory)
 
     def other_for(concurrency: int, choice: Choice) -> OtherBytes:
-        """A routed placement's prefill chunk stays eager (assemble.chunk_graphed): it does not hold the graphed
-        chunk's pool."""
+        """What ``choice`` holds besides its weights: not the graphed chunk's pool where its chunk stays eager."""
         other = other_at(concurrency)
-        return other.with_eager_chunk() if isinstance(choice, RoutedChoice) else other
+        return other if chunk_graphed(model, choice) else other.with_eager_chunk()
 
     def place(compute: ComputeTimes, budget_bytes: int, concurrency: int) -> Choice | None:
         if model.experts is None:
