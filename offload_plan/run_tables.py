@@ -79,7 +79,26 @@ def _serving_table(result) -> Table:
         table.add_row(label, text(measured), text(predicted), f"{measured / predicted:.2f}")
     cap = f"capped to {result.memory_fraction:.3f} of this GPU" if result.memory_fraction else "uncapped"
     table.add_row("GPU memory of the plan", format_bytes(result.gpu_memory_bytes), cap, "")
+    _add_routed_rows(table, result.routed)
     return table
+
+
+def _add_routed_rows(table: Table, routed) -> None:
+    """A routed plan's decode steps: the experts' bytes over the link a step and the next-layer prediction's
+    accuracy, measured against the plan's; the caption says how to price the measured routing."""
+    if routed is None:
+        return
+    predicted = routed.predicted_bytes_per_step
+    table.add_row(f"routed experts over the link a step ({routed.num_steps} steps)",
+                  format_bytes(round(routed.fetched_bytes_per_step)), format_bytes(predicted),
+                  f"{routed.fetched_bytes_per_step / predicted:.2f}" if predicted else "")
+    measured, planned = routed.prefetch_accuracy, routed.planned_prefetch_accuracy
+    if measured is None or planned is None:
+        return
+    table.add_row("next-layer prediction right (mean over ranks)", f"{measured:.1%}", f"{planned:.1%}",
+                  f"{measured / planned:.2f}" if planned else "")
+    table.caption = (f"this run's routing: make the plan again with --prefetch-accuracy {measured:.2f} to price it "
+                     "(or record a trace of your prompts: offload-plan trace, then make --routing-trace)")
 
 
 def _adapter_table(result) -> Table:
@@ -126,4 +145,5 @@ def _bench_table(result) -> Table:
         table.add_row("graph warm-up, capture", f"{result.warmup_s:.2f} s, {result.capture_s:.2f} s", "", "")
     if result.compile_s:
         table.add_row("torch.compile (first step)", f"{result.compile_s:.1f} s", "", "")
+    _add_routed_rows(table, result.routed)
     return table

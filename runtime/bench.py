@@ -7,6 +7,7 @@ import torch
 
 from planner.errors import UsageError
 from runtime.load import Loaded
+from runtime.routed_fetches import RoutedFetches, routed_fetches, start_counting
 from runtime.timing import forward_step, model_device, random_ids, step_figure, time_steps, timed_step_count
 
 NUM_WARMUP_STEPS = 3
@@ -48,6 +49,8 @@ class BenchResult:
     warmup_s: float = 0.0
     compile_s: float = 0.0
     capture_s: float = 0.0
+    #: decode steps of a plan that fetches routed experts: what they fetched, beside the plan
+    routed: RoutedFetches | None = None
 
     def as_dict(self) -> dict:
         """Plain data for --json."""
@@ -153,9 +156,11 @@ def run_decode_bench(loaded: Loaded, num_steps: int, cuda_graph: bool,
     earlier_reserved_bytes = torch.cuda.max_memory_reserved(device)
     torch.cuda.reset_peak_memory_stats(device)
     engine.timing = not cuda_graph
+    start_counting(loaded)
     step_ms = loop.timed_steps(timed_step_count(plan, num_steps))
     engine.timing = False
+    routed = routed_fetches(loaded, len(step_ms) * loop.steps_per_call)
     mode = "decode " + ("graphed" if cuda_graph else "eager") + (", compiled" if compile_backend else "")
     return _result(loaded, step_ms, engine.take_stats(), device, timed=not cuda_graph, mode=mode,
                    earlier_reserved_bytes=earlier_reserved_bytes,
-                   warmup_s=loop.warmup_s, compile_s=loop.compile_s, capture_s=loop.capture_s)
+                   warmup_s=loop.warmup_s, compile_s=loop.compile_s, capture_s=loop.capture_s, routed=routed)

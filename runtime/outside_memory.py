@@ -109,5 +109,6 @@ def stack_overrun(memory, probe_bytes: int, device_total_bytes: int) -> str | No
         return None
     return (f"this GPU's stack holds {format_bytes(probe_bytes)} outside torch's allocator before loading (CUDA "
             f"context, kernels) and the plan booked {format_bytes(booked_bytes)}, so its "
-            f"{format_bytes(memory.total_gpu_bytes)} would pass {format_bytes(limit_bytes)}: make the plan on this "
-            "machine with --measure, or with a profile from offload-plan calibrate")
+            f"{format_bytes(memory.total_gpu_bytes)} would pass {format_bytes(limit_bytes)} (other processes on this "
+            "GPU count too): make the plan on this machine with --measure, or with a profile from offload-plan "
+            "calibrate")

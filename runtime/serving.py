@@ -15,6 +15,7 @@ from planner.errors import RuntimeUnavailableError
 from planner.units import format_bytes
 from runtime.experts_impl import PREFILL, use_phase
 from runtime.outside_memory import outside_allocator_bytes
+from runtime.routed_fetches import RoutedFetches, routed_fetches, start_counting
 
 NUM_WARMUP_STEPS = 3
 NUM_TIMED_STEPS = 10
@@ -64,6 +65,8 @@ class ServingBench:
     prefill_chunk_ms_all: tuple[float, ...] = ()
     #: how decode_step_ms sums decode_step_ms_all: "median", or "mean" where the plan fetches routed experts
     decode_step_statistic: str = "median"
+    #: the timed decode steps of a plan that fetches routed experts: what they fetched, beside the plan
+    routed: RoutedFetches | None = None
 
     def as_dict(self) -> dict:
         """Plain data for --json."""
@@ -190,7 +193,9 @@ def serve_and_time(loaded, cuda_graph: bool, compile_backend: str | None = None,
             if timing_kernels is not None and cuda_graph:
                 loop.capture_again()
             loop.timed_steps(NUM_WARMUP_STEPS)
+            start_counting(loaded)
             step_ms = loop.timed_steps(timed_step_count(plan, NUM_TIMED_STEPS))
+            routed = routed_fetches(loaded, len(step_ms))
         if engine is not None:
             engine.set_graph_mode(False)
         # with the cache and the captured step still held, as a server prefills between decode steps
@@ -217,5 +222,5 @@ def serve_and_time(loaded, cuda_graph: bool, compile_backend: str | None = None,
         allocated_bytes_by_phase=live.allocated,
         first_step_bitwise=None if reference_logits is None else torch.equal(first_logits, reference_logits),
         allocator_retries=torch.cuda.memory_stats(device).get("num_alloc_retries", 0),
-        prefill_chunk_ms_all=tuple(chunk_ms_all), decode_step_statistic=statistic)
+        prefill_chunk_ms_all=tuple(chunk_ms_all), decode_step_statistic=statistic, routed=routed)
     return bench, first_logits

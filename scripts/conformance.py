@@ -1013,8 +1013,9 @@ def report(rows: list[dict], wall_s: float) -> str:
               "caps (estimated: regime, share of experts on the host) |", "|---|---|---|---|"]
     lines += [caps_line(row) for row in rows if row.get("kind") == "caps"]
     lines += ["", "## Arms", "", "| arm | exits | regime | predicted / measured ms | error | peak / cap | "
-              "peak / predicted | tokens | link GB/s before / after | s | first error |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "peak / predicted | tokens | link GB/s before / after | routed bytes measured / predicted, prediction "
+              "right measured / planned | s | first error |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     lines += [arm_line(row) for row in arms]
     return "\n".join(lines)
 
@@ -1039,7 +1040,8 @@ def arm_line(row: dict) -> str:
     return (f"| {row['arm']} | {' '.join(f'{k}:{v}' for k, v in row['exit'].items())} | "
             f"{regime_text(row.get('plan') or {})} | {timing} | {error} | "
             f"{fmt(row.get('peak_over_cap'))} | {fmt(row.get('peak_over_predicted'))} | "
-            f"{row.get('verdicts', {}).get('tokens_equal', '-')} | {link_text(row)} | {row['seconds']} | "
+            f"{row.get('verdicts', {}).get('tokens_equal', '-')} | {link_text(row)} | {routing_text(bench)} | "
+            f"{row['seconds']} | "
             f"{f'{first[0]}: {first[1][:120]}' if first else ''} |")
 
 
@@ -1047,6 +1049,20 @@ def link_text(row: dict) -> str:
     """The link probe's rates around the arm's bench (a link that moved shows as two figures apart)."""
     before, after = row.get("link_gb_per_s_before"), row.get("link_gb_per_s_after")
     return "-" if before is None else f"{before} / {after if after is not None else '-'}"
+
+
+def routing_text(bench: dict) -> str:
+    """A routed arm's decode steps: the experts' bytes they fetched over the plan's expected bytes, and the next-layer
+    prediction's accuracy (mean over ranks) against the plan's, as run --bench --json measured them."""
+    routed = bench.get("routed")
+    if not routed or not routed.get("predicted_bytes_per_step"):
+        return "-"
+    text = f"{routed['fetched_bytes_per_step'] / routed['predicted_bytes_per_step']:.2f}"
+    measured = [share for share in routed.get("rank_accuracy") or () if share is not None]
+    planned = routed.get("planned_rank_accuracy")
+    if measured and planned:
+        text += f", {statistics.fmean(measured):.2f} / {statistics.fmean(planned):.2f}"
+    return text
 
 
 def regime_text(plan: dict) -> str:

@@ -286,14 +286,18 @@ def test_make_measure_cuda_graph_times_replays(llama, tmp_path, monkeypatch):
 
 def test_cli_run_bench_of_a_serving_plan(llama, tmp_path, monkeypatch):
     """make --concurrency plans the whole GPU (12 GiB of it here); run --bench caps itself to that memory, times
-    decode at the plan's concurrency over its filled cache and a prefill chunk, and stays within it. (The cap
-    counts what this test process holds on the GPU too, as another process's memory.)"""
+    decode at the plan's concurrency over its filled cache and a prefill chunk, and stays within it. Made with
+    --measure for this GPU's profile: the memory outside the allocator counts what this test process holds on the
+    GPU too (its earlier tests' context and kernels), as every process on the GPU counts, and a plan that booked a
+    profile's figure would be refused before loading."""
     import json
+
+    from runtime.measure import local_profile_name
 
     monkeypatch.setenv("OFFLOAD_PLAN_CACHE", str(tmp_path))
     plan_path = tmp_path / "serve.yaml"
-    made = _cli("make", "-m", str(llama), "-g", "h100-sxm", "--context", "512", "--concurrency", "auto", "--chunk",
-                "256", "--gpu-memory", "12GiB", "--cuda-graph", "-o", str(plan_path))
+    made = _cli("make", "-m", str(llama), "-g", local_profile_name(), "--context", "512", "--concurrency", "auto",
+                "--chunk", "256", "--gpu-memory", "12GiB", "--cuda-graph", "--measure", "-o", str(plan_path))
     assert made.returncode == 0, made.stderr
     bench = _cli("run", str(plan_path), "--bench", "--cuda-graph", "--json")
     assert bench.returncode == 0, bench.stderr

@@ -44,15 +44,25 @@ def test_the_smaller_of_the_plans_gpu_and_this_one_is_the_limit():
 @pytest.mark.gpu
 def test_probe_counts_what_the_process_holds_outside_the_allocator():
     """The probe loads kernels and a graph: it holds more outside the allocator than the bare context, and a
-    second probe adds next to nothing (the kernels are loaded once)."""
+    second probe adds next to nothing (the kernels are loaded once). In a fresh process: one that ran other GPU
+    tests has those kernels loaded already."""
+    import json
+    import os
+    import subprocess
+    import sys
+
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from runtime.outside_memory import outside_allocator_bytes, probe_outside_allocator_bytes
-
-    device = torch.device("cuda")
-    torch.zeros(1, device=device)
-    bare = outside_allocator_bytes(device)
-    first = probe_outside_allocator_bytes(device)
-    second = probe_outside_allocator_bytes(device)
+    script = ("import json, torch\n"
+              "from runtime.outside_memory import outside_allocator_bytes, probe_outside_allocator_bytes\n"
+              "device = torch.device('cuda')\n"
+              "torch.zeros(1, device=device)\n"
+              "bare = outside_allocator_bytes(device)\n"
+              "print(json.dumps([bare, probe_outside_allocator_bytes(device), "
+              "probe_outside_allocator_bytes(device)]))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False,
+                          env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert done.returncode == 0, done.stderr[-2000:]
+    bare, first, second = json.loads(done.stdout.strip().splitlines()[-1])
     assert first > bare and abs(second - first) <= 16 * 2**20

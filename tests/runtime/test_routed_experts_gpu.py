@@ -211,3 +211,43 @@ def test_graphed_prefetch_at_a_depth_decodes_bitwise_and_counts_every_rank(model
         assert all(a is not None and 0 <= a <= 1 for a in routed.rank_accuracy())
     finally:
         routed.close()
+
+
+@pytest.mark.parametrize("prefetch", [False, True], ids=["fetch after router", "next-layer prefetch"])
+def test_run_bench_counts_what_routed_steps_fetched(tmp_path, prefetch):
+    """run --bench's decode steps report the routed experts they fetched: with no expert resident, each routed
+    layer of a one-sequence step brings its top_k distinct experts (exactly, without prefetch; at least, with it,
+    wasted predictions on top), and a predicting plan's per-rank accuracy is measured beside the plan's."""
+    from types import SimpleNamespace as NS
+
+    from runtime.bench import run_decode_bench
+    from runtime.load import Loaded, stream_model
+    from tests.runtime_models import plan_with, save_tiny_moe
+    from tests.runtime.test_routed_experts import _with_experts
+
+    checkpoint = save_tiny_moe(tmp_path / "moe", hidden=256)
+    plan = plan_with(checkpoint, 7, 2, 1, tokens=1, sequences=1, context=40, cuda_graph=True)
+    routed_layers = [index for index in range(7) if index not in plan.offload.layers]
+    plan = _with_experts(plan, {index: () for index in routed_layers}, fetch_slots=2)
+    rows = tuple(NS(**vars(row), routed=True) for row in plan.experts.layers)
+    accuracy = (0.9, 0.7)
+    plan = NS(**{**vars(plan), "experts": NS(**{**vars(plan.experts), "layers": rows, "prefetch_rank_accuracy":
+                                                accuracy, "prefetch": "next_layer_router" if prefetch else None})})
+    model, engine = stream_model(checkpoint, plan, CudaBackend(CUDA))
+    try:
+        result = run_decode_bench(Loaded(model=model, engine=engine, plan=plan, weights_gpu_bytes=0), 10,
+                                  cuda_graph=True)
+        expert_bytes = engine.routed_experts.expert_bytes
+    finally:
+        engine.close()
+    fetched = result.routed
+    assert fetched is not None and fetched.num_steps >= 10
+    exact = len(routed_layers) * 2 * expert_bytes  # top_k 2, every expert fetched
+    by_kind = fetched.bytes_per_step_by_kind
+    if prefetch:
+        assert by_kind["prefetched"] + by_kind["missed"] + by_kind["unpredicted"] == pytest.approx(exact)
+        assert len(fetched.rank_accuracy) == 2 and all(0 <= share <= 1 for share in fetched.rank_accuracy)
+        assert fetched.planned_prefetch_accuracy == pytest.approx(0.8)
+    else:
+        assert fetched.fetched_bytes_per_step == pytest.approx(exact)
+        assert fetched.rank_accuracy == () and fetched.planned_rank_accuracy is None

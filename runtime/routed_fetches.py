@@ -1,0 +1,77 @@
+"""What a routed plan's timed decode steps fetched, measured beside what the plan expected.
+
+A routed plan predicts the expected step over its routing: the bytes its non-resident experts bring over the link
+a step (prediction.copy_bytes_per_step) and how often the next-layer prediction gathers them ahead
+(experts.prefetch_rank_accuracy). One run's routing is one sample of that, and a trained router's prediction is
+not the default curve's. The fetch plan's device counters (runtime.routed_experts: FETCH_KINDS, rank_counts) say
+what the timed steps really moved, so ``run --bench`` can tell a step that was off because of its routing from one
+that was off because of its timeline, and give the accuracy to make the plan again with.
+"""
+
+import statistics
+from dataclasses import dataclass
+
+import torch
+
+from runtime.timing import fetches_routed_experts
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoutedFetches:
+    """The routed experts of the timed decode steps, measured, beside the plan's expectation."""
+
+    num_steps: int
+    #: bytes the routed layers gathered from host memory a step, every kind (wasted prefetches cross the link too)
+    fetched_bytes_per_step: float
+    #: prediction.copy_bytes_per_step: the plan's expected bytes a step
+    predicted_bytes_per_step: int
+    #: runtime.routed_experts.FETCH_KINDS -> bytes a step
+    bytes_per_step_by_kind: dict
+    #: per rank of the next-layer prediction, the share the predicted layer then routed the same token to
+    #: (None: that rank predicted nothing); empty where the plan does not predict
+    rank_accuracy: tuple
+    #: experts.prefetch_rank_accuracy: the per-rank accuracy the plan was priced with, None where it predicts none
+    planned_rank_accuracy: tuple | None
+
+    @property
+    def prefetch_accuracy(self) -> float | None:
+        """The measured accuracy over every rank (each rank makes one prediction per token), None without any."""
+        known = [share for share in self.rank_accuracy if share is not None]
+        return statistics.fmean(known) if known else None
+
+    @property
+    def planned_prefetch_accuracy(self) -> float | None:
+        """The plan's accuracy over every rank, None where it predicts none."""
+        return statistics.fmean(self.planned_rank_accuracy) if self.planned_rank_accuracy else None
+
+
+def _routed(loaded):
+    """The loaded plan's runtime.routed_experts.RoutedExperts where its decode steps fetch routed experts."""
+    if not fetches_routed_experts(loaded.plan):
+        return None
+    return getattr(loaded.engine, "routed_experts", None)
+
+
+def start_counting(loaded) -> None:
+    """Zero the routed experts' counters before the timed steps (after the steps already queued ran)."""
+    routed = _routed(loaded)
+    if routed is not None:
+        torch.cuda.synchronize(routed.device)
+        routed.reset_counters()
+
+
+def routed_fetches(loaded, num_steps: int) -> RoutedFetches | None:
+    """What the ``num_steps`` decode steps since start_counting fetched, beside the plan; None where the plan's
+    decode steps fetch no routed experts."""
+    routed = _routed(loaded)
+    if routed is None or num_steps < 1:
+        return None
+    torch.cuda.synchronize(routed.device)
+    by_kind = {kind: count / num_steps for kind, count in routed.fetched_bytes_by_kind().items()}
+    # the plan records the accuracy it priced whether or not it prefetches; only a predicting run measures one
+    planned = loaded.plan.experts.prefetch_rank_accuracy if routed.predictors else None
+    return RoutedFetches(num_steps=num_steps, fetched_bytes_per_step=sum(by_kind.values()),
+                         predicted_bytes_per_step=loaded.plan.prediction.copy_bytes_per_step,
+                         bytes_per_step_by_kind=by_kind,
+                         rank_accuracy=routed.rank_accuracy() if routed.predictors else (),
+                         planned_rank_accuracy=tuple(planned) if planned else None)

@@ -1,0 +1,62 @@
+"""``run --bench``'s tables for a plan that fetches routed experts: the bytes its decode steps brought over the
+link and the next-layer prediction's accuracy, measured beside the plan's, and how to price the measured routing.
+
+CPU only: the measurement is built by hand (the GPU side fills it: tests/runtime/test_routed_experts_gpu.py).
+"""
+
+from types import SimpleNamespace
+
+import pytest
+from rich.console import Console
+
+from offload_plan.run_tables import result_table
+from runtime.routed_fetches import RoutedFetches
+
+pytest.importorskip("torch")
+
+
+def _routed(rank_accuracy=(0.95, 0.77), planned=(0.9, 0.66)) -> RoutedFetches:
+    return RoutedFetches(num_steps=60, fetched_bytes_per_step=900e6, predicted_bytes_per_step=1_000_000_000,
+                         bytes_per_step_by_kind={"prefetched": 600e6, "wasted": 100e6, "missed": 200e6,
+                                                 "unpredicted": 0.0},
+                         rank_accuracy=rank_accuracy, planned_rank_accuracy=planned)
+
+
+def _serving(routed) -> SimpleNamespace:
+    return SimpleNamespace(mode="decode graphed", concurrency=1, context_tokens=4096, decode_tokens_per_s=40.0,
+                           predicted_decode_tokens_per_s=36.0, decode_step_statistic="mean",
+                           decode_step_ms_all=(25.0,) * 60, decode_step_ms=25.0, predicted_decode_step_ms=27.7,
+                           prefill_chunk_tokens=2048, prefill_chunk_ms=168.0, predicted_prefill_chunk_ms=172.0,
+                           peak_gpu_bytes=10e9, predicted_total_gpu_bytes=10.5e9, memory_fraction=0.07,
+                           gpu_memory_bytes=11e9, routed=routed)
+
+
+def _text(routed) -> str:
+    console = Console(width=200, record=True)
+    console.print(result_table(SimpleNamespace(kind="serving", measured=_serving(routed)), 1))
+    return console.export_text()
+
+
+def test_the_means_over_ranks():
+    fetched = _routed()
+    assert fetched.prefetch_accuracy == pytest.approx(0.86)
+    assert fetched.planned_prefetch_accuracy == pytest.approx(0.78)
+    assert _routed(rank_accuracy=(None, 0.5)).prefetch_accuracy == 0.5
+    assert _routed(rank_accuracy=(), planned=None).prefetch_accuracy is None
+
+
+def test_a_routed_serving_table_says_what_crossed_the_link_and_how_to_price_it():
+    text = _text(_routed())
+    assert "routed experts over the link a step (60 steps)" in text and "0.90" in text
+    assert "86.0%" in text and "78.0%" in text
+    assert "--prefetch-accuracy 0.86" in text
+
+
+def test_without_a_prediction_the_table_gives_the_bytes_alone():
+    text = _text(_routed(rank_accuracy=(), planned=None))
+    assert "routed experts over the link" in text
+    assert "prefetch-accuracy" not in text and "prediction right" not in text
+
+
+def test_a_plan_without_routed_experts_has_no_such_rows():
+    assert "routed experts" not in _text(None)
