@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from runtime.cpu_kernel import expert_swiglu, kernel_refusal, load_kernel
+
 #: the host copy's dtypes, by the profile's name (planner.source.profile.CPU_EXPERT_DTYPES)
 CPU_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 #: token counts calibrate measures one expert at: a decode step's tokens per expert, and a few prefill ones
@@ -87,6 +89,9 @@ class HostExperts:
         self.down = down.detach().to("cpu", torch_dtype).contiguous()
         self.dtype = dtype
         self.act_fn = act_fn
+        # the kernel computes SiLU: asked of the function itself (transformers wraps it in its own module class)
+        probe = torch.linspace(-8.0, 8.0, 33)
+        self.silu = torch.allclose(act_fn(probe), F.silu(probe), rtol=1e-6, atol=1e-7)
         self.shape = ExpertShape(hidden_size=hidden, intermediate_size=double_intermediate // 2)
 
     @classmethod
@@ -118,21 +123,32 @@ class HostExperts:
         """Host bytes of the copy (counted in host memory beside the pinned experts)."""
         return self.gate_up.nbytes + self.down.nbytes
 
+    @property
+    def kernel(self):
+        """The C kernel that computes these experts (runtime.cpu_kernel), None where torch does: it is not built
+        here, or the activation is not SiLU."""
+        return load_kernel() if self.silu else None
+
     def expert(self, expert: int, hidden: torch.Tensor) -> torch.Tensor:
-        """One expert's SwiGLU on ``hidden`` [T, H] (in the copy's dtype): [T, H]."""
-        gate, up = F.linear(hidden, self.gate_up[expert]).chunk(2, dim=-1)  # [T, I] each
+        """One expert's SwiGLU on ``hidden`` [T, H]: [T, H], in fp32 from the C kernel (its products accumulate in
+        fp32 from the weights as they lie), else torch's in the copy's dtype."""
+        kernel = self.kernel
+        if kernel is not None:
+            return expert_swiglu(kernel, self.gate_up[expert], self.down[expert], hidden, torch.get_num_threads())
+        inputs = hidden.to(CPU_DTYPES[self.dtype])
+        gate, up = F.linear(inputs, self.gate_up[expert]).chunk(2, dim=-1)  # [T, I] each
         return F.linear(self.act_fn(gate) * up, self.down[expert])  # [T, H]
 
 
 def compute_pairs(experts: HostExperts, hidden: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
     """The CPU's output for each (token, expert) pair: ``hidden`` [P, H] the pairs' tokens on the host,
-    ``expert_ids`` [P] their experts; [P, H] unweighted, in the copy's dtype. One expert at a time, its pairs
-    gathered, so each expert's weights are read once however many tokens it has."""
-    inputs = hidden.to(CPU_DTYPES[experts.dtype])
-    out = torch.empty_like(inputs)
+    ``expert_ids`` [P] their experts; [P, H] unweighted, in fp32 (HostExperts.expert's values). One expert at a
+    time, its pairs gathered, so each expert's weights are read once however many tokens it has."""
+    inputs = hidden if experts.kernel is not None else hidden.to(CPU_DTYPES[experts.dtype])
+    out = torch.empty(inputs.shape, dtype=torch.float32)
     for expert in torch.unique(expert_ids).tolist():
         rows = (expert_ids == expert).nonzero().squeeze(1)
-        out[rows] = experts.expert(expert, inputs[rows])
+        out[rows] = experts.expert(expert, inputs[rows]).float()
     return out
 
 
@@ -251,8 +267,10 @@ def cpu_experts_profile(shape: ExpertShape = ExpertShape(hidden_size=CALIBRATION
     rates = fitted_rates(shape, tables[dtype], small_ms, small, itemsize)
     others = "; ".join(f"{name}: " + ", ".join(f"{t}: {ms:.3f}" for t, ms in table.items())
                        for name, table in tables.items() if name != dtype)
+    computed_by = "the C kernel" if load_kernel() is not None else f"torch (no C kernel: {kernel_refusal()})"
     note = (f"{shape.hidden_size}x{shape.intermediate_size} SwiGLU experts from DRAM, {threads} threads, "
-            f"{dtype} host copy (fastest at {min(tokens)} token); ms per expert for the other dtype {others}; "
+            f"{dtype} host copy (fastest at {min(tokens)} token), computed by {computed_by}; "
+            f"ms per expert for the other dtype {others}; "
             f"overhead from a {small.hidden_size}x{small.intermediate_size} expert at 1 token ({small_ms:.4f} ms)"
             + (f"; {stamp}" if stamp else ""))
     section = CpuExperts(threads=threads, dtype=dtype, hidden_size=shape.hidden_size,
