@@ -59,24 +59,6 @@ def steps_per_call_for(graphed: bool) -> int:
     return STEPS_PER_GRAPH if graphed else 1
 
 
-#: the largest block of seeded values DecodeLoop.fill draws at once: the cache's token slice is not contiguous
-#: (the cache keeps room past the context), and a random fill of a whole layer's slice at once drew a temporary the
-#: size of it, which a serving plan at hundreds of sequences had no room for (out of memory at its cap, before
-#: the first step)
-FILL_BLOCK_BYTES = 32 * 2**20
-
-
-def _fill_normal(view: torch.Tensor, generator: torch.Generator) -> None:
-    """Seeded standard-normal values into ``view`` [batch, heads, tokens, head dim], a few (sequence, head) rows at a
-    time through a contiguous block of about FILL_BLOCK_BYTES (the same values for the same shape and seed)."""
-    rows = view.view(-1, *view.shape[2:])  # [batch x heads, tokens, head dim]: a view, written in place
-    row_bytes = rows[0].numel() * rows.element_size()
-    step = max(1, FILL_BLOCK_BYTES // max(1, row_bytes))
-    for start in range(0, rows.shape[0], step):
-        block = rows[start:start + step]
-        block.copy_(torch.empty(block.shape, dtype=block.dtype, device=block.device).normal_(generator=generator))
-
-
 def calls_for(num_steps: int, steps_per_call: int) -> int:
     """Whole calls that cover ``num_steps`` steps."""
     return -(-num_steps // steps_per_call)
@@ -252,7 +234,7 @@ class DecodeLoop:
             for layer in self.cache.layers:
                 for tensor in (layer.keys, layer.values):  # [batch, kv heads, cache tokens, head dim]
                     # a sliding ring holds min(window, context) tokens; past the window it is full
-                    _fill_normal(tensor[:, :, :context_tokens], generator)
+                    tensor[:, :, :context_tokens].normal_(generator=generator)
                 layer.cumulative_length.fill_(context_tokens)
         self.free_tokens -= context_tokens - 1
         self._release_cached()  # the prefill's activations: the step's own come from one pool or the other
