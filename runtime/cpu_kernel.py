@@ -135,13 +135,18 @@ def _library_path(compiler: str) -> Path:
 
 
 def _cpu_model() -> str:
+    """The CPU's model and instruction-set flags (a VM may hide some of a model's flags: -march=native builds for
+    what this one shows)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "flags")):
-                return line
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        pass
-    return platform.processor()
+        return platform.processor()
+    first = {}
+    for line in lines:
+        key = line.split(":", 1)[0].strip()
+        if key in ("model name", "flags"):
+            first.setdefault(key, line)
+    return "\n".join(first.values()) or platform.processor()
 
 
 def _build(compiler: str, target: Path) -> None:

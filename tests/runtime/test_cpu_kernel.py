@@ -40,7 +40,7 @@ def _reference(gate_up: torch.Tensor, down: torch.Tensor, hidden: torch.Tensor) 
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("num_tokens", [1, 3])
+@pytest.mark.parametrize("num_tokens", [1, 3, 4, 9])
 def test_the_kernel_computes_the_swiglu_in_fp32(dtype, num_tokens):
     kernel = cpu_kernel.load_kernel()
     assert kernel is not None, cpu_kernel.kernel_refusal()
