@@ -92,6 +92,8 @@ class HostExperts:
         # the kernel computes SiLU: asked of the function itself (transformers wraps it in its own module class)
         probe = torch.linspace(-8.0, 8.0, 33)
         self.silu = torch.allclose(act_fn(probe), F.silu(probe), rtol=1e-6, atol=1e-7)
+        # resolved here, at load: a first build inside a decode step's host node would stall the step
+        self._kernel = load_kernel() if self.silu else None
         self.shape = ExpertShape(hidden_size=hidden, intermediate_size=double_intermediate // 2)
 
     @classmethod
@@ -125,9 +127,9 @@ class HostExperts:
 
     @property
     def kernel(self):
-        """The C kernel that computes these experts (runtime.cpu_kernel), None where torch does: it is not built
-        here, or the activation is not SiLU."""
-        return load_kernel() if self.silu else None
+        """The C kernel that computes these experts (runtime.cpu_kernel), None where torch does: it could not be
+        built here when they were made, or the activation is not SiLU."""
+        return self._kernel
 
     def expert(self, expert: int, hidden: torch.Tensor) -> torch.Tensor:
         """One expert's SwiGLU on ``hidden`` [T, H]: [T, H], in fp32 from the C kernel (its products accumulate in

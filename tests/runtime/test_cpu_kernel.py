@@ -61,6 +61,7 @@ def test_host_experts_take_the_kernel_and_agree_with_torchs_fp32_path(monkeypatc
     with_kernel = compute_pairs(experts, hidden, ids)
     monkeypatch.setenv("OFFLOAD_PLAN_CPU_KERNEL", "0")
     cpu_kernel.reset_kernel()
+    experts = HostExperts(gate_up, down, "fp32")
     assert experts.kernel is None and "OFFLOAD_PLAN_CPU_KERNEL" in cpu_kernel.kernel_refusal()
     with_torch = compute_pairs(experts, hidden, ids)
     assert (with_kernel - with_torch).abs().max() <= FP32_TOLERANCE * with_torch.abs().max()
@@ -75,6 +76,8 @@ def test_a_bf16_copy_through_the_kernel_is_closer_to_fp64_than_torchs_bf16(monke
     kernel_error = (experts.expert(0, hidden).double() - expected).abs().max()
     monkeypatch.setenv("OFFLOAD_PLAN_CPU_KERNEL", "0")
     cpu_kernel.reset_kernel()
+    experts = HostExperts(gate_up, down, "bf16")
+    assert experts.kernel is None
     torch_error = (experts.expert(0, hidden).double() - expected).abs().max()
     assert kernel_error < torch_error
 
