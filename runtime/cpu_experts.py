@@ -92,8 +92,10 @@ class HostExperts:
         # the kernel computes SiLU: asked of the function itself (transformers wraps it in its own module class)
         probe = torch.linspace(-8.0, 8.0, 33)
         self.silu = torch.allclose(act_fn(probe), F.silu(probe), rtol=1e-6, atol=1e-7)
-        # resolved here, at load: a first build inside a decode step's host node would stall the step
-        self._kernel = load_kernel() if self.silu else None
+        #: the C kernel that computes these experts (runtime.cpu_kernel), None where torch does (it could not be
+        #: built here, or the activation is not SiLU); resolved here, at load: a first build inside a decode step's
+        #: host node would stall the step
+        self.kernel = load_kernel() if self.silu else None
         self.shape = ExpertShape(hidden_size=hidden, intermediate_size=double_intermediate // 2)
 
     @classmethod
@@ -125,12 +127,6 @@ class HostExperts:
         """Host bytes of the copy (counted in host memory beside the pinned experts)."""
         return self.gate_up.nbytes + self.down.nbytes
 
-    @property
-    def kernel(self):
-        """The C kernel that computes these experts (runtime.cpu_kernel), None where torch does: it could not be
-        built here when they were made, or the activation is not SiLU."""
-        return self._kernel
-
     def expert(self, expert: int, hidden: torch.Tensor) -> torch.Tensor:
         """One expert's SwiGLU on ``hidden`` [T, H]: [T, H], in fp32 from the C kernel (its products accumulate in
         fp32 from the weights as they lie), else torch's in the copy's dtype."""
@@ -146,11 +142,10 @@ def compute_pairs(experts: HostExperts, hidden: torch.Tensor, expert_ids: torch.
     """The CPU's output for each (token, expert) pair: ``hidden`` [P, H] the pairs' tokens on the host,
     ``expert_ids`` [P] their experts; [P, H] unweighted, in fp32 (HostExperts.expert's values). One expert at a
     time, its pairs gathered, so each expert's weights are read once however many tokens it has."""
-    inputs = hidden if experts.kernel is not None else hidden.to(CPU_DTYPES[experts.dtype])
-    out = torch.empty(inputs.shape, dtype=torch.float32)
+    out = torch.empty(hidden.shape, dtype=torch.float32)
     for expert in torch.unique(expert_ids).tolist():
         rows = (expert_ids == expert).nonzero().squeeze(1)
-        out[rows] = experts.expert(expert, inputs[rows]).float()
+        out[rows] = experts.expert(expert, hidden[rows]).float()
     return out
 
 

@@ -1054,14 +1054,15 @@ def link_text(row: dict) -> str:
 def routing_text(bench: dict) -> str:
     """A routed arm's decode steps: the experts' bytes they fetched over the plan's expected bytes, and the next-layer
     prediction's accuracy (mean over ranks) against the plan's, as run --bench --json measured them."""
-    routed = bench.get("routed")
-    if not routed or not routed.get("predicted_bytes_per_step"):
+    from runtime.routed_fetches import RoutedFetches
+
+    if not bench.get("routed") or not bench["routed"]["predicted_bytes_per_step"]:
         return "-"
-    text = f"{routed['fetched_bytes_per_step'] / routed['predicted_bytes_per_step']:.2f}"
-    measured = [share for share in routed.get("rank_accuracy") or () if share is not None]
-    planned = routed.get("planned_rank_accuracy")
-    if measured and planned:
-        text += f", {statistics.fmean(measured):.2f} / {statistics.fmean(planned):.2f}"
+    routed = RoutedFetches(**bench["routed"])  # its JSON is the record's fields
+    text = f"{routed.fetched_bytes_per_step / routed.predicted_bytes_per_step:.2f}"
+    measured, planned = routed.prefetch_accuracy, routed.planned_prefetch_accuracy
+    if measured is not None and planned is not None:
+        text += f", {measured:.2f} / {planned:.2f}"
     return text
 
 

@@ -167,8 +167,9 @@ def test_verdicts_of_a_run_out_of_memory():
 def test_a_routed_arm_shows_what_its_steps_fetched_against_the_plan():
     """The arm's line carries run --bench --json's routed figures: bytes measured over predicted, and the
     prediction's accuracy measured over planned (means over ranks)."""
-    routed = {"fetched_bytes_per_step": 900.0, "predicted_bytes_per_step": 1000, "rank_accuracy": [0.95, None, 0.77],
-              "planned_rank_accuracy": [0.9, 0.66]}
+    routed = {"num_steps": 60, "fetched_bytes_per_step": 900.0, "predicted_bytes_per_step": 1000,
+              "bytes_per_step_by_kind": {"prefetched": 600.0, "wasted": 100.0, "missed": 200.0, "unpredicted": 0.0},
+              "rank_accuracy": [0.95, None, 0.77], "planned_rank_accuracy": [0.9, 0.66]}
     assert conformance.routing_text({"routed": routed}) == "0.90, 0.86 / 0.78"
     assert conformance.routing_text({"routed": routed | {"rank_accuracy": []}}) == "0.90"
     assert conformance.routing_text({}) == "-"
