@@ -95,12 +95,14 @@ def write_header_checkpoint(config_path, out_dir, dtype: str | None):
 
 
 def measured_activation_bytes(checkpoint, layout, workload, graphed: bool, limit_bytes: int | None = None) -> int:
-    """``make --measure`` of a serving plan: a step's activation peak on the local GPU, in bytes, measured within
-    ``limit_bytes`` of GPU memory (planner.errors.MeasuredOutOfMemoryError where it does not fit them)."""
+    """``make --measure`` of a serving plan, on the local GPU within ``limit_bytes`` of GPU memory
+    (planner.errors.MeasuredOutOfMemoryError where it does not fit them), in bytes: an eager step's activation
+    peak, or with ``graphed`` what capturing the step in a CUDA graph holds at its peak."""
     require_cuda("make --measure")
     from runtime.measure_activations import measured_activation_bytes as measure
 
-    return measure(checkpoint, layout, workload, graphed, limit_bytes).activation_bytes
+    measured = measure(checkpoint, layout, workload, graphed, limit_bytes)
+    return measured.reserved_bytes if graphed else measured.activation_bytes
 
 
 def record_routing_trace(model: str, prompts_path, device: str | None, decode_tokens: int = 0):

@@ -23,9 +23,9 @@ from torch import nn
 
 from planner.source.checkpoint import Checkpoint
 from planner.model.cost import ComputeTimes, Workload, estimate_compute, geometry_from_config
-from planner.model.model_config import text_config
+from planner.model.model_config import model_config, text_config
 from planner.errors import OffloadPlanError, UsageError
-from planner.model.kv_cache import attention_layer_types
+from planner.model.kv_cache import attention_layer_types, with_weights_dtype
 from planner.model.layout import ModelLayout, config_num_layers, layer_kinds
 from planner.source.profile import HardwareProfile, load_profile
 from runtime.experts_impl import PREFILL, use_phase
@@ -139,11 +139,26 @@ def alias_module(module: nn.Module, layer_index: int) -> nn.Module:
     return clone
 
 
+def measured_config(checkpoint: Checkpoint) -> dict:
+    """The checkpoint's config.json with the dtype run loads it in: the config's, else the headers' (a config
+    silent on its dtype, as transformers' config classes write, loads in its weights' dtype, as
+    runtime.skeleton loads it), so an fp32 checkpoint is measured in fp32, not in bf16 at half its activations."""
+    return with_weights_dtype(checkpoint.config, checkpoint.tensors)
+
+
+def measure_dtype(config: dict) -> torch.dtype:
+    """The dtype the measured model's unquantized weights and activations take: config.json's (measured_config
+    gives one), bf16 where it names none torch has."""
+    name = model_config(config).dtype if config else None
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.bfloat16
+
+
 def build_measure_model(config: dict, kinds: tuple[tuple[int, ...], ...], stack: str,
                         device: str = "cuda") -> nn.Module:
-    """The model at full depth on the GPU with random bf16 weights for one layer per kind, aliases elsewhere; an
-    FP8 block-quantized config's linears are transformers' FP8 modules with random FP8 weights, computed as run
-    computes them (runtime.quantized)."""
+    """The model at full depth on the GPU with random weights in the dtype run loads it in (measure_dtype) for one
+    layer per kind, aliases elsewhere; an FP8 block-quantized config's linears are transformers' FP8 modules with
+    random FP8 weights, computed as run computes them (runtime.quantized)."""
     from transformers import AutoModelForCausalLM
 
     from runtime.skeleton import transformers_config
@@ -151,6 +166,7 @@ def build_measure_model(config: dict, kinds: tuple[tuple[int, ...], ...], stack:
     quantization = config.get("quantization_config") or text_config(config).get("quantization_config")
     if quantization is not None:
         check_runnable(quantization, "make --measure")  # what run cannot place is not timed either
+    dtype = measure_dtype(config)
     config = {k: v for k, v in config.items() if k != "quantization_config"}
     # the config class run's skeleton builds (runtime.skeleton), so measure times the model run loads
     hf_config = transformers_config(config, Path("config.json"))
@@ -165,7 +181,7 @@ def build_measure_model(config: dict, kinds: tuple[tuple[int, ...], ...], stack:
         language.layer_types = layer_types[:built]
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     if quantization is not None:  # timed as run computes them: transformers' FP8 modules, random FP8 weights
         quantize_skeleton(model, quantization)
         fill_random_fp8(model, torch.device(device))
@@ -339,11 +355,12 @@ def measure_local(
     if config_num_layers(checkpoint.config) not in (None, len(layout.layers)):
         raise UsageError(f"--measure needs config.json's num_hidden_layers to match the {len(layout.layers)} "
                          f"planned layers of {layout.stack}; fix config.json or plan without --measure")
-    key = cache_key(checkpoint.config, layout, workload, graphed)
+    config = measured_config(checkpoint)
+    key = cache_key(config, layout, workload, graphed)
     cache = load_cache()
     if key not in cache:
-        kinds = measured_kinds(layout, checkpoint.config)
-        model = build_measure_model(checkpoint.config, kinds, layout.stack)
+        kinds = measured_kinds(layout, config)
+        model = build_measure_model(config, kinds, layout.stack)
         if graphed and workload.context_tokens:
             layer_ms, rest_ms = _time_graphed(model, layout.stack, kinds, workload)
         else:  # a graphed prefill chunk: the layers' split from events, its length from replays

@@ -17,8 +17,9 @@ from planner.model.cost import Workload
 from planner.model.layout import ModelLayout
 from planner.source.checkpoint import Checkpoint
 from runtime.graph import cache_argument
-from runtime.measure import (alias_module, build_measure_model, cache_key, load_cache, measured_kinds, save_cache,
-                             set_layers)
+from runtime.measure import (alias_module, build_measure_model, cache_key, load_cache, measured_config, measured_kinds,
+                             save_cache, set_layers)
+
 
 @dataclass(frozen=True, kw_only=True)
 class ActivationMeasurement:
@@ -29,13 +30,15 @@ class ActivationMeasurement:
     #: bytes allocated during the step that stay (when graphed: the cuBLAS workspaces of the warm-up and capture
     #: streams, which PyTorch allocates through its allocator and keeps)
     persistent_bytes: int
-    #: bytes the caching allocator reserved beyond its reserve before (a CUDA graph's private pool, when graphed;
-    #: blocks cached for the warm-up's side stream)
+    #: the caching allocator's reserved peak during the step beyond its reserve before: for a captured step (a
+    #: decode step or a prefill chunk, warm-up included) what capturing it holds at its peak, the graph's private
+    #: pool, the warm-up stream's workspace and the warm-up's blocks before they were released, as run's capture
+    #: holds them (runtime.graph.warm_up_and_capture)
     reserved_bytes: int
 
 
 def activation_model(config: dict, kinds: tuple[tuple[int, ...], ...], stack: str, device: str = "cuda") -> nn.Module:
-    """The model with one layer of each kind, renumbered 0..k-1 (bf16, random weights).
+    """The model with one layer of each kind, renumbered 0..k-1 (random weights, in the dtype run loads it in).
 
     The activation peak falls inside one layer (plus step-wide tensors that do not grow with depth), so the
     other layers are left out: neither their weights nor their KV cache are allocated.
@@ -63,6 +66,10 @@ def _reset_peak(device: torch.device) -> tuple[int, int]:
     torch.cuda.synchronize(device)
     if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
         torch._C._cuda_clearCublasWorkspaces()
+    # the freed workspaces' blocks released too: left cached, a capture would reuse them and measure less than
+    # run's process grows by, which allocates its workspaces during its fill and capture (H200: 96 MiB less at 16
+    # sequences of a Qwen3-8B shape)
+    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     return torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
 
@@ -72,28 +79,53 @@ def _measured_since(base: tuple[int, int], device: torch.device) -> ActivationMe
     after = torch.cuda.memory_allocated(device)
     return ActivationMeasurement(activation_bytes=torch.cuda.max_memory_allocated(device) - after,
                                  persistent_bytes=after - base[0],
-                                 reserved_bytes=torch.cuda.memory_reserved(device) - base[1])
+                                 reserved_bytes=torch.cuda.max_memory_reserved(device) - base[1])
 
 
 def decode_activation_peak(model: nn.Module, *, num_sequences: int, context_tokens: int, graphed: bool = False,
                            device: torch.device | None = None) -> ActivationMeasurement:
     """One decode step of ``num_sequences`` sequences over the runtime's static cache (runtime.graph.DecodeLoop),
-    eagerly after a warm-up, or its CUDA-graph capture (warm-up included) and first replay."""
+    stood at ``context_tokens`` as run's serving bench stands it (DecodeLoop.fill), eagerly after a warm-up, or
+    its CUDA-graph capture (warm-up included) and first replay. Graphed, it is measured from the cache on, as
+    run's bench goes: the fill (its one-token prefill of every sequence is an eager step, released before the
+    capture), then the capture, so reserved_bytes is what the larger of the two holds at its peak."""
     from runtime.graph import DecodeLoop, cache_tokens_for
 
     device = device or torch.device("cuda")
     context = max(1, context_tokens)  # a decode step needs one token of cache at least
     loop = DecodeLoop(model, batch=num_sequences, max_cache_tokens=cache_tokens_for(context), device=device,
                       steps_per_call=1)
-    vocab = model.config.get_text_config().vocab_size
-    loop.prefill(torch.randint(0, vocab, (num_sequences, context), device=device))
-    if not graphed:
-        loop.warm_up()  # cuBLAS workspaces and lazy inits are persistent: not part of the step's peak
-    base = _reset_peak(device)
     if graphed:
+        base = _reset_peak(device)
+        loop.fill(context)
         loop.capture()
+    else:
+        loop.fill(context)
+        loop.warm_up()  # cuBLAS workspaces and lazy inits are persistent: not part of the step's peak
+        base = _reset_peak(device)
     loop.step()
     return _measured_since(base, device)
+
+
+def chunk_graph_peak(model: nn.Module, *, chunk_tokens: int,
+                     device: torch.device | None = None) -> ActivationMeasurement:
+    """A prefill chunk of one new sequence's ``chunk_tokens`` tokens captured in a CUDA graph and replayed once,
+    as run's serving bench times a plan's graphed chunk (runtime.serving.time_prefill_chunk: prefill's experts
+    implementation, runtime.graph.chunk_graph), from an allocator holding no cached blocks: its reserved_bytes is
+    what the capture holds at its peak (the private pool cannot borrow the shared pool's blocks)."""
+    from runtime.experts_impl import PREFILL, use_phase
+    from runtime.graph import chunk_graph
+
+    device = device or torch.device("cuda")
+    ids = torch.randint(0, model.config.get_text_config().vocab_size, (1, chunk_tokens), device=device)
+    use_phase(model, PREFILL, device)
+    torch.cuda.empty_cache()
+    base = _reset_peak(device)
+    graph = chunk_graph(model, ids)
+    graph.replay()
+    measured = _measured_since(base, device)
+    del graph
+    return measured
 
 
 def prefill_activation_peak(model: nn.Module, *, chunk_tokens: int, context_tokens: int = 0,
@@ -130,7 +162,8 @@ def measured_activation_bytes(checkpoint: Checkpoint, layout: ModelLayout, workl
 
     A workload of one token per sequence is a decode step (DecodeLoop, as ``run`` serves it: MoE experts
     through runtime.experts_impl's decode choice); any other is a prefill chunk of ``tokens_per_step`` tokens per
-    sequence.
+    sequence. ``graphed``: the step captured in a CUDA graph, as run replays it (its reserved_bytes is what the
+    capture holds); else eager.
     """
     from runtime.load import require_cuda
 
@@ -141,11 +174,12 @@ def measured_activation_bytes(checkpoint: Checkpoint, layout: ModelLayout, workl
     if per_sequence != 1 and workload.sequences_per_step != 1:
         raise UsageError("--measure measures a decode step (one token per sequence) or a prefill chunk of one "
                          f"sequence, not {workload.sequences_per_step} sequences of {per_sequence} tokens")
-    identity = [cache_key(checkpoint.config, layout, workload, graphed), "activation peak v2"]
+    config = measured_config(checkpoint)
+    identity = [cache_key(config, layout, workload, graphed), "activation peak v3"]
     key = hashlib.sha256(json.dumps(identity).encode()).hexdigest()
     cache = load_cache()
     if key not in cache:
-        model = activation_model(checkpoint.config, measured_kinds(layout, checkpoint.config), layout.stack)
+        model = activation_model(config, measured_kinds(layout, config), layout.stack)
         torch.cuda.empty_cache()
         # the step's own allocations (its cache, activations, graph pool) are held to the plan's GPU memory; the
         # model's weights come on top, since a checkpoint of few layers builds whole here, which the plan need not
@@ -166,6 +200,10 @@ def _measure_step(model: nn.Module, workload: Workload, graphed: bool) -> Activa
     if workload.tokens_per_step == workload.sequences_per_step:
         return decode_activation_peak(model, num_sequences=workload.sequences_per_step,
                                       context_tokens=workload.context_tokens, graphed=graphed)
+    if graphed:
+        if workload.context_tokens:
+            raise UsageError("a graphed prefill chunk is measured for new sequences (no context), as run replays it")
+        return chunk_graph_peak(model, chunk_tokens=workload.tokens_per_step)
     return prefill_activation_peak(model, chunk_tokens=workload.tokens_per_step,
                                    context_tokens=workload.context_tokens)
 

@@ -26,8 +26,9 @@ from planner.model.all_reduce import AllReduceLink, assumed_link, with_all_reduc
 #: times layers on the local GPU for --measure: (checkpoint, layout, workload, profile, measured_on, graphed) ->
 #: ComputeTimes. The planner imports no runtime; the command line passes offload_plan.runtime_seam's.
 MeasureFunction = Callable[[Checkpoint, ModelLayout, Workload, HardwareProfile, "str | None", bool], ComputeTimes]
-#: measures a step's activation peak on the local GPU for --measure: (checkpoint, layout, workload, graphed,
-#: limit_bytes) -> bytes, the process held to limit_bytes of GPU memory (None: the GPU's) while it measures; raises
+#: measures a step on the local GPU for --measure: (checkpoint, layout, workload, graphed, limit_bytes) -> bytes,
+#: the eager step's activation peak, or with graphed what its CUDA-graph capture holds at its peak; the process
+#: held to limit_bytes of GPU memory (None: the GPU's) while it measures; raises
 #: planner.errors.MeasuredOutOfMemoryError where the step does not fit that
 MeasureActivations = Callable[[Checkpoint, ModelLayout, Workload, bool, "int | None"], int]
 #: measures the all-reduce between the local GPUs for make --tp N --measure: (tp, target profile, measured_on) ->
@@ -158,6 +159,14 @@ class Model:
         phase = "decode" if static_cache_tokens is not None else "prefill"
         implementation = planned_experts_implementation(phase, self.activation_shape.dtype)
         return estimate_activations(self.activation_shape, step, experts_implementation=implementation).planned_bytes
+
+    def graph_reserve(self, workload: Workload, limit_bytes: int | None = None) -> int | None:
+        """With --measure, what capturing a step of ``workload`` in a CUDA graph holds at its peak (its private
+        pool, the warm-up stream's workspace), measured within ``limit_bytes`` as activations are; None where
+        activations are estimated (the plan then books the pool from the eager peak)."""
+        if not self.measured_activations:
+            return None
+        return self.measure_activations(self.checkpoint, self.layout, workload, True, limit_bytes)
 
     @functools.cached_property
     def shapes(self) -> dict[str, tuple[int, ...]]:

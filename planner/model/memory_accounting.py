@@ -2,7 +2,7 @@
 slots and pool, and the checks that a plan's total fits the GPU and its pinned bytes the host."""
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from planner.model.adapters import slot_bytes_of
 from planner.model.cost import Workload
@@ -52,32 +52,53 @@ def serving_other_bytes(model: Model, concurrency: int, gpu_memory_bytes: int | 
     try:
         if measured and kv_bytes + outside_allocator_bytes(model) > gpu_memory_bytes:
             raise MeasuredOutOfMemoryError("the KV cache alone")  # nothing to measure: it cannot fit
-        decode_bytes = model.activations(workload_of(concurrency, concurrency, inputs.context),
-                                         static_cache_tokens=cache_tokens, limit_bytes=gpu_memory_bytes)
-        chunk_bytes = model.activations(workload_of(inputs.chunk, 1, 0), limit_bytes=gpu_memory_bytes)
+        decode = workload_of(concurrency, concurrency, inputs.context)
+        chunk = workload_of(inputs.chunk, 1, 0)
+        decode_bytes = model.activations(decode, static_cache_tokens=cache_tokens, limit_bytes=gpu_memory_bytes)
+        chunk_bytes = model.activations(chunk, limit_bytes=gpu_memory_bytes)
+        captures = MeasuredCaptures(
+            decode_bytes=model.graph_reserve(decode, gpu_memory_bytes) if inputs.cuda_graph else None,
+            chunk_bytes=model.graph_reserve(chunk, gpu_memory_bytes) if model.chunk_graphed else None)
     except MeasuredOutOfMemoryError:
         if not measured:
             raise
         return replace(other_bytes(model, kv_bytes, gpu_memory_bytes, gpu_memory_bytes, inputs.cuda_graph,
                                    model.chunk_graphed), measured_out_of_memory=True)
-    other = other_bytes(model, kv_bytes, decode_bytes, chunk_bytes, inputs.cuda_graph, model.chunk_graphed)
+    other = other_bytes(model, kv_bytes, decode_bytes, chunk_bytes, inputs.cuda_graph, model.chunk_graphed,
+                        captures)
     # the adapters' slots are GPU memory at every concurrency: one per sequence by default, so they grow with it
     return replace(other, adapter_bytes=model.adapter_slots(concurrency) * slot_bytes_of(model.adapters))
 
 
+@dataclass(frozen=True)
+class MeasuredCaptures:
+    """make --measure's CUDA-graph captures (Model.graph_reserve): what capturing the decode step and the prefill
+    chunk held at their peaks, in bytes (None: not graphed, or not measured)."""
+
+    decode_bytes: int | None = None
+    chunk_bytes: int | None = None
+
+
 def other_bytes(model: Model, kv_bytes: int, decode_bytes: int, chunk_bytes: int, graphed: bool,
-                chunk_graphed: bool = False) -> OtherBytes:
-    """The KV cache, the larger activation peak (an eager decode step's or a prefill chunk's, CHUNK_GRAPH_FACTOR of
-    it where a serving plan's chunk is graphed, ``chunk_graphed``) with the runtime's workspaces and allocator
-    rounding, a graphed decode step's pool and what is held outside the allocator. The graphed chunk's share
-    (``chunk_graph_extra_bytes``) is what a routed placement, whose chunk stays eager (planner.make.assemble), does
-    not hold (OtherBytes.with_eager_chunk). A weights plan's step is never a graphed chunk (make refuses --cuda-graph
-    for a prefill step)."""
+                chunk_graphed: bool = False, captures: MeasuredCaptures = MeasuredCaptures()) -> OtherBytes:
+    """The KV cache, the larger activation peak (an eager decode step's or a prefill chunk's, or where a serving
+    plan's chunk is graphed, ``chunk_graphed``, its capture's) with the runtime's workspaces and allocator
+    rounding, a graphed decode step's pool and what is held outside the allocator. A capture is booked as
+    ``captures`` measured it, else from the eager peak (CHUNK_GRAPH_FACTOR, graph_pool_bytes). The graphed chunk's
+    share (``chunk_graph_extra_bytes``) is what a routed placement, whose chunk stays eager
+    (planner.make.assemble), does not hold (OtherBytes.with_eager_chunk). A weights plan's step is never a graphed
+    chunk (make refuses --cuda-graph for a prefill step)."""
     eager_bytes = max(chunk_bytes, 0 if graphed else decode_bytes)
-    transient_bytes = max(math.ceil(CHUNK_GRAPH_FACTOR * chunk_bytes), eager_bytes) if chunk_graphed else eager_bytes
+    transient_bytes = eager_bytes
+    if chunk_graphed:
+        captured = captures.chunk_bytes
+        transient_bytes = max(math.ceil(CHUNK_GRAPH_FACTOR * chunk_bytes) if captured is None else captured,
+                              eager_bytes)
+    pool_bytes = 0
+    if graphed:
+        pool_bytes = graph_pool_bytes(decode_bytes) if captures.decode_bytes is None else captures.decode_bytes
     return OtherBytes(kv_cache_bytes=kv_bytes, activation_bytes=transient_bytes + RUNTIME_ALLOCATOR_BYTES,
-                      cuda_graph_pool_bytes=graph_pool_bytes(decode_bytes) if graphed else 0,
-                      cuda_context_bytes=outside_allocator_bytes(model),
+                      cuda_graph_pool_bytes=pool_bytes, cuda_context_bytes=outside_allocator_bytes(model),
                       chunk_graph_extra_bytes=transient_bytes - eager_bytes)
 
 

@@ -315,9 +315,10 @@ def _memory(plan: Plan) -> Table:
         rows += [
             (f"GPU: KV cache ({counted(plan.workload.concurrency, 'sequence')} x "
              f"{plan.workload.context_tokens} tokens, {plan.workload.kv_dtype})", memory.kv_cache_bytes),
-            ("GPU: activations (peak of a prefill chunk or an eager decode step), workspaces, allocator rounding",
-             memory.activation_bytes),
-            ("GPU: CUDA-graph pool (a captured decode step)", memory.cuda_graph_pool_bytes),
+            (f"GPU: activations (peak of a prefill chunk or an eager decode step, {_activations_source(plan)}), "
+             "workspaces, allocator rounding", memory.activation_bytes),
+            (f"GPU: CUDA-graph pool (a captured decode step, {_activations_source(plan)})",
+             memory.cuda_graph_pool_bytes),
             (f"GPU: outside the allocator (CUDA context and kernels, {_context_source(plan)}; page tables of pinned "
              "host memory" + ("; NCCL's buffers" if plan.inputs.tp > 1 else "") + ")", memory.cuda_context_bytes),
             ("GPU: total", memory.total_gpu_bytes),
@@ -328,6 +329,12 @@ def _memory(plan: Plan) -> Table:
     for label, value in rows:
         table.add_row(label, f"{value:,}", format_bytes(value))
     return table
+
+
+def _activations_source(plan: Plan) -> str:
+    """How a serving plan's activations and captures were booked: measured on a GPU (make --measure), else
+    estimated from the model's shapes."""
+    return "measured" if plan.inputs.measure and plan.inputs.concurrency is not None else "estimated"
 
 
 #: how far measured steps ran from estimated plans' predictions in the conformance sweeps of 2026-11-28: bf16 models'

@@ -223,6 +223,54 @@ def test_sliding_prefill_chunk_peak(sliding_model, context_tokens):
     assert 1.0 <= ratio <= BOUND, estimate.describe()
 
 
+#: how far a measured capture may stand above the phase it books: cuBLAS's workspaces (32 MiB a stream with
+#: CUBLAS_WORKSPACE_CONFIG=:4096:8), which the measurement frees and counts again
+OVERBOOK_BYTES = 64 * 2**20
+
+
+@pytest.mark.parametrize("num_sequences", [1, 16])
+def test_measured_captures_hold_runs_phases(qwen3_8b_two_layers, num_sequences):
+    """make --measure books a graphed decode step's pool and a graphed chunk at what their captures measured
+    (issue 36). Run's serving bench then grows its reserve by at most that from its cache through the fill and
+    capture, and in its chunk phase, and by no less than that less OVERBOOK_BYTES (the measurement frees cuBLAS's
+    workspaces first, so it counts the ones run's process may hold already): the booking is the phases' size, not
+    a bound far above it."""
+    from runtime.graph import DecodeLoop, cache_tokens_for, chunk_graph
+    from runtime.measure_activations import chunk_graph_peak, decode_activation_peak
+
+    _, model = qwen3_8b_two_layers
+    device = torch.device("cuda")
+    torch.cuda.empty_cache()
+    decode = decode_activation_peak(model, num_sequences=num_sequences, context_tokens=CONTEXT_TOKENS, graphed=True)
+    torch.cuda.empty_cache()
+    chunk = chunk_graph_peak(model, chunk_tokens=CHUNK_TOKENS)
+    torch.cuda.empty_cache()
+    # run's order (runtime.serving.serve_and_time): cache, fill, capture, then the chunk beside the held graph, in
+    # a process that has not yet run a matmul (no cuBLAS workspace)
+    torch._C._cuda_clearCublasWorkspaces()
+    torch.cuda.empty_cache()
+    loop = DecodeLoop(model, batch=num_sequences, max_cache_tokens=cache_tokens_for(CONTEXT_TOKENS), device=device,
+                      steps_per_call=1)
+    torch.cuda.reset_peak_memory_stats(device)
+    before_capture = torch.cuda.memory_reserved(device)
+    loop.fill(CONTEXT_TOKENS)
+    loop.capture()
+    loop.step()
+    capture_growth = torch.cuda.max_memory_reserved(device) - before_capture
+    torch.cuda.reset_peak_memory_stats(device)
+    before_chunk = torch.cuda.memory_reserved(device)
+    ids = torch.randint(0, model.config.vocab_size, (1, CHUNK_TOKENS), device=device)
+    graph = chunk_graph(model, ids)
+    graph.replay()
+    torch.cuda.synchronize(device)
+    chunk_growth = torch.cuda.max_memory_reserved(device) - before_chunk
+    del graph, loop
+    print(f"\nB={num_sequences}: capture grew {capture_growth / 2**20:.0f} MiB, measured {decode.reserved_bytes / 2**20:.0f};"
+          f" chunk grew {chunk_growth / 2**20:.0f} MiB, measured {chunk.reserved_bytes / 2**20:.0f}")
+    assert decode.reserved_bytes - OVERBOOK_BYTES <= capture_growth <= decode.reserved_bytes
+    assert chunk.reserved_bytes - OVERBOOK_BYTES <= chunk_growth <= chunk.reserved_bytes
+
+
 def test_cuda_context_and_table(qwen3_8b_two_layers):
     """Memory the process holds outside the allocator (CUDA context, module images, library handles); then the
     table of every case above."""

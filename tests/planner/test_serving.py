@@ -183,33 +183,42 @@ def test_a_moe_models_prefill_chunk_is_graphed_where_its_experts_run_grouped_mm(
 
 def test_make_measure_replaces_a_serving_plans_activation_estimate(tmp_path):
     """A serving plan made with --measure plans the activation peaks measured on the GPU (the caller's function),
-    the graphed chunk's at CHUNK_GRAPH_FACTOR of its eager peak, the graph pool from the measured decode step;
-    without the function it keeps the estimate."""
+    and books the graphed decode step's pool and the graphed chunk at what their captures measured (issue 36: the
+    factors over the eager peaks over-booked small plans and under-booked DeepSeek-V2-Lite's chunk); without the
+    function it keeps the estimate."""
     from planner.model.cost import ComputeTimes
     from planner.make.make_plan import make_plan
     from planner.plan.schema import Inputs
-    from planner.model.memory_accounting import CHUNK_GRAPH_FACTOR, graph_pool_bytes
     from planner.search.serving import RUNTIME_ALLOCATOR_BYTES
     from tests.conftest import TEST_GPU_FILE, make_checkpoint
 
     make_checkpoint(tmp_path / "ckpt", num_layers=4, num_shards=2)
+    calls = []
 
     def measure(checkpoint, layout, workload, profile, measured_on, graphed):
         return ComputeTimes(layer_ms=(1.0,) * len(layout.layers), head_ms=0.5, source="measured: test")
 
     def activations(checkpoint, layout, workload, graphed, limit_bytes):
-        assert not graphed and limit_bytes is not None
-        return 1000 if workload.tokens_per_step == 64 and workload.sequences_per_step == 1 else 3000
+        assert limit_bytes is not None
+        chunk = workload.tokens_per_step == 64 and workload.sequences_per_step == 1
+        calls.append(("chunk" if chunk else "decode", graphed))
+        if graphed:  # what the capture held at its peak
+            return 1700 if chunk else 5000
+        return 1000 if chunk else 3000
 
     inputs = Inputs(model=str(tmp_path / "ckpt"), gpu=str(TEST_GPU_FILE), context=256, concurrency="8", chunk=64,
                     measure=True, cuda_graph=True)
     measured = make_plan(inputs, measure=measure, measure_activations=activations).plan.memory
-    assert measured.activation_bytes == CHUNK_GRAPH_FACTOR * 1000 + RUNTIME_ALLOCATOR_BYTES
+    assert measured.activation_bytes == 1700 + RUNTIME_ALLOCATOR_BYTES  # the chunk's capture, larger than eager
+    assert measured.cuda_graph_pool_bytes == 5000
+    assert {("chunk", True), ("decode", True), ("chunk", False), ("decode", False)} <= set(calls)
+    calls.clear()
     eager = make_plan(replace(inputs, cuda_graph=False), measure=measure, measure_activations=activations).plan.memory
     assert eager.activation_bytes == 3000 + RUNTIME_ALLOCATOR_BYTES  # an eager decode step's peak is the larger
-    assert measured.cuda_graph_pool_bytes == graph_pool_bytes(3000)
+    assert eager.cuda_graph_pool_bytes == 0 and ("decode", True) not in calls
     estimated = make_plan(inputs, measure=measure).plan.memory
-    assert estimated.activation_bytes != 1000 and estimated.cuda_graph_pool_bytes != measured.cuda_graph_pool_bytes
+    assert estimated.activation_bytes != 1700 + RUNTIME_ALLOCATOR_BYTES
+    assert estimated.cuda_graph_pool_bytes != measured.cuda_graph_pool_bytes
 
 
 def test_make_measure_measures_within_the_plans_gpu_memory(tmp_path):

@@ -184,13 +184,15 @@ def test_measure_kinds_split_by_attention_type():
 
 @pytest.mark.parametrize("save", [save_tiny_llama, save_tiny_moe])
 def test_measure_model_aliases_equal_a_model_of_copied_layers(save, tmp_path):
-    """The full-depth model measure times is the real model with every layer holding its kind's weights."""
+    """The full-depth model measure times is the real model with every layer holding its kind's weights, in the
+    checkpoint's dtype."""
     import json
 
     from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
     from runtime.graph import cache_argument
-    from runtime.measure import build_measure_model
+    from runtime.experts_impl import PREFILL, use_phase
+    from runtime.measure import build_measure_model, measure_dtype
 
     config = json.loads((save(tmp_path) / "config.json").read_text())
     aliased = build_measure_model(config, (tuple(range(7)),), "model.layers", device="cpu")
@@ -202,7 +204,9 @@ def test_measure_model_aliases_equal_a_model_of_copied_layers(save, tmp_path):
     fired = []
     layers[3].register_forward_pre_hook(lambda *a: fired.append(3))
 
-    reference = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.bfloat16).eval()
+    assert {p.dtype for p in aliased.parameters()} == {measure_dtype(config)}
+    reference = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=measure_dtype(config)).eval()
+    use_phase(reference, PREFILL, torch.device("cpu"))  # the experts' implementation the measured model runs
     reference.load_state_dict(aliased.state_dict(), strict=False)  # non-layer weights
     for layer in reference.model.layers:
         layer.load_state_dict(layers[0].state_dict())

@@ -292,6 +292,8 @@ def test_cli_run_bench_of_a_serving_plan(llama, tmp_path, monkeypatch):
     profile's figure would be refused before loading."""
     import json
 
+    import yaml
+
     from runtime.measure import local_profile_name
 
     monkeypatch.setenv("OFFLOAD_PLAN_CACHE", str(tmp_path))
@@ -300,7 +302,8 @@ def test_cli_run_bench_of_a_serving_plan(llama, tmp_path, monkeypatch):
                 "--chunk", "256", "--gpu-memory", "12GiB", "--cuda-graph", "--measure", "-o", str(plan_path))
     assert made.returncode == 0, made.stderr
     bench = _cli("run", str(plan_path), "--bench", "--cuda-graph", "--json")
-    assert bench.returncode == 0, bench.stderr
+    memory = {key: value for key, value in yaml.safe_load(plan_path.read_text())["memory"].items() if value}
+    assert bench.returncode == 0, f"{bench.stderr} plan's memory: {memory}"
     result = json.loads(bench.stdout)
     assert result["decode_tokens_per_s"] == pytest.approx(1e3 * result["concurrency"] / result["decode_step_ms"])
     assert result["prefill_chunk_ms"] > 0 and result["prefill_chunk_tokens"] == 256
