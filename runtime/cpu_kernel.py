@@ -7,7 +7,13 @@ kernel streams the expert's weights once, as they lie (bf16 or fp32, transformer
 time in fp32, in one OpenMP team per expert. On 2 cores of an AMD EPYC host (AVX2), a Qwen3-30B-A3B-shaped expert
 from DRAM (runtime.cpu_experts.measure_cpu_experts) took 1.14 / 1.77 / 6.95 ms at 1 / 4 / 16 tokens with bf16
 weights, against torch's 1.42 / 4.71 / 19.5 (bf16) and 1.35 / 9.39 / 32.8 (fp32); its output with bf16 weights was
-within 2e-7 of an fp64 reference where torch's bf16 path was 3e-3 off (its fp32 path 4e-7).
+within 2e-7 of an fp64 reference where torch's bf16 path was 3e-3 off (its fp32 path 4e-7). On the H200 host's
+16-CPU Xeon (AVX-512) it was slower than torch's fp32 path at one token (0.221 ms bf16 against 0.175;
+benchmarks/2026-11-28-cpu-experts-kernel-h200.md).
+
+``partial_sum`` is a routed layer's whole host-node body in C: the pairs routed to CPU experts, each expert's
+tokens gathered, the expert, and the weighted sum per token in rank order, with no torch op between the experts
+(runtime.cpu_handoff.cpu_partial_sum takes it where the kernel computes).
 
 The C source is below; it is compiled at first use with the host's C compiler (``$CC``, else ``cc``) for this
 CPU (``-march=native``) into the offload-plan cache and loaded with ctypes. Where no compiler is found or the
@@ -23,6 +29,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -104,10 +111,59 @@ void expert_swiglu(const void *gate_up, const void *down, int bf16, const float 
         rows_times(down, bf16, activated, out, T, H, I);
     }
 }
+
+/* One routed layer's CPU pairs at a decode step, summed per token (the host node's whole body, without Python):
+   out [T, H] fp32 = per token t, over its ranks r in order whose expert e = index[t K + r] is a CPU expert
+   (0 <= e < E, local[e] >= 0), the sum of weights[t K + r] x expert local[e]'s SwiGLU of hidden[t].
+   hidden [T, H] bf16 (hidden_bf16) or fp32; index int64 [T K]; weights fp32 [T K]; local int64 [E];
+   gate_up [L, 2I, H] and down [L, H, I], the CPU experts, bf16 (weights_bf16) or fp32.
+   floats: scratch of 3 T K H + 3 T K I; ints: pairs of 2 T K. Each expert's weights are read once for all its
+   tokens. Returns the pairs computed; *num_distinct the distinct experts among them. */
+int64_t partial_sum(const void *hidden, int hidden_bf16, const int64_t *index, const float *weights, int64_t T,
+                    int64_t K, const int64_t *local, int64_t E, const void *gate_up, const void *down,
+                    int weights_bf16, int64_t H, int64_t I, float *out, float *scratch, int64_t *pairs,
+                    int num_threads, int64_t *num_distinct) {
+    int64_t S = T * K, P = 0, distinct = 0;
+    int64_t *members = pairs + S;
+    float *x = scratch, *y_expert = scratch + S * H, *y = scratch + 2 * S * H, *expert_scratch = scratch + 3 * S * H;
+    int64_t element = weights_bf16 ? 2 : 4;
+    for (int64_t i = 0; i < T * H; i++) out[i] = 0.f;
+    for (int64_t s = 0; s < S; s++)
+        if (index[s] >= 0 && index[s] < E && local[index[s]] >= 0) pairs[P++] = s;
+    for (int64_t a = 0; a < P; a++) {
+        if (pairs[a] < 0) continue;  /* taken by an earlier expert's group */
+        int64_t l = local[index[pairs[a]]], n = 0;
+        for (int64_t b = a; b < P; b++)
+            if (pairs[b] >= 0 && local[index[pairs[b]]] == l) { members[n++] = pairs[b]; pairs[b] = -1 - pairs[b]; }
+        for (int64_t m = 0; m < n; m++) {
+            int64_t t = members[m] / K;
+            for (int64_t h = 0; h < H; h++)
+                x[m * H + h] = hidden_bf16 ? bf16_to_f32(((const uint16_t *)hidden)[t * H + h])
+                                           : ((const float *)hidden)[t * H + h];
+        }
+        expert_swiglu((const char *)gate_up + l * 2 * I * H * element,
+                      (const char *)down + l * H * I * element, weights_bf16, x, y_expert, expert_scratch,
+                      n, H, I, num_threads);
+        for (int64_t m = 0; m < n; m++)
+            for (int64_t h = 0; h < H; h++) y[members[m] * H + h] = y_expert[m * H + h];
+        distinct++;
+    }
+    for (int64_t a = 0; a < P; a++) {  /* pairs in ascending order: by token, then rank */
+        int64_t s = -1 - pairs[a], t = s / K;
+        float w = weights[s];
+        for (int64_t h = 0; h < H; h++) out[t * H + h] += w * y[s * H + h];
+    }
+    *num_distinct = distinct;
+    return P;
+}
 """
-#: -ffast-math lets the compiler reorder each dot product's sum into vector lanes (the order differs from a
-#: sequential sum by fp32 rounding; the tolerance of runtime.cpu_experts covers it)
-_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared")
+#: -fassociative-math (with the two flags it needs) lets the compiler reorder each dot product's sum into vector
+#: lanes (the order differs from a sequential sum by fp32 rounding; the tolerance of runtime.cpu_experts covers it);
+#: -fno-math-errno lets expf vectorize. Not -ffast-math: GCC then links crtfastmath, whose constructor sets
+#: flush-to-zero and denormals-are-zero for the whole process when the library loads (every denormal the process
+#: computed with after, torch's and Python's, read as zero: a profile's denormal rate then passed as 0)
+_FLAGS = ("-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
+          "-fno-math-errno", "-fopenmp", "-fPIC", "-shared")
 #: why the kernel is not loaded, once load_kernel tried (None: loaded, or not tried)
 _REFUSAL: list[str] = []
 
@@ -161,10 +217,19 @@ def _build(compiler: str, target: Path) -> None:
         os.replace(built, target)
 
 
+@dataclass(frozen=True)
+class CpuKernel:
+    """The compiled library's two functions (ctypes): one expert's SwiGLU, and a layer's CPU pairs summed per
+    token (the host node's body)."""
+
+    expert: object
+    partial_sum: object
+
+
 @functools.cache
 def load_kernel():
-    """The compiled kernel (a ctypes function), building it on first use; None where it cannot be built here
-    (kernel_refusal says why) or OFFLOAD_PLAN_CPU_KERNEL=0."""
+    """The compiled kernel (CpuKernel: ctypes functions), building it on first use; None where it cannot be built
+    here (kernel_refusal says why) or OFFLOAD_PLAN_CPU_KERNEL=0."""
     if os.environ.get("OFFLOAD_PLAN_CPU_KERNEL", "1") == "0":
         _REFUSAL.append("turned off (OFFLOAD_PLAN_CPU_KERNEL=0)")
         return None
@@ -178,14 +243,23 @@ def load_kernel():
             _build(compiler, target)
         library = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as error:
-        detail = getattr(error, "stderr", None) or str(error)
-        _REFUSAL.append(f"the build failed: {(detail.strip().splitlines() or [''])[-1][:160]}")
+        lines = (getattr(error, "stderr", None) or str(error)).strip().splitlines() or [""]
+        # the compiler's first error names the cause; its last line is often a caret under the source
+        detail = next((line for line in lines if "error" in line), lines[-1])
+        _REFUSAL.append(f"the build failed: {detail.strip()[:160]}")
         return None
-    function = library.expert_swiglu
-    function.restype = None
-    function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                         ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
-    return function
+    expert = library.expert_swiglu
+    expert.restype = None
+    expert.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    pairs = library.partial_sum
+    pairs.restype = ctypes.c_int64
+    pairs.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                      ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                      ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                      ctypes.c_int, ctypes.c_void_p]
+    return CpuKernel(expert=expert, partial_sum=pairs)
+
 
 
 def expert_swiglu(kernel, gate_up: torch.Tensor, down: torch.Tensor, hidden: torch.Tensor,
@@ -201,6 +275,37 @@ def expert_swiglu(kernel, gate_up: torch.Tensor, down: torch.Tensor, hidden: tor
     num_tokens = x.shape[0]
     out = torch.empty(num_tokens, hidden_size, dtype=torch.float32)
     scratch = torch.empty(num_tokens * 3 * (two_i // 2), dtype=torch.float32)
-    kernel(gate_up.data_ptr(), down.data_ptr(), int(gate_up.dtype == torch.bfloat16), x.data_ptr(), out.data_ptr(),
-           scratch.data_ptr(), num_tokens, hidden_size, two_i // 2, max(1, num_threads))
+    kernel.expert(gate_up.data_ptr(), down.data_ptr(), int(gate_up.dtype == torch.bfloat16), x.data_ptr(),
+                  out.data_ptr(), scratch.data_ptr(), num_tokens, hidden_size, two_i // 2, max(1, num_threads))
     return out
+
+
+#: the hidden states' dtypes partial_sum reads as they come (others: the caller's torch path)
+PARTIAL_SUM_HIDDEN_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def partial_sum(kernel, gate_up: torch.Tensor, down: torch.Tensor, local: torch.Tensor, hidden: torch.Tensor,
+                top_k_index: torch.Tensor, top_k_weights: torch.Tensor, out: torch.Tensor,
+                num_threads: int) -> tuple[int, int]:
+    """A routed layer's CPU pairs through ``kernel`` (load_kernel's), summed per token into ``out`` [T, H] (fp32,
+    contiguous): ``gate_up`` [L, 2I, H] and ``down`` [L, H, I] the CPU experts (contiguous, bf16 or fp32),
+    ``local`` [E] int64 each expert's index among them (-1: not a CPU expert), ``hidden`` [T, H] (bf16 or fp32),
+    ``top_k_index`` [T, k] and ``top_k_weights`` [T, k]. Returns (pairs, distinct experts) computed."""
+    num_tokens, num_top_k = top_k_index.shape
+    hidden_size, intermediate = gate_up.shape[2], down.shape[2]
+    if hidden.dtype not in PARTIAL_SUM_HIDDEN_DTYPES or not (out.is_contiguous() and out.dtype == torch.float32):
+        raise ValueError(f"partial_sum reads bf16 or fp32 hidden states into a contiguous fp32 output, not "
+                         f"{hidden.dtype} into {out.dtype}")
+    hidden = hidden.contiguous()
+    index = top_k_index.to(torch.int64).contiguous()
+    weights = top_k_weights.to(torch.float32).contiguous()
+    num_pairs = num_tokens * num_top_k
+    scratch = torch.empty(3 * num_pairs * hidden_size + 3 * num_pairs * intermediate, dtype=torch.float32)
+    pairs = torch.empty(2 * num_pairs, dtype=torch.int64)
+    distinct = ctypes.c_int64(0)
+    computed = kernel.partial_sum(
+        hidden.data_ptr(), int(hidden.dtype == torch.bfloat16), index.data_ptr(), weights.data_ptr(), num_tokens,
+        num_top_k, local.data_ptr(), local.numel(), gate_up.data_ptr(), down.data_ptr(),
+        int(gate_up.dtype == torch.bfloat16), hidden_size, intermediate, out.data_ptr(), scratch.data_ptr(),
+        pairs.data_ptr(), max(1, num_threads), ctypes.byref(distinct))
+    return int(computed), int(distinct.value)

@@ -104,3 +104,72 @@ def test_the_build_is_cached_per_compiler_and_cpu(tmp_path):
     cpu_kernel.reset_kernel()
     assert cpu_kernel.load_kernel() is not None
     assert list((tmp_path / "kernels").glob("cpu_experts_*.so")) == built
+
+
+def _weighted_sum_reference(gate_up, down, local, hidden, top_k_index, top_k_weights) -> torch.Tensor:
+    """Per token, its CPU pairs' weighted SwiGLU outputs summed in rank order, in fp64."""
+    out = torch.zeros(hidden.shape, dtype=torch.float64)
+    for token in range(hidden.shape[0]):
+        for rank, expert in enumerate(top_k_index[token].tolist()):
+            if local[expert] >= 0:
+                row = _reference(gate_up[local[expert]], down[local[expert]], hidden[token:token + 1].float())[0]
+                out[token] += float(top_k_weights[token, rank]) * row
+    return out
+
+
+@pytest.mark.parametrize("weights_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("hidden_dtype", [torch.bfloat16, torch.float32], ids=["hidden-bf16", "hidden-fp32"])
+@pytest.mark.parametrize("num_tokens", [1, 4, 7])
+def test_the_host_nodes_body_in_c_sums_each_tokens_cpu_pairs(weights_dtype, hidden_dtype, num_tokens):
+    """partial_sum (the host node's whole body): per token the CPU experts' outputs weighted and summed in rank
+    order, pairs grouped by expert (one read of its weights), experts that are not the CPU's skipped; the counts
+    it returns; and cpu_partial_sum takes it where the kernel computes (torch's path within 2e-2 of the reference)."""
+    from runtime.cpu_handoff import CpuLayer, cpu_partial_sum
+
+    kernel = cpu_kernel.load_kernel()
+    assert kernel is not None, cpu_kernel.kernel_refusal()
+    gate_up, down = _experts(weights_dtype, num_experts=4)
+    num_experts, top_k = 10, 3
+    local = torch.full((num_experts,), -1, dtype=torch.int64)
+    local[torch.tensor([1, 4, 7, 8])] = torch.arange(4)  # experts 1, 4, 7, 8 on the CPU
+    generator = torch.Generator().manual_seed(3)
+    hidden = torch.randn(num_tokens, gate_up.shape[-1], generator=generator).to(hidden_dtype)
+    top_k_index = torch.stack([torch.randperm(num_experts, generator=generator)[:top_k] for _ in range(num_tokens)])
+    top_k_index[0] = torch.tensor([4, 2, 4 if top_k == 1 else 8])  # an expert twice over the tokens, and a miss
+    top_k_weights = torch.rand(num_tokens, top_k, generator=generator)
+    out = torch.full((num_tokens, gate_up.shape[-1]), float("nan"))
+    pairs, distinct = cpu_kernel.partial_sum(kernel, gate_up, down, local, hidden, top_k_index, top_k_weights, out,
+                                             num_threads=2)
+    is_cpu = local[top_k_index] >= 0
+    assert pairs == int(is_cpu.sum()) and distinct == len(set(top_k_index[is_cpu].tolist()))
+    expected = _weighted_sum_reference(gate_up, down, local, hidden, top_k_index, top_k_weights)
+    assert (out.double() - expected).abs().max() <= 1e-5 * max(1e-30, float(expected.abs().max()))
+
+    layer = CpuLayer(host=HostExperts(gate_up, down, "bf16" if weights_dtype == torch.bfloat16 else "fp32"),
+                     is_cpu=local >= 0, local=local, copy_bytes=0)
+    assert layer.host.kernel is not None
+    through_layer = torch.empty_like(out)
+    assert cpu_partial_sum(layer, hidden, top_k_index, top_k_weights, through_layer) == (pairs, distinct)
+    assert torch.equal(through_layer, out)
+    torch_path = torch.empty_like(out)
+    object.__setattr__(layer.host, "kernel", None)  # torch's path, as where no compiler is found
+    assert cpu_partial_sum(layer, hidden, top_k_index, top_k_weights, torch_path) == (pairs, distinct)
+    assert (torch_path.double() - expected).abs().max() <= 2e-2 * max(1e-30, float(expected.abs().max()))
+
+
+def test_a_step_with_no_cpu_pair_is_zeros():
+    kernel = cpu_kernel.load_kernel()
+    gate_up, down = _experts(torch.float32, num_experts=2)
+    local = torch.tensor([-1, 0, -1, 1])
+    out = torch.full((2, gate_up.shape[-1]), float("nan"))
+    counted = cpu_kernel.partial_sum(kernel, gate_up, down, local, torch.randn(2, gate_up.shape[-1]),
+                                     torch.tensor([[0, 2], [2, 0]]), torch.rand(2, 2), out, num_threads=2)
+    assert counted == (0, 0) and torch.equal(out, torch.zeros_like(out))
+
+
+def test_loading_the_kernel_leaves_the_process_denormals_alone():
+    """Built with -ffast-math, the library's load set flush-to-zero for the whole process (GCC's crtfastmath), and
+    a profile's denormal rate then read as zero in the same test process (tests/contract/test_fuzz_profile.py)."""
+    assert cpu_kernel.load_kernel() is not None, cpu_kernel.kernel_refusal()
+    tiny = float("5e-324")
+    assert tiny * 1.0 > 0 and torch.tensor([tiny], dtype=torch.float64).mul(1.0).item() > 0
