@@ -265,8 +265,9 @@ def test_measured_captures_hold_runs_phases(qwen3_8b_two_layers, num_sequences):
     torch.cuda.synchronize(device)
     chunk_growth = torch.cuda.max_memory_reserved(device) - before_chunk
     del graph, loop
-    print(f"\nB={num_sequences}: capture grew {capture_growth / 2**20:.0f} MiB, measured {decode.reserved_bytes / 2**20:.0f};"
-          f" chunk grew {chunk_growth / 2**20:.0f} MiB, measured {chunk.reserved_bytes / 2**20:.0f}")
+    print(f"\nB={num_sequences}: capture grew {capture_growth / 2**20:.0f} MiB, measured "
+          f"{decode.reserved_bytes / 2**20:.0f}; chunk grew {chunk_growth / 2**20:.0f} MiB, measured "
+          f"{chunk.reserved_bytes / 2**20:.0f}")
     assert decode.reserved_bytes - OVERBOOK_BYTES <= capture_growth <= decode.reserved_bytes
     assert chunk.reserved_bytes - OVERBOOK_BYTES <= chunk_growth <= chunk.reserved_bytes
 
