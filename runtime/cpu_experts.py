@@ -208,6 +208,13 @@ def cpu_expert_ms(experts: HostExperts, num_tokens: int, num_threads: int, repea
     return 1e3 * statistics.median(times) / experts.num_experts
 
 
+def torch_expert_ms(shape: ExpertShape, dtype: str, num_threads: int, pool_bytes: int, repeats: int) -> float:
+    """cpu_expert_ms at one token through torch's path (the C kernel set aside), for calibrate's note."""
+    experts = random_experts(shape, pool_size(shape, dtype, pool_bytes), dtype)
+    experts.kernel = None
+    return cpu_expert_ms(experts, 1, num_threads, repeats)
+
+
 def measure_cpu_experts(shape: ExpertShape, *, dtypes=tuple(CPU_DTYPES), tokens=CALIBRATION_TOKENS,
                         num_threads: int | None = None, pool_bytes: int = CALIBRATION_POOL_BYTES,
                         repeats: int = NUM_REPEATS) -> dict:
@@ -265,6 +272,9 @@ def cpu_experts_profile(shape: ExpertShape = ExpertShape(hidden_size=CALIBRATION
     others = "; ".join(f"{name}: " + ", ".join(f"{t}: {ms:.3f}" for t, ms in table.items())
                        for name, table in tables.items() if name != dtype)
     computed_by = "the C kernel" if load_kernel() is not None else f"torch (no C kernel: {kernel_refusal()})"
+    if load_kernel() is not None:  # torch's path beside it, in the same run: which is faster differs by host
+        computed_by += " (torch's path at 1 token: " + ", ".join(
+            f"{name} {torch_expert_ms(shape, name, threads, pool_bytes, repeats):.3f} ms" for name in tables) + ")"
     note = (f"{shape.hidden_size}x{shape.intermediate_size} SwiGLU experts from DRAM, {threads} threads, "
             f"{dtype} host copy (fastest at {min(tokens)} token), computed by {computed_by}; "
             f"ms per expert for the other dtype {others}; "

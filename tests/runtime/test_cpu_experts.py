@@ -176,6 +176,10 @@ def test_the_calibrated_section_reads_back_through_the_profile(tmp_path):
                                           tokens=(1, 2, 4), pool_bytes=2**18, repeats=2, stamp="test")
     assert section.threads == 1 and section.dtype in tables
     assert [t for t, _ in section.ms_per_expert_at_tokens] == [1, 2, 4]
+    from runtime.cpu_kernel import load_kernel
+
+    if load_kernel() is not None:  # the note times torch's path beside the kernel, at one token, both dtypes
+        assert "torch's path at 1 token: bf16 " in section.note and ", fp32 " in section.note
     data = profile_to_dict(load_profile("h100-sxm"))
     data["cpu_experts"] = cpu_experts_to_dict(section)
     read = profile_from_dict(yaml.safe_load(yaml.safe_dump(data, sort_keys=False)), "calibrated.yaml")
