@@ -289,13 +289,23 @@ def partial_sum(kernel, gate_up: torch.Tensor, down: torch.Tensor, local: torch.
                 num_threads: int) -> tuple[int, int]:
     """A routed layer's CPU pairs through ``kernel`` (load_kernel's), summed per token into ``out`` [T, H] (fp32,
     contiguous): ``gate_up`` [L, 2I, H] and ``down`` [L, H, I] the CPU experts (contiguous, bf16 or fp32),
-    ``local`` [E] int64 each expert's index among them (-1: not a CPU expert), ``hidden`` [T, H] (bf16 or fp32),
+    ``local`` [E] int64 each expert's index among them (-1: not a CPU expert; every other below L, which the caller
+    keeps, as runtime.cpu_handoff.cpu_layer builds it), ``hidden`` [T, H] (bf16 or fp32),
     ``top_k_index`` [T, k] and ``top_k_weights`` [T, k]. Returns (pairs, distinct experts) computed."""
     num_tokens, num_top_k = top_k_index.shape
-    hidden_size, intermediate = gate_up.shape[2], down.shape[2]
+    num_local, two_i, hidden_size = gate_up.shape
+    intermediate = two_i // 2
     if hidden.dtype not in PARTIAL_SUM_HIDDEN_DTYPES or not (out.is_contiguous() and out.dtype == torch.float32):
         raise ValueError(f"partial_sum reads bf16 or fp32 hidden states into a contiguous fp32 output, not "
                          f"{hidden.dtype} into {out.dtype}")
+    # the C side reads these as laid out: a wrong shape or layout would read past them, not fail
+    if (gate_up.dtype not in (torch.bfloat16, torch.float32) or down.dtype != gate_up.dtype
+            or not (gate_up.is_contiguous() and down.is_contiguous())
+            or down.shape != (num_local, hidden_size, intermediate) or hidden.shape != (num_tokens, hidden_size)
+            or out.shape != hidden.shape or local.dtype != torch.int64 or not local.is_contiguous()):
+        raise ValueError(f"partial_sum takes contiguous bf16 or fp32 experts gate_up [L, 2I, H] and down [L, H, I], "
+                         f"hidden and out [T, H] and int64 local ids, not {list(gate_up.shape)}, "
+                         f"{list(down.shape)}, {list(hidden.shape)}, {list(out.shape)}, {local.dtype}")
     hidden = hidden.contiguous()
     index = top_k_index.to(torch.int64).contiguous()
     weights = top_k_weights.to(torch.float32).contiguous()

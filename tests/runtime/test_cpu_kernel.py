@@ -173,3 +173,17 @@ def test_loading_the_kernel_leaves_the_process_denormals_alone():
     assert cpu_kernel.load_kernel() is not None, cpu_kernel.kernel_refusal()
     tiny = float("5e-324")
     assert tiny * 1.0 > 0 and torch.tensor([tiny], dtype=torch.float64).mul(1.0).item() > 0
+
+
+def test_partial_sum_refuses_what_its_c_side_would_read_past():
+    kernel = cpu_kernel.load_kernel()
+    gate_up, down = _experts(torch.float32, num_experts=2)
+    hidden, out = torch.randn(2, gate_up.shape[-1]), torch.empty(2, gate_up.shape[-1])
+    index, weights = torch.tensor([[0, 1], [1, 0]]), torch.rand(2, 2)
+    local = torch.tensor([0, 1])
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu_kernel.partial_sum(kernel, gate_up, down.transpose(1, 2), local, hidden, index, weights, out, 1)
+    with pytest.raises(ValueError, match="int64 local ids"):
+        cpu_kernel.partial_sum(kernel, gate_up, down, local.int(), hidden, index, weights, out, 1)
+    with pytest.raises(ValueError, match="hidden and out"):
+        cpu_kernel.partial_sum(kernel, gate_up, down, local, hidden[:, :8], index, weights, out, 1)
