@@ -271,9 +271,10 @@ def cpu_experts_profile(shape: ExpertShape = ExpertShape(hidden_size=CALIBRATION
     rates = fitted_rates(shape, tables[dtype], small_ms, small, itemsize)
     others = "; ".join(f"{name}: " + ", ".join(f"{t}: {ms:.3f}" for t, ms in table.items())
                        for name, table in tables.items() if name != dtype)
-    computed_by = "the C kernel" if load_kernel() is not None else f"torch (no C kernel: {kernel_refusal()})"
-    if load_kernel() is not None:  # torch's path beside it, in the same run: which is faster differs by host
-        computed_by += " (torch's path at 1 token: " + ", ".join(
+    if load_kernel() is None:
+        computed_by = f"torch (no C kernel: {kernel_refusal()})"
+    else:  # torch's path beside it, in the same run: which is faster differs by host
+        computed_by = "the C kernel (torch's path at 1 token: " + ", ".join(
             f"{name} {torch_expert_ms(shape, name, threads, pool_bytes, repeats):.3f} ms" for name in tables) + ")"
     note = (f"{shape.hidden_size}x{shape.intermediate_size} SwiGLU experts from DRAM, {threads} threads, "
             f"{dtype} host copy (fastest at {min(tokens)} token), computed by {computed_by}; "

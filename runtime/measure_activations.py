@@ -119,8 +119,7 @@ def chunk_graph_peak(model: nn.Module, *, chunk_tokens: int,
     device = device or torch.device("cuda")
     ids = torch.randint(0, model.config.get_text_config().vocab_size, (1, chunk_tokens), device=device)
     use_phase(model, PREFILL, device)
-    torch.cuda.empty_cache()
-    base = _reset_peak(device)
+    base = _reset_peak(device)  # which releases the cached blocks
     graph = chunk_graph(model, ids)
     graph.replay()
     measured = _measured_since(base, device)
