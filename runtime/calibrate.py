@@ -24,6 +24,7 @@ import torch
 from planner.source.profile import Figure, HardwareProfile, load_profile, profile_to_dict
 from runtime.backend import CudaBackend
 from runtime.cpu_experts import cpu_experts_profile
+from runtime.cpu_handoff import with_measured_handoff
 from runtime.host_memory import meminfo_bytes
 from runtime.layer_floor import measured_layer_floor
 from runtime.measure import CALIBRATED_SUFFIX, local_profile_name
@@ -165,6 +166,7 @@ def calibrate() -> tuple[HardwareProfile, dict]:
         fields["host_memory_bytes"] = base.host_memory_bytes
     fields["compute_efficiency"] = restated_efficiency(base, matmul)
     cpu_experts, cpu_tables = cpu_experts_profile(stamp=stamp)
+    cpu_experts = with_measured_handoff(cpu_experts, torch.device("cuda", torch.cuda.current_device()))
     profile = HardwareProfile(name=base.name + CALIBRATED_SUFFIX, description=f"{base.description}; {stamp}",
                               **measured, **fields, cpu_experts=cpu_experts,
                               layer_floor=measured_layer_floor(stamp))

@@ -215,16 +215,36 @@ def torch_expert_ms(shape: ExpertShape, dtype: str, num_threads: int, pool_bytes
     return cpu_expert_ms(experts, 1, num_threads, repeats)
 
 
+#: of torch's intra-op threads (the host's cores), the share the CPU experts leave to the rest of the process, at
+#: most CPU_THREADS_LEFT_MOST: the main thread launching the steps, the driver's threads and the doorbell's. On the
+#: H200 host (16 cores) a Qwen3-30B-A3B-shaped model's host steps took 0.416 ms a pair with 16 threads and 0.302
+#: with 12 (scripts/bench_hybrid.py, one sequence, 18 CPU pairs a step, 2026-11-28): with every core, the threads
+#: of one OpenMP team wait for one the others displaced
+CPU_THREADS_LEFT_SHARE = 0.25
+CPU_THREADS_LEFT_MOST = 4
+
+
+def default_cpu_threads() -> int:
+    """The CPU experts' threads where none are asked for: torch's count less CPU_THREADS_LEFT_SHARE of it (at
+    most CPU_THREADS_LEFT_MOST), at least 1."""
+    cores = torch.get_num_threads()
+    return max(1, cores - min(CPU_THREADS_LEFT_MOST, int(cores * CPU_THREADS_LEFT_SHARE)))
+
+
 def measure_cpu_experts(shape: ExpertShape, *, dtypes=tuple(CPU_DTYPES), tokens=CALIBRATION_TOKENS,
                         num_threads: int | None = None, pool_bytes: int = CALIBRATION_POOL_BYTES,
                         repeats: int = NUM_REPEATS) -> dict:
     """Per dtype, ms for one expert of ``shape`` at each of ``tokens`` (``{"bf16": {1: 0.31, ...}}``), with
-    ``num_threads`` threads (torch's default where None), and the thread count used."""
-    threads = num_threads or torch.get_num_threads()
+    ``num_threads`` threads (default_cpu_threads where None), and the thread count used. The first count is measured
+    again after the others and the smaller kept: measured first, right after the pool was written, it read 0.292
+    ms where 2 tokens took 0.156 (bf16, the H200 host, 2026-11-28), and it alone picks the dtype."""
+    threads = num_threads or default_cpu_threads()
     table = {}
     for dtype in dtypes:
         experts = random_experts(shape, pool_size(shape, dtype, pool_bytes), dtype)
         table[dtype] = {count: cpu_expert_ms(experts, count, threads, repeats) for count in tokens}
+        first = tokens[0]
+        table[dtype][first] = min(table[dtype][first], cpu_expert_ms(experts, first, threads, repeats))
         del experts
     return {"threads": threads, "ms_per_expert_at_tokens": table}
 

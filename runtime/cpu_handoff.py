@@ -5,15 +5,24 @@ Their pairs are computed by the host CPU from its own copy of their weights (run
 the GPU computes the others; neither side ever moves a CPU expert's weights over the link. One decode step of
 such a layer, every operation capturable (no host synchronisation):
 
+Two handoffs carry a step to the host and back (``handoff``; OFFLOAD_PLAN_CPU_HANDOFF picks one): by DOORBELL
+(runtime.cpu_doorbell: a thread of the C kernel's own polls a word the GPU writes; no side stream, no host node)
+wherever every layer's C kernel computes on a GPU, and otherwise by HOST NODE:
+
 1. the main stream has run the router (``top_k_index``, ``top_k_weights``); a side stream forks from it (event
    wait) and writes the hidden states [T, H], the indices and the weights into page-locked host buffers through
    their device view (runtime.uva_gather.device_view: copy KERNELS storing over the link, not the copy engine's
    device-to-host copies; see below);
 2. on the side stream, a HOST NODE: the driver's ``cuLaunchHostFunc`` (libcuda.so.1 through ctypes) enqueues a
-   Python callback that runs, in stream order, once the copies have landed: eagerly, and on every replay of a
+   host function that runs, in stream order, once the copies have landed: eagerly, and on every replay of a
    graph that captured it (CUDA captures ``cuLaunchHostFunc`` as a host node). It computes the CPU's pairs
-   (runtime.cpu_experts.compute_pairs, ``threads`` intra-op threads), weights them and sums them per token into a
-   page-locked fp32 output [T, H] (zeros for a token none of whose pairs is the CPU's);
+   (``threads`` threads), weights them and sums them per token into a page-locked fp32 output [T, H] (zeros for a
+   token none of whose pairs is the CPU's). Where the C kernel computes the layer's experts (runtime.cpu_kernel),
+   the host function is the kernel's own ``host_step``, bound to the buffers by a struct (runtime.cpu_kernel.
+   HostStep): no Python runs in the node and it takes no GIL. Otherwise it is a Python callback (ctypes) running
+   torch's path (runtime.cpu_experts.compute_pairs); see the GIL below. On the H200 host's smoke (a Qwen3-30B-A3B-
+   shaped layer, 8 CPU experts, 0.35 pairs a step) the Python callback with the C body inside took 0.27 ms a
+   layer step, most of it fixed (scripts/smoke_cpu_experts_graph.py, 2026-11-28);
 3. nothing moves the output back: the main stream's add reads it where it lies, through its device view;
 4. meanwhile the main stream fetches the layer's non-resident GPU experts and computes its pairs (batched_mm);
    a pair routed to a CPU expert reads the ZERO ROW, a device-buffer row of zeros that the fetch plan takes for a
@@ -35,13 +44,13 @@ at that row, the fetch plan (the fused Triton kernel and its torch twin, prefetc
 resident experts, with no new kernel and no extra node per step; a zero expert's output times any finite weight
 adds exactly 0.0, so the GPU's partial sum is the sum of its own pairs in the router's order.
 
-The callback must not call CUDA (CUDA forbids API calls in host functions): it runs torch CPU ops on host tensors
-only. It must not raise either (an exception cannot cross the C frame): it catches, records the first error, and
-fills the output with NaN so the step is visibly wrong; the next Python-side call (a decode step, ``stats``)
-raises it as one line (RuntimeUnavailableError).
+A host function must not call CUDA (CUDA forbids API calls in host functions): the Python callback runs torch CPU
+ops on host tensors only. It must not raise either (an exception cannot cross the C frame): it catches, records
+the first error, and fills the output with NaN so the step is visibly wrong; the next Python-side call (a decode
+step, ``stats``) raises it as one line (RuntimeUnavailableError).
 
-The GIL: the callback runs on a CUDA driver thread and takes the GIL (ctypes' callback wrapper). It cannot
-deadlock with the main thread, because every call by which the main thread waits for GPU work releases the GIL
+The GIL (the Python callback only): it runs on a CUDA driver thread and takes the GIL (ctypes' callback wrapper).
+It cannot deadlock with the main thread, because every call by which the main thread waits for GPU work releases the GIL
 while it waits (pytorch/pytorch, torch/csrc): ``CUDAGraph.replay`` is bound with ``wrap_pybind_function_no_gil``
 (cuda/Graph.cpp); ``torch.cuda.synchronize`` runs ``c10::cuda::device_synchronize`` under
 ``pybind11::gil_scoped_release`` (cuda/Module.cpp, THCPModule_cudaSynchronize), as do ``Stream.synchronize``
@@ -57,23 +66,29 @@ cost, not a deadlock; graphed, the main thread sits in replay or a synchronisati
 import ctypes
 import functools
 import math
+import os
+import statistics
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from planner.errors import PlanError, RuntimeUnavailableError
+from planner.errors import OffloadPlanError, PlanError, RuntimeUnavailableError
 from planner.model.placement import align_up
 from runtime.allocation import host_allocation_or_fail
+from runtime.cpu_doorbell import FLAGS_WORDS, WAIT_POLLS, Doorbell, ring, wait_add
 from runtime.cpu_experts import CPU_DTYPES, HostExperts, compute_pairs, cpu_threads
-from runtime.cpu_kernel import PARTIAL_SUM_HIDDEN_DTYPES, partial_sum
+from runtime.cpu_kernel import PARTIAL_SUM_HIDDEN_DTYPES, HostStep, partial_sum, scratch_sizes
 from runtime.engine import backend_unpin
 from runtime.experts_impl import ExpertsProxy
 from runtime.uva_gather import device_view
 
 #: the host function's C type: CUhostFn, ``void (*)(void *userData)`` (cdecl on Linux)
 HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+#: where a plan's fetch_slots is capped at the number of experts, the handoff's buffers hold this many times
+#: that in (token, expert) pairs (tokens x top-k can pass the cap)
+CAPPED_PAIRS_FACTOR = 4
 #: the params a CPU-computed experts module holds: gated SwiGLU experts without biases (HostExperts)
 CPU_PARAMS = ["down_proj", "gate_up_proj"]
 
@@ -149,7 +164,7 @@ def _driver():
         raise RuntimeUnavailableError(f"cannot load the CUDA driver (libcuda.so.1: {error}); CPU experts need a "
                                       "CUDA GPU's driver, or plan without CPU experts") from None
     launch = library.cuLaunchHostFunc
-    launch.argtypes = [ctypes.c_void_p, HOST_FN, ctypes.c_void_p]
+    launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     launch.restype = ctypes.c_int
     error_name = library.cuGetErrorName
     error_name.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
@@ -157,12 +172,14 @@ def _driver():
     return launch, error_name
 
 
-def launch_host_func(stream: "torch.cuda.Stream", callback) -> None:
-    """Enqueue ``callback`` (a HOST_FN, which the caller keeps alive as long as any graph that captures it) on
-    ``stream``: it runs on a driver thread once the stream's earlier work is done; under stream capture it becomes
+def launch_host_func(stream: "torch.cuda.Stream", callback, user_data: int | None = None) -> None:
+    """Enqueue ``callback`` on ``stream`` with ``user_data`` (an address, or None): a HOST_FN, or a C function's
+    address (a CUhostFn); the caller keeps it and whatever ``user_data`` points at alive as long as any graph that
+    captures it. It runs on a driver thread once the stream's earlier work is done; under stream capture it becomes
     the graph's host node, run in order on each replay."""
     launch, error_name = _driver()
-    code = launch(ctypes.c_void_p(stream.cuda_stream), callback, None)
+    function = callback if isinstance(callback, int) else ctypes.cast(callback, ctypes.c_void_p).value
+    code = launch(ctypes.c_void_p(stream.cuda_stream), ctypes.c_void_p(function), ctypes.c_void_p(user_data))
     if code != 0:
         name = ctypes.c_char_p()
         error_name(code, ctypes.byref(name))
@@ -180,8 +197,8 @@ class CpuCounters:
     pairs_total: int = 0
     pairs_cpu: int = 0
     experts_cpu: int = 0
-    #: wall seconds inside the callbacks (perf_counter), compute and bookkeeping: the rest of what the CPU side
-    #: adds to a step is the handoff (copies, the host node's wake-up, the GIL)
+    #: wall seconds inside the host functions (their clocks), compute and bookkeeping: the rest of what the CPU side
+    #: adds to a step is the handoff (copies, the host node's wake-up, the GIL where the callback is Python's)
     callback_s: float = 0.0
 
 
@@ -201,15 +218,24 @@ class CpuExperts:
         self.error: str | None = None
         self.closed = False
         self._allocate(hidden_size, max_pairs, hidden_dtype)
-        #: (layer, tokens, top-k) -> its HOST_FN
-        self._host_funcs: dict[tuple[int, int, int], object] = {}
+        intermediate = max((layer.host.gate_up.shape[1] // 2 for layer in self.layers.values()), default=0)
+        floats, ints = scratch_sizes(max_pairs, hidden_size, intermediate)
+        #: partial_sum's scratch, shared by the C host steps (their nodes run one after another on the side stream)
+        self._scratch = torch.empty(floats, dtype=torch.float32), torch.empty(ints, dtype=torch.int64)
+        #: (layer, tokens, top-k) -> its host node: a HostStep (C, where the layer's kernel computes) or a HOST_FN
+        self._host_nodes: dict[tuple[int, int, int], object] = {}
         self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+        #: the handoff (HANDOFFS): by doorbell where every layer's kernel computes on a GPU, else by host node
+        self.handoff = handoff_kind(self.layers, device, hidden_dtype)
+        self.doorbell = Doorbell(next(iter(self.layers.values())).host.kernel, self.buffers["flags"],
+                                 self.mapped["flags"]) if self.handoff == "doorbell" else None
 
     def _allocate(self, hidden_size: int, max_pairs: int, hidden_dtype: torch.dtype) -> None:
         """The handoff's host buffers in one allocation (page-locked and mapped when the device is a GPU: GPU kernels
         read and write them in place, capturable) and their device views."""
         shapes = {"hidden": ((max_pairs, hidden_size), hidden_dtype), "index": ((max_pairs,), torch.int64),
-                  "weights": ((max_pairs,), torch.float32), "out": ((max_pairs, hidden_size), torch.float32)}
+                  "weights": ((max_pairs,), torch.float32), "out": ((max_pairs, hidden_size), torch.float32),
+                  "flags": ((FLAGS_WORDS,), torch.int32)}
         offsets, total = {}, 0
         for name, (shape, dtype) in shapes.items():
             offsets[name] = total
@@ -240,6 +266,14 @@ class CpuExperts:
         if self.stream is None:
             return index, hidden, top_k_index, top_k_weights
         num_tokens, num_top_k = top_k_index.shape
+        if num_tokens * num_top_k > self.buffers["index"].numel():
+            raise RuntimeUnavailableError(f"a decode step of {num_tokens} tokens x top-{num_top_k} routes more pairs "
+                                          f"than the CPU experts' buffers hold ({self.buffers['index'].numel()}); "
+                                          "plan fewer sequences, or plan without CPU experts")
+        if self.doorbell is not None:
+            ring(hidden, top_k_index, top_k_weights, self.mapped,
+                 self.doorbell.key(self.host_node(index, num_tokens, num_top_k)))
+            return num_tokens
         main = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(main)
         num_pairs, mapped = num_tokens * num_top_k, self.mapped
@@ -249,7 +283,11 @@ class CpuExperts:
             mapped["hidden"][:num_tokens].copy_(hidden)
             mapped["index"][:num_pairs].view(num_tokens, num_top_k).copy_(top_k_index)
             mapped["weights"][:num_pairs].view(num_tokens, num_top_k).copy_(top_k_weights)
-            launch_host_func(self.stream, self.host_func(index, num_tokens, num_top_k))
+            node = self.host_node(index, num_tokens, num_top_k)
+            if isinstance(node, HostStep):
+                launch_host_func(self.stream, node.kernel.host_step_address, node.user_data)
+            else:
+                launch_host_func(self.stream, node)
         # the inputs are read on the side stream before ``join`` (called before the layer returns, so before
         # the caller can free them) makes the main stream wait for it: no record_stream needed
         return num_tokens
@@ -264,15 +302,32 @@ class CpuExperts:
                 self._compute(index, hidden, top_k_index, top_k_weights, partial)
             self.check()
             return out.add_(partial)
+        if self.doorbell is not None:
+            return wait_add(self.mapped, pending, out)
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
         return out.add_(self.mapped["out"][:pending])  # reads the host's output over the link, in the add
 
-    def host_func(self, index: int, num_tokens: int, num_top_k: int):
-        """The HOST_FN of layer ``index`` at ``num_tokens`` x ``num_top_k`` pairs (made once, kept here)."""
+    def host_node(self, index: int, num_tokens: int, num_top_k: int):
+        """The host node of layer ``index`` at ``num_tokens`` x ``num_top_k`` pairs (made once, kept here): where
+        the layer's C kernel computes and reads the hidden states' dtype, a HostStep (the node runs in C: no Python,
+        no GIL, the counters kept in its struct); otherwise a HOST_FN calling ``_host_step`` (torch's path)."""
         key = (index, num_tokens, num_top_k)
-        if key not in self._host_funcs:
-            self._host_funcs[key] = HOST_FN(lambda _user_data: self._host_step(*key))
-        return self._host_funcs[key]
+        if key not in self._host_nodes:
+            layer, buffers = self.layers.get(index), self.buffers
+            if layer is not None and layer.host.kernel is not None \
+                    and buffers["hidden"].dtype in PARTIAL_SUM_HIDDEN_DTYPES:
+                num_pairs = num_tokens * num_top_k
+                self._host_nodes[key] = HostStep(
+                    layer.host.kernel, layer.host.gate_up, layer.host.down, layer.local,
+                    hidden=buffers["hidden"][:num_tokens], index=buffers["index"][:num_pairs],
+                    weights=buffers["weights"][:num_pairs], out=buffers["out"][:num_tokens],
+                    scratch=self._scratch[0], pairs=self._scratch[1], num_threads=self.threads)
+            else:
+                self._host_nodes[key] = HOST_FN(lambda _user_data: self._host_step(*key))
+        return self._host_nodes[key]
+
+    def _c_steps(self) -> list[HostStep]:
+        return [node for node in self._host_nodes.values() if isinstance(node, HostStep)]
 
     def _host_step(self, index: int, num_tokens: int, num_top_k: int) -> None:
         """The host node's body: the CPU's pairs from the page-locked inputs into the page-locked output. Runs on a
@@ -314,13 +369,19 @@ class CpuExperts:
 
     def check(self) -> None:
         """Raise, in one line, the error a callback recorded (it filled its output with NaN)."""
+        if self.error is None and self.doorbell is not None and self.doorbell.timed_out:
+            self.error = (f"the doorbell thread did not answer the GPU within {WAIT_POLLS:,} polls (seconds); "
+                          "the output it added was not the CPU's")
         if self.error is not None:
             raise RuntimeUnavailableError(f"the CPU experts failed inside a decode step ({self.error}); the steps "
                                           "since are wrong (NaN); plan without CPU experts or report it")
 
     def wait(self) -> None:
-        """Wait for the side stream's host functions to finish (GIL released while waiting)."""
-        if self.stream is not None:
+        """Wait for the host functions (the side stream's) or the doorbell's steps (the GPU's waits for them) to
+        finish; the GIL released while waiting."""
+        if self.doorbell is not None:
+            torch.cuda.synchronize(self.device)
+        elif self.stream is not None:
             self.stream.synchronize()
 
     def stats(self) -> dict:
@@ -329,6 +390,9 @@ class CpuExperts:
         self.wait()
         self.check()
         counts = vars(self.counters).copy()
+        for step in self._c_steps():
+            for name, value in step.counters().items():
+                counts[name] += value
         counts["pairs_share"] = counts["pairs_cpu"] / counts["pairs_total"] if counts["pairs_total"] else 0.0
         counts["callback_ms_per_call"] = 1e3 * counts["callback_s"] / counts["calls"] if counts["calls"] else 0.0
         return counts
@@ -336,6 +400,8 @@ class CpuExperts:
     def reset(self) -> None:
         self.wait()
         self.counters = CpuCounters()
+        for step in self._c_steps():
+            step.reset()
 
     def close(self) -> None:
         """Unpin the buffers once the side stream is idle; a host function still captured in a graph does nothing
@@ -344,8 +410,28 @@ class CpuExperts:
             return
         self.wait()
         self.closed = True
+        if self.doorbell is not None:
+            self.doorbell.close()
+        for step in self._c_steps():
+            step.close()
         self._unpin()
         self.layers = {}
+
+
+#: the CPU experts' handoffs (OFFLOAD_PLAN_CPU_HANDOFF picks one; default: the doorbell where it can run)
+HANDOFFS = ("doorbell", "host-node")
+
+
+def handoff_kind(layers: dict[int, CpuLayer], device: torch.device, hidden_dtype: torch.dtype) -> str:
+    """"doorbell" (runtime.cpu_doorbell) where the device is a GPU and every layer's experts are computed by the C
+    kernel from hidden states it reads, unless OFFLOAD_PLAN_CPU_HANDOFF=host-node; else "host-node" (a captured
+    host node: the kernel's host_step, or torch's path in a Python callback)."""
+    asked = os.environ.get("OFFLOAD_PLAN_CPU_HANDOFF", "doorbell")
+    if asked not in HANDOFFS:
+        raise PlanError(f"OFFLOAD_PLAN_CPU_HANDOFF={asked!r} is not one of {', '.join(HANDOFFS)}; unset it or pick one")
+    possible = device.type == "cuda" and bool(layers) and hidden_dtype in PARTIAL_SUM_HIDDEN_DTYPES and all(
+        layer.host.kernel is not None for layer in layers.values())
+    return "doorbell" if asked == "doorbell" and possible else "host-node"
 
 
 def check_cpu_experts(cpu: dict[int, tuple[int, ...]], resident: dict[int, tuple[int, ...]], num_experts: int,
@@ -381,5 +467,78 @@ def start_cpu_experts(routed) -> CpuExperts:
                                routed.host[index, "down_proj"], ids, routed.cpu_dtype)
               for index, ids in routed.cpu.items()}
     dtype, shape = routed.rows["down_proj"]  # [H, I]
-    return CpuExperts(layers, hidden_size=shape[0], max_pairs=routed.fetch_slots, hidden_dtype=dtype,
+    # a step's pairs are tokens x top-k, which fetch_slots counts until it is capped at the experts' number: past
+    # the cap, room for CAPPED_PAIRS_FACTOR x that (fork refuses, in one line, a step with more)
+    capped = routed.fetch_slots >= routed.num_experts
+    max_pairs = routed.fetch_slots * (CAPPED_PAIRS_FACTOR if capped else 1)
+    return CpuExperts(layers, hidden_size=shape[0], max_pairs=max_pairs, hidden_dtype=dtype,
                       threads=routed.cpu_threads, device=routed.device, backend=routed.backend)
+
+
+# ---- the handoff's own cost, for calibrate ------------------------------------------------------------------------
+
+#: fork and join pairs in the handoff's timing graph, and the graph's timed replays
+HANDOFF_UNITS = 16
+HANDOFF_REPLAYS = 20
+
+
+def measure_handoff_ms(device: torch.device, threads: int, hidden_size: int = 2048, top_k: int = 8,
+                       num_experts: int = 128) -> tuple[float, str]:
+    """ms of a routed layer's handoff to the CPU and back with no pair to compute, made as the runtime makes it (a
+    CpuExperts of one layer whose one tiny CPU expert the routing never picks: fork, the host's step, join), in a
+    captured graph of HANDOFF_UNITS handoffs back to back; the median replay over HANDOFF_REPLAYS, per handoff;
+    and the handoff's kind (HANDOFFS)."""
+    from runtime.backend import CudaBackend
+
+    generator = torch.Generator().manual_seed(0)
+    experts = HostExperts(torch.randn(1, 16, hidden_size, generator=generator).bfloat16(),
+                          torch.randn(1, hidden_size, 8, generator=generator).bfloat16(), "bf16")
+    local = torch.full((num_experts,), -1, dtype=torch.int64)
+    layer = CpuLayer(host=experts, is_cpu=torch.zeros(num_experts, dtype=torch.bool), local=local, copy_bytes=0)
+    side = CpuExperts({0: layer}, hidden_size=hidden_size, max_pairs=top_k, hidden_dtype=torch.bfloat16,
+                      threads=threads, device=device, backend=CudaBackend(device))
+    hidden = torch.randn(1, hidden_size, device=device).bfloat16()
+    index = torch.arange(top_k, device=device).view(1, top_k)
+    weights = torch.rand(1, top_k, device=device)
+    out = torch.zeros(1, hidden_size, device=device, dtype=torch.bfloat16)
+
+    def handoffs():
+        for _ in range(HANDOFF_UNITS):
+            side.join(side.fork(0, hidden, index, weights), out)
+
+    try:
+        warm = torch.cuda.Stream(device)
+        warm.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(warm):
+            handoffs()  # compiles the kernels, starts the threads
+        torch.cuda.current_stream(device).wait_stream(warm)
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            handoffs()
+        times = []
+        for _ in range(HANDOFF_REPLAYS):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        side.check()
+        return statistics.median(times) / HANDOFF_UNITS, side.handoff
+    finally:
+        side.close()
+
+
+def with_measured_handoff(section, device: torch.device):
+    """The profile's cpu_experts ``section`` with its handoff measured on ``device`` (measure_handoff_ms, the
+    section's threads); unchanged where there is no section, or the measurement fails (its note says why)."""
+    if section is None:
+        return None
+    try:
+        ms, kind = measure_handoff_ms(device, section.threads)
+    except (RuntimeError, ImportError, OffloadPlanError) as error:  # a GPU or a driver that cannot: no figure
+        reason = (str(error).strip().splitlines() or [""])[0][:160]
+        return replace(section, note=f"{section.note}; handoff not measured ({reason})")
+    return replace(section, handoff_us=round(1e3 * ms, 2),
+                   note=f"{section.note}; handoff {1e3 * ms:.1f} us a layer step by {kind}, no pair")

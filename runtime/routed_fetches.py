@@ -32,6 +32,9 @@ class RoutedFetches:
     rank_accuracy: tuple
     #: experts.prefetch_rank_accuracy: the per-rank accuracy the plan was priced with, None where it predicts none
     planned_rank_accuracy: tuple | None
+    #: where the plan computes experts on the host CPU: the handoff's kind, and a step's CPU pairs, its host steps'
+    #: own ms (their compute and bookkeeping, summed over the layers) beside the plan's expected CPU ms a step
+    cpu: dict | None = None
 
     @property
     def prefetch_accuracy(self) -> float | None:
@@ -74,4 +77,16 @@ def routed_fetches(loaded, num_steps: int) -> RoutedFetches | None:
                          predicted_bytes_per_step=loaded.plan.prediction.copy_bytes_per_step,
                          bytes_per_step_by_kind=by_kind,
                          rank_accuracy=routed.rank_accuracy() if routed.predictors else (),
-                         planned_rank_accuracy=tuple(planned) if planned else None)
+                         planned_rank_accuracy=tuple(planned) if planned else None,
+                         cpu=_cpu_per_step(routed, loaded.plan, num_steps))
+
+
+def _cpu_per_step(routed, plan, num_steps: int) -> dict | None:
+    """The CPU side's counters over the timed steps, per step, beside the plan's expected CPU ms a step."""
+    stats = routed.cpu_stats()
+    if not stats:
+        return None
+    planned = plan.experts.cpu
+    return {"handoff": routed.cpu_experts.handoff, "pairs_per_step": stats["pairs_cpu"] / num_steps,
+            "pairs_share": stats["pairs_share"], "host_ms_per_step": 1e3 * stats["callback_s"] / num_steps,
+            "planned_cpu_ms_per_step": planned.cpu_ms_per_step if planned is not None else None}

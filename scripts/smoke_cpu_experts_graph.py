@@ -12,15 +12,16 @@ Prints one PASS/FAIL line per check, then TIME lines, and exits 1 if any check f
    same of graphed, the CPU counters non-zero;
 3. one Qwen3-30B-A3B-shaped routed layer (hidden 2048, moe_intermediate 768, 128 experts top-8, bf16, random
    weights; router and experts, 32 experts resident), graphed at one token: ms per layer step all-resident,
-   fetch-only, and hybrid with k of the non-resident experts on the CPU for k in 8, 32, 64 (fp32 host copy; bf16 at
-   32), with the CPU's share of the pairs, the callback's own ms per step and the experts fetched per step. The
-   hybrid step minus max(the GPU's part, the callback) is what the handoff costs (copies, the host node's wake-up,
-   the GIL).
+   fetch-only, and hybrid with k of the non-resident experts on the CPU (fp32 host copy at k in 8, 32, 64; bf16
+   read in place at 16, 32, 48, 64), by each handoff of ``--handoffs`` (runtime.cpu_handoff.HANDOFFS), with the
+   CPU's share of the pairs, the host step's own ms per step and the experts fetched per step. The hybrid step
+   minus max(the GPU's part, the host step) is what the handoff costs.
 """
 
 import argparse
 import copy
 import faulthandler
+import os
 import sys
 import time
 
@@ -100,6 +101,7 @@ def check_tiny_model() -> None:
     try:
         ids, logits = _tiny_decode(routed_model, graphed=True, after_capture=routed.reset_counters)
         stats = routed.cpu_stats()
+        print(f"  (the handoff: {routed.cpu_experts.handoff})", flush=True)
         report("tiny model: graphed greedy 16 tokens equal all-resident", torch.equal(ids, expected_ids),
                f"{ids.flatten().tolist()} vs {expected_ids.flatten().tolist()}")
         worst = _worst(logits, expected)
@@ -193,16 +195,20 @@ def time_layer(weights, resident: tuple[int, ...], cpu_ids: tuple[int, ...], cpu
         routed.close()
 
 
-def time_qwen3_layer(replays: int, threads: int | None) -> None:
+def time_qwen3_layer(replays: int, threads: int | None, handoffs: list[str]) -> None:
     weights = layer_weights()
     resident = tuple(range(NUM_RESIDENT))
     non_resident = tuple(range(NUM_RESIDENT, NUM_EXPERTS))
-    arms = [("all resident", tuple(range(NUM_EXPERTS)), (), "fp32"), ("fetch-only", resident, (), "fp32")]
-    arms += [(f"hybrid k={k}", resident, non_resident[:k], "fp32") for k in (8, 32, 64)]
-    arms += [("hybrid k=32 bf16 copy", resident, non_resident[:32], "bf16")]
+    arms = [("all resident", tuple(range(NUM_EXPERTS)), (), "fp32", None),
+            ("fetch-only", resident, (), "fp32", None)]
+    for handoff in handoffs:
+        arms += [(f"{handoff} k={k} fp32", resident, non_resident[:k], "fp32", handoff) for k in (8, 32, 64)]
+        arms += [(f"{handoff} k={k} bf16", resident, non_resident[:k], "bf16", handoff) for k in (16, 32, 48, 64)]
     print(f"Qwen3-30B-A3B-shaped routed layer, 1 token, graphed, {NUM_RESIDENT} resident, "
           f"{threads or torch.get_num_threads()} CPU threads, {replays} replays", flush=True)
-    for name, resident_ids, cpu_ids, dtype in arms:
+    for name, resident_ids, cpu_ids, dtype, handoff in arms:
+        if handoff:
+            os.environ["OFFLOAD_PLAN_CPU_HANDOFF"] = handoff
         try:
             row = time_layer(weights, resident_ids, cpu_ids, dtype, threads, replays)
         except Exception as error:  # noqa: BLE001 - one line per arm, the others still run
@@ -217,6 +223,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replays", type=int, default=200)
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's count)")
+    parser.add_argument("--handoffs", nargs="+", default=["doorbell", "host-node"],
+                        help="the handoffs to time (runtime.cpu_handoff.HANDOFFS)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("FAIL needs a CUDA GPU")
@@ -231,7 +239,7 @@ def main() -> int:
             report(check.__name__, False, f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
         print(f"  ({check.__name__}: {time.perf_counter() - started:.1f} s)", flush=True)
     started = time.perf_counter()
-    time_qwen3_layer(args.replays, args.threads)
+    time_qwen3_layer(args.replays, args.threads, args.handoffs)
     print(f"  (timing: {time.perf_counter() - started:.1f} s)", flush=True)
     print("ALL PASS" if all(results) else "SOME FAILED", flush=True)
     return 0 if all(results) else 1

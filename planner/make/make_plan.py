@@ -257,8 +257,10 @@ def _with_cpu_experts(experts: ExpertModel | None, inputs: Inputs, profile, layo
     by_index = {layer.index: layer for layer in layout.layers}
     params = tuple(_expert_params(by_index[layer.index], experts.geometry.num_experts)
                    for layer in experts.geometry.layers)
+    handoff_us = profile.cpu_experts.handoff_us  # measured by calibrate where a GPU was there
     return replace(experts, cpu=CpuInputs(cpu=profile.cpu_experts, expert_params=params,
-                                          host_limit_bytes=host_limit_bytes))
+                                          host_limit_bytes=host_limit_bytes,
+                                          handoff_ms=None if handoff_us is None else handoff_us / 1e3))
 
 
 def _expert_params(layer, num_experts: int) -> int:

@@ -16,9 +16,10 @@ beyond its compute, against n f fetching alone; the split is taken only where it
 than fetch-only. The split is in expectation: the runtime assigns a share n_cpu / n of the non-resident expert
 ids to the CPU (any of them under uniform routing), and a step's integer counts scatter around it.
 
-Run one after the other instead (the H100 host measured so: CPU_PATH_OVERLAPS_LINK), the layer waits for both,
+Run one after the other instead (the H100 host measured so with the host node in Python; CPU_PATH_OVERLAPS_LINK
+says which holds), the layer waits for both,
 n_link x f + h - g + n_cpu x c, which is linear in the split: the CPU takes every miss or none, whichever is
-faster. CPU_HANDOFF_MS is the handoff measured inside the captured step.
+faster. The handoff h is the profile's (calibrate measures it: cpu_experts.handoff_us), else CPU_HANDOFF_MS.
 
 The CPU is declined, and the reason said, where its time for one expert at the layer's tokens per expert is more
 than CPU_WITHIN_LINK_FACTOR times the link's (a slower CPU would take too small a share to repay its handoff and
@@ -37,29 +38,24 @@ from planner.source.profile import CpuExperts
 #: the CPU computes experts only where one expert at the layer's tokens per expert takes at most this many times
 #: the link's time for it (issue 37's rule: beyond, the planner declines the CPU and says why)
 CPU_WITHIN_LINK_FACTOR = 2.0
-#: a routed layer's handoff to the CPU and back, beside the CPU's compute: its tokens' hidden states to the host,
-#: the host node's callback and the CPU threads' wake-up, the results to the GPU and the join. Measured inside
-#: the captured step on the H100 host (runtime.cpu_handoff, scripts/smoke_cpu_experts_graph.py): 0.383 ms a layer
-#: step with 0.34 CPU pairs in it (benchmarks/2026-11-28-cpu-experts-graph-h100.md)
-CPU_HANDOFF_MS = 0.35
+#: a routed layer's handoff to the CPU and back where the profile has no measured figure (calibrate measures it:
+#: cpu_experts.handoff_us): its tokens' hidden states to the host, the host's wake-up, the results back and the
+#: join, with no pair to compute. On the H200 host calibrate's graph of such handoffs took 15.1 us each by the
+#: doorbell and 54.7 us by a host node running the C body (runtime.cpu_handoff.measure_handoff_ms, 2026-11-28);
+#: the slower is taken where none was measured
+CPU_HANDOFF_MS = 0.055
 #: whether a layer's CPU path runs beside its link's fetches (the layer waits for the later) or after them (the
-#: sum). Measured serial on the H100: each hybrid step ran close to the fetch-only step less the experts not
-#: fetched plus the whole callback (32 CPU experts: 1.204 - 1.8 x 0.2 + 1.306 = 2.15 ms against 2.29 measured;
-#: benchmarks/2026-11-28-cpu-experts-graph-h100.md). The runtime's miss gather now leaves SMs to the handoff, and a
-#: bare host node then runs beside it, but the smoke's hybrid steps still read nearer the sum than the later path
-#: (8 / 32 / 64 CPU experts: 1.37 / 2.17 / 3.41 ms after the router against 1.65 / 2.48 / 3.55 summed and 1.04 /
-#: 1.72 / 3.15 overlapped, pairs at CPU_PAIR_IN_STEP_MS + CPU_IN_STEP_FACTOR x the lone rate): priced serial
-CPU_PATH_OVERLAPS_LINK = False
-#: one (token, expert) pair computed inside the captured step costs more than calibrate's lone expert on the main
-#: thread: the host node's Python (the pair's indexing, its weighting and sum) and the CPU threads' reads of the
-#: weights beside the link's reads of host memory. A pair inside the step = CPU_PAIR_IN_STEP_MS + CPU_IN_STEP_FACTOR
-#: x calibrate's expert, fitted to the two shapes measured on the H100 host (16 threads, fp32 copies): a
-#: Qwen3-30B-A3B-shaped expert, 0.185 ms alone, took 0.754 ms a pair inside the step (the smoke's slope over 8, 32
-#: and 64 CPU experts, the link fetching the rest; 2026-11-28, this session); a Mixtral-shaped expert, about 6.9 ms
-#: alone, took about 9.6 ms a pair (the conformance sweep's decode-1 arm, every miss on the CPU: 34.3 ms a step
-#: against 24.1 ms predicted from the lone rate)
-CPU_PAIR_IN_STEP_MS = 0.51
-CPU_IN_STEP_FACTOR = 1.32
+#: sum). Beside, since the host node runs in C and the miss gather leaves SMs to the handoff: on the H200 host the
+#: smoke's hybrid steps (scripts/smoke_cpu_experts_graph.py, 2026-11-28) read within -3% to +18% of the later path
+#: priced with the pairs as they ran there (below), where with the host node in Python on the H100 they had read
+#: nearer the sum (benchmarks/2026-11-28-cpu-experts-graph-h100.md)
+CPU_PATH_OVERLAPS_LINK = True
+#: one (token, expert) pair computed inside the captured step, over calibrate's lone expert from DRAM: inside a
+#: model's step the CPU's reads meet the link's gather in host memory, and its threads share the cores with the
+#: process's own. A Qwen3-30B-A3B-shaped model cut to 8 layers on the H200 host, one sequence (18 CPU pairs a step,
+#: scripts/bench_hybrid.py, 2026-11-28): 0.302 ms a pair with 12 threads where calibrate's lone expert took 0.149
+#: with 16 (2.0x; 0.416 with 16 threads, 2.8x). The one-layer smoke read 0.27 to 0.28 against 0.1785 (1.55x)
+CPU_IN_STEP_FACTOR = 2.0
 
 
 def layer_wait_ms(link_ms: float, cpu_ms: float, overlapped: bool | None = None) -> float:
@@ -79,14 +75,13 @@ def cpu_expert_ms(cpu: CpuExperts, expert_params: int, num_tokens: float) -> flo
     tokens inside the decode step: the profile's measured table read at ``num_tokens`` (linear between the
     measured counts, the first row below it; beyond the last, the fitted per-token FLOP rate adds each further
     token), scaled by the expert's size over the measured one's (a SwiGLU expert's bytes and FLOPs per token both
-    scale with H x I), the fixed per-expert overhead kept; then as the step runs it (CPU_PAIR_IN_STEP_MS,
-    CPU_IN_STEP_FACTOR)."""
+    scale with H x I), the fixed per-expert overhead kept; then as the step runs it (CPU_IN_STEP_FACTOR)."""
     if expert_params <= 0 or num_tokens < 0:
         raise ValueError(f"an expert of {expert_params} weights for {num_tokens} tokens")
     overhead_ms = cpu.overhead_us / 1e3
     measured_ms = _table_ms(cpu, num_tokens)
     alone_ms = overhead_ms + max(0.0, measured_ms - overhead_ms) * expert_params / cpu.num_params
-    return CPU_PAIR_IN_STEP_MS + CPU_IN_STEP_FACTOR * alone_ms
+    return CPU_IN_STEP_FACTOR * alone_ms
 
 
 def _table_ms(cpu: CpuExperts, num_tokens: float) -> float:
@@ -195,7 +190,7 @@ def split_layer(*, num_missed: float, expert_bytes: int, expert_params: int, lin
              else num_missed)
     hybrid = split(taken, None)
     if hybrid.cpu_experts <= 0 or hybrid.stall_ms >= fetch_only:
-        how = "beside the link" if overlapped else "after the link (serial, as measured on the H100)"
+        how = "beside the link" if overlapped else "after the link (serial)"
         return split(0.0, f"computing them on the CPU {how} takes {hybrid.cpu_ms:.3f} ms with its "
                           f"{handoff_ms:.3f} ms handoff and saves nothing: fetching {num_missed:.2f} experts takes "
                           f"{fetch_only:.3f} ms")

@@ -32,7 +32,8 @@ class CpuInputs:
     expert_params: tuple[int, ...]
     #: host memory the plan is held to (--host-memory or the profile's); None: unchecked
     host_limit_bytes: int | None = None
-    #: the CPU path's fixed cost a layer step (None: planner.search.cpu_experts.CPU_HANDOFF_MS, as measured)
+    #: the CPU path's fixed cost a layer step: the profile's cpu_experts.handoff_us (None: not measured, and
+    #: planner.search.cpu_experts.CPU_HANDOFF_MS, fitted on one host, is taken)
     handoff_ms: float | None = None
 
 

@@ -93,6 +93,10 @@ class CpuExperts:
     flops_per_s: float
     #: fitted: each expert's fixed cost on the CPU beside its bytes (a small expert's time at one token)
     overhead_us: float
+    #: measured on a CUDA GPU: a routed layer's handoff to the CPU and back with no pair to compute, as the
+    #: runtime makes it inside a captured step (runtime.cpu_handoff.measure_handoff_ms); None: not measured (the
+    #: planner then takes planner.search.cpu_experts.CPU_HANDOFF_MS)
+    handoff_us: float | None = None
     #: one of SOURCES
     source: str = "measured"
     #: how and where it was measured, for people
@@ -106,6 +110,8 @@ class CpuExperts:
         for key, (lowest, highest) in CPU_EXPERT_BOUNDS.items():
             _check_figure(key, getattr(self, key), lowest, highest,
                           whole=key in ("threads", "hidden_size", "intermediate_size"))
+        if self.handoff_us is not None:
+            _check_figure("handoff_us", self.handoff_us, 0, 1e6, whole=False)
         self._check_table()
 
     def _check_table(self) -> None:
@@ -319,7 +325,9 @@ def _figure(raw: object, key: str, origin: str) -> Figure | None:
 
 
 _CPU_KEYS = ("threads", "dtype", "hidden_size", "intermediate_size", "ms_per_expert_at_tokens", "weight_bytes_per_s",
-             "flops_per_s", "overhead_us", "source", "note")
+             "flops_per_s", "overhead_us", "handoff_us", "source", "note")
+#: the cpu_experts keys a section may leave out
+_CPU_OPTIONAL = ("handoff_us", "source", "note")
 
 
 def _cpu_experts(raw: object, origin: str) -> CpuExperts | None:
@@ -331,10 +339,11 @@ def _cpu_experts(raw: object, origin: str) -> CpuExperts | None:
     if not isinstance(raw, dict):
         raise ProfileError(f"{where} must be a mapping of {', '.join(_CPU_KEYS)}; offload-plan calibrate writes it")
     unknown = sorted(set(raw) - set(_CPU_KEYS), key=str)
-    missing = [key for key in _CPU_KEYS if key not in raw and key not in ("source", "note")]
+    missing = [key for key in _CPU_KEYS if key not in raw and key not in _CPU_OPTIONAL]
     if unknown or missing:
         what = f"unknown key(s) {shown(unknown, 60)}" if unknown else f"missing key(s) {missing}"
-        raise ProfileError(f"{where} has {what}; its keys are {', '.join(_CPU_KEYS)} (source, note optional)")
+        raise ProfileError(f"{where} has {what}; its keys are {', '.join(_CPU_KEYS)} "
+                           f"({', '.join(_CPU_OPTIONAL)} optional)")
     table = raw["ms_per_expert_at_tokens"]
     if not isinstance(table, dict):
         raise ProfileError(f"{where}.ms_per_expert_at_tokens must map token counts to ms per expert (1: 0.25)")
@@ -373,7 +382,8 @@ def _table_order(item: tuple) -> tuple:
 
 def cpu_experts_to_dict(cpu: CpuExperts) -> dict:
     """The YAML-ready form of a profile's cpu_experts section (the inverse of its reader)."""
-    out = {key: getattr(cpu, key) for key in _CPU_KEYS if key != "ms_per_expert_at_tokens"}
+    out = {key: getattr(cpu, key) for key in _CPU_KEYS if key != "ms_per_expert_at_tokens"
+           and not (key == "handoff_us" and cpu.handoff_us is None)}
     out["ms_per_expert_at_tokens"] = dict(cpu.ms_per_expert_at_tokens)
     return out
 

@@ -36,11 +36,9 @@ def _split(cpu, num_missed, tokens=1.0, handoff_ms=0.05, overlap_ms=0.0):
 @pytest.fixture(autouse=True)
 def side_by_side(monkeypatch):
     """The split with the CPU path beside the link (the balanced split these tests hold), a pair at the profile's
-    lone rate; the H100 measured it after the link (test_a_serial_cpu_path_takes_every_miss_or_none) and dearer
-    inside the step (test_a_pair_in_the_step_costs_more)."""
+    lone rate (test_a_pair_in_the_step_is_priced_at_the_lone_rate_times_the_factor); with the host node in Python
+    the H100 measured it after the link (test_a_serial_cpu_path_takes_every_miss_or_none)."""
     monkeypatch.setattr(cpu_experts, "CPU_PATH_OVERLAPS_LINK", True)
-    # the profile's lone rate as the pair's cost (the in-step pricing: test_a_pair_in_the_step_costs_more)
-    monkeypatch.setattr(cpu_experts, "CPU_PAIR_IN_STEP_MS", 0.0)
     monkeypatch.setattr(cpu_experts, "CPU_IN_STEP_FACTOR", 1.0)
 
 
@@ -188,6 +186,10 @@ def test_the_cpu_section_round_trips():
     profile = profile_from_dict(_profile_dict(), "test.yaml")
     assert profile.cpu_experts.ms_per_expert_at_tokens == ((1, 0.2), (4, 0.35), (16, 0.95))
     assert profile_from_dict(profile_to_dict(profile), "again.yaml") == profile
+    assert profile.cpu_experts.handoff_us is None and "handoff_us" not in profile_to_dict(profile)["cpu_experts"]
+    measured = profile_from_dict(_profile_dict(handoff_us=42.5), "test.yaml")
+    assert measured.cpu_experts.handoff_us == 42.5
+    assert profile_from_dict(profile_to_dict(measured), "again.yaml") == measured
 
 
 @pytest.mark.parametrize(("keys", "named"), [
@@ -197,6 +199,8 @@ def test_the_cpu_section_round_trips():
     ({"weight_bytes_per_s": 1.0}, "weight_bytes_per_s"),
     ({"flops_per_s": float("nan")}, "flops_per_s"),
     ({"overhead_us": -1}, "overhead_us"),
+    ({"handoff_us": -3.0}, "handoff_us"),
+    ({"handoff_us": "fast"}, "handoff_us"),
     ({"ms_per_expert_at_tokens": {}}, "ms_per_expert_at_tokens"),
     ({"ms_per_expert_at_tokens": {1: 0.0}}, "ms_per_expert_at_tokens"),
     ({"ms_per_expert_at_tokens": {"one": 0.2}}, "ms_per_expert_at_tokens"),
@@ -222,16 +226,15 @@ def test_a_cpu_section_missing_a_key_or_not_a_mapping_is_refused():
         profile_from_dict(data, "bad.yaml")
 
 
-def test_a_pair_in_the_step_costs_more(monkeypatch):
-    """Inside the captured step a pair costs CPU_PAIR_IN_STEP_MS more than CPU_IN_STEP_FACTOR x the lone expert
-    (the H100's two measured shapes); a CPU whose lone expert is as fast as the link's is then declined."""
+def test_a_pair_in_the_step_is_priced_at_the_lone_rate_times_the_factor(monkeypatch):
+    """Inside the captured step a pair costs CPU_IN_STEP_FACTOR x calibrate's lone expert (the host node in C adds
+    no per-pair cost of its own: its fixed part is the handoff); a factor that makes a CPU more than twice the
+    link's time for an expert declines it."""
     cpu = _cpu(ms_at_1=0.15)
     lone_ms = cpu_expert_ms(cpu, QWEN_PARAMS, 1.0)
     monkeypatch.undo()
-    assert cpu_experts.CPU_PAIR_IN_STEP_MS > 0 and cpu_experts.CPU_IN_STEP_FACTOR > 1
-    in_step_ms = cpu_expert_ms(cpu, QWEN_PARAMS, 1.0)
-    assert in_step_ms == pytest.approx(cpu_experts.CPU_PAIR_IN_STEP_MS + cpu_experts.CPU_IN_STEP_FACTOR * lone_ms)
+    assert cpu_expert_ms(cpu, QWEN_PARAMS, 1.0) == pytest.approx(cpu_experts.CPU_IN_STEP_FACTOR * lone_ms)
     link_ms = link_expert_ms(QWEN_BYTES, LINK_BYTES_PER_S)
-    assert lone_ms < link_ms < in_step_ms / CPU_WITHIN_LINK_FACTOR
+    monkeypatch.setattr(cpu_experts, "CPU_IN_STEP_FACTOR", 3 * link_ms / lone_ms)
     split = _split(cpu, num_missed=4.0)
-    assert split.cpu_experts == 0 and split.declined
+    assert split.cpu_experts == 0 and "more than 2x" in split.declined

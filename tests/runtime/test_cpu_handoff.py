@@ -126,15 +126,25 @@ def _stage(side, hidden, index, weights):
     side.buffers["weights"][:index.numel()].copy_(weights.flatten())
 
 
-def test_the_host_function_runs_through_ctypes_and_counts(layer):
-    """The HOST_FN the driver would call, called here through its ctypes wrapper: it writes the CPU's partial sum
-    into the output buffer and counts the pairs; one wrapper per (layer, tokens, k), kept."""
+@pytest.mark.parametrize("with_kernel", [True, False], ids=["c-host-step", "python-callback"])
+def test_the_host_function_runs_and_counts(layer, with_kernel, monkeypatch):
+    """The host node the driver would call, called here: where the C kernel computes, the kernel's own host_step
+    through its struct (runtime.cpu_kernel.HostStep); otherwise the HOST_FN through its ctypes wrapper. Either
+    writes the CPU's partial sum into the output buffer and counts the pairs; one node per (layer, tokens, k),
+    kept; after close a captured node does nothing."""
+    from runtime import cpu_kernel
+
+    if not with_kernel:
+        monkeypatch.setenv("OFFLOAD_PLAN_CPU_KERNEL", "0")
+    cpu_kernel.reset_kernel()
     experts, hidden, index, weights = layer
     side = _side(experts)
     _stage(side, hidden, index, weights)
-    function = side.host_func(0, *index.shape)
-    assert side.host_func(0, *index.shape) is function
-    function(None)
+    node = side.host_node(0, *index.shape)
+    assert side.host_node(0, *index.shape) is node
+    assert isinstance(node, cpu_kernel.HostStep) == (with_kernel and cpu_kernel.load_kernel() is not None)
+    run = node.run if isinstance(node, cpu_kernel.HostStep) else lambda: node(None)
+    run()
     expected = torch.empty_like(hidden)
     pairs, num_experts = cpu_partial_sum(_cpu_layer(experts), hidden, index, weights, expected)
     assert torch.equal(side.buffers["out"][:hidden.shape[0]], expected)
@@ -145,15 +155,16 @@ def test_the_host_function_runs_through_ctypes_and_counts(layer):
     side.reset()
     assert side.stats()["calls"] == 0
     side.close()
-    function(None)  # after close a captured node does nothing
-    assert side.counters.calls == 0
+    run()  # after close a captured node does nothing
+    assert side.stats()["calls"] == 0
+    cpu_kernel.reset_kernel()
 
 
 def test_an_error_in_the_host_function_is_nan_then_one_line(layer):
     experts, hidden, index, weights = layer
     side = _side(experts)
     _stage(side, hidden, index, weights)
-    side.host_func(1, *index.shape)(None)  # layer 1 has no CPU side here: the callback's KeyError is caught
+    side.host_node(1, *index.shape)(None)  # layer 1 has no CPU side here: the callback's KeyError is caught
     assert side.buffers["out"][:hidden.shape[0]].isnan().all()
     with pytest.raises(RuntimeUnavailableError) as error:
         side.stats()

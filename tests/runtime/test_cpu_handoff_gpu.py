@@ -13,7 +13,8 @@ import torch
 
 from runtime.backend import CudaBackend
 from runtime.cpu_experts import BF16_TOLERANCE
-from runtime.cpu_handoff import HOST_FN, launch_host_func
+from runtime.cpu_handoff import HANDOFFS, HOST_FN, launch_host_func
+from runtime.cpu_kernel import load_kernel
 from runtime.routed_layers import apply_routed_experts
 from tests.helpers import greedy_decode
 from tests.runtime_models import routed_moe_model
@@ -82,17 +83,20 @@ def test_a_host_node_launched_through_ctypes_replays_with_its_graph():
 
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("cpu_dtype", ["fp32", "bf16"])
-def test_graphed_decode_with_cpu_experts_is_within_the_tolerance(model, batch, cpu_dtype):
-    """Graphed steps: greedy tokens of the all-resident model, logits within BF16_TOLERANCE x their largest
-    magnitude, but where the all-resident model's top two tokens are within the tolerance (random weights make near
-    ties; the CPU's bf16 arithmetic may break one the other way: seen once at batch 4, step 15, on the H100); eager
-    steps within the same of the graphed; the CPU's pairs counted in the callbacks."""
+@pytest.mark.parametrize("handoff", HANDOFFS)
+def test_graphed_decode_with_cpu_experts_is_within_the_tolerance(model, batch, cpu_dtype, handoff, monkeypatch):
+    """Graphed steps, by either handoff (runtime.cpu_handoff.HANDOFFS): greedy tokens of the all-resident model,
+    logits within BF16_TOLERANCE x their largest magnitude, but where the all-resident model's top two tokens are
+    within the tolerance (random weights make near ties; the CPU's bf16 arithmetic may break one the other way: seen
+    once at batch 4, step 15, on the H100); eager steps within the same of the graphed; the CPU's pairs counted."""
+    monkeypatch.setenv("OFFLOAD_PLAN_CPU_HANDOFF", handoff)
     expected_ids, expected_logits = _decode(copy.deepcopy(model).to(CUDA), batch, graphed=False)
     routed_model = copy.deepcopy(model)
     routed = apply_routed_experts(routed_model, ROUTED, 4 * batch, CudaBackend(CUDA), cpu=CPU, cpu_dtype=cpu_dtype)
     routed_model.to(CUDA)
     try:
         ids, logits = _decode(routed_model, batch, graphed=True, after_capture=routed.reset_counters)
+        assert routed.cpu_experts.handoff == (handoff if load_kernel() is not None else "host-node")
         stats = routed.cpu_stats()
         print(f"sequences split at a near tie: {_agree_but_at_near_ties(logits, expected_logits)} of {batch}")
         assert stats["calls"] == len(CPU) * NUM_STEPS and stats["pairs_cpu"] > 0 and stats["callback_s"] > 0
@@ -126,3 +130,16 @@ def test_cpu_experts_are_never_fetched(model):
         assert routed.cpu_stats()["pairs_cpu"] == cpu_pairs > 0
     finally:
         routed.close()
+
+
+@pytest.mark.parametrize("handoff", HANDOFFS)
+def test_the_handoff_round_trip_is_measured(handoff, monkeypatch):
+    """calibrate's handoff figure: a captured graph of handoffs with no pair, each well under a layer step, by the
+    kind asked for (the doorbell where the kernel loads)."""
+    from runtime.cpu_handoff import measure_handoff_ms
+
+    monkeypatch.setenv("OFFLOAD_PLAN_CPU_HANDOFF", handoff)
+    ms, kind = measure_handoff_ms(CUDA, threads=4)
+    print(f"{kind}: {1e3 * ms:.1f} us a handoff")
+    assert kind == (handoff if load_kernel() is not None else "host-node")
+    assert 0 < ms < 2.0

@@ -187,3 +187,68 @@ def test_partial_sum_refuses_what_its_c_side_would_read_past():
         cpu_kernel.partial_sum(kernel, gate_up, down, local.int(), hidden, index, weights, out, 1)
     with pytest.raises(ValueError, match="hidden and out"):
         cpu_kernel.partial_sum(kernel, gate_up, down, local, hidden[:, :8], index, weights, out, 1)
+
+
+@pytest.mark.parametrize("hidden_dtype", [torch.bfloat16, torch.float32], ids=["hidden-bf16", "hidden-fp32"])
+def test_the_host_step_in_c_computes_partial_sum_from_its_buffers_and_counts(hidden_dtype):
+    """HostStep: the host node itself in C, bound once to the handoff's buffers, computes what partial_sum does from
+    whatever the buffers hold when it runs (a replay writes new ids and hidden states into the same memory), adds
+    to its counters, resets them, and does nothing once closed."""
+    kernel = cpu_kernel.load_kernel()
+    assert kernel is not None, cpu_kernel.kernel_refusal()
+    gate_up, down = _experts(torch.bfloat16, num_experts=3)
+    num_experts, num_tokens, top_k = 8, 3, 2
+    local = torch.full((num_experts,), -1, dtype=torch.int64)
+    local[torch.tensor([0, 3, 5])] = torch.arange(3)
+    max_pairs, hidden_size = 16, gate_up.shape[-1]
+    buffer_hidden = torch.zeros(max_pairs, hidden_size, dtype=hidden_dtype)
+    buffer_index = torch.zeros(max_pairs, dtype=torch.int64)
+    buffer_weights = torch.zeros(max_pairs, dtype=torch.float32)
+    buffer_out = torch.zeros(max_pairs, hidden_size, dtype=torch.float32)
+    floats, ints = cpu_kernel.scratch_sizes(max_pairs, hidden_size, gate_up.shape[1] // 2)
+    step = cpu_kernel.HostStep(kernel, gate_up, down, local, hidden=buffer_hidden[:num_tokens],
+                               index=buffer_index[:num_tokens * top_k], weights=buffer_weights[:num_tokens * top_k],
+                               out=buffer_out[:num_tokens], scratch=torch.empty(floats),
+                               pairs=torch.empty(ints, dtype=torch.int64), num_threads=2)
+    generator = torch.Generator().manual_seed(4)
+    computed = []
+    for _ in range(2):  # as two replays: new inputs written into the same buffers, the step run again
+        hidden = torch.randn(num_tokens, hidden_size, generator=generator).to(hidden_dtype)
+        index = torch.stack([torch.randperm(num_experts, generator=generator)[:top_k] for _ in range(num_tokens)])
+        index[0, 0] = 3  # at least one CPU pair
+        weights = torch.rand(num_tokens, top_k, generator=generator)
+        buffer_hidden[:num_tokens] = hidden
+        buffer_index[:num_tokens * top_k] = index.reshape(-1)
+        buffer_weights[:num_tokens * top_k] = weights.reshape(-1)
+        step.run()
+        expected = torch.empty(num_tokens, hidden_size)
+        computed.append(cpu_kernel.partial_sum(kernel, gate_up, down, local, hidden, index, weights, expected, 2))
+        assert torch.equal(buffer_out[:num_tokens], expected)
+    counters = step.counters()
+    assert counters["calls"] == 2 and counters["pairs_total"] == 2 * num_tokens * top_k
+    assert (counters["pairs_cpu"], counters["experts_cpu"]) == tuple(map(sum, zip(*computed)))
+    assert counters["callback_s"] > 0
+    step.reset()
+    assert step.counters() == {"calls": 0, "pairs_total": 0, "pairs_cpu": 0, "experts_cpu": 0, "callback_s": 0.0}
+    step.close()
+    buffer_out.fill_(7.0)
+    step.run()
+    assert step.counters()["calls"] == 0 and bool((buffer_out == 7.0).all())
+
+
+def test_a_host_step_refuses_buffers_its_c_side_would_misread():
+    kernel = cpu_kernel.load_kernel()
+    gate_up, down = _experts(torch.float32, num_experts=2)
+    hidden_size = gate_up.shape[-1]
+    floats, ints = cpu_kernel.scratch_sizes(4, hidden_size, gate_up.shape[1] // 2)
+    good = dict(hidden=torch.zeros(2, hidden_size), index=torch.zeros(4, dtype=torch.int64), weights=torch.zeros(4),
+                out=torch.zeros(2, hidden_size), scratch=torch.empty(floats),
+                pairs=torch.empty(ints, dtype=torch.int64), num_threads=1)
+    local = torch.tensor([0, 1])
+    cpu_kernel.HostStep(kernel, gate_up, down, local, **good)
+    for name, bad, message in [("index", torch.zeros(4, dtype=torch.int32), "int64 ids"),
+                               ("weights", torch.zeros(3), "fp32 weights"),
+                               ("scratch", torch.empty(floats - 1), "scratch"),
+                               ("hidden", torch.zeros(hidden_size, 2).T, "contiguous")]:
+        with pytest.raises(ValueError, match=message):
+            cpu_kernel.HostStep(kernel, gate_up, down, local, **{**good, name: bad})

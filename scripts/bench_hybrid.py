@@ -1,0 +1,196 @@
+"""Issue 37's targets, through the CLI alone: the planner's choice (CPU experts allowed) against fetch-only routed
+experts and whole layers, side by side in one run, on MoE shapes in release format with random weights.
+
+    PYTHONPATH=. python3 scripts/bench_hybrid.py --models qwen3-moe:8:24 --sequences 1 4 16 --out $OUT
+
+Each ``--models`` entry is NAME:LAYERS:FULL_BUDGET_GIB: scripts/conformance.py's model cut to LAYERS layers, and
+the weights budget the full release would get (Qwen3-30B-A3B at 24 GiB: the issue's target), scaled to the cut so
+the same share of the experts' bytes is left on the host: budget = cut bytes - share x the cut's expert bytes,
+share = (full bytes - FULL_BUDGET) / the full model's expert bytes (from the release's tensor headers, no
+weights written for the full model). Per sequence count S, one plan each, all graphed, context 4096:
+
+- ``choice``: ``make --tokens S --sequences S --budget B`` (``--cpu-experts auto``: the planner may put experts on
+  the CPU);
+- ``fetch``: the same with ``--cpu-experts off`` (routed experts, every miss fetched);
+- ``whole``: the same with ``--for vllm`` (whole layers, no routed experts);
+
+then ``run --bench --json`` (ms per step against the plan's prediction) and ``run --prompt`` (64 greedy tokens,
+compared with the all-resident plan's). Rows go to OUT/bench-hybrid.json as they finish; a table is printed last:
+ms per step, predicted, the choice's speed over fetch-only and the choice's regret (its step over the fastest
+arm's), the CPU's share and whether the tokens equal all-resident's.
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+from scripts import conformance
+from scripts.conformance import MODELS, calibrated_profile, cli, ensure_checkpoint, gpu_clean, link_rate_now
+
+GiB = 2**30
+CONTEXT = 4096
+NEW_TOKENS = 64
+ARMS = {"choice": [], "fetch": ["--cpu-experts", "off"], "whole": ["--for", "vllm"]}
+
+
+def bytes_split(config: dict) -> tuple[int, int]:
+    """(all bytes, the routed experts' bytes) of the release checkpoint of ``config``, from its tensor headers."""
+    from planner.source.header_checkpoint import num_bytes
+
+    specs = conformance.checkpoint_specs(config)
+    experts = sum(num_bytes(spec) for spec in specs if ".experts." in spec[0])
+    return sum(num_bytes(spec) for spec in specs), experts
+
+
+def scaled_budget(model: conformance.Model, full_budget_bytes: int, full_layers: int) -> int:
+    """The cut model's budget leaving the same share of its experts' bytes on the host as the full release at
+    ``full_budget_bytes`` would."""
+    full = dataclasses.replace(model, num_layers=full_layers)
+    full_total, full_experts = bytes_split(conformance.config_dict(full, tiny=False))
+    total, experts = bytes_split(conformance.config_dict(model, tiny=False))
+    share = max(0.0, min(1.0, (full_total - full_budget_bytes) / full_experts))
+    return int(total - share * experts)
+
+
+def with_cpu_threads(profile: str, threads: int, out: Path) -> str:
+    """A copy of ``profile`` whose cpu_experts section says ``threads`` (its rates as measured)."""
+    import yaml
+
+    data = yaml.safe_load(Path(profile).read_text())
+    data["cpu_experts"]["threads"] = threads
+    path = out / f"profile-{threads}-threads.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def plan(folder: Path, profile: str, sequences: int, budget: int, flags: list, path: Path) -> dict:
+    made = cli(["make", "--model", folder, "--gpu", profile, "--tokens", sequences, "--sequences", sequences,
+                "--context", CONTEXT, "--cuda-graph", "--budget", f"{budget // 2**20}MiB", *flags, "-o", path])
+    return {"exit": made.code, "error": made.error if made.code else None}
+
+
+def run(path: Path) -> dict:
+    """run --bench --json and 64 greedy tokens of run --prompt, from a clean GPU."""
+    gpu_clean()
+    row = {"link_gb_per_s": link_rate_now()}
+    bench = cli(["run", path, "--bench", "--json"])
+    row["bench_exit"] = bench.code
+    if bench.code == 0:
+        row["bench"] = json.loads(bench.stdout[bench.stdout.index("{"):])
+    else:
+        row["bench_error"] = bench.error
+    gpu_clean()
+    prompt = cli(["run", path, "--prompt", conformance.PROMPT, "--max-new-tokens", NEW_TOKENS])
+    row["text"] = prompt.stdout.strip() if prompt.code == 0 else None
+    if prompt.code:
+        row["prompt_error"] = prompt.error
+    gpu_clean()
+    return row
+
+
+def plan_facts(path: Path) -> dict:
+    """The plan's routed layers, its CPU experts and the CPU's expected ms a step, or why the CPU was declined."""
+    import yaml
+
+    experts = yaml.safe_load(path.read_text()).get("experts") or {}
+    layers = experts.get("layers") or ()
+    cpu = experts.get("cpu") or {}
+    return {"routed_layers": sum(layer.get("regime") == "routed" for layer in layers),
+            "cpu_experts": sum(len(layer.get("cpu") or ()) for layer in layers),
+            "cpu_ms_per_step": cpu.get("cpu_ms_per_step"), "cpu_declined": experts.get("cpu_declined")}
+
+
+def step_ms(row: dict) -> tuple[float | None, float | None]:
+    """The bench's measured and predicted ms per step."""
+    bench = row.get("bench") or {}
+    return bench.get("step_ms"), bench.get("predicted_step_ms")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["qwen3-moe:8:24"])
+    parser.add_argument("--sequences", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--cpu-threads", type=int, default=None,
+                        help="the CPU experts' threads (default: the profile's, calibrate's count)")
+    parser.add_argument("--gpu", dest="profile", default=None, help="profile (default: calibrate, once, into OUT)")
+    parser.add_argument("--checkpoints", type=Path, default=Path("/tmp/bench-hybrid"))
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "/tmp/bench-hybrid-out"))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    profile = args.profile or calibrated_profile(args.out)
+    if args.cpu_threads:
+        profile = with_cpu_threads(profile, args.cpu_threads, args.out)
+    rows_path, rows = args.out / "bench-hybrid.json", []
+    for entry in args.models:
+        name, layers, full_gib = entry.split(":")
+        model = dataclasses.replace(MODELS[name], num_layers=int(layers))
+        full_layers = FULL_LAYERS[name]
+        budget = scaled_budget(model, int(float(full_gib) * GiB), full_layers)
+        folder, write_s = ensure_checkpoint(model, args.checkpoints, tiny=False, device="cuda")
+        print(f"{name}: {layers} of {full_layers} layers, budget {budget / GiB:.2f} GiB "
+              f"(the release at {full_gib} GiB), checkpoint {write_s:.0f} s", flush=True)
+        work = args.out / name
+        work.mkdir(exist_ok=True)
+        reference = work / "resident.yaml"
+        made = cli(["make", "--model", folder, "--gpu", profile, "--tokens", 1, "--sequences", 1, "--context",
+                    CONTEXT, "--cuda-graph", "-o", reference])  # no budget: the whole GPU, every weight resident
+        reference_row = run(reference) if made.code == 0 else {"make_error": made.error}
+        rows.append({"model": name, "layers": int(layers), "sequences": 1, "arm": "resident", **reference_row})
+        for sequences in args.sequences:
+            for arm in args.arms:
+                path = work / f"{arm}-{sequences}.yaml"
+                row = {"model": name, "layers": int(layers), "budget_bytes": budget, "sequences": sequences,
+                       "arm": arm, "make": plan(folder, profile, sequences, budget, ARMS[arm], path)}
+                if row["make"]["exit"] == 0:
+                    row |= plan_facts(path) | run(path)
+                    row["tokens_equal"] = row.get("text") is not None and row["text"] == reference_row.get("text")
+                rows.append(row)
+                rows_path.write_text(json.dumps(rows, indent=1))
+                measured, predicted = step_ms(row)
+                print(f"  {arm:<6} S={sequences:<3} {fmt(measured)} ms (predicted {fmt(predicted)}) "
+                      f"cpu experts {row.get('cpu_experts')} equal {row.get('tokens_equal')} "
+                      f"{row['make'].get('error') or row.get('bench_error') or ''}", flush=True)
+    print(table(rows))
+    return 0
+
+
+#: layers of each release (its config.json's num_hidden_layers)
+FULL_LAYERS = {"qwen3-moe": 48, "mixtral": 32, "qwen2-moe": 24, "olmoe": 16, "deepseek-v2-lite": 27, "phimoe": 32}
+
+
+def fmt(value) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def table(rows: list[dict]) -> str:
+    """Per model and sequence count: each arm's ms per step (predicted), the choice over fetch-only and its regret."""
+    lines = ["| model | S | arm | ms/step | predicted | error | CPU experts | tokens equal |",
+             "|---|---|---|---|---|---|---|---|"]
+    groups: dict = {}
+    for row in rows:
+        groups.setdefault((row["model"], row["sequences"]), []).append(row)
+    for (model, sequences), group in groups.items():
+        steps = {row["arm"]: step_ms(row)[0] for row in group if row["arm"] != "resident"}
+        for row in group:
+            measured, predicted = step_ms(row)
+            error = f"{100 * (predicted / measured - 1):+.1f}%" if measured and predicted else "-"
+            cpu = ((row.get("bench") or {}).get("routed") or {}).get("cpu") or {}
+            on_cpu = f"{row.get('cpu_experts', '-')}" + (
+                f" ({cpu['pairs_per_step']:.1f} pairs, host {cpu['host_ms_per_step']:.2f} ms a step)" if cpu else "")
+            lines.append(f"| {model} | {sequences} | {row['arm']} | {fmt(measured)} | {fmt(predicted)} | {error} | "
+                         f"{on_cpu} | {row.get('tokens_equal', '-')} |")
+        valid = [ms for ms in steps.values() if ms]
+        if steps.get("choice") and steps.get("fetch"):
+            lines.append(f"| {model} | {sequences} | choice / fetch-only speed | "
+                         f"{steps['fetch'] / steps['choice']:.3f}x | | | | |")
+        if steps.get("choice") and valid:
+            lines.append(f"| {model} | {sequences} | choice regret | {steps['choice'] / min(valid):.3f} | | | | |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

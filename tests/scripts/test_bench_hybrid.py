@@ -1,0 +1,37 @@
+"""scripts/bench_hybrid.py's arithmetic (no GPU): the budget scaled to a cut model, and its table's verdicts."""
+
+import dataclasses
+
+import pytest
+
+from scripts import bench_hybrid
+from scripts.conformance import MODELS, config_dict
+
+GiB = 2**30
+
+
+def test_the_cut_budget_leaves_the_releases_share_of_expert_bytes_on_the_host():
+    model = dataclasses.replace(MODELS["qwen3-moe"], num_layers=8)
+    full = dataclasses.replace(model, num_layers=48)
+    full_total, full_experts = bench_hybrid.bytes_split(config_dict(full, tiny=False))
+    total, experts = bench_hybrid.bytes_split(config_dict(model, tiny=False))
+    budget = bench_hybrid.scaled_budget(model, 24 * GiB, 48)
+    left_share = (full_total - 24 * GiB) / full_experts
+    assert (total - budget) / experts == pytest.approx(left_share, rel=1e-6)
+    assert 0 < budget < total and experts < total
+    assert bench_hybrid.scaled_budget(model, 1000 * GiB, 48) == total  # a release that fits leaves nothing out
+
+
+def _row(arm: str, ms: float | None, predicted: float | None = None, sequences: int = 1) -> dict:
+    bench = None if ms is None else {"step_ms": ms, "predicted_step_ms": predicted}
+    return {"model": "m", "sequences": sequences, "arm": arm, "bench": bench}
+
+
+def test_the_table_prices_the_choice_against_the_other_arms_not_the_resident_reference():
+    rows = [_row("resident", 2.0), _row("choice", 10.0, 9.0), _row("fetch", 12.0, 11.0), _row("whole", 11.0)]
+    table = bench_hybrid.table(rows)
+    assert "| m | 1 | choice / fetch-only speed | 1.200x |" in table
+    assert "| m | 1 | choice regret | 1.000 |" in table
+    assert "| m | 1 | choice | 10.000 | 9.000 | -10.0% |" in table
+    slower = bench_hybrid.table([_row("choice", 12.0), _row("fetch", 10.0), _row("whole", None)])
+    assert "choice regret | 1.200 |" in slower and "| m | 1 | whole | - | - | - |" in slower
