@@ -92,6 +92,7 @@ def _add_routed_rows(table: Table, routed) -> None:
     table.add_row(f"routed experts over the link a step ({routed.num_steps} steps)",
                   format_bytes(round(routed.fetched_bytes_per_step)), format_bytes(predicted),
                   f"{routed.fetched_bytes_per_step / predicted:.2f}" if predicted else "")
+    _add_cpu_row(table, routed.cpu)
     measured, planned = routed.prefetch_accuracy, routed.planned_prefetch_accuracy
     if measured is None or planned is None:
         return
@@ -99,6 +100,18 @@ def _add_routed_rows(table: Table, routed) -> None:
                   f"{measured / planned:.2f}" if planned else "")
     table.caption = (f"this run's routing: make the plan again with --prefetch-accuracy {measured:.2f} to price it "
                      "(or record a trace of your prompts: offload-plan trace, then make --routing-trace)")
+
+
+def _add_cpu_row(table: Table, cpu: dict | None) -> None:
+    """Where the plan computes experts on the host CPU: the host's own ms a step (its pairs, by which handoff)
+    against the plan's CPU ms a step. The host's ms leave out the handoff, which the plan's include."""
+    if not cpu:
+        return
+    planned = cpu.get("planned_cpu_ms_per_step")
+    measured = cpu["host_ms_per_step"]
+    table.add_row(f"host CPU's experts a step ({cpu['pairs_per_step']:.1f} pairs, {cpu['handoff']})",
+                  format_ms(measured), format_ms(planned) if planned else "-",
+                  f"{measured / planned:.2f}" if planned else "")
 
 
 def _adapter_table(result) -> Table:

@@ -15,9 +15,11 @@ weights written for the full model). Per sequence count S, one plan each, all gr
 - ``whole``: the same with ``--for vllm`` (whole layers, no routed experts);
 
 then ``run --bench --json`` (ms per step against the plan's prediction) and ``run --prompt`` (64 greedy tokens,
-compared with the all-resident plan's). Rows go to OUT/bench-hybrid.json as they finish; a table is printed last:
-ms per step, predicted, the choice's speed over fetch-only and the choice's regret (its step over the fastest
-arm's), the CPU's share and whether the tokens equal all-resident's.
+compared with the all-resident plan's); with ``--logits``, an arm with CPU experts also decodes the prompt in
+this process, and each step's logits are compared with all-resident's (first_split: where the tokens split, and
+whether at a near tie the bf16 tolerance admits). Rows go to OUT/bench-hybrid.json as they finish; a table is
+printed last: ms per step, predicted, the choice's speed over fetch-only and the choice's regret (its step over
+the fastest arm's), the CPU's share and whether the tokens equal all-resident's.
 """
 
 import argparse
@@ -27,6 +29,7 @@ import os
 import sys
 from pathlib import Path
 
+from runtime.cpu_experts import BF16_TOLERANCE
 from scripts import conformance
 from scripts.conformance import MODELS, calibrated_profile, cli, ensure_checkpoint, gpu_clean, link_rate_now
 
@@ -91,6 +94,53 @@ def run(path: Path) -> dict:
     return row
 
 
+def first_split(ids: list[int], logits: list, reference_ids: list[int], reference_logits: list,
+                tolerance: float) -> dict:
+    """Where a greedy decode first takes another token than the reference's, and whether the tolerance admits it:
+    each step's logits against the reference's, as a share of the reference step's largest magnitude, up to and
+    at the split (``worst_share``); the reference's top-two gap there, as the same share (``margin_share``); a
+    near tie is a gap within twice the tolerance (the CPU's fp32 sums may then break it the other way), anything
+    else a fault. ``logits``: per step, a 1-D tensor over the vocabulary."""
+    split = next((step for step, (a, b) in enumerate(zip(ids, reference_ids)) if a != b), None)
+    last = len(ids) - 1 if split is None else split
+    worst = 0.0
+    for step in range(last + 1):
+        scale = float(reference_logits[step].abs().max())
+        worst = max(worst, float((logits[step] - reference_logits[step]).abs().max()) / scale)
+    result = {"split_at": split, "worst_share": worst, "within_tolerance": worst <= tolerance}
+    if split is not None:
+        top_two = reference_logits[split].topk(2).values
+        margin = float(top_two[0] - top_two[1]) / float(reference_logits[split].abs().max())
+        result |= {"margin_share": margin, "near_tie": margin <= 2 * tolerance}
+    return result
+
+
+def greedy_logits(path: Path, num_tokens: int) -> tuple[list[int], list]:
+    """The plan's graphed greedy decode of the prompt, in this process: its ids and each step's logits (CPU)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from planner.plan.file import read_plan
+    from runtime.graph import NUM_WARMUP_CALLS, DecodeLoop, calls_for, steps_per_call_for
+    from runtime.load import load_with_plan
+
+    loaded = load_with_plan(read_plan(path))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(loaded.source.folder))
+        prompt = tokenizer(conformance.PROMPT, return_tensors="pt")["input_ids"].to("cuda")
+        steps = steps_per_call_for(True)
+        room_tokens = max(NUM_WARMUP_CALLS, calls_for(num_tokens, steps)) * steps  # as run --prompt's cache
+        loop = DecodeLoop(loaded.model, batch=1, max_cache_tokens=prompt.shape[1] + room_tokens,
+                          device=prompt.device, engine=loaded.engine, steps_per_call=steps)
+        loop.prefill(prompt)
+        loop.capture()
+        ids, logits = loop.generate(num_tokens)
+        torch.cuda.synchronize()
+        return ids[0].tolist(), [step[0].float().cpu() for step in logits]
+    finally:
+        loaded.engine.close()
+
+
 def plan_facts(path: Path) -> dict:
     """The plan's routed layers, its CPU experts and the CPU's expected ms a step, or why the CPU was declined."""
     import yaml
@@ -114,6 +164,8 @@ def main() -> int:
     parser.add_argument("--models", nargs="+", default=["qwen3-moe:8:24"])
     parser.add_argument("--sequences", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--logits", action="store_true",
+                        help="for arms with CPU experts, compare each step's logits with all-resident's (first_split)")
     parser.add_argument("--cpu-threads", type=int, default=None,
                         help="the CPU experts' threads (default: the profile's, calibrate's count)")
     parser.add_argument("--gpu", dest="profile", default=None, help="profile (default: calibrate, once, into OUT)")
@@ -139,6 +191,7 @@ def main() -> int:
         made = cli(["make", "--model", folder, "--gpu", profile, "--tokens", 1, "--sequences", 1, "--context",
                     CONTEXT, "--cuda-graph", "-o", reference])  # no budget: the whole GPU, every weight resident
         reference_row = run(reference) if made.code == 0 else {"make_error": made.error}
+        reference_logits = greedy_logits(reference, NEW_TOKENS) if args.logits and made.code == 0 else None
         rows.append({"model": name, "layers": int(layers), "sequences": 1, "arm": "resident", **reference_row})
         for sequences in args.sequences:
             for arm in args.arms:
@@ -148,11 +201,17 @@ def main() -> int:
                 if row["make"]["exit"] == 0:
                     row |= plan_facts(path) | run(path)
                     row["tokens_equal"] = row.get("text") is not None and row["text"] == reference_row.get("text")
+                    if reference_logits is not None and row.get("cpu_experts"):
+                        gpu_clean()
+                        row["logits"] = first_split(*greedy_logits(path, NEW_TOKENS), *reference_logits,
+                                                    BF16_TOLERANCE)
+                        gpu_clean()
                 rows.append(row)
                 rows_path.write_text(json.dumps(rows, indent=1))
                 measured, predicted = step_ms(row)
                 print(f"  {arm:<6} S={sequences:<3} {fmt(measured)} ms (predicted {fmt(predicted)}) "
                       f"cpu experts {row.get('cpu_experts')} equal {row.get('tokens_equal')} "
+                      f"{row['logits'] if 'logits' in row else ''} "
                       f"{row['make'].get('error') or row.get('bench_error') or ''}", flush=True)
     print(table(rows))
     return 0

@@ -60,3 +60,13 @@ def test_without_a_prediction_the_table_gives_the_bytes_alone():
 
 def test_a_plan_without_routed_experts_has_no_such_rows():
     assert "routed experts" not in _text(None)
+
+
+def test_a_plan_with_cpu_experts_shows_the_hosts_share_beside_the_plans():
+    routed = _routed()
+    routed = RoutedFetches(**{**vars(routed), "cpu": {"handoff": "doorbell", "pairs_per_step": 16.6,
+                                                      "pairs_share": 0.26, "host_ms_per_step": 4.87,
+                                                      "planned_cpu_ms_per_step": 4.2}})
+    text = _text(routed)
+    assert "host CPU's experts a step (16.6 pairs, doorbell)" in text and "1.16" in text
+    assert "host CPU" not in _text(_routed())
