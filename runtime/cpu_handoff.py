@@ -260,8 +260,9 @@ class CpuExperts:
     # ---- the step ----
 
     def fork(self, index: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        """Start the CPU's pairs of layer ``index`` (steps 1 to 3 of the module docstring, on the side stream), right
-        after the router; returns what ``join`` takes. On the CPU stand-in (tests) nothing runs until ``join``."""
+        """Start the CPU's pairs of layer ``index`` right after the router: by doorbell, the ring on the current
+        stream (runtime.cpu_doorbell); by host node, steps 1 to 3 of the module docstring on the side stream.
+        Returns what ``join`` takes. On the CPU stand-in (tests) nothing runs until ``join``."""
         self.check()
         if self.stream is None:
             return index, hidden, top_k_index, top_k_weights
@@ -293,8 +294,9 @@ class CpuExperts:
         return num_tokens
 
     def join(self, pending, out: torch.Tensor) -> torch.Tensor:
-        """The main stream waits for the side stream's output and adds it to ``out`` [T, H], the GPU's partial sum
-        (in place, rounded once to its dtype); on the CPU stand-in the CPU's pairs are computed here, inline."""
+        """The main stream waits for the host's output (the doorbell's answer, or the side stream) and adds it to
+        ``out`` [T, H], the GPU's partial sum (in place, rounded once to its dtype); on the CPU stand-in the CPU's
+        pairs are computed here, inline."""
         if self.stream is None:
             index, hidden, top_k_index, top_k_weights = pending
             partial = torch.empty(hidden.shape, dtype=torch.float32)
