@@ -45,11 +45,12 @@ BLOCK = 1024
 
 
 class Doorbell:
-    """The doorbell thread over ``flags`` (int32 [FLAGS_WORDS], page-locked host memory; ``flags_view`` its device
-    view) and its table of host steps; ``close`` stops the thread."""
+    """The doorbell thread over ``flags`` (int32 [FLAGS_WORDS], page-locked host memory; the GPU's kernels write
+    and poll it through its device view, ``ring`` and ``wait_add``) and its table of host steps; ``close`` stops
+    the thread."""
 
-    def __init__(self, kernel, flags: torch.Tensor, flags_view: torch.Tensor):
-        self.kernel, self.flags, self.flags_view = kernel, flags, flags_view
+    def __init__(self, kernel, flags: torch.Tensor):
+        self.kernel, self.flags = kernel, flags
         self._table = (ctypes.c_void_p * CAPACITY)()
         self._keys: dict[int, int] = {}
         self._steps: list[HostStep] = []

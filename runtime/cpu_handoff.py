@@ -67,7 +67,6 @@ import ctypes
 import functools
 import math
 import os
-import statistics
 import time
 import weakref
 from dataclasses import dataclass, replace
@@ -128,13 +127,19 @@ def cpu_layer(module: torch.nn.Module, gate_up: torch.Tensor, down: torch.Tensor
     return CpuLayer(host=host, is_cpu=is_cpu, local=local, copy_bytes=0 if in_place else host.nbytes)
 
 
+def computed_in_c(layer: CpuLayer | None, hidden_dtype: torch.dtype) -> bool:
+    """Whether the C kernel computes ``layer``'s experts from hidden states of ``hidden_dtype`` (partial_sum,
+    HostStep, the doorbell); else torch's path does."""
+    return layer is not None and layer.host.kernel is not None and hidden_dtype in PARTIAL_SUM_HIDDEN_DTYPES
+
+
 def cpu_partial_sum(layer: CpuLayer, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                     out: torch.Tensor) -> tuple[int, int]:
     """``out`` [T, H] (fp32) = per token, the sum over its pairs routed to the layer's CPU experts of weight x the
     expert's output, in rank order (as batched_mm sums); zeros where a token has none. ``hidden`` [T, H],
     ``top_k_index`` and ``top_k_weights`` [T, k], all host tensors. Returns (pairs, distinct experts) computed."""
     host = layer.host
-    if host.kernel is not None and hidden.dtype in PARTIAL_SUM_HIDDEN_DTYPES and out.is_contiguous():
+    if computed_in_c(layer, hidden.dtype) and out.is_contiguous():
         # the whole body in C, no torch op between the experts: with the Python below, the H200 host's smoke
         # (scripts/smoke_cpu_experts_graph.py, 2026-11-28) spent 1.37 ms a layer step in the callback for 1.8
         # bf16 pairs that calibrate computes in 0.22 ms each; on the 2-core dev host this body took 0.18 ms for
@@ -227,8 +232,8 @@ class CpuExperts:
         self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         #: the handoff (HANDOFFS): by doorbell where every layer's kernel computes on a GPU, else by host node
         self.handoff = handoff_kind(self.layers, device, hidden_dtype)
-        self.doorbell = Doorbell(next(iter(self.layers.values())).host.kernel, self.buffers["flags"],
-                                 self.mapped["flags"]) if self.handoff == "doorbell" else None
+        self.doorbell = Doorbell(next(iter(self.layers.values())).host.kernel, self.buffers["flags"]) \
+            if self.handoff == "doorbell" else None
 
     def _allocate(self, hidden_size: int, max_pairs: int, hidden_dtype: torch.dtype) -> None:
         """The handoff's host buffers in one allocation (page-locked and mapped when the device is a GPU: GPU kernels
@@ -316,8 +321,7 @@ class CpuExperts:
         key = (index, num_tokens, num_top_k)
         if key not in self._host_nodes:
             layer, buffers = self.layers.get(index), self.buffers
-            if layer is not None and layer.host.kernel is not None \
-                    and buffers["hidden"].dtype in PARTIAL_SUM_HIDDEN_DTYPES:
+            if computed_in_c(layer, buffers["hidden"].dtype):
                 num_pairs = num_tokens * num_top_k
                 self._host_nodes[key] = HostStep(
                     layer.host.kernel, layer.host.gate_up, layer.host.down, layer.local,
@@ -431,8 +435,8 @@ def handoff_kind(layers: dict[int, CpuLayer], device: torch.device, hidden_dtype
     asked = os.environ.get("OFFLOAD_PLAN_CPU_HANDOFF", "doorbell")
     if asked not in HANDOFFS:
         raise PlanError(f"OFFLOAD_PLAN_CPU_HANDOFF={asked!r} is not one of {', '.join(HANDOFFS)}; unset it or pick one")
-    possible = device.type == "cuda" and bool(layers) and hidden_dtype in PARTIAL_SUM_HIDDEN_DTYPES and all(
-        layer.host.kernel is not None for layer in layers.values())
+    possible = device.type == "cuda" and bool(layers) and all(
+        computed_in_c(layer, hidden_dtype) for layer in layers.values())
     return "doorbell" if asked == "doorbell" and possible else "host-node"
 
 
@@ -491,6 +495,8 @@ def measure_handoff_ms(device: torch.device, threads: int, hidden_size: int = 20
     captured graph of HANDOFF_UNITS handoffs back to back; the median replay over HANDOFF_REPLAYS, per handoff;
     and the handoff's kind (HANDOFFS)."""
     from runtime.backend import CudaBackend
+    from runtime.calibrate import median_event_ms  # calibrate imports this module
+    from runtime.graph import warm_up_stream
 
     generator = torch.Generator().manual_seed(0)
     experts = HostExperts(torch.randn(1, 16, hidden_size, generator=generator).bfloat16(),
@@ -509,7 +515,7 @@ def measure_handoff_ms(device: torch.device, threads: int, hidden_size: int = 20
             side.join(side.fork(0, hidden, index, weights), out)
 
     try:
-        warm = torch.cuda.Stream(device)
+        warm = warm_up_stream(device)
         warm.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(warm):
             handoffs()  # compiles the kernels, starts the threads
@@ -518,16 +524,9 @@ def measure_handoff_ms(device: torch.device, threads: int, hidden_size: int = 20
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             handoffs()
-        times = []
-        for _ in range(HANDOFF_REPLAYS):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
+        ms = median_event_ms(graph.replay, repeats=HANDOFF_REPLAYS)
         side.check()
-        return statistics.median(times) / HANDOFF_UNITS, side.handoff
+        return ms / HANDOFF_UNITS, side.handoff
     finally:
         side.close()
 

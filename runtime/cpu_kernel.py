@@ -8,8 +8,9 @@ time in fp32, in one OpenMP team per expert. On 2 cores of an AMD EPYC host (AVX
 from DRAM (runtime.cpu_experts.measure_cpu_experts) took 1.14 / 1.77 / 6.95 ms at 1 / 4 / 16 tokens with bf16
 weights, against torch's 1.42 / 4.71 / 19.5 (bf16) and 1.35 / 9.39 / 32.8 (fp32); its output with bf16 weights was
 within 2e-7 of an fp64 reference where torch's bf16 path was 3e-3 off (its fp32 path 4e-7). On the H200 host's
-16-CPU Xeon (AVX-512) it was slower than torch's fp32 path at one token (0.221 ms bf16 against 0.175;
-benchmarks/2026-11-28-cpu-experts-kernel-h200.md).
+16-core Xeon (AVX-512) the compiler's vectorization was slower than torch's fp32 path at one token (0.221 ms bf16
+against 0.175; benchmarks/2026-11-28-cpu-experts-kernel-h200.md); with the AVX-512 bf16 rows below it took 0.148
+against torch's 0.21 to 0.27 (benchmarks/2026-11-28-cpu-experts-doorbell-h200.md).
 
 ``partial_sum`` is a routed layer's whole host-node body in C: the pairs routed to CPU experts, each expert's
 tokens gathered, the expert, and the weighted sum per token in rank order, with no torch op between the experts

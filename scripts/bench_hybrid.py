@@ -15,11 +15,11 @@ weights written for the full model). Per sequence count S, one plan each, all gr
 - ``whole``: the same with ``--for vllm`` (whole layers, no routed experts);
 
 then ``run --bench --json`` (ms per step against the plan's prediction) and ``run --prompt`` (64 greedy tokens,
-compared with the all-resident plan's); with ``--logits``, an arm with CPU experts also decodes the prompt in
-this process, and each step's logits are compared with all-resident's (first_split: where the tokens split, and
-whether at a near tie the bf16 tolerance admits). Rows go to OUT/bench-hybrid.json as they finish; a table is
-printed last: ms per step, predicted, the choice's speed over fetch-only and the choice's regret (its step over
-the fastest arm's), the CPU's share and whether the tokens equal all-resident's.
+compared with the all-resident plan's; scripts/conformance.run_plan); with ``--logits``, an arm with CPU experts
+also decodes the prompt in this process, and each step's logits are compared with all-resident's (first_split:
+where the tokens split, and whether at a near tie the bf16 tolerance admits). Rows go to OUT/bench-hybrid.json as
+they finish; a table is printed last: ms per step, predicted, the choice's speed over fetch-only and the choice's
+regret (its step over the fastest arm's), the CPU's share and whether the tokens equal all-resident's.
 """
 
 import argparse
@@ -31,7 +31,7 @@ from pathlib import Path
 
 from runtime.cpu_experts import BF16_TOLERANCE
 from scripts import conformance
-from scripts.conformance import MODELS, calibrated_profile, cli, ensure_checkpoint, gpu_clean, link_rate_now
+from scripts.conformance import MODELS, calibrated_profile, cli, ensure_checkpoint, gpu_clean, run_plan
 
 GiB = 2**30
 CONTEXT = 4096
@@ -73,25 +73,6 @@ def plan(folder: Path, profile: str, sequences: int, budget: int, flags: list, p
     made = cli(["make", "--model", folder, "--gpu", profile, "--tokens", sequences, "--sequences", sequences,
                 "--context", CONTEXT, "--cuda-graph", "--budget", f"{budget // 2**20}MiB", *flags, "-o", path])
     return {"exit": made.code, "error": made.error if made.code else None}
-
-
-def run(path: Path) -> dict:
-    """run --bench --json and 64 greedy tokens of run --prompt, from a clean GPU."""
-    gpu_clean()
-    row = {"link_gb_per_s": link_rate_now()}
-    bench = cli(["run", path, "--bench", "--json"])
-    row["bench_exit"] = bench.code
-    if bench.code == 0:
-        row["bench"] = json.loads(bench.stdout[bench.stdout.index("{"):])
-    else:
-        row["bench_error"] = bench.error
-    gpu_clean()
-    prompt = cli(["run", path, "--prompt", conformance.PROMPT, "--max-new-tokens", NEW_TOKENS])
-    row["text"] = prompt.stdout.strip() if prompt.code == 0 else None
-    if prompt.code:
-        row["prompt_error"] = prompt.error
-    gpu_clean()
-    return row
 
 
 def first_split(ids: list[int], logits: list, reference_ids: list[int], reference_logits: list,
@@ -190,7 +171,7 @@ def main() -> int:
         reference = work / "resident.yaml"
         made = cli(["make", "--model", folder, "--gpu", profile, "--tokens", 1, "--sequences", 1, "--context",
                     CONTEXT, "--cuda-graph", "-o", reference])  # no budget: the whole GPU, every weight resident
-        reference_row = run(reference) if made.code == 0 else {"make_error": made.error}
+        reference_row = run_plan(reference, NEW_TOKENS) if made.code == 0 else {"make_error": made.error}
         reference_logits = greedy_logits(reference, NEW_TOKENS) if args.logits and made.code == 0 else None
         rows.append({"model": name, "layers": int(layers), "sequences": 1, "arm": "resident", **reference_row})
         for sequences in args.sequences:
@@ -199,7 +180,7 @@ def main() -> int:
                 row = {"model": name, "layers": int(layers), "budget_bytes": budget, "sequences": sequences,
                        "arm": arm, "make": plan(folder, profile, sequences, budget, ARMS[arm], path)}
                 if row["make"]["exit"] == 0:
-                    row |= plan_facts(path) | run(path)
+                    row |= plan_facts(path) | run_plan(path, NEW_TOKENS)
                     row["tokens_equal"] = row.get("text") is not None and row["text"] == reference_row.get("text")
                     if reference_logits is not None and row.get("cpu_experts"):
                         gpu_clean()
@@ -212,7 +193,7 @@ def main() -> int:
                 print(f"  {arm:<6} S={sequences:<3} {fmt(measured)} ms (predicted {fmt(predicted)}) "
                       f"cpu experts {row.get('cpu_experts')} equal {row.get('tokens_equal')} "
                       f"{row['logits'] if 'logits' in row else ''} "
-                      f"{row['make'].get('error') or row.get('bench_error') or ''}", flush=True)
+                      f"{row['make'].get('error') or row.get('errors', {}).get('bench') or ''}", flush=True)
     print(table(rows))
     return 0
 

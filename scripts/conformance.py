@@ -671,8 +671,9 @@ def link_rate_now() -> float:
     return round(rate, 2)
 
 
-def run_plan(plan: Path) -> dict:
-    """run --bench --json and run --prompt, each from a clean GPU; their exit codes, figures and text."""
+def run_plan(plan: Path, new_tokens: int = MAX_NEW_TOKENS) -> dict:
+    """run --bench --json and run --prompt (``new_tokens`` greedy tokens), each from a clean GPU; their exit codes,
+    figures and text."""
     row = {"exit": {}, "errors": {}}
     row["allocated_before_bench_bytes"] = gpu_clean()
     row["link_gb_per_s_before"] = link_rate_now()
@@ -685,7 +686,7 @@ def run_plan(plan: Path) -> dict:
         with contextlib.suppress(ValueError):
             row["bench"] = json.loads(bench.stdout[bench.stdout.index("{"):])
     row["allocated_before_prompt_bytes"] = gpu_clean()
-    prompt = cli(["run", plan, "--prompt", PROMPT, "--max-new-tokens", MAX_NEW_TOKENS])
+    prompt = cli(["run", plan, "--prompt", PROMPT, "--max-new-tokens", new_tokens])
     row["exit"]["prompt"] = prompt.code
     if prompt.error:
         row["errors"]["prompt"] = prompt.error

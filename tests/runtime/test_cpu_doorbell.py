@@ -59,7 +59,7 @@ def _ring_and_wait(flags: torch.Tensor, key: int, timeout_s: float = 10.0) -> No
 def test_the_doorbell_thread_runs_each_rung_step_and_answers(kernel):
     generator = torch.Generator().manual_seed(0)
     flags = torch.zeros(cpu_doorbell.FLAGS_WORDS, dtype=torch.int32)
-    doorbell = cpu_doorbell.Doorbell(kernel, flags, flags)
+    doorbell = cpu_doorbell.Doorbell(kernel, flags)
     try:
         steps = [_step(kernel, num_tokens, 2, generator) for num_tokens in (1, 3)]
         keys = [doorbell.key(step) for step, _, _ in steps]
@@ -85,7 +85,7 @@ def test_the_doorbell_thread_runs_each_rung_step_and_answers(kernel):
 
 def test_an_unregistered_key_is_left_alone(kernel):
     flags = torch.zeros(cpu_doorbell.FLAGS_WORDS, dtype=torch.int32)
-    doorbell = cpu_doorbell.Doorbell(kernel, flags, flags)
+    doorbell = cpu_doorbell.Doorbell(kernel, flags)
     try:
         flags[0] = 5  # no step 5: the thread must not read past its table's entries
         time.sleep(0.05)
@@ -100,7 +100,7 @@ def test_a_doorbell_dropped_unclosed_stops_its_thread(kernel):
     import gc
 
     flags = torch.zeros(cpu_doorbell.FLAGS_WORDS, dtype=torch.int32)
-    doorbell = cpu_doorbell.Doorbell(kernel, flags, flags)
+    doorbell = cpu_doorbell.Doorbell(kernel, flags)
     stopper = doorbell._stop
     assert stopper.alive
     del doorbell
