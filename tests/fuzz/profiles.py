@@ -49,12 +49,35 @@ def _layer_floor(rng) -> tuple[object, bool]:
     return floor, not ok
 
 
+#: a measured cpu_experts section (planner.source.profile.CpuExperts), which the cpu_handoff kind mutates
+CPU_EXPERTS = {"threads": 12, "dtype": "bf16", "hidden_size": 2048, "intermediate_size": 768,
+               "ms_per_expert_at_tokens": {1: 0.15, 4: 0.165, 16: 0.48}, "weight_bytes_per_s": 7.1e10,
+               "flops_per_s": 5.0e11, "overhead_us": 18.0, "handoff_us": 15.0, "source": "measured",
+               "note": "added by the fuzzer"}
+
+
+def _cpu_handoff(rng) -> tuple[dict, bool]:
+    """A cpu_experts section whose measured handoff (handoff_us, optional, 0 to 1e6 us) is changed or left out,
+    and whether the reader must refuse it."""
+    section = dict(CPU_EXPERTS)
+    change = rng.choice(("value", "value", "absent", "null"))
+    if change == "absent":
+        del section["handoff_us"]
+        return section, False
+    value = None if change == "null" else rng.choice((*JUNK, 0, 0.0, 14.9, 1e6, 1e6 + 1, -0.5, float("nan"),
+                                                      float("inf"), 10**400, True))
+    section["handoff_us"] = value
+    ok = value is None or (not isinstance(value, bool) and isinstance(value, (int, float)) and value == value
+                           and 0 <= value <= 1e6)
+    return section, not ok
+
+
 def gen_profiles(rng, base_: Base) -> Case:
     """Mutate a profile (figures, sources, names, YAML structure) and make a plan with it."""
     profile = json.loads(json.dumps(base_.profile))
     kind = rng.choice(("value", "value", "value", "source", "note", "name", "delete", "add", "figure_junk",
-                       "layer_floor", "alias_bomb", "deep", "huge_int", "big_file", "duplicate", "not_mapping",
-                       "utf8", "alias"))
+                       "layer_floor", "cpu_handoff", "alias_bomb", "deep", "huge_int", "big_file", "duplicate",
+                       "not_mapping", "utf8", "alias"))
     invalid, raw = True, None
     if kind == "value":
         key = rng.choice(PROFILE_FIGURES)
@@ -86,6 +109,8 @@ def gen_profiles(rng, base_: Base) -> Case:
         profile[rng.choice((5, 1.5, True, None))] = 1  # YAML keys need not be strings
     elif kind == "layer_floor":
         profile["layer_floor"], invalid = _layer_floor(rng)
+    elif kind == "cpu_handoff":
+        profile["cpu_experts"], invalid = _cpu_handoff(rng)
     elif kind == "figure_junk":
         key = rng.choice(PROFILE_FIGURES)
         profile[key] = rng.choice((5, "x", [], None, {"value": 1}, {"source": "assumed"}))
