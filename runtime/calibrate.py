@@ -11,20 +11,24 @@ layer copies reach on the lent H100. HBM: a 2 GiB device-to-device copy, bytes r
 each matmul (the profile's fp8_dequant_bytes_per_s). Memory: what the driver reports; host memory: the host's
 MemTotal; the CUDA context figure: what the process holds outside torch's allocator once a decoder step's kernel
 families ran (runtime.outside_memory's probe). The host CPU's expert rate (the profile's cpu_experts section): a
-Qwen3-30B-A3B-shaped SwiGLU expert at 1 to 32 tokens in bf16 and fp32 with torch's threads, the faster dtype
-kept (runtime.cpu_experts.cpu_experts_profile). The layer floor (the profile's layer_floor section): tiny dense
-and MoE layers timed as make --measure times layers (runtime.layer_floor). Every timing is a median.
+Qwen3-30B-A3B-shaped SwiGLU expert at 1 to 32 tokens in bf16 and fp32 with the CPU experts' threads
+(runtime.cpu_experts.default_cpu_threads), the faster dtype kept (runtime.cpu_experts.cpu_experts_profile), and a
+layer's handoff to the CPU and back (measure_handoff_ms). The layer floor (the profile's layer_floor section):
+tiny dense and MoE layers timed as make --measure times layers (runtime.layer_floor). Every timing is a median.
 """
 
 import datetime
 import statistics
+from dataclasses import replace
 
 import torch
 
+from planner.errors import OffloadPlanError
 from planner.source.profile import Figure, HardwareProfile, load_profile, profile_to_dict
 from runtime.backend import CudaBackend
-from runtime.cpu_experts import cpu_experts_profile
-from runtime.cpu_handoff import with_measured_handoff
+from runtime.cpu_experts import HostExperts, cpu_experts_profile
+from runtime.cpu_handoff import CpuExperts, CpuLayer
+from runtime.graph import warm_up_stream
 from runtime.host_memory import meminfo_bytes
 from runtime.layer_floor import measured_layer_floor
 from runtime.measure import CALIBRATED_SUFFIX, local_profile_name
@@ -193,3 +197,63 @@ def calibrated_yaml(profile: HardwareProfile) -> str:
 
     header = "# Written by offload-plan calibrate; figures marked measured were read on this GPU.\n"
     return header + yaml.safe_dump(profile_to_dict(profile), sort_keys=False, width=120)
+
+
+# ---- the handoff's own cost, for calibrate ------------------------------------------------------------------------
+
+#: fork and join pairs in the handoff's timing graph, and the graph's timed replays
+HANDOFF_UNITS = 16
+HANDOFF_REPLAYS = 20
+
+
+def measure_handoff_ms(device: torch.device, threads: int, hidden_size: int = 2048, top_k: int = 8,
+                       num_experts: int = 128) -> tuple[float, str]:
+    """ms of a routed layer's handoff to the CPU and back with no pair to compute, made as the runtime makes it (a
+    CpuExperts of one layer whose one tiny CPU expert the routing never picks: fork, the host's step, join), in a
+    captured graph of HANDOFF_UNITS handoffs back to back; the median replay over HANDOFF_REPLAYS, per handoff;
+    and the handoff's kind (HANDOFFS)."""
+    generator = torch.Generator().manual_seed(0)
+    experts = HostExperts(torch.randn(1, 16, hidden_size, generator=generator).bfloat16(),
+                          torch.randn(1, hidden_size, 8, generator=generator).bfloat16(), "bf16")
+    local = torch.full((num_experts,), -1, dtype=torch.int64)
+    layer = CpuLayer(host=experts, is_cpu=torch.zeros(num_experts, dtype=torch.bool), local=local, copy_bytes=0)
+    side = CpuExperts({0: layer}, hidden_size=hidden_size, max_pairs=top_k, hidden_dtype=torch.bfloat16,
+                      threads=threads, device=device, backend=CudaBackend(device))
+    hidden = torch.randn(1, hidden_size, device=device).bfloat16()
+    index = torch.arange(top_k, device=device).view(1, top_k)
+    weights = torch.rand(1, top_k, device=device)
+    out = torch.zeros(1, hidden_size, device=device, dtype=torch.bfloat16)
+
+    def handoffs():
+        for _ in range(HANDOFF_UNITS):
+            side.join(side.fork(0, hidden, index, weights), out)
+
+    try:
+        warm = warm_up_stream(device)
+        warm.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(warm):
+            handoffs()  # compiles the kernels, starts the threads
+        torch.cuda.current_stream(device).wait_stream(warm)
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            handoffs()
+        ms = median_event_ms(graph.replay, repeats=HANDOFF_REPLAYS)
+        side.check()
+        return ms / HANDOFF_UNITS, side.handoff
+    finally:
+        side.close()
+
+
+def with_measured_handoff(section, device: torch.device):
+    """The profile's cpu_experts ``section`` with its handoff measured on ``device`` (measure_handoff_ms, the
+    section's threads); unchanged where there is no section, or the measurement fails (its note says why)."""
+    if section is None:
+        return None
+    try:
+        ms, kind = measure_handoff_ms(device, section.threads)
+    except (RuntimeError, ImportError, OffloadPlanError) as error:  # a GPU or a driver that cannot: no figure
+        reason = (str(error).strip().splitlines() or [""])[0][:160]
+        return replace(section, note=f"{section.note}; handoff not measured ({reason})")
+    return replace(section, handoff_us=round(1e3 * ms, 2),
+                   note=f"{section.note}; handoff {1e3 * ms:.1f} us a layer step by {kind}, no pair")

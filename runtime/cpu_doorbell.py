@@ -1,7 +1,7 @@
 """The CPU experts' handoff by doorbell: a thread of the C kernel's own polls a word the GPU writes, instead of a
 host node the driver wakes (runtime.cpu_handoff's other handoff).
 
-On the H200 host a bare round trip (no pair to compute; runtime.cpu_handoff.measure_handoff_ms) took 15.1 us by
+On the H200 host a bare round trip (no pair to compute; runtime.calibrate.measure_handoff_ms) took 15.1 us by
 doorbell against 54.7 us by a host node running the C body, and one Qwen3-30B-A3B-shaped layer with 32 bf16 CPU
 experts stepped in 0.939 ms against 0.968 (benchmarks/2026-11-28-cpu-experts-doorbell-h200.md).
 

@@ -69,11 +69,11 @@ import math
 import os
 import time
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
-from planner.errors import OffloadPlanError, PlanError, RuntimeUnavailableError
+from planner.errors import PlanError, RuntimeUnavailableError
 from planner.model.placement import align_up
 from runtime.allocation import host_allocation_or_fail
 from runtime.cpu_doorbell import FLAGS_WORDS, WAIT_POLLS, Doorbell, ring, wait_add
@@ -480,66 +480,3 @@ def start_cpu_experts(routed) -> CpuExperts:
     return CpuExperts(layers, hidden_size=shape[0], max_pairs=max_pairs, hidden_dtype=dtype,
                       threads=routed.cpu_threads, device=routed.device, backend=routed.backend)
 
-
-# ---- the handoff's own cost, for calibrate ------------------------------------------------------------------------
-
-#: fork and join pairs in the handoff's timing graph, and the graph's timed replays
-HANDOFF_UNITS = 16
-HANDOFF_REPLAYS = 20
-
-
-def measure_handoff_ms(device: torch.device, threads: int, hidden_size: int = 2048, top_k: int = 8,
-                       num_experts: int = 128) -> tuple[float, str]:
-    """ms of a routed layer's handoff to the CPU and back with no pair to compute, made as the runtime makes it (a
-    CpuExperts of one layer whose one tiny CPU expert the routing never picks: fork, the host's step, join), in a
-    captured graph of HANDOFF_UNITS handoffs back to back; the median replay over HANDOFF_REPLAYS, per handoff;
-    and the handoff's kind (HANDOFFS)."""
-    from runtime.backend import CudaBackend
-    from runtime.calibrate import median_event_ms  # calibrate imports this module
-    from runtime.graph import warm_up_stream
-
-    generator = torch.Generator().manual_seed(0)
-    experts = HostExperts(torch.randn(1, 16, hidden_size, generator=generator).bfloat16(),
-                          torch.randn(1, hidden_size, 8, generator=generator).bfloat16(), "bf16")
-    local = torch.full((num_experts,), -1, dtype=torch.int64)
-    layer = CpuLayer(host=experts, is_cpu=torch.zeros(num_experts, dtype=torch.bool), local=local, copy_bytes=0)
-    side = CpuExperts({0: layer}, hidden_size=hidden_size, max_pairs=top_k, hidden_dtype=torch.bfloat16,
-                      threads=threads, device=device, backend=CudaBackend(device))
-    hidden = torch.randn(1, hidden_size, device=device).bfloat16()
-    index = torch.arange(top_k, device=device).view(1, top_k)
-    weights = torch.rand(1, top_k, device=device)
-    out = torch.zeros(1, hidden_size, device=device, dtype=torch.bfloat16)
-
-    def handoffs():
-        for _ in range(HANDOFF_UNITS):
-            side.join(side.fork(0, hidden, index, weights), out)
-
-    try:
-        warm = warm_up_stream(device)
-        warm.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(warm):
-            handoffs()  # compiles the kernels, starts the threads
-        torch.cuda.current_stream(device).wait_stream(warm)
-        torch.cuda.synchronize(device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            handoffs()
-        ms = median_event_ms(graph.replay, repeats=HANDOFF_REPLAYS)
-        side.check()
-        return ms / HANDOFF_UNITS, side.handoff
-    finally:
-        side.close()
-
-
-def with_measured_handoff(section, device: torch.device):
-    """The profile's cpu_experts ``section`` with its handoff measured on ``device`` (measure_handoff_ms, the
-    section's threads); unchanged where there is no section, or the measurement fails (its note says why)."""
-    if section is None:
-        return None
-    try:
-        ms, kind = measure_handoff_ms(device, section.threads)
-    except (RuntimeError, ImportError, OffloadPlanError) as error:  # a GPU or a driver that cannot: no figure
-        reason = (str(error).strip().splitlines() or [""])[0][:160]
-        return replace(section, note=f"{section.note}; handoff not measured ({reason})")
-    return replace(section, handoff_us=round(1e3 * ms, 2),
-                   note=f"{section.note}; handoff {1e3 * ms:.1f} us a layer step by {kind}, no pair")

@@ -41,7 +41,7 @@ CPU_WITHIN_LINK_FACTOR = 2.0
 #: a routed layer's handoff to the CPU and back where the profile has no measured figure (calibrate measures it:
 #: cpu_experts.handoff_us): its tokens' hidden states to the host, the host's wake-up, the results back and the
 #: join, with no pair to compute. On the H200 host calibrate's graph of such handoffs took 15.1 us each by the
-#: doorbell and 54.7 us by a host node running the C body (runtime.cpu_handoff.measure_handoff_ms, 2026-11-28);
+#: doorbell and 54.7 us by a host node running the C body (runtime.calibrate.measure_handoff_ms, 2026-11-28);
 #: the slower is taken where none was measured
 CPU_HANDOFF_MS = 0.055
 #: whether a layer's CPU path runs beside its link's fetches (the layer waits for the later) or after them (the

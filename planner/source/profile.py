@@ -94,7 +94,7 @@ class CpuExperts:
     #: fitted: each expert's fixed cost on the CPU beside its bytes (a small expert's time at one token)
     overhead_us: float
     #: measured on a CUDA GPU: a routed layer's handoff to the CPU and back with no pair to compute, as the
-    #: runtime makes it inside a captured step (runtime.cpu_handoff.measure_handoff_ms); None: not measured (the
+    #: runtime makes it inside a captured step (runtime.calibrate.measure_handoff_ms); None: not measured (the
     #: planner then takes planner.search.cpu_experts.CPU_HANDOFF_MS)
     handoff_us: float | None = None
     #: one of SOURCES

@@ -136,7 +136,7 @@ def test_cpu_experts_are_never_fetched(model):
 def test_the_handoff_round_trip_is_measured(handoff, monkeypatch):
     """calibrate's handoff figure: a captured graph of handoffs with no pair, each well under a layer step, by the
     kind asked for (the doorbell where the kernel loads)."""
-    from runtime.cpu_handoff import measure_handoff_ms
+    from runtime.calibrate import measure_handoff_ms
 
     monkeypatch.setenv("OFFLOAD_PLAN_CPU_HANDOFF", handoff)
     ms, kind = measure_handoff_ms(CUDA, threads=4)
