@@ -406,11 +406,12 @@ class RoutedExperts:
             pair_rows, source_ids = plan_fetch(top_k_index, resident_row, self.fetch_slots, slot_base=base)
             self.fetch_counts.add_(torch.nn.functional.pad((source_ids >= 0).sum().view(1), (len(FETCH_KINDS) - 1, 0)))
         words, warps = self.gather_shape
-        # the misses, on the critical path: the full grid, but in a layer with CPU experts the prefetch's programs
-        # (the same rate): the full grid holds every SM for the gather's length, and the side stream's handoff
-        # kernels waited for it to end (on the H100, 8 captured units of a 0.99 ms gather beside a 0.5 ms host
-        # path: 1.40-1.50 ms a unit at the full grid, 1.02-1.04 at 32 programs; host_node_overlap.py)
-        programs = self.prefetch_programs if index in self.cpu else None
+        # the misses, on the critical path: the full grid, but in a layer whose CPU experts a host node computes
+        # the prefetch's programs (the same rate): the full grid holds every SM for the gather's length, and the
+        # host node's side stream kernels waited for it to end (on the H100, 8 captured units of a 0.99 ms gather
+        # beside a 0.5 ms host path: 1.40-1.50 ms a unit at the full grid, 1.02-1.04 at 32 programs;
+        # host_node_overlap.py). The doorbell's ring ran on this stream before the gather and has no side stream.
+        programs = self.prefetch_programs if index in self.cpu and cpu.handoff == "host-node" else None
         for name in self.param_names:
             gather_rows(self.host_device[index, name], self.buffer[name][base:base + self.fetch_slots], source_ids,
                         max_programs=programs, block_words=words, num_warps=warps)

@@ -75,25 +75,48 @@ def plan(folder: Path, profile: str, sequences: int, budget: int, flags: list, p
     return {"exit": made.code, "error": made.error if made.code else None}
 
 
-def first_split(ids: list[int], logits: list, reference_ids: list[int], reference_logits: list,
-                tolerance: float) -> dict:
-    """Where a greedy decode first takes another token than the reference's, and whether the tolerance admits it:
-    each step's logits against the reference's, as a share of the reference step's largest magnitude, up to and
-    at the split (``worst_share``); the reference's top-two gap there, as the same share (``margin_share``); a
-    near tie is a gap within twice the tolerance (the CPU's fp32 sums may then break it the other way), anything
-    else a fault. ``logits``: per step, a 1-D tensor over the vocabulary."""
-    split = next((step for step, (a, b) in enumerate(zip(ids, reference_ids)) if a != b), None)
-    last = len(ids) - 1 if split is None else split
-    worst = 0.0
-    for step in range(last + 1):
-        scale = float(reference_logits[step].abs().max())
-        worst = max(worst, float((logits[step] - reference_logits[step]).abs().max()) / scale)
-    result = {"split_at": split, "worst_share": worst, "within_tolerance": worst <= tolerance}
+def first_split(logits: list, reference_logits: list, tolerance: float) -> dict:
+    """Where a greedy decode first takes another token than the reference's, and whether the tolerance admits it.
+    ``logits``: per decode step, a 1-D tensor over the vocabulary; step k's argmax is the token that step k + 1
+    reads (the prefill's argmax is read by step 0), so the split is the first step whose argmax differs, and
+    every step up to it read the same tokens in both decodes. Each step's logits against the reference's, as a
+    share of the reference step's largest magnitude, up to and at the split (``worst_share``, and per step in
+    ``shares``); the reference's top-two gap there, as the same share (``margin_share``); a near tie is a gap
+    within twice the tolerance (the CPU's fp32 sums may then break it the other way), anything else a fault."""
+    split = next((step for step, (a, b) in enumerate(zip(logits, reference_logits))
+                  if int(a.argmax()) != int(b.argmax())), None)
+    last = min(len(logits), len(reference_logits)) - 1 if split is None else split
+    shares = [float((logits[step] - reference_logits[step]).abs().max()) / float(reference_logits[step].abs().max())
+              for step in range(last + 1)]
+    worst = max(shares, default=0.0)
+    result = {"split_at": split, "worst_share": worst, "within_tolerance": worst <= tolerance,
+              "shares": [round(share, 5) for share in shares]}
     if split is not None:
         top_two = reference_logits[split].topk(2).values
         margin = float(top_two[0] - top_two[1]) / float(reference_logits[split].abs().max())
         result |= {"margin_share": margin, "near_tie": margin <= 2 * tolerance}
     return result
+
+
+#: the routing trace's prompts (random weights route alike whatever the words) and decode steps after each
+TRACE_PROMPTS = ("The capital of France is", "Write a short poem about the sea.", "def fibonacci(n):",
+                 "Explain how a transformer decodes one token.", "List three prime numbers:",
+                 "Translate to German: good morning", "The quick brown fox", "In 1969, the first")
+TRACE_DECODE_TOKENS = 32
+
+
+def routing_trace(folder: Path, work: Path) -> list:
+    """make's flags for the model's own routing trace, recorded once into ``work`` (none where trace fails)."""
+    trace, prompts = work / "trace.yaml", work / "prompts.txt"
+    if not trace.exists():
+        prompts.write_text("\n".join(TRACE_PROMPTS) + "\n")
+        done = cli(["trace", "--model", folder, "--prompts", prompts, "--decode-tokens", TRACE_DECODE_TOKENS,
+                    "-o", trace])
+        gpu_clean()  # the trace's model leaves the GPU before the plans' runs
+        if done.code:
+            print(f"  trace failed: {done.error}", flush=True)
+            return []
+    return ["--routing-trace", trace]
 
 
 def greedy_logits(path: Path, num_tokens: int) -> tuple[list[int], list]:
@@ -147,6 +170,17 @@ def main() -> int:
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     parser.add_argument("--logits", action="store_true",
                         help="for arms with CPU experts, compare each step's logits with all-resident's (first_split)")
+    parser.add_argument("--measure", action="store_true", help="make every plan with --measure (the GPU's times)")
+    parser.add_argument("--trace", action="store_true",
+                        help="record the model's routing of TRACE_DECODE_TOKENS decode steps after each of "
+                             "TRACE_PROMPTS (offload-plan trace) and make every plan with it (--routing-trace): "
+                             "the prefetch's accuracy and the experts' shares measured, not assumed. Not for random "
+                             "weights: their greedy decodes repeat two tokens, so the trace sees a few experts "
+                             "and the plans priced from it expected 0.05% of the routed bytes the bench's prompt "
+                             "fetched (2026-11-28)")
+    parser.add_argument("--prefetch-accuracy", nargs="+", default=[], metavar="MODEL=SHARE",
+                        help="make a model's plans with --prefetch-accuracy SHARE (a run's measured share of "
+                             "predictions right, where random weights predict worse than the planner's default)")
     parser.add_argument("--cpu-threads", type=int, default=None,
                         help="the CPU experts' threads (default: the profile's, calibrate's count)")
     parser.add_argument("--gpu", dest="profile", default=None, help="profile (default: calibrate, once, into OUT)")
@@ -168,6 +202,9 @@ def main() -> int:
               f"(the release at {full_gib} GiB), checkpoint {write_s:.0f} s", flush=True)
         work = args.out / name
         work.mkdir(exist_ok=True)
+        flags = (["--measure"] if args.measure else []) + (routing_trace(folder, work) if args.trace else [])
+        accuracy = dict(entry.split("=") for entry in args.prefetch_accuracy).get(name)
+        flags += ["--prefetch-accuracy", accuracy] if accuracy else []
         reference = work / "resident.yaml"
         made = cli(["make", "--model", folder, "--gpu", profile, "--tokens", 1, "--sequences", 1, "--context",
                     CONTEXT, "--cuda-graph", "-o", reference])  # no budget: the whole GPU, every weight resident
@@ -178,13 +215,13 @@ def main() -> int:
             for arm in args.arms:
                 path = work / f"{arm}-{sequences}.yaml"
                 row = {"model": name, "layers": int(layers), "budget_bytes": budget, "sequences": sequences,
-                       "arm": arm, "make": plan(folder, profile, sequences, budget, ARMS[arm], path)}
+                       "arm": arm, "make": plan(folder, profile, sequences, budget, ARMS[arm] + flags, path)}
                 if row["make"]["exit"] == 0:
                     row |= plan_facts(path) | run_plan(path, NEW_TOKENS)
                     row["tokens_equal"] = row.get("text") is not None and row["text"] == reference_row.get("text")
                     if reference_logits is not None and row.get("cpu_experts"):
                         gpu_clean()
-                        row["logits"] = first_split(*greedy_logits(path, NEW_TOKENS), *reference_logits,
+                        row["logits"] = first_split(greedy_logits(path, NEW_TOKENS)[1], reference_logits[1],
                                                     BF16_TOLERANCE)
                         gpu_clean()
                 rows.append(row)

@@ -40,14 +40,14 @@ def test_the_table_prices_the_choice_against_the_other_arms_not_the_resident_ref
 def test_a_split_at_a_near_tie_is_told_from_a_fault():
     torch = pytest.importorskip("torch")
     reference = [torch.tensor([4.0, 1.0, 0.0]), torch.tensor([2.0, 1.99, 0.0]), torch.tensor([0.0, 4.0, 1.0])]
-    same = bench_hybrid.first_split([0, 0, 1], reference, [0, 0, 1], reference, 2**-6)
-    assert same == {"split_at": None, "worst_share": 0.0, "within_tolerance": True}
+    same = bench_hybrid.first_split(reference, reference, 2**-6)
+    assert same == {"split_at": None, "worst_share": 0.0, "within_tolerance": True, "shares": [0.0, 0.0, 0.0]}
     # step 1 is a near tie (gap 0.01 of 2.0): a nudge within the tolerance takes the other token
     nudged = [reference[0], torch.tensor([1.995, 2.0, 0.0]), torch.tensor([0.0, 4.0, 1.0])]
-    tie = bench_hybrid.first_split([0, 1, 1], nudged, [0, 0, 1], reference, 2**-6)
+    tie = bench_hybrid.first_split(nudged, reference, 2**-6)
     assert tie["split_at"] == 1 and tie["near_tie"] and tie["within_tolerance"]
     # a split where the reference's top two are far apart, the logits far off: a fault
     far = [reference[0], torch.tensor([3.0, 0.0, 0.0]), reference[2]]
     wrong = [reference[0], torch.tensor([0.0, 3.0, 0.0]), reference[2]]
-    fault = bench_hybrid.first_split([0, 1, 1], wrong, [0, 0, 1], far, 2**-6)
+    fault = bench_hybrid.first_split(wrong, far, 2**-6)
     assert fault["split_at"] == 1 and not fault["near_tie"] and not fault["within_tolerance"]
