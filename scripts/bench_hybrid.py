@@ -17,15 +17,19 @@ weights written for the full model). Per sequence count S, one plan each, all gr
 then ``run --bench --json`` (ms per step against the plan's prediction) and ``run --prompt`` (64 greedy tokens,
 compared with the all-resident plan's; scripts/conformance.run_plan); with ``--logits``, an arm with CPU experts
 also decodes the prompt in this process, and each step's logits are compared with all-resident's (first_split:
-where the tokens split, and whether at a near tie the bf16 tolerance admits). Rows go to OUT/bench-hybrid.json as
-they finish; a table is printed last: ms per step, predicted, the choice's speed over fetch-only and the choice's
-regret (its step over the fastest arm's), the CPU's share and whether the tokens equal all-resident's.
+where the tokens split, and whether at a near tie the bf16 tolerance admits); with ``--repeats R``, each sequence
+count's plans are benched R times, arm after arm in turn, and priced by their medians. Rows go to
+OUT/bench-hybrid.json as they finish; a table is printed last: ms per step, predicted, the choice's speed over
+fetch-only and the choice's regret (its step over the fastest arm's), the CPU's share and whether the tokens equal
+all-resident's.
 """
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -158,9 +162,30 @@ def plan_facts(path: Path) -> dict:
 
 
 def step_ms(row: dict) -> tuple[float | None, float | None]:
-    """The bench's measured and predicted ms per step."""
+    """The bench's measured ms per step (the median over its repeats where rebench added some) and predicted."""
     bench = row.get("bench") or {}
-    return bench.get("step_ms"), bench.get("predicted_step_ms")
+    repeats = [ms for ms in row.get("step_ms_repeats", ()) if ms is not None]
+    measured = statistics.median(repeats) if repeats else bench.get("step_ms")
+    return measured, bench.get("predicted_step_ms")
+
+
+def rebench(group: list[dict], work: Path, extra: int) -> None:
+    """``extra`` more ``run --bench`` of each arm of ``group`` (one sequence count's plans that ran), arm after arm
+    in turn so that the host's drift falls on every arm alike; each row's ``step_ms_repeats`` lists every run's
+    ms per step, the first run's included."""
+    ran = [row for row in group if (row.get("bench") or {}).get("step_ms") is not None]
+    for row in ran:
+        row["step_ms_repeats"] = [row["bench"]["step_ms"]]
+    for _ in range(extra):
+        for row in ran:
+            gpu_clean()
+            bench = cli(["run", work / f"{row['arm']}-{row['sequences']}.yaml", "--bench", "--json"])
+            measured = None
+            if bench.code == 0:
+                with contextlib.suppress(ValueError):
+                    measured = json.loads(bench.stdout[bench.stdout.index("{"):]).get("step_ms")
+            row["step_ms_repeats"].append(measured)
+    gpu_clean()
 
 
 def main() -> int:
@@ -181,6 +206,9 @@ def main() -> int:
     parser.add_argument("--prefetch-accuracy", nargs="+", default=[], metavar="MODEL=SHARE",
                         help="make a model's plans with --prefetch-accuracy SHARE (a run's measured share of "
                              "predictions right, where random weights predict worse than the planner's default)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="bench each sequence count's plans this many times, arm after arm in turn, and "
+                             "report each arm's median step (the host's step varies 10-20%% between runs)")
     parser.add_argument("--cpu-threads", type=int, default=None,
                         help="the CPU experts' threads (default: the profile's, calibrate's count)")
     parser.add_argument("--gpu", dest="profile", default=None, help="profile (default: calibrate, once, into OUT)")
@@ -231,6 +259,9 @@ def main() -> int:
                       f"cpu experts {row.get('cpu_experts')} equal {row.get('tokens_equal')} "
                       f"{row['logits'] if 'logits' in row else ''} "
                       f"{row['make'].get('error') or row.get('errors', {}).get('bench') or ''}", flush=True)
+            rebench([row for row in rows if row["model"] == name and row["sequences"] == sequences
+                     and row["arm"] != "resident"], work, args.repeats - 1)
+            rows_path.write_text(json.dumps(rows, indent=1))
     print(table(rows))
     return 0
 
@@ -258,8 +289,10 @@ def table(rows: list[dict]) -> str:
             cpu = ((row.get("bench") or {}).get("routed") or {}).get("cpu") or {}
             on_cpu = f"{row.get('cpu_experts', '-')}" + (
                 f" ({cpu['pairs_per_step']:.1f} pairs, host {cpu['host_ms_per_step']:.2f} ms a step)" if cpu else "")
-            lines.append(f"| {model} | {sequences} | {row['arm']} | {fmt(measured)} | {fmt(predicted)} | {error} | "
-                         f"{on_cpu} | {row.get('tokens_equal', '-')} |")
+            repeats = [ms for ms in row.get("step_ms_repeats", ()) if ms is not None]
+            spread = f" ({min(repeats):.2f}-{max(repeats):.2f}, {len(repeats)} runs)" if len(repeats) > 1 else ""
+            lines.append(f"| {model} | {sequences} | {row['arm']} | {fmt(measured)}{spread} | {fmt(predicted)} | "
+                         f"{error} | {on_cpu} | {row.get('tokens_equal', '-')} |")
         valid = [ms for ms in steps.values() if ms]
         if steps.get("choice") and steps.get("fetch"):
             lines.append(f"| {model} | {sequences} | choice / fetch-only speed | "

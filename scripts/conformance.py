@@ -288,6 +288,10 @@ def ensure_checkpoint(model: Model, root: Path, tiny: bool, device: str, header_
             write_owned_folder(folder, kind=HEADER_ONLY, fill=fill)
         else:
             write_owned_folder(folder, kind=KIND, fill=lambda staging: fill_checkpoint(config, staging, device))
+            # the shards' dirty pages written back now, not during the first benches, whose host memory traffic
+            # they would share: on the H200 host the first benches after writing 10 GB ran 1.2-1.6x the next two,
+            # the CPU experts' host step 2x (bench_hybrid --repeats 3, 2026-11-28; a suspect, not proven)
+            os.sync()
     return folder, time.perf_counter() - start
 
 

@@ -51,3 +51,13 @@ def test_a_split_at_a_near_tie_is_told_from_a_fault():
     wrong = [reference[0], torch.tensor([0.0, 3.0, 0.0]), reference[2]]
     fault = bench_hybrid.first_split(wrong, far, 2**-6)
     assert fault["split_at"] == 1 and not fault["near_tie"] and not fault["within_tolerance"]
+
+
+def test_repeated_benches_are_priced_by_their_median():
+    choice, fetch = _row("choice", 10.0, 9.0), _row("fetch", 12.0, 11.0)
+    choice["step_ms_repeats"] = [10.0, 9.0, 30.0]  # one slow run does not move the median
+    fetch["step_ms_repeats"] = [12.0, None, 11.0]  # a failed repeat is left out
+    assert bench_hybrid.step_ms(choice) == (10.0, 9.0) and bench_hybrid.step_ms(fetch) == (11.5, 11.0)
+    table = bench_hybrid.table([choice, fetch])
+    assert "| m | 1 | choice | 10.000 (9.00-30.00, 3 runs) | 9.000 | -10.0% |" in table
+    assert "| m | 1 | choice / fetch-only speed | 1.150x |" in table
