@@ -31,3 +31,22 @@ def test_unedited_plans_pass_every_reader():
         result = run_regression(which, PLAN_READERS[0], {"plan.yaml": base().plan_text_of(which).encode()},
                                 then=PLAN_READERS[1:], invalid=False, moe=moe)
         assert result.verdict == "accepted", (which, result)
+
+
+def test_a_plan_made_for_an_engine_is_exported_to_that_engine(tmp_path):
+    """A plan made --for sglang for a family SGLang's prefetch offloader is not wired for uses its --cpu-offload-gb
+    (offload.mechanism read_at_use); vLLM's export refuses it in one line that says to make it again --for vllm,
+    so the round trip exports such plans to their own engine (seed 62's traces cases 39, 46 and 48 had exported
+    them to both)."""
+    from pathlib import Path
+
+    from tests.fuzz import case_for
+    from tests.fuzz.core import run_case
+    from tests.fuzz.traces import READERS, readers_for
+
+    case = case_for("traces", 62, 48)
+    assert "--for sglang" in case.mutation and [r for r in case.then if r[0] == "export"] == [
+        ["export", "new.yaml", "--to", "sglang", "--explain"]]
+    result = run_case(case, Path(tmp_path), 48)
+    assert result.verdict == "accepted", result
+    assert readers_for(["--budget", "60KB"]) == tuple(list(r) for r in READERS)

@@ -13,6 +13,17 @@ TRACE = "trace.yaml"
 MAKE_ARGS = [*BASE_ARGS, "--context", "64", "--concurrency", "4", "--chunk", "64", "--routing-trace", TRACE]
 READERS = (("show", "new.yaml"), ("check", "new.yaml"), ("export", "new.yaml", "--to", "vllm"),
            ("export", "new.yaml", "--to", "sglang", "--explain"))
+
+
+def readers_for(make_args: list) -> tuple:
+    """The round trip's readers of a plan ``make_args`` wrote: every one, but a plan made ``--for`` an engine is
+    exported to that engine alone (another engine's export refuses a plan made for an engine's own offloader in one
+    line that says to make it again: planner.views.export.planned_read_at_use)."""
+    engine = make_args[make_args.index("--for") + 1] if "--for" in make_args else None
+    return tuple(list(reader) for reader in READERS
+                 if engine is None or reader[0] != "export" or reader[reader.index("--to") + 1] == engine)
+
+
 #: values no count, index or size may hold
 BAD_NUMBERS = ("x", "", None, True, 1.5, -1, [], {}, 2**41, float("nan"), float("inf"))
 
@@ -277,7 +288,7 @@ def gen_traces(rng, base_: Base) -> Case:
                     *rng.choice(([], ["--cuda-graph"])), *rng.choice(([], [], ["--for", "vllm"], ["--for", "sglang"])),
                     "-o", "new.yaml"]
             mutation += " " + " ".join(args[len(MAKE_ARGS):-2])
-            then = tuple(list(reader) for reader in READERS)
+            then = readers_for(args)
         data = yaml_text(trace).encode()
     elif roll < 0.35:
         mutation, data = _text_mutation(rng, yaml_text(trace))
