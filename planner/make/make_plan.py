@@ -35,6 +35,7 @@ from planner.source.profile import load_profile, with_measured_context
 from planner.source.routing_trace import check_against, read_trace
 from planner.search.groups import Choice, LayerBytes, gpu_bytes_of, minimum_gpu_bytes
 from planner.search.serving import OtherBytes, search_serving
+from planner.search.routed_step import trace_condition_warning
 from planner.make.tp_sizes import check_tp_inputs
 from planner.model.tensor_parallel import shard_checkpoint
 from planner.units import format_bytes
@@ -72,8 +73,10 @@ def make_plan(inputs: Inputs, compute_override: ComputeTimes | None = None,
     # Not while --measure builds models on the GPU, whose memory a collected cycle may be holding
     measuring = measure is not None or measure_activations is not None or measure_link is not None
     with contextlib.nullcontext() if measuring else collector_paused():
-        return _make_plan(inputs, compute_override, measure, measure_activations, checkpoint, measure_link,
-                          context_bytes)
+        planned = _make_plan(inputs, compute_override, measure, measure_activations, checkpoint, measure_link,
+                             context_bytes)
+    condition = trace_condition_warning(planned.plan)
+    return planned if condition is None else replace(planned, warnings=(*planned.warnings, condition))
 
 
 def _make_plan(inputs: Inputs, compute_override: ComputeTimes | None, measure: MeasureFunction | None,

@@ -12,12 +12,13 @@ at WAIT_AT_LAYER_SHARE of the layer's compute; the step and its stalls do not de
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from planner.model.cost import is_decode_step
 from planner.model.expert_placement import RoutedPlacement, gather_ms, gather_rate
 from planner.search.cpu_experts import layer_wait_ms
 from planner.model.expert_prefetch import layer_shares, planned_layer_stall_ms
+from planner.plan.experts_section import ExpertLayer
 from planner.plan.schema import Plan, routed_layer_expert_bytes
 from planner.search.simulate import Interval, Simulation
 
@@ -117,17 +118,17 @@ def placement_fetches(placement: RoutedPlacement) -> tuple[RoutedFetch, ...]:
                              **_shares(layer_shares(row, hit, ahead))) for row in placement.layers)
 
 
-def plan_fetches(plan: Plan) -> tuple[RoutedFetch, ...]:
-    """A plan's routed layers as the timeline's fetches, from the figures the plan holds: each layer's expected
-    fetched bytes and expert bytes at the section's gather rate, its prefetch shares (ExpertsPlan.prefetch_shares
-    where the layer holds none)."""
+def plan_fetches(plan: Plan, rows: tuple[ExpertLayer, ...] | None = None) -> tuple[RoutedFetch, ...]:
+    """A plan's routed layers (or ``rows`` in their place) as the timeline's fetches, from the figures the plan
+    holds: each layer's expected fetched bytes and expert bytes at the section's gather rate, its prefetch shares
+    (ExpertsPlan.prefetch_shares where the layer holds none)."""
     experts, hardware = plan.experts, plan.hardware
     rate = experts.routed_fetch_bytes_per_s
     hit, ahead = experts.prefetch_shares() or (None, 1.0)
     tokens = plan.workload.tokens_per_step
     gathering = is_decode_step(plan.workload)
     fetches = []
-    for row in experts.routed_layers:
+    for row in experts.routed_layers if rows is None else rows:
         expert_bytes = routed_layer_expert_bytes(plan, row)
         expert_ms = 1e3 * expert_bytes / rate
         gather = gather_ms(tokens, experts.top_k, experts.num_experts, expert_bytes,
@@ -138,10 +139,65 @@ def plan_fetches(plan: Plan) -> tuple[RoutedFetch, ...]:
     return tuple(fetches)
 
 
-def plan_decode_step(plan: Plan) -> Simulation:
-    """A routed plan's decode step from its own rows (what show draws and check holds prediction.step_ms to)."""
+def plan_decode_step(plan: Plan, rows: tuple[ExpertLayer, ...] | None = None) -> Simulation:
+    """A routed plan's decode step from its own rows (what show draws and check holds prediction.step_ms to), or
+    from ``rows`` in their place."""
     return routed_decode_step(tuple(row.compute_ms for row in plan.layers), plan.prediction.head_ms,
-                              plan_fetches(plan), plan.experts.fetch_slots)
+                              plan_fetches(plan, rows), plan.experts.fetch_slots)
+
+
+#: a traced plan whose step, routed uniformly, would take this many times its own is said by make (a warning)
+TRACE_CONDITION_WARN_RATIO = 1.5
+
+
+@dataclass(frozen=True, kw_only=True)
+class UniformRouting:
+    """A traced routed plan's placement with its tokens routed uniformly instead of as its trace's were."""
+
+    #: expected experts fetched a step, over every routed layer
+    fetched_experts: float
+    #: the decode step, ms: with CPU experts a floor (more of the step's pairs would reach them than the trace's)
+    step_ms: float
+    #: the plan's own step by the same timeline (plan_decode_step: prediction.step_ms, unrounded)
+    planned_step_ms: float
+    #: whether the plan has CPU experts (step_ms is then a floor)
+    floor: bool
+
+
+def uniform_routing_step(plan: Plan) -> UniformRouting | None:
+    """A routed plan made from a routing trace, decoding tokens routed uniformly instead: the same resident and
+    CPU experts, each layer's other experts touched at 1 - (1 - k/E)^B (B the step's tokens), each CPU path as
+    planned. The trace's routing is the condition of the plan's promise; this says what the plan does without it
+    (the routing a trace of few tokens, or of other prompts, may not hold). None: uniform routing, or no routed
+    layer, or not a decode step."""
+    experts = plan.experts
+    if experts is None or experts.routing == "uniform" or not experts.routed_layers \
+            or not is_decode_step(plan.workload):
+        return None
+    touched = 1 - (1 - experts.top_k / experts.num_experts) ** plan.workload.tokens_per_step
+    rows, fetched = [], 0.0
+    for row in experts.routed_layers:
+        others = touched * (experts.num_experts - len(row.resident) - len(row.cpu))
+        fetched += others
+        # the trace's per-expert prefetch figures describe its own routing: the section's shares serve instead
+        rows.append(replace(row, expected_fetched_bytes=round(others * routed_layer_expert_bytes(plan, row)),
+                            prefetch_hit_share=None, prefetch_ahead_share=None))
+    step = plan_decode_step(plan, tuple(rows)).step_ms
+    return UniformRouting(fetched_experts=fetched, step_ms=step, planned_step_ms=plan_decode_step(plan).step_ms,
+                          floor=any(row.cpu for row in rows))
+
+
+def trace_condition_warning(plan: Plan) -> str | None:
+    """make's warning where a traced plan's step, routed uniformly, would take TRACE_CONDITION_WARN_RATIO x its
+    own or more: the promise holds only for traffic routed as the trace's was."""
+    uniform = uniform_routing_step(plan)
+    if uniform is None or uniform.step_ms < TRACE_CONDITION_WARN_RATIO * uniform.planned_step_ms:
+        return None
+    return (f"the plan's {plan.prediction.step_ms:.2f} ms step holds for traffic routed as the trace's was: routed "
+            f"uniformly, its resident experts would leave {uniform.fetched_experts:.1f} experts a step to fetch and "
+            f"the step would take {'at least ' if uniform.floor else ''}{uniform.step_ms:.2f} ms "
+            f"(x{uniform.step_ms / uniform.planned_step_ms:.1f}); record the trace on prompts like your traffic, "
+            "with --decode-tokens for decode steps")
 
 
 def _shares(shares: tuple[float | None, float]) -> dict:

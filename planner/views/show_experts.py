@@ -6,6 +6,7 @@ from rich.text import Text
 from planner.plan.experts_section import ExpertLayer, ExpertsPlan
 
 from planner.plan.schema import Plan
+from planner.search.routed_step import uniform_routing_step
 from planner.views.show_cpu_experts import cpu_lines
 from planner.units import format_bytes, format_ms
 
@@ -19,7 +20,7 @@ def experts_text(plan: Plan) -> Text:
              f"{experts.num_experts} experts of {format_bytes(experts.expert_bytes)}; routing: "
              f"{_routing_words(experts)})."]
     if routed:
-        lines += _routed_lines(plan, experts, routed) + cpu_lines(plan, experts)
+        lines += _routed_lines(plan, experts, routed) + cpu_lines(plan, experts) + _uniform_lines(plan)
     else:
         lines.append(_whole_layer_line(plan, experts))
     lines += _crossover_lines(plan, experts)
@@ -55,6 +56,17 @@ def _routed_lines(plan: Plan, experts: ExpertsPlan, routed: tuple[ExpertLayer, .
         f"staging {experts.num_experts} experts ({format_bytes(experts.staging_buffer_bytes)}); a prefill chunk copies "
         "each routed layer's non-resident experts whole.",
     ]
+
+
+def _uniform_lines(plan: Plan) -> list[str]:
+    """A traced plan's condition: its step with the same placement and tokens routed uniformly."""
+    uniform = uniform_routing_step(plan)
+    if uniform is None:
+        return []
+    return [f"  The step holds for traffic routed as the trace's was: routed uniformly instead, the resident "
+            f"experts leave {uniform.fetched_experts:.1f} experts a step to fetch and the step takes "
+            f"{'at least ' if uniform.floor else ''}{format_ms(uniform.step_ms)} (this plan: "
+            f"{format_ms(plan.prediction.step_ms)})."]
 
 
 def _fetch_line(experts: ExpertsPlan, fetch_ms: float, prefetch_off: bool = False) -> str:

@@ -17,6 +17,7 @@ from planner.make.make_plan import make_plan
 from planner.plan.schema import Inputs
 from planner.plan.file import read_plan
 from planner.source.routing_trace import RoutingTrace, check_against, read_trace, render_trace, trace_from_dict
+from planner.search.routed_step import TRACE_CONDITION_WARN_RATIO, uniform_routing_step
 from runtime.trace import count_routing
 from tests.conftest import assert_one_line_error, make_checkpoint, run_cli
 from tests.helpers import roofline_profile
@@ -169,3 +170,41 @@ def test_make_takes_the_rank_accuracy_from_the_trace(tmp_path):
                             budget=f"{int(budget)}B", routing_trace=str(tmp_path / "trace.yaml"))).plan
     assert plan.experts.regime == "routed", plan.experts
     assert plan.experts.prefetch_rank_accuracy == (0.75,) and plan.experts.prefetch_accuracy == 0.75
+
+
+def test_a_traced_plan_states_its_step_under_uniform_routing(tmp_path):
+    """The trace's routing is the condition of a traced plan's promise: routed uniformly, the same residents leave
+    (E - resident) x (1 - (1 - k/E)^B) experts a layer to fetch. make warns where that step is 1.5x the plan's or
+    more, show says it for every traced plan, and a plan of uniform routing has nothing to say."""
+    written = make_checkpoint(tmp_path / "moe", moe={"num_experts": 4, "top_k": 1, "expert_intermediate": 32})
+    checkpoint = load_checkpoint(str(written.path))
+    geometry = moe_geometry(checkpoint.config, build_layout(checkpoint, None))
+    layer = geometry.layers[0]
+    budget = math.ceil((written.non_layer_bytes + 4 * layer.other_bytes + (1 + 4 + 1) * layer.expert_bytes) * 1.5)
+    words = ["make", "--model", "moe", "--gpu", roofline_profile(tmp_path), "--tokens", "1", "--context", "64",
+             "--budget", f"{budget}B", "-o"]
+    warnings = {}
+    for name, counts in (("hot", (0, 0, 0, 20)), ("even", (5, 5, 5, 5))):
+        trace = RoutingTrace(model_fingerprint=checkpoint.fingerprint(), num_experts=4, top_k=1, num_tokens=20,
+                             layers=tuple((moe.index, counts) for moe in geometry.layers))
+        (tmp_path / f"{name}.yaml").write_text(render_trace(trace, "offload-plan trace"))
+        made = run_cli([*words, f"{name}-plan.yaml", "--routing-trace", f"{name}.yaml"], cwd=tmp_path)
+        assert made.returncode == 0, made.stderr
+        plan = read_plan(tmp_path / f"{name}-plan.yaml")
+        uniform = uniform_routing_step(plan)
+        others = sum(4 - len(row.resident) for row in plan.experts.routed_layers)
+        assert uniform.fetched_experts == pytest.approx(others * (1 - (1 - 1 / 4) ** 1))
+        assert not uniform.floor
+        warned = warnings[name] = "routed uniformly" in made.stderr
+        assert warned == (uniform.step_ms >= TRACE_CONDITION_WARN_RATIO * uniform.planned_step_ms)
+        shown = run_cli(["show", f"{name}-plan.yaml"], cwd=tmp_path).stdout
+        assert "The step holds for traffic routed as the trace's was" in " ".join(shown.split())
+    hot, even = (read_plan(tmp_path / f"{name}-plan.yaml") for name in ("hot", "even"))
+    assert all(row.hit_rate == 1.0 for row in hot.experts.routed_layers)  # the trace's promise: nothing to fetch
+    assert uniform_routing_step(hot).step_ms > uniform_routing_step(hot).planned_step_ms  # uniform routing breaks it
+    # a trace as even as uniform routing: no worse than the plan's own step (which prices the optimism of
+    # choosing residents by 20 tokens' counts: planner.model.selection_bias), so no warning
+    assert uniform_routing_step(even).step_ms <= uniform_routing_step(even).planned_step_ms
+    assert warnings == {"hot": True, "even": False}
+    made = run_cli([*words, "uniform-plan.yaml"], cwd=tmp_path)
+    assert made.returncode == 0 and uniform_routing_step(read_plan(tmp_path / "uniform-plan.yaml")) is None
