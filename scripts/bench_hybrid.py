@@ -12,7 +12,8 @@ weights written for the full model). Per sequence count S, one plan each, all gr
 - ``choice``: ``make --tokens S --sequences S --budget B`` (``--cpu-experts auto``: the planner may put experts on
   the CPU);
 - ``fetch``: the same with ``--cpu-experts off`` (routed experts, every miss fetched);
-- ``whole``: the same with ``--for vllm`` (whole layers, no routed experts);
+- ``whole``: the same with ``--routed-experts off`` (whole layers, no routed experts; before 2026-11-28 late,
+  ``--for vllm``, which vLLM's unwired families refuse);
 
 then ``run --bench --json`` (ms per step against the plan's prediction) and ``run --prompt`` (64 greedy tokens,
 compared with the all-resident plan's; scripts/conformance.run_plan); with ``--logits``, an arm with CPU experts
@@ -40,7 +41,7 @@ from scripts.conformance import MODELS, calibrated_profile, cli, ensure_checkpoi
 GiB = 2**30
 CONTEXT = 4096
 NEW_TOKENS = 64
-ARMS = {"choice": [], "fetch": ["--cpu-experts", "off"], "whole": ["--for", "vllm"]}
+ARMS = {"choice": [], "fetch": ["--cpu-experts", "off"], "whole": ["--routed-experts", "off"]}
 
 
 def bytes_split(config: dict) -> tuple[int, int]:

@@ -11,7 +11,7 @@ from planner.plan.bounds import BOUNDS, MAX_KNOB, MAX_TPOT_MS, within
 from planner.model.cost import Workload
 from planner.errors import UsageError, cut, shown
 from planner.model.kv_cache import KV_DTYPES
-from planner.plan.experts_section import CPU_EXPERTS_CHOICES
+from planner.plan.experts_section import CPU_EXPERTS_CHOICES, ROUTED_EXPERTS_CHOICES
 from planner.model.model_config import ModelConfig
 from planner.plan.schema import Inputs
 from planner.source.profile import HardwareProfile
@@ -90,6 +90,9 @@ def _check_serving_inputs(inputs: Inputs) -> None:
     if inputs.cpu_experts not in CPU_EXPERTS_CHOICES:
         raise UsageError(f"--cpu-experts {shown(inputs.cpu_experts)} is not one of "
                          f"{', '.join(CPU_EXPERTS_CHOICES)}: auto (the default) or off (fetch every miss)")
+    if inputs.routed_experts not in ROUTED_EXPERTS_CHOICES:
+        raise UsageError(f"--routed-experts {shown(inputs.routed_experts)} is not one of "
+                         f"{', '.join(ROUTED_EXPERTS_CHOICES)}: auto (the default) or off (whole layers only)")
     if inputs.max_tpot_ms is not None and not (math.isfinite(inputs.max_tpot_ms)
                                                and 0 < inputs.max_tpot_ms <= MAX_TPOT_MS):
         raise UsageError(f"--max-tpot-ms {inputs.max_tpot_ms:g} is not a time; give milliseconds above 0 and at most "

@@ -328,6 +328,8 @@ def _routed_ruled_out(inputs: Inputs, layout: ModelLayout, geometry) -> str | No
     leave the experts resident never move them."""
     if inputs.engine is not None:
         return f"--for {inputs.engine}: the engine offloads whole params of chosen layers, not routed experts"
+    if inputs.routed_experts == "off":
+        return "--routed-experts off: every MoE layer resident or streamed whole"
     pinned = [flag for flag, value in (("--group-size", inputs.group_size), ("--num-in-group", inputs.num_in_group),
                                        ("--prefetch-step", inputs.prefetch_step)) if value is not None]
     if pinned:

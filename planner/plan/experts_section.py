@@ -26,6 +26,8 @@ PREFETCH_ACCURACY_SOURCES = ("assumed", "trace_per_rank", "trace_per_expert")
 #: make --cpu-experts (inputs.cpu_experts): auto (the planner weighs the host CPU where the profile measured it) or
 #: off (fetch every miss)
 CPU_EXPERTS_CHOICES = ("auto", "off")
+#: make --routed-experts: whether routed placements are weighed beside whole layers
+ROUTED_EXPERTS_CHOICES = ("auto", "off")
 #: experts.cpu.dtype: the host copy of the CPU experts the CPU reads (planner.source.profile.CPU_EXPERT_DTYPES)
 CPU_COPY_DTYPES = ("bf16", "fp32")
 

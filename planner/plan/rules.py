@@ -7,7 +7,7 @@ are planner.plan.figures, checked after these.
 import re
 
 from planner.errors import shown
-from planner.plan.experts_section import CPU_EXPERTS_CHOICES
+from planner.plan.experts_section import CPU_EXPERTS_CHOICES, ROUTED_EXPERTS_CHOICES
 from planner.plan.figures import first_disagreeing_figure, is_decode, near
 from planner.plan.schema import NOTHING_FITS, AdaptersSection, Plan, routed_rows
 
@@ -57,6 +57,11 @@ def _input_rules(plan: Plan) -> str | None:
         return f"inputs.cpu_experts {shown(inputs.cpu_experts)} is not one of {', '.join(CPU_EXPERTS_CHOICES)}"
     if inputs.cpu_experts == "off" and plan.experts is not None and plan.experts.cpu is not None:
         return "experts.cpu is given but inputs.cpu_experts is off"
+    if inputs.routed_experts not in ROUTED_EXPERTS_CHOICES:
+        return (f"inputs.routed_experts {shown(inputs.routed_experts)} is not one of "
+                f"{', '.join(ROUTED_EXPERTS_CHOICES)}")
+    if inputs.routed_experts == "off" and plan.experts is not None and plan.experts.routed_layers:
+        return "experts.layers has routed layers but inputs.routed_experts is off"
     return None
 
 

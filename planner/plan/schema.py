@@ -126,6 +126,10 @@ class Inputs:
     cpu_experts: str = field(default="auto", metadata=option(
         "--cpu-experts", "MoE, routed experts, decode: auto (compute some non-resident experts on the host CPU where "
                          "the profile measured its rate and that step is faster) or off (fetch every miss)."))
+    routed_experts: str = field(default="auto", metadata=option(
+        "--routed-experts", "MoE: auto (fetch only a step's routed, non-resident experts where that is faster "
+                            "than streaming whole layers) or off (every MoE layer resident or streamed whole, as "
+                            "the engines offload)."))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -425,7 +429,7 @@ class Plan:
 #: Inputs keys a plan holds only when they are given (their defaults otherwise)
 OPTIONAL_INPUTS = {"adapters": (), "adapter_slots": None, "routing_trace": None, "prefetch_accuracy": None,
                    "prefetch_depth": None,
-                   "tp": 1, "engine": None, "cpu_experts": "auto"}
+                   "tp": 1, "engine": None, "cpu_experts": "auto", "routed_experts": "auto"}
 
 
 #: offload keys written only where not these (plans for the prefetch offloader keep their bytes)

@@ -30,6 +30,7 @@ MAKE_FLAGS = {
     # the base model is dense: any prefetch depth is refused (it is for routed experts)
     "--prefetch-depth": (("0", "2", "-1", "9" * 30, "x"), ("0", "2", "-1", "9" * 30, "x")),
     "--cpu-experts": (("auto", "off", "maybe", "", "a\nb"), ("maybe", "", "a\nb")),
+    "--routed-experts": (("auto", "off", "never", "", "a\nb"), ("never", "", "a\nb")),
 }
 OUTPUTS = ((GUARD_NAME, False), ("missing/plan.yaml", True), ("ckpt", True), ("out.yaml/plan.yaml", True),
            ("ckpt/config.json/x.yaml", True), ("", True), ("plan\n.yaml", False))

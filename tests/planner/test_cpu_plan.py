@@ -240,3 +240,30 @@ def test_cpu_ids_on_a_whole_layer_are_refused(moe):
 def test_make_refuses_an_unknown_cpu_experts_choice_in_one_line(moe):
     result = invoke(["make", "--model", "moe", "--gpu", "fast.yaml", *MAKE, "--cpu-experts", "maybe"])
     assert result.exit_code != 0 and "--cpu-experts" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_routed_experts_off_plans_whole_layers_as_the_engines_offload(moe):
+    """--routed-experts off: every MoE layer resident or streamed whole (the engines' offload, without naming an
+    engine, so for any architecture): the plan says why routed experts are not planned, records the choice, and
+    every reader takes it; a hand edit that gives such a plan routed layers, or an unknown choice, is one line."""
+    make("none.yaml", "routed.yaml")
+    make("none.yaml", "whole.yaml", "--routed-experts", "off")
+    routed, whole = read_plan("routed.yaml"), read_plan("whole.yaml")
+    assert routed.experts.regime == "routed" and routed.inputs.routed_experts == "auto"
+    assert whole.experts.regime == "whole_layer" and whole.experts.routed_layers == ()
+    assert whole.inputs.routed_experts == "off" and "routed_experts" not in open("routed.yaml").read()
+    assert "--routed-experts off" in whole.experts.routed_unavailable
+    assert whole.prediction.step_ms > routed.prediction.step_ms  # routed experts were the faster here
+    for words in (["show", "whole.yaml"], ["check", "whole.yaml"], ["diff", "routed.yaml", "whole.yaml"],
+                  ["export", "whole.yaml", "--to", "vllm"]):
+        assert invoke(words).exit_code == 0, words
+    assert "--routed-experts off" in " ".join(invoke(["show", "whole.yaml"]).stdout.split())
+    with pytest.raises(PlanError, match="inputs.routed_experts is off") as error:
+        read_plan(_edited("routed.yaml", lambda d: d["inputs"].__setitem__("routed_experts", "off")))
+    assert "\n" not in str(error.value)
+    with pytest.raises(PlanError, match="inputs.routed_experts 'sometimes' is not one of auto, off"):
+        read_plan(_edited("whole.yaml", lambda d: d["inputs"].__setitem__("routed_experts", "sometimes")))
+    refused = invoke(["make", "--model", "moe", "--gpu", "none.yaml", *MAKE, "--routed-experts", "never",
+                      "-o", "never.yaml"])
+    assert refused.exit_code != 0 and "--routed-experts 'never' is not one of auto, off" in refused.stderr
+    assert "\n" not in refused.stderr.strip() and not (moe / "never.yaml").exists()
