@@ -289,7 +289,8 @@ def table(rows: list[dict]) -> str:
             error = f"{100 * (predicted / measured - 1):+.1f}%" if measured and predicted else "-"
             cpu = ((row.get("bench") or {}).get("routed") or {}).get("cpu") or {}
             on_cpu = f"{row.get('cpu_experts', '-')}" + (
-                f" ({cpu['pairs_per_step']:.1f} pairs, host {cpu['host_ms_per_step']:.2f} ms a step)" if cpu else "")
+                f" ({cpu['pairs_per_step']:.1f} pairs, host {cpu['host_ms_per_step']:.2f} ms a step, planned "
+                f"{fmt(cpu.get('planned_cpu_ms_per_step'))})" if cpu else "")
             repeats = [ms for ms in row.get("step_ms_repeats", ()) if ms is not None]
             spread = f" ({min(repeats):.2f}-{max(repeats):.2f}, {len(repeats)} runs)" if len(repeats) > 1 else ""
             lines.append(f"| {model} | {sequences} | {row['arm']} | {fmt(measured)}{spread} | {fmt(predicted)} | "

@@ -61,3 +61,11 @@ def test_repeated_benches_are_priced_by_their_median():
     table = bench_hybrid.table([choice, fetch])
     assert "| m | 1 | choice | 10.000 (9.00-30.00, 3 runs) | 9.000 | -10.0% |" in table
     assert "| m | 1 | choice / fetch-only speed | 1.150x |" in table
+
+
+def test_the_table_shows_the_cpus_host_ms_beside_the_plans():
+    choice = _row("choice", 10.0, 9.0)
+    choice["cpu_experts"] = 34
+    choice["bench"]["routed"] = {"cpu": {"pairs_per_step": 16.5, "host_ms_per_step": 4.5,
+                                         "planned_cpu_ms_per_step": 6.0856}}
+    assert "| 34 (16.5 pairs, host 4.50 ms a step, planned 6.086) |" in bench_hybrid.table([choice])
