@@ -35,7 +35,7 @@ from planner.source.profile import load_profile, with_measured_context
 from planner.source.routing_trace import check_against, read_trace
 from planner.search.groups import Choice, LayerBytes, gpu_bytes_of, minimum_gpu_bytes
 from planner.search.serving import OtherBytes, search_serving
-from planner.search.routed_step import trace_condition_warning
+from planner.search.routed_step import trace_condition_warning, unseen_share
 from planner.make.tp_sizes import check_tp_inputs
 from planner.model.tensor_parallel import shard_checkpoint
 from planner.units import format_bytes
@@ -73,18 +73,22 @@ def make_plan(inputs: Inputs, compute_override: ComputeTimes | None = None,
     # Not while --measure builds models on the GPU, whose memory a collected cycle may be holding
     measuring = measure is not None or measure_activations is not None or measure_link is not None
     with contextlib.nullcontext() if measuring else collector_paused():
-        planned = _make_plan(inputs, compute_override, measure, measure_activations, checkpoint, measure_link,
-                             context_bytes)
-    condition = trace_condition_warning(planned.plan)
-    return planned if condition is None else replace(planned, warnings=(*planned.warnings, condition))
+        return _make_plan(inputs, compute_override, measure, measure_activations, checkpoint, measure_link,
+                          context_bytes)
 
 
 def _make_plan(inputs: Inputs, compute_override: ComputeTimes | None, measure: MeasureFunction | None,
                measure_activations: MeasureActivations | None, checkpoint: Checkpoint | None,
                measure_link: MeasureLink | None, context_bytes: int | None) -> Planned:
     model = _read_model(inputs, measure, measure_activations, checkpoint, measure_link, context_bytes)
-    if inputs.concurrency is not None:
-        return make_serving_plan(model)
+    planned = make_serving_plan(model) if inputs.concurrency is not None else _weights_plan(model, compute_override)
+    condition = trace_condition_warning(planned.plan, unseen_share(model.experts.routing) if model.experts else 0.0)
+    return planned if condition is None else replace(planned, warnings=(*planned.warnings, condition))
+
+
+def _weights_plan(model: Model, compute_override: ComputeTimes | None) -> Planned:
+    """The fastest plan for the weights alone within the budget (or the whole GPU's where none is given)."""
+    inputs = model.inputs
     workload = model.resolved.workload
     ignored = [flag for flag, given in (("--chunk", inputs.chunk != 2048), ("--max-tpot-ms", inputs.max_tpot_ms))
                if given]

@@ -17,7 +17,8 @@ from planner.make.make_plan import make_plan
 from planner.plan.schema import Inputs
 from planner.plan.file import read_plan
 from planner.source.routing_trace import RoutingTrace, check_against, read_trace, render_trace, trace_from_dict
-from planner.search.routed_step import TRACE_CONDITION_WARN_RATIO, uniform_routing_step
+from planner.search.routed_step import (TRACE_CONDITION_WARN_RATIO, TRACE_UNSEEN_WARN_SHARE, unseen_share,
+                                        uniform_routing_step)
 from runtime.trace import count_routing
 from tests.conftest import assert_one_line_error, make_checkpoint, run_cli
 from tests.helpers import roofline_profile
@@ -175,7 +176,8 @@ def test_make_takes_the_rank_accuracy_from_the_trace(tmp_path):
 def test_a_traced_plan_states_its_step_under_uniform_routing(tmp_path):
     """The trace's routing is the condition of a traced plan's promise: routed uniformly, the same residents leave
     (E - resident) x (1 - (1 - k/E)^B) experts a layer to fetch. make warns where that step is 1.5x the plan's or
-    more, show says it for every traced plan, and a plan of uniform routing has nothing to say."""
+    more and the trace never routed to a quarter of some layer's experts, show says it for every traced plan, and
+    a plan of uniform routing has nothing to say."""
     written = make_checkpoint(tmp_path / "moe", moe={"num_experts": 4, "top_k": 1, "expert_intermediate": 32})
     checkpoint = load_checkpoint(str(written.path))
     geometry = moe_geometry(checkpoint.config, build_layout(checkpoint, None))
@@ -196,7 +198,10 @@ def test_a_traced_plan_states_its_step_under_uniform_routing(tmp_path):
         assert uniform.fetched_experts == pytest.approx(others * (1 - (1 - 1 / 4) ** 1))
         assert not uniform.floor
         warned = warnings[name] = "routed uniformly" in made.stderr
-        assert warned == (uniform.step_ms >= TRACE_CONDITION_WARN_RATIO * uniform.planned_step_ms)
+        unseen = unseen_share(trace.routing())
+        assert unseen == counts.count(0) / 4
+        assert warned == (uniform.step_ms >= TRACE_CONDITION_WARN_RATIO * uniform.planned_step_ms
+                          and unseen >= TRACE_UNSEEN_WARN_SHARE)
         shown = run_cli(["show", f"{name}-plan.yaml"], cwd=tmp_path).stdout
         assert "The step holds for traffic routed as the trace's was" in " ".join(shown.split())
     hot, even = (read_plan(tmp_path / f"{name}-plan.yaml") for name in ("hot", "even"))
