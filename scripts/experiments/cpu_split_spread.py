@@ -2,7 +2,7 @@
 planner's max(E[link], E[CPU]), by Monte Carlo over one sequence's top-k draw (no GPU; the inputs are the H200 runs
 of 2026-11-28, benchmarks/2026-11-28-cpu-experts-grid-h200.md, section 4).
 
-    python3 scripts/experiments/cpu_split_spread.py
+    PYTHONPATH=. python3 scripts/experiments/cpu_split_spread.py
 
 Per layer, one token draws top_k distinct experts of num_experts uniformly: those among the CPU's ids cost the
 CPU a pair each after the handoff, those among the fetched ids cost the link an expert each, resident ones
