@@ -26,7 +26,6 @@ all-resident's.
 """
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
@@ -36,7 +35,8 @@ from pathlib import Path
 
 from runtime.cpu_experts import BF16_TOLERANCE
 from scripts import conformance
-from scripts.conformance import MODELS, calibrated_profile, cli, ensure_checkpoint, gpu_clean, run_plan
+from scripts.conformance import (MODELS, calibrated_profile, cli, ensure_checkpoint, gpu_clean, run_bench,
+                                 run_plan)
 
 GiB = 2**30
 CONTEXT = 4096
@@ -170,7 +170,7 @@ def step_ms(row: dict) -> tuple[float | None, float | None]:
     return measured, bench.get("predicted_step_ms")
 
 
-def rebench(group: list[dict], work: Path, extra: int) -> None:
+def rebench(group: list[dict], extra: int) -> None:
     """``extra`` more ``run --bench`` of each arm of ``group`` (one sequence count's plans that ran), arm after arm
     in turn so that the host's drift falls on every arm alike; each row's ``step_ms_repeats`` lists every run's
     ms per step, the first run's included."""
@@ -180,12 +180,8 @@ def rebench(group: list[dict], work: Path, extra: int) -> None:
     for _ in range(extra):
         for row in ran:
             gpu_clean()
-            bench = cli(["run", work / f"{row['arm']}-{row['sequences']}.yaml", "--bench", "--json"])
-            measured = None
-            if bench.code == 0:
-                with contextlib.suppress(ValueError):
-                    measured = json.loads(bench.stdout[bench.stdout.index("{"):]).get("step_ms")
-            row["step_ms_repeats"].append(measured)
+            figures = run_bench(Path(row["plan_path"]))[1]
+            row["step_ms_repeats"].append(None if figures is None else figures.get("step_ms"))
     gpu_clean()
 
 
@@ -244,7 +240,8 @@ def main() -> int:
             for arm in args.arms:
                 path = work / f"{arm}-{sequences}.yaml"
                 row = {"model": name, "layers": int(layers), "budget_bytes": budget, "sequences": sequences,
-                       "arm": arm, "make": plan(folder, profile, sequences, budget, ARMS[arm] + flags, path)}
+                       "arm": arm, "plan_path": str(path),
+                       "make": plan(folder, profile, sequences, budget, ARMS[arm] + flags, path)}
                 if row["make"]["exit"] == 0:
                     row |= plan_facts(path) | run_plan(path, NEW_TOKENS)
                     row["tokens_equal"] = row.get("text") is not None and row["text"] == reference_row.get("text")
@@ -261,7 +258,7 @@ def main() -> int:
                       f"{row['logits'] if 'logits' in row else ''} "
                       f"{row['make'].get('error') or row.get('errors', {}).get('bench') or ''}", flush=True)
             rebench([row for row in rows if row["model"] == name and row["sequences"] == sequences
-                     and row["arm"] != "resident"], work, args.repeats - 1)
+                     and row["arm"] != "resident"], args.repeats - 1)
             rows_path.write_text(json.dumps(rows, indent=1))
     print(table(rows))
     return 0

@@ -675,20 +675,29 @@ def link_rate_now() -> float:
     return round(rate, 2)
 
 
+def run_bench(plan: Path) -> tuple[Outcome, dict | None]:
+    """``run PLAN --bench --json``: its outcome, and the figures its JSON holds (None where it printed none)."""
+    bench = cli(["run", plan, "--bench", "--json"])
+    figures = None
+    if not bench.error:
+        with contextlib.suppress(ValueError):
+            figures = json.loads(bench.stdout[bench.stdout.index("{"):])
+    return bench, figures
+
+
 def run_plan(plan: Path, new_tokens: int = MAX_NEW_TOKENS) -> dict:
     """run --bench --json and run --prompt (``new_tokens`` greedy tokens), each from a clean GPU; their exit codes,
     figures and text."""
     row = {"exit": {}, "errors": {}}
     row["allocated_before_bench_bytes"] = gpu_clean()
     row["link_gb_per_s_before"] = link_rate_now()
-    bench = cli(["run", plan, "--bench", "--json"])
+    bench, figures = run_bench(plan)
     row["link_gb_per_s_after"] = link_rate_now()  # a link that moved during the bench shows here
     row["exit"]["bench"] = bench.code
     if bench.error:
         row["errors"]["bench"] = bench.error
-    else:
-        with contextlib.suppress(ValueError):
-            row["bench"] = json.loads(bench.stdout[bench.stdout.index("{"):])
+    elif figures is not None:
+        row["bench"] = figures
     row["allocated_before_prompt_bytes"] = gpu_clean()
     prompt = cli(["run", plan, "--prompt", PROMPT, "--max-new-tokens", new_tokens])
     row["exit"]["prompt"] = prompt.code
