@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, replace
 
 from planner.model.expert_prefetch import ExpertPrediction, fetch_weighted_shares, layer_shares, prefetch_shares
-from planner.model.expert_routing import LayerRouting
+from planner.model.expert_routing import CpuDraw, LayerRouting
 from planner.model.experts import MoeGeometry, routed_fetch_bytes_per_s
 
 #: expert-bytes savings closer than this share are a tie (the lower expert id, the lower layer wins)
@@ -38,6 +38,11 @@ class RoutedLayer:
     #: then the link's part alone), and the CPU path after the router, ms (0: none)
     cpu: tuple[int, ...] = ()
     cpu_ms: float = 0.0
+    #: with CPU experts: the CPU path's handoff, one CPU expert's time in the step, ms, and how a step's touched
+    #: experts fall on the CPU and fetched ids (planner.search.cpu_experts.CpuDraw; the layer waits E[max] over it)
+    cpu_handoff_ms: float = 0.0
+    cpu_ms_per_expert: float = 0.0
+    cpu_draw: CpuDraw | None = None
 
     @property
     def expert_ms(self) -> float | None:

@@ -12,6 +12,7 @@ import functools
 import math
 from dataclasses import dataclass
 
+from planner.model.expert_prefetch import binomial_terms
 from planner.model.experts import MoeGeometry
 from planner.model.selection_bias import SelectionOptimism
 
@@ -76,3 +77,72 @@ def uniform_routing(geometry: MoeGeometry) -> tuple[LayerRouting, ...]:
 def expected_distinct_uniform(num_experts: int, top_k: int, num_tokens: int) -> float:
     """E(1 - (1 - k/E)^B): expected distinct experts B uniformly routed tokens touch."""
     return num_experts * (1 - (1 - top_k / num_experts) ** num_tokens)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CpuDraw:
+    """How one decode step's touched experts fall on a hybrid layer's CPU ids and on its fetched ids: the two
+    counts its paths wait on. A layer waits for the later path at each step, so its expected wait is
+    E[max(link, CPU)] over these counts, more than the later of the two paths' expectations (a step that sends
+    more pairs than usual to the CPU, or to the link, waits for that path)."""
+
+    #: the layer's expert ids computed on the CPU, and the non-resident others fetched over the link
+    num_cpu_ids: int
+    num_link_ids: int
+    #: the step's expected touched experts among each
+    mean_cpu_experts: float
+    mean_link_experts: float
+    #: one token routed uniformly to top_k distinct of num_experts: the counts are drawn together (multivariate
+    #: hypergeometric, exact). 0: each id is touched independently at its mean (binomial counts; many tokens, or a
+    #: trace's shares)
+    one_token_top_k: int = 0
+    num_experts: int = 0
+
+    def __post_init__(self):
+        if min(self.num_cpu_ids, self.num_link_ids, self.mean_cpu_experts, self.mean_link_experts) < 0 \
+                or self.mean_cpu_experts > self.num_cpu_ids + 1e-9 or self.mean_link_experts > self.num_link_ids + 1e-9:
+            raise ValueError(f"a hybrid layer's draw of {self.mean_cpu_experts:g} of {self.num_cpu_ids} CPU ids and "
+                             f"{self.mean_link_experts:g} of {self.num_link_ids} fetched ids")
+        if self.one_token_top_k and self.num_experts < max(self.num_cpu_ids + self.num_link_ids,
+                                                             self.one_token_top_k):
+            raise ValueError(f"a one-token draw of {self.one_token_top_k} of {self.num_experts} experts")
+
+
+#: joint terms below this probability are left out of a hybrid layer's expected wait (each is under a second)
+NEGLIGIBLE_JOINT_PMF = 1e-12
+
+
+@functools.lru_cache(maxsize=4096)  # the search prices the same layers at each candidate split again and again
+def touched_counts(draw: CpuDraw) -> tuple[tuple[int, int, float], ...]:
+    """(CPU experts touched, fetched experts touched, probability) over one step's routing, as ``draw`` says."""
+    if draw.one_token_top_k:
+        return _one_token_counts(draw)
+    cpu = _binomial(draw.num_cpu_ids, draw.mean_cpu_experts)
+    link = _binomial(draw.num_link_ids, draw.mean_link_experts)
+    return tuple((n_cpu, n_link, p_cpu * p_link) for n_cpu, p_cpu in cpu for n_link, p_link in link
+                 if p_cpu * p_link >= NEGLIGIBLE_JOINT_PMF)
+
+
+def _one_token_counts(draw: CpuDraw) -> tuple[tuple[int, int, float], ...]:
+    """One token's top_k distinct experts of num_experts: P[a on the CPU, b fetched] =
+    C(cpu, a) C(link, b) C(rest, k - a - b) / C(E, k)."""
+    top_k, rest = draw.one_token_top_k, draw.num_experts - draw.num_cpu_ids - draw.num_link_ids
+    total = math.comb(draw.num_experts, top_k)
+    terms = []
+    for n_cpu in range(min(top_k, draw.num_cpu_ids) + 1):
+        for n_link in range(min(top_k - n_cpu, draw.num_link_ids) + 1):
+            ways = (math.comb(draw.num_cpu_ids, n_cpu) * math.comb(draw.num_link_ids, n_link)
+                    * math.comb(rest, top_k - n_cpu - n_link))
+            if ways:
+                terms.append((n_cpu, n_link, ways / total))
+    return tuple(terms)
+
+
+def _binomial(trials: int, mean: float) -> list[tuple[int, float]]:
+    """(count, probability) of Binomial(trials, mean / trials), the degenerate ends exact."""
+    p = mean / trials if trials else 0.0
+    if p <= 0.0:
+        return [(0, 1.0)]
+    if p >= 1.0:
+        return [(trials, 1.0)]
+    return binomial_terms(trials, p, 0)

@@ -57,6 +57,11 @@ class ExpertLayer:
     #: the layer's CPU path after its router, ms: the handoff and its CPU experts' expected compute (with cpu
     #: ids only; None elsewhere, and not written). The step waits for the later of it and the link's fetches
     cpu_ms: float | None = None
+    #: one of its CPU experts inside the step, ms, for the tokens a step routes to it (with cpu ids; None elsewhere,
+    #: and not written): with cpu_ms it gives the step's expected CPU experts, from which the layer's wait is
+    #: E[max(link, CPU)] over the step's routing (planner.search.routed_step.layer_wait_ms). A plan written
+    #: without it is priced as the later of the two paths' expectations
+    cpu_ms_per_expert: float | None = None
 
     def __post_init__(self):
         if self.regime not in (ROUTED, WHOLE_LAYER):
@@ -87,6 +92,9 @@ class ExpertLayer:
                              "also resident: an expert is resident, fetched or on the CPU, not two")
         if bool(self.cpu) != (self.cpu_ms is not None):
             raise ValueError(f"experts.layers[{self.index}] cpu_ms is given exactly where cpu ids are")
+        if self.cpu_ms_per_expert is not None and (not self.cpu or self.cpu_ms_per_expert <= 0):
+            raise ValueError(f"experts.layers[{self.index}] cpu_ms_per_expert must be positive, and given only where "
+                             "cpu ids are")
     @property
     def routed(self) -> bool:
         """Whether the layer fetches its routed experts (else it is resident or streams whole)."""
@@ -280,4 +288,5 @@ OPTIONAL_EXPERTS_SET = {"cpu": None, "cpu_declined": None}
 
 
 #: experts.layers keys written only where set (a plan priced from a trace's per-expert figures; CPU experts)
-OPTIONAL_EXPERT_LAYER = {"prefetch_hit_share": None, "prefetch_ahead_share": None, "cpu": (), "cpu_ms": None}
+OPTIONAL_EXPERT_LAYER = {"prefetch_hit_share": None, "prefetch_ahead_share": None, "cpu": (), "cpu_ms": None,
+                         "cpu_ms_per_expert": None}

@@ -31,8 +31,10 @@ hand-set prefill thresholds, computed from the measured rates).
 Pure Python: the profile's figures in, a split out; planner.search.cpu_placement takes it into make's search.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from planner.model.expert_routing import CpuDraw, touched_counts
 from planner.source.profile import CpuExperts
 
 #: the CPU computes experts only where one expert at the layer's tokens per expert takes at most this many times
@@ -50,12 +52,16 @@ CPU_HANDOFF_MS = 0.055
 #: priced with the pairs as they ran there (below), where with the host node in Python on the H100 they had read
 #: nearer the sum (benchmarks/2026-11-28-cpu-experts-graph-h100.md)
 CPU_PATH_OVERLAPS_LINK = True
-#: one (token, expert) pair computed inside the captured step, over calibrate's lone expert from DRAM: inside a
-#: model's step the CPU's reads meet the link's gather in host memory, and its threads share the cores with the
-#: process's own. A Qwen3-30B-A3B-shaped model cut to 8 layers on the H200 host, one sequence (18 CPU pairs a step,
-#: scripts/bench_hybrid.py, 2026-11-28): 0.302 ms a pair with 12 threads where calibrate's lone expert took 0.149
-#: with 16 (2.0x; 0.416 with 16 threads, 2.8x). The one-layer smoke read 0.27 to 0.28 against 0.1785 (1.55x)
-CPU_IN_STEP_FACTOR = 2.0
+#: one (token, expert) pair computed inside the captured step: CPU_IN_STEP_FACTOR x calibrate's lone expert from
+#: DRAM plus CPU_IN_STEP_EXTRA_MS. Inside a model's step the CPU's reads meet the link's in host memory (the
+#: factor: 0.187 ms against 0.167 lone while the copy engine streamed), and the OpenMP team wakes for each expert
+#: after the GPU's work between layers (the extra: 0.200 with a 0.35 ms gap after every two experts;
+#: scripts/experiments/cpu_expert_contention.py). Fitted on the H200 host, 12 threads, 2026-11-28
+#: (scripts/bench_hybrid.py --measure, benchmarks/2026-11-28-cpu-experts-grid-h200.md): a Qwen3-30B-A3B-shaped
+#: pair took 0.283 ms (median of 5 runs) against 0.175 lone, a Mixtral-8x7B one 7.58 against 5.57; OLMoE's 0.344
+#: measured, 0.350 by the fit. The 2.0x constant before priced Mixtral's CPU at 67.0 ms a step where it ran 47.6
+CPU_IN_STEP_FACTOR = 1.35
+CPU_IN_STEP_EXTRA_MS = 0.046
 
 
 def layer_wait_ms(link_ms: float, cpu_ms: float, overlapped: bool | None = None) -> float:
@@ -63,6 +69,21 @@ def layer_wait_ms(link_ms: float, cpu_ms: float, overlapped: bool | None = None)
     of the two where they run side by side, else both (``overlapped`` None: CPU_PATH_OVERLAPS_LINK)."""
     overlapped = CPU_PATH_OVERLAPS_LINK if overlapped is None else overlapped
     return max(link_ms, cpu_ms, 0.0) if overlapped else max(link_ms, 0.0) + max(cpu_ms, 0.0)
+
+
+def expected_hybrid_wait_ms(draw: CpuDraw, link_ms_at: Callable[[int], float], handoff_ms: float,
+                            cpu_ms_per_expert: float) -> float:
+    """E[max(link, CPU)] over ``draw``: at each step's counts, the link's wait for its fetched experts
+    (``link_ms_at(n)``, the timeline's wait for n experts) against the CPU's path, its handoff and its experts
+    (``handoff_ms`` + n x ``cpu_ms_per_expert``; the handoff is paid at every step, as the captured step rings the
+    host whatever the routing)."""
+    link_ms = {}
+    total = 0.0
+    for n_cpu, n_link, p in touched_counts(draw):
+        if n_link not in link_ms:
+            link_ms[n_link] = link_ms_at(n_link)
+        total += p * max(link_ms[n_link], handoff_ms + n_cpu * cpu_ms_per_expert, 0.0)
+    return total
 
 
 def resolved_handoff_ms(handoff_ms: float | None) -> float:
@@ -75,13 +96,14 @@ def cpu_expert_ms(cpu: CpuExperts, expert_params: int, num_tokens: float) -> flo
     tokens inside the decode step: the profile's measured table read at ``num_tokens`` (linear between the
     measured counts, the first row below it; beyond the last, the fitted per-token FLOP rate adds each further
     token), scaled by the expert's size over the measured one's (a SwiGLU expert's bytes and FLOPs per token both
-    scale with H x I), the fixed per-expert overhead kept; then as the step runs it (CPU_IN_STEP_FACTOR)."""
+    scale with H x I), the fixed per-expert overhead kept; then as the step runs it (CPU_IN_STEP_FACTOR,
+    CPU_IN_STEP_EXTRA_MS)."""
     if expert_params <= 0 or num_tokens < 0:
         raise ValueError(f"an expert of {expert_params} weights for {num_tokens} tokens")
     overhead_ms = cpu.overhead_us / 1e3
     measured_ms = _table_ms(cpu, num_tokens)
     alone_ms = overhead_ms + max(0.0, measured_ms - overhead_ms) * expert_params / cpu.num_params
-    return CPU_IN_STEP_FACTOR * alone_ms
+    return CPU_IN_STEP_FACTOR * alone_ms + CPU_IN_STEP_EXTRA_MS
 
 
 def _table_ms(cpu: CpuExperts, num_tokens: float) -> float:

@@ -1,22 +1,27 @@
 """The third placement wired into the routed decode step: which of a routed layer's non-resident experts the host
 CPU computes (the split itself: planner.search.cpu_experts), and the placement and plan section that say so.
 
-Per routed layer, split_layer balances the layer's expected misses between the link and the CPU at the step's
-tokens per touched expert; the layer then sends round(cpu_share x non-resident) of its non-resident ids to the CPU
-(the runtime sends every pair routed to them there), and the link fetches the rest. The CPU path is priced with no
-overlap of the GPU's own experts (gpu_overlap_ms 0): the routed step computes its experts after its wait
-(planner.search.routed_step), so nothing of the GPU's runs beside the CPU's in the step as priced.
+Per routed layer, split_layer weighs the CPU at the step's tokens per touched expert (its reasons to decline) and
+balances the two paths' expectations; from there the layer takes the whole number of CPU experts whose expected
+wait is least. A step waits for the later path at its own routing, so the wait is E[max(link, CPU)] over how the
+step's touched experts fall on the CPU's ids and the link's (planner.search.routed_step.layer_wait_ms), more than
+the later of the expectations: at one sequence a Mixtral layer with 3 of its 8 experts on the CPU waits for the
+CPU when both of a token's experts land there. The runtime sends every pair routed to the CPU ids there; the link
+fetches the rest. The CPU path is priced with no overlap of the GPU's own experts (gpu_overlap_ms 0): the routed
+step computes its experts after its wait (planner.search.routed_step), so nothing of the GPU's runs beside the
+CPU's in the step as priced.
 """
 
 import math
 from dataclasses import dataclass, replace
 
-from planner.model.expert_placement import RoutedPlacement
+from planner.model.expert_placement import RoutedLayer, RoutedPlacement
 from planner.model.expert_routing import LayerRouting
 from planner.model.experts import MoeGeometry
 from planner.plan.experts_section import CpuPlacement
 from planner.search.cpu_experts import (CPU_WITHIN_LINK_FACTOR, link_expert_ms, max_cpu_tokens_per_expert,
                                         resolved_handoff_ms, split_layer, tokens_per_touched_expert)
+from planner.search.routed_step import cpu_draw, layer_fetch, layer_wait_ms
 from planner.source.profile import CpuExperts
 
 #: bytes per weight of the fp32 host copy the CPU reads where the profile's fastest dtype is fp32
@@ -37,15 +42,80 @@ class CpuInputs:
     handoff_ms: float | None = None
 
 
-def cpu_ids(routing: LayerRouting, resident: tuple[int, ...], share: float) -> tuple[int, ...]:
-    """round(``share`` x the non-resident experts) of them for the CPU, ascending: the coldest first (the CPU's time
-    grows with the tokens an expert gets), ties to the higher id, so under uniform routing, where any non-resident
-    ids do as well, the highest ids."""
+def cpu_ids(routing: LayerRouting, resident: tuple[int, ...], count: int) -> tuple[int, ...]:
+    """``count`` of the non-resident experts for the CPU, ascending: the coldest first (the CPU's time grows with
+    the tokens an expert gets), ties to the higher id, so under uniform routing, where any non-resident ids do as
+    well, the highest ids."""
     kept = set(resident)
     non_resident = [e for e in range(len(routing.shares)) if e not in kept]
-    count = round(share * len(non_resident))
     coldest = sorted(non_resident, key=lambda e: (routing.shares[e], -e))
     return tuple(sorted(coldest[:count]))
+
+
+@dataclass(frozen=True, kw_only=True)
+class _LayerSplit:
+    """What pricing one routed layer's candidate CPU counts needs."""
+
+    placement: RoutedPlacement
+    position: int
+    row: RoutedLayer
+    routing: LayerRouting
+    expert_bytes: int
+    num_experts: int
+    top_k: int
+    num_tokens: int
+    compute_ms: float
+    link_bytes_per_s: float
+    handoff_ms: float
+    cpu_ms_per_expert: float
+
+    @property
+    def num_non_resident(self) -> int:
+        """The layer's experts not on the GPU: the most the CPU can take."""
+        return self.num_experts - len(self.row.resident)
+
+    def candidate(self, count: int) -> RoutedLayer:
+        """The layer with ``count`` of its non-resident experts on the CPU (0: the row, fetching every miss)."""
+        row = self.row
+        if count == 0:
+            return row
+        ids = cpu_ids(self.routing, row.resident, count)
+        missed = row.expected_fetched_bytes / self.expert_bytes
+        touched = self.routing.touched(self.num_tokens)
+        on_cpu = min(missed, math.fsum(touched[e] for e in ids))
+        link_bytes = max(0.0, row.expected_fetched_bytes - on_cpu * self.expert_bytes)
+        draw = cpu_draw(num_experts=self.num_experts, top_k=self.top_k, num_resident=len(row.resident),
+                        num_cpu_ids=count, mean_cpu_experts=on_cpu, mean_link_experts=link_bytes / self.expert_bytes,
+                        num_tokens=self.num_tokens, uniform=self.routing.num_counted_tokens is None)
+        return replace(row, expected_fetched_bytes=link_bytes, fetch_ms=1e3 * link_bytes / self.link_bytes_per_s,
+                       cpu=ids, cpu_ms=self.handoff_ms + on_cpu * self.cpu_ms_per_expert,
+                       cpu_handoff_ms=self.handoff_ms, cpu_ms_per_expert=self.cpu_ms_per_expert, cpu_draw=draw)
+
+    def wait_ms(self, count: int) -> float:
+        """The layer's expected wait between its router and its experts with ``count`` experts on the CPU."""
+        fetch = layer_fetch(self.placement, self.candidate(count))
+        return layer_wait_ms(fetch, self.compute_ms + fetch.gather_ms, self.position > 0, self.placement.fetch_slots)
+
+    def best_count(self, start: int) -> int:
+        """The CPU count of least expected wait, walking from ``start`` (the expectations' balance) while a
+        neighbour waits less; 0 (fetching every miss) unless some count beats it. Ties keep fewer CPU experts."""
+        waits = {}
+
+        def wait(count: int) -> float:
+            if count not in waits:
+                waits[count] = round(self.wait_ms(count), WAIT_DECIMALS)
+            return waits[count]
+
+        best = min(max(start, 1), self.num_non_resident)
+        for step in (-1, 1):
+            while 0 < best + step <= self.num_non_resident and wait(best + step) < wait(best):
+                best += step
+        return best if wait(best) < wait(0) else 0
+
+
+#: expected waits compared to this many decimals of a ms when choosing a layer's CPU count (a nanosecond: below
+#: it, candidates tie and the fewer CPU experts win)
+WAIT_DECIMALS = 6
 
 
 def hybrid_placement(placement: RoutedPlacement, *, geometry: MoeGeometry, routing: tuple[LayerRouting, ...],
@@ -53,27 +123,34 @@ def hybrid_placement(placement: RoutedPlacement, *, geometry: MoeGeometry, routi
                      link_bytes_per_s: float) -> tuple[RoutedPlacement | None, CpuPlacement | None, str | None]:
     """``placement`` (a decode step of ``num_tokens`` sequences) with each routed layer's misses split between the
     link (``link_bytes_per_s``: the routed gather's rate) and the CPU: (the placement, its plan section, None), or
-    (None, None, why the CPU takes no expert)."""
+    (None, None, why the CPU takes no expert). Per layer, split_layer weighs the CPU (its reasons to decline) and
+    balances the paths' expectations; the layer then takes the whole CPU count, near that balance, whose expected
+    wait E[max(link, CPU)] over the step's routing is least (_LayerSplit.best_count)."""
     cpu = inputs.cpu
     handoff_ms = resolved_handoff_ms(inputs.handoff_ms)
     tokens = tokens_per_touched_expert(num_tokens, geometry.top_k / geometry.num_experts)
     rows, reasons = [], []
-    for row, layer, layer_routing, params in zip(placement.layers, geometry.layers, routing, inputs.expert_params):
+    for position, (row, layer, layer_routing, params) in enumerate(zip(placement.layers, geometry.layers, routing,
+                                                                       inputs.expert_params)):
         missed = row.expected_fetched_bytes / layer.expert_bytes
         split = split_layer(num_missed=missed, expert_bytes=layer.expert_bytes, expert_params=params,
                             link_bytes_per_s=link_bytes_per_s, cpu=cpu, tokens_per_expert=tokens,
                             compute_ms=layer_ms[row.index], handoff_ms=handoff_ms)
-        ids = () if split.declined else cpu_ids(layer_routing, row.resident, split.cpu_share)
-        if not ids:
-            reasons.append(split.declined or f"the balanced share ({split.cpu_experts:.2f} of {missed:.2f} missed "
-                                             "experts) rounds to no expert id")
+        if split.declined:
+            reasons.append(split.declined)
             rows.append(row)
             continue
-        touched = layer_routing.touched(num_tokens)
-        on_cpu = min(missed, math.fsum(touched[e] for e in ids))
-        link_bytes = max(0.0, row.expected_fetched_bytes - on_cpu * layer.expert_bytes)
-        rows.append(replace(row, expected_fetched_bytes=link_bytes, fetch_ms=1e3 * link_bytes / link_bytes_per_s,
-                            cpu=ids, cpu_ms=handoff_ms + on_cpu * split.cpu_ms_per_expert))
+        layer_split = _LayerSplit(placement=placement, position=position, row=row, routing=layer_routing,
+                                  expert_bytes=layer.expert_bytes, num_experts=geometry.num_experts,
+                                  top_k=geometry.top_k, num_tokens=num_tokens, compute_ms=layer_ms[row.index],
+                                  link_bytes_per_s=link_bytes_per_s, handoff_ms=handoff_ms,
+                                  cpu_ms_per_expert=split.cpu_ms_per_expert)
+        count = layer_split.best_count(round(split.cpu_share * layer_split.num_non_resident))
+        if not count:
+            reasons.append(f"no whole number of CPU experts near the balance ({split.cpu_experts:.2f} of "
+                           f"{missed:.2f} missed experts) waits less than fetching every miss, over the step's "
+                           "routing")
+        rows.append(layer_split.candidate(count))
     if not any(row.cpu for row in rows):
         return None, None, reasons[0]
     copy_bytes = 0 if cpu.dtype == "bf16" else sum(

@@ -239,7 +239,8 @@ def experts_section(experts: ExpertModel, chosen: Choice, layers: LayerBytes, po
                                  expected_fetched_bytes=round(row.expected_fetched_bytes), hit_rate=row.hit_rate,
                                  prefetch_hit_share=_share(row.prefetch_hit_share),
                                  prefetch_ahead_share=_share(row.prefetch_ahead_share), cpu=row.cpu,
-                                 cpu_ms=row.cpu_ms if row.cpu else None)
+                                 cpu_ms=row.cpu_ms if row.cpu else None,
+                                 cpu_ms_per_expert=row.cpu_ms_per_expert if row.cpu else None)
                      for row in placement.layers)
         buffers = (placement.fetch_slots, placement.fetch_buffer_bytes, placement.staging_buffer_bytes,
                    placement.gather_workspace_bytes)

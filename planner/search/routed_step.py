@@ -10,14 +10,16 @@ The plan records one compute figure per layer, not where its router falls in it,
 at WAIT_AT_LAYER_SHARE of the layer's compute; the step and its stalls do not depend on it.
 """
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from planner.model.cost import is_decode_step
-from planner.model.expert_placement import RoutedPlacement, gather_ms, gather_rate
-from planner.search.cpu_experts import layer_wait_ms
+from planner.model.expert_placement import RoutedLayer, RoutedPlacement, gather_ms, gather_rate
 from planner.model.expert_prefetch import layer_shares, planned_layer_stall_ms
+from planner.model.expert_routing import CpuDraw
+from planner.search import cpu_experts
 from planner.plan.experts_section import ExpertLayer
 from planner.plan.schema import Plan, routed_layer_expert_bytes
 from planner.search.simulate import Interval, Simulation
@@ -44,9 +46,15 @@ class RoutedFetch:
     #: the decode gather's time in the layer's compute beyond the all-resident layer's
     #: (planner.model.expert_placement.gather_ms)
     gather_ms: float = 0.0
-    #: the layer's CPU path after its router (handoff and its CPU experts' compute; 0: no CPU experts): the layer
-    #: waits for the later of it and the link
+    #: the layer's CPU path after its router (handoff and its CPU experts' expected compute; 0: no CPU experts):
+    #: the layer waits for the later of it and the link
     cpu_ms: float = 0.0
+    #: with CPU experts: how a step's touched experts fall on its CPU and fetched ids, the handoff and one CPU
+    #: expert's time inside the step; the layer then waits E[max(link, CPU)] over the draw (None: a plan written
+    #: without the per-expert figure, priced as the later of the two paths' expectations)
+    cpu_draw: CpuDraw | None = None
+    cpu_handoff_ms: float = 0.0
+    cpu_ms_per_expert: float = 0.0
 
 
 def routed_decode_step(layer_ms: Sequence[float], head_ms: float, fetches: Sequence[RoutedFetch],
@@ -100,22 +108,50 @@ def _fetch_intervals(fetch: RoutedFetch, predicted: bool, previous_wait_ms: floa
 
 
 def _waits_ms(layer_ms: Sequence[float], fetches: Sequence[RoutedFetch], num_slots: int) -> dict[int, float]:
-    """Per routed layer index, its wait for its experts: every layer but the first routed one is predicted; a
-    layer with CPU experts waits for its link and its CPU path (planner.search.cpu_experts.layer_wait_ms: one after
-    the other, as measured, unless they overlap)."""
-    return {fetch.index: layer_wait_ms(planned_layer_stall_ms(layer_ms[fetch.index], fetch.link_ms, fetch.hit_share,
-                                                              predicted=position > 0, ahead_share=fetch.ahead_share,
-                                                              expert_ms=fetch.expert_ms, num_slots=num_slots),
-                                       fetch.cpu_ms)
+    """Per routed layer index, its wait for its experts (layer_wait_ms): every layer but the first routed one is
+    predicted."""
+    return {fetch.index: layer_wait_ms(fetch, layer_ms[fetch.index], position > 0, num_slots)
             for position, fetch in enumerate(fetches)}
+
+
+def layer_wait_ms(fetch: RoutedFetch, compute_ms: float, predicted: bool, num_slots: int) -> float:
+    """A routed layer's wait between its router and its experts, ``compute_ms`` its compute (with its gather),
+    ``predicted`` whether a previous routed layer prefetched for it: its link's (planned_layer_stall_ms); with CPU
+    experts, the later of the link and the CPU path at each step's routing, in expectation (CpuDraw), where they
+    run side by side, else both one after the other (planner.search.cpu_experts.CPU_PATH_OVERLAPS_LINK)."""
+    if fetch.cpu_draw is None or not cpu_experts.CPU_PATH_OVERLAPS_LINK:
+        link_ms = planned_layer_stall_ms(compute_ms, fetch.link_ms, fetch.hit_share, predicted=predicted,
+                                         ahead_share=fetch.ahead_share, expert_ms=fetch.expert_ms,
+                                         num_slots=num_slots)
+        return cpu_experts.layer_wait_ms(link_ms, fetch.cpu_ms)
+    return _hybrid_wait_ms(fetch.cpu_draw, compute_ms, fetch.expert_ms or 0.0, fetch.hit_share, fetch.ahead_share,
+                           predicted, fetch.cpu_handoff_ms, fetch.cpu_ms_per_expert)
+
+
+@functools.lru_cache(maxsize=8192)  # make prices the same layers at each candidate split and step size
+def _hybrid_wait_ms(draw: CpuDraw, compute_ms: float, expert_ms: float, hit_share: float | None,
+                    ahead_share: float, predicted: bool, handoff_ms: float, cpu_ms_per_expert: float) -> float:
+    """E[max(link, CPU)] of one hybrid layer: at each step's n fetched experts, the link's wait for n whole
+    experts (planned_layer_stall_ms at n x ``expert_ms``, the count known)."""
+    def link_ms_at(num_fetched: int) -> float:
+        return planned_layer_stall_ms(compute_ms, num_fetched * expert_ms, hit_share, predicted=predicted,
+                                      ahead_share=ahead_share)
+
+    return cpu_experts.expected_hybrid_wait_ms(draw, link_ms_at, handoff_ms, cpu_ms_per_expert)
 
 
 def placement_fetches(placement: RoutedPlacement) -> tuple[RoutedFetch, ...]:
     """The planner's routed placement as the timeline's fetches."""
+    return tuple(layer_fetch(placement, row) for row in placement.layers)
+
+
+def layer_fetch(placement: RoutedPlacement, row: RoutedLayer) -> RoutedFetch:
+    """One routed layer of the planner's ``placement`` (``row``, or a candidate in its place) as the timeline's
+    fetch."""
     hit, ahead = placement.prefetch_accuracy, placement.prefetch_ahead_share
-    return tuple(RoutedFetch(index=row.index, link_ms=row.fetch_ms, expert_ms=row.expert_ms, gather_ms=row.gather_ms,
-                             cpu_ms=row.cpu_ms,
-                             **_shares(layer_shares(row, hit, ahead))) for row in placement.layers)
+    return RoutedFetch(index=row.index, link_ms=row.fetch_ms, expert_ms=row.expert_ms, gather_ms=row.gather_ms,
+                       cpu_ms=row.cpu_ms, cpu_draw=row.cpu_draw, cpu_handoff_ms=row.cpu_handoff_ms,
+                       cpu_ms_per_expert=row.cpu_ms_per_expert, **_shares(layer_shares(row, hit, ahead)))
 
 
 def plan_fetches(plan: Plan, rows: tuple[ExpertLayer, ...] | None = None) -> tuple[RoutedFetch, ...]:
@@ -135,8 +171,36 @@ def plan_fetches(plan: Plan, rows: tuple[ExpertLayer, ...] | None = None) -> tup
                            gather_rate(hardware.hbm_bytes_per_s, hardware.compute_efficiency)) if gathering else 0.0
         fetches.append(RoutedFetch(index=row.index, link_ms=1e3 * row.expected_fetched_bytes / rate,
                                    expert_ms=expert_ms if row.expected_fetched_bytes else None, gather_ms=gather,
-                                   cpu_ms=row.cpu_ms or 0.0, **_shares(layer_shares(row, hit, ahead))))
+                                   cpu_ms=row.cpu_ms or 0.0, **_plan_cpu_draw(plan, row, expert_bytes),
+                                   **_shares(layer_shares(row, hit, ahead))))
     return tuple(fetches)
+
+
+def _plan_cpu_draw(plan: Plan, row: ExpertLayer, expert_bytes: int) -> dict:
+    """A plan row's CpuDraw, handoff and CPU expert figures for RoutedFetch ({} without CPU experts, or from a
+    plan written without cpu_ms_per_expert): the step's expected CPU experts from its cpu_ms less the handoff."""
+    experts = plan.experts
+    if not row.cpu or row.cpu_ms_per_expert is None:
+        return {}
+    handoff_ms = experts.cpu.handoff_ms
+    draw = cpu_draw(num_experts=experts.num_experts, top_k=experts.top_k, num_resident=len(row.resident),
+                    num_cpu_ids=len(row.cpu), mean_cpu_experts=(row.cpu_ms - handoff_ms) / row.cpu_ms_per_expert,
+                    mean_link_experts=row.expected_fetched_bytes / expert_bytes,
+                    num_tokens=plan.workload.tokens_per_step, uniform=experts.routing == "uniform")
+    return {"cpu_draw": draw, "cpu_handoff_ms": handoff_ms, "cpu_ms_per_expert": row.cpu_ms_per_expert}
+
+
+def cpu_draw(*, num_experts: int, top_k: int, num_resident: int, num_cpu_ids: int, mean_cpu_experts: float,
+             mean_link_experts: float, num_tokens: int, uniform: bool) -> CpuDraw:
+    """How a step of ``num_tokens`` falls on a hybrid layer's ``num_cpu_ids`` CPU ids and its other non-resident
+    ids: drawn together for one token routed ``uniform``-ly (exact), each id independently otherwise. The means are
+    clamped to the ids (a plan's rounded figures may pass them by a hair)."""
+    num_link_ids = num_experts - num_resident - num_cpu_ids
+    exact = uniform and num_tokens == 1
+    return CpuDraw(num_cpu_ids=num_cpu_ids, num_link_ids=num_link_ids,
+                   mean_cpu_experts=min(max(mean_cpu_experts, 0.0), num_cpu_ids),
+                   mean_link_experts=min(max(mean_link_experts, 0.0), num_link_ids),
+                   one_token_top_k=top_k if exact else 0, num_experts=num_experts if exact else 0)
 
 
 def plan_decode_step(plan: Plan, rows: tuple[ExpertLayer, ...] | None = None) -> Simulation:

@@ -1,10 +1,12 @@
 """``show``'s lines on the third placement of a routed expert: which experts the host CPU computes, the CPU's and
 the link's share of the step, the numerics, and why the CPU was declined where it was."""
 
+from dataclasses import replace
 from itertools import groupby
 
 from planner.plan.experts_section import ExpertsPlan
 from planner.plan.schema import Plan
+from planner.search.routed_step import plan_decode_step
 from planner.units import format_bytes, format_ms
 
 #: the CPU experts' tolerance against the all-resident layer on the GPU, as a share of the reference output's
@@ -35,8 +37,25 @@ def cpu_lines(plan: Plan, experts: ExpertsPlan) -> list[str]:
         f"  After the routers, per step: the CPU {format_ms(cpu.cpu_ms_per_step)} (with a {format_ms(cpu.handoff_ms)} "
         f"handoff per layer), the link {format_ms(cpu.link_ms_per_step)}; against the step's {format_ms(step)}: "
         f"CPU {_share(cpu.cpu_ms_per_step, step)}, link {_share(cpu.link_ms_per_step, step)} (the two overlap).",
+        *_spread_lines(plan, experts),
         f"  Numerics: {NUMERICS}.",
     ]
+
+
+def _spread_lines(plan: Plan, experts: ExpertsPlan) -> list[str]:
+    """What the spread of a step's routing costs: each layer waits for its later path at that step's routing, so
+    the step's expected waits against the same paths at their means (nothing for a plan written without
+    cpu_ms_per_expert, priced at the means)."""
+    priced = [row.cpu_ms_per_expert for row in experts.cpu_layers if row.cpu_ms_per_expert is not None]
+    if not priced:
+        return []
+    at_means = tuple(replace(row, cpu_ms_per_expert=None) for row in experts.routed_layers)
+    spread_ms, means_ms = plan_decode_step(plan).stall_ms, plan_decode_step(plan, at_means).stall_ms
+    return [f"  A CPU expert takes {format_ms(min(priced))}"
+            + (f" to {format_ms(max(priced))}" if max(priced) > min(priced) else "")
+            + " inside the step. A layer waits for the later path at its own step's routing (a step that sends more "
+            f"pairs than usual to the CPU waits for it): {format_ms(spread_ms)} of waits a step in expectation, "
+            f"where both paths at their means would wait {format_ms(means_ms)}."]
 
 
 def _per_layer(experts: ExpertsPlan) -> str:

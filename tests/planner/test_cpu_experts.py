@@ -40,6 +40,7 @@ def side_by_side(monkeypatch):
     the H100 measured it after the link (test_a_serial_cpu_path_takes_every_miss_or_none)."""
     monkeypatch.setattr(cpu_experts, "CPU_PATH_OVERLAPS_LINK", True)
     monkeypatch.setattr(cpu_experts, "CPU_IN_STEP_FACTOR", 1.0)
+    monkeypatch.setattr(cpu_experts, "CPU_IN_STEP_EXTRA_MS", 0.0)
 
 
 @pytest.mark.parametrize(("ms_at_1", "num_missed", "handoff_ms"), [(0.05, 5.1, 0.05), (0.18, 5.1, 0.05),
@@ -233,7 +234,8 @@ def test_a_pair_in_the_step_is_priced_at_the_lone_rate_times_the_factor(monkeypa
     cpu = _cpu(ms_at_1=0.15)
     lone_ms = cpu_expert_ms(cpu, QWEN_PARAMS, 1.0)
     monkeypatch.undo()
-    assert cpu_expert_ms(cpu, QWEN_PARAMS, 1.0) == pytest.approx(cpu_experts.CPU_IN_STEP_FACTOR * lone_ms)
+    assert cpu_expert_ms(cpu, QWEN_PARAMS, 1.0) == pytest.approx(cpu_experts.CPU_IN_STEP_FACTOR * lone_ms
+                                                                  + cpu_experts.CPU_IN_STEP_EXTRA_MS)
     link_ms = link_expert_ms(QWEN_BYTES, LINK_BYTES_PER_S)
     monkeypatch.setattr(cpu_experts, "CPU_IN_STEP_FACTOR", 3 * link_ms / lone_ms)
     split = _split(cpu, num_missed=4.0)

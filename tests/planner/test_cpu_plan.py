@@ -21,6 +21,8 @@ TABLE_TOKENS = (1, 2, 4, 8, 16)
 PER_TOKEN_MS = 0.02
 #: the H100 host's bf16 figure for one Qwen3-30B-A3B expert at one token (issue 37), and a CPU ten times slower
 FAST_MS, SLOW_MS = 0.342, 3.42
+#: a CPU four times faster, which computes the test model's half-size expert in about half the link's time
+QUICK_MS = FAST_MS / 4
 MAKE = ["--tokens", "1", "--context", "64", "--budget", "200MiB"]
 
 
@@ -52,11 +54,16 @@ def measured_moe(tmp_path, monkeypatch):
 
 @pytest.fixture
 def moe(measured_moe, monkeypatch):
-    """measured_moe on a host whose CPU path runs beside the link after a 0.05 ms handoff: what the plan's wiring
-    needs to be exercised (the measured handoff is declined here: test_the_measured_cpu_path_is_declined)."""
+    """measured_moe on a host whose CPU path runs beside the link after a 0.05 ms handoff, and whose fast.yaml CPU
+    computes this model's expert in about half the link's time: what the plan's wiring needs to be exercised (the
+    measured price is declined here: test_the_measured_cpu_path_is_declined). A CPU slower per expert than the link
+    saves nothing at one sequence of top-2 routing: a step that sends a pair to it waits for it (E[max])."""
+    base = yaml.safe_load(open(measured_moe / "fast.yaml"))
+    (measured_moe / "fast.yaml").write_text(yaml.safe_dump({**base, "cpu_experts": cpu_section(QUICK_MS)}))
     monkeypatch.setattr(cpu_experts, "CPU_PATH_OVERLAPS_LINK", True)
     monkeypatch.setattr(cpu_experts, "CPU_HANDOFF_MS", 0.05)
     monkeypatch.setattr(cpu_experts, "CPU_IN_STEP_FACTOR", 1.0)
+    monkeypatch.setattr(cpu_experts, "CPU_IN_STEP_EXTRA_MS", 0.0)
     return measured_moe
 
 
@@ -72,6 +79,7 @@ def test_the_measured_cpu_path_is_declined(measured_moe, monkeypatch):
     assert "more than 2x" in experts.cpu_declined and "link" in experts.cpu_declined
     assert read_plan("plan.yaml").prediction.step_ms == read_plan("none-plan.yaml").prediction.step_ms
     monkeypatch.setattr(cpu_experts, "CPU_IN_STEP_FACTOR", 1.0)
+    monkeypatch.setattr(cpu_experts, "CPU_IN_STEP_EXTRA_MS", 0.0)
     monkeypatch.setattr(cpu_experts, "CPU_PATH_OVERLAPS_LINK", False)
     make("fast.yaml", "serial.yaml")
     declined = read_plan("serial.yaml").experts.cpu_declined
@@ -198,9 +206,13 @@ def _first_cpu_layer(data: dict) -> dict:
     return next(row for row in data["experts"]["layers"] if row.get("cpu"))
 
 
-def _slower_cpu_path(data: dict, more_ms: float) -> None:
-    """One layer's CPU path longer, the section's sum with it: the step the plan states no longer follows."""
-    _first_cpu_layer(data)["cpu_ms"] += more_ms
+def _slower_cpu_path(data: dict, factor: float) -> None:
+    """One layer's CPU experts ``factor`` times slower, its CPU path and the section's sum with them: the step the
+    plan states no longer follows."""
+    row, handoff_ms = _first_cpu_layer(data), data["experts"]["cpu"]["handoff_ms"]
+    more_ms = (factor - 1) * (row["cpu_ms"] - handoff_ms)
+    row["cpu_ms"] += more_ms
+    row["cpu_ms_per_expert"] *= factor
     data["experts"]["cpu"]["cpu_ms_per_step"] += more_ms
 
 
@@ -213,7 +225,8 @@ def _slower_cpu_path(data: dict, more_ms: float) -> None:
     (lambda d: d["experts"]["cpu"].__setitem__("cpu_ms_per_step", 9.0), "cpu_ms_per_step"),
     (lambda d: d["experts"]["cpu"].__setitem__("dtype", "int8"), "experts.cpu.dtype"),
     (lambda d: d["inputs"].__setitem__("cpu_experts", "off"), "inputs.cpu_experts is off"),
-    (lambda d: _slower_cpu_path(d, 5.0), "prediction.step_ms"),
+    (lambda d: _slower_cpu_path(d, 50.0), "prediction.step_ms"),
+        (lambda d: _first_cpu_layer(d).__setitem__("cpu_ms", 9.0), "more than its handoff"),
 ])
 def test_hand_edits_that_break_the_cpu_invariants_are_refused_in_one_line(moe, edit, words):
     make("fast.yaml", "plan.yaml")
