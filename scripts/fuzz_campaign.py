@@ -19,11 +19,12 @@ from pathlib import Path
 from tests.fuzz import FAILURES, FAMILIES, FAMILY_TITLES, failure_summary, run_campaign
 
 #: issue 16's families in its proportions (10,500 cases), and issue 25's beside them (routing traces: session 9);
-#: issue 39's (derived figures, tensor parallel, trace's flags, header-checkpoint, outputs that are inputs) last
+#: issue 39's (derived figures, tensor parallel, trace's flags, header-checkpoint, outputs that are inputs), then
+#: issue 37's CPU experts sections, last
 SHARES = {"headers": 2200, "index": 1500, "config": 1500, "plans": 2600, "profiles": 1200, "flags": 1500,
           "adapters": 1500, "serving_flags": 1200, "sections": 2000, "architectures": 1200, "paths": 1000,
           "roundtrip": 600, "traces": 1000, "derived": 2000, "tp": 800, "trace_cli": 800, "header_checkpoint": 500,
-          "outputs": 600}
+          "outputs": 600, "cpu_plans": 600}
 
 
 def split_cases(total: int, families: list[str]) -> dict[str, int]:

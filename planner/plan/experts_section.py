@@ -83,18 +83,17 @@ class ExpertLayer:
     def _check_cpu(self) -> None:
         """The CPU ids' invariants (ExpertsPlan checks them against num_experts and its cpu section)."""
         if list(self.cpu) != sorted(set(self.cpu)):
-            raise ValueError(f"experts.layers[{self.index}] cpu ids must be ascending and distinct")
+            raise ValueError("cpu ids must be ascending and distinct")
         if self.cpu and not self.routed:
-            raise ValueError(f"experts.layers[{self.index}] is a whole layer: only routed layers compute experts "
-                             "on the CPU (drop its cpu ids)")
+            raise ValueError("a whole_layer row has cpu ids: only routed layers compute experts on the CPU (drop "
+                             "its cpu ids)")
         if set(self.cpu) & set(self.resident):
-            raise ValueError(f"experts.layers[{self.index}] cpu ids {sorted(set(self.cpu) & set(self.resident))} are "
-                             "also resident: an expert is resident, fetched or on the CPU, not two")
+            raise ValueError(f"cpu ids {sorted(set(self.cpu) & set(self.resident))} are also resident: an expert is "
+                             "resident, fetched or on the CPU, not two")
         if bool(self.cpu) != (self.cpu_ms is not None):
-            raise ValueError(f"experts.layers[{self.index}] cpu_ms is given exactly where cpu ids are")
+            raise ValueError("cpu_ms is given exactly where cpu ids are")
         if self.cpu_ms_per_expert is not None and (not self.cpu or self.cpu_ms_per_expert <= 0):
-            raise ValueError(f"experts.layers[{self.index}] cpu_ms_per_expert must be positive, and given only where "
-                             "cpu ids are")
+            raise ValueError("cpu_ms_per_expert must be positive, and given only where cpu ids are")
     @property
     def routed(self) -> bool:
         """Whether the layer fetches its routed experts (else it is resident or streams whole)."""

@@ -13,10 +13,11 @@ import pytest
 from tests.fuzz import FAILURES, FAMILIES, case_for, run_case, scratch_dir
 
 SEED = 2026
-#: cases per family: 1,200 in all, about 40 s on a 2-core machine (a round-trip case runs eleven commands)
+#: cases per family: 1,260 in all, about 40 s on a 2-core machine (a round-trip case runs eleven commands)
 SLICE = {"headers": 110, "index": 70, "config": 80, "plans": 120, "profiles": 70, "flags": 80, "adapters": 80,
          "serving_flags": 80, "sections": 120, "architectures": 80, "paths": 90, "roundtrip": 20,
-         "traces": 60, "derived": 80, "tp": 30, "trace_cli": 40, "header_checkpoint": 20, "outputs": 30}
+         "traces": 60, "derived": 80, "tp": 30, "trace_cli": 40, "header_checkpoint": 20, "outputs": 30,
+         "cpu_plans": 60}
 #: generous: a loaded CI machine must not turn a slow case into a "hang"; every refusal takes milliseconds
 TIME_LIMIT_S = 5.0
 

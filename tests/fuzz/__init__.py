@@ -8,6 +8,7 @@ every family in CI and scripts/fuzz_campaign.py the full campaign.
 from tests.fuzz.adapters import gen_adapters
 from tests.fuzz.architectures import gen_architectures
 from tests.fuzz.checkpoint import gen_config, gen_headers, gen_index
+from tests.fuzz.cpu_plans import gen_cpu_plans
 from tests.fuzz.derived import gen_derived
 from tests.fuzz.core import (ALIAS_BOMB, BASE_ARGS, DEEP, DEFAULT_TIME_LIMIT_S, FAILURES, GUARD_NAME, SHARDS,
                              VERDICTS, VERSION_LINE, Case, Result, framed, header_of, base, failure_summary,
@@ -26,7 +27,7 @@ GENERATORS = {"headers": gen_headers, "index": gen_index, "config": gen_config, 
               "serving_flags": gen_serving_flags, "sections": gen_sections, "architectures": gen_architectures,
               "paths": gen_paths, "roundtrip": gen_roundtrip, "traces": gen_traces, "derived": gen_derived,
               "tp": gen_tp, "trace_cli": gen_trace_cli, "header_checkpoint": gen_header_checkpoint,
-              "outputs": gen_outputs}
+              "outputs": gen_outputs, "cpu_plans": gen_cpu_plans}
 FAMILIES = tuple(GENERATORS)
 FAMILY_TITLES = {"headers": "safetensors headers", "index": "index JSON", "config": "config.json",
                  "plans": "plan YAML", "profiles": "profile YAML", "flags": "CLI flags", "adapters": "LoRA adapters",
@@ -38,7 +39,8 @@ FAMILY_TITLES = {"headers": "safetensors headers", "index": "index JSON", "confi
                  "tp": "tensor parallel (make --tp, then every reader)",
                  "trace_cli": "trace's flags, output and config",
                  "header_checkpoint": "header-checkpoint configs (then make and every reader)",
-                 "outputs": "outputs that are inputs"}
+                 "outputs": "outputs that are inputs",
+                 "cpu_plans": "CPU experts sections by hand"}
 
 __all__ = ["ALIAS_BOMB", "BASE_ARGS", "DEEP", "DEFAULT_TIME_LIMIT_S", "FAILURES", "FAMILIES", "FAMILY_TITLES",
            "GENERATORS", "GUARD_NAME", "SHARDS", "VERDICTS", "VERSION_LINE", "Case", "Result", "framed", "header_of",

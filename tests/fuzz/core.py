@@ -201,6 +201,10 @@ class Base:
     #: a decode plan of the MoE model that fetches routed experts (every MoE layer routed, some experts resident)
     routed_plan_text: str = ""
     routed_plan: dict = field(default_factory=dict)
+    #: the same routed decode plan made with HYBRID_PROFILE (a slow link, a measured CPU): some experts of every
+    #: layer on the host CPU, some fetched
+    hybrid_plan_text: str = ""
+    hybrid_plan: dict = field(default_factory=dict)
     _files: dict = field(default_factory=dict)
 
     def files(self, moe: bool = False) -> dict[str, bytes]:
@@ -208,6 +212,7 @@ class Base:
         if moe not in self._files:
             files = (self.moe if moe else self.dense).files()
             files["gpu.yaml"] = yaml_text(self.profile).encode()
+            files[HYBRID_PROFILE] = yaml_text(hybrid_profile(self.profile)).encode()
             files["plan.yaml"] = self.plan_text.encode()
             files["graph-plan.yaml"] = self.graph_plan_text.encode()
             files[GUARD_NAME] = GUARD_TEXT.encode()
@@ -218,13 +223,13 @@ class Base:
         """A fresh copy of a parsed base plan, "plain", "graph" or "serving" (a JSON round trip: much faster
         than parsing the YAML again)."""
         plans = {"plain": self.plan, "graph": self.graph_plan, "serving": self.serving_plan,
-                 "routed": self.routed_plan}
+                 "routed": self.routed_plan, "hybrid": self.hybrid_plan}
         return json.loads(json.dumps(plans[which]))
 
     def plan_text_of(self, which: str) -> str:
         """The YAML text of a base plan (see plan_copy)."""
         return {"plain": self.plan_text, "graph": self.graph_plan_text, "serving": self.serving_plan_text,
-                "routed": self.routed_plan_text}[which]
+                "routed": self.routed_plan_text, "hybrid": self.hybrid_plan_text}[which]
 
 
 _BASE: Base | None = None
@@ -271,15 +276,39 @@ def _build_base() -> Base:
         # 60 KiB: the all-resident model takes 76.5 KiB with its arena's slack, and whole layers stream slower
         routed_args = [*BASE_ARGS, "--budget", "61440B", "--tokens", "1", "--context", "64"]
         routed_text = make_plan_text(partial, Path(folder), routed_args, True)
+        hybrid_args = ["make", "-m", "ckpt", "-g", HYBRID_PROFILE, *routed_args[5:]]
+        hybrid_text = make_plan_text(partial, Path(folder), hybrid_args, True)
         _warm_trace(partial, Path(folder))
     partial.plan_text, partial.graph_plan_text, partial.serving_plan_text = plan_text, graph_text, serving_text
     partial.plan, partial.graph_plan = yaml.safe_load(plan_text), yaml.safe_load(graph_text)
     partial.serving_plan = yaml.safe_load(serving_text)
     partial.routed_plan_text, partial.routed_plan = routed_text, yaml.safe_load(routed_text)
     assert partial.routed_plan["experts"]["regime"] == "routed", "the routed base plan must route its MoE layers"
+    partial.hybrid_plan_text, partial.hybrid_plan = hybrid_text, yaml.safe_load(hybrid_text)
+    hybrid_layers = partial.hybrid_plan["experts"]["layers"]
+    split = all(row.get("cpu") for row in hybrid_layers) and any(row["expected_fetched_bytes"] for row in hybrid_layers)
+    assert split, "the hybrid base plan must put experts of every layer on the CPU and fetch others"
     partial._files.clear()
     assert partial.plan["offload"]["layers"], "the base plan must offload layers, so plan mutations reach the schedule"
     return partial
+
+
+#: the profile the hybrid base plan is made with (hybrid_profile)
+HYBRID_PROFILE = "gpu-cpu.yaml"
+#: its measured CPU: the fuzz profile family's cpu_experts section, no fixed per-expert overhead, a 1 us handoff
+HYBRID_CPU = {"threads": 12, "dtype": "bf16", "hidden_size": 2048, "intermediate_size": 768,
+              "ms_per_expert_at_tokens": {1: 0.15, 4: 0.165, 16: 0.48}, "weight_bytes_per_s": 7.1e10,
+              "flops_per_s": 5.0e11, "overhead_us": 0.0, "handoff_us": 1.0, "source": "measured",
+              "note": "added by the fuzzer"}
+
+
+def hybrid_profile(profile: dict) -> dict:
+    """The test profile with a 30 MB/s link, on which one of the tiny MoE's 1.5 KiB experts takes the link
+    ~58 us, more than a CPU expert inside the step (~46 us), and HYBRID_CPU: make splits each layer's misses."""
+    hybrid = json.loads(json.dumps(profile))
+    hybrid["h2d_bytes_per_s"]["value"] = 3.0e7
+    hybrid["cpu_experts"] = dict(HYBRID_CPU)
+    return hybrid
 
 
 def invoke_cli_in(folder: Path, files: dict[str, bytes], args: list[str]) -> tuple[int, str, str,

@@ -246,7 +246,7 @@ def test_cpu_ids_on_a_whole_layer_are_refused(moe):
         data["experts"]["layers"][0]["cpu"] = [15]
         data["experts"]["layers"][0]["cpu_ms"] = 0.1
 
-    with pytest.raises(PlanError, match="is a whole layer"):
+    with pytest.raises(PlanError, match="a whole_layer row has cpu ids"):
         read_plan(_edited("whole.yaml", edit))
 
 
