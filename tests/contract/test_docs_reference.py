@@ -196,3 +196,12 @@ def test_checked_in_plans_hold_only_documented_keys():
         for section, keys in _keys_by_section(yaml.safe_load(path.read_text())).items():
             undocumented = keys - documented.get(section, set())
             assert not undocumented, f"{path.name}: {section or 'top level'} keys {sorted(undocumented)} have no row"
+
+
+def test_every_benchmark_page_is_in_the_benchmarks_index():
+    """benchmarks/README.md's table lists every dated result page (seven 2026-11-28 pages and six 2026-11-25 ones
+    had been left out of it)."""
+    index = (REPO_ROOT / "benchmarks" / "README.md").read_text()
+    pages = sorted(path.name for path in (REPO_ROOT / "benchmarks").glob("20*.md"))
+    missing = [name for name in pages if f"]({name})" not in index]
+    assert pages and not missing, f"benchmarks/README.md does not list {missing}"
