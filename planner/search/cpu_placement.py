@@ -53,19 +53,27 @@ def cpu_ids(routing: LayerRouting, resident: tuple[int, ...], count: int) -> tup
 
 
 @dataclass(frozen=True, kw_only=True)
-class _LayerSplit:
-    """What pricing one routed layer's candidate CPU counts needs."""
+class LayerCpuSplit:
+    """One routed layer of a decode placement with its candidate CPU counts: each count's layer (``candidate``),
+    its expected wait (``wait_ms``) and the count of least wait (``best_count``)."""
 
+    #: the placement the layer is in (its prefetch shares and fetch slots) and the layer's position among its
+    #: routed layers (the first is predicted by none)
     placement: RoutedPlacement
     position: int
+    #: the layer fetching every miss, and its routing
     row: RoutedLayer
     routing: LayerRouting
     expert_bytes: int
     num_experts: int
     top_k: int
+    #: the step's tokens (one per sequence)
     num_tokens: int
+    #: the layer's compute, all experts resident (its gather is added from the row)
     compute_ms: float
+    #: the routed gather's rate
     link_bytes_per_s: float
+    #: the CPU path's fixed cost a layer step, and one CPU expert inside the step at the step's tokens per expert
     handoff_ms: float
     cpu_ms_per_expert: float
 
@@ -125,7 +133,7 @@ def hybrid_placement(placement: RoutedPlacement, *, geometry: MoeGeometry, routi
     link (``link_bytes_per_s``: the routed gather's rate) and the CPU: (the placement, its plan section, None), or
     (None, None, why the CPU takes no expert). Per layer, split_layer weighs the CPU (its reasons to decline) and
     balances the paths' expectations; the layer then takes the whole CPU count, near that balance, whose expected
-    wait E[max(link, CPU)] over the step's routing is least (_LayerSplit.best_count)."""
+    wait E[max(link, CPU)] over the step's routing is least (LayerCpuSplit.best_count)."""
     cpu = inputs.cpu
     handoff_ms = resolved_handoff_ms(inputs.handoff_ms)
     tokens = tokens_per_touched_expert(num_tokens, geometry.top_k / geometry.num_experts)
@@ -140,7 +148,7 @@ def hybrid_placement(placement: RoutedPlacement, *, geometry: MoeGeometry, routi
             reasons.append(split.declined)
             rows.append(row)
             continue
-        layer_split = _LayerSplit(placement=placement, position=position, row=row, routing=layer_routing,
+        layer_split = LayerCpuSplit(placement=placement, position=position, row=row, routing=layer_routing,
                                   expert_bytes=layer.expert_bytes, num_experts=geometry.num_experts,
                                   top_k=geometry.top_k, num_tokens=num_tokens, compute_ms=layer_ms[row.index],
                                   link_bytes_per_s=link_bytes_per_s, handoff_ms=handoff_ms,

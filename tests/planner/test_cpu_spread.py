@@ -116,7 +116,7 @@ def _layer_split(num_tokens: int, cpu_ms_per_expert: float, predicted: bool, acc
     """One Mixtral-shaped routed layer (8 experts top-2, one resident; an expert 7.18 ms over the link) behind a
     first routed layer, at ``num_tokens`` sequences, its CPU experts at ``cpu_ms_per_expert`` each."""
     from planner.model.expert_placement import RoutedLayer, RoutedPlacement
-    from planner.search.cpu_placement import _LayerSplit
+    from planner.search.cpu_placement import LayerCpuSplit
 
     expert_bytes, rate, resident = 352_321_536, 49.07e9, (0,)
     routing = LayerRouting(index=1, shares=(2 / 8,) * 8)
@@ -126,7 +126,7 @@ def _layer_split(num_tokens: int, cpu_ms_per_expert: float, predicted: bool, acc
     placement = RoutedPlacement(layers=(row, row), fetch_slots=min(2 * num_tokens, 8), weight_bytes=0,
                                 fetch_buffer_bytes=0, staging_buffer_bytes=0, gather_workspace_bytes=0,
                                 host_pinned_bytes=0, prefetch_accuracy=accuracy)
-    return _LayerSplit(placement=placement, position=1 if predicted else 0, row=row, routing=routing,
+    return LayerCpuSplit(placement=placement, position=1 if predicted else 0, row=row, routing=routing,
                        expert_bytes=expert_bytes, num_experts=8, top_k=2, num_tokens=num_tokens, compute_ms=2.0,
                        link_bytes_per_s=rate, handoff_ms=0.015, cpu_ms_per_expert=cpu_ms_per_expert)
 
