@@ -51,10 +51,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("plans", nargs="+")
     args = parser.parse_args()
+    rows = [(path, *per_step_waits_ms(path)) for path in args.plans]
     print("| plan | step, ms | waits (fixed CPU ids) | waits (split by count) | step split by count |")
     print("|---|---|---|---|---|")
-    for path in args.plans:
-        step_ms, planned_ms, split_ms = per_step_waits_ms(path)
+    for path, step_ms, planned_ms, split_ms in rows:
         print(f"| {path} | {step_ms:.2f} | {planned_ms:.2f} | {split_ms:.2f} | {step_ms - planned_ms + split_ms:.2f} |")
 
 
