@@ -109,9 +109,18 @@ def _add_cpu_row(table: Table, cpu: dict | None) -> None:
         return
     planned = cpu.get("planned_cpu_ms_per_step")
     measured = cpu["host_ms_per_step"]
-    table.add_row(f"host CPU's experts a step ({cpu['pairs_per_step']:.1f} pairs, {cpu['handoff']})",
+    table.add_row(f"host CPU's experts a step ({cpu['pairs_per_step']:.1f} pairs{_experts_text(cpu)}, "
+                  f"{cpu['handoff']})",
                   format_ms(measured), format_ms(planned) if planned else "-",
                   f"{measured / planned:.2f}" if planned else "")
+
+
+def _experts_text(cpu: dict) -> str:
+    """", N experts (M planned)": the distinct CPU experts a step against the plan's expectation, where counted."""
+    measured, planned = cpu.get("experts_per_step"), cpu.get("planned_experts_per_step")
+    if measured is None:
+        return ""
+    return f", {measured:.1f} experts" + (f" ({planned:.1f} planned)" if planned is not None else "")
 
 
 def _adapter_table(result) -> Table:

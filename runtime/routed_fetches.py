@@ -82,11 +82,24 @@ def routed_fetches(loaded, num_steps: int) -> RoutedFetches | None:
 
 
 def _cpu_per_step(routed, plan, num_steps: int) -> dict | None:
-    """The CPU side's counters over the timed steps, per step, beside the plan's expected CPU ms a step."""
+    """The CPU side's counters over the timed steps, per step, beside the plan's expected CPU ms a step and its
+    expected CPU experts a step (distinct experts per layer step, summed: what the plan's CPU time is priced on;
+    None for a plan written without cpu_ms_per_expert)."""
     stats = routed.cpu_stats()
     if not stats:
         return None
     planned = plan.experts.cpu
     return {"handoff": routed.cpu_experts.handoff, "pairs_per_step": stats["pairs_cpu"] / num_steps,
+            "experts_per_step": stats["experts_cpu"] / num_steps,
             "pairs_share": stats["pairs_share"], "host_ms_per_step": 1e3 * stats["callback_s"] / num_steps,
-            "planned_cpu_ms_per_step": planned.cpu_ms_per_step if planned is not None else None}
+            "planned_cpu_ms_per_step": planned.cpu_ms_per_step if planned is not None else None,
+            "planned_experts_per_step": planned_cpu_experts(plan)}
+
+
+def planned_cpu_experts(plan) -> float | None:
+    """The plan's expected CPU experts a step: each CPU layer's path less the handoff, over one expert's price."""
+    experts = plan.experts
+    rows = experts.cpu_layers if experts.cpu is not None else ()
+    if not rows or any(row.cpu_ms_per_expert is None for row in rows):
+        return None
+    return sum((row.cpu_ms - experts.cpu.handoff_ms) / row.cpu_ms_per_expert for row in rows)

@@ -70,3 +70,6 @@ def test_a_plan_with_cpu_experts_shows_the_hosts_share_beside_the_plans():
     text = _text(routed)
     assert "host CPU's experts a step (16.6 pairs, doorbell)" in text and "1.16" in text
     assert "host CPU" not in _text(_routed())
+    counted = RoutedFetches(**{**vars(routed), "cpu": {**routed.cpu, "experts_per_step": 15.2,
+                                                       "planned_experts_per_step": 14.75}})
+    assert "(16.6 pairs, 15.2 experts (14.8 planned), doorbell)" in _text(counted)

@@ -3,6 +3,7 @@ writes CPU expert ids that keep the invariants, --cpu-experts off and a profile 
 a slow CPU is declined with its reason, and show, check, diff and export read what make wrote; hand edits that
 break the invariants are refused in one line."""
 
+import dataclasses
 import json
 
 import pytest
@@ -280,3 +281,22 @@ def test_routed_experts_off_plans_whole_layers_as_the_engines_offload(moe):
                       "-o", "never.yaml"])
     assert refused.exit_code != 0 and "--routed-experts 'never' is not one of auto, off" in refused.stderr
     assert "\n" not in refused.stderr.strip() and not (moe / "never.yaml").exists()
+
+
+def test_run_bench_reads_the_plans_expected_cpu_experts_a_step(moe):
+    """run --bench puts the host's distinct CPU experts a step beside the plan's expectation
+    (runtime.routed_fetches.planned_cpu_experts): each CPU layer's path less the handoff, over one expert's price;
+    None for a plan written without cpu_ms_per_expert."""
+    pytest.importorskip("torch")
+    from runtime.routed_fetches import planned_cpu_experts
+
+    make("fast.yaml", "plan.yaml")
+    plan = read_plan("plan.yaml")
+    rows, handoff_ms = plan.experts.cpu_layers, plan.experts.cpu.handoff_ms
+    assert rows
+    want = sum((row.cpu_ms - handoff_ms) / row.cpu_ms_per_expert for row in rows)
+    assert planned_cpu_experts(plan) == pytest.approx(want) and 0 < want <= sum(len(row.cpu) for row in rows)
+    layers = tuple(dataclasses.replace(row, cpu_ms_per_expert=None) for row in plan.experts.layers)
+    older = dataclasses.replace(plan, experts=dataclasses.replace(plan.experts, layers=layers))
+    assert planned_cpu_experts(older) is None
+
