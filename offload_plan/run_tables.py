@@ -109,14 +109,15 @@ def _add_cpu_row(table: Table, cpu: dict | None) -> None:
         return
     planned = cpu.get("planned_cpu_ms_per_step")
     measured = cpu["host_ms_per_step"]
-    table.add_row(f"host CPU's experts a step ({cpu['pairs_per_step']:.1f} pairs{_experts_text(cpu)}, "
+    table.add_row(f"host CPU's experts a step ({cpu['pairs_per_step']:.1f} pairs{cpu_experts_text(cpu)}, "
                   f"{cpu['handoff']})",
                   format_ms(measured), format_ms(planned) if planned else "-",
                   f"{measured / planned:.2f}" if planned else "")
 
 
-def _experts_text(cpu: dict) -> str:
-    """", N experts (M planned)": the distinct CPU experts a step against the plan's expectation, where counted."""
+def cpu_experts_text(cpu: dict) -> str:
+    """", N experts (M planned)": the host's distinct CPU experts a step (run --bench's counters, per step) against
+    the plan's expectation, where counted ("" for rows from before 2026-11-29)."""
     measured, planned = cpu.get("experts_per_step"), cpu.get("planned_experts_per_step")
     if measured is None:
         return ""

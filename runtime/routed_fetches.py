@@ -99,7 +99,7 @@ def _cpu_per_step(routed, plan, num_steps: int) -> dict | None:
 def planned_cpu_experts(plan) -> float | None:
     """The plan's expected CPU experts a step: each CPU layer's path less the handoff, over one expert's price."""
     experts = plan.experts
-    rows = experts.cpu_layers if experts.cpu is not None else ()
-    if not rows or any(row.cpu_ms_per_expert is None for row in rows):
+    expected = [experts.expected_cpu_experts(row) for row in experts.cpu_layers]
+    if not expected or None in expected:
         return None
-    return sum((row.cpu_ms - experts.cpu.handoff_ms) / row.cpu_ms_per_expert for row in rows)
+    return sum(expected)

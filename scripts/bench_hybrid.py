@@ -33,6 +33,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from offload_plan.run_tables import cpu_experts_text
 from runtime.cpu_experts import BF16_TOLERANCE
 from scripts import conformance
 from scripts.conformance import (MODELS, calibrated_profile, cli, ensure_checkpoint, gpu_clean, run_bench,
@@ -272,15 +273,6 @@ def fmt(value) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
-def _experts(cpu: dict) -> str:
-    """", N experts of M planned": the host's distinct CPU experts a step against the plan's expectation (rows from
-    before 2026-11-29 have neither)."""
-    measured, planned = cpu.get("experts_per_step"), cpu.get("planned_experts_per_step")
-    if measured is None:
-        return ""
-    return f", {measured:.1f} experts" + (f" of {planned:.1f} planned" if planned is not None else "")
-
-
 def table(rows: list[dict]) -> str:
     """Per model and sequence count: each arm's ms per step (predicted), the choice over fetch-only and its regret."""
     lines = ["| model | S | arm | ms/step | predicted | error | CPU experts | tokens equal |",
@@ -295,8 +287,8 @@ def table(rows: list[dict]) -> str:
             error = f"{100 * (predicted / measured - 1):+.1f}%" if measured and predicted else "-"
             cpu = ((row.get("bench") or {}).get("routed") or {}).get("cpu") or {}
             on_cpu = f"{row.get('cpu_experts', '-')}" + (
-                f" ({cpu['pairs_per_step']:.1f} pairs{_experts(cpu)}, host {cpu['host_ms_per_step']:.2f} ms a step, "
-                f"planned {fmt(cpu.get('planned_cpu_ms_per_step'))})" if cpu else "")
+                f" ({cpu['pairs_per_step']:.1f} pairs{cpu_experts_text(cpu)}, host {cpu['host_ms_per_step']:.2f} ms "
+                f"a step, planned {fmt(cpu.get('planned_cpu_ms_per_step'))})" if cpu else "")
             repeats = [ms for ms in row.get("step_ms_repeats", ()) if ms is not None]
             spread = f" ({min(repeats):.2f}-{max(repeats):.2f}, {len(repeats)} runs)" if len(repeats) > 1 else ""
             lines.append(f"| {model} | {sequences} | {row['arm']} | {fmt(measured)}{spread} | {fmt(predicted)} | "

@@ -39,7 +39,7 @@ class RoutedLayer:
     cpu: tuple[int, ...] = ()
     cpu_ms: float = 0.0
     #: with CPU experts: the CPU path's handoff, one CPU expert's time in the step, ms, and how a step's touched
-    #: experts fall on the CPU and fetched ids (planner.search.cpu_experts.CpuDraw; the layer waits E[max] over it)
+    #: experts fall on the CPU and fetched ids (planner.model.expert_routing.CpuDraw; the layer waits E[max] over it)
     cpu_handoff_ms: float = 0.0
     cpu_ms_per_expert: float = 0.0
     cpu_draw: CpuDraw | None = None

@@ -212,6 +212,13 @@ class ExpertsPlan:
         """The routed layers with experts on the CPU, ascending."""
         return tuple(row for row in self.layers if row.cpu)
 
+    def expected_cpu_experts(self, row: ExpertLayer) -> float | None:
+        """The CPU experts a step of ``row`` touches in expectation: its CPU path less the section's handoff, over
+        one expert's price (None without CPU experts, or in a plan written without cpu_ms_per_expert)."""
+        if not row.cpu or row.cpu_ms_per_expert is None or self.cpu is None:
+            return None
+        return (row.cpu_ms - self.cpu.handoff_ms) / row.cpu_ms_per_expert
+
     @property
     def routed_layers(self) -> tuple[ExpertLayer, ...]:
         """The layers that fetch their routed experts, ascending."""

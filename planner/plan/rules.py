@@ -280,8 +280,8 @@ def _experts_cpu_rule(plan: Plan) -> str | None:
     if not any(row.cpu for row in experts.routed_layers):
         return "experts.cpu is given but no routed layer has cpu ids"
     for row in experts.cpu_layers:
-        if row.cpu_ms_per_expert is not None and row.cpu_ms - cpu.handoff_ms > len(row.cpu) * row.cpu_ms_per_expert \
-                * (1 + 1e-6) + 1e-4:
+        expected = experts.expected_cpu_experts(row)
+        if expected is not None and expected > len(row.cpu) * (1 + 1e-6) + 1e-4 / row.cpu_ms_per_expert:
             return (f"experts.layers[{row.index}] cpu_ms {row.cpu_ms:g} is more than its handoff and every one of its "
                     f"{len(row.cpu)} cpu ids at cpu_ms_per_expert {row.cpu_ms_per_expert:g}")
     layers_cpu_ms = sum(row.cpu_ms for row in experts.cpu_layers)

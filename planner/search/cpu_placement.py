@@ -149,10 +149,10 @@ def hybrid_placement(placement: RoutedPlacement, *, geometry: MoeGeometry, routi
             rows.append(row)
             continue
         layer_split = LayerCpuSplit(placement=placement, position=position, row=row, routing=layer_routing,
-                                  expert_bytes=layer.expert_bytes, num_experts=geometry.num_experts,
-                                  top_k=geometry.top_k, num_tokens=num_tokens, compute_ms=layer_ms[row.index],
-                                  link_bytes_per_s=link_bytes_per_s, handoff_ms=handoff_ms,
-                                  cpu_ms_per_expert=split.cpu_ms_per_expert)
+                                    expert_bytes=layer.expert_bytes, num_experts=geometry.num_experts,
+                                    top_k=geometry.top_k, num_tokens=num_tokens, compute_ms=layer_ms[row.index],
+                                    link_bytes_per_s=link_bytes_per_s, handoff_ms=handoff_ms,
+                                    cpu_ms_per_expert=split.cpu_ms_per_expert)
         count = layer_split.best_count(round(split.cpu_share * layer_split.num_non_resident))
         if not count:
             reasons.append(f"no whole number of CPU experts near the balance ({split.cpu_experts:.2f} of "

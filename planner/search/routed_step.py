@@ -180,14 +180,14 @@ def _plan_cpu_draw(plan: Plan, row: ExpertLayer, expert_bytes: int) -> dict:
     """A plan row's CpuDraw, handoff and CPU expert figures for RoutedFetch ({} without CPU experts, or from a
     plan written without cpu_ms_per_expert): the step's expected CPU experts from its cpu_ms less the handoff."""
     experts = plan.experts
-    if not row.cpu or row.cpu_ms_per_expert is None:
+    expected = experts.expected_cpu_experts(row)
+    if expected is None:
         return {}
-    handoff_ms = experts.cpu.handoff_ms
     draw = cpu_draw(num_experts=experts.num_experts, top_k=experts.top_k, num_resident=len(row.resident),
-                    num_cpu_ids=len(row.cpu), mean_cpu_experts=(row.cpu_ms - handoff_ms) / row.cpu_ms_per_expert,
+                    num_cpu_ids=len(row.cpu), mean_cpu_experts=expected,
                     mean_link_experts=row.expected_fetched_bytes / expert_bytes,
                     num_tokens=plan.workload.tokens_per_step, uniform=experts.routing == "uniform")
-    return {"cpu_draw": draw, "cpu_handoff_ms": handoff_ms, "cpu_ms_per_expert": row.cpu_ms_per_expert}
+    return {"cpu_draw": draw, "cpu_handoff_ms": experts.cpu.handoff_ms, "cpu_ms_per_expert": row.cpu_ms_per_expert}
 
 
 def cpu_draw(*, num_experts: int, top_k: int, num_resident: int, num_cpu_ids: int, mean_cpu_experts: float,

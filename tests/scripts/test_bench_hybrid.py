@@ -70,5 +70,5 @@ def test_the_table_shows_the_cpus_host_ms_beside_the_plans():
                                          "planned_cpu_ms_per_step": 6.0856}}
     assert "| 34 (16.5 pairs, host 4.50 ms a step, planned 6.086) |" in bench_hybrid.table([choice])
     choice["bench"]["routed"]["cpu"] |= {"experts_per_step": 15.1, "planned_experts_per_step": 14.75}
-    assert "| 34 (16.5 pairs, 15.1 experts of 14.8 planned, host 4.50 ms a step, planned 6.086) |" in \
+    assert "| 34 (16.5 pairs, 15.1 experts (14.8 planned), host 4.50 ms a step, planned 6.086) |" in \
         bench_hybrid.table([choice])
