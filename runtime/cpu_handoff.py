@@ -1,6 +1,8 @@
 """Routed experts computed on the host CPU inside the decode step, captured in a CUDA graph or run eagerly alike.
 
-A routed layer (runtime.routed_experts) may name a static set of CPU experts (the plan's ``experts.layers[i].cpu``).
+A routed layer (runtime.routed_experts) may name a static set of CPU experts (the plan's ``experts.layers[i].cpu``),
+or split each step's misses with the CPU by their count (``cpu_take``: the fused fetch plan picks the step's CPU
+experts, runtime.fetch_planning.split_to_cpu, and the handoff carries only their pairs, the others' ids -1).
 Their pairs are computed by the host CPU from its own copy of their weights (runtime.cpu_experts.HostExperts) while
 the GPU computes the others; neither side ever moves a CPU expert's weights over the link. One decode step of
 such a layer, every operation capturable (no host synchronisation):
@@ -147,8 +149,8 @@ def cpu_partial_sum(layer: CpuLayer, hidden: torch.Tensor, top_k_index: torch.Te
         return partial_sum(host.kernel, host.gate_up, host.down, layer.local, hidden, top_k_index, top_k_weights,
                            out, torch.get_num_threads())
     num_top_k = top_k_index.shape[1]
-    ids = top_k_index.reshape(-1)  # [S], token-major
-    rows = layer.is_cpu[ids].nonzero().squeeze(1)  # [P] the CPU's pairs, ascending: by token, then rank
+    ids = top_k_index.reshape(-1)  # [S], token-major; -1: a pair a per-step split left to the GPU
+    rows = ((ids >= 0) & layer.is_cpu[ids.clamp(min=0)]).nonzero().squeeze(1)  # [P] the CPU's pairs: by token, rank
     out.zero_()
     if rows.numel() == 0:
         return 0, 0
@@ -462,6 +464,19 @@ def check_cpu_experts(cpu: dict[int, tuple[int, ...]], resident: dict[int, tuple
         raise PlanError(f"the CPU experts' dtype must be one of {', '.join(CPU_DTYPES)}, not {dtype!r}")
     if threads < 1:
         raise PlanError(f"CPU experts need at least 1 thread, got {threads}")
+
+
+def check_cpu_take(cpu_take: dict[int, tuple[int, ...]], cpu: dict[int, tuple[int, ...]]) -> None:
+    """One line (PlanError) unless every layer splitting its misses by count has CPU ids and a table j(m) of whole
+    counts from 0 to m."""
+    for index, take in cpu_take.items():
+        if index not in cpu:
+            raise PlanError(f"routed layer {index} splits its misses with the CPU (cpu_take) but has no CPU experts; "
+                            "regenerate the plan")
+        wrong = [m for m, j in enumerate(take) if not 0 <= j <= m]
+        if wrong:
+            raise PlanError(f"routed layer {index}: cpu_take[{wrong[0]}] is {take[wrong[0]]}, not from 0 to "
+                            f"{wrong[0]}; regenerate the plan")
 
 
 def start_cpu_experts(routed) -> CpuExperts:

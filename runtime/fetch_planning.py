@@ -11,7 +11,14 @@ F slots and S pairs (all small: E <= a few hundred, S = F = tokens x top_k at de
 The program works on one-hot matrices rather than sorts: routed[e] = any pair routes to e, an expert's slot is
 its rank among the experts needing one in ascending expert order (a cumulative sum), and each pair's row is its
 expert's row (a one-hot sum). Ids below 0 are pairs that route nowhere (a masked prediction).
+
+A layer that splits each step's misses with the host CPU by their count (a plan's ``cpu_take``; runtime.cpu_handoff)
+first takes, of the step's m misses (routed, not resident, not prefetched), the first j(m) that the CPU may compute
+in ascending id order (``split_to_cpu``): those read as resident at the device buffer's zero row, so nothing
+gathers them, and the pairs routed to them are the CPU's (``cpu_index``: the expert id, -1 for the GPU's pairs).
 """
+
+from dataclasses import dataclass
 
 import torch
 
@@ -20,24 +27,64 @@ _KERNELS = {}
 
 def fused_fetch_plan(top_k_index: torch.Tensor, resident_row: torch.Tensor, fetch_slots: int, slot_base: int,
                      counts: torch.Tensor, prefetched: torch.Tensor | None = None, sources_out: torch.Tensor | None
-                     = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     = None, cpu_split: "CpuSplit | None" = None) -> tuple[torch.Tensor, ...]:
     """(pair -> device-buffer row [S], slot -> expert id to gather or -1 [fetch_slots]) as plan_fetch (``prefetched``
     None) or plan_fetch_after_prefetch computes them, with their counts added into ``counts`` [4] (FETCH_KINDS:
     without prefetch, every fetch is "unpredicted"). ``sources_out``: write the slot -> expert ids there (the
-    prefetch's own record) instead of a new tensor. One Triton program; CUDA tensors only."""
+    prefetch's own record) instead of a new tensor. With ``cpu_split``, the step's misses are split with the CPU
+    first (split_to_cpu) and a third tensor returned: the CPU's pairs' expert ids [S] (-1: the GPU's). One Triton
+    program; CUDA tensors only."""
     ids = top_k_index.reshape(-1)
     num_pairs, num_experts = ids.numel(), resident_row.numel()
     pair_rows = torch.empty_like(ids)
     sources = sources_out if sources_out is not None else torch.empty(fetch_slots, dtype=torch.int64,
                                                                       device=ids.device)
-    with_prefetch = prefetched is not None
+    with_prefetch, with_cpu = prefetched is not None, cpu_split is not None
+    cpu_index = torch.empty_like(ids) if with_cpu else pair_rows
+    eligible, take = (cpu_split.eligible, cpu_split.take) if with_cpu else (resident_row, resident_row)
     from triton import next_power_of_2  # with the kernel: triton ships with CUDA builds of torch
 
     _kernel()[(1,)](ids, resident_row, prefetched if with_prefetch else sources, pair_rows, sources, counts,
-                    num_pairs, num_experts, fetch_slots, slot_base, WITH_PREFETCH=with_prefetch,
+                    eligible, take, cpu_index, take.numel(), cpu_split.zero_row if with_cpu else 0,
+                    num_pairs, num_experts, fetch_slots, slot_base, WITH_PREFETCH=with_prefetch, WITH_CPU=with_cpu,
                     BLOCK_S=next_power_of_2(num_pairs), BLOCK_E=next_power_of_2(num_experts),
                     BLOCK_F=next_power_of_2(fetch_slots))
-    return pair_rows, sources
+    return (pair_rows, sources, cpu_index) if with_cpu else (pair_rows, sources)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CpuSplit:
+    """One routed layer's split of each step's misses with the CPU, on the device."""
+
+    #: [E] int64: 1 where the CPU may compute the expert (the plan's cpu ids), else 0
+    eligible: torch.Tensor
+    #: [M] int64: j(m), the misses a step with m of them sends to the CPU (past the end: the last entry)
+    take: torch.Tensor
+    #: the device buffer's row of zeros the CPU's experts read as resident at
+    zero_row: int
+
+
+def split_to_cpu(top_k_index: torch.Tensor, resident_row: torch.Tensor, split: CpuSplit,
+                 prefetched: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the step's resident rows [E], with the CPU's experts at the zero row; the CPU's pairs' expert ids [S], -1
+    for the GPU's): of the step's m misses (routed, not resident, not in ``prefetched``), the first
+    ``take[min(m, M - 1)]`` of those ``eligible`` in ascending id order go to the CPU. Torch ops, fixed shapes (the
+    fused kernel's twin on the CPU stand-in)."""
+    ids = top_k_index.reshape(-1)  # [S]
+    num_experts = resident_row.numel()
+    routed = torch.zeros(num_experts + 1, dtype=torch.bool, device=ids.device)
+    routed.index_fill_(0, torch.where(ids >= 0, ids, num_experts), True)
+    missed = routed[:num_experts] & (resident_row < 0)  # [E]
+    if prefetched is not None:
+        held = torch.zeros(num_experts + 1, dtype=torch.bool, device=ids.device)
+        held.index_fill_(0, torch.where(prefetched >= 0, prefetched, num_experts), True)
+        missed &= ~held[:num_experts]
+    num_missed = missed.sum().clamp(max=split.take.numel() - 1)
+    candidates = missed & (split.eligible > 0)
+    chosen = candidates & (torch.cumsum(candidates, 0) <= split.take[num_missed])  # [E]
+    rows = torch.where(chosen, split.zero_row, resident_row)
+    on_cpu = torch.cat((chosen, chosen.new_zeros(1)))[torch.where(ids >= 0, ids, num_experts)]  # [S]
+    return rows, torch.where(on_cpu, ids, -1)
 
 
 def _kernel():
@@ -47,9 +94,10 @@ def _kernel():
         import triton.language as tl
 
         @triton.jit
-        def plan(ids_ptr, resident_ptr, prefetched_ptr, pair_rows_ptr, sources_ptr, counts_ptr, num_pairs,
-                 num_experts, num_slots, slot_base, WITH_PREFETCH: tl.constexpr, BLOCK_S: tl.constexpr,
-                 BLOCK_E: tl.constexpr, BLOCK_F: tl.constexpr):
+        def plan(ids_ptr, resident_ptr, prefetched_ptr, pair_rows_ptr, sources_ptr, counts_ptr, eligible_ptr,
+                 take_ptr, cpu_index_ptr, take_len, zero_row, num_pairs, num_experts, num_slots, slot_base,
+                 WITH_PREFETCH: tl.constexpr, WITH_CPU: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr,
+                 BLOCK_F: tl.constexpr):
             s = tl.arange(0, BLOCK_S)
             e = tl.arange(0, BLOCK_E)
             f = tl.arange(0, BLOCK_F)
@@ -57,11 +105,23 @@ def _kernel():
             pair_is = ids[:, None] == e[None, :]  # [S, E] one-hot (a masked pair matches nothing)
             routed = tl.max(pair_is.to(tl.int32), axis=0) > 0  # [E]
             resident = tl.load(resident_ptr + e, mask=e < num_experts, other=0)  # row, or -1 if not resident
-            need = routed & (resident < 0)
             if WITH_PREFETCH:
                 held = tl.load(prefetched_ptr + f, mask=f < num_slots, other=-1)  # [F] expert per slot, or -1
-                slot_is = held[:, None] == e[None, :]  # [F, E]
-                slot_of = tl.max(tl.where(slot_is, f[:, None], -1), axis=0)  # [E] the slot holding e, or -1
+            else:
+                held = tl.full((BLOCK_F,), -1, tl.int64)
+            slot_is = held[:, None] == e[None, :]  # [F, E]
+            slot_of = tl.max(tl.where(slot_is, f[:, None], -1), axis=0)  # [E] the slot holding e, or -1
+            if WITH_CPU:  # split_to_cpu: the first take[m] eligible misses read as resident at the zero row
+                missed = routed & (resident < 0) & (slot_of < 0)
+                num_missed = tl.minimum(tl.sum(missed.to(tl.int32), axis=0), take_len - 1)
+                eligible = tl.load(eligible_ptr + e, mask=e < num_experts, other=0) > 0
+                candidates = missed & eligible
+                chosen = candidates & (tl.cumsum(candidates.to(tl.int32), axis=0) <= tl.load(take_ptr + num_missed))
+                resident = tl.where(chosen, zero_row, resident)
+                on_cpu = tl.max(tl.where(pair_is & chosen[None, :], 1, 0), axis=1) > 0  # [S]
+                tl.store(cpu_index_ptr + s, tl.where(on_cpu, ids, -1), mask=s < num_pairs)
+            need = routed & (resident < 0)
+            if WITH_PREFETCH:
                 hit = need & (slot_of >= 0)
                 miss = need & (slot_of < 0)
                 # a slot keeps its expert when the step routes to it; the others (unused, wasted) are free

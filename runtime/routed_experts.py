@@ -50,10 +50,10 @@ from torch import nn
 from planner.errors import PlanError
 from planner.model.placement import ALIGN_BYTES, align_up
 from runtime.allocation import alloc_device_or_fail, host_allocation_or_fail
-from runtime.cpu_handoff import CpuExperts, check_cpu_experts, start_cpu_experts
+from runtime.cpu_handoff import CpuExperts, check_cpu_experts, check_cpu_take, start_cpu_experts
 from runtime.engine import PackedParam, backend_unpin, view_as_param
 from runtime.experts_impl import ExpertsProxy, batched_mm_forward, expert_param_names, prefill_experts_forward
-from runtime.fetch_planning import fused_fetch_plan, plan_fetch, plan_fetch_after_prefetch
+from runtime.fetch_planning import CpuSplit, fused_fetch_plan, plan_fetch, plan_fetch_after_prefetch, split_to_cpu
 from runtime.router_prediction import NextLayerPredictor, predictors_for, prefetch_depths
 from runtime.routed_prefetch import prefetch_next
 from runtime.uva_gather import GATHER_BLOCK_WORDS, GATHER_NUM_WARPS, device_view, gather_rows
@@ -74,6 +74,9 @@ class RouteTables:
 
     #: [E] int64: the expert's row among the resident rows of the device buffer, or -1 if not resident
     resident_row: torch.Tensor
+    #: a layer splitting each step's misses with the CPU by their count (its CPU ids then eligible, not resident at
+    #: the zero row); None: fixed CPU ids, or none
+    cpu_split: CpuSplit | None = None
 
 
 class RoutedExperts:
@@ -85,7 +88,7 @@ class RoutedExperts:
                  prefetch: bool = False, prefetch_programs: int = PREFETCH_GATHER_PROGRAMS,
                  prefetch_depth: "int | dict[int, int] | None" = None,
                  cpu: dict[int, tuple[int, ...]] | None = None, cpu_dtype: str = "fp32",
-                 cpu_threads: int | None = None):
+                 cpu_threads: int | None = None, cpu_take: dict[int, tuple[int, ...]] | None = None):
         """Allocate (nothing read, nothing pinned yet): ``modules``: layer index -> its experts module (its
         params may be on the meta device: only their shapes are read here); ``resident``: layer index -> expert
         ids kept on the GPU; ``fetch_slots``: distinct experts one decode step can fetch (the plan's
@@ -97,7 +100,9 @@ class RoutedExperts:
         ``prefetch_programs``: the side stream gather's persistent programs; ``prefetch_depth``: how many of
         each predicted token's top-k ranks are prefetched (``set_prefetch_depth``; None: all k). ``cpu``: layer
         index -> expert ids the host CPU computes (runtime.cpu_handoff), from a host copy in ``cpu_dtype`` ("bf16",
-        "fp32") with ``cpu_threads`` threads (None: torch's current count)."""
+        "fp32") with ``cpu_threads`` threads (None: torch's current count); ``cpu_take``: layer index -> j(m), for
+        layers that send the first j(m) of a step's m misses among their CPU ids to the CPU instead of every pair
+        routed to those ids (runtime.fetch_planning.split_to_cpu)."""
         if prefetch and decoder_layers is None:
             raise PlanError("next-layer prefetch needs the decoder layers (their norms and routers); pass them")
         if prefetch_programs < 1:
@@ -127,6 +132,9 @@ class RoutedExperts:
         self.cpu_threads = torch.get_num_threads() if cpu_threads is None else int(cpu_threads)
         check_cpu_experts(self.cpu, self.resident, self.num_experts, self.param_names, self.cpu_dtype,
                           self.cpu_threads)
+        #: routed layer index -> j(m) of the layers splitting each step's misses with the CPU by their count
+        self.cpu_take = {index: tuple(int(j) for j in take) for index, take in (cpu_take or {}).items() if take}
+        check_cpu_take(self.cpu_take, self.cpu)
         #: the CPU side (runtime.cpu_handoff.CpuExperts), made by start where some layer has CPU experts
         self.cpu_experts: CpuExperts | None = None
         self.row_bytes = {name: math.prod(shape) * dtype.itemsize for name, (dtype, shape) in self.rows.items()}
@@ -191,6 +199,9 @@ class RoutedExperts:
         self.pending: set[int] = set()
         #: the side stream of the prefetches (CUDA only) and the router input it reads, copied on the main stream
         self.stream = None
+        #: routed ordinal -> an event the side stream records once the prefetch for that layer has planned its ids
+        #: (before its gather): a layer splitting its misses with the CPU waits for it, not for the gather (CUDA)
+        self.planned_events: dict[int, torch.cuda.Event] = {}
         self.predict_input: torch.Tensor | None = None
         #: bytes copied into the staging buffer by prefill chunks (eager: counted on the host)
         self.staged_bytes = 0
@@ -272,12 +283,13 @@ class RoutedExperts:
             ids = list(self.resident[index])
             resident_row = torch.full((self.num_experts,), -1, dtype=torch.int64)
             resident_row[ids] = torch.arange(row, row + len(ids))
-            # CPU experts read as resident at the zero row: never fetched, their pairs add exactly 0 here
-            if index in self.cpu:
+            # fixed CPU experts read as resident at the zero row: never fetched, their pairs add exactly 0 here; a
+            # per-step split maps the step's chosen ones there (runtime.fetch_planning.split_to_cpu)
+            if index in self.cpu and index not in self.cpu_take:
                 resident_row[list(self.cpu[index])] = self.zero_row
             for name in self.param_names:
                 self.buffer[name][row:row + len(ids)].copy_(self.host[index, name][ids])
-            self.tables[index] = RouteTables(resident_row=resident_row.to(self.device))
+            self.tables[index] = RouteTables(resident_row=resident_row.to(self.device), cpu_split=self._split(index))
             row += len(ids)
         if self.cpu:
             self.cpu_experts = start_cpu_experts(self)
@@ -285,6 +297,15 @@ class RoutedExperts:
             self._start_prefetch()
         for index in self.layers:
             _route(modules[index], self, index)
+
+    def _split(self, index: int) -> CpuSplit | None:
+        """Layer ``index``'s per-step split on the device (None: fixed CPU ids, or none)."""
+        if index not in self.cpu_take:
+            return None
+        eligible = torch.zeros(self.num_experts, dtype=torch.int64)
+        eligible[list(self.cpu[index])] = 1
+        return CpuSplit(eligible=eligible.to(self.device), zero_row=self.zero_row,
+                        take=torch.tensor(self.cpu_take[index], dtype=torch.int64, device=self.device))
 
     def _start_prefetch(self) -> None:
         """A predictor per routed layer whose next routed layer's router can be called on its router input;
@@ -304,6 +325,8 @@ class RoutedExperts:
         self.set_prefetch_depth(self._depth_setting)
         if self.device.type == "cuda":
             self.stream = torch.cuda.Stream(device=self.device)
+            self.planned_events = {ordinal + 1: torch.cuda.Event() for ordinal in self.predictors
+                                   if self.layers[ordinal + 1] in self.cpu_take}
 
     def set_prefetch_depth(self, depth: "int | dict[int, int] | None") -> None:
         """Prefetch the top ``depth`` ranks of each predicted token's k (one int for every predicted layer, or
@@ -382,11 +405,21 @@ class RoutedExperts:
         batched_mm over the device buffer; with CPU experts, their pairs on the host meanwhile (module docstring). No
         host synchronisation."""
         cpu = self.cpu_experts if index in self.cpu else None
-        # first, right after the router: the side stream's copies to the host start while the GPU plans its fetch
-        pending = None if cpu is None else cpu.fork(index, hidden, top_k_index, top_k_weights)
         ordinal = self.ordinal[index]
         base = self.slot_base(ordinal)
-        resident_row = self.tables[index].resident_row
+        split = self.tables[index].cpu_split
+        if split is not None:
+            # the CPU's share of the step's misses is chosen first, then handed to the host before the join: the
+            # choice needs the prefetched ids (the prefetch's plan), not their weights (its gather)
+            ahead = index in self.pending and self.prefetch_depth.get(index, 0) > 0
+            if ahead and self.stream is not None:
+                torch.cuda.current_stream(self.device).wait_event(self.planned_events[ordinal])
+            pair_rows, source_ids, cpu_index = self._fetch_plan(index, top_k_index, base, ahead, split)
+            pending = cpu.fork(index, hidden, cpu_index.view_as(top_k_index), top_k_weights)
+        else:
+            # first, right after the router: the side stream's copies to the host start while the GPU plans its
+            # fetch
+            pending = None if cpu is None else cpu.fork(index, hidden, top_k_index, top_k_weights)
         predicted = self._join(index)
         # the next layer's prefetch first (by default): the link stays busy while this layer plans its misses,
         # and the misses' full grid takes most of the link from the prefetch's bounded one while both run
@@ -394,17 +427,9 @@ class RoutedExperts:
             prefetch_next(self, ordinal, hidden)
         if predicted and self.count_ranks:
             self._count_ranks(ordinal, top_k_index)
-        ahead = predicted and self.prefetch_depth[index] > 0  # depth 0: predicted, nothing gathered ahead
-        if self.device.type == "cuda":  # one kernel where the torch ops below are 15 or 35 graph nodes
-            pair_rows, source_ids = fused_fetch_plan(top_k_index, resident_row, self.fetch_slots, base,
-                                                     self.fetch_counts, self.prefetched[ordinal] if ahead else None)
-        elif ahead:
-            pair_rows, source_ids, counts = plan_fetch_after_prefetch(
-                top_k_index, resident_row, self.prefetched[ordinal], slot_base=base)
-            self.fetch_counts.add_(counts)
-        else:
-            pair_rows, source_ids = plan_fetch(top_k_index, resident_row, self.fetch_slots, slot_base=base)
-            self.fetch_counts.add_(torch.nn.functional.pad((source_ids >= 0).sum().view(1), (len(FETCH_KINDS) - 1, 0)))
+        if split is None:
+            ahead = predicted and self.prefetch_depth[index] > 0  # depth 0: predicted, nothing gathered ahead
+            pair_rows, source_ids, _ = self._fetch_plan(index, top_k_index, base, ahead, None)
         words, warps = self.gather_shape
         # the misses, on the critical path: the full grid, but in a layer whose CPU experts a host node computes
         # the prefetch's programs (the same rate): the full grid holds every SM for the gather's length, and the
@@ -421,6 +446,27 @@ class RoutedExperts:
         out = batched_mm_forward()(proxy, hidden, pair_rows.view_as(top_k_index), top_k_weights)
         return out if cpu is None else cpu.join(pending, out)
 
+    def _fetch_plan(self, index: int, top_k_index: torch.Tensor, base: int, ahead: bool, split: CpuSplit | None):
+        """(pair -> device-buffer row, slot -> expert to gather, the CPU's pairs or None) of a step of layer
+        ``index``, the fetch counters added: after the layer's prefetch where ``ahead``, its misses split with the
+        CPU where ``split`` (runtime.fetch_planning)."""
+        ordinal, resident_row = self.ordinal[index], self.tables[index].resident_row
+        prefetched = self.prefetched[ordinal] if ahead else None
+        if self.device.type == "cuda":  # one kernel where the torch ops below are 15 or 35 graph nodes
+            planned = fused_fetch_plan(top_k_index, resident_row, self.fetch_slots, base, self.fetch_counts,
+                                       prefetched, cpu_split=split)
+            return planned if split is not None else (*planned, None)
+        cpu_index = None
+        if split is not None:
+            resident_row, cpu_index = split_to_cpu(top_k_index, resident_row, split, prefetched)
+        if prefetched is not None:
+            pair_rows, source_ids, counts = plan_fetch_after_prefetch(top_k_index, resident_row, prefetched,
+                                                                      slot_base=base)
+            self.fetch_counts.add_(counts)
+        else:
+            pair_rows, source_ids = plan_fetch(top_k_index, resident_row, self.fetch_slots, slot_base=base)
+            self.fetch_counts.add_(torch.nn.functional.pad((source_ids >= 0).sum().view(1), (len(FETCH_KINDS) - 1, 0)))
+        return pair_rows, source_ids, cpu_index
     def _count_ranks(self, ordinal: int, top_k_index: torch.Tensor) -> None:
         """Per rank, how many of this step's predictions for this layer it routed the same token to."""
         num_tokens = top_k_index.shape[0]

@@ -29,7 +29,7 @@ def allocate_for_plan(plan, layers: list[nn.Module], backend) -> RoutedExperts |
     return RoutedExperts(modules=modules, resident=routed, fetch_slots=fetch_slots, backend=backend,
                          decoder_layers={index: layers[index] for index in routed},
                          prefetch=prefetch_from_plan(plan), prefetch_depth=prefetch_depth_from_plan(plan),
-                         cpu=cpu, cpu_dtype=cpu_dtype, cpu_threads=cpu_threads)
+                         cpu=cpu, cpu_dtype=cpu_dtype, cpu_threads=cpu_threads, cpu_take=cpu_take_from_plan(plan))
 
 
 def prefetch_from_plan(plan) -> bool:
@@ -59,6 +59,14 @@ def cpu_from_plan(plan) -> tuple[dict[int, tuple[int, ...]], str, int | None]:
     return cpu, getattr(section, "dtype", None) or "fp32", int(threads) if threads else None
 
 
+def cpu_take_from_plan(plan) -> dict[int, tuple[int, ...]]:
+    """Routed layer -> j(m) of the plan's layers that split each step's misses with the CPU by their count
+    (``cpu_take``); none in plans with fixed CPU ids or made before it."""
+    experts = getattr(plan, "experts", None)
+    return {layer.index: tuple(layer.cpu_take) for layer in getattr(experts, "layers", ())
+            if getattr(layer, "regime", None) == ROUTED and getattr(layer, "cpu_take", ())}
+
+
 def routed_from_plan(plan) -> tuple[dict[int, tuple[int, ...]], int]:
     """(layer -> resident ids, fetch_slots) of the plan's routed layers; empty where the plan has no
     ``experts`` section (dense plans, plans made before it) or routes no layer. Read defensively: the
@@ -76,12 +84,13 @@ def apply_routed_experts(model: nn.Module, routed: dict[int, tuple[int, ...]], f
                          prefetch_programs: int = PREFETCH_GATHER_PROGRAMS,
                          prefetch_depth: "int | dict[int, int] | None" = None,
                          cpu: dict[int, tuple[int, ...]] | None = None, cpu_dtype: str = "fp32",
-                         cpu_threads: int | None = None) -> RoutedExperts | None:
+                         cpu_threads: int | None = None,
+                         cpu_take: dict[int, tuple[int, ...]] | None = None) -> RoutedExperts | None:
     """Route-fetch the experts of the layers ``routed`` names (layer index -> resident expert ids): their
     fused expert params move to page-locked, mapped host memory (resident ones also to the GPU) and their
     forward fetches what each step routes to. Non-expert params are left where they are (the caller puts
     them on the GPU); ``adopt_host``, ``prefetch``, ``prefetch_programs``, ``prefetch_depth``, ``cpu``,
-    ``cpu_dtype``, ``cpu_threads``: see RoutedExperts. None when ``routed`` is empty."""
+    ``cpu_dtype``, ``cpu_threads``, ``cpu_take``: see RoutedExperts. None when ``routed`` is empty."""
     if not routed:
         return None
     layers = list(model.get_submodule(stack))
@@ -92,7 +101,7 @@ def apply_routed_experts(model: nn.Module, routed: dict[int, tuple[int, ...]], f
     experts = RoutedExperts(modules=modules, resident=routed, fetch_slots=fetch_slots, backend=backend,
                             adopt_host=adopt_host, decoder_layers={index: layers[index] for index in routed},
                             prefetch=prefetch, prefetch_programs=prefetch_programs, prefetch_depth=prefetch_depth,
-                            cpu=cpu, cpu_dtype=cpu_dtype, cpu_threads=cpu_threads)
+                            cpu=cpu, cpu_dtype=cpu_dtype, cpu_threads=cpu_threads, cpu_take=cpu_take)
     try:
         experts.start()
     except BaseException:

@@ -35,6 +35,8 @@ def prefetch_next(routed, ordinal: int, hidden: torch.Tensor) -> None:
                              routed.prefetch_counts, sources_out=source_ids)
         else:
             source_ids.copy_(plan_fetch(predicted, routed.tables[following].resident_row, routed.fetch_slots)[1])
+        if ordinal + 1 in routed.planned_events:  # a layer splitting its misses with the CPU needs the ids only
+            routed.planned_events[ordinal + 1].record(routed.stream)
         words, warps = routed.gather_shape
         for name in routed.param_names:
             gather_rows(routed.host_device[following, name], routed.buffer[name][base:base + routed.fetch_slots],

@@ -11,6 +11,8 @@ weights written for the full model). Per sequence count S, one plan each, all gr
 
 - ``choice``: ``make --tokens S --sequences S --budget B`` (``--cpu-experts auto``: the planner may put experts on
   the CPU);
+- ``fixed``: the same with ``--cpu-experts fixed`` (the CPU's experts fixed ids, every pair routed to them on the
+  CPU, where ``choice`` may split each step's misses by their count);
 - ``fetch``: the same with ``--cpu-experts off`` (routed experts, every miss fetched);
 - ``whole``: the same with ``--routed-experts off`` (whole layers, no routed experts; before 2026-11-28 late,
   ``--for vllm``, which vLLM's unwired families refuse);
@@ -42,7 +44,8 @@ from scripts.conformance import (MODELS, calibrated_profile, cli, ensure_checkpo
 GiB = 2**30
 CONTEXT = 4096
 NEW_TOKENS = 64
-ARMS = {"choice": [], "fetch": ["--cpu-experts", "off"], "whole": ["--routed-experts", "off"]}
+ARMS = {"choice": [], "fixed": ["--cpu-experts", "fixed"], "fetch": ["--cpu-experts", "off"],
+        "whole": ["--routed-experts", "off"]}
 
 
 def bytes_split(config: dict) -> tuple[int, int]:
@@ -297,6 +300,9 @@ def table(rows: list[dict]) -> str:
         if steps.get("choice") and steps.get("fetch"):
             lines.append(f"| {model} | {sequences} | choice / fetch-only speed | "
                          f"{steps['fetch'] / steps['choice']:.3f}x | | | | |")
+        if steps.get("choice") and steps.get("fixed"):
+            lines.append(f"| {model} | {sequences} | choice / fixed CPU ids speed | "
+                         f"{steps['fixed'] / steps['choice']:.3f}x | | | | |")
         if steps.get("choice") and valid:
             lines.append(f"| {model} | {sequences} | choice regret | {steps['choice'] / min(valid):.3f} | | | | |")
     return "\n".join(lines)

@@ -140,8 +140,10 @@ def _prediction_section(model: Model, workload: Workload, compute: ComputeTimes,
     its own layer times (a weights-only plan's prefill step is its chunk)."""
     simulation, routed, decode = choice.simulation, _routed(choice), is_decode_step(workload)
     h2d = model.profile.h2d_bytes_per_s.value
-    # a routed decode step gathers at the routed fetch rate; a routed prefill copies whole through the copy engine
-    link_rate = h2d * ROUTED_FETCH_EFFICIENCY if routed is not None and decode else h2d
+    # a routed decode step gathers at the routed fetch rate; a routed prefill copies whole through the copy engine,
+    # as does a decode step routing more pairs than experts
+    gathering = decode and routed is not None and model.experts.geometry.decode_gathers(workload.tokens_per_step)
+    link_rate = h2d * ROUTED_FETCH_EFFICIENCY if gathering else h2d
     link_floor_ms = 1e3 * choice.copy_bytes / link_rate
     return PredictionSection(
         step_ms=simulation.step_ms,

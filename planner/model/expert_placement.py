@@ -9,8 +9,8 @@ import math
 from dataclasses import dataclass, replace
 
 from planner.model.expert_prefetch import ExpertPrediction, fetch_weighted_shares, layer_shares, prefetch_shares
-from planner.model.expert_routing import CpuDraw, LayerRouting
-from planner.model.experts import MoeGeometry, routed_fetch_bytes_per_s
+from planner.model.expert_routing import CpuDraw, LayerRouting, PerStepCpu
+from planner.model.experts import MoeGeometry, decode_gathers, routed_fetch_bytes_per_s
 
 #: expert-bytes savings closer than this share are a tie (the lower expert id, the lower layer wins)
 SAVING_DECIMALS = 12
@@ -43,6 +43,9 @@ class RoutedLayer:
     cpu_handoff_ms: float = 0.0
     cpu_ms_per_expert: float = 0.0
     cpu_draw: CpuDraw | None = None
+    #: a layer splitting each step's misses by their count (planner.search.cpu_per_step): its draw and table j(m);
+    #: ``cpu`` then holds every non-resident id (any can go to the CPU) and cpu_draw is None
+    cpu_per_step: PerStepCpu | None = None
 
     @property
     def expert_ms(self) -> float | None:
@@ -115,8 +118,7 @@ def decode_gather_bytes(num_tokens: int, top_k: int, num_experts: int, expert_by
     step that routes more pairs than num_experts runs the prefill path over the staging buffer instead: none.
     Measured on the H100 (OLMoE, 4 sequences x top-8 = 32 pairs of 12 MiB experts): 384.2 MiB held by the
     gather, 384 MiB predicted."""
-    pairs = num_tokens * top_k
-    return pairs * expert_bytes if pairs <= num_experts else 0
+    return num_tokens * top_k * expert_bytes if decode_gathers(num_tokens, top_k, num_experts) else 0
 
 
 def gather_rate(hbm_bytes_per_s: float, compute_efficiency: float) -> float:

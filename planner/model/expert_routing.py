@@ -117,8 +117,8 @@ def touched_counts(draw: CpuDraw) -> tuple[tuple[int, int, float], ...]:
     """(CPU experts touched, fetched experts touched, probability) over one step's routing, as ``draw`` says."""
     if draw.one_token_top_k:
         return _one_token_counts(draw)
-    cpu = _binomial(draw.num_cpu_ids, draw.mean_cpu_experts)
-    link = _binomial(draw.num_link_ids, draw.mean_link_experts)
+    cpu = binomial_pmf(draw.num_cpu_ids, draw.mean_cpu_experts)
+    link = binomial_pmf(draw.num_link_ids, draw.mean_link_experts)
     return tuple((n_cpu, n_link, p_cpu * p_link) for n_cpu, p_cpu in cpu for n_link, p_link in link
                  if p_cpu * p_link >= NEGLIGIBLE_JOINT_PMF)
 
@@ -138,7 +138,7 @@ def _one_token_counts(draw: CpuDraw) -> tuple[tuple[int, int, float], ...]:
     return tuple(terms)
 
 
-def _binomial(trials: int, mean: float) -> list[tuple[int, float]]:
+def binomial_pmf(trials: int, mean: float) -> list[tuple[int, float]]:
     """(count, probability) of Binomial(trials, mean / trials), the degenerate ends exact."""
     p = mean / trials if trials else 0.0
     if p <= 0.0:
@@ -146,3 +146,31 @@ def _binomial(trials: int, mean: float) -> list[tuple[int, float]]:
     if p >= 1.0:
         return [(trials, 1.0)]
     return binomial_terms(trials, p, 0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepDraw:
+    """How many of a routed layer's non-resident experts a decode step touches."""
+
+    num_non_resident: int
+    #: the step's expected touched non-resident experts
+    mean_touched: float
+    #: one token routed uniformly to top_k distinct of num_experts: drawn exactly (hypergeometric); 0: binomial
+    one_token_top_k: int = 0
+    num_experts: int = 0
+
+    def __post_init__(self):
+        if self.num_non_resident < 0 or not 0 <= self.mean_touched <= self.num_non_resident + 1e-9:
+            raise ValueError(f"a step drawing {self.mean_touched:g} of {self.num_non_resident} non-resident experts")
+        if self.one_token_top_k and self.num_experts < max(self.num_non_resident, self.one_token_top_k):
+            raise ValueError(f"a one-token draw of {self.one_token_top_k} of {self.num_experts} experts")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PerStepCpu:
+    """What prices a per-step hybrid layer beside the timeline's fetch: its draw, one expert on the link, and j."""
+
+    draw: StepDraw
+    expert_ms: float
+    #: j(m): CPU experts a step with m misses takes (m past the table: its last entry)
+    take: tuple[int, ...]

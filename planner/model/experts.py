@@ -81,6 +81,18 @@ class MoeGeometry:
         """Experts a step of ``num_tokens`` tokens can touch in one layer: min(tokens x top_k, num_experts)."""
         return min(num_tokens * self.top_k, self.num_experts)
 
+    def decode_gathers(self, num_tokens: int) -> bool:
+        """decode_gathers for this model's experts."""
+        return decode_gathers(num_tokens, self.top_k, self.num_experts)
+
+
+def decode_gathers(num_tokens: int, top_k: int, num_experts: int) -> bool:
+    """Whether a routed decode step of ``num_tokens`` tokens gathers its routed experts (runtime.routed_experts'
+    decode path, where next-layer prefetch and CPU experts run): its tokens x top_k pairs fit the fetch slots,
+    min(pairs, num_experts). A step with more pairs than experts (16 sequences of OLMoE's top-8 of 64) runs the
+    staging path, as a prefill chunk does: every expert of the layer copied whole, then computed."""
+    return num_tokens * top_k <= num_experts
+
 
 def moe_geometry(config: dict | None, layout: ModelLayout) -> MoeGeometry | None:
     """The MoE geometry of a checkpoint: experts and top-k from config.json (counted from the tensors where it

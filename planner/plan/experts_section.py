@@ -23,9 +23,10 @@ EXPERT_PREFETCH = (None, NEXT_LAYER_ROUTER)
 #: experts.prefetch_accuracy_source: the default curve or make --prefetch-accuracy, a trace's per-rank figures over
 #: every expert, or a trace's per-expert figures over each layer's non-resident experts
 PREFETCH_ACCURACY_SOURCES = ("assumed", "trace_per_rank", "trace_per_expert")
-#: make --cpu-experts (inputs.cpu_experts): auto (the planner weighs the host CPU where the profile measured it) or
-#: off (fetch every miss)
-CPU_EXPERTS_CHOICES = ("auto", "off")
+#: make --cpu-experts (inputs.cpu_experts): auto (the planner weighs the host CPU where the profile measured it, a
+#: layer's CPU experts fixed ids or split per step by the count it misses, whichever waits less), fixed (fixed ids
+#: only) or off (fetch every miss)
+CPU_EXPERTS_CHOICES = ("auto", "fixed", "off")
 #: make --routed-experts: whether routed placements are weighed beside whole layers
 ROUTED_EXPERTS_CHOICES = ("auto", "off")
 #: experts.cpu.dtype: the host copy of the CPU experts the CPU reads (planner.source.profile.CPU_EXPERT_DTYPES)
@@ -62,6 +63,11 @@ class ExpertLayer:
     #: E[max(link, CPU)] over the step's routing (planner.search.routed_step.layer_wait_ms). A plan written
     #: without it is priced as the later of the two paths' expectations
     cpu_ms_per_expert: float | None = None
+    #: a layer that splits each step's misses by their count (planner.search.cpu_per_step; () elsewhere, and not
+    #: written): j(m), the CPU experts a step that misses m experts takes (the first j(m) of its misses by id;
+    #: past the list, its last entry), its cpu ids then every non-resident expert. Without it every pair routed to
+    #: the cpu ids goes to the CPU
+    cpu_take: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.regime not in (ROUTED, WHOLE_LAYER):
@@ -94,6 +100,12 @@ class ExpertLayer:
             raise ValueError("cpu_ms is given exactly where cpu ids are")
         if self.cpu_ms_per_expert is not None and (not self.cpu or self.cpu_ms_per_expert <= 0):
             raise ValueError("cpu_ms_per_expert must be positive, and given only where cpu ids are")
+        if self.cpu_take and self.cpu_ms_per_expert is None:
+            raise ValueError("cpu_take is given only with cpu ids and cpu_ms_per_expert")
+        wrong = [m for m, take in enumerate(self.cpu_take) if not 0 <= take <= min(m, len(self.cpu))]
+        if wrong:
+            raise ValueError(f"cpu_take[{wrong[0]}] is {self.cpu_take[wrong[0]]}: a step missing m experts sends from "
+                             f"0 to m of them to the CPU (at most its {len(self.cpu)} cpu ids)")
     @property
     def routed(self) -> bool:
         """Whether the layer fetches its routed experts (else it is resident or streams whole)."""
@@ -277,6 +289,11 @@ class ExpertsPlan:
             raise ValueError("experts.layers resident ids must be below num_experts")
         if any(e >= self.num_experts for row in self.layers for e in row.cpu):
             raise ValueError(f"experts.layers cpu ids must be below num_experts ({self.num_experts})")
+        split = [row.index for row in self.layers if row.cpu_take and len(row.resident) + len(row.cpu)
+                 != self.num_experts]
+        if split:
+            raise ValueError(f"experts.layers index {split[0]} splits its steps by count (cpu_take), so its cpu ids "
+                             "must be every expert not resident")
         if bool(self.cpu_layers) != (self.cpu is not None):
             raise ValueError("experts.cpu is given exactly where some layer has cpu ids (add the section or drop "
                              "the ids)")
@@ -295,4 +312,4 @@ OPTIONAL_EXPERTS_SET = {"cpu": None, "cpu_declined": None}
 
 #: experts.layers keys written only where set (a plan priced from a trace's per-expert figures; CPU experts)
 OPTIONAL_EXPERT_LAYER = {"prefetch_hit_share": None, "prefetch_ahead_share": None, "cpu": (), "cpu_ms": None,
-                         "cpu_ms_per_expert": None}
+                         "cpu_ms_per_expert": None, "cpu_take": ()}

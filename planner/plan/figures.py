@@ -8,7 +8,7 @@ import math
 
 from planner.model.cost import is_decode_step
 from planner.plan.experts_section import WHOLE_LAYER
-from planner.plan.schema import Plan, routed_expert_bytes, routed_layer_expert_bytes, routed_rows
+from planner.plan.schema import Plan, gathers, routed_expert_bytes, routed_layer_expert_bytes, routed_rows
 
 
 def first_disagreeing_figure(plan: Plan) -> str | None:
@@ -135,8 +135,8 @@ def _prediction_figures(plan: Plan) -> str | None:
     if not near(prediction.resident_step_ms, compute, len(plan.layers) + 1):
         return (f"prediction.resident_step_ms {prediction.resident_step_ms:g} is not head_ms and the layers' "
                 f"compute_ms ({compute:.4f})")
-    decode, routed = is_decode(plan), bool(routed_rows(plan))
-    if routed and decode:
+    decode, routed, gathering = is_decode(plan), bool(routed_rows(plan)), gathers(plan)
+    if routed and gathering:
         copied = sum(row.expected_fetched_bytes for row in routed_rows(plan).values())
     elif plan.offload.mechanism == "read_at_use":  # read at use: every offloaded byte, every step
         copied = sum(row.offloaded_bytes for row in plan.layers)
@@ -151,12 +151,12 @@ def _prediction_figures(plan: Plan) -> str | None:
         copied = sum(plan.layers[layers[k]].offloaded_bytes for k in schedule.copied_positions()) if layers else 0
     # a routed layer's expected fetch is stored rounded, the step's total unrounded: one byte a row apart; a
     # prefetch also gathers predictions that miss, up to the routed layers' non-resident bytes more
-    slack = len(routed_rows(plan)) if routed and decode else 0
-    extra = sum(row.offloaded_bytes for row in plan.layers) if routed and decode and plan.experts.prefetch else 0
+    slack = len(routed_rows(plan)) if routed and gathering else 0
+    extra = sum(row.offloaded_bytes for row in plan.layers) if routed and gathering and plan.experts.prefetch else 0
     if not copied - slack <= prediction.copy_bytes_per_step <= copied + slack + extra:
         return (f"prediction.copy_bytes_per_step {prediction.copy_bytes_per_step} is not the {copied} bytes its rows "
                 "move")
-    rate = plan.hardware.h2d_bytes_per_s * (ROUTED_FETCH_EFFICIENCY if routed and decode else 1.0)
+    rate = plan.hardware.h2d_bytes_per_s * (ROUTED_FETCH_EFFICIENCY if routed and gathering else 1.0)
     if not near(prediction.link_floor_ms, 1e3 * prediction.copy_bytes_per_step / rate, relative=1e-4):
         return f"prediction.link_floor_ms {prediction.link_floor_ms:g} is not copy_bytes_per_step over the link"
     if (prediction.decode_step_ms is not None) != decode:

@@ -9,7 +9,7 @@ import re
 from planner.errors import shown
 from planner.plan.experts_section import CPU_EXPERTS_CHOICES, ROUTED_EXPERTS_CHOICES
 from planner.plan.figures import first_disagreeing_figure, is_decode, near
-from planner.plan.schema import NOTHING_FITS, AdaptersSection, Plan, routed_rows
+from planner.plan.schema import NOTHING_FITS, AdaptersSection, Plan, gathers, routed_rows
 
 
 def first_broken_rule(plan: Plan, *, derived: bool = True) -> str | None:
@@ -275,15 +275,19 @@ def _experts_cpu_rule(plan: Plan) -> str | None:
     cpu = experts.cpu
     if cpu is None:
         return None
-    if not is_decode(plan):
-        return "experts.cpu: CPU experts are planned for decode steps (a context, one token per sequence) only"
+    if not gathers(plan):
+        return ("experts.cpu: CPU experts are planned for decode steps (a context, one token per sequence) that "
+                "gather their experts (at most num_experts pairs) only")
     if not any(row.cpu for row in experts.routed_layers):
         return "experts.cpu is given but no routed layer has cpu ids"
     for row in experts.cpu_layers:
         expected = experts.expected_cpu_experts(row)
-        if expected is not None and expected > len(row.cpu) * (1 + 1e-6) + 1e-4 / row.cpu_ms_per_expert:
-            return (f"experts.layers[{row.index}] cpu_ms {row.cpu_ms:g} is more than its handoff and every one of its "
-                    f"{len(row.cpu)} cpu ids at cpu_ms_per_expert {row.cpu_ms_per_expert:g}")
+        # a step sends at most its cpu ids to the CPU, or, split by count, the table's largest entry
+        most, what = (max(row.cpu_take), "the most its cpu_take sends") if row.cpu_take else \
+            (len(row.cpu), f"every one of its {len(row.cpu)} cpu ids")
+        if expected is not None and expected > most * (1 + 1e-6) + 1e-4 / row.cpu_ms_per_expert:
+            return (f"experts.layers[{row.index}] cpu_ms {row.cpu_ms:g} is more than its handoff and {what} at "
+                    f"cpu_ms_per_expert {row.cpu_ms_per_expert:g}")
     layers_cpu_ms = sum(row.cpu_ms for row in experts.cpu_layers)
     if not near(cpu.cpu_ms_per_step, layers_cpu_ms, len(experts.layers) + 1):
         return f"experts.cpu.cpu_ms_per_step {cpu.cpu_ms_per_step:g} is not its layers' cpu_ms ({layers_cpu_ms:.4f})"

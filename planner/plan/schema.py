@@ -7,6 +7,8 @@ must keep, planner.plan.rules; reading schema 1 plans, planner.plan.migration.
 
 from dataclasses import dataclass, field
 
+from planner.model.cost import is_decode_step
+from planner.model.experts import decode_gathers
 from planner.plan.adapters_section import AdaptersSection
 from planner.plan.experts_section import ExpertLayer, ExpertsPlan
 from planner.source.profile import FIGURE_MAX, FIGURE_MIN
@@ -125,7 +127,9 @@ class Inputs:
                  "SGLang: P divides the offloaded layers), so export gives exactly this plan."))
     cpu_experts: str = field(default="auto", metadata=option(
         "--cpu-experts", "MoE, routed experts, decode: auto (compute some non-resident experts on the host CPU where "
-                         "the profile measured its rate and that step is faster) or off (fetch every miss)."))
+                         "the profile measured its rate and that step is faster; each step's misses split by their "
+                         "count where the CPU reads the pinned experts in place), fixed (the CPU's experts fixed ids) "
+                         "or off (fetch every miss)."))
     routed_experts: str = field(default="auto", metadata=option(
         "--routed-experts", "MoE: auto (fetch only a step's routed, non-resident experts where that is faster "
                             "than streaming whole layers) or off (every MoE layer resident or streamed whole, as "
@@ -454,6 +458,14 @@ SECTIONS = {
 
 
 # ---- figures the plan's rows give (planner.plan.rules holds the stored ones to them; show prints them) ----
+
+
+def gathers(plan: Plan) -> bool:
+    """Whether the plan's routed layers gather their step's experts: a decode step of at most num_experts pairs
+    (planner.model.experts.decode_gathers); otherwise each step stages every expert of a routed layer whole."""
+    experts = plan.experts
+    return is_decode_step(plan.workload) and experts is not None and decode_gathers(
+        plan.workload.tokens_per_step, experts.top_k, experts.num_experts)
 
 
 def routed_rows(plan: Plan) -> dict:

@@ -7,21 +7,24 @@ wait is least. A step waits for the later path at its own routing, so the wait i
 step's touched experts fall on the CPU's ids and the link's (planner.search.routed_step.layer_wait_ms), more than
 the later of the expectations: at one sequence a Mixtral layer with 3 of its 8 experts on the CPU waits for the
 CPU when both of a token's experts land there. The runtime sends every pair routed to the CPU ids there; the link
-fetches the rest. The CPU path is priced with no overlap of the GPU's own experts (gpu_overlap_ms 0): the routed
-step computes its experts after its wait (planner.search.routed_step), so nothing of the GPU's runs beside the
-CPU's in the step as priced.
+fetches the rest. Where the CPU reads the pinned bf16 experts in place, a layer may instead split each step's misses
+by their count (planner.search.cpu_per_step: any non-resident expert may go to the CPU, j(m) of a step's m misses
+do); LayerCpuSplit.best_row keeps whichever waits less. The CPU path is priced with no overlap of the GPU's own
+experts (gpu_overlap_ms 0): the routed step computes its experts after its wait (planner.search.routed_step), so
+nothing of the GPU's runs beside the CPU's in the step as priced.
 """
 
 import math
 from dataclasses import dataclass, replace
 
 from planner.model.expert_placement import RoutedLayer, RoutedPlacement
-from planner.model.expert_routing import LayerRouting
+from planner.model.expert_routing import LayerRouting, PerStepCpu
 from planner.model.experts import MoeGeometry
 from planner.plan.experts_section import CpuPlacement
 from planner.search.cpu_experts import (CPU_WITHIN_LINK_FACTOR, link_expert_ms, max_cpu_tokens_per_expert,
                                         resolved_handoff_ms, split_layer, tokens_per_touched_expert)
-from planner.search.routed_step import cpu_draw, layer_fetch, layer_wait_ms
+from planner.search.cpu_per_step import LinkWait, per_step_split
+from planner.search.routed_step import cpu_draw, layer_fetch, layer_wait_ms, step_draw
 from planner.source.profile import CpuExperts
 
 #: bytes per weight of the fp32 host copy the CPU reads where the profile's fastest dtype is fp32
@@ -40,6 +43,9 @@ class CpuInputs:
     #: the CPU path's fixed cost a layer step: the profile's cpu_experts.handoff_us (None: not measured, and
     #: planner.search.cpu_experts.CPU_HANDOFF_MS, fitted on one host, is taken)
     handoff_ms: float | None = None
+    #: whether a layer may split each step's misses by their count (planner.search.cpu_per_step) where the CPU
+    #: reads the pinned bf16 experts in place (make --cpu-experts auto; fixed: fixed CPU ids only)
+    per_step: bool = True
 
 
 def cpu_ids(routing: LayerRouting, resident: tuple[int, ...], count: int) -> tuple[int, ...]:
@@ -101,8 +107,45 @@ class LayerCpuSplit:
 
     def wait_ms(self, count: int) -> float:
         """The layer's expected wait between its router and its experts with ``count`` experts on the CPU."""
-        fetch = layer_fetch(self.placement, self.candidate(count))
+        return self.row_wait_ms(self.candidate(count))
+
+    def row_wait_ms(self, row: RoutedLayer) -> float:
+        """The expected wait between the router and the experts of ``row``, a candidate for the layer."""
+        fetch = layer_fetch(self.placement, row)
         return layer_wait_ms(fetch, self.compute_ms + fetch.gather_ms, self.position > 0, self.placement.fetch_slots)
+
+    def per_step(self) -> RoutedLayer:
+        """The layer splitting each step's misses by their count (planner.search.cpu_per_step): any non-resident
+        expert may go to the CPU, j(m) of a step's m misses do."""
+        row = self.row
+        fetch = layer_fetch(self.placement, row)
+        expert_ms = link_expert_ms(self.expert_bytes, self.link_bytes_per_s)
+        draw = step_draw(num_experts=self.num_experts, top_k=self.top_k, num_resident=len(row.resident),
+                         mean_touched=row.expected_fetched_bytes / self.expert_bytes, num_tokens=self.num_tokens,
+                         uniform=self.routing.num_counted_tokens is None)
+        link = LinkWait(compute_ms=self.compute_ms + fetch.gather_ms, expert_ms=expert_ms, hit_share=fetch.hit_share,
+                        ahead_share=fetch.ahead_share, predicted=self.position > 0)
+        split = per_step_split(draw, link, self.handoff_ms, self.cpu_ms_per_expert)
+        link_bytes = split.mean_link_experts * self.expert_bytes
+        kept = set(row.resident)
+        return replace(row, expected_fetched_bytes=link_bytes, fetch_ms=1e3 * link_bytes / self.link_bytes_per_s,
+                       cpu=tuple(e for e in range(self.num_experts) if e not in kept),
+                       cpu_ms=self.handoff_ms + split.mean_cpu_experts * self.cpu_ms_per_expert,
+                       cpu_handoff_ms=self.handoff_ms, cpu_ms_per_expert=self.cpu_ms_per_expert,
+                       cpu_per_step=PerStepCpu(draw=draw, expert_ms=expert_ms, take=split.take))
+
+    def best_row(self, start: int, per_step: bool) -> RoutedLayer:
+        """The layer's candidate of least expected wait: fixed CPU ids at their best count (``start``: the
+        expectations' balance), or, where ``per_step``, the per-step split if it waits less; ties keep the fixed
+        ids."""
+        fixed = self.candidate(self.best_count(start))
+        if not per_step:
+            return fixed
+        split = self.per_step()
+        if not any(split.cpu_per_step.take):
+            return fixed
+        waits = [round(self.row_wait_ms(row), WAIT_DECIMALS) for row in (fixed, split)]
+        return split if waits[1] < waits[0] else fixed
 
     def best_count(self, start: int) -> int:
         """The CPU count of least expected wait, walking from ``start`` (the expectations' balance) while a
@@ -153,12 +196,13 @@ def hybrid_placement(placement: RoutedPlacement, *, geometry: MoeGeometry, routi
                                     top_k=geometry.top_k, num_tokens=num_tokens, compute_ms=layer_ms[row.index],
                                     link_bytes_per_s=link_bytes_per_s, handoff_ms=handoff_ms,
                                     cpu_ms_per_expert=split.cpu_ms_per_expert)
-        count = layer_split.best_count(round(split.cpu_share * layer_split.num_non_resident))
-        if not count:
+        best = layer_split.best_row(round(split.cpu_share * layer_split.num_non_resident),
+                                    inputs.per_step and cpu.dtype == "bf16")
+        if not best.cpu:
             reasons.append(f"no whole number of CPU experts near the balance ({split.cpu_experts:.2f} of "
                            f"{missed:.2f} missed experts) waits less than fetching every miss, over the step's "
                            "routing")
-        rows.append(layer_split.candidate(count))
+        rows.append(best)
     if not any(row.cpu for row in rows):
         return None, None, reasons[0]
     copy_bytes = 0 if cpu.dtype == "bf16" else sum(

@@ -130,10 +130,13 @@ def routed_choice(experts: ExpertModel, *, searcher: Searcher, compute: ComputeT
     steps of one token per sequence gather routed experts, with next-layer prefetch where that is predicted
     faster (its second slot set costs resident experts; a tie keeps one set) at the depth predicted fastest
     (``choose_prefetch_depth``);
-    other steps (prefill) copy each layer's non-resident experts whole."""
+    other steps (prefill, and decode steps routing more pairs than experts: planner.model.experts.decode_gathers)
+    copy each layer's experts whole."""
     if experts.unavailable is not None and not experts.on_paper:
         return None
     layers = searcher.layers
+    staged_decode = decode and not experts.geometry.decode_gathers(num_tokens)
+    decode = decode and not staged_decode
 
     def placed(accuracy: float | None) -> RoutedPlacement | None:
         return routed_placement(experts.geometry, experts.routing, num_tokens=num_tokens,
@@ -162,12 +165,20 @@ def routed_choice(experts: ExpertModel, *, searcher: Searcher, compute: ComputeT
     else:
         simulation = prefill_simulation(experts.geometry, compute, h2d_bytes_per_s, copy_overhead_us)
         copy_bytes = sum(staged_bytes(experts.geometry).values())
-        cpu, declined = None, None if experts.cpu is None else prefill_declined(experts.cpu, experts.geometry,
-                                                                                num_tokens, h2d_bytes_per_s)
+        cpu, declined = None, None if experts.cpu is None else (
+            staged_declined(experts.geometry, num_tokens) if staged_decode else
+            prefill_declined(experts.cpu, experts.geometry, num_tokens, h2d_bytes_per_s))
     return RoutedChoice(group_size=0, num_in_group=0, prefetch_step=0, offloaded=(), replay_start_copies=0,
                         simulation=simulation, gpu_bytes=searcher.gpu_bytes(placement.weight_bytes),
                         host_pinned_bytes=placement.host_pinned_bytes, copy_bytes=copy_bytes, placement=placement,
                         cpu=cpu, cpu_declined=declined)
+
+
+def staged_declined(geometry, num_tokens: int) -> str:
+    """Why a decode step routing more pairs than experts computes none on the CPU: it stages every expert whole."""
+    return (f"a decode step of {num_tokens} sequences routes {num_tokens * geometry.top_k} (token, expert) pairs, "
+            f"more than the {geometry.num_experts} experts: the runtime copies every expert whole (the staging "
+            "path, as a prefill chunk), where the CPU computes none")
 
 
 def _with_cpu(experts: ExpertModel, compute: ComputeTimes, placement: RoutedPlacement, simulation: Simulation,
@@ -240,7 +251,8 @@ def experts_section(experts: ExpertModel, chosen: Choice, layers: LayerBytes, po
                                  prefetch_hit_share=_share(row.prefetch_hit_share),
                                  prefetch_ahead_share=_share(row.prefetch_ahead_share), cpu=row.cpu,
                                  cpu_ms=row.cpu_ms if row.cpu else None,
-                                 cpu_ms_per_expert=row.cpu_ms_per_expert if row.cpu else None)
+                                 cpu_ms_per_expert=row.cpu_ms_per_expert if row.cpu else None,
+                                 cpu_take=row.cpu_per_step.take if row.cpu_per_step is not None else ())
                      for row in placement.layers)
         buffers = (placement.fetch_slots, placement.fetch_buffer_bytes, placement.staging_buffer_bytes,
                    placement.gather_workspace_bytes)

@@ -18,8 +18,9 @@ from dataclasses import dataclass, replace
 from planner.model.cost import is_decode_step
 from planner.model.expert_placement import RoutedLayer, RoutedPlacement, gather_ms, gather_rate
 from planner.model.expert_prefetch import layer_shares, planned_layer_stall_ms
-from planner.model.expert_routing import CpuDraw
+from planner.model.expert_routing import CpuDraw, PerStepCpu, StepDraw
 from planner.search import cpu_experts
+from planner.search.cpu_per_step import LinkWait, expected_wait_ms
 from planner.plan.experts_section import ExpertLayer
 from planner.plan.schema import Plan, routed_layer_expert_bytes
 from planner.search.simulate import Interval, Simulation
@@ -55,6 +56,9 @@ class RoutedFetch:
     cpu_draw: CpuDraw | None = None
     cpu_handoff_ms: float = 0.0
     cpu_ms_per_expert: float = 0.0
+    #: a layer splitting each step's misses by their count (planner.search.cpu_per_step): its draw and table; the
+    #: layer then waits E[max(link, CPU)] at the table's split of each step (cpu_draw None)
+    cpu_per_step: PerStepCpu | None = None
 
 
 def routed_decode_step(layer_ms: Sequence[float], head_ms: float, fetches: Sequence[RoutedFetch],
@@ -117,8 +121,14 @@ def _waits_ms(layer_ms: Sequence[float], fetches: Sequence[RoutedFetch], num_slo
 def layer_wait_ms(fetch: RoutedFetch, compute_ms: float, predicted: bool, num_slots: int) -> float:
     """A routed layer's wait between its router and its experts, ``compute_ms`` its compute (with its gather),
     ``predicted`` whether a previous routed layer prefetched for it: its link's (planned_layer_stall_ms); with CPU
-    experts, the later of the link and the CPU path at each step's routing, in expectation (CpuDraw), where they
-    run side by side, else both one after the other (planner.search.cpu_experts.CPU_PATH_OVERLAPS_LINK)."""
+    experts, the later of the link and the CPU path at each step's routing, in expectation (CpuDraw, or a per-step
+    split's draw and table: planner.search.cpu_per_step), where they run side by side, else both one after the
+    other (planner.search.cpu_experts.CPU_PATH_OVERLAPS_LINK)."""
+    if fetch.cpu_per_step is not None and cpu_experts.CPU_PATH_OVERLAPS_LINK:
+        per_step = fetch.cpu_per_step
+        link = LinkWait(compute_ms=compute_ms, expert_ms=per_step.expert_ms, hit_share=fetch.hit_share,
+                        ahead_share=fetch.ahead_share, predicted=predicted)
+        return expected_wait_ms(per_step, link, fetch.cpu_handoff_ms, fetch.cpu_ms_per_expert)
     if fetch.cpu_draw is None or not cpu_experts.CPU_PATH_OVERLAPS_LINK:
         link_ms = planned_layer_stall_ms(compute_ms, fetch.link_ms, fetch.hit_share, predicted=predicted,
                                          ahead_share=fetch.ahead_share, expert_ms=fetch.expert_ms,
@@ -151,7 +161,8 @@ def layer_fetch(placement: RoutedPlacement, row: RoutedLayer) -> RoutedFetch:
     hit, ahead = placement.prefetch_accuracy, placement.prefetch_ahead_share
     return RoutedFetch(index=row.index, link_ms=row.fetch_ms, expert_ms=row.expert_ms, gather_ms=row.gather_ms,
                        cpu_ms=row.cpu_ms, cpu_draw=row.cpu_draw, cpu_handoff_ms=row.cpu_handoff_ms,
-                       cpu_ms_per_expert=row.cpu_ms_per_expert, **_shares(layer_shares(row, hit, ahead)))
+                       cpu_ms_per_expert=row.cpu_ms_per_expert, cpu_per_step=row.cpu_per_step,
+                       **_shares(layer_shares(row, hit, ahead)))
 
 
 def plan_fetches(plan: Plan, rows: tuple[ExpertLayer, ...] | None = None) -> tuple[RoutedFetch, ...]:
@@ -183,11 +194,19 @@ def _plan_cpu_draw(plan: Plan, row: ExpertLayer, expert_bytes: int) -> dict:
     expected = experts.expected_cpu_experts(row)
     if expected is None:
         return {}
+    common = {"cpu_handoff_ms": experts.cpu.handoff_ms, "cpu_ms_per_expert": row.cpu_ms_per_expert}
+    if row.cpu_take:
+        draw = step_draw(num_experts=experts.num_experts, top_k=experts.top_k, num_resident=len(row.resident),
+                         mean_touched=expected + row.expected_fetched_bytes / expert_bytes,
+                         num_tokens=plan.workload.tokens_per_step, uniform=experts.routing == "uniform")
+        per_step = PerStepCpu(draw=draw, expert_ms=1e3 * expert_bytes / experts.routed_fetch_bytes_per_s,
+                              take=row.cpu_take)
+        return {"cpu_per_step": per_step, **common}
     draw = cpu_draw(num_experts=experts.num_experts, top_k=experts.top_k, num_resident=len(row.resident),
                     num_cpu_ids=len(row.cpu), mean_cpu_experts=expected,
                     mean_link_experts=row.expected_fetched_bytes / expert_bytes,
                     num_tokens=plan.workload.tokens_per_step, uniform=experts.routing == "uniform")
-    return {"cpu_draw": draw, "cpu_handoff_ms": experts.cpu.handoff_ms, "cpu_ms_per_expert": row.cpu_ms_per_expert}
+    return {"cpu_draw": draw, **common}
 
 
 def cpu_draw(*, num_experts: int, top_k: int, num_resident: int, num_cpu_ids: int, mean_cpu_experts: float,
@@ -201,6 +220,17 @@ def cpu_draw(*, num_experts: int, top_k: int, num_resident: int, num_cpu_ids: in
                    mean_cpu_experts=min(max(mean_cpu_experts, 0.0), num_cpu_ids),
                    mean_link_experts=min(max(mean_link_experts, 0.0), num_link_ids),
                    one_token_top_k=top_k if exact else 0, num_experts=num_experts if exact else 0)
+
+
+def step_draw(*, num_experts: int, top_k: int, num_resident: int, mean_touched: float, num_tokens: int,
+              uniform: bool) -> StepDraw:
+    """How many of a layer's non-resident experts a step of ``num_tokens`` touches: exactly for one token routed
+    ``uniform``-ly, binomial at ``mean_touched`` otherwise (clamped to the ids: a plan's rounded figures may pass
+    them by a hair)."""
+    num_non_resident = num_experts - num_resident
+    exact = uniform and num_tokens == 1
+    return StepDraw(num_non_resident=num_non_resident, mean_touched=min(max(mean_touched, 0.0), num_non_resident),
+                    one_token_top_k=top_k if exact else 0, num_experts=num_experts if exact else 0)
 
 
 def plan_decode_step(plan: Plan, rows: tuple[ExpertLayer, ...] | None = None) -> Simulation:

@@ -296,11 +296,17 @@ def experts_note(plan: Plan, target: EngineTarget) -> str | None:
 def cpu_experts_note(plan: Plan, target: EngineTarget) -> str:
     """What becomes of a plan's CPU experts (experts.cpu): the engine computes no expert on the CPU, and
     llama.cpp's nearest expression places whole layers' experts there, not single experts."""
-    layers = [row.index for row in plan.experts.cpu_layers]
-    count = sum(len(row.cpu) for row in plan.experts.cpu_layers)
+    rows = plan.experts.cpu_layers
+    layers = [row.index for row in rows]
+    fixed = sum(len(row.cpu) for row in rows if not row.cpu_take)
+    split = sum(1 for row in rows if row.cpu_take)
+    what = " and ".join(part for part in (f"{fixed} fixed CPU experts" if fixed else "",
+                                          f"the per-step split of {split} layer(s) (each step's misses shared with "
+                                          "the CPU by their count; no engine splits so)" if split else "") if part)
     numbers = "|".join(str(index) for index in layers)
-    return (f"experts: {target.display_name} has no CPU experts: the plan's {count} CPU experts in {len(layers)} "
-            "layer(s) travel over the link with the rest in this export. llama.cpp keeps a layer's experts in one "
+    return (f"experts: {target.display_name} has no CPU experts: in this export the link fetches every miss that "
+            f"the plan's {what} ({len(layers)} layer(s)) would compute on the host CPU. llama.cpp keeps a layer's "
+            "experts in one "
             f"stacked tensor, so its nearest expression puts layers {', '.join(map(str, layers))} on the CPU whole: "
             f'-ot "blk\\.({numbers})\\.ffn_(up|down|gate)_exps=CPU" (--n-cpu-moe N: the first N layers\' experts)')
 

@@ -5,7 +5,7 @@ from rich.table import Table
 from rich.text import Text
 
 from planner.engines import read_at_use
-from planner.plan.schema import Plan, routed_expert_bytes
+from planner.plan.schema import Plan, gathers, routed_expert_bytes
 from planner.search.routed_step import plan_decode_step
 from planner.search.schedule import PrefetchSchedule
 from planner.search.simulate import STEPS_PER_GRAPH, Simulation, join_every_steps_for, simulate
@@ -44,7 +44,8 @@ def resimulate(plan: Plan) -> Simulation:
 
 def routed_decode(plan: Plan) -> bool:
     """Whether the plan's step is a decode step with routed MoE layers."""
-    return (plan.experts is not None and plan.experts.fetch_slots > 0 and plan.prediction.decode_step_ms is not None)
+    return (plan.experts is not None and plan.experts.fetch_slots > 0 and plan.prediction.decode_step_ms is not None
+            and gathers(plan))
 
 
 def show_plan(plan: Plan, console: Console, *, layer_table: bool = True) -> None:

@@ -1,6 +1,7 @@
 """``show``'s lines on the third placement of a routed expert: which experts the host CPU computes, the CPU's and
 the link's share of the step, the numerics, and why the CPU was declined where it was."""
 
+import math
 from dataclasses import replace
 from itertools import groupby
 
@@ -24,22 +25,51 @@ def cpu_lines(plan: Plan, experts: ExpertsPlan) -> list[str]:
     cpu = experts.cpu
     if cpu is None:
         return []
-    layers = experts.cpu_layers
-    num_cpu = sum(len(row.cpu) for row in layers)
-    copy = (f", an fp32 copy of them: {format_bytes(cpu.host_copy_bytes)} of host memory beside the pinned experts"
-            if cpu.host_copy_bytes else ", reading the pinned bf16 experts in place")
     step = plan.prediction.step_ms
     return [
-        f"  Third placement: the host CPU computes {num_cpu} experts of {len(layers)} routed layers ({cpu.threads} "
-        f"threads{copy}); every (token, expert) pair routed to them goes to the CPU, the link fetches the other "
-        "misses, and each layer waits after its router for the later of the two.",
-        "  Experts per layer, resident / CPU / fetched when touched: " + _per_layer(experts) + ".",
+        *_placement_lines(experts),
         f"  After the routers, per step: the CPU {format_ms(cpu.cpu_ms_per_step)} (with a {format_ms(cpu.handoff_ms)} "
         f"handoff per layer), the link {format_ms(cpu.link_ms_per_step)}; against the step's {format_ms(step)}: "
         f"CPU {_share(cpu.cpu_ms_per_step, step)}, link {_share(cpu.link_ms_per_step, step)} (the two overlap).",
         *_spread_lines(plan, experts),
         f"  Numerics: {NUMERICS}.",
     ]
+
+
+def _placement_lines(experts: ExpertsPlan) -> list[str]:
+    """Which experts the CPU computes: fixed ids (every pair routed to them), or, in layers that split each step
+    by the count it misses (cpu_take), the first j(m) of a step's m misses."""
+    cpu, layers = experts.cpu, experts.cpu_layers
+    copy = (f", an fp32 copy of them: {format_bytes(cpu.host_copy_bytes)} of host memory beside the pinned experts"
+            if cpu.host_copy_bytes else ", reading the pinned bf16 experts in place")
+    split = [row for row in layers if row.cpu_take]
+    fixed = [row for row in layers if not row.cpu_take]
+    lines = []
+    if fixed:
+        lines.append(f"  Third placement: the host CPU computes {sum(len(row.cpu) for row in fixed)} fixed experts of "
+                     f"{len(fixed)} routed layers ({cpu.threads} threads{copy}); every (token, expert) pair routed to "
+                     "them goes to the CPU, the link fetches the other misses, and each layer waits after its router "
+                     "for the later of the two.")
+    if split:
+        expected = math.fsum(experts.expected_cpu_experts(row) for row in split)
+        lines.append(f"  Third placement, split per step: in {len(split)} routed layers ({cpu.threads} threads{copy}) "
+                     "a step that misses m experts (touched, not resident, not prefetched) sends the first j(m) of "
+                     "them by id to the CPU and fetches the rest, so both paths end near together whatever the step "
+                     f"drew; {expected:.1f} CPU experts a step in expectation. j(m) for m = 0, 1, 2, ...: "
+                     + _tables(split) + " (past the list, its last entry).")
+    if fixed:
+        lines.append("  Experts per layer, resident / CPU / fetched when touched: " + _per_layer(experts) + ".")
+    return lines
+
+
+def _tables(rows) -> str:
+    """Each split layer's table j(m), runs of equal tables as one range."""
+    parts = []
+    for take, run in groupby(rows, key=lambda row: row.cpu_take):
+        indices = [row.index for row in run]
+        where = f"layer {indices[0]}" if len(indices) == 1 else f"layers {indices[0]}-{indices[-1]}"
+        parts.append(f"{where} {', '.join(map(str, take))}")
+    return "; ".join(parts)
 
 
 def _spread_lines(plan: Plan, experts: ExpertsPlan) -> list[str]:
@@ -49,7 +79,7 @@ def _spread_lines(plan: Plan, experts: ExpertsPlan) -> list[str]:
     priced = [row.cpu_ms_per_expert for row in experts.cpu_layers if row.cpu_ms_per_expert is not None]
     if not priced:
         return []
-    at_means = tuple(replace(row, cpu_ms_per_expert=None) for row in experts.routed_layers)
+    at_means = tuple(replace(row, cpu_ms_per_expert=None, cpu_take=()) for row in experts.routed_layers)
     spread_ms, means_ms = plan_decode_step(plan).stall_ms, plan_decode_step(plan, at_means).stall_ms
     return [f"  A CPU expert takes {format_ms(min(priced))}"
             + (f" to {format_ms(max(priced))}" if max(priced) > min(priced) else "")
@@ -61,7 +91,7 @@ def _spread_lines(plan: Plan, experts: ExpertsPlan) -> list[str]:
 def _per_layer(experts: ExpertsPlan) -> str:
     """Each routed layer's resident / CPU / fetched counts, runs of equal counts as one range."""
     counts = [(row.index, (len(row.resident), len(row.cpu), experts.num_experts - len(row.resident) - len(row.cpu)))
-              for row in experts.routed_layers]
+              for row in experts.routed_layers if not row.cpu_take]
     parts = []
     for triple, run in groupby(counts, key=lambda item: item[1]):
         indices = [index for index, _ in run]

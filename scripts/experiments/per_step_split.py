@@ -8,7 +8,9 @@ and its layers wait E[max(link, CPU)] over how a step's top-k falls on them (pla
 every expert pinned on the host in bf16, the CPU could compute any non-resident expert: a step that draws n
 non-resident experts could send j of them to the CPU, j chosen for that n, and wait min over j of
 max(link(n - j), handoff + j x c), with the plan's own link wait (planned_layer_stall_ms at n - j experts), handoff
-and CPU price c. This prints both waits per step and the step each gives; the runtime does not split by count.
+and CPU price c. This prints both waits per step and the step each gives. Written before the planner and the
+runtime split by count (planner.search.cpu_per_step, make --cpu-experts auto), for plans made with fixed ids
+(--cpu-experts fixed); kept as the estimate the built split was measured against.
 """
 
 import argparse
@@ -26,6 +28,8 @@ def per_step_waits_ms(path: str) -> tuple[float, float, float]:
     experts = plan.experts
     if experts.cpu is None or experts.routing != "uniform" or plan.workload.tokens_per_step != 1:
         raise SystemExit(f"{path}: not a one-sequence plan with CPU experts under uniform routing")
+    if any(row.cpu_take for row in experts.cpu_layers):
+        raise SystemExit(f"{path}: already split per step; make the plan with --cpu-experts fixed")
     step = plan_decode_step(plan)
     num_experts, top_k, handoff_ms = experts.num_experts, experts.top_k, experts.cpu.handoff_ms
     planned = split = 0.0

@@ -33,6 +33,23 @@ def _row_edits(rng, plan: dict) -> list[tuple[str, object]]:
         ("cpu_ms_per_expert x8, cpu_ms with it", lambda: _slower(plan, row, 8.0)),
         ("cpu_ms_per_expert on a layer without cpu ids", lambda: (row.update(cpu=[]), row.pop("cpu_ms"))),
         ("whole_layer row with cpu ids", lambda: row.update(regime="whole_layer", resident=[])),
+        *_split_edits(rng, row),
+    ]
+
+
+def _split_edits(rng, row: dict) -> list[tuple[str, object]]:
+    """(name, edit) of a layer's per-step split (cpu_take), where it has one (the base plan's layers do)."""
+    take = row.get("cpu_take")
+    if not take:
+        return []
+    junk = rng.choice(("half", -1, 1.5, None, {"m": 1}, [[0]], True))
+    return [
+        ("cpu_take entry past its miss count", lambda: row.update(cpu_take=[*take, len(take) + 1])),
+        ("cpu_take negative entry", lambda: row.update(cpu_take=[*take[:-1], -1])),
+        (f"cpu_take {junk!r}", lambda: row.update(cpu_take=junk)),
+        ("cpu_take all zero", lambda: row.update(cpu_take=[0])),
+        ("cpu_take with a cpu id dropped", lambda: row.update(cpu=row["cpu"][1:])),
+        ("cpu_take without cpu_ms_per_expert", lambda: row.pop("cpu_ms_per_expert")),
     ]
 
 

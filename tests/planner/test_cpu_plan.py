@@ -105,7 +105,7 @@ def make(profile: str, output: str, *extra: str) -> None:
 
 
 def test_make_puts_non_resident_experts_on_the_cpu_within_the_invariants(moe):
-    make("fast.yaml", "plan.yaml")
+    make("fast.yaml", "plan.yaml", "--cpu-experts", "fixed")
     make("fast.yaml", "off.yaml", "--cpu-experts", "off")
     plan, off = read_plan("plan.yaml"), read_plan("off.yaml")
     experts = plan.experts
@@ -164,13 +164,17 @@ def test_an_fp32_host_copy_is_counted_and_held_to_the_host_memory(moe):
     assert tight.experts.cpu is None and "fp32 host copy" in tight.experts.cpu_declined
 
 
-def test_show_check_diff_and_export_read_a_plan_with_cpu_experts(moe):
-    make("fast.yaml", "plan.yaml")
+@pytest.mark.parametrize("choice, words", [("fixed", ("Third placement: the host CPU computes",
+                                                      "resident / CPU / fetched")),
+                                           ("auto", ("Third placement, split per step", "j(m) for m = 0, 1, 2"))])
+def test_show_check_diff_and_export_read_a_plan_with_cpu_experts(moe, choice, words):
+    make("fast.yaml", "plan.yaml", "--cpu-experts", choice)
     make("fast.yaml", "off.yaml", "--cpu-experts", "off")
     shown = invoke(["show", "plan.yaml"])
     assert shown.exit_code == 0, shown.stderr
     text = " ".join(shown.stdout.split())
-    assert "Third placement: the host CPU computes" in text and "resident / CPU / fetched" in text
+    assert all(word in text for word in words)
+    assert all(bool(row.cpu_take) == (choice == "auto") for row in read_plan("plan.yaml").experts.cpu_layers)
     assert "2^-6" in text and "1e-5" in text
     assert invoke(["check", "plan.yaml", "off.yaml"]).exit_code == 0
     diff = invoke(["diff", "off.yaml", "plan.yaml"])
@@ -230,7 +234,7 @@ def _slower_cpu_path(data: dict, factor: float) -> None:
         (lambda d: _first_cpu_layer(d).__setitem__("cpu_ms", 9.0), "more than its handoff"),
 ])
 def test_hand_edits_that_break_the_cpu_invariants_are_refused_in_one_line(moe, edit, words):
-    make("fast.yaml", "plan.yaml")
+    make("fast.yaml", "plan.yaml", "--cpu-experts", "fixed")
     with pytest.raises(PlanError) as error:
         read_plan(_edited("plan.yaml", edit))
     assert words in str(error.value) and "\n" not in str(error.value)
@@ -296,7 +300,68 @@ def test_run_bench_reads_the_plans_expected_cpu_experts_a_step(moe):
     assert rows
     want = sum((row.cpu_ms - handoff_ms) / row.cpu_ms_per_expert for row in rows)
     assert planned_cpu_experts(plan) == pytest.approx(want) and 0 < want <= sum(len(row.cpu) for row in rows)
-    layers = tuple(dataclasses.replace(row, cpu_ms_per_expert=None) for row in plan.experts.layers)
+    layers = tuple(dataclasses.replace(row, cpu_ms_per_expert=None, cpu_take=()) for row in plan.experts.layers)
     older = dataclasses.replace(plan, experts=dataclasses.replace(plan.experts, layers=layers))
     assert planned_cpu_experts(older) is None
 
+
+
+def test_auto_splits_each_steps_misses_by_count_where_the_cpu_reads_in_place(moe):
+    """--cpu-experts auto with a bf16 CPU: every CPU layer may send any non-resident expert to the CPU, a table j(m)
+    of whole counts says how many of a step's m misses; the step is no slower than fixed ids' and faster than
+    fetching every miss. An fp32 host copy keeps fixed ids (a copy of every non-resident expert is not planned)."""
+    make("fast.yaml", "auto.yaml")
+    make("fast.yaml", "fixed.yaml", "--cpu-experts", "fixed")
+    make("fast.yaml", "off.yaml", "--cpu-experts", "off")
+    auto, fixed, off = (read_plan(name) for name in ("auto.yaml", "fixed.yaml", "off.yaml"))
+    experts = auto.experts
+    assert experts.cpu_layers and auto.inputs.cpu_experts == "auto" and fixed.inputs.cpu_experts == "fixed"
+    for row in experts.cpu_layers:
+        assert set(row.cpu) | set(row.resident) == set(range(experts.num_experts)) and row.cpu_take
+        assert all(0 <= j <= m for m, j in enumerate(row.cpu_take)) and max(row.cpu_take) > 0
+    assert auto.prediction.step_ms <= fixed.prediction.step_ms < off.prediction.step_ms
+    make("fp32.yaml", "fp32.yaml.out")
+    assert not any(row.cpu_take for row in read_plan("fp32.yaml.out").experts.cpu_layers)
+
+
+def _first_split_layer(data: dict) -> dict:
+    return next(row for row in data["experts"]["layers"] if row.get("cpu_take"))
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda d: _first_split_layer(d).__setitem__("cpu_take", [0, 2]), "cpu_take[1] is 2"),
+    (lambda d: _first_split_layer(d).__setitem__("cpu_take", [0, -1]), "cpu_take must hold whole numbers"),
+    (lambda d: _first_split_layer(d).__setitem__("cpu", _first_split_layer(d)["cpu"][1:]),
+     "must be every expert not resident"),
+    (lambda d: _first_split_layer(d).__setitem__("cpu_take", [0]), "the most its cpu_take sends"),
+    (lambda d: _first_split_layer(d).__setitem__("cpu_take", [0, 1, 2]), "prediction.step_ms"),
+    (lambda d: _first_split_layer(d).pop("cpu_ms_per_expert"), "cpu_take is given only with"),
+])
+def test_hand_edits_of_a_per_step_split_are_refused_in_one_line(moe, edit, words):
+    make("fast.yaml", "plan.yaml")
+    with pytest.raises(PlanError) as error:
+        read_plan(_edited("plan.yaml", edit))
+    assert words in str(error.value) and "\n" not in str(error.value)
+    result = invoke(["check", _edited("plan.yaml", edit)])
+    assert result.exit_code != 0 and "Traceback" not in result.stderr
+
+
+def test_a_decode_step_routing_more_pairs_than_experts_is_priced_as_staged_whole(moe):
+    """16 sequences of top-2 over 16 experts route 32 pairs: the runtime's fetch slots (min(pairs, experts)) do
+    not hold them, so the step copies every expert of a routed layer whole, as a prefill chunk does
+    (planner.model.experts.decode_gathers): the routed step is priced at least at that copy, with no CPU experts
+    (the plan says why where routed is chosen), and every reader takes the plan."""
+    result = invoke(["make", "--model", "moe", "--gpu", "fast.yaml", "--tokens", "16", "--sequences", "16",
+                     "--context", "64", "--budget", "200MiB", "-o", "wide.yaml"])
+    assert result.exit_code == 0, result.stderr
+    plan = read_plan("wide.yaml")
+    experts = plan.experts
+    (point,) = experts.points
+    staged_bytes = len(experts.layers) * experts.num_experts * experts.expert_bytes  # every expert, every step
+    assert point.routed_step_ms is not None
+    assert 1e-3 * point.routed_step_ms * plan.hardware.h2d_bytes_per_s >= 0.99 * staged_bytes
+    assert experts.cpu is None and experts.prefetch is None
+    if experts.routed_layers:
+        assert "more than the 16 experts" in experts.cpu_declined
+    for words in (["check", "wide.yaml"], ["show", "wide.yaml"]):
+        assert invoke(words).exit_code == 0, words

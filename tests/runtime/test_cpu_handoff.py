@@ -234,3 +234,53 @@ def test_cpu_experts_are_read_from_the_plan_where_it_has_them():
     older = NS(experts=NS(layers=layers[1:2], fetch_slots=2))  # made before CPU experts
     assert cpu_from_plan(older) == ({}, "fp32", None)
     assert cpu_from_plan(NS()) == ({}, "fp32", None)
+
+
+#: every non-resident expert of each routed layer may go to the CPU; a step sends about half its misses there
+SPLIT_CPU = {index: tuple(e for e in range(NUM_EXPERTS) if e not in resident) for index, resident in ROUTED.items()}
+SPLIT_TAKE = {index: tuple(m // 2 for m in range(9)) for index in ROUTED}
+
+
+def _split_by_count(top_k: torch.Tensor, index: int) -> tuple[set, set]:
+    """(experts the CPU computes, experts fetched) of one step without prefetch: the first j(m) misses by id."""
+    missed = sorted(set(top_k.flatten().tolist()) - set(ROUTED[index]))
+    take = SPLIT_TAKE[index]
+    chosen = set(missed[:take[min(len(missed), len(take) - 1)]])
+    return chosen, set(missed) - chosen
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_greedy_decode_splitting_each_steps_misses_by_count(model, prefetch):
+    """A per-step split (cpu_take): the all-resident model's tokens, logits within a few fp32 roundings; without
+    prefetch exactly the first j(m) misses by id of each step go to the CPU and the rest are fetched."""
+    batch, num_steps = 2, 8
+    reference = copy.deepcopy(model)
+    calls = _record_routing(reference, ROUTED)
+    ids, logits, _ = _greedy(reference, batch, num_steps)
+    routed_model = copy.deepcopy(model)
+    routed_model.set_experts_implementation("batched_mm")
+    routed = apply_routed_experts(routed_model, ROUTED, 2 * batch, CpuStandIn(), cpu=SPLIT_CPU, cpu_threads=1,
+                                  cpu_take=SPLIT_TAKE, prefetch=prefetch)
+    try:
+        routed_ids, routed_logits, _ = _greedy(routed_model, batch, num_steps)
+        assert torch.equal(routed_ids, ids)
+        assert all(_within(a, b, 1e-5) for a, b in zip(routed_logits, logits))
+        stats = routed.cpu_stats()
+        assert stats["calls"] == len(ROUTED) * num_steps and stats["pairs_cpu"] > 0
+        if not prefetch:
+            steps = [(index, top_k) for index in ROUTED for top_k in calls[index][1:]]  # call 0 is the prefill
+            splits = [(top_k, *_split_by_count(top_k, index)) for index, top_k in steps]
+            pairs = sum(int(torch.isin(top_k, torch.tensor(sorted(chosen) or [-1])).sum()) for top_k, chosen, _ in
+                        splits)
+            assert stats["pairs_cpu"] == pairs
+            assert stats["experts_cpu"] == sum(len(chosen) for _, chosen, _ in splits)
+            assert routed.fetched_bytes() == sum(len(fetched) for *_, fetched in splits) * routed.expert_bytes
+    finally:
+        routed.close()
+
+
+def test_a_bad_split_table_is_one_line(model):
+    for cpu_take, wrong in (({0: (0, 2)}, "cpu_take\\[1\\]"), ({1: (0, 1)}, "no CPU experts")):
+        with pytest.raises(PlanError, match=wrong) as error:
+            apply_routed_experts(copy.deepcopy(model), ROUTED, 2, CpuStandIn(), cpu={0: (2, 3)}, cpu_take=cpu_take)
+        assert "\n" not in str(error.value)

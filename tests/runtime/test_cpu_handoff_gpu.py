@@ -106,6 +106,38 @@ def test_graphed_decode_with_cpu_experts_is_within_the_tolerance(model, batch, c
         routed.close()
 
 
+#: a per-step split: every non-resident expert may go to the CPU; a step sends about half its misses there
+SPLIT_CPU = {index: tuple(e for e in range(32) if e not in resident) for index, resident in ROUTED.items()}
+SPLIT_TAKE = {index: tuple(m // 2 for m in range(17)) for index in ROUTED}
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("handoff", HANDOFFS)
+def test_graphed_decode_splitting_each_steps_misses_is_within_the_tolerance(model, batch, prefetch, handoff,
+                                                                            monkeypatch):
+    """A per-step split (cpu_take: the fused fetch plan picks the CPU's misses inside the captured step, after the
+    prefetch's plan where one is pending): the all-resident model's greedy tokens but at near ties, logits within
+    the bf16 tolerance, eager steps within the same of the graphed, and the CPU computes pairs."""
+    monkeypatch.setenv("OFFLOAD_PLAN_CPU_HANDOFF", handoff)
+    expected_ids, expected_logits = _decode(copy.deepcopy(model).to(CUDA), batch, graphed=False)
+    routed_model = copy.deepcopy(model)
+    routed = apply_routed_experts(routed_model, ROUTED, 4 * batch, CudaBackend(CUDA), cpu=SPLIT_CPU,
+                                  cpu_dtype="bf16", cpu_take=SPLIT_TAKE, prefetch=prefetch)
+    routed_model.to(CUDA)
+    try:
+        ids, logits = _decode(routed_model, batch, graphed=True, after_capture=routed.reset_counters)
+        stats = routed.cpu_stats()
+        print(f"sequences split at a near tie: {_agree_but_at_near_ties(logits, expected_logits)} of {batch}")
+        assert stats["calls"] == len(SPLIT_CPU) * NUM_STEPS and stats["pairs_cpu"] > 0
+        fetched = routed.fetched_bytes_by_kind()
+        assert fetched["missed"] + fetched["unpredicted"] > 0  # the link still takes the other misses
+        eager_ids, eager_logits = _decode(routed_model, batch, graphed=False)
+        assert torch.equal(eager_ids, ids) and _within(eager_logits, logits)
+    finally:
+        routed.close()
+
+
 def test_cpu_experts_are_never_fetched(model):
     """Eager steps (the same host node, run in stream order): the fetch counter counts the routed experts neither
     resident nor on the CPU, and the callbacks count every pair routed to a CPU expert; the routing is the routed

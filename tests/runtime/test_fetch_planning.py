@@ -12,9 +12,10 @@ import torch
 
 
 def check_against_torch(device: str = "cpu") -> int:
-    """Random layers (experts, top-k, tokens, resident rows, a slot set partly prefetched): the fused plan's pair
-    rows, slot sources and counts equal plan_fetch's and plan_fetch_after_prefetch's. Returns the cases run."""
-    from runtime.fetch_planning import fused_fetch_plan
+    """Random layers (experts, top-k, tokens, resident rows, a slot set partly prefetched, a split of the misses
+    with the CPU): the fused plan's pair rows, slot sources, counts and CPU pairs equal plan_fetch's and
+    plan_fetch_after_prefetch's (after split_to_cpu). Returns the cases run."""
+    from runtime.fetch_planning import fused_fetch_plan, split_to_cpu
     from runtime.fetch_planning import plan_fetch, plan_fetch_after_prefetch
 
     generator = torch.Generator().manual_seed(0)
@@ -59,8 +60,49 @@ def check_against_torch(device: str = "cpu") -> int:
                 fused_fetch_plan(ids, resident_row, slots, 0, torch.zeros(4, dtype=torch.int64, device=device),
                                  sources_out=written)
                 assert torch.equal(written, plan_fetch(ids, resident_row, slots)[1])
+
+                split = _cpu_split(resident_row, slots, generator)
+                for prefetched in (None, held):
+                    counts = torch.zeros(4, dtype=torch.int64, device=device)
+                    rows, sources, cpu_index = fused_fetch_plan(ids, resident_row, slots, base, counts,
+                                                                prefetched=prefetched, cpu_split=split)
+                    step_rows, want_cpu = split_to_cpu(ids, resident_row, split, prefetched)
+                    if prefetched is None:
+                        want_rows, want_sources = plan_fetch(ids, step_rows, slots, slot_base=base)
+                    else:
+                        want_rows, want_sources, _ = plan_fetch_after_prefetch(ids, step_rows, held, slot_base=base)
+                    assert torch.equal(cpu_index, want_cpu.view(-1))
+                    assert torch.equal(rows, want_rows) and torch.equal(sources, want_sources)
+                    assert not ((want_cpu >= 0) & (resident_row[want_cpu.clamp(min=0)] >= 0)).any()
                 cases += 1
     return cases
+
+
+def _cpu_split(resident_row: torch.Tensor, slots: int, generator: torch.Generator):
+    """A random split: some non-resident experts the CPU may compute, and a table j(m) <= m of random length."""
+    from runtime.fetch_planning import CpuSplit
+
+    num_experts, device = resident_row.numel(), resident_row.device
+    eligible = ((resident_row.cpu() < 0) & (torch.rand(num_experts, generator=generator) < 0.7)).to(torch.int64)
+    length = int(torch.randint(1, slots + 2, (1,), generator=generator))
+    take = torch.tensor([int(torch.randint(0, m + 1, (1,), generator=generator)) for m in range(length)])
+    return CpuSplit(eligible=eligible.to(device), take=take.to(device), zero_row=999)
+
+
+def test_split_to_cpu_takes_the_first_eligible_misses():
+    """By hand: experts 1, 3, 5, 6 routed; 1 resident, 5 prefetched: misses 3 and 6 (m = 2, j(2) = 1); the CPU may
+    compute 6 and 3: it takes 3, the lower id; its pair's row is the zero row."""
+    from runtime.fetch_planning import CpuSplit, split_to_cpu
+
+    ids = torch.tensor([[3, 1], [5, 6]])
+    resident_row = torch.tensor([-1, 10, -1, -1, -1, -1, -1, -1])
+    split = CpuSplit(eligible=torch.tensor([0, 0, 1, 1, 1, 1, 1, 1]), take=torch.tensor([0, 1, 1]), zero_row=99)
+    rows, cpu_index = split_to_cpu(ids, resident_row, split, prefetched=torch.tensor([5, -1, -1, -1]))
+    assert cpu_index.tolist() == [3, -1, -1, -1]
+    assert rows.tolist() == [-1, 10, -1, 99, -1, -1, -1, -1]
+    split = CpuSplit(eligible=split.eligible, take=torch.tensor([0, 1, 2]), zero_row=99)
+    # nothing prefetched: misses 3, 5, 6 (m = 3, past the table: its last entry, 2): 3 and 5
+    assert split_to_cpu(ids, resident_row, split, prefetched=None)[1].tolist() == [3, -1, 5, -1]
 
 
 def test_fused_fetch_plan_in_the_interpreter():

@@ -35,6 +35,9 @@ def test_the_table_prices_the_choice_against_the_other_arms_not_the_resident_ref
     assert "| m | 1 | choice | 10.000 | 9.000 | -10.0% |" in table
     slower = bench_hybrid.table([_row("choice", 12.0), _row("fetch", 10.0), _row("whole", None)])
     assert "choice regret | 1.200 |" in slower and "| m | 1 | whole | - | - | - |" in slower
+    assert "fixed CPU ids" not in table
+    with_fixed = bench_hybrid.table(rows + [_row("fixed", 11.5)])
+    assert "| m | 1 | choice / fixed CPU ids speed | 1.150x |" in with_fixed
 
 
 def test_a_split_at_a_near_tie_is_told_from_a_fault():

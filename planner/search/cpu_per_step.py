@@ -1,0 +1,151 @@
+"""A hybrid layer that splits each decode step's misses by the count the step drew, instead of by fixed CPU ids.
+
+With fixed CPU ids (planner.search.cpu_placement) a step waits for whichever path its routing loaded: a token whose
+experts all fall on the CPU's ids waits for the CPU while the link idles, and the other way round. Where the CPU
+reads the pinned experts in place (a bf16 host copy: every expert is there already), it can compute any of a step's
+misses: a step that draws m misses (touched, not resident, not prefetched) sends j(m) of them to the CPU and
+fetches the rest. The runtime (runtime.fetch_planning, ``cpu_take``) counts m on the GPU after the router and
+takes the first j(m) misses in ascending id order, inside the captured step; the plan holds the table j.
+
+Priced per layer: n, the step's touched non-resident experts, is drawn as planner.model.expert_routing draws a
+layer's touched experts (one token routed uniformly: hypergeometric, exact; otherwise binomial at the mean); the
+prefetch brings each with the layer's hit share, so m | n is binomial; the link then waits for the prefetch's
+part beyond the layer's compute and the m - j misses (planned_layer_stall_ms at that count), the CPU for its
+handoff and j experts. j(m) is the count of least expected wait given m, and the layer waits
+E over (n, m) of max(link, CPU) at j(m).
+"""
+
+import functools
+import math
+from dataclasses import dataclass
+
+from planner.model.expert_prefetch import planned_layer_stall_ms
+from planner.model.expert_routing import PerStepCpu, StepDraw, binomial_pmf
+
+#: joint (touched, missed) terms below this probability are left out, and the table stops at the largest miss
+#: count with more (a step's wait is under a second: what they carry is below 1e-9 ms; the runtime reads a
+#: larger count at the table's last entry)
+NEGLIGIBLE_STEP_PMF = 1e-9
+
+
+@dataclass(frozen=True, kw_only=True)
+class PerStepSplit:
+    """One layer's per-step split: its table, expected wait and the expected experts on each path."""
+
+    take: tuple[int, ...]
+    wait_ms: float
+    mean_cpu_experts: float
+    #: touched non-resident experts not computed on the CPU: crossing the link, the prefetched ones included
+    mean_link_experts: float
+
+
+def touched_pmf(draw: StepDraw) -> tuple[tuple[int, float], ...]:
+    """(touched non-resident experts n, probability) of one step."""
+    count = draw.num_non_resident
+    if draw.one_token_top_k:
+        top_k, total = draw.one_token_top_k, math.comb(draw.num_experts, draw.one_token_top_k)
+        rest = draw.num_experts - count
+        return tuple((n, math.comb(count, n) * math.comb(rest, top_k - n) / total)
+                     for n in range(min(top_k, count) + 1) if math.comb(rest, top_k - n))
+    return tuple(binomial_pmf(count, draw.mean_touched))
+
+
+@functools.lru_cache(maxsize=1024)  # make prices the same layers at each candidate and step size
+def joint_pmf(draw: StepDraw, hit_share: float | None) -> tuple[tuple[int, int, float], ...]:
+    """(touched n, missed m, probability): each touched expert prefetched with ``hit_share`` (None: nothing is,
+    every touched expert misses)."""
+    terms = []
+    for n, p_n in touched_pmf(draw):
+        misses = ((n, 1.0),) if hit_share is None else binomial_pmf(n, n * (1.0 - hit_share))
+        terms += [(n, m, p_n * p_m) for m, p_m in misses if p_n * p_m >= NEGLIGIBLE_STEP_PMF]
+    return tuple(terms)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkWait:
+    """The link's wait of a per-step layer at (n touched, r fetched after the router): the timeline's
+    planned_layer_stall_ms at that count."""
+
+    compute_ms: float
+    expert_ms: float
+    hit_share: float | None
+    ahead_share: float
+    predicted: bool
+
+    def at(self, touched: int, fetched_after: int) -> float:
+        if self.hit_share is None or not self.predicted:
+            return fetched_after * self.expert_ms
+        # the prefetch brings n - m of the n touched: accuracy (n - m) / n, the misses' r after the router
+        accuracy = 1.0 - fetched_after / touched if touched else self.hit_share
+        return planned_layer_stall_ms(self.compute_ms, touched * self.expert_ms, accuracy, predicted=True,
+                                      ahead_share=self.ahead_share)
+
+
+def _cpu_ms(count: int, handoff_ms: float, cpu_ms_per_expert: float) -> float:
+    # the handoff is paid every step: the captured step rings the host whatever the routing
+    return handoff_ms + count * cpu_ms_per_expert
+
+
+def _terms_by_miss(joint: tuple[tuple[int, int, float], ...]) -> dict[int, list[tuple[int, float]]]:
+    by_miss: dict[int, list[tuple[int, float]]] = {}
+    for n, m, p in joint:
+        by_miss.setdefault(m, []).append((n, p))
+    return by_miss
+
+
+@functools.lru_cache(maxsize=1024)
+def per_step_split(draw: StepDraw, link: LinkWait, handoff_ms: float, cpu_ms_per_expert: float) -> PerStepSplit:
+    """The table j(m) of least expected wait at each miss count m, and the layer's E[max(link, CPU)] at it."""
+    by_miss = _terms_by_miss(joint_pmf(draw, link.hit_share if link.predicted else None))
+    take, wait, cpu, fetched = [], 0.0, 0.0, 0.0
+    for m in range(max(by_miss) + 1):
+        terms = by_miss.get(m, [])
+        j = _best_take(m, terms, link, handoff_ms, cpu_ms_per_expert) if terms else 0
+        # never fewer than a smaller count took: the optimum rises with m, and the rarest counts' few terms (the
+        # draw's tail, cut at NEGLIGIBLE_STEP_PMF) must not make the table's last entry, read past its end, drop
+        j = min(max(j, take[-1] if take else 0), m)
+        take.append(j)
+        for n, p in terms:
+            wait += p * max(link.at(n, m - j), _cpu_ms(j, handoff_ms, cpu_ms_per_expert), 0.0)
+            cpu += p * j
+            fetched += p * (n - j)
+    return PerStepSplit(take=_trimmed(take), wait_ms=wait, mean_cpu_experts=cpu, mean_link_experts=fetched)
+
+
+def expected_wait_ms(per_step: PerStepCpu, link: LinkWait, handoff_ms: float, cpu_ms_per_expert: float) -> float:
+    """A per-step layer's E[max(link, CPU)] at its plan's table (``per_step.take``), over its step's draw."""
+    wait = 0.0
+    for n, m, p in joint_pmf(per_step.draw, link.hit_share if link.predicted else None):
+        j = min(take_at(per_step.take, m), m)
+        wait += p * max(link.at(n, m - j), _cpu_ms(j, handoff_ms, cpu_ms_per_expert), 0.0)
+    return wait
+
+
+def take_at(take: tuple[int, ...], num_missed: int) -> int:
+    """j(m) as the runtime reads it: the table's entry, its last past its end (0 for an empty table)."""
+    return take[min(num_missed, len(take) - 1)] if take else 0
+
+
+def _best_take(num_missed: int, terms: list[tuple[int, float]], link: LinkWait, handoff_ms: float,
+               cpu_ms_per_expert: float) -> int:
+    """The j of least E[max(link, CPU)] over ``terms`` (n, P[n, m]) at ``num_missed`` misses: the wait is convex
+    in j (a mean of maxima of a falling and a rising line), so walk from the paths' balance while a neighbour waits
+    less; ties keep fewer CPU experts."""
+    def wait(j: int) -> float:
+        return round(math.fsum(p * max(link.at(n, num_missed - j), _cpu_ms(j, handoff_ms, cpu_ms_per_expert))
+                               for n, p in terms), 9)
+
+    balance = (num_missed * link.expert_ms - handoff_ms) / (link.expert_ms + cpu_ms_per_expert)
+    best = min(num_missed, max(0, round(balance)))
+    for step in (-1, 1):
+        while 0 <= best + step <= num_missed and wait(best + step) < wait(best):
+            best += step
+    return best
+
+
+def _trimmed(take: list[int]) -> tuple[int, ...]:
+    """The table without trailing entries equal to the one before (the runtime reads past the end as the last)."""
+    end = len(take)
+    while end > 1 and take[end - 1] == take[end - 2]:
+        end -= 1
+    return tuple(take[:end])
