@@ -64,7 +64,7 @@ class RoutedPlacement:
     #: weight bytes on the GPU before the arena's slack: non-expert weights, resident experts and both buffers
     weight_bytes: int
     #: fetch_slots experts per slot set: one set, or two with prefetch (a layer reads its set while the next
-    #: layer's prefetch writes the other)
+    #: layer's prefetch writes the other); with CPU experts one expert more, the zero row they read as resident at
     fetch_buffer_bytes: int
     staging_buffer_bytes: int
     #: a decode step's gather of every routed pair's weights (decode_gather_bytes)

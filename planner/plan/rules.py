@@ -250,7 +250,8 @@ def _experts_rules(plan: Plan) -> str | None:
     routed = bool(routed_rows(plan))
     slots = min(plan.workload.tokens_per_step * experts.top_k, experts.num_experts) if routed else 0
     sets = 2 if experts.prefetching else 1
-    derived = {"fetch_slots": slots, "fetch_buffer_bytes": slots * experts.expert_bytes * sets,
+    zero_row = experts.expert_bytes if experts.cpu is not None else 0  # the row CPU experts read as resident at
+    derived = {"fetch_slots": slots, "fetch_buffer_bytes": slots * experts.expert_bytes * sets + zero_row,
                "staging_buffer_bytes": experts.num_experts * experts.expert_bytes if routed else 0}
     pairs = plan.workload.tokens_per_step * experts.top_k
     derived["gather_workspace_bytes"] = pairs * experts.expert_bytes if routed and pairs <= experts.num_experts else 0

@@ -211,7 +211,11 @@ def hybrid_placement(placement: RoutedPlacement, *, geometry: MoeGeometry, routi
     if limit is not None and placement.host_pinned_bytes + copy_bytes > limit:
         return None, None, (f"an fp32 host copy of the CPU experts ({copy_bytes:,} bytes) beside the "
                             f"{placement.host_pinned_bytes:,} pinned does not fit the host's {limit:,} bytes")
-    hybrid = replace(placement, layers=tuple(rows))
+    # the device buffer's zero row, which the CPU's experts read as resident at (runtime.routed_experts): the
+    # caller left room for it (expert_choice._with_cpu)
+    zero_row_bytes = geometry.max_expert_bytes
+    hybrid = replace(placement, layers=tuple(rows), weight_bytes=placement.weight_bytes + zero_row_bytes,
+                     fetch_buffer_bytes=placement.fetch_buffer_bytes + zero_row_bytes)
     section = CpuPlacement(dtype=cpu.dtype, threads=cpu.threads, host_copy_bytes=copy_bytes,
                            handoff_ms=handoff_ms, cpu_ms_per_step=math.fsum(row.cpu_ms for row in rows),
                            link_ms_per_step=math.fsum(row.fetch_ms for row in rows))

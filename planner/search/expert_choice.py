@@ -138,27 +138,36 @@ def routed_choice(experts: ExpertModel, *, searcher: Searcher, compute: ComputeT
     staged_decode = decode and not experts.geometry.decode_gathers(num_tokens)
     decode = decode and not staged_decode
 
-    def placed(accuracy: float | None) -> RoutedPlacement | None:
+    def placed(accuracy: float | None, spare_bytes: int = 0) -> RoutedPlacement | None:
         return routed_placement(experts.geometry, experts.routing, num_tokens=num_tokens,
                                 layer_total_bytes=layers.total, non_layer_bytes=non_layer_bytes,
-                                weight_limit_bytes=searcher.weight_limit(budget_bytes),
+                                weight_limit_bytes=searcher.weight_limit(budget_bytes) - spare_bytes,
                                 h2d_bytes_per_s=h2d_bytes_per_s, prefetch_accuracy=accuracy,
                                 gather_bytes_per_s=gather_bytes_per_s if decode else None)
 
-    placement = placed(None)
-    if placement is None:
-        return None
-    if decode:
+    def fetch_only(spare_bytes: int) -> tuple[RoutedPlacement, Simulation] | None:
+        """The decode placement fetching every miss, with or without prefetch (whichever is faster), within the
+        budget less ``spare_bytes``, and its step."""
+        placement = placed(None, spare_bytes)
+        if placement is None:
+            return None
         simulation = decode_simulation(compute, placement)
         wanted = experts.prefetch_depth != 0 and len(placement.layers) > 1
-        prefetching = placed(experts.prefetch_accuracy) if wanted else None
+        prefetching = placed(experts.prefetch_accuracy, spare_bytes) if wanted else None
         if prefetching is not None:
             prefetching, with_prefetch = choose_prefetch_depth(experts, compute, prefetching)
             pinned = experts.prefetch_depth is not None
             if pinned or round(with_prefetch.step_ms, STEP_MS_DECIMALS) < round(simulation.step_ms, STEP_MS_DECIMALS):
                 placement, simulation = prefetching, with_prefetch
+        return placement, simulation
+
+    placement = placed(None)
+    if placement is None:
+        return None
+    if decode:
+        placement, simulation = fetch_only(0)
         placement, simulation, cpu, declined = _with_cpu(experts, compute, placement, simulation, num_tokens,
-                                                         h2d_bytes_per_s)
+                                                         h2d_bytes_per_s, fetch_only)
         # the link carries the ranks gathered ahead (hits and wasted) and the misses: as many as the step routes
         # to, plus the wasted ones
         copy_bytes = round(placement.expected_fetched_bytes + wasted_prefetch_bytes(placement))
@@ -182,12 +191,19 @@ def staged_declined(geometry, num_tokens: int) -> str:
 
 
 def _with_cpu(experts: ExpertModel, compute: ComputeTimes, placement: RoutedPlacement, simulation: Simulation,
-              num_tokens: int, h2d_bytes_per_s: float):
+              num_tokens: int, h2d_bytes_per_s: float, fetch_only):
     """The decode ``placement`` with experts on the CPU where the profile measured it and that step is faster:
-    (placement, simulation, its CpuPlacement or None, why the CPU was declined or None)."""
+    (placement, simulation, its CpuPlacement or None, why the CPU was declined or None). The hybrid is built on
+    ``fetch_only(spare_bytes)``'s placement with room for the device buffer's zero row (one expert: the row the CPU's
+    experts read as resident at, runtime.routed_experts)."""
     if experts.cpu is None:
         return placement, simulation, None, None
-    hybrid, section, declined = hybrid_placement(placement, geometry=experts.geometry, routing=experts.routing,
+    zero_row_bytes = experts.geometry.max_expert_bytes
+    room = fetch_only(zero_row_bytes)
+    if room is None:
+        return placement, simulation, None, (f"no room beside the resident experts for the zero row the CPU's experts "
+                                             f"read as resident at ({zero_row_bytes:,} bytes)")
+    hybrid, section, declined = hybrid_placement(room[0], geometry=experts.geometry, routing=experts.routing,
                                                  inputs=experts.cpu, num_tokens=num_tokens,
                                                  layer_ms=compute.layer_ms,
                                                  link_bytes_per_s=routed_fetch_bytes_per_s(h2d_bytes_per_s))

@@ -121,7 +121,12 @@ def test_make_puts_non_resident_experts_on_the_cpu_within_the_invariants(moe):
     # the hybrid step beats fetching every miss, and the link carries less
     assert plan.prediction.step_ms < off.prediction.step_ms
     assert plan.prediction.copy_bytes_per_step < off.prediction.copy_bytes_per_step
-    assert [row.resident for row in experts.layers] == [row.resident for row in off.experts.layers]
+    # the zero row the CPU's experts read as resident at takes one expert's room: one resident expert fewer at most
+    resident = sum(len(row.resident) for row in experts.layers)
+    assert sum(len(row.resident) for row in off.experts.layers) - resident in (0, 1)
+    sets = 2 if experts.prefetching else 1
+    assert experts.fetch_buffer_bytes == (sets * experts.fetch_slots + 1) * experts.expert_bytes
+    assert plan.memory.gpu_bytes <= off.memory.gpu_bytes + experts.expert_bytes
 
 
 def test_cpu_experts_off_plans_as_a_profile_without_the_section(moe):
