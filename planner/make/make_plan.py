@@ -256,10 +256,9 @@ def _read_model(inputs: Inputs, measure: MeasureFunction | None = None,
 
 def _with_cpu_experts(experts: ExpertModel | None, inputs: Inputs, profile, layout: ModelLayout,
                       host_limit_bytes: int | None) -> ExpertModel | None:
-    """The experts with the host CPU's figures where make weighs CPU experts: --cpu-experts auto, a profile with a
-    cpu_experts section, a weights plan (serving plans fetch every miss for now: docs/limitations.md)."""
-    if experts is None or inputs.cpu_experts == "off" or profile.cpu_experts is None \
-            or inputs.concurrency is not None:
+    """The experts with the host CPU's figures where make weighs CPU experts: --cpu-experts auto or fixed, a profile
+    with a cpu_experts section; a weights plan's decode step, or each concurrency a serving plan weighs."""
+    if experts is None or inputs.cpu_experts == "off" or profile.cpu_experts is None:
         return experts
     by_index = {layer.index: layer for layer in layout.layers}
     params = tuple(_expert_params(by_index[layer.index], experts.geometry.num_experts)

@@ -370,3 +370,22 @@ def test_a_decode_step_routing_more_pairs_than_experts_is_priced_as_staged_whole
         assert "more than the 16 experts" in experts.cpu_declined
     for words in (["check", "wide.yaml"], ["show", "wide.yaml"]):
         assert invoke(words).exit_code == 0, words
+
+
+def test_a_serving_plan_weighs_cpu_experts_at_each_concurrency(moe):
+    """--concurrency: each concurrency the search weighs prices the CPU's share (its routed step no slower than
+    fetching every miss), the chosen one's layers split per step, and every reader takes the plan."""
+    args = ["--concurrency", "2", "--context", "64", "--budget", "200MiB"]
+    for choice, output in (("auto", "serve.yaml"), ("off", "serve-off.yaml")):
+        result = invoke(["make", "--model", "moe", "--gpu", "fast.yaml", *args, "--cpu-experts", choice, "-o", output])
+        assert result.exit_code == 0, result.stderr
+    plan, off = read_plan("serve.yaml"), read_plan("serve-off.yaml")
+    assert plan.serving is not None and plan.experts.cpu is not None and plan.experts.cpu_layers
+    assert all(row.cpu_take for row in plan.experts.cpu_layers)
+    assert off.experts.cpu is None
+    assert plan.prediction.step_ms < off.prediction.step_ms
+    for here, there in zip(plan.experts.points, off.experts.points):
+        assert here.routed_step_ms <= there.routed_step_ms
+    for words in (["check", "serve.yaml"], ["show", "serve.yaml"], ["export", "serve.yaml", "--to", "vllm"],
+                  ["diff", "serve-off.yaml", "serve.yaml"]):
+        assert invoke(words).exit_code == 0, words
