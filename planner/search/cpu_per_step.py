@@ -97,28 +97,30 @@ def _terms_by_miss(joint: tuple[tuple[int, int, float], ...]) -> dict[int, list[
 def per_step_split(draw: StepDraw, link: LinkWait, handoff_ms: float, cpu_ms_per_expert: float) -> PerStepSplit:
     """The table j(m) of least expected wait at each miss count m, and the layer's E[max(link, CPU)] at it."""
     by_miss = _terms_by_miss(joint_pmf(draw, link.hit_share if link.predicted else None))
-    take, wait, cpu, fetched = [], 0.0, 0.0, 0.0
+    take: list[int] = []
     for m in range(max(by_miss) + 1):
         terms = by_miss.get(m, [])
         j = _best_take(m, terms, link, handoff_ms, cpu_ms_per_expert) if terms else 0
         # never fewer than a smaller count took: the optimum rises with m, and the rarest counts' few terms (the
         # draw's tail, cut at NEGLIGIBLE_STEP_PMF) must not make the table's last entry, read past its end, drop
-        j = min(max(j, take[-1] if take else 0), m)
-        take.append(j)
-        for n, p in terms:
-            wait += p * max(link.at(n, m - j), _cpu_ms(j, handoff_ms, cpu_ms_per_expert), 0.0)
-            cpu += p * j
-            fetched += p * (n - j)
-    return PerStepSplit(take=_trimmed(take), wait_ms=wait, mean_cpu_experts=cpu, mean_link_experts=fetched)
+        take.append(min(max(j, take[-1] if take else 0), m))
+    per_step = PerStepCpu(draw=draw, expert_ms=link.expert_ms, take=_trimmed(take))
+    steps = _steps(per_step, link)
+    return PerStepSplit(take=per_step.take, wait_ms=expected_wait_ms(per_step, link, handoff_ms, cpu_ms_per_expert),
+                        mean_cpu_experts=math.fsum(p * j for _, _, j, p in steps),
+                        mean_link_experts=math.fsum(p * (n - j) for n, _, j, p in steps))
 
 
 def expected_wait_ms(per_step: PerStepCpu, link: LinkWait, handoff_ms: float, cpu_ms_per_expert: float) -> float:
     """A per-step layer's E[max(link, CPU)] at its plan's table (``per_step.take``), over its step's draw."""
-    wait = 0.0
-    for n, m, p in joint_pmf(per_step.draw, link.hit_share if link.predicted else None):
-        j = min(take_at(per_step.take, m), m)
-        wait += p * max(link.at(n, m - j), _cpu_ms(j, handoff_ms, cpu_ms_per_expert), 0.0)
-    return wait
+    return math.fsum(p * max(link.at(n, m - j), _cpu_ms(j, handoff_ms, cpu_ms_per_expert), 0.0)
+                     for n, m, j, p in _steps(per_step, link))
+
+
+def _steps(per_step: PerStepCpu, link: LinkWait) -> list[tuple[int, int, int, float]]:
+    """(touched n, missed m, sent to the CPU j(m), probability) over the layer's step draw."""
+    return [(n, m, min(take_at(per_step.take, m), m), p)
+            for n, m, p in joint_pmf(per_step.draw, link.hit_share if link.predicted else None)]
 
 
 def take_at(take: tuple[int, ...], num_missed: int) -> int:
