@@ -173,16 +173,23 @@ def test_an_error_in_the_host_function_is_nan_then_one_line(layer):
         side.fork(0, hidden, index, weights)  # the next decode step too
 
 
+def _reference_and_routed(model, batch: int, num_steps: int, **options):
+    """(the all-resident model's routing per call, its greedy (ids, logits, prefill logits), a routed copy with
+    ``options`` (apply_routed_experts'), its RoutedExperts)."""
+    reference = copy.deepcopy(model)
+    calls = _record_routing(reference, ROUTED)
+    expected = _greedy(reference, batch, num_steps)
+    routed_model = copy.deepcopy(model)
+    routed_model.set_experts_implementation("batched_mm")
+    routed = apply_routed_experts(routed_model, ROUTED, 2 * batch, CpuStandIn(), cpu_threads=1, **options)
+    return calls, expected, routed_model, routed
+
+
 def test_greedy_decode_with_cpu_experts_on_the_stand_in(model):
     """Routed layers with CPU experts: the all-resident model's tokens, logits within a few fp32 roundings, every
     CPU pair computed on the CPU side and no CPU expert fetched."""
     batch, num_steps = 2, 8
-    reference = copy.deepcopy(model)
-    calls = _record_routing(reference, ROUTED)
-    ids, logits, prefill = _greedy(reference, batch, num_steps)
-    routed_model = copy.deepcopy(model)
-    routed_model.set_experts_implementation("batched_mm")
-    routed = apply_routed_experts(routed_model, ROUTED, 2 * batch, CpuStandIn(), cpu=CPU, cpu_threads=1)
+    calls, (ids, logits, prefill), routed_model, routed = _reference_and_routed(model, batch, num_steps, cpu=CPU)
     try:
         routed_ids, routed_logits, routed_prefill = _greedy(routed_model, batch, num_steps)
         assert torch.equal(routed_prefill, prefill)  # prefill stages every expert on the device, as before
@@ -254,13 +261,8 @@ def test_greedy_decode_splitting_each_steps_misses_by_count(model, prefetch):
     """A per-step split (cpu_take): the all-resident model's tokens, logits within a few fp32 roundings; without
     prefetch exactly the first j(m) misses by id of each step go to the CPU and the rest are fetched."""
     batch, num_steps = 2, 8
-    reference = copy.deepcopy(model)
-    calls = _record_routing(reference, ROUTED)
-    ids, logits, _ = _greedy(reference, batch, num_steps)
-    routed_model = copy.deepcopy(model)
-    routed_model.set_experts_implementation("batched_mm")
-    routed = apply_routed_experts(routed_model, ROUTED, 2 * batch, CpuStandIn(), cpu=SPLIT_CPU, cpu_threads=1,
-                                  cpu_take=SPLIT_TAKE, prefetch=prefetch)
+    calls, (ids, logits, _), routed_model, routed = _reference_and_routed(model, batch, num_steps, cpu=SPLIT_CPU,
+                                                                          cpu_take=SPLIT_TAKE, prefetch=prefetch)
     try:
         routed_ids, routed_logits, _ = _greedy(routed_model, batch, num_steps)
         assert torch.equal(routed_ids, ids)
