@@ -1,11 +1,12 @@
 """A hybrid layer that splits each decode step's misses by the count the step drew, instead of by fixed CPU ids.
 
 With fixed CPU ids (planner.search.cpu_placement) a step waits for whichever path its routing loaded: a token whose
-experts all fall on the CPU's ids waits for the CPU while the link idles, and the other way round. Where the CPU
-reads the pinned experts in place (a bf16 host copy: every expert is there already), it can compute any of a step's
-misses: a step that draws m misses (touched, not resident, not prefetched) sends j(m) of them to the CPU and
-fetches the rest. The runtime (runtime.fetch_planning, ``cpu_take``) counts m on the GPU after the router and
-takes the first j(m) misses in ascending id order, inside the captured step; the plan holds the table j.
+experts all fall on the CPU's ids waits for the CPU while the link idles, and the other way round. The host holds
+every expert (pinned in bf16, read in place, or an fp32 copy of every non-resident one where the host holds it), so
+the CPU can compute any of a step's misses: a step that draws m misses (touched, not resident, not prefetched) sends
+j(m) of them to the CPU and fetches the rest. The runtime (runtime.fetch_planning, ``cpu_take``) counts m on the GPU
+after the router and takes the first j(m) misses in ascending id order, inside the captured step; the plan holds the
+table j.
 
 Priced per layer: n, the step's touched non-resident experts, is drawn as planner.model.expert_routing draws a
 layer's touched experts (one token routed uniformly: hypergeometric, exact; otherwise binomial at the mean); the

@@ -7,9 +7,10 @@ wait is least. A step waits for the later path at its own routing, so the wait i
 step's touched experts fall on the CPU's ids and the link's (planner.search.routed_step.layer_wait_ms), more than
 the later of the expectations: at one sequence a Mixtral layer with 3 of its 8 experts on the CPU waits for the
 CPU when both of a token's experts land there. The runtime sends every pair routed to the CPU ids there; the link
-fetches the rest. Where the CPU reads the pinned bf16 experts in place, a layer may instead split each step's misses
-by their count (planner.search.cpu_per_step: any non-resident expert may go to the CPU, j(m) of a step's m misses
-do); LayerCpuSplit.best_row keeps whichever waits less. The CPU path is priced with no overlap of the GPU's own
+fetches the rest. A layer may instead split each step's misses by their count (planner.search.cpu_per_step: any
+non-resident expert may go to the CPU, j(m) of a step's m misses do; with an fp32 host copy, a copy of every
+non-resident expert, else fixed ids where the host cannot hold it); LayerCpuSplit.best_row keeps whichever waits
+less. The CPU path is priced with no overlap of the GPU's own
 experts (gpu_overlap_ms 0): the routed step computes its experts after its wait (planner.search.routed_step), so
 nothing of the GPU's runs beside the CPU's in the step as priced.
 """
@@ -43,8 +44,9 @@ class CpuInputs:
     #: the CPU path's fixed cost a layer step: the profile's cpu_experts.handoff_us (None: not measured, and
     #: planner.search.cpu_experts.CPU_HANDOFF_MS, fitted on one host, is taken)
     handoff_ms: float | None = None
-    #: whether a layer may split each step's misses by their count (planner.search.cpu_per_step) where the CPU
-    #: reads the pinned bf16 experts in place (make --cpu-experts auto; fixed: fixed CPU ids only)
+    #: whether a layer may split each step's misses by their count (planner.search.cpu_per_step; make
+    #: --cpu-experts auto; fixed: fixed CPU ids only). With an fp32 host copy it then holds every non-resident
+    #: expert; where the host cannot hold that, the layers keep fixed ids
     per_step: bool = True
 
 
@@ -196,8 +198,7 @@ def hybrid_placement(placement: RoutedPlacement, *, geometry: MoeGeometry, routi
                                     top_k=geometry.top_k, num_tokens=num_tokens, compute_ms=layer_ms[row.index],
                                     link_bytes_per_s=link_bytes_per_s, handoff_ms=handoff_ms,
                                     cpu_ms_per_expert=split.cpu_ms_per_expert)
-        best = layer_split.best_row(round(split.cpu_share * layer_split.num_non_resident),
-                                    inputs.per_step and cpu.dtype == "bf16")
+        best = layer_split.best_row(round(split.cpu_share * layer_split.num_non_resident), inputs.per_step)
         if not best.cpu:
             reasons.append(f"no whole number of CPU experts near the balance ({split.cpu_experts:.2f} of "
                            f"{missed:.2f} missed experts) waits less than fetching every miss, over the step's "
@@ -209,6 +210,11 @@ def hybrid_placement(placement: RoutedPlacement, *, geometry: MoeGeometry, routi
         len(row.cpu) * params * FP32_BYTES for row, params in zip(rows, inputs.expert_params))
     limit = inputs.host_limit_bytes
     if limit is not None and placement.host_pinned_bytes + copy_bytes > limit:
+        if inputs.per_step and any(row.cpu_per_step for row in rows):
+            # a per-step split's fp32 copy holds every non-resident expert: fixed ids copy only theirs
+            return hybrid_placement(placement, geometry=geometry, routing=routing,
+                                    inputs=replace(inputs, per_step=False), num_tokens=num_tokens, layer_ms=layer_ms,
+                                    link_bytes_per_s=link_bytes_per_s)
         return None, None, (f"an fp32 host copy of the CPU experts ({copy_bytes:,} bytes) beside the "
                             f"{placement.host_pinned_bytes:,} pinned does not fit the host's {limit:,} bytes")
     # the device buffer's zero row, which the CPU's experts read as resident at (runtime.routed_experts): the

@@ -158,13 +158,13 @@ def test_a_slow_cpu_is_declined_and_the_plan_says_why(moe):
 
 
 def test_an_fp32_host_copy_is_counted_and_held_to_the_host_memory(moe):
-    make("fp32.yaml", "fp32.yaml.out")
+    make("fp32.yaml", "fp32.yaml.out", "--cpu-experts", "fixed")
     plan = read_plan("fp32.yaml.out")
     cpu, layers = plan.experts.cpu, plan.experts.cpu_layers
     expert_params = 3 * 1024 * 768
     assert cpu.dtype == "fp32" and cpu.host_copy_bytes == 4 * expert_params * sum(len(row.cpu) for row in layers)
     room = plan.memory.host_pinned_bytes + cpu.host_copy_bytes - 1
-    make("fp32.yaml", "tight.yaml", "--host-memory", f"{room}B")
+    make("fp32.yaml", "tight.yaml", "--host-memory", f"{room}B", "--cpu-experts", "fixed")
     tight = read_plan("tight.yaml")
     assert tight.experts.cpu is None and "fp32 host copy" in tight.experts.cpu_declined
 
@@ -325,8 +325,25 @@ def test_auto_splits_each_steps_misses_by_count_where_the_cpu_reads_in_place(moe
         assert set(row.cpu) | set(row.resident) == set(range(experts.num_experts)) and row.cpu_take
         assert all(0 <= j <= m for m, j in enumerate(row.cpu_take)) and max(row.cpu_take) > 0
     assert auto.prediction.step_ms <= fixed.prediction.step_ms < off.prediction.step_ms
-    make("fp32.yaml", "fp32.yaml.out")
-    assert not any(row.cpu_take for row in read_plan("fp32.yaml.out").experts.cpu_layers)
+
+
+def test_a_per_step_split_with_an_fp32_copy_copies_every_non_resident_expert_or_keeps_fixed_ids(moe):
+    """With an fp32 host copy the per-step split copies every non-resident expert, counted in host_copy_bytes; where
+    --host-memory holds fixed ids' copy but not that, the layers keep fixed ids."""
+    make("fp32.yaml", "split.yaml")
+    make("fp32.yaml", "fixed.yaml", "--cpu-experts", "fixed")
+    split, fixed = read_plan("split.yaml"), read_plan("fixed.yaml")
+    expert_params = 3 * 1024 * 768
+    rows = split.experts.cpu_layers
+    assert rows and all(row.cpu_take for row in rows)
+    non_resident = sum(split.experts.num_experts - len(row.resident) for row in rows)
+    assert split.experts.cpu.host_copy_bytes == 4 * expert_params * non_resident
+    assert fixed.experts.cpu.host_copy_bytes < split.experts.cpu.host_copy_bytes
+    room = split.memory.host_pinned_bytes + split.experts.cpu.host_copy_bytes - 1
+    make("fp32.yaml", "tight.yaml", "--host-memory", f"{room}B")
+    tight = read_plan("tight.yaml")
+    assert tight.experts.cpu is not None and not any(row.cpu_take for row in tight.experts.cpu_layers)
+    assert tight.memory.host_pinned_bytes + tight.experts.cpu.host_copy_bytes <= room
 
 
 def _first_split_layer(data: dict) -> dict:

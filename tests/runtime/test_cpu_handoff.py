@@ -160,6 +160,25 @@ def test_the_host_function_runs_and_counts(layer, with_kernel, monkeypatch):
     cpu_kernel.reset_kernel()
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_per_step_index_sends_only_its_pairs_to_the_cpu(layer, dtype):
+    """A per-step split's ring carries the CPU's pairs' ids and -1 for the GPU's, every expert a CPU id (read in
+    place in fp32, or from a bf16 copy of all of them): the CPU sums exactly the pairs the index names."""
+    experts, hidden, index, weights = layer
+    mine = torch.rand(index.shape, generator=torch.Generator().manual_seed(5)) < 0.5
+    assert mine.any() and not mine.all()
+    masked = torch.where(mine, index, torch.full_like(index, -1))
+    with torch.no_grad():
+        expected = hybrid_experts_forward(experts, hidden, index, torch.where(mine, weights, torch.zeros_like(weights)),
+                                          host=HostExperts.from_module(experts, dtype),
+                                          on_cpu=torch.ones(NUM_EXPERTS, dtype=torch.bool), placeholder_expert=1)
+    out = torch.full_like(hidden, 7.0)
+    every = tuple(range(NUM_EXPERTS))
+    pairs, num_experts = cpu_partial_sum(_cpu_layer(experts, dtype, every), hidden, masked, weights, out)
+    assert pairs == int(mine.sum()) and num_experts == len(set(index[mine].tolist()))
+    assert _within(out, expected, FP32_TOLERANCE if dtype == "fp32" else BF16_TOLERANCE)
+
+
 def test_an_error_in_the_host_function_is_nan_then_one_line(layer):
     experts, hidden, index, weights = layer
     side = _side(experts)
