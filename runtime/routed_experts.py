@@ -408,10 +408,11 @@ class RoutedExperts:
         ordinal = self.ordinal[index]
         base = self.slot_base(ordinal)
         split = self.tables[index].cpu_split
+        # a prefetch for this layer is pending and gathered some ranks (depth 0: predicted, nothing gathered ahead)
+        ahead = index in self.pending and self.prefetch_depth.get(index, 0) > 0
         if split is not None:
             # the CPU's share of the step's misses is chosen first, then handed to the host before the join: the
             # choice needs the prefetched ids (the prefetch's plan), not their weights (its gather)
-            ahead = index in self.pending and self.prefetch_depth.get(index, 0) > 0
             if ahead and self.stream is not None:
                 torch.cuda.current_stream(self.device).wait_event(self.planned_events[ordinal])
             pair_rows, source_ids, cpu_index = self._fetch_plan(index, top_k_index, base, ahead, split)
@@ -428,7 +429,6 @@ class RoutedExperts:
         if predicted and self.count_ranks:
             self._count_ranks(ordinal, top_k_index)
         if split is None:
-            ahead = predicted and self.prefetch_depth[index] > 0  # depth 0: predicted, nothing gathered ahead
             pair_rows, source_ids, _ = self._fetch_plan(index, top_k_index, base, ahead, None)
         words, warps = self.gather_shape
         # the misses, on the critical path: the full grid, but in a layer whose CPU experts a host node computes

@@ -7,6 +7,7 @@ are planner.plan.figures, checked after these.
 import re
 
 from planner.errors import shown
+from planner.model.expert_placement import decode_gather_bytes
 from planner.plan.experts_section import CPU_EXPERTS_CHOICES, ROUTED_EXPERTS_CHOICES
 from planner.plan.figures import first_disagreeing_figure, is_decode, near
 from planner.plan.schema import NOTHING_FITS, AdaptersSection, Plan, gathers, routed_rows
@@ -253,8 +254,9 @@ def _experts_rules(plan: Plan) -> str | None:
     zero_row = experts.expert_bytes if experts.cpu is not None else 0  # the row CPU experts read as resident at
     derived = {"fetch_slots": slots, "fetch_buffer_bytes": slots * experts.expert_bytes * sets + zero_row,
                "staging_buffer_bytes": experts.num_experts * experts.expert_bytes if routed else 0}
-    pairs = plan.workload.tokens_per_step * experts.top_k
-    derived["gather_workspace_bytes"] = pairs * experts.expert_bytes if routed and pairs <= experts.num_experts else 0
+    tokens = plan.workload.tokens_per_step
+    derived["gather_workspace_bytes"] = (decode_gather_bytes(tokens, experts.top_k, experts.num_experts,
+                                                             experts.expert_bytes) if routed else 0)
     for key, value in derived.items():
         if getattr(experts, key) != value:
             return f"experts.{key} {getattr(experts, key)} is not the {value} its counts give"

@@ -73,8 +73,13 @@ class LinkWait:
     ahead_share: float
     predicted: bool
 
+    @property
+    def prefetched_share(self) -> float | None:
+        """The share of touched experts a prefetch brings (None: nothing predicts the layer, every one misses)."""
+        return self.hit_share if self.predicted else None
+
     def at(self, touched: int, fetched_after: int) -> float:
-        if self.hit_share is None or not self.predicted:
+        if self.prefetched_share is None:
             return fetched_after * self.expert_ms
         # the prefetch brings n - m of the n touched: accuracy (n - m) / n, the misses' r after the router
         accuracy = 1.0 - fetched_after / touched if touched else self.hit_share
@@ -97,7 +102,7 @@ def _terms_by_miss(joint: tuple[tuple[int, int, float], ...]) -> dict[int, list[
 @functools.lru_cache(maxsize=1024)
 def per_step_split(draw: StepDraw, link: LinkWait, handoff_ms: float, cpu_ms_per_expert: float) -> PerStepSplit:
     """The table j(m) of least expected wait at each miss count m, and the layer's E[max(link, CPU)] at it."""
-    by_miss = _terms_by_miss(joint_pmf(draw, link.hit_share if link.predicted else None))
+    by_miss = _terms_by_miss(joint_pmf(draw, link.prefetched_share))
     take: list[int] = []
     for m in range(max(by_miss) + 1):
         terms = by_miss.get(m, [])
@@ -121,7 +126,7 @@ def expected_wait_ms(per_step: PerStepCpu, link: LinkWait, handoff_ms: float, cp
 def _steps(per_step: PerStepCpu, link: LinkWait) -> list[tuple[int, int, int, float]]:
     """(touched n, missed m, sent to the CPU j(m), probability) over the layer's step draw."""
     return [(n, m, min(take_at(per_step.take, m), m), p)
-            for n, m, p in joint_pmf(per_step.draw, link.hit_share if link.predicted else None)]
+            for n, m, p in joint_pmf(per_step.draw, link.prefetched_share)]
 
 
 def take_at(take: tuple[int, ...], num_missed: int) -> int:

@@ -10,9 +10,9 @@ CPU when both of a token's experts land there. The runtime sends every pair rout
 fetches the rest. A layer may instead split each step's misses by their count (planner.search.cpu_per_step: any
 non-resident expert may go to the CPU, j(m) of a step's m misses do; with an fp32 host copy, a copy of every
 non-resident expert, else fixed ids where the host cannot hold it); LayerCpuSplit.best_row keeps whichever waits
-less. The CPU path is priced with no overlap of the GPU's own
-experts (gpu_overlap_ms 0): the routed step computes its experts after its wait (planner.search.routed_step), so
-nothing of the GPU's runs beside the CPU's in the step as priced.
+less. The CPU path is priced with no overlap of the GPU's own experts (gpu_overlap_ms 0): the routed step computes
+its experts after its wait (planner.search.routed_step), so nothing of the GPU's runs beside the CPU's in the step
+as priced.
 """
 
 import math

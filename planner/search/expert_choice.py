@@ -149,8 +149,10 @@ def routed_choice(experts: ExpertModel, *, searcher: Searcher, compute: ComputeT
         """The decode placement fetching every miss, with or without prefetch (whichever is faster), within the
         budget less ``spare_bytes``, and its step."""
         placement = placed(None, spare_bytes)
-        if placement is None:
-            return None
+        return None if placement is None else with_prefetch_choice(placement, spare_bytes)
+
+    def with_prefetch_choice(placement: RoutedPlacement, spare_bytes: int) -> tuple[RoutedPlacement, Simulation]:
+        """``placement`` (no prefetch) or its prefetching twin within the same budget, whichever step is faster."""
         simulation = decode_simulation(compute, placement)
         wanted = experts.prefetch_depth != 0 and len(placement.layers) > 1
         prefetching = placed(experts.prefetch_accuracy, spare_bytes) if wanted else None
@@ -165,7 +167,7 @@ def routed_choice(experts: ExpertModel, *, searcher: Searcher, compute: ComputeT
     if placement is None:
         return None
     if decode:
-        placement, simulation = fetch_only(0)
+        placement, simulation = with_prefetch_choice(placement, 0)
         placement, simulation, cpu, declined = _with_cpu(experts, compute, placement, simulation, num_tokens,
                                                          h2d_bytes_per_s, fetch_only)
         # the link carries the ranks gathered ahead (hits and wasted) and the misses: as many as the step routes

@@ -57,7 +57,7 @@ CASES = [
 @pytest.mark.parametrize(("draw", "link", "handoff_ms", "cpu_ms"), CASES)
 def test_each_table_entry_is_the_best_count_at_its_misses(draw, link, handoff_ms, cpu_ms):
     split = per_step_split(draw, link, handoff_ms, cpu_ms)
-    by_miss = _terms_by_miss(joint_pmf(draw, link.hit_share if link.predicted else None))
+    by_miss = _terms_by_miss(joint_pmf(draw, link.prefetched_share))
     for m, terms in by_miss.items():
         if math.fsum(p for _, p in terms) < 1e-4:  # the tail: the table only rises there
             continue
