@@ -386,7 +386,8 @@ def measured_compute(
     layer_ms, head_ms = measure_local(checkpoint, layout, workload, graphed)
     how = (f"CUDA-graph replays, median of {NUM_TIMED_REPLAYS}" if graphed
            else f"full-depth forward, median of {NUM_TIMED}")
-    source = (f"measured: {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, "
+    dtype = str(measure_dtype(measured_config(checkpoint))).removeprefix("torch.")
+    source = (f"measured: {torch.cuda.get_device_name()}, torch {torch.__version__}, {dtype}, "
               f"{workload.tokens_per_step} tokens in {workload.sequences_per_step} sequence(s), context "
               f"{workload.context_tokens}, {how}")
     if is_local_target(target, measured_on):

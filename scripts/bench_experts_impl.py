@@ -100,7 +100,13 @@ def guarded(run, **row) -> dict:
 
 
 def main() -> None:
+    import argparse
+
     import transformers
+
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
+    if not torch.cuda.is_available():
+        sys.exit(f"{Path(__file__).name}: needs a CUDA GPU (torch {torch.__version__} sees none); run it on one")
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     model = build_model()

@@ -202,7 +202,7 @@ def main() -> int:
                              "TRACE_PROMPTS (offload-plan trace) and make every plan with it (--routing-trace): "
                              "the prefetch's accuracy and the experts' shares measured, not assumed. Not for random "
                              "weights: their greedy decodes repeat two tokens, so the trace sees a few experts "
-                             "and the plans priced from it expected 0.05% of the routed bytes the bench's prompt "
+                             "and the plans priced from it expected 0.05%% of the routed bytes the bench's prompt "
                              "fetched (2026-11-28)")
     parser.add_argument("--prefetch-accuracy", nargs="+", default=[], metavar="MODEL=SHARE",
                         help="make a model's plans with --prefetch-accuracy SHARE (a run's measured share of "

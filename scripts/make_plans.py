@@ -8,6 +8,7 @@ model, GPU and budget was chosen, and which combinations have no plan.
     offload-plan check --update plans/*.yaml     # later: refresh the existing plans after a planner change
 """
 
+import argparse
 import subprocess
 import sys
 
@@ -69,6 +70,8 @@ def make_command(model: str, gpu: str, budget: str, params: tuple[str, ...]) -> 
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                            epilog="Takes no arguments: it writes every plan PLANS and SERVING_PLANS list").parse_args()
     for model in sorted({entry[0] for entry in PLANS + SERVING_PLANS}):
         write_checkpoint(model)
     commands = [make_command(*entry) for entry in PLANS] + [serving_command(*entry) for entry in SERVING_PLANS]

@@ -119,18 +119,23 @@ def test_tp_measure_without_a_gpu_is_one_line(tiny, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_make_tp_measure_times_the_ranks_layers_on_the_gpu(tiny, tmp_path):
-    """One GPU: the layers measured, the link assumed (said why); two: both measured."""
+@pytest.mark.parametrize("step", [("--tokens", "512", "--context", "0"),
+                                  ("--tokens", "1", "--context", "512", "--cuda-graph")], ids=["prefill", "graphed"])
+def test_make_tp_measure_times_the_ranks_layers_on_the_gpu(tiny, tmp_path, step):
+    """One GPU: the layers measured, the link assumed (said why); two: both measured. A graphed decode step is
+    timed replayed from its CUDA graph, and a captured all-reduce is timed inside it."""
     _, folder = tiny
     gpu = bench_tp.profile_for(torch.cuda.get_device_name())
     result = subprocess.run([sys.executable, "-m", "offload_plan", "make", "-m", str(folder), "-g", gpu, "--tp", "2",
-                             "--measure", "--tokens", "512", "--context", "0", "-o", str(tmp_path / "r.yaml")],
+                             "--measure", *step, "-o", str(tmp_path / "r.yaml")],
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
                             env=dict(os.environ, PYTHONPATH=str(REPO_ROOT), OFFLOAD_PLAN_CACHE=str(tmp_path)))
     assert result.returncode == 0, result.stderr[-3000:]
     plan = read_plan(tmp_path / "r.yaml")
     source = plan.workload.compute_source
     assert source.startswith("measured: ") and all(row.compute_ms > 0 for row in plan.layers)
+    if "--cuda-graph" in step:
+        assert plan.inputs.cuda_graph and "graph" in source, source
     if torch.cuda.device_count() >= 2:
         assert "(measured: NCCL all-reduce on 2 x" in source
     else:
