@@ -329,7 +329,29 @@ def _memory(plan: Plan) -> Table:
         rows.append(("host: memory for pinned params (--host-memory or profile)", plan.hardware.host_memory_bytes))
     for label, value in rows:
         table.add_row(label, f"{value:,}", format_bytes(value))
+    if memory.total_gpu_bytes is not None and plan.inputs.concurrency is not None:
+        table.caption = _peak_spread(plan)
+        table.caption_justify = "left"
     return table
+
+
+#: a serving plan's measured peak over its predicted total GPU memory in the conformance sweep of 2026-11-28 on
+#: the H200 (benchmarks/2026-11-28-conformance-captures-h200.md: 12 architectures, 56 serving arms): 20 estimated
+#: plans 0.867-0.987 (the captures booked by factors over the estimated step, which cover the architectures whose
+#: captures ran 2-2.9x their estimate), 36 with make --measure 0.921-1.000 (PhiMoE's whole-layer plan 3 MiB over)
+PEAK_SPREAD_ESTIMATED = (0.87, 0.99)
+PEAK_SPREAD_MEASURED = (0.92, 1.00)
+
+
+def _peak_spread(plan: Plan) -> str:
+    """How close a serving plan's GPU total came to the peaks measured of such plans."""
+    measured = _activations_source(plan) == "measured"
+    low, high = PEAK_SPREAD_MEASURED if measured else PEAK_SPREAD_ESTIMATED
+    how = "with measured steps and captures" if measured else "with estimated steps and captures"
+    return (f"Serving plans {how} peaked at {low:.2f}-{high:.2f} of their GPU total in the 2026-11-28 conformance "
+            "sweep (H200, 12 architectures)" + ("" if measured else "; make --measure books the captures measured "
+                                                                     f"and came to {PEAK_SPREAD_MEASURED[0]:.2f}-"
+                                                                     f"{PEAK_SPREAD_MEASURED[1]:.2f}") + ".")
 
 
 def _activations_source(plan: Plan) -> str:
