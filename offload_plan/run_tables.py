@@ -139,9 +139,13 @@ def _adapter_table(result) -> Table:
                       f"{mode.ttft_mean_ms:.1f} ({mode.predicted_ttft_mean_ms:.1f})",
                       f"{mode.ttft_max_ms:.1f} ({mode.predicted_ttft_max_ms:.1f})",
                       f"{mode.compute_idle_ms:.1f} ({mode.predicted_compute_idle_ms:.1f})")
+    memory = "" if result.peak_gpu_bytes is None else f"; peak GPU {format_bytes(result.peak_gpu_bytes)}" + (
+        "" if result.predicted_total_gpu_bytes is None else
+        f" (the plan's total {format_bytes(result.predicted_total_gpu_bytes)})")
     table.caption = (f"one adapter copy: {result.measured_copy_ms:.2f} ms measured, {result.planned_copy_ms:.2f} ms "
                      f"planned; the plan chose {result.plan_mode}, predicted {result.plan_mode_margin:.1%} faster "
-                     "than the other (--adapter-mode serves either)")
+                     f"than the other (--adapter-mode serves either); forwards of at most "
+                     f"{result.max_requests_per_forward} request(s), the plan's step{memory}")
     return table
 
 

@@ -14,6 +14,7 @@ from planner.search.adapter_stream import (STREAM_NUM_BATCHES, StreamSchedule, S
 from runtime.adapters import AdapterPool, LoraHooks, ServedStream, load_pool, serve_stream
 from runtime.timing import random_ids
 from runtime.load import Loaded
+from runtime.serving import peak_gpu_bytes
 
 #: timed rounds per mode (each: the forwards alone, then the stream with its copies)
 NUM_ROUNDS = 3
@@ -69,10 +70,27 @@ class AdapterBench:
     plan_mode_margin: float
     #: the modes served: the plan's unless forced (run --adapter-mode) or both (the benchmark script)
     modes: tuple[ModeResult, ...]
+    #: the most requests a forward ran: the plan's sequences per step
+    max_requests_per_forward: int = 1
+    #: GPU memory on CUDA: the process's peak (the allocator's reserved peak and what it holds outside the
+    #: allocator), against the plan's predicted total and the GPU memory the plan is made for (None elsewhere)
+    peak_gpu_bytes: int | None = None
+    predicted_total_gpu_bytes: int | None = None
+    gpu_memory_bytes: int | None = None
 
     def as_dict(self) -> dict:
         """Plain data for --json."""
         return asdict(self)
+
+
+def _memory_figures(loaded: Loaded) -> dict:
+    """The process's GPU peak beside the plan's predicted total (runtime.serving.peak_gpu_bytes); nothing off CUDA."""
+    device = loaded.engine.backend.device
+    if device.type != "cuda":
+        return {}
+    memory = loaded.plan.memory
+    return {"peak_gpu_bytes": peak_gpu_bytes(device), "predicted_total_gpu_bytes": memory.total_gpu_bytes,
+            "gpu_memory_bytes": memory.gpu_memory_bytes}
 
 
 def measure_copy_ms(pool: AdapterPool, adapter: str, num_copies: int = 5) -> float:
@@ -152,6 +170,8 @@ def run_adapter_bench(loaded: Loaded, plan_path: Path | None = None, *, requests
     per_batch = requests_per_batch or stream_requests_per_batch(plan.adapters.num_slots)
     batches = stream_batches(names, per_batch, num_batches)
     prompt_tokens = plan.workload.tokens_per_step // plan.workload.sequences_per_step
+    # a forward is at most the plan's step: the activations its memory books
+    max_requests = plan.workload.sequences_per_step
     num_requests = sum(len(batch) for batch in batches)
     prompts = random_ids(loaded.model, (num_requests, prompt_tokens), loaded.engine.backend.device)
     copy_ms = {row.name: row.copy_ms for row in plan.adapters.items}
@@ -159,10 +179,10 @@ def run_adapter_bench(loaded: Loaded, plan_path: Path | None = None, *, requests
     link_ms_per_byte = measured_copy / pool.layouts[names[0]].num_bytes
     results, outputs = [], StreamOutputs(prompts=prompts, served={})
     for mode in modes:
-        schedule = schedule_stream(batches, plan.adapters.num_slots, mode)
+        schedule = schedule_stream(batches, plan.adapters.num_slots, mode, max_requests)
         # every batch is cut alike (as many distinct adapters as requests): the first one's forwards and copies
         # have the stream's shapes, and warm up for a quarter of the whole stream's time
-        warm_up = schedule_stream(batches[:1], plan.adapters.num_slots, mode)
+        warm_up = schedule_stream(batches[:1], plan.adapters.num_slots, mode, max_requests)
         result, served = run_mode(loaded, pool, hooks, schedule, prompts, copy_ms, link_ms_per_byte, num_rounds,
                                   warm_up)
         results.append(result)
@@ -170,7 +190,8 @@ def run_adapter_bench(loaded: Loaded, plan_path: Path | None = None, *, requests
     bench = AdapterBench(num_adapters=len(names), num_slots=plan.adapters.num_slots, requests_per_batch=per_batch,
                          num_batches=num_batches, prompt_tokens=prompt_tokens, slot_bytes=plan.adapters.slot_bytes,
                          measured_copy_ms=measured_copy, planned_copy_ms=plan.adapters.copy_ms,
-                         plan_mode=plan.adapters.mode, plan_mode_margin=plan.adapters.mode_margin, modes=tuple(results))
+                         plan_mode=plan.adapters.mode, plan_mode_margin=plan.adapters.mode_margin, modes=tuple(results),
+                         max_requests_per_forward=max_requests, **_memory_figures(loaded))
     if pool_and_hooks is None:
         hooks.remove()
         pool.close()

@@ -387,7 +387,8 @@ def print_table(results: dict) -> None:
         if row["forward_ms"]:
             print("  forward alone: " + ", ".join(f"{k} {v:.1f} ms" for k, v in row["forward_ms"].items()))
         print(f"  one adapter copy: measured {bench['measured_copy_ms']:.2f} ms, planned "
-              f"{bench['planned_copy_ms']:.2f} ms ({bench['slot_bytes'] / 1e6:.0f} MB)")
+              f"{bench['planned_copy_ms']:.2f} ms ({bench['slot_bytes'] / 1e6:.0f} MB); forwards of at most "
+              f"{bench['max_requests_per_forward']} request(s), the plan's step")
 
 
 def _within(predicted: float, measured: float) -> bool:

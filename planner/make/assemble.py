@@ -189,7 +189,7 @@ def _adapters_section(model: Model, num_slots: int, workload: Workload, simulati
                  for a in sorted(adapters, key=lambda a: a.name))
     request_ms = compute_step_ms / max(1, workload.sequences_per_step)
     choice = choose_mode(copy_ms={row.name: row.copy_ms for row in rows}, num_slots=num_slots,
-                         request_ms=request_ms, weights=weights)
+                         request_ms=request_ms, weights=weights, max_requests=workload.sequences_per_step)
     return AdaptersSection(
         num_slots=num_slots, slot_bytes=slot_bytes, gpu_bytes=num_slots * slot_bytes,
         host_pinned_bytes=sum(a.total_bytes for a in adapters), max_rank=max(a.rank for a in adapters),

@@ -17,6 +17,10 @@ batch starts before it arrives. Two ways to serve a batch:
   previous wave's forwards cover it), and a forward's offloaded-weight copies, on the same link, queue behind
   at most one wave of adapter copies: neither kind starves the other.
 
+A forward runs at most a plan's sequences per step (``max_requests``): the step whose activations the plan books.
+A wave of more requests runs as several forwards; the first waits for the wave's copies (blocking) or for its
+own adapters' (pipelined), and each later one for those of its own adapters not yet waited for.
+
 A slot is reused for the least recently used adapter that the batch's remaining requests do not need; the copy
 into it waits for the last forward that read the slot.
 """
@@ -111,13 +115,18 @@ class _Slots:
         self.last_use[slot], self.last_forward[slot] = self._clock, forward
 
 
-def schedule_stream(batches: list[list[str]], num_slots: int, mode: str) -> StreamSchedule:
-    """The schedule of ``batches`` (each a list of the adapter each request names) served from ``num_slots``."""
+def schedule_stream(batches: list[list[str]], num_slots: int, mode: str,
+                    max_requests: int | None = None) -> StreamSchedule:
+    """The schedule of ``batches`` (each a list of the adapter each request names) served from ``num_slots``,
+    no forward running more than ``max_requests`` requests (a plan's sequences per step: the step its activations
+    are booked for; None: a wave's requests in one forward)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}")
     if num_slots < 1:
         raise ValueError("num_slots must be at least 1")
-    builder = _Builder(num_slots)
+    if max_requests is not None and max_requests < 1:
+        raise ValueError("max_requests must be at least 1")
+    builder = _Builder(num_slots, max_requests)
     first_request = 0
     for batch, adapters in enumerate(batches):
         requests = list(range(first_request, first_request + len(adapters)))
@@ -133,8 +142,9 @@ def schedule_stream(batches: list[list[str]], num_slots: int, mode: str) -> Stre
 
 
 class _Builder:
-    def __init__(self, num_slots: int):
+    def __init__(self, num_slots: int, max_requests: int | None = None):
         self.num_slots = num_slots
+        self.max_requests = max_requests
         self.slots = _Slots(num_slots)
         self.loads: list[Load] = []
         self.forwards: list[Forward] = []
@@ -155,7 +165,11 @@ class _Builder:
             placed = {adapter: self._place(adapter, batch, set(order)) for adapter in order}
             rows = [(r, a) for adapter in order for r, a in wave if a == adapter]
             new_loads = tuple(load for _, load in placed.values() if load is not None)
-            self._forward(batch, rows, {a: slot for a, (slot, _) in placed.items()}, new_loads, new_loads)
+            slot_of = {a: slot for a, (slot, _) in placed.items()}
+            # the wave's first forward waits for all its copies; the others follow it on the compute stream
+            for number, part in enumerate(self._parts(rows)):
+                self._forward(batch, part, slot_of, new_loads if number == 0 else (),
+                              new_loads if number == 0 else ())
 
     def pipelined_batch(self, batch: int, requests: list[int], adapters: list[str]) -> None:
         for wave in _waves(list(zip(requests, adapters)), self.num_slots):
@@ -165,9 +179,19 @@ class _Builder:
             issue = tuple(load for _, load in placed.values() if load is not None)
             lead = [(r, a) for r, a in wave if a == order[0]]
             rest = [(r, a) for adapter in order[1:] for r, a in wave if a == adapter]
-            self._forward(batch, lead, slot_of, issue, _loads_of(placed, order[:1]))
-            if rest:
-                self._forward(batch, rest, slot_of, (), _loads_of(placed, order[1:]))
+            waited = set()
+            for number, part in enumerate(self._parts(lead) + self._parts(rest)):
+                # each forward waits for the copies of its own adapters not waited for yet
+                needed = [a for a in dict.fromkeys(a for _, a in part) if a not in waited]
+                waited.update(needed)
+                self._forward(batch, part, slot_of, issue if number == 0 else (), _loads_of(placed, needed))
+
+    def _parts(self, rows: list[tuple[int, str]]) -> list[list[tuple[int, str]]]:
+        """``rows`` in forwards of at most max_requests requests (one where there is no bound)."""
+        if not rows:
+            return []
+        size = self.max_requests or len(rows)
+        return [rows[start:start + size] for start in range(0, len(rows), size)]
 
     def _forward(self, batch: int, rows: list[tuple[int, str]], slot_of: dict[str, int], issue: tuple[int, ...],
                  waits: tuple[int, ...]) -> None:
@@ -424,17 +448,17 @@ def stream_requests_per_batch(num_slots: int) -> int:
 
 
 def choose_mode(*, copy_ms: dict[str, float], num_slots: int, request_ms: float,
-                weights: WeightsOnLink | None) -> ModeChoice:
+                weights: WeightsOnLink | None, max_requests: int | None = None) -> ModeChoice:
     """Blocking or pipelined, whichever ``simulate`` predicts faster over the stream run --bench serves (batches
     of ``stream_requests_per_batch`` requests over distinct adapters of ``copy_ms``), a forward of r requests
-    computing r x ``request_ms``. Pipelined splits each wave into a lead and the rest: with offloaded weights
-    each forward copies them again, so it wins only where that pass is hidden under compute. A tie is
-    pipelined (its first request starts sooner)."""
+    computing r x ``request_ms``, at most ``max_requests`` of them (the plan's step). Pipelined splits each wave
+    into a lead and the rest: with offloaded weights each forward copies them again, so it wins only where that
+    pass is hidden under compute. A tie is pipelined (its first request starts sooner)."""
     per_batch = stream_requests_per_batch(num_slots)
     batches = stream_batches(sorted(copy_ms), per_batch, STREAM_NUM_BATCHES)
     totals = {}
     for mode in MODES:
-        schedule = schedule_stream(batches, num_slots, mode)
+        schedule = schedule_stream(batches, num_slots, mode, max_requests)
         compute = [len(forward.requests) * request_ms for forward in schedule.forwards]
         totals[mode] = simulate(schedule, copy_ms=copy_ms, compute_ms=compute, weights=weights).total_ms
     chosen = BLOCKING if totals[BLOCKING] < totals[PIPELINED] else PIPELINED

@@ -73,3 +73,25 @@ def test_a_plan_with_cpu_experts_shows_the_hosts_share_beside_the_plans():
     counted = RoutedFetches(**{**vars(routed), "cpu": {**routed.cpu, "experts_per_step": 15.2,
                                                        "planned_experts_per_step": 14.75}})
     assert "(16.6 pairs, 15.2 experts (14.8 planned), doorbell)" in _text(counted)
+
+
+@pytest.mark.parametrize("peak", [None, 9 * 2**30])
+def test_the_adapter_stream_table_says_its_forwards_and_peak(peak):
+    """An adapter plan's bench says its forwards ran at most the plan's step, and (on CUDA) the process's peak
+    beside the plan's total."""
+    from runtime.adapter_bench import AdapterBench, ModeResult
+
+    mode = ModeResult(mode="pipelined", total_ms=100.0, predicted_total_ms=98.0, compute_ms=80.0, link_ms=20.0,
+                      first_start_ms=5.0, predicted_first_start_ms=5.1, ttft_mean_ms=50.0, predicted_ttft_mean_ms=49.0,
+                      ttft_max_ms=90.0, predicted_ttft_max_ms=88.0, compute_idle_ms=10.0,
+                      predicted_compute_idle_ms=9.5, ttft_ms=(50.0,), num_copies=8)
+    bench = AdapterBench(num_adapters=8, num_slots=4, requests_per_batch=8, num_batches=4, prompt_tokens=2048,
+                         slot_bytes=2**20, measured_copy_ms=6.4, planned_copy_ms=6.3, plan_mode="pipelined",
+                         plan_mode_margin=0.05, modes=(mode,), max_requests_per_forward=1, peak_gpu_bytes=peak,
+                         predicted_total_gpu_bytes=None if peak is None else 10 * 2**30,
+                         gpu_memory_bytes=None if peak is None else 80 * 2**30)
+    console = Console(width=400, record=True)
+    console.print(result_table(SimpleNamespace(kind="adapters", measured=bench), 1))
+    text = " ".join(console.export_text().split())
+    assert "forwards of at most 1 request(s), the plan's step" in text
+    assert ("peak GPU 9.00 GiB (the plan's total 10.00 GiB)" in text) is (peak is not None)

@@ -28,6 +28,36 @@ def test_pipelined_runs_each_wave_as_a_lead_and_the_rest_mixed():
     assert (schedule.loads[3].slot, schedule.loads[3].after_forward) == (0, 0)
 
 
+def test_no_forward_runs_more_requests_than_the_plans_step():
+    """max_requests 1 (a plan of one sequence a step): the waves stay as they were, each cut into forwards of one
+    request. Blocking: the wave's first forward waits for all its copies. Pipelined: each forward waits for its
+    own adapter's copy, the copies still issued before the lead."""
+    blocking = schedule_stream([["a", "b", "a", "c", "a", "d"]], 2, BLOCKING, max_requests=1)
+    assert [f.requests for f in blocking.forwards] == [(0,), (2,), (1,), (3,), (4,), (5,)]
+    assert [f.waits for f in blocking.forwards] == [(0, 1), (), (), (2,), (), (3,)]
+    assert [f.issue_loads for f in blocking.forwards] == [(0, 1), (), (), (2,), (), (3,)]
+    pipelined = schedule_stream([["a", "b", "c", "b"], ["d"]], 3, PIPELINED, max_requests=2)
+    assert [f.requests for f in pipelined.forwards] == [(0,), (1, 3), (2,), (4,)]
+    assert [f.issue_loads for f in pipelined.forwards] == [(0, 1, 2), (), (), (3,)]
+    assert [f.waits for f in pipelined.forwards] == [(0,), (1,), (2,), (3,)]
+    # a bound at or past the wave's size is the unbounded schedule
+    assert schedule_stream([["a", "b", "c", "b"]], 4, PIPELINED, max_requests=4) == \
+        schedule_stream([["a", "b", "c", "b"]], 4, PIPELINED)
+    with pytest.raises(ValueError):
+        schedule_stream([["a"]], 1, BLOCKING, max_requests=0)
+
+
+def test_a_plans_mode_is_chosen_on_forwards_of_its_own_step():
+    """choose_mode prices the stream run --bench serves: forwards of at most the plan's sequences."""
+    from planner.search.adapter_stream import choose_mode
+
+    copy_ms = {name: 10.0 for name in "abcdefgh"}
+    one = choose_mode(copy_ms=copy_ms, num_slots=4, request_ms=30.0, weights=None, max_requests=1)
+    wide = choose_mode(copy_ms=copy_ms, num_slots=4, request_ms=30.0, weights=None)
+    # forwards of one request each compute as much in all, but their copies hide behind more of them
+    assert one.blocking_total_ms <= wide.blocking_total_ms and one.pipelined_total_ms <= wide.pipelined_total_ms
+
+
 def test_pipelined_lead_covers_the_rest_of_its_wave():
     """copies 10 ms; the lead computes 30 ms, the rest 50: the rest's copies land under the lead."""
     schedule = schedule_stream([["a", "b", "c", "b"]], 4, PIPELINED)
