@@ -89,9 +89,12 @@ def mode_sentence(plan: Plan) -> str:
                + (", and the offloaded weights' extra pass per wave stays under compute" if plan.offload.layers
                   else ""))
     else:
-        why = ("a pipelined wave runs as two forwards, each copying the offloaded weights again"
+        why = ("a pipelined wave's copies share the link with its forwards' passes over the offloaded weights"
                if plan.offload.layers else "a wave's adapters load before it as fast as beside its lead")
+    per_forward = plan.workload.sequences_per_step
+    requests = f"{per_forward} request{'' if per_forward == 1 else 's'}"
     return (f"Loading: {adapters.mode} (run --bench serves it; --adapter-mode {other} forces the other). Over "
             f"{adapters.stream_num_batches} batches of {adapters.stream_requests_per_batch} requests, each a "
-            f"different adapter, it is predicted {format_ms(totals[adapters.mode])} against "
+            f"different adapter, in forwards of at most {requests} (the plan's step), "
+            f"it is predicted {format_ms(totals[adapters.mode])} against "
             f"{format_ms(totals[other])} {other} ({other} takes {adapters.mode_margin:.1%} longer): {why}.")

@@ -399,6 +399,8 @@ def test_the_plan_records_its_loading_mode_and_show_says_why(base, test_gpu):
     assert plan["mode_margin"] == pytest.approx(max(totals.values()) / min(totals.values()) - 1, abs=1e-3)
     shown = " ".join(invoke(["show", "plan.yaml"]).stdout.split())
     assert f"Loading: {plan['mode']}" in shown and "--adapter-mode" in shown
+    # the plan's step is 2 sequences: no forward of the stream it was priced on runs more
+    assert "in 2 sequences" in shown and "in forwards of at most 2 requests (the plan's step)" in shown
     assert invoke(["check", "plan.yaml"]).exit_code == 0
 
 
