@@ -158,18 +158,22 @@ def peft_importable() -> bool:
     return importlib.util.find_spec("peft") is not None
 
 
+def decoder_linears(base) -> dict[str, object]:
+    """Every linear layer of ``base``'s decoder layers by name (q_proj ... down_proj, or an architecture's fused
+    qkv_proj and gate_up_proj); the head and embeddings are not in a layer."""
+    import torch
+
+    return {name: module for name, module in base.named_modules()
+            if isinstance(module, torch.nn.Linear) and ".layers." in f".{name}"}
+
+
 def adapter_shapes(base, rank: int) -> dict[str, tuple[int, ...]]:
     """PEFT's tensor names and shapes of a LoRA adapter of ``rank`` on every linear layer of ``base``'s decoder
     (A: rank x in, B: out x rank); ``base`` may be on the meta device."""
-    import torch
-
-    from tests.adapter_models import ALL_LINEAR
-
     shapes = {}
-    for module_name, module in base.named_modules():
-        if isinstance(module, torch.nn.Linear) and module_name.rsplit(".", 1)[-1] in ALL_LINEAR:
-            shapes[f"base_model.model.{module_name}.lora_A.weight"] = (rank, module.in_features)
-            shapes[f"base_model.model.{module_name}.lora_B.weight"] = (module.out_features, rank)
+    for module_name, module in decoder_linears(base).items():
+        shapes[f"base_model.model.{module_name}.lora_A.weight"] = (rank, module.in_features)
+        shapes[f"base_model.model.{module_name}.lora_B.weight"] = (module.out_features, rank)
     return shapes
 
 
@@ -182,18 +186,18 @@ def write_random_adapters(base, folder: Path, names: list[str], *, rank: int, al
     as the reference here."""
     import torch
 
-    from tests.adapter_models import ALL_LINEAR
-
     from scripts.benchmarking import write_safetensors
 
     specs = [(name, "BF16", list(shape)) for name, shape in adapter_shapes(base, rank).items()]
+    # the linears' own names, as PEFT's config lists them (ALL_LINEAR for a Llama/Qwen-style decoder)
+    targets = sorted({name.rsplit(".", 1)[-1] for name in decoder_linears(base)})
     folders = {}
     for number, name in enumerate(names):
         generator = torch.Generator(device=device).manual_seed(number)
         (folder / name).mkdir(parents=True, exist_ok=True)
         write_safetensors(folder / name / "adapter_model.safetensors", specs,
                           lambda _, dtype, shape: _random_bf16(device, generator, shape, scale=scale))
-        config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(ALL_LINEAR),
+        config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": targets,
                   "base_model_name_or_path": None}
         (folder / name / "adapter_config.json").write_text(json.dumps(config) + "\n")
         folders[name] = folder / name

@@ -18,7 +18,11 @@ summary (arms, passes per verdict, worst peak / cap, median |error|) come last, 
 
 MoE models are planned at two caps of their own (caps_for): a loose one that holds every weight and a tight one
 where make routes with about 45% of each layer's experts on the host and whole layers still fit, so routed and
-whole-layer arms run beside the all-resident one. ``--list`` states the arms and the device seconds expected.
+whole-layer arms run beside the all-resident one. Dense models may take an adapters arm: four random LoRA adapters
+on every linear of the decoder (PEFT's format, written beside the checkpoint), a prefill plan of four sequences
+with two GPU slots, whose ``run --bench`` serves the adapter stream (its total against the prediction, its peak
+against the plan's total) and whose ``run --prompt --adapter a0`` is compared with the all-resident plan's with
+the same adapter. ``--list`` states the arms and the device seconds expected.
 
 Verdicts per arm: every command exits 0; no out-of-memory; peak GPU at or under the plan's gpu_memory_bytes (the
 cap of a serving plan); peak at least 0.9 of the predicted total; measured / predicted - 1 within 10% for
@@ -53,6 +57,13 @@ DECODE_SEQUENCES = 4
 #: Mixtral's and Phi-3.5-MoE's top-2 of 8 and 16 route to most experts of a layer, and whole layers win)
 DECODE_MODES = {"decode": DECODE_SEQUENCES, "decode-1": 1}
 PREFILL_TOKENS = 2048
+#: the adapters mode (dense models): a prefill plan of ADAPTER_SEQUENCES sequences serving LoRA adapters (random,
+#: PEFT's format, every linear of the decoder) from ADAPTER_SLOTS GPU slots; run --bench serves its stream in
+#: forwards of at most the plan's sequences, and --prompt generates with the first adapter
+ADAPTER_NAMES = ("a0", "a1", "a2", "a3")
+ADAPTER_RANK = 16
+ADAPTER_SLOTS = 2
+ADAPTER_SEQUENCES = 4
 #: share of the layer bytes the GPU holds at each cap (weights plans: of the budget; serving: taken from an
 #: all-resident serving plan's total)
 CAP_SHARES = {"loose": 0.8, "tight": 0.35}
@@ -182,12 +193,16 @@ class Arm:
     def serving(self) -> bool:
         return self.mode.startswith("serving")
 
+    @property
+    def adapters(self) -> bool:
+        return self.mode == "adapters"
+
 
 #: dense models: (mode, measure, experts) pairs run at both caps, most important first
 CORE_MODES = [("serving-1", True, None), ("serving-4", False, None)]
 #: one more pair per dense model, in turn, so that every mode is covered once the dense models are all run
-ROTATING_MODES = [("serving-auto", True, None), ("decode", False, None), ("prefill", False, None),
-                  ("serving-auto", False, None), ("serving-4", True, None)]
+ROTATING_MODES = [("serving-auto", True, None), ("adapters", False, None), ("decode", False, None),
+                  ("prefill", False, None), ("serving-auto", False, None), ("serving-4", True, None)]
 #: MoE models: (mode, measure, experts, caps), most important first. At the tight cap (caps_for: the routed plan's
 #: own) make's choice is routed with part of each layer's experts on the host; the loose cap holds every weight (the
 #: serving-1 plan there keeps them all resident); whole layers at the tight cap beside them. Loose serving-4 and
@@ -197,7 +212,8 @@ MOE_MODES = [("serving-1", True, None, ("loose", "tight")), ("serving-1", True, 
 ALL_MODES = [("serving-1", True, None), ("serving-1", True, "whole-layer"), ("serving-auto", True, None),
              ("serving-4", True, None), ("serving-1", False, None), ("serving-4", False, None),
              ("serving-auto", False, None), ("decode", False, None), ("decode", False, "whole-layer"),
-             ("decode", True, None), ("decode-1", False, None), ("prefill", False, None), ("prefill", True, None)]
+             ("decode", True, None), ("decode-1", False, None), ("prefill", False, None), ("prefill", True, None),
+             ("adapters", False, None)]
 MODE_NAMES = sorted({mode for mode, _, _ in ALL_MODES})
 CAPS = ("loose", "tight")
 
@@ -216,7 +232,8 @@ def arms_for(model: Model, modes: list[str] | None, everything: bool = False) ->
         chosen = [(mode, measure, experts, CAPS) for mode, measure, experts in CORE_MODES + [turn]]
     arms = []
     for mode, measure, experts, caps in chosen:
-        if (experts and not model.moe) or (modes and mode not in modes):
+        # adapters: dense models (LoRA on the decoder's linears; a MoE layer's experts are not linears)
+        if (experts and not model.moe) or (mode == "adapters" and model.moe) or (modes and mode not in modes):
             continue
         arms += [Arm(model.name, mode, cap, measure, experts) for cap in caps]
     return arms
@@ -226,7 +243,7 @@ def arms_for(model: Model, modes: list[str] | None, everything: bool = False) ->
 #: rows: 2-6 s, routed arms 4-8 s, serving-auto with --measure up to 15 s) and of a model's fixed work (its process
 #: and imports, caps_for's ~100 estimated plans, 1-2 s on the CPU here, the all-resident reference make and run)
 #: beside writing its checkpoint
-ARM_S = {"serving-auto": 10.0, "prefill": 5.0}
+ARM_S = {"serving-auto": 10.0, "prefill": 5.0, "adapters": 8.0}
 ARM_DEFAULT_S = 4.0
 ARM_MEASURE_S = 1.5
 ARM_ROUTED_S = 2.5
@@ -449,6 +466,9 @@ def make_args(arm: Arm, folder: Path, profile: str, caps: dict, output: Path) ->
         sequences = DECODE_MODES[arm.mode]
         args += ["--tokens", sequences, "--sequences", sequences, "--context", DECODE_CONTEXT, *graph,
                  "--budget", mib(caps["budget"][arm.cap])]
+    elif arm.adapters:
+        args += ["--tokens", PREFILL_TOKENS, "--sequences", ADAPTER_SEQUENCES, "--budget", mib(caps["budget"][arm.cap]),
+                 *adapter_flags(folder)]
     else:
         args += ["--tokens", PREFILL_TOKENS, "--budget", mib(caps["budget"][arm.cap])]
     if arm.measure:
@@ -456,6 +476,39 @@ def make_args(arm: Arm, folder: Path, profile: str, caps: dict, output: Path) ->
     if arm.experts == "whole-layer":
         args += whole_layer_flags(folder)
     return args
+
+
+def adapters_folder(folder: Path) -> Path:
+    """Where the checkpoint's random adapters lie: beside it (ensure_adapters writes them)."""
+    return folder.parent / f"{folder.name}-adapters"
+
+
+def adapter_flags(folder: Path) -> list:
+    """make's --adapter NAME=PATH for every adapter of the checkpoint, and the slots."""
+    flags = []
+    for name in ADAPTER_NAMES:
+        flags += ["--adapter", f"{name}={adapters_folder(folder) / name}"]
+    return flags + ["--adapter-slots", ADAPTER_SLOTS]
+
+
+def ensure_adapters(folder: Path, device: str) -> None:
+    """Random LoRA adapters of the checkpoint's model in PEFT's format (scripts.bench_adapters.write_random_adapters:
+    built on the meta device from config.json, values streamed to the files), once."""
+    target = adapters_folder(folder)
+    if all((target / name / "adapter_config.json").is_file() for name in ADAPTER_NAMES):
+        return
+    from transformers import AutoConfig
+
+    from scripts.bench_adapters import meta_model, write_random_adapters
+
+    config = AutoConfig.from_pretrained(folder)
+    write_random_adapters(meta_model(config), target, list(ADAPTER_NAMES), rank=ADAPTER_RANK, device=device)
+
+
+def adapter_bytes(folder: Path) -> dict[str, int]:
+    """Each adapter's bytes on disk (its safetensors): a slot holds the largest."""
+    return {name: sum(path.stat().st_size for path in (adapters_folder(folder) / name).glob("*.safetensors"))
+            for name in ADAPTER_NAMES}
 
 
 def whole_layer_flags(folder: Path) -> list:
@@ -607,7 +660,9 @@ def plan_figures(path: Path) -> dict:
             "knobs": [offload.get("group_size"), offload.get("num_in_group"), offload.get("prefetch_step")],
             "concurrency": (plan.get("workload") or {}).get("concurrency"),
             "architecture": (plan.get("model") or {}).get("architecture"),
-            "mechanism": offload.get("mechanism", "prefetch")}
+            "mechanism": offload.get("mechanism", "prefetch"),
+            "adapters": {key: value for key, value in (plan.get("adapters") or {}).items()
+                         if key in ("num_slots", "slot_bytes", "gpu_bytes", "mode", "mode_margin")} or None}
 
 
 def host_share_figures(experts: dict) -> list[float] | None:
@@ -685,9 +740,9 @@ def run_bench(plan: Path) -> tuple[Outcome, dict | None]:
     return bench, figures
 
 
-def run_plan(plan: Path, new_tokens: int = MAX_NEW_TOKENS) -> dict:
-    """run --bench --json and run --prompt (``new_tokens`` greedy tokens), each from a clean GPU; their exit codes,
-    figures and text."""
+def run_plan(plan: Path, new_tokens: int = MAX_NEW_TOKENS, prompt_flags: tuple = ()) -> dict:
+    """run --bench --json and run --prompt (``new_tokens`` greedy tokens, with ``prompt_flags``: an adapter), each
+    from a clean GPU; their exit codes, figures and text."""
     row = {"exit": {}, "errors": {}}
     row["allocated_before_bench_bytes"] = gpu_clean()
     row["link_gb_per_s_before"] = link_rate_now()
@@ -699,7 +754,7 @@ def run_plan(plan: Path, new_tokens: int = MAX_NEW_TOKENS) -> dict:
     elif figures is not None:
         row["bench"] = figures
     row["allocated_before_prompt_bytes"] = gpu_clean()
-    prompt = cli(["run", plan, "--prompt", PROMPT, "--max-new-tokens", new_tokens])
+    prompt = cli(["run", plan, "--prompt", PROMPT, "--max-new-tokens", new_tokens, *prompt_flags])
     row["exit"]["prompt"] = prompt.code
     if prompt.error:
         row["errors"]["prompt"] = prompt.error
@@ -768,8 +823,13 @@ def prediction_errors(bench: dict) -> dict:
     pairs = {"decode_step": ("decode_step_ms", "predicted_decode_step_ms"),
              "prefill_chunk": ("prefill_chunk_ms", "predicted_prefill_chunk_ms"),
              "step": ("step_ms", "predicted_step_ms")}
-    return {name: bench[measured] / bench[predicted] - 1 for name, (measured, predicted) in pairs.items()
-            if bench.get(measured) and bench.get(predicted)}
+    errors = {name: bench[measured] / bench[predicted] - 1 for name, (measured, predicted) in pairs.items()
+              if bench.get(measured) and bench.get(predicted)}
+    # an adapter plan's bench: the stream served in the plan's mode, its total against the prediction
+    served = [mode for mode in bench.get("modes") or () if mode.get("mode") == bench.get("plan_mode")]
+    if served and served[0].get("total_ms") and served[0].get("predicted_total_ms"):
+        errors["adapter_stream"] = served[0]["total_ms"] / served[0]["predicted_total_ms"] - 1
+    return errors
 
 
 def tokens_equal(row: dict, reference_text: str | None) -> bool | None:
@@ -795,6 +855,16 @@ def run_model(model: Model, arms: list[Arm], args, emit) -> None:
     emit(caps_row(model, caps))
     family = json.loads((folder / "config.json").read_text()).get("model_type")
     reference = None if args.no_run else reference_text(folder, args.profile, caps, work, emit, model)
+    adapter_reference = None
+    if any(arm.adapters for arm in arms):
+        try:
+            ensure_adapters(folder, device)
+        except Exception as error:  # noqa: BLE001 -- as a checkpoint: the failure is the model's row
+            emit({"kind": "adapters", "model": model.name, "error": one_line(error)})
+            arms = [arm for arm in arms if not arm.adapters]
+        else:
+            if not args.no_run:
+                adapter_reference = reference_text(folder, args.profile, caps, work, emit, model, adapters=True)
     pairs: dict[tuple, list[Arm]] = {}
     for arm in arms:
         pairs.setdefault((arm.mode, arm.measure, arm.experts), []).append(arm)
@@ -813,7 +883,8 @@ def run_model(model: Model, arms: list[Arm], args, emit) -> None:
                                    if (mode, cap) == (arm.mode, arm.cap) or mode == arm.mode), None) or next(
                 (path for (mode, cap), path in plans.items()
                  if cap == arm.cap and mode.startswith("serving") == arm.serving), None)
-            emit(finish_arm(arm, made[arm], other, caps, args.no_run, reference) | {"family": family})
+            emit(finish_arm(arm, made[arm], other, caps, args.no_run, adapter_reference if arm.adapters
+                            else reference) | {"family": family})
         plans |= {(arm.mode, arm.cap): made[arm]["path"] for arm in pair
                   if made[arm]["exit"]["make"] == 0 and (arm.mode, arm.cap) not in plans}
 
@@ -850,7 +921,7 @@ def finish_arm(arm: Arm, made: dict, other: Path | None, caps: dict, no_run: boo
         row["exit"] |= checked["exit"]
         row["errors"] |= checked["errors"]
         if not no_run:
-            ran = run_plan(made["path"])
+            ran = run_plan(made["path"], prompt_flags=("--adapter", ADAPTER_NAMES[0]) if arm.adapters else ())
             row["exit"] |= ran.pop("exit")
             row["errors"] |= ran.pop("errors")
             row |= ran
@@ -859,16 +930,25 @@ def finish_arm(arm: Arm, made: dict, other: Path | None, caps: dict, no_run: boo
     return row
 
 
-def reference_text(folder: Path, profile: str, caps: dict, work: Path, emit, model: Model) -> str | None:
-    """The all-resident plan's greedy text (a budget that holds every weight), run first."""
-    path = work / "all-resident.yaml"
+def reference_text(folder: Path, profile: str, caps: dict, work: Path, emit, model: Model,
+                   adapters: bool = False) -> str | None:
+    """The all-resident plan's greedy text (a budget that holds every weight), run first; ``adapters``: the
+    adapters arms' reference, the plan with the adapters (their slots on top of the budget) generating with the
+    first."""
+    path = work / ("all-resident-adapters.yaml" if adapters else "all-resident.yaml")
     path.unlink(missing_ok=True)
-    made = cli(["make", "--model", folder, "--gpu", profile, "--tokens", 1, "--sequences", 1, "--context",
-                DECODE_CONTEXT, *model.graph_flags, "--budget", mib(caps["all_resident_budget"]), "-o", path])
-    row = {"kind": "reference", "model": model.name, "exit": {"make": made.code},
+    if adapters:
+        slots_bytes = ADAPTER_SLOTS * max(adapter_bytes(folder).values())
+        step = ["--tokens", PREFILL_TOKENS, "--sequences", ADAPTER_SEQUENCES, *adapter_flags(folder), "--budget",
+                mib(caps["all_resident_budget"] + slots_bytes)]
+    else:
+        step = ["--tokens", 1, "--sequences", 1, "--context", DECODE_CONTEXT, *model.graph_flags, "--budget",
+                mib(caps["all_resident_budget"])]
+    made = cli(["make", "--model", folder, "--gpu", profile, *step, "-o", path])
+    row = {"kind": "reference", "model": model.name, "adapters": adapters, "exit": {"make": made.code},
            "errors": {"make": made.error} if made.error else {}}
     if made.code == 0:
-        ran = run_plan(path)
+        ran = run_plan(path, prompt_flags=("--adapter", ADAPTER_NAMES[0]) if adapters else ())
         row["exit"] |= ran.pop("exit")
         row["errors"] |= ran.pop("errors")
         row |= ran

@@ -173,3 +173,23 @@ def test_a_routed_arm_shows_what_its_steps_fetched_against_the_plan():
     assert conformance.routing_text({"routed": routed}) == "0.90, 0.86 / 0.78"
     assert conformance.routing_text({"routed": routed | {"rank_accuracy": []}}) == "0.90"
     assert conformance.routing_text({}) == "-"
+
+
+def test_adapters_arms_make_and_read_plans_with_adapters_on_the_cpu(tmp_path):
+    """The adapters mode (dense models only): random LoRA adapters on every linear of the decoder, written beside
+    the checkpoint in PEFT's format (Phi-3's fused qkv_proj and gate_up_proj included), a plan of 4 sequences
+    with 2 slots at each cap, read back by every reader; the bench's adapter stream is priced as its error."""
+    out, checkpoints = tmp_path / "out", tmp_path / "checkpoints"
+    assert conformance.main(["--tiny", "--no-run", "--out", str(out), "--checkpoints", str(checkpoints), "--models",
+                             "phi3,mixtral", "--modes", "adapters", "--all-arms"]) == 0
+    rows = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]
+    arms = [row for row in rows if row["kind"] == "arm"]
+    assert [row["arm"] for row in arms] == ["phi3/adapters/loose/estimate", "phi3/adapters/tight/estimate"]
+    assert all(set(row["exit"].values()) == {0} for row in arms), [row["errors"] for row in arms]
+    config = json.loads((checkpoints / "phi3-tiny-adapters" / "a0" / "adapter_config.json").read_text())
+    assert set(config["target_modules"]) == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    plan = arms[0]["plan"]
+    assert plan["adapters"]["num_slots"] == conformance.ADAPTER_SLOTS
+    bench = {"plan_mode": "pipelined", "modes": [{"mode": "blocking", "total_ms": 90.0, "predicted_total_ms": 60.0},
+                                                 {"mode": "pipelined", "total_ms": 110.0, "predicted_total_ms": 100.0}]}
+    assert conformance.prediction_errors(bench) == {"adapter_stream": pytest.approx(0.10)}
