@@ -264,7 +264,7 @@ def main() -> int:
             rebench([row for row in rows if row["model"] == name and row["sequences"] == sequences
                      and row["arm"] != "resident"], args.repeats - 1)
             rows_path.write_text(json.dumps(rows, indent=1))
-    print(table(rows))
+    print(table(rows, h2d_bytes_per_s(profile)))
     return 0
 
 
@@ -276,8 +276,32 @@ def fmt(value) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
-def table(rows: list[dict]) -> str:
-    """Per model and sequence count: each arm's ms per step (predicted), the choice over fetch-only and its regret."""
+def h2d_bytes_per_s(profile: str) -> float:
+    """The profile's copy-engine rate to the GPU (calibrate's measurement): the routed floor's link."""
+    from planner.source.profile import load_profile
+
+    return load_profile(profile).h2d_bytes_per_s.value
+
+
+#: what a fetch-only step's routed layers touched of the experts not resident: every kind but wasted prefetches
+TOUCHED_KINDS = ("prefetched", "missed", "unpredicted")
+
+
+def routed_floor_ms(fetch: dict, link_bytes_per_s: float, resident_ms: float | None) -> float | None:
+    """Issue 37's fetch-only floor: the routed, non-resident bytes the fetch-only arm's steps touched (run --bench's
+    routed figures) over the copy engine's rate, or the all-resident step where longer (known at one sequence);
+    None where the arm measured no routed bytes."""
+    by_kind = (((fetch.get("bench") or {}).get("routed") or {}).get("bytes_per_step_by_kind")) or {}
+    if not by_kind:
+        return None
+    link_ms = 1e3 * sum(by_kind.get(kind, 0.0) for kind in TOUCHED_KINDS) / link_bytes_per_s
+    return max(link_ms, resident_ms or 0.0)
+
+
+def table(rows: list[dict], link_bytes_per_s: float | None = None) -> str:
+    """Per model and sequence count: each arm's ms per step (predicted), the choice over fetch-only and its regret;
+    with ``link_bytes_per_s``, the fetch-only floor (routed_floor_ms) and each of fetch-only and the choice over it
+    (above 1: faster than the floor)."""
     lines = ["| model | S | arm | ms/step | predicted | error | CPU experts | tokens equal |",
              "|---|---|---|---|---|---|---|---|"]
     groups: dict = {}
@@ -305,6 +329,17 @@ def table(rows: list[dict]) -> str:
                          f"{steps['fixed'] / steps['choice']:.3f}x | | | | |")
         if steps.get("choice") and valid:
             lines.append(f"| {model} | {sequences} | choice regret | {steps['choice'] / min(valid):.3f} | | | | |")
+        fetch = next((row for row in group if row["arm"] == "fetch"), None)
+        resident = next((step_ms(row)[0] for row in rows if row["model"] == model and row["arm"] == "resident"
+                         and row["sequences"] == sequences), None)
+        floor = routed_floor_ms(fetch, link_bytes_per_s, resident) if fetch and link_bytes_per_s else None
+        if floor:
+            lines.append(f"| {model} | {sequences} | fetch-only floor (touched routed bytes / copy engine"
+                         f"{', or all-resident' if resident else ''}) | {floor:.3f} | | | | |")
+            for arm, label in (("fetch", "fetch-only over the floor (floor / step)"),
+                               ("choice", "choice over the floor (floor / step; above 1: under the floor)")):
+                if steps.get(arm):
+                    lines.append(f"| {model} | {sequences} | {label} | {floor / steps[arm]:.3f} | | | | |")
     return "\n".join(lines)
 
 

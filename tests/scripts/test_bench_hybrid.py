@@ -75,3 +75,20 @@ def test_the_table_shows_the_cpus_host_ms_beside_the_plans():
     choice["bench"]["routed"]["cpu"] |= {"experts_per_step": 15.1, "planned_experts_per_step": 14.75}
     assert "| 34 (16.5 pairs, 15.1 experts (14.8 planned), host 4.50 ms a step, planned 6.086) |" in \
         bench_hybrid.table([choice])
+
+
+def test_the_table_sets_both_arms_against_the_fetch_only_floor():
+    """The floor is what the fetch-only arm's steps touched of the non-resident experts (wasted prefetches left
+    out) over the copy engine, or the all-resident step where longer; each arm is put over it."""
+    fetch = _row("fetch", 12.0, 11.0)
+    fetch["bench"]["routed"] = {"bytes_per_step_by_kind": {"prefetched": 200e6, "wasted": 300e6, "missed": 220e6,
+                                                           "unpredicted": 30e6}}
+    rows = [_row("resident", 2.0), _row("choice", 8.0, 8.1), fetch]
+    assert bench_hybrid.routed_floor_ms(fetch, 50e9, 2.0) == pytest.approx(9.0)
+    assert bench_hybrid.routed_floor_ms(fetch, 50e9, 20.0) == 20.0
+    assert bench_hybrid.routed_floor_ms(_row("fetch", 12.0), 50e9, None) is None
+    table = bench_hybrid.table(rows, 50e9)
+    assert "| m | 1 | fetch-only floor (touched routed bytes / copy engine, or all-resident) | 9.000 |" in table
+    assert "| m | 1 | fetch-only over the floor (floor / step) | 0.750 |" in table
+    assert "| m | 1 | choice over the floor (floor / step; above 1: under the floor) | 1.125 |" in table
+    assert "floor" not in bench_hybrid.table(rows)
