@@ -61,7 +61,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuB
 
 import torch  # noqa: E402
 
-from scripts.benchmarking import log  # noqa: E402
+from scripts.benchmarking import log, touched_bytes  # noqa: E402
 
 CONFIG = "examples/qwen3-30b-a3b/config.json"
 TINY_CONFIG = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 256,
@@ -316,8 +316,7 @@ def decode(model, setting: Setting, engine=None, routed=None) -> dict:
         result["fetched_bytes_per_step"] = sum(by_kind.values()) / setting.num_greedy_steps
         result |= {f"{kind}_bytes_per_step": b / setting.num_greedy_steps for kind, b in by_kind.items()}
         # the routed, non-resident experts: what the link must carry at the least (the floor's bytes)
-        result["routed_bytes_per_step"] = (by_kind["prefetched"] + by_kind["missed"] + by_kind["unpredicted"]) / \
-            setting.num_greedy_steps
+        result["routed_bytes_per_step"] = touched_bytes(by_kind) / setting.num_greedy_steps
         predicted = by_kind["prefetched"] + by_kind["missed"]
         result["prediction_accuracy"] = by_kind["prefetched"] / predicted if predicted else None
         if routed.top_k:  # per rank of the prediction, every rank whatever the depth (greedy steps only)

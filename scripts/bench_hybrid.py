@@ -38,6 +38,7 @@ from pathlib import Path
 from offload_plan.run_tables import cpu_experts_text
 from runtime.cpu_experts import BF16_TOLERANCE
 from scripts import conformance
+from scripts.benchmarking import touched_bytes
 from scripts.conformance import (MODELS, calibrated_profile, cli, ensure_checkpoint, gpu_clean, run_bench,
                                  run_plan)
 
@@ -283,10 +284,6 @@ def h2d_bytes_per_s(profile: str) -> float:
     return load_profile(profile).h2d_bytes_per_s.value
 
 
-#: what a fetch-only step's routed layers touched of the experts not resident: every kind but wasted prefetches
-TOUCHED_KINDS = ("prefetched", "missed", "unpredicted")
-
-
 def routed_floor_ms(fetch: dict, link_bytes_per_s: float, resident_ms: float | None) -> float | None:
     """Issue 37's fetch-only floor: the routed, non-resident bytes the fetch-only arm's steps touched (run --bench's
     routed figures) over the copy engine's rate, or the all-resident step where longer (known at one sequence);
@@ -294,7 +291,7 @@ def routed_floor_ms(fetch: dict, link_bytes_per_s: float, resident_ms: float | N
     by_kind = (((fetch.get("bench") or {}).get("routed") or {}).get("bytes_per_step_by_kind")) or {}
     if not by_kind:
         return None
-    link_ms = 1e3 * sum(by_kind.get(kind, 0.0) for kind in TOUCHED_KINDS) / link_bytes_per_s
+    link_ms = 1e3 * touched_bytes(by_kind) / link_bytes_per_s
     return max(link_ms, resident_ms or 0.0)
 
 

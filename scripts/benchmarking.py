@@ -44,6 +44,17 @@ DEFAULT_CHECKPOINT = Path("/tmp/qwen3-8b-random")
 SHARD_BYTES = 4 * 2**30
 
 
+#: the routed fetch kinds (runtime.routed_experts.FETCH_KINDS) that carried experts a step touched: every kind but
+#: the wasted prefetches
+TOUCHED_KINDS = ("prefetched", "missed", "unpredicted")
+
+
+def touched_bytes(by_kind: dict) -> float:
+    """The routed, non-resident bytes a step touched (of ``by_kind``, bytes per fetch kind): what the link must
+    carry at the least, the routed floor's bytes."""
+    return sum(by_kind.get(kind, 0.0) for kind in TOUCHED_KINDS)
+
+
 def log(message: str) -> None:
     """A timestamped progress line on stderr (the scripts print their tables on stdout)."""
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)

@@ -168,8 +168,8 @@ class _Builder:
             slot_of = {a: slot for a, (slot, _) in placed.items()}
             # the wave's first forward waits for all its copies; the others follow it on the compute stream
             for number, part in enumerate(self._parts(rows)):
-                self._forward(batch, part, slot_of, new_loads if number == 0 else (),
-                              new_loads if number == 0 else ())
+                copies = new_loads if number == 0 else ()
+                self._forward(batch, part, slot_of, copies, copies)
 
     def pipelined_batch(self, batch: int, requests: list[int], adapters: list[str]) -> None:
         for wave in _waves(list(zip(requests, adapters)), self.num_slots):

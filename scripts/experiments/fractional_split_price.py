@@ -20,7 +20,6 @@ the benchmarked cuts (8 layers), at the budgets scripts/bench_hybrid.py gave the
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import pathlib
@@ -30,15 +29,15 @@ import tempfile
 
 from planner.make.make_plan import make_plan
 from planner.plan.schema import Inputs
-from planner.search import cpu_per_step, cpu_placement, routed_step
-from planner.search.cpu_per_step import PerStepSplit, _terms_by_miss, joint_pmf
-from planner.model.expert_routing import PerStepCpu
+from planner.search import cpu_per_step
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 #: (name, example config, layers of the cut, budget of bench_hybrid's cut in MiB, the fixed share a)
 MODELS = (("qwen3-moe", "examples/qwen3-30b-a3b/config.json", 8, 5085, 0.245),
           ("mixtral", "examples/mixtral-8x7b/config.json", 8, 8566, 0.0))
 GRID = 64
+#: cpu_per_step's own pricing of whole experts, restored by fractional(False)
+WHOLE = {"cpu_ms": cpu_per_step._cpu_ms, "best_take": cpu_per_step._best_take}
 #: the share of a whole expert's CPU time that a split expert still pays (set per model in main)
 FIXED_SHARE = {"value": 0.0}
 
@@ -50,37 +49,20 @@ def cpu_ms(x: float, handoff_ms: float, cpu_ms_per_expert: float) -> float:
     return handoff_ms + cpu_ms_per_expert * (whole + (fixed + (1 - fixed) * part if part > 1e-9 else 0.0))
 
 
-def expected_wait_ms(per_step: PerStepCpu, link, handoff_ms: float, cpu_ms_per_expert: float) -> float:
-    return math.fsum(p * max(link.at(n, m - x), cpu_ms(x, handoff_ms, cpu_ms_per_expert), 0.0)
-                     for n, m, x, p in _steps_fractional(per_step, link))
-
-
-@functools.lru_cache(maxsize=1024)
-def per_step_split(draw, link, handoff_ms: float, cpu_ms_per_expert: float) -> PerStepSplit:
-    by_miss = _terms_by_miss(joint_pmf(draw, link.prefetched_share))
-    take = []
-    for m in range(max(by_miss) + 1):
-        terms = by_miss.get(m, [])
-        choices = [k / GRID for k in range(m * GRID + 1)]
-        take.append(min(choices, key=lambda x: math.fsum(
-            p * max(link.at(n, m - x), cpu_ms(x, handoff_ms, cpu_ms_per_expert)) for n, p in terms)) if terms else 0)
-    per_step = PerStepCpu(draw=draw, expert_ms=link.expert_ms, take=tuple(take))
-    steps = _steps_fractional(per_step, link)
-    return PerStepSplit(take=per_step.take, wait_ms=expected_wait_ms(per_step, link, handoff_ms, cpu_ms_per_expert),
-                        mean_cpu_experts=math.fsum(p * x for _, _, x, p in steps),
-                        mean_link_experts=math.fsum(p * (n - x) for n, _, x, p in steps))
-
-
-def _steps_fractional(per_step: PerStepCpu, link) -> list:
-    return [(n, m, min(per_step.take[min(m, len(per_step.take) - 1)], m), p)
-            for n, m, p in joint_pmf(per_step.draw, link.prefetched_share)]
+def best_share(num_missed: int, terms: list[tuple[int, float]], link, handoff_ms: float,
+               cpu_ms_per_expert: float) -> float:
+    """cpu_per_step._best_take with fractional shares: the x on a grid of 1/GRID expert of least expected wait."""
+    choices = [k / GRID for k in range(num_missed * GRID + 1)]
+    return min(choices, key=lambda x: math.fsum(
+        p * max(link.at(n, num_missed - x), cpu_ms(x, handoff_ms, cpu_ms_per_expert)) for n, p in terms))
 
 
 def fractional(on: bool) -> None:
-    """Price per-step layers with fractional shares (True) or as make does (False)."""
-    module = sys.modules[__name__]
-    routed_step.expected_wait_ms = module.expected_wait_ms if on else cpu_per_step.expected_wait_ms
-    cpu_placement.per_step_split = module.per_step_split if on else cpu_per_step.per_step_split
+    """Price per-step layers with fractional shares (True) or as make does (False): cpu_per_step's table and
+    expected wait with this script's CPU time and choice of share in place of whole experts'."""
+    cpu_per_step._cpu_ms = cpu_ms if on else WHOLE["cpu_ms"]
+    cpu_per_step._best_take = best_share if on else WHOLE["best_take"]
+    cpu_per_step.per_step_split.cache_clear()  # its tables were made under the other pricing
 
 
 def header_checkpoint(config: str, layers: int, folder: pathlib.Path) -> pathlib.Path:

@@ -240,10 +240,16 @@ def _slower_cpu_path(data: dict, factor: float) -> None:
 ])
 def test_hand_edits_that_break_the_cpu_invariants_are_refused_in_one_line(moe, edit, words):
     make("fast.yaml", "plan.yaml", "--cpu-experts", "fixed")
+    _assert_refused_in_one_line("plan.yaml", edit, words)
+
+
+def _assert_refused_in_one_line(path: str, edit, words: str) -> None:
+    """The plan at ``path`` edited by ``edit``: read_plan refuses it in one line naming ``words``, and check exits
+    non-zero without a traceback."""
     with pytest.raises(PlanError) as error:
-        read_plan(_edited("plan.yaml", edit))
+        read_plan(_edited(path, edit))
     assert words in str(error.value) and "\n" not in str(error.value)
-    result = invoke(["check", _edited("plan.yaml", edit)])
+    result = invoke(["check", _edited(path, edit)])
     assert result.exit_code != 0 and "Traceback" not in result.stderr
 
 
@@ -361,11 +367,7 @@ def _first_split_layer(data: dict) -> dict:
 ])
 def test_hand_edits_of_a_per_step_split_are_refused_in_one_line(moe, edit, words):
     make("fast.yaml", "plan.yaml")
-    with pytest.raises(PlanError) as error:
-        read_plan(_edited("plan.yaml", edit))
-    assert words in str(error.value) and "\n" not in str(error.value)
-    result = invoke(["check", _edited("plan.yaml", edit)])
-    assert result.exit_code != 0 and "Traceback" not in result.stderr
+    _assert_refused_in_one_line("plan.yaml", edit, words)
 
 
 def test_a_decode_step_routing_more_pairs_than_experts_is_priced_as_staged_whole(moe):
