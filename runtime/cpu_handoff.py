@@ -31,6 +31,12 @@ wherever every layer's C kernel computes on a GPU, and otherwise by HOST NODE:
    resident expert (so it is never gathered) and whose SwiGLU output is exactly 0;
 5. the main stream waits for the side stream (event wait) and adds the CPU's output to its own.
 
+Numerics. The GPU keeps its partial sum in fp32 (the weighted pairs summed over the ranks, as batched_mm sums them
+before its one rounding), adds the CPU's fp32 sum and rounds the total once to the model's dtype; the CPU rounds as
+the GPU's bf16 ops round (each expert's projections, SiLU, product and output, and each weighted pair where the
+router's weights are bf16: runtime.cpu_kernel's partial_sum). What is left differs from the all-resident layer only
+where fp32 sums taken in another order round to another bf16 value.
+
 What kept the CPU path from running beside the fetch (scripts/experiments/host_node_overlap.py, H100): a captured
 unit of [the routed gather, a kernel reading mapped host rows, 0.99 ms] beside [hand the data over, a 0.5 ms host
 node, take it back] took 1.03 ms replayed alone, but 1.36-1.50 ms a unit when units ran one after another (8 in one
@@ -136,18 +142,22 @@ def computed_in_c(layer: CpuLayer | None, hidden_dtype: torch.dtype) -> bool:
 
 
 def cpu_partial_sum(layer: CpuLayer, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                    out: torch.Tensor) -> tuple[int, int]:
+                    out: torch.Tensor, routing_bf16: bool | None = None) -> tuple[int, int]:
     """``out`` [T, H] (fp32) = per token, the sum over its pairs routed to the layer's CPU experts of weight x the
     expert's output, in rank order (as batched_mm sums); zeros where a token has none. ``hidden`` [T, H],
-    ``top_k_index`` and ``top_k_weights`` [T, k], all host tensors. Returns (pairs, distinct experts) computed."""
+    ``top_k_index`` and ``top_k_weights`` [T, k], all host tensors. Rounded as the GPU's batched_mm rounds: each
+    expert's intermediates and output where ``hidden`` is bf16, each weighted pair where ``routing_bf16`` (default:
+    whether ``top_k_weights`` are bf16; the handoff's buffer holds them widened to fp32). Returns (pairs, distinct
+    experts) computed."""
     host = layer.host
+    routing_bf16 = top_k_weights.dtype == torch.bfloat16 if routing_bf16 is None else routing_bf16
     if computed_in_c(layer, hidden.dtype) and out.is_contiguous():
         # the whole body in C, no torch op between the experts: with the Python below, the H200 host's smoke
         # (scripts/smoke_cpu_experts_graph.py, 2026-11-28) spent 1.37 ms a layer step in the callback for 1.8
         # bf16 pairs that calibrate computes in 0.22 ms each; on the 2-core dev host this body took 0.18 ms for
         # two pairs of tiny experts where the Python took 1.96
         return partial_sum(host.kernel, host.gate_up, host.down, layer.local, hidden, top_k_index, top_k_weights,
-                           out, torch.get_num_threads())
+                           out, torch.get_num_threads(), routing_bf16)
     num_top_k = top_k_index.shape[1]
     ids = top_k_index.reshape(-1)  # [S], token-major; -1: a pair a per-step split left to the GPU
     rows = ((ids >= 0) & layer.is_cpu[ids.clamp(min=0)]).nonzero().squeeze(1)  # [P] the CPU's pairs: by token, rank
@@ -158,6 +168,8 @@ def cpu_partial_sum(layer: CpuLayer, hidden: torch.Tensor, top_k_index: torch.Te
     local = layer.local[ids[rows]]
     pairs = compute_pairs(layer.host, hidden[tokens], local)  # [P, H] unweighted, in the copy's dtype
     weighted = pairs.float() * top_k_weights.reshape(-1)[rows].float().unsqueeze(-1)
+    if routing_bf16:  # the GPU's bf16 pair x bf16 weight is stored in bf16
+        weighted = weighted.to(torch.bfloat16).float()
     out.index_add_(0, tokens, weighted)  # sequential on the CPU: each token's pairs in rank order
     return rows.numel(), torch.unique(local).numel()
 
@@ -221,6 +233,9 @@ class CpuExperts:
             raise PlanError(f"CPU experts need at least 1 thread, got {threads}")
         self.layers, self.threads, self.device, self.backend = dict(layers), threads, device, backend
         self.counters = CpuCounters()
+        #: whether the router's weights are bf16 (the handoff's buffer widens them to fp32): the CPU then rounds
+        #: each weighted pair as the GPU's bf16 product does; set by the first ``fork``
+        self.routing_bf16 = False
         #: the first error a callback caught, one line; raised by the next Python-side call
         self.error: str | None = None
         self.closed = False
@@ -271,6 +286,7 @@ class CpuExperts:
         stream (runtime.cpu_doorbell); by host node, steps 1 to 3 of the module docstring on the side stream.
         Returns what ``join`` takes. On the CPU stand-in (tests) nothing runs until ``join``."""
         self.check()
+        self.routing_bf16 = top_k_weights.dtype == torch.bfloat16
         if self.stream is None:
             return index, hidden, top_k_index, top_k_weights
         num_tokens, num_top_k = top_k_index.shape
@@ -302,8 +318,9 @@ class CpuExperts:
 
     def join(self, pending, out: torch.Tensor) -> torch.Tensor:
         """The main stream waits for the host's output (the doorbell's answer, or the side stream) and adds it to
-        ``out`` [T, H], the GPU's partial sum (in place, rounded once to its dtype); on the CPU stand-in the CPU's
-        pairs are computed here, inline."""
+        ``out`` [T, H], the GPU's partial sum (in place, in its dtype: runtime.routed_experts keeps it in fp32 and
+        rounds the whole sum once, as batched_mm does); on the CPU stand-in the CPU's pairs are computed here,
+        inline."""
         if self.stream is None:
             index, hidden, top_k_index, top_k_weights = pending
             partial = torch.empty(hidden.shape, dtype=torch.float32)
@@ -329,7 +346,8 @@ class CpuExperts:
                     layer.host.kernel, layer.host.gate_up, layer.host.down, layer.local,
                     hidden=buffers["hidden"][:num_tokens], index=buffers["index"][:num_pairs],
                     weights=buffers["weights"][:num_pairs], out=buffers["out"][:num_tokens],
-                    scratch=self._scratch[0], pairs=self._scratch[1], num_threads=self.threads)
+                    scratch=self._scratch[0], pairs=self._scratch[1], num_threads=self.threads,
+                    routing_bf16=self.routing_bf16)
             else:
                 self._host_nodes[key] = HOST_FN(lambda _user_data: self._host_step(*key))
         return self._host_nodes[key]
@@ -357,7 +375,8 @@ class CpuExperts:
             if torch.get_num_threads() != self.threads:
                 torch.set_num_threads(self.threads)
             with torch.inference_mode():
-                pairs, experts = cpu_partial_sum(self.layers[index], hidden, top_k_index, top_k_weights, out)
+                pairs, experts = cpu_partial_sum(self.layers[index], hidden, top_k_index, top_k_weights, out,
+                                                 self.routing_bf16)
             counters = self.counters
             counters.calls += 1
             counters.pairs_total += top_k_index.numel()

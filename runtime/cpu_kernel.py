@@ -48,6 +48,16 @@ static inline float bf16_to_f32(uint16_t value) {
     return bits.f;
 }
 
+/* fp32 rounded to the nearest bf16 (ties to even), returned as fp32: what a GPU's bf16 op stores after computing
+   in fp32. NaN and infinity pass unchanged. */
+static inline float round_bf16(float value) {
+    union { uint32_t u; float f; } bits;
+    bits.f = value;
+    if ((bits.u & 0x7f800000u) == 0x7f800000u) return value;
+    bits.u = (bits.u + 0x7fffu + ((bits.u >> 16) & 1u)) & 0xffff0000u;
+    return bits.f;
+}
+
 /* One weight row [N] (bf16 or fp32) times 1 or 4 fp32 vectors: each weight feeds every vector's multiply-add, the
    row read once for them. Separate loops per dtype and width, so each vectorizes. */
 #if defined(__AVX512F__)
@@ -151,9 +161,12 @@ static void rows_times(const void *weights, int bf16, const float *x, float *y, 
 }
 
 /* out [T, H] = down [H, I] @ (silu(gate x) * (up x)) for x [T, H], gate_up [2I, H] (gate rows first).
-   scratch: T * 3I floats. One OpenMP team of num_threads; each weight row is read once for all T tokens. */
+   scratch: T * 3I floats. One OpenMP team of num_threads; each weight row is read once for all T tokens.
+   round: store every intermediate as a GPU computing in bf16 stores it (transformers' batched_mm: the projections
+   rounded to bf16, SiLU's output rounded, the product rounded, the output rounded), each product summed in fp32 as
+   before; 0: fp32 throughout. */
 void expert_swiglu(const void *gate_up, const void *down, int bf16, const float *x, float *out, float *scratch,
-                   int64_t T, int64_t H, int64_t I, int num_threads) {
+                   int64_t T, int64_t H, int64_t I, int num_threads, int round) {
     float *projected = scratch;           /* [T, 2I]: gate then up, per token */
     float *activated = scratch + T * 2 * I;  /* [T, I] */
     #pragma omp parallel num_threads(num_threads)
@@ -163,9 +176,18 @@ void expert_swiglu(const void *gate_up, const void *down, int bf16, const float 
         for (int64_t j = 0; j < T * I; j++) {
             int64_t t = j / I, r = j % I;
             float gate = projected[t * 2 * I + r], up = projected[t * 2 * I + I + r];
-            activated[j] = gate / (1.f + expf(-gate)) * up;
+            if (round) {
+                gate = round_bf16(gate);
+                activated[j] = round_bf16(round_bf16(gate / (1.f + expf(-gate))) * round_bf16(up));
+            } else {
+                activated[j] = gate / (1.f + expf(-gate)) * up;
+            }
         }
         rows_times(down, bf16, activated, out, T, H, I);
+        if (round) {
+            #pragma omp for schedule(static)
+            for (int64_t j = 0; j < T * H; j++) out[j] = round_bf16(out[j]);
+        }
     }
 }
 
@@ -175,11 +197,15 @@ void expert_swiglu(const void *gate_up, const void *down, int bf16, const float 
    hidden [T, H] bf16 (hidden_bf16) or fp32; index int64 [T K]; weights fp32 [T K]; local int64 [E];
    gate_up [L, 2I, H] and down [L, H, I], the CPU experts, bf16 (weights_bf16) or fp32.
    floats: scratch of 3 T K H + 3 T K I; ints: pairs of 2 T K. Each expert's weights are read once for all its
-   tokens. Returns the pairs computed; *num_distinct the distinct experts among them. */
+   tokens. Returns the pairs computed; *num_distinct the distinct experts among them.
+   Rounded as the GPU's batched_mm rounds, so the sum the GPU finishes is the all-resident one's but for fp32
+   summation order: with bf16 hidden states (a model computing in bf16) each expert's intermediates and output
+   (expert_swiglu's round); with routing_bf16 (the router's weights were bf16) each weighted pair, as the GPU's
+   bf16 product is. */
 int64_t partial_sum(const void *hidden, int hidden_bf16, const int64_t *index, const float *weights, int64_t T,
                     int64_t K, const int64_t *local, int64_t E, const void *gate_up, const void *down,
                     int weights_bf16, int64_t H, int64_t I, float *out, float *scratch, int64_t *pairs,
-                    int num_threads, int64_t *num_distinct) {
+                    int num_threads, int64_t *num_distinct, int routing_bf16) {
     int64_t S = T * K, P = 0, distinct = 0;
     int64_t *members = pairs + S;
     float *x = scratch, *y_expert = scratch + S * H, *y = scratch + 2 * S * H, *expert_scratch = scratch + 3 * S * H;
@@ -200,7 +226,7 @@ int64_t partial_sum(const void *hidden, int hidden_bf16, const int64_t *index, c
         }
         expert_swiglu((const char *)gate_up + l * 2 * I * H * element,
                       (const char *)down + l * H * I * element, weights_bf16, x, y_expert, expert_scratch,
-                      n, H, I, num_threads);
+                      n, H, I, num_threads, hidden_bf16);
         for (int64_t m = 0; m < n; m++)
             for (int64_t h = 0; h < H; h++) y[members[m] * H + h] = y_expert[m * H + h];
         distinct++;
@@ -208,7 +234,10 @@ int64_t partial_sum(const void *hidden, int hidden_bf16, const int64_t *index, c
     for (int64_t a = 0; a < P; a++) {  /* pairs in ascending order: by token, then rank */
         int64_t s = -1 - pairs[a], t = s / K;
         float w = weights[s];
-        for (int64_t h = 0; h < H; h++) out[t * H + h] += w * y[s * H + h];
+        if (routing_bf16)
+            for (int64_t h = 0; h < H; h++) out[t * H + h] += round_bf16(w * y[s * H + h]);
+        else
+            for (int64_t h = 0; h < H; h++) out[t * H + h] += w * y[s * H + h];
     }
     *num_distinct = distinct;
     return P;
@@ -222,7 +251,7 @@ typedef struct {
     const void *hidden; const int64_t *index; const float *weights; const int64_t *local;
     const void *gate_up; const void *down; float *out; float *scratch; int64_t *pairs;
     int64_t T, K, E, H, I;
-    int32_t hidden_bf16, weights_bf16, num_threads, closed;
+    int32_t hidden_bf16, weights_bf16, num_threads, closed, routing_bf16, unused;
     int64_t calls, pairs_total, pairs_cpu, experts_cpu;
     double seconds;
 } host_step_args;
@@ -235,7 +264,7 @@ void host_step(void *user_data) {
     int64_t distinct = 0;
     int64_t computed = partial_sum(a->hidden, a->hidden_bf16, a->index, a->weights, a->T, a->K, a->local, a->E,
                                    a->gate_up, a->down, a->weights_bf16, a->H, a->I, a->out, a->scratch, a->pairs,
-                                   a->num_threads, &distinct);
+                                   a->num_threads, &distinct, a->routing_bf16);
     clock_gettime(CLOCK_MONOTONIC, &end);
     a->calls += 1;
     a->pairs_total += a->T * a->K;
@@ -402,7 +431,8 @@ class HostStepArgs(ctypes.Structure):
                 ("out", ctypes.c_void_p), ("scratch", ctypes.c_void_p), ("pairs", ctypes.c_void_p),
                 ("T", ctypes.c_int64), ("K", ctypes.c_int64), ("E", ctypes.c_int64), ("H", ctypes.c_int64),
                 ("I", ctypes.c_int64), ("hidden_bf16", ctypes.c_int32), ("weights_bf16", ctypes.c_int32),
-                ("num_threads", ctypes.c_int32), ("closed", ctypes.c_int32), ("calls", ctypes.c_int64),
+                ("num_threads", ctypes.c_int32), ("closed", ctypes.c_int32), ("routing_bf16", ctypes.c_int32),
+                ("unused", ctypes.c_int32), ("calls", ctypes.c_int64),
                 ("pairs_total", ctypes.c_int64), ("pairs_cpu", ctypes.c_int64), ("experts_cpu", ctypes.c_int64),
                 ("seconds", ctypes.c_double)]
 
@@ -432,13 +462,13 @@ def load_kernel():
     expert = library.expert_swiglu
     expert.restype = None
     expert.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
     pairs = library.partial_sum
     pairs.restype = ctypes.c_int64
     pairs.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                       ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
                       ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                      ctypes.c_int, ctypes.c_void_p]
+                      ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     host_step = library.host_step
     host_step.restype = None
     host_step.argtypes = [ctypes.c_void_p]
@@ -454,9 +484,10 @@ def load_kernel():
 
 
 def expert_swiglu(kernel, gate_up: torch.Tensor, down: torch.Tensor, hidden: torch.Tensor,
-                  num_threads: int) -> torch.Tensor:
+                  num_threads: int, round_bf16: bool = False) -> torch.Tensor:
     """One expert's SwiGLU through ``kernel`` (load_kernel's): ``gate_up`` [2I, H] and ``down`` [H, I] contiguous
-    host tensors in bf16 or fp32, ``hidden`` [T, H]; [T, H] in fp32."""
+    host tensors in bf16 or fp32, ``hidden`` [T, H]; [T, H] in fp32. ``round_bf16``: its intermediates and output
+    rounded to bf16 where a GPU computing the expert in bf16 rounds them (the values then bf16's)."""
     two_i, hidden_size = gate_up.shape
     if gate_up.dtype not in (torch.bfloat16, torch.float32) or down.dtype != gate_up.dtype:
         raise ValueError(f"the CPU kernel reads bf16 or fp32 weights, not {gate_up.dtype} and {down.dtype}")
@@ -467,7 +498,8 @@ def expert_swiglu(kernel, gate_up: torch.Tensor, down: torch.Tensor, hidden: tor
     out = torch.empty(num_tokens, hidden_size, dtype=torch.float32)
     scratch = torch.empty(num_tokens * 3 * (two_i // 2), dtype=torch.float32)
     kernel.expert(gate_up.data_ptr(), down.data_ptr(), int(gate_up.dtype == torch.bfloat16), x.data_ptr(),
-                  out.data_ptr(), scratch.data_ptr(), num_tokens, hidden_size, two_i // 2, max(1, num_threads))
+                  out.data_ptr(), scratch.data_ptr(), num_tokens, hidden_size, two_i // 2, max(1, num_threads),
+                  int(round_bf16))
     return out
 
 
@@ -500,12 +532,14 @@ def scratch_sizes(num_pairs: int, hidden_size: int, intermediate_size: int) -> t
 
 def partial_sum(kernel, gate_up: torch.Tensor, down: torch.Tensor, local: torch.Tensor, hidden: torch.Tensor,
                 top_k_index: torch.Tensor, top_k_weights: torch.Tensor, out: torch.Tensor,
-                num_threads: int) -> tuple[int, int]:
+                num_threads: int, routing_bf16: bool | None = None) -> tuple[int, int]:
     """A routed layer's CPU pairs through ``kernel`` (load_kernel's), summed per token into ``out`` [T, H] (fp32,
     contiguous): ``gate_up`` [L, 2I, H] and ``down`` [L, H, I] the CPU experts (contiguous, bf16 or fp32),
     ``local`` [E] int64 each expert's index among them (-1: not a CPU expert; every other below L, which the caller
     keeps, as runtime.cpu_handoff.cpu_layer builds it), ``hidden`` [T, H] (bf16 or fp32),
-    ``top_k_index`` [T, k] and ``top_k_weights`` [T, k]. Returns (pairs, distinct experts) computed."""
+    ``top_k_index`` [T, k] and ``top_k_weights`` [T, k]. Returns (pairs, distinct experts) computed. Rounded as
+    the GPU rounds (the C source's partial_sum): bf16 ``hidden`` rounds each expert's intermediates and output,
+    ``routing_bf16`` (default: whether ``top_k_weights`` are bf16) each weighted pair."""
     _check_layer(gate_up, down, local, hidden, top_k_index, out)
     num_tokens, num_top_k = top_k_index.shape
     hidden_size, intermediate = gate_up.shape[2], gate_up.shape[1] // 2
@@ -520,7 +554,8 @@ def partial_sum(kernel, gate_up: torch.Tensor, down: torch.Tensor, local: torch.
         hidden.data_ptr(), int(hidden.dtype == torch.bfloat16), index.data_ptr(), weights.data_ptr(), num_tokens,
         num_top_k, local.data_ptr(), local.numel(), gate_up.data_ptr(), down.data_ptr(),
         int(gate_up.dtype == torch.bfloat16), hidden_size, intermediate, out.data_ptr(), scratch.data_ptr(),
-        pairs.data_ptr(), max(1, num_threads), ctypes.byref(distinct))
+        pairs.data_ptr(), max(1, num_threads), ctypes.byref(distinct),
+        int(top_k_weights.dtype == torch.bfloat16 if routing_bf16 is None else routing_bf16))
     return int(computed), int(distinct.value)
 
 
@@ -533,11 +568,12 @@ class HostStep:
     to the page-locked buffers it reads and writes, and the tensors behind every pointer in it, kept alive here as
     long as a graph that captured it may replay. ``index`` and ``weights`` hold the step's [T x k] routed ids
     (int64) and weights (fp32) in token-major order; ``scratch`` and ``pairs`` partial_sum's scratch (scratch_sizes
-    at least; shared between HostSteps whose nodes run one after another)."""
+    at least; shared between HostSteps whose nodes run one after another). ``routing_bf16``: the router's weights
+    were bf16 before the handoff widened them (each weighted pair is rounded as the GPU's bf16 product is)."""
 
     def __init__(self, kernel, gate_up: torch.Tensor, down: torch.Tensor, local: torch.Tensor, *,
                  hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
-                 scratch: torch.Tensor, pairs: torch.Tensor, num_threads: int):
+                 scratch: torch.Tensor, pairs: torch.Tensor, num_threads: int, routing_bf16: bool = False):
         num_tokens, hidden_size = hidden.shape
         num_pairs = index.numel()
         if num_pairs % max(1, num_tokens) or index.dtype != torch.int64 or weights.dtype != torch.float32 \
@@ -561,7 +597,7 @@ class HostStep:
             gate_up=gate_up.data_ptr(), down=down.data_ptr(), out=out.data_ptr(), scratch=scratch.data_ptr(),
             pairs=pairs.data_ptr(), T=num_tokens, K=num_top_k, E=local.numel(), H=hidden_size, I=intermediate,
             hidden_bf16=int(hidden.dtype == torch.bfloat16), weights_bf16=int(gate_up.dtype == torch.bfloat16),
-            num_threads=max(1, num_threads), closed=0)
+            num_threads=max(1, num_threads), closed=0, routing_bf16=int(routing_bf16))
 
     @property
     def user_data(self) -> int:

@@ -163,6 +163,24 @@ def batched_mm_forward():
     return batched_mm_experts_forward
 
 
+#: the implementations a routed layer's decode step may compute with: no host synchronisation, so a CUDA graph
+#: captures them (eager asks the host which experts were hit)
+CAPTURABLE_DECODE = ("grouped_mm", "batched_mm")
+
+
+def decode_experts_forward(module: nn.Module):
+    """How a routed layer's decode step computes over the device buffer: the implementation the model is
+    configured with (runtime.graph switches it to the decode phase's: grouped_mm where bf16 has torch's kernel,
+    else batched_mm), so the step multiplies as the all-resident model's decode does; batched_mm where that one is
+    not capturable (eager)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    name = getattr(module.config, "_experts_implementation", None)
+    if name not in CAPTURABLE_DECODE or name not in ALL_EXPERTS_FUNCTIONS:
+        return batched_mm_forward()
+    return ALL_EXPERTS_FUNCTIONS[name]
+
+
 def prefill_experts_forward(module: nn.Module):
     """How prefill chunks compute their experts: the implementation the model is configured with (the lead's
     runtime.experts_impl sets it per phase), so a routed layer prefills as the all-resident model does."""

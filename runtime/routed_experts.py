@@ -9,10 +9,12 @@ with no host synchronisation (so a CUDA graph captures it with the rest of the s
 1. finds the distinct experts the step routes to (sort, first occurrences, cumsum: fixed shapes);
 2. gathers each distinct non-resident one ONCE from host memory into the shared fetch buffer (a Triton
    kernel whose programs for unused slots return at once, so only the routed, non-resident bytes cross);
-3. computes with transformers' own ``batched_mm_experts_forward`` over a proxy whose weights are the device
-   buffer (fetch slots, then every layer's resident experts) and whose routing is the (token, expert) pair ->
-   buffer row map. batched_mm gathers each pair's weights, so the values it multiplies, and the products, are
-   those of the all-resident model computed with batched_mm: the logits are bitwise equal.
+3. computes with the experts function the model decodes with (runtime.experts_impl.decode_experts_forward:
+   transformers' grouped_mm where bf16 has torch's grouped GEMM, else batched_mm) over a proxy whose weights are
+   the device buffer (fetch slots, then every layer's resident experts) and whose routing is the (token, expert)
+   pair -> buffer row map. Each pair multiplies the all-resident model's values (grouped_mm's groups hold the same
+   pairs: one buffer row per expert a step routes to), so the logits are the all-resident model's decode, bit
+   for bit where the kernels compute a group alike whatever its place in the buffer.
 
 Prefill chunks (more pairs than fetch slots) copy the layer's experts into one shared staging buffer of all E
 experts (one copy-engine copy from the host, which holds all E: the resident ones too) and run the experts
@@ -50,9 +52,10 @@ from torch import nn
 from planner.errors import PlanError
 from planner.model.placement import ALIGN_BYTES, align_up
 from runtime.allocation import alloc_device_or_fail, host_allocation_or_fail
+from runtime.cpu_experts import gpu_partial_sum
 from runtime.cpu_handoff import CpuExperts, check_cpu_experts, check_cpu_take, start_cpu_experts
 from runtime.engine import PackedParam, backend_unpin, view_as_param
-from runtime.experts_impl import ExpertsProxy, batched_mm_forward, expert_param_names, prefill_experts_forward
+from runtime.experts_impl import ExpertsProxy, decode_experts_forward, expert_param_names, prefill_experts_forward
 from runtime.fetch_planning import CpuSplit, fused_fetch_plan, plan_fetch, plan_fetch_after_prefetch, split_to_cpu
 from runtime.router_prediction import NextLayerPredictor, predictors_for, prefetch_depths
 from runtime.routed_prefetch import prefetch_next
@@ -443,8 +446,13 @@ class RoutedExperts:
         if self.prefetch_after_misses:
             prefetch_next(self, ordinal, hidden)
         proxy = ExpertsProxy(module, {name: self.buffer[name] for name in self.param_names})
-        out = batched_mm_forward()(proxy, hidden, pair_rows.view_as(top_k_index), top_k_weights)
-        return out if cpu is None else cpu.join(pending, out)
+        forward = decode_experts_forward(module)
+        if cpu is None:
+            return forward(proxy, hidden, pair_rows.view_as(top_k_index), top_k_weights)
+        # the GPU's pairs summed in fp32, the CPU's fp32 sum added, one rounding: the experts function's arithmetic
+        # with the CPU's pairs rounded as the GPU rounds them (runtime.cpu_handoff, Numerics)
+        partial = gpu_partial_sum(proxy, hidden, pair_rows.reshape(-1), top_k_weights, forward)
+        return cpu.join(pending, partial).to(hidden.dtype)
 
     def _fetch_plan(self, index: int, top_k_index: torch.Tensor, base: int, ahead: bool, split: CpuSplit | None):
         """(pair -> device-buffer row, slot -> expert to gather, the CPU's pairs or None) of a step of layer

@@ -18,8 +18,9 @@ weights written for the full model). Per sequence count S, one plan each, all gr
   ``--for vllm``, which vLLM's unwired families refuse);
 
 then ``run --bench --json`` (ms per step against the plan's prediction) and ``run --prompt`` (64 greedy tokens,
-compared with the all-resident plan's; scripts/conformance.run_plan); with ``--logits``, an arm with CPU experts
-also decodes the prompt in this process, and each step's logits are compared with all-resident's (first_split:
+compared with the all-resident plan's; scripts/conformance.run_plan); with ``--logits``, every routed arm
+(fetch-only too: what the routed step alone changes) also decodes the prompt in this process, and each step's
+logits are compared with all-resident's (first_split:
 where the tokens split, and whether at a near tie the bf16 tolerance admits); with ``--repeats R``, each sequence
 count's plans are benched R times, arm after arm in turn, and priced by their medians. Rows go to
 OUT/bench-hybrid.json as they finish; a table is printed last: ms per step, predicted, the choice's speed over
@@ -92,15 +93,18 @@ def first_split(logits: list, reference_logits: list, tolerance: float) -> dict:
     every step up to it read the same tokens in both decodes. Each step's logits against the reference's, as a
     share of the reference step's largest magnitude, up to and at the split (``worst_share``, and per step in
     ``shares``); the reference's top-two gap there, as the same share (``margin_share``); a near tie is a gap
-    within twice the tolerance (the CPU's fp32 sums may then break it the other way), anything else a fault."""
+    within twice the tolerance (the CPU's fp32 sums may then break it the other way), anything else a fault.
+    ``equal_share``: the share of those steps' logits bitwise equal to the reference's."""
     split = next((step for step, (a, b) in enumerate(zip(logits, reference_logits))
                   if int(a.argmax()) != int(b.argmax())), None)
     last = min(len(logits), len(reference_logits)) - 1 if split is None else split
     shares = [float((logits[step] - reference_logits[step]).abs().max()) / float(reference_logits[step].abs().max())
               for step in range(last + 1)]
     worst = max(shares, default=0.0)
+    equal = sum(int((logits[step] == reference_logits[step]).sum()) for step in range(last + 1))
+    total = sum(reference_logits[step].numel() for step in range(last + 1))
     result = {"split_at": split, "worst_share": worst, "within_tolerance": worst <= tolerance,
-              "shares": [round(share, 5) for share in shares]}
+              "equal_share": equal / total if total else None, "shares": [round(share, 5) for share in shares]}
     if split is not None:
         top_two = reference_logits[split].topk(2).values
         margin = float(top_two[0] - top_two[1]) / float(reference_logits[split].abs().max())
@@ -196,7 +200,7 @@ def main() -> int:
     parser.add_argument("--sequences", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     parser.add_argument("--logits", action="store_true",
-                        help="for arms with CPU experts, compare each step's logits with all-resident's (first_split)")
+                        help="for routed arms, compare each step's logits with all-resident's (first_split)")
     parser.add_argument("--measure", action="store_true", help="make every plan with --measure (the GPU's times)")
     parser.add_argument("--trace", action="store_true",
                         help="record the model's routing of TRACE_DECODE_TOKENS decode steps after each of "
@@ -250,7 +254,8 @@ def main() -> int:
                 if row["make"]["exit"] == 0:
                     row |= plan_facts(path) | run_plan(path, NEW_TOKENS)
                     row["tokens_equal"] = row.get("text") is not None and row["text"] == reference_row.get("text")
-                    if reference_logits is not None and row.get("cpu_experts"):
+                    # every routed arm: fetch-only's logits say what the routed step alone changes, beside the CPU's
+                    if reference_logits is not None and row.get("routed_layers"):
                         gpu_clean()
                         row["logits"] = first_split(greedy_logits(path, NEW_TOKENS)[1], reference_logits[1],
                                                     BF16_TOLERANCE)

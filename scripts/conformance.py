@@ -991,14 +991,16 @@ def parser() -> argparse.ArgumentParser:
 
 
 def selected(args) -> list[tuple[Model, list[Arm]]]:
-    """The models and arms the filters leave, in run order; an unknown name is one line on stderr, exit 2."""
+    """The models and arms the filters leave, in run order (a model no arm is left for is not built); an unknown
+    name is one line on stderr, exit 2."""
     names = [name for name in args.models.split(",") if name]
     modes = [mode for mode in args.modes.split(",") if mode]
     unknown = [n for n in names if n not in MODELS] + [m for m in modes if m not in MODE_NAMES]
     if unknown:
         raise SystemExit(f"conformance: unknown model or mode {', '.join(unknown)}; models: {', '.join(MODELS)}; "
                          f"modes: {', '.join(MODE_NAMES)}")
-    return [(MODELS[name], arms_for(MODELS[name], modes, args.all_arms)) for name in names]
+    chosen = [(MODELS[name], arms_for(MODELS[name], modes, args.all_arms)) for name in names]
+    return [(model, arms) for model, arms in chosen if arms]
 
 
 def main(argv: list[str] | None = None) -> int:

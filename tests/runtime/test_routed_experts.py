@@ -262,3 +262,25 @@ def test_adopted_host_tensors_are_pinned_in_place_and_decode_the_same(model):
     assert torch.equal(expected[0], got[0]) and all(torch.equal(a, b) for a, b in zip(expected[1], got[1]))
     routed.close()
     assert routed.backend.pinned == {}
+
+
+@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
+def test_routed_decode_computes_with_the_models_own_experts_function(implementation):
+    """A bf16 model decodes with grouped_mm where torch has its grouped GEMM (runtime.experts_impl): the routed
+    layers compute with the function the model is configured with (decode_experts_forward), over the device
+    buffer's rows, and greedy decode is the all-resident model's bit for bit whichever it is. On this CPU the two
+    functions happen to multiply alike; on the H200 the conformance sweep's fetch-only routed plans kept 25 of 25
+    arms' greedy tokens through grouped_mm (benchmarks/2026-11-29-cpu-rounding-h200.md)."""
+    from runtime.experts_impl import grouped_mm_native
+
+    if implementation == "grouped_mm" and not grouped_mm_native(torch.device("cpu")):
+        pytest.skip("this torch has no native grouped_mm on the CPU")
+    model = routed_moe_model(dtype=torch.bfloat16)
+    model.set_experts_implementation(implementation)
+    ids, logits, prefill = _greedy(copy.deepcopy(model), 4, 8)
+    routed_model = copy.deepcopy(model)
+    routed = apply_routed_experts(routed_model, ROUTED, 8, CpuStandIn())
+    routed_ids, routed_logits, routed_prefill = _greedy(routed_model, 4, 8)
+    assert torch.equal(prefill, routed_prefill) and torch.equal(ids, routed_ids)
+    assert all(torch.equal(a, b) for a, b in zip(logits, routed_logits))
+    assert routed.fetched_bytes() > 0

@@ -41,6 +41,15 @@ def test_filters_and_unknown_names(capsys):
         conformance.main(["--list", "--models", "no-such"])
 
 
+def test_models_left_without_arms_are_not_built(capsys):
+    """Adapters arms are for dense models: a MoE model the mode filter leaves no arm is neither listed nor counted
+    in the device-time estimate (it would otherwise write its checkpoint for nothing)."""
+    assert conformance.main(["--list", "--models", "mixtral,phi3", "--modes", "adapters", "--all-arms"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert {n.split("/")[0] for n in lines[:-1]} == {"phi3"}
+    assert "over 1 models" in lines[-1] and "mixtral" not in lines[-1]
+
+
 def test_tiny_sweep_makes_and_reads_plans_on_the_cpu(tmp_path):
     """Two MoE models, one in planner.source.release_format's layout (Mixtral's w1/w2/w3), one through transformers'
     save_pretrained (OLMoE): per-expert tensors, a tokenizer; every command of every arm exits 0 or its row
@@ -70,7 +79,7 @@ def test_tiny_sweep_makes_and_reads_plans_on_the_cpu(tmp_path):
     assert all(set(row["exit"]) == {"make", "show", "export_vllm", "export_sglang", "check", "diff"}
                for row in mixtral)
     assert "| mixtral/decode/tight/estimate | make:0 " in (out / "table.md").read_text()
-    assert conformance.main(args[:-1] + ["--models", "mixtral", "--modes", "prefill"]) == 0  # folders reused
+    assert conformance.main(args + ["--models", "mixtral", "--modes", "prefill"]) == 0  # folders reused
     again = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()][len(rows):]
     assert again[0]["kind"] == "checkpoint" and again[0]["write_s"] < 1
 
