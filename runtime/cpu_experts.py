@@ -347,8 +347,13 @@ def gpu_partial_sum(module: torch.nn.Module, hidden: torch.Tensor, expert_ids: t
     weight, summed over the k ranks in fp32 as transformers' functions sum them; [T, H] fp32. A layer with CPU
     experts adds the CPU's fp32 sum to it and rounds once (runtime.routed_experts), so no pair of the GPU's is
     rounded twice."""
+    return weighted_sum(gpu_pair_outputs(module, hidden, expert_ids, forward), top_k_weights)
+
+
+def weighted_sum(pairs: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """Each pair's output ``pairs`` [T x k, H] (token-major) times its weight, in the pairs' dtype as transformers'
+    experts functions weight them, summed over each token's k ranks in fp32; [T, H] fp32, not yet rounded."""
     num_tokens, num_top_k = top_k_weights.shape
-    pairs = gpu_pair_outputs(module, hidden, expert_ids, forward)
     weighted = pairs * top_k_weights.reshape(-1).unsqueeze(-1)  # [S, H]
     return weighted.view(num_tokens, num_top_k, -1).sum(dim=1, dtype=torch.float32)
 
@@ -365,7 +370,7 @@ def hybrid_experts_forward(module: torch.nn.Module, hidden: torch.Tensor, top_k_
     the CPU's pairs computed meanwhile on a CUDA device (its kernels queued before the host works), their
     outputs copied back into their rows, then every pair weighted and summed over the k ranks in the router's
     order, as batched_mm does."""
-    num_tokens, num_top_k = top_k_index.shape
+    num_top_k = top_k_index.shape[1]
     expert_ids = top_k_index.reshape(-1)  # [S], token-major as batched_mm's repeat_interleave
     cpu_pairs_device = on_cpu[expert_ids]  # [S] bool
     cpu_rows = cpu_pairs_device.nonzero().squeeze(1).cpu()  # host sync: eager only
@@ -376,5 +381,4 @@ def hybrid_experts_forward(module: torch.nn.Module, hidden: torch.Tensor, top_k_
     if cpu_rows.numel():
         cpu_out = compute_pairs(host, cpu_hidden, cpu_ids)  # [P, H] on the host, beside the device's work
         pairs.index_copy_(0, cpu_rows.to(pairs.device), cpu_out.to(pairs.device, pairs.dtype))
-    weighted = pairs * top_k_weights.reshape(-1).unsqueeze(-1)  # [S, H]
-    return weighted.view(num_tokens, num_top_k, -1).sum(dim=1).to(hidden.dtype)  # [T, H]
+    return weighted_sum(pairs, top_k_weights).to(hidden.dtype)  # [T, H], rounded once

@@ -145,7 +145,7 @@ def cpu_partial_sum(layer: CpuLayer, hidden: torch.Tensor, top_k_index: torch.Te
                     out: torch.Tensor, routing_bf16: bool | None = None) -> tuple[int, int]:
     """``out`` [T, H] (fp32) = per token, the sum over its pairs routed to the layer's CPU experts of weight x the
     expert's output, in rank order (as batched_mm sums); zeros where a token has none. ``hidden`` [T, H],
-    ``top_k_index`` and ``top_k_weights`` [T, k], all host tensors. Rounded as the GPU's batched_mm rounds: each
+    ``top_k_index`` and ``top_k_weights`` [T, k], all host tensors. Rounded as the GPU's experts function rounds: each
     expert's intermediates and output where ``hidden`` is bf16, each weighted pair where ``routing_bf16`` (default:
     whether ``top_k_weights`` are bf16; the handoff's buffer holds them widened to fp32). Returns (pairs, distinct
     experts) computed."""
