@@ -86,32 +86,6 @@ def plan(folder: Path, profile: str, sequences: int, budget: int, flags: list, p
     return {"exit": made.code, "error": made.error if made.code else None}
 
 
-def first_split(logits: list, reference_logits: list, tolerance: float) -> dict:
-    """Where a greedy decode first takes another token than the reference's, and whether the tolerance admits it.
-    ``logits``: per decode step, a 1-D tensor over the vocabulary; step k's argmax is the token that step k + 1
-    reads (the prefill's argmax is read by step 0), so the split is the first step whose argmax differs, and
-    every step up to it read the same tokens in both decodes. Each step's logits against the reference's, as a
-    share of the reference step's largest magnitude, up to and at the split (``worst_share``, and per step in
-    ``shares``); the reference's top-two gap there, as the same share (``margin_share``); a near tie is a gap
-    within twice the tolerance (the CPU's fp32 sums may then break it the other way), anything else a fault.
-    ``equal_share``: the share of those steps' logits bitwise equal to the reference's."""
-    split = next((step for step, (a, b) in enumerate(zip(logits, reference_logits))
-                  if int(a.argmax()) != int(b.argmax())), None)
-    last = min(len(logits), len(reference_logits)) - 1 if split is None else split
-    shares = [float((logits[step] - reference_logits[step]).abs().max()) / float(reference_logits[step].abs().max())
-              for step in range(last + 1)]
-    worst = max(shares, default=0.0)
-    equal = sum(int((logits[step] == reference_logits[step]).sum()) for step in range(last + 1))
-    total = sum(reference_logits[step].numel() for step in range(last + 1))
-    result = {"split_at": split, "worst_share": worst, "within_tolerance": worst <= tolerance,
-              "equal_share": equal / total if total else None, "shares": [round(share, 5) for share in shares]}
-    if split is not None:
-        top_two = reference_logits[split].topk(2).values
-        margin = float(top_two[0] - top_two[1]) / float(reference_logits[split].abs().max())
-        result |= {"margin_share": margin, "near_tie": margin <= 2 * tolerance}
-    return result
-
-
 #: the routing trace's prompts (random weights route alike whatever the words) and decode steps after each
 TRACE_PROMPTS = ("The capital of France is", "Write a short poem about the sea.", "def fibonacci(n):",
                  "Explain how a transformer decodes one token.", "List three prime numbers:",
@@ -131,32 +105,6 @@ def routing_trace(folder: Path, work: Path) -> list:
             print(f"  trace failed: {done.error}", flush=True)
             return []
     return ["--routing-trace", trace]
-
-
-def greedy_logits(path: Path, num_tokens: int) -> tuple[list[int], list]:
-    """The plan's graphed greedy decode of the prompt, in this process: its ids and each step's logits (CPU)."""
-    import torch
-    from transformers import AutoTokenizer
-
-    from planner.plan.file import read_plan
-    from runtime.graph import NUM_WARMUP_CALLS, DecodeLoop, calls_for, steps_per_call_for
-    from runtime.load import load_with_plan
-
-    loaded = load_with_plan(read_plan(path))
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(loaded.source.folder))
-        prompt = tokenizer(conformance.PROMPT, return_tensors="pt")["input_ids"].to("cuda")
-        steps = steps_per_call_for(True)
-        room_tokens = max(NUM_WARMUP_CALLS, calls_for(num_tokens, steps)) * steps  # as run --prompt's cache
-        loop = DecodeLoop(loaded.model, batch=1, max_cache_tokens=prompt.shape[1] + room_tokens,
-                          device=prompt.device, engine=loaded.engine, steps_per_call=steps)
-        loop.prefill(prompt)
-        loop.capture()
-        ids, logits = loop.generate(num_tokens)
-        torch.cuda.synchronize()
-        return ids[0].tolist(), [step[0].float().cpu() for step in logits]
-    finally:
-        loaded.engine.close()
 
 
 def plan_facts(path: Path) -> dict:
@@ -243,7 +191,8 @@ def main() -> int:
         made = cli(["make", "--model", folder, "--gpu", profile, "--tokens", 1, "--sequences", 1, "--context",
                     CONTEXT, "--cuda-graph", "-o", reference])  # no budget: the whole GPU, every weight resident
         reference_row = run_plan(reference, NEW_TOKENS) if made.code == 0 else {"make_error": made.error}
-        reference_logits = greedy_logits(reference, NEW_TOKENS) if args.logits and made.code == 0 else None
+        reference_logits = (conformance.greedy_logits(reference, NEW_TOKENS) if args.logits and made.code == 0
+                            else None)
         rows.append({"model": name, "layers": int(layers), "sequences": 1, "arm": "resident", **reference_row})
         for sequences in args.sequences:
             for arm in args.arms:
@@ -257,8 +206,8 @@ def main() -> int:
                     # every routed arm: fetch-only's logits say what the routed step alone changes, beside the CPU's
                     if reference_logits is not None and row.get("routed_layers"):
                         gpu_clean()
-                        row["logits"] = first_split(greedy_logits(path, NEW_TOKENS)[1], reference_logits[1],
-                                                    BF16_TOLERANCE)
+                        logits = conformance.greedy_logits(path, NEW_TOKENS)[1]
+                        row["logits"] = conformance.first_split(logits, reference_logits[1], BF16_TOLERANCE)
                         gpu_clean()
                 rows.append(row)
                 rows_path.write_text(json.dumps(rows, indent=1))

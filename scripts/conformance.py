@@ -27,7 +27,10 @@ the same adapter. ``--list`` states the arms and the device seconds expected.
 Verdicts per arm: every command exits 0; no out-of-memory; peak GPU at or under the plan's gpu_memory_bytes (the
 cap of a serving plan); peak at least 0.9 of the predicted total; measured / predicted - 1 within 10% for
 ``--measure`` plans and 25% for estimated ones (decode step, and a serving plan's prefill chunk); greedy text
-equal to the all-resident plan's.
+equal to the all-resident plan's. A plan with CPU experts computes their products in another order than the GPU
+(docs/experts.md, Numerics): where its text differs, its logits are decoded against the all-resident plan's
+(first_split), and it passes when the tokens split at a near tie (all-resident's top two within twice the bf16
+tolerance) with every logit up to the split within the tolerance; any other split fails.
 """
 
 from __future__ import annotations
@@ -833,9 +836,104 @@ def prediction_errors(bench: dict) -> dict:
 
 
 def tokens_equal(row: dict, reference_text: str | None) -> bool | None:
+    """The arm's greedy text is the all-resident plan's; or, for a plan with CPU experts, whose arithmetic is not
+    the GPU's bit for bit (docs/experts.md, Numerics), it splits at a near tie with every logit up to the split
+    within the bf16 tolerance (``row["logits"]``: first_split against the all-resident plan's decode)."""
     if row.get("text") is None or reference_text is None:
         return None if "prompt" not in row["exit"] else False
-    return row["text"] == reference_text
+    if row["text"] == reference_text:
+        return True
+    split = row.get("logits")
+    return bool(split and split.get("near_tie") and split["within_tolerance"])
+
+
+def tokens_text(row: dict) -> str:
+    """The tokens verdict for the table, with where and how a CPU-experts plan's decode split."""
+    verdict = row.get("verdicts", {}).get("tokens_equal", "-")
+    split = row.get("logits")
+    if not split or split.get("split_at") is None:
+        return str(verdict)
+    kind = "near tie" if split["near_tie"] else "fault"
+    return (f"{verdict}: {kind} at step {split['split_at']} (top-two gap {split['margin_share']:.2%}, logits within "
+            f"{split['worst_share']:.2%})")
+
+
+def has_cpu_experts(path: Path) -> bool:
+    """Whether the plan computes experts on the CPU (an experts.cpu section)."""
+    import yaml
+
+    return bool((yaml.safe_load(path.read_text()).get("experts") or {}).get("cpu"))
+
+
+@functools.lru_cache(maxsize=2)
+def reference_logits(path: Path) -> list:
+    """The all-resident plan's greedy logits (decoded once per model)."""
+    return greedy_logits(path, MAX_NEW_TOKENS)[1]
+
+
+def split_against(plan: Path, reference_plan: Path) -> dict:
+    """first_split of the plan's greedy decode against the all-resident plan's, at the bf16 tolerance."""
+    from runtime.cpu_experts import BF16_TOLERANCE
+
+    split = first_split(greedy_logits(plan, MAX_NEW_TOKENS)[1], reference_logits(reference_plan), BF16_TOLERANCE)
+    gpu_clean()
+    return split
+
+
+def first_split(logits: list, reference_logits: list, tolerance: float) -> dict:
+    """Where a greedy decode first takes another token than the reference's, and whether the tolerance admits it.
+    ``logits``: per decode step, a 1-D tensor over the vocabulary; step k's argmax is the token that step k + 1
+    reads (the prefill's argmax is read by step 0), so the split is the first step whose argmax differs, and
+    every step up to it read the same tokens in both decodes. Each step's logits against the reference's, as a
+    share of the reference step's largest magnitude, up to and at the split (``worst_share``, and per step in
+    ``shares``); the reference's top-two gap there, as the same share (``margin_share``); a near tie is a gap
+    within twice the tolerance (the CPU's fp32 sums may then break it the other way), anything else a fault.
+    ``equal_share``: the share of those steps' logits bitwise equal to the reference's."""
+    split = next((step for step, (a, b) in enumerate(zip(logits, reference_logits))
+                  if int(a.argmax()) != int(b.argmax())), None)
+    last = min(len(logits), len(reference_logits)) - 1 if split is None else split
+    shares = [float((logits[step] - reference_logits[step]).abs().max()) / float(reference_logits[step].abs().max())
+              for step in range(last + 1)]
+    worst = max(shares, default=0.0)
+    equal = sum(int((logits[step] == reference_logits[step]).sum()) for step in range(last + 1))
+    total = sum(reference_logits[step].numel() for step in range(last + 1))
+    result = {"split_at": split, "worst_share": worst, "within_tolerance": worst <= tolerance,
+              "equal_share": equal / total if total else None, "shares": [round(share, 5) for share in shares]}
+    if split is not None:
+        top_two = reference_logits[split].topk(2).values
+        margin = float(top_two[0] - top_two[1]) / float(reference_logits[split].abs().max())
+        result |= {"margin_share": margin, "near_tie": margin <= 2 * tolerance}
+    return result
+
+
+def greedy_logits(path: Path, num_tokens: int) -> tuple[list[int], list]:
+    """The plan's greedy decode of PROMPT, in this process, over the static cache ``run --prompt`` decodes with
+    (replayed from CUDA graphs where the plan was made graphed): its ids and each step's logits (CPU)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from planner.plan.file import read_plan
+    from runtime.graph import NUM_WARMUP_CALLS, DecodeLoop, calls_for, steps_per_call_for
+    from runtime.load import load_with_plan
+
+    plan = read_plan(path)
+    graphed = bool(plan.workload.cuda_graph)
+    loaded = load_with_plan(plan)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(loaded.source.folder))
+        prompt = tokenizer(PROMPT, return_tensors="pt")["input_ids"].to("cuda")
+        steps = steps_per_call_for(graphed)
+        room_tokens = max(NUM_WARMUP_CALLS, calls_for(num_tokens, steps)) * steps  # as run --prompt's cache
+        loop = DecodeLoop(loaded.model, batch=1, max_cache_tokens=prompt.shape[1] + room_tokens,
+                          device=prompt.device, engine=loaded.engine, steps_per_call=steps)
+        loop.prefill(prompt)
+        loop.capture() if graphed else loop.warm_up()
+        ids, logits = loop.generate(num_tokens)
+        torch.cuda.synchronize()
+        return ids[0].tolist(), [step[0].float().cpu() for step in logits]
+    finally:
+        loaded.engine.close()
+
 
 
 # --- one model, in its own process ---------------------------------------------------------------------------------
@@ -884,7 +982,7 @@ def run_model(model: Model, arms: list[Arm], args, emit) -> None:
                 (path for (mode, cap), path in plans.items()
                  if cap == arm.cap and mode.startswith("serving") == arm.serving), None)
             emit(finish_arm(arm, made[arm], other, caps, args.no_run, adapter_reference if arm.adapters
-                            else reference) | {"family": family})
+                            else reference, reference_path(work, arm.adapters)) | {"family": family})
         plans |= {(arm.mode, arm.cap): made[arm]["path"] for arm in pair
                   if made[arm]["exit"]["make"] == 0 and (arm.mode, arm.cap) not in plans}
 
@@ -908,8 +1006,10 @@ def make_arm(arm: Arm, folder: Path, profile: str, caps: dict, work: Path, dry_r
             "make_s": time.perf_counter() - start}
 
 
-def finish_arm(arm: Arm, made: dict, other: Path | None, caps: dict, no_run: bool, reference: str | None) -> dict:
-    """The arm's row: the plan's figures, the readers' exits, run's figures and the verdicts."""
+def finish_arm(arm: Arm, made: dict, other: Path | None, caps: dict, no_run: bool, reference: str | None,
+               reference_plan: Path) -> dict:
+    """The arm's row: the plan's figures, the readers' exits, run's figures and the verdicts (``reference``: the
+    all-resident plan's greedy text, ``reference_plan`` its plan)."""
     start = time.perf_counter()
     row = {"kind": "arm", "arm": arm.name, "model": arm.model, "family": None, "moe": MODELS[arm.model].moe,
            "mode": arm.mode, "cap": arm.cap, "measure": arm.measure, "experts": arm.experts or "make's choice",
@@ -925,6 +1025,9 @@ def finish_arm(arm: Arm, made: dict, other: Path | None, caps: dict, no_run: boo
             row["exit"] |= ran.pop("exit")
             row["errors"] |= ran.pop("errors")
             row |= ran
+            if (reference is not None and row["text"] is not None and row["text"] != reference
+                    and has_cpu_experts(made["path"])):
+                row["logits"] = split_against(made["path"], reference_plan)
     row["verdicts"] = verdicts(arm, row, reference) if not no_run else {"exit_ok": exits_ok(row)}
     row["seconds"] = round(made["make_s"] + time.perf_counter() - start, 1)
     return row
@@ -935,7 +1038,7 @@ def reference_text(folder: Path, profile: str, caps: dict, work: Path, emit, mod
     """The all-resident plan's greedy text (a budget that holds every weight), run first; ``adapters``: the
     adapters arms' reference, the plan with the adapters (their slots on top of the budget) generating with the
     first."""
-    path = work / ("all-resident-adapters.yaml" if adapters else "all-resident.yaml")
+    path = reference_path(work, adapters)
     path.unlink(missing_ok=True)
     if adapters:
         slots_bytes = ADAPTER_SLOTS * max(adapter_bytes(folder).values())
@@ -954,6 +1057,11 @@ def reference_text(folder: Path, profile: str, caps: dict, work: Path, emit, mod
         row |= ran
     emit(row)
     return row.get("text")
+
+
+def reference_path(work: Path, adapters: bool) -> Path:
+    """The all-resident plan's path in the model's plans folder."""
+    return work / ("all-resident-adapters.yaml" if adapters else "all-resident.yaml")
 
 
 def one_line(error: BaseException) -> str:
@@ -1136,7 +1244,7 @@ def arm_line(row: dict) -> str:
     return (f"| {row['arm']} | {' '.join(f'{k}:{v}' for k, v in row['exit'].items())} | "
             f"{regime_text(row.get('plan') or {})} | {timing} | {error} | "
             f"{fmt(row.get('peak_over_cap'))} | {fmt(row.get('peak_over_predicted'))} | "
-            f"{row.get('verdicts', {}).get('tokens_equal', '-')} | {link_text(row)} | {routing_text(bench)} | "
+            f"{tokens_text(row)} | {link_text(row)} | {routing_text(bench)} | "
             f"{row['seconds']} | "
             f"{f'{first[0]}: {first[1][:120]}' if first else ''} |")
 

@@ -145,29 +145,25 @@ def routed_choice(experts: ExpertModel, *, searcher: Searcher, compute: ComputeT
                                 h2d_bytes_per_s=h2d_bytes_per_s, prefetch_accuracy=accuracy,
                                 gather_bytes_per_s=gather_bytes_per_s if decode else None)
 
-    def fetch_only(spare_bytes: int) -> tuple[RoutedPlacement, Simulation] | None:
-        """The decode placement fetching every miss, with or without prefetch (whichever is faster), within the
-        budget less ``spare_bytes``, and its step."""
+    def fetch_only(spare_bytes: int) -> list[RoutedPlacement]:
+        """The decode placements fetching every miss within the budget less ``spare_bytes``: without prefetch
+        (unless make --prefetch-depth pins one) and at each prefetch depth allowed (none where nothing fits)."""
         placement = placed(None, spare_bytes)
-        return None if placement is None else with_prefetch_choice(placement, spare_bytes)
-
-    def with_prefetch_choice(placement: RoutedPlacement, spare_bytes: int) -> tuple[RoutedPlacement, Simulation]:
-        """``placement`` (no prefetch) or its prefetching twin within the same budget, whichever step is faster."""
-        simulation = decode_simulation(compute, placement)
+        if placement is None:
+            return []
         wanted = experts.prefetch_depth != 0 and len(placement.layers) > 1
         prefetching = placed(experts.prefetch_accuracy, spare_bytes) if wanted else None
-        if prefetching is not None:
-            prefetching, with_prefetch = choose_prefetch_depth(experts, compute, prefetching)
-            pinned = experts.prefetch_depth is not None
-            if pinned or round(with_prefetch.step_ms, STEP_MS_DECIMALS) < round(simulation.step_ms, STEP_MS_DECIMALS):
-                placement, simulation = prefetching, with_prefetch
-        return placement, simulation
+        if prefetching is None:
+            return [placement]
+        at_depths = [with_prefetch_depth(prefetching, experts.rank_accuracy, depth, experts.predictions)
+                     for depth in prefetch_depths(experts)]
+        return at_depths if experts.prefetch_depth is not None else [placement, *at_depths]
 
     placement = placed(None)
     if placement is None:
         return None
     if decode:
-        placement, simulation = with_prefetch_choice(placement, 0)
+        placement, simulation = fastest(compute, fetch_only(0))
         placement, simulation, cpu, declined = _with_cpu(experts, compute, placement, simulation, num_tokens,
                                                          h2d_bytes_per_s, fetch_only)
         # the link carries the ranks gathered ahead (hits and wasted) and the misses: as many as the step routes
@@ -201,17 +197,26 @@ def _with_cpu(experts: ExpertModel, compute: ComputeTimes, placement: RoutedPlac
     if experts.cpu is None:
         return placement, simulation, None, None
     zero_row_bytes = experts.geometry.max_expert_bytes
-    room = fetch_only(zero_row_bytes)
-    if room is None:
+    rooms = fetch_only(zero_row_bytes)
+    if not rooms:
         return placement, simulation, None, (f"no room beside the resident experts for the zero row the CPU's experts "
                                              f"read as resident at ({zero_row_bytes:,} bytes)")
-    hybrid, section, declined = hybrid_placement(room[0], geometry=experts.geometry, routing=experts.routing,
-                                                 inputs=experts.cpu, num_tokens=num_tokens,
-                                                 layer_ms=compute.layer_ms,
-                                                 link_bytes_per_s=routed_fetch_bytes_per_s(h2d_bytes_per_s))
-    if hybrid is None:
+    # the prefetch depth is chosen with the CPU beside the link, not for fetching alone: the CPU takes the misses a
+    # wrong guess leaves, so a shallower prefetch (fewer wasted bytes on the link) can be faster with it
+    best, declined = None, None
+    for room in rooms:
+        hybrid, section, why = hybrid_placement(room, geometry=experts.geometry, routing=experts.routing,
+                                                inputs=experts.cpu, num_tokens=num_tokens, layer_ms=compute.layer_ms,
+                                                link_bytes_per_s=routed_fetch_bytes_per_s(h2d_bytes_per_s))
+        if hybrid is None:
+            declined = declined or why
+            continue
+        with_cpu = decode_simulation(compute, hybrid)
+        if best is None or round(with_cpu.step_ms, STEP_MS_DECIMALS) < round(best[1].step_ms, STEP_MS_DECIMALS):
+            best = (hybrid, with_cpu, section)
+    if best is None:
         return placement, simulation, None, declined
-    with_cpu = decode_simulation(compute, hybrid)
+    hybrid, with_cpu, section = best
     if round(with_cpu.step_ms, STEP_MS_DECIMALS) < round(simulation.step_ms, STEP_MS_DECIMALS):
         return hybrid, with_cpu, section, None
     return placement, simulation, None, (f"the step with CPU experts ({with_cpu.step_ms:.3f} ms) is no faster than "
@@ -226,15 +231,26 @@ def choose_prefetch_depth(experts: ExpertModel, compute: ComputeTimes,
     its wasted bytes on the critical path (planner.model.expert_prefetch.prefetch_layer_stall_ms), so poor deep
     ranks lower m.
     With a trace's per-expert figures each layer's shares are its non-resident experts' (with_prefetch_depth)."""
-    pinned = experts.prefetch_depth
-    depths = range(1, len(experts.rank_accuracy) + 1) if pinned is None else (pinned,)
+    return fastest(compute, [with_prefetch_depth(placement, experts.rank_accuracy, depth, experts.predictions)
+                             for depth in prefetch_depths(experts)])
+
+
+def fastest(compute: ComputeTimes, placements: list[RoutedPlacement]) -> tuple[RoutedPlacement, Simulation]:
+    """Of ``placements``, the one whose decode step is predicted fastest, with its simulation; a tie (to
+    STEP_MS_DECIMALS) keeps the earlier (no prefetch before prefetching, the smaller depth: fewer bytes on the
+    link)."""
     best = None
-    for depth in depths:
-        candidate = with_prefetch_depth(placement, experts.rank_accuracy, depth, experts.predictions)
-        simulation = decode_simulation(compute, candidate)
+    for placement in placements:
+        simulation = decode_simulation(compute, placement)
         if best is None or round(simulation.step_ms, STEP_MS_DECIMALS) < round(best[1].step_ms, STEP_MS_DECIMALS):
-            best = (candidate, simulation)
+            best = (placement, simulation)
     return best
+
+
+def prefetch_depths(experts: ExpertModel) -> tuple[int, ...]:
+    """The prefetch depths a placement may take: make --prefetch-depth's, else every rank 1..k."""
+    pinned = experts.prefetch_depth
+    return tuple(range(1, len(experts.rank_accuracy) + 1)) if pinned is None else (pinned,)
 
 
 def decode_simulation(compute: ComputeTimes, placement: RoutedPlacement) -> Simulation:

@@ -202,3 +202,43 @@ def test_adapters_arms_make_and_read_plans_with_adapters_on_the_cpu(tmp_path):
     bench = {"plan_mode": "pipelined", "modes": [{"mode": "blocking", "total_ms": 90.0, "predicted_total_ms": 60.0},
                                                  {"mode": "pipelined", "total_ms": 110.0, "predicted_total_ms": 100.0}]}
     assert conformance.prediction_errors(bench) == {"adapter_stream": pytest.approx(0.10)}
+
+
+def test_a_split_at_a_near_tie_is_told_from_a_fault():
+    torch = pytest.importorskip("torch")
+    reference = [torch.tensor([4.0, 1.0, 0.0]), torch.tensor([2.0, 1.99, 0.0]), torch.tensor([0.0, 4.0, 1.0])]
+    same = conformance.first_split(reference, reference, 2**-6)
+    assert same == {"split_at": None, "worst_share": 0.0, "within_tolerance": True, "equal_share": 1.0,
+                    "shares": [0.0, 0.0, 0.0]}
+    # step 1 is a near tie (gap 0.01 of 2.0): a nudge within the tolerance takes the other token
+    nudged = [reference[0], torch.tensor([1.995, 2.0, 0.0]), torch.tensor([0.0, 4.0, 1.0])]
+    tie = conformance.first_split(nudged, reference, 2**-6)
+    assert tie["split_at"] == 1 and tie["near_tie"] and tie["within_tolerance"]
+    # a split where the reference's top two are far apart, the logits far off: a fault
+    far = [reference[0], torch.tensor([3.0, 0.0, 0.0]), reference[2]]
+    wrong = [reference[0], torch.tensor([0.0, 3.0, 0.0]), reference[2]]
+    fault = conformance.first_split(wrong, far, 2**-6)
+    assert fault["split_at"] == 1 and not fault["near_tie"] and not fault["within_tolerance"]
+
+
+def test_first_split_counts_the_logits_bitwise_equal_up_to_the_split():
+    torch = pytest.importorskip("torch")
+    reference = [torch.tensor([1.0, 3.0, 2.0]), torch.tensor([4.0, 1.0, 0.0]), torch.tensor([0.0, 1.0, 2.0])]
+    other = [reference[0] + torch.tensor([0.0, 0.0, 0.01]), torch.tensor([3.99, 4.0, 0.0]), reference[2]]
+    split = conformance.first_split(other, reference, 2**-6)
+    assert split["split_at"] == 1 and split["equal_share"] == 3 / 6 and not split["near_tie"]
+
+
+def test_a_cpu_experts_plan_passes_the_tokens_verdict_only_at_a_near_tie_within_the_tolerance():
+    """Text equal passes; a differing text passes only with a first_split that found a near tie and logits within
+    the tolerance up to it (a CPU-experts plan's), and fails with none (any other plan) or with a fault."""
+    row = {"exit": {"prompt": 0}, "text": "w1 w2"}
+    assert conformance.tokens_equal(row, "w1 w2") is True
+    row["text"] = "w1 w3"
+    assert conformance.tokens_equal(row, "w1 w2") is False
+    tie = {"split_at": 1, "near_tie": True, "within_tolerance": True, "margin_share": 0.004, "worst_share": 0.008}
+    assert conformance.tokens_equal(row | {"logits": tie}, "w1 w2") is True
+    for broken in ({"near_tie": False}, {"within_tolerance": False}):
+        assert conformance.tokens_equal(row | {"logits": tie | broken}, "w1 w2") is False
+    row |= {"logits": tie, "verdicts": {"tokens_equal": True}}
+    assert conformance.tokens_text(row) == "True: near tie at step 1 (top-two gap 0.40%, logits within 0.80%)"
