@@ -94,12 +94,15 @@ def _stop_thread(kernel, worker: int, *_kept) -> None:
 
 
 def ring(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-         mapped: dict[str, torch.Tensor], key: int) -> None:
-    """Step 1 on the current stream: the inputs into the mapped buffers, then ``key`` into flags[0]."""
+         mapped: dict[str, torch.Tensor], key: int, part: torch.Tensor | None = None) -> None:
+    """Step 1 on the current stream: the inputs (and ``part``'s expert id and rows, where a layer splits one
+    expert by its rows: runtime.fetch_planning) into the mapped buffers, then ``key`` into flags[0]."""
     hidden = hidden.contiguous()
     index, weights = top_k_index.contiguous(), top_k_weights.contiguous()
+    with_part = part is not None
     _kernels()["ring"][(1,)](hidden, index, weights, mapped["hidden"], mapped["index"], mapped["weights"],
-                             mapped["flags"], key, hidden.numel(), index.numel(), BLOCK=BLOCK, num_warps=4)
+                             mapped["flags"], key, hidden.numel(), index.numel(), part if with_part else index,
+                             mapped["part"], WITH_PART=with_part, BLOCK=BLOCK, num_warps=4)
 
 
 def wait_add(mapped: dict[str, torch.Tensor], num_tokens: int, out: torch.Tensor) -> torch.Tensor:
@@ -122,7 +125,7 @@ def _kernels() -> dict:
 
     @triton.jit
     def ring_kernel(hidden, index, weights, hidden_host, index_host, weights_host, flags, key, num_hidden,
-                    num_pairs, BLOCK: tl.constexpr):
+                    num_pairs, part, part_host, WITH_PART: tl.constexpr, BLOCK: tl.constexpr):
         for start in range(0, num_hidden, BLOCK):
             offsets = start + tl.arange(0, BLOCK)
             mask = offsets < num_hidden
@@ -132,6 +135,9 @@ def _kernels() -> dict:
             mask = offsets < num_pairs
             tl.store(index_host + offsets, tl.load(index + offsets, mask=mask).to(tl.int64), mask=mask)
             tl.store(weights_host + offsets, tl.load(weights + offsets, mask=mask).to(tl.float32), mask=mask)
+        if WITH_PART:  # the expert split by its rows, and its rows
+            two = tl.arange(0, 2)
+            tl.store(part_host + two, tl.load(part + two))
         # every thread's stores before the key; the release at system scope orders them for the host
         tl.debug_barrier()
         tl.atomic_xchg(flags, key, sem="release", scope="sys")

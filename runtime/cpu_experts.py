@@ -135,31 +135,40 @@ class HostExperts:
         """Host bytes of the copy (counted in host memory beside the pinned experts)."""
         return self.gate_up.nbytes + self.down.nbytes
 
-    def expert(self, expert: int, hidden: torch.Tensor, round_bf16: bool = False) -> torch.Tensor:
+    def expert(self, expert: int, hidden: torch.Tensor, round_bf16: bool = False,
+               rows: int | None = None) -> torch.Tensor:
         """One expert's SwiGLU on ``hidden`` [T, H]: [T, H], in fp32 from the C kernel (its products accumulate in
         fp32 from the weights as they lie), else torch's in the copy's dtype. ``round_bf16``: the intermediates and
         the output rounded to bf16 where a GPU computing the expert in bf16 rounds them (expert_swiglu; torch's
-        path computes in bf16 then, an fp32 copy of bf16 weights holding their values exactly)."""
+        path computes in bf16 then, an fp32 copy of bf16 weights holding their values exactly). ``rows``: over its
+        first ``rows`` intermediate rows only (gate and up rows, down's columns: a part of the expert whose other
+        rows the GPU computes; None: all)."""
         kernel = self.kernel
         if kernel is not None:
             return expert_swiglu(kernel, self.gate_up[expert], self.down[expert], hidden, torch.get_num_threads(),
-                                 round_bf16)
+                                 round_bf16, rows)
         dtype = torch.bfloat16 if round_bf16 else CPU_DTYPES[self.dtype]
+        intermediate = self.shape.intermediate_size
+        rows = intermediate if rows is None else rows
         gate_up, down = self.gate_up[expert].to(dtype), self.down[expert].to(dtype)
-        gate, up = F.linear(hidden.to(dtype), gate_up).chunk(2, dim=-1)  # [T, I] each
-        return F.linear(self.act_fn(gate) * up, down)  # [T, H]
+        gate = F.linear(hidden.to(dtype), gate_up[:rows])  # [T, rows]
+        up = F.linear(hidden.to(dtype), gate_up[intermediate:intermediate + rows])
+        return F.linear(self.act_fn(gate) * up, down[:, :rows])  # [T, H]
 
 
-def compute_pairs(experts: HostExperts, hidden: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+def compute_pairs(experts: HostExperts, hidden: torch.Tensor, expert_ids: torch.Tensor,
+                  part: tuple[int, int] | None = None) -> torch.Tensor:
     """The CPU's output for each (token, expert) pair: ``hidden`` [P, H] the pairs' tokens on the host,
     ``expert_ids`` [P] their experts; [P, H] unweighted, in fp32 (HostExperts.expert's values), rounded as the GPU
     rounds where ``hidden`` is bf16 (the model computes in bf16). One expert at a time, its pairs gathered, so each
-    expert's weights are read once however many tokens it has."""
+    expert's weights are read once however many tokens it has. ``part``: (expert, rows), that expert over its first
+    rows only."""
     out = torch.empty(hidden.shape, dtype=torch.float32)
     round_bf16 = hidden.dtype == torch.bfloat16
     for expert in torch.unique(expert_ids).tolist():
-        rows = (expert_ids == expert).nonzero().squeeze(1)
-        out[rows] = experts.expert(expert, hidden[rows], round_bf16).float()
+        pairs = (expert_ids == expert).nonzero().squeeze(1)
+        rows = part[1] if part is not None and part[0] == expert else None
+        out[pairs] = experts.expert(expert, hidden[pairs], round_bf16, rows).float()
     return out
 
 

@@ -98,6 +98,10 @@ HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 CAPPED_PAIRS_FACTOR = 4
 #: the params a CPU-computed experts module holds: gated SwiGLU experts without biases (HostExperts)
 CPU_PARAMS = ["down_proj", "gate_up_proj"]
+#: the handoff's part buffer (int64): the step's expert split by its rows and its rows, as the host reads them
+#: (PART_HANDED of them; the GPU's part also holds its slot)
+PART_WORDS = 4
+PART_HANDED = 2
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,13 +146,15 @@ def computed_in_c(layer: CpuLayer | None, hidden_dtype: torch.dtype) -> bool:
 
 
 def cpu_partial_sum(layer: CpuLayer, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                    out: torch.Tensor, routing_bf16: bool | None = None) -> tuple[int, int]:
+                    out: torch.Tensor, routing_bf16: bool | None = None,
+                    part: torch.Tensor | None = None) -> tuple[int, int]:
     """``out`` [T, H] (fp32) = per token, the sum over its pairs routed to the layer's CPU experts of weight x the
     expert's output, in rank order (as batched_mm sums); zeros where a token has none. ``hidden`` [T, H],
     ``top_k_index`` and ``top_k_weights`` [T, k], all host tensors. Rounded as the GPU's experts function rounds: each
     expert's intermediates and output where ``hidden`` is bf16, each weighted pair where ``routing_bf16`` (default:
-    whether ``top_k_weights`` are bf16; the handoff's buffer holds them widened to fp32). Returns (pairs, distinct
-    experts) computed."""
+    whether ``top_k_weights`` are bf16; the handoff's buffer holds them widened to fp32). ``part``: int64 host
+    tensor (expert id, rows): that expert's pairs over its first rows only (runtime.fetch_planning: the GPU
+    computes its other rows). Returns (pairs, distinct experts) computed."""
     host = layer.host
     routing_bf16 = top_k_weights.dtype == torch.bfloat16 if routing_bf16 is None else routing_bf16
     if computed_in_c(layer, hidden.dtype) and out.is_contiguous():
@@ -157,7 +163,7 @@ def cpu_partial_sum(layer: CpuLayer, hidden: torch.Tensor, top_k_index: torch.Te
         # bf16 pairs that calibrate computes in 0.22 ms each; on the 2-core dev host this body took 0.18 ms for
         # two pairs of tiny experts where the Python took 1.96
         return partial_sum(host.kernel, host.gate_up, host.down, layer.local, hidden, top_k_index, top_k_weights,
-                           out, torch.get_num_threads(), routing_bf16)
+                           out, torch.get_num_threads(), routing_bf16, part)
     num_top_k = top_k_index.shape[1]
     ids = top_k_index.reshape(-1)  # [S], token-major; -1: a pair a per-step split left to the GPU
     rows = ((ids >= 0) & layer.is_cpu[ids.clamp(min=0)]).nonzero().squeeze(1)  # [P] the CPU's pairs: by token, rank
@@ -166,7 +172,10 @@ def cpu_partial_sum(layer: CpuLayer, hidden: torch.Tensor, top_k_index: torch.Te
         return 0, 0
     tokens = rows // num_top_k
     local = layer.local[ids[rows]]
-    pairs = compute_pairs(layer.host, hidden[tokens], local)  # [P, H] unweighted, in the copy's dtype
+    split = None
+    if part is not None and part[0] >= 0 and 0 < part[1] < host.shape.intermediate_size:
+        split = (int(layer.local[part[0]]), int(part[1]))  # the expert's index in the copy, its rows
+    pairs = compute_pairs(layer.host, hidden[tokens], local, split)  # [P, H] unweighted, in the copy's dtype
     weighted = pairs.float() * top_k_weights.reshape(-1)[rows].float().unsqueeze(-1)
     if routing_bf16:  # the GPU's bf16 pair x bf16 weight is stored in bf16
         weighted = weighted.to(torch.bfloat16).float()
@@ -227,11 +236,14 @@ class CpuExperts:
     must not be replayed after ``close``) and the counters."""
 
     def __init__(self, layers: dict[int, CpuLayer], *, hidden_size: int, max_pairs: int, hidden_dtype: torch.dtype,
-                 threads: int, device: torch.device, backend):
-        """``max_pairs``: the most (token, expert) pairs of a decode step (fetch_slots), so the most tokens too."""
+                 threads: int, device: torch.device, backend, parted: frozenset = frozenset()):
+        """``max_pairs``: the most (token, expert) pairs of a decode step (fetch_slots), so the most tokens too;
+        ``parted``: the layers that may split one expert by its rows each step (runtime.fetch_planning's part,
+        handed to the host with the pairs)."""
         if threads < 1:
             raise PlanError(f"CPU experts need at least 1 thread, got {threads}")
         self.layers, self.threads, self.device, self.backend = dict(layers), threads, device, backend
+        self.parted = frozenset(parted)
         self.counters = CpuCounters()
         #: whether the router's weights are bf16 (the handoff's buffer widens them to fp32): the CPU then rounds
         #: each weighted pair as the GPU's bf16 product does; set by the first ``fork``
@@ -257,7 +269,7 @@ class CpuExperts:
         read and write them in place, capturable) and their device views."""
         shapes = {"hidden": ((max_pairs, hidden_size), hidden_dtype), "index": ((max_pairs,), torch.int64),
                   "weights": ((max_pairs,), torch.float32), "out": ((max_pairs, hidden_size), torch.float32),
-                  "flags": ((FLAGS_WORDS,), torch.int32)}
+                  "flags": ((FLAGS_WORDS,), torch.int32), "part": ((PART_WORDS,), torch.int64)}
         offsets, total = {}, 0
         for name, (shape, dtype) in shapes.items():
             offsets[name] = total
@@ -281,14 +293,19 @@ class CpuExperts:
 
     # ---- the step ----
 
-    def fork(self, index: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+    def fork(self, index: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+             part: torch.Tensor | None = None):
         """Start the CPU's pairs of layer ``index`` right after the router: by doorbell, the ring on the current
         stream (runtime.cpu_doorbell); by host node, steps 1 to 3 of the module docstring on the side stream.
-        Returns what ``join`` takes. On the CPU stand-in (tests) nothing runs until ``join``."""
+        ``part``: the step's expert split by its rows (runtime.fetch_planning: expert id, rows, slot), in a layer of
+        ``parted``. Returns what ``join`` takes. On the CPU stand-in (tests) nothing runs until ``join``."""
         self.check()
         self.routing_bf16 = top_k_weights.dtype == torch.bfloat16
+        if (part is not None) != (index in self.parted):
+            raise RuntimeUnavailableError(f"layer {index}: a step's part split by rows goes with the layers that plan "
+                                          "one; regenerate the plan")
         if self.stream is None:
-            return index, hidden, top_k_index, top_k_weights
+            return index, hidden, top_k_index, top_k_weights, part
         num_tokens, num_top_k = top_k_index.shape
         if num_tokens * num_top_k > self.buffers["index"].numel():
             raise RuntimeUnavailableError(f"a decode step of {num_tokens} tokens x top-{num_top_k} routes more pairs "
@@ -296,7 +313,7 @@ class CpuExperts:
                                           "plan fewer sequences, or plan without CPU experts")
         if self.doorbell is not None:
             ring(hidden, top_k_index, top_k_weights, self.mapped,
-                 self.doorbell.key(self.host_node(index, num_tokens, num_top_k)))
+                 self.doorbell.key(self.host_node(index, num_tokens, num_top_k)), part)
             return num_tokens
         main = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(main)
@@ -307,6 +324,8 @@ class CpuExperts:
             mapped["hidden"][:num_tokens].copy_(hidden)
             mapped["index"][:num_pairs].view(num_tokens, num_top_k).copy_(top_k_index)
             mapped["weights"][:num_pairs].view(num_tokens, num_top_k).copy_(top_k_weights)
+            if part is not None:
+                mapped["part"][:PART_HANDED].copy_(part[:PART_HANDED])
             node = self.host_node(index, num_tokens, num_top_k)
             if isinstance(node, HostStep):
                 launch_host_func(self.stream, node.kernel.host_step_address, node.user_data)
@@ -322,10 +341,10 @@ class CpuExperts:
         rounds the whole sum once, as batched_mm does); on the CPU stand-in the CPU's pairs are computed here,
         inline."""
         if self.stream is None:
-            index, hidden, top_k_index, top_k_weights = pending
+            index, hidden, top_k_index, top_k_weights, part = pending
             partial = torch.empty(hidden.shape, dtype=torch.float32)
             with cpu_threads(self.threads):  # this thread's count restored after
-                self._compute(index, hidden, top_k_index, top_k_weights, partial)
+                self._compute(index, hidden, top_k_index, top_k_weights, partial, part)
             self.check()
             return out.add_(partial)
         if self.doorbell is not None:
@@ -347,7 +366,7 @@ class CpuExperts:
                     hidden=buffers["hidden"][:num_tokens], index=buffers["index"][:num_pairs],
                     weights=buffers["weights"][:num_pairs], out=buffers["out"][:num_tokens],
                     scratch=self._scratch[0], pairs=self._scratch[1], num_threads=self.threads,
-                    routing_bf16=self.routing_bf16)
+                    routing_bf16=self.routing_bf16, part=buffers["part"] if index in self.parted else None)
             else:
                 self._host_nodes[key] = HOST_FN(lambda _user_data: self._host_step(*key))
         return self._host_nodes[key]
@@ -363,10 +382,11 @@ class CpuExperts:
         num_pairs = num_tokens * num_top_k
         buffers = self.buffers
         self._compute(index, buffers["hidden"][:num_tokens], buffers["index"][:num_pairs].view(num_tokens, num_top_k),
-                      buffers["weights"][:num_pairs].view(num_tokens, num_top_k), buffers["out"][:num_tokens])
+                      buffers["weights"][:num_pairs].view(num_tokens, num_top_k), buffers["out"][:num_tokens],
+                      buffers["part"] if index in self.parted else None)
 
     def _compute(self, index: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                 out: torch.Tensor) -> None:
+                 out: torch.Tensor, part: torch.Tensor | None = None) -> None:
         """cpu_partial_sum with the threads set and the counters kept; an error is recorded, the output NaN."""
         start = time.perf_counter()
         try:
@@ -376,7 +396,7 @@ class CpuExperts:
                 torch.set_num_threads(self.threads)
             with torch.inference_mode():
                 pairs, experts = cpu_partial_sum(self.layers[index], hidden, top_k_index, top_k_weights, out,
-                                                 self.routing_bf16)
+                                                 self.routing_bf16, part)
             counters = self.counters
             counters.calls += 1
             counters.pairs_total += top_k_index.numel()
@@ -485,9 +505,9 @@ def check_cpu_experts(cpu: dict[int, tuple[int, ...]], resident: dict[int, tuple
         raise PlanError(f"CPU experts need at least 1 thread, got {threads}")
 
 
-def check_cpu_take(cpu_take: dict[int, tuple[int, ...]], cpu: dict[int, tuple[int, ...]]) -> None:
-    """One line (PlanError) unless every layer splitting its misses by count has CPU ids and a table j(m) of whole
-    counts from 0 to m."""
+def check_cpu_take(cpu_take: dict[int, tuple[float, ...]], cpu: dict[int, tuple[int, ...]]) -> None:
+    """One line (PlanError) unless every layer splitting its misses by count has CPU ids and a table j(m) of
+    shares from 0 to m (whole experts, and a fraction of one more)."""
     for index, take in cpu_take.items():
         if index not in cpu:
             raise PlanError(f"routed layer {index} splits its misses with the CPU (cpu_take) but has no CPU experts; "
@@ -512,5 +532,6 @@ def start_cpu_experts(routed) -> CpuExperts:
     capped = routed.fetch_slots >= routed.num_experts
     max_pairs = routed.fetch_slots * (CAPPED_PAIRS_FACTOR if capped else 1)
     return CpuExperts(layers, hidden_size=shape[0], max_pairs=max_pairs, hidden_dtype=dtype,
-                      threads=routed.cpu_threads, device=routed.device, backend=routed.backend)
+                      threads=routed.cpu_threads, device=routed.device, backend=routed.backend,
+                      parted=frozenset(routed.cpu_rows))
 

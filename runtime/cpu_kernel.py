@@ -143,13 +143,14 @@ static void dot4_f32(const float *w, const float *v, int64_t N, float *out) {
     out[0] = a0; out[1] = a1; out[2] = a2; out[3] = a3;
 }
 
-/* rows [R, N] of weights times each of T fp32 vectors x [T, N]: y[t * R + r]; tokens four at a time, the rest
-   one at a time */
-static void rows_times(const void *weights, int bf16, const float *x, float *y, int64_t T, int64_t R, int64_t N) {
+/* rows [R, N] of weights (row r at r * stride elements) times each of T fp32 vectors x [T, N]: y[t * R + r];
+   tokens four at a time, the rest one at a time */
+static void rows_times(const void *weights, int bf16, const float *x, float *y, int64_t T, int64_t R, int64_t N,
+                       int64_t stride) {
     #pragma omp for schedule(static)
     for (int64_t r = 0; r < R; r++) {
-        const uint16_t *wb = (const uint16_t *)weights + r * N;
-        const float *wf = (const float *)weights + r * N;
+        const uint16_t *wb = (const uint16_t *)weights + r * stride;
+        const float *wf = (const float *)weights + r * stride;
         int64_t t = 0;
         for (; t + 4 <= T; t += 4) {
             float acc[4];
@@ -160,22 +161,26 @@ static void rows_times(const void *weights, int bf16, const float *x, float *y, 
     }
 }
 
-/* out [T, H] = down [H, I] @ (silu(gate x) * (up x)) for x [T, H], gate_up [2I, H] (gate rows first).
+/* out [T, H] = down [H, I] @ (silu(gate x) * (up x)) for x [T, H], gate_up [2I, H] (gate rows first), over the
+   first R of the I intermediate rows (R = I: the whole expert; R < I: gate and up rows [0, R) and down's columns
+   [0, R), a part of the expert whose other rows another device computes, the two outputs summing to the expert's).
    scratch: T * 3I floats. One OpenMP team of num_threads; each weight row is read once for all T tokens.
    round: store every intermediate as a GPU computing in bf16 stores it (transformers' batched_mm: the projections
    rounded to bf16, SiLU's output rounded, the product rounded, the output rounded), each product summed in fp32 as
    before; 0: fp32 throughout. */
 void expert_swiglu(const void *gate_up, const void *down, int bf16, const float *x, float *out, float *scratch,
-                   int64_t T, int64_t H, int64_t I, int num_threads, int round) {
-    float *projected = scratch;           /* [T, 2I]: gate then up, per token */
-    float *activated = scratch + T * 2 * I;  /* [T, I] */
+                   int64_t T, int64_t H, int64_t I, int64_t R, int num_threads, int round) {
+    float *gates = scratch;               /* [T, R] */
+    float *ups = scratch + T * R;         /* [T, R] */
+    float *activated = scratch + 2 * T * R;  /* [T, R] */
+    const void *up_rows = (const char *)gate_up + I * H * (bf16 ? 2 : 4);
     #pragma omp parallel num_threads(num_threads)
     {
-        rows_times(gate_up, bf16, x, projected, T, 2 * I, H);
+        rows_times(gate_up, bf16, x, gates, T, R, H, H);
+        rows_times(up_rows, bf16, x, ups, T, R, H, H);
         #pragma omp for schedule(static)
-        for (int64_t j = 0; j < T * I; j++) {
-            int64_t t = j / I, r = j % I;
-            float gate = projected[t * 2 * I + r], up = projected[t * 2 * I + I + r];
+        for (int64_t j = 0; j < T * R; j++) {
+            float gate = gates[j], up = ups[j];
             if (round) {
                 gate = round_bf16(gate);
                 activated[j] = round_bf16(round_bf16(gate / (1.f + expf(-gate))) * round_bf16(up));
@@ -183,7 +188,7 @@ void expert_swiglu(const void *gate_up, const void *down, int bf16, const float 
                 activated[j] = gate / (1.f + expf(-gate)) * up;
             }
         }
-        rows_times(down, bf16, activated, out, T, H, I);
+        rows_times(down, bf16, activated, out, T, H, R, I);
         if (round) {
             #pragma omp for schedule(static)
             for (int64_t j = 0; j < T * H; j++) out[j] = round_bf16(out[j]);
@@ -201,11 +206,12 @@ void expert_swiglu(const void *gate_up, const void *down, int bf16, const float 
    Rounded as the GPU's batched_mm rounds, so the sum the GPU finishes is the all-resident one's but for fp32
    summation order: with bf16 hidden states (a model computing in bf16) each expert's intermediates and output
    (expert_swiglu's round); with routing_bf16 (the router's weights were bf16) each weighted pair, as the GPU's
-   bf16 product is. */
+   bf16 product is. part (or NULL): {expert id, rows}: that expert's pairs over its first rows only (the GPU
+   computes its other rows; part[0] < 0 or rows 0: none). */
 int64_t partial_sum(const void *hidden, int hidden_bf16, const int64_t *index, const float *weights, int64_t T,
                     int64_t K, const int64_t *local, int64_t E, const void *gate_up, const void *down,
                     int weights_bf16, int64_t H, int64_t I, float *out, float *scratch, int64_t *pairs,
-                    int num_threads, int64_t *num_distinct, int routing_bf16) {
+                    int num_threads, int64_t *num_distinct, int routing_bf16, const int64_t *part) {
     int64_t S = T * K, P = 0, distinct = 0;
     int64_t *members = pairs + S;
     float *x = scratch, *y_expert = scratch + S * H, *y = scratch + 2 * S * H, *expert_scratch = scratch + 3 * S * H;
@@ -215,7 +221,8 @@ int64_t partial_sum(const void *hidden, int hidden_bf16, const int64_t *index, c
         if (index[s] >= 0 && index[s] < E && local[index[s]] >= 0) pairs[P++] = s;
     for (int64_t a = 0; a < P; a++) {
         if (pairs[a] < 0) continue;  /* taken by an earlier expert's group */
-        int64_t l = local[index[pairs[a]]], n = 0;
+        int64_t e = index[pairs[a]], l = local[e], n = 0;
+        int64_t rows = (part && part[0] == e && part[1] > 0 && part[1] < I) ? part[1] : I;
         for (int64_t b = a; b < P; b++)
             if (pairs[b] >= 0 && local[index[pairs[b]]] == l) { members[n++] = pairs[b]; pairs[b] = -1 - pairs[b]; }
         for (int64_t m = 0; m < n; m++) {
@@ -226,7 +233,7 @@ int64_t partial_sum(const void *hidden, int hidden_bf16, const int64_t *index, c
         }
         expert_swiglu((const char *)gate_up + l * 2 * I * H * element,
                       (const char *)down + l * H * I * element, weights_bf16, x, y_expert, expert_scratch,
-                      n, H, I, num_threads, hidden_bf16);
+                      n, H, I, rows, num_threads, hidden_bf16);
         for (int64_t m = 0; m < n; m++)
             for (int64_t h = 0; h < H; h++) y[members[m] * H + h] = y_expert[m * H + h];
         distinct++;
@@ -249,7 +256,7 @@ int64_t partial_sum(const void *hidden, int hidden_bf16, const int64_t *index, c
    change while a graph that captured it may replay; ``closed`` set, it does nothing. */
 typedef struct {
     const void *hidden; const int64_t *index; const float *weights; const int64_t *local;
-    const void *gate_up; const void *down; float *out; float *scratch; int64_t *pairs;
+    const void *gate_up; const void *down; float *out; float *scratch; int64_t *pairs; const int64_t *part;
     int64_t T, K, E, H, I;
     int32_t hidden_bf16, weights_bf16, num_threads, closed, routing_bf16, unused;
     int64_t calls, pairs_total, pairs_cpu, experts_cpu;
@@ -264,7 +271,7 @@ void host_step(void *user_data) {
     int64_t distinct = 0;
     int64_t computed = partial_sum(a->hidden, a->hidden_bf16, a->index, a->weights, a->T, a->K, a->local, a->E,
                                    a->gate_up, a->down, a->weights_bf16, a->H, a->I, a->out, a->scratch, a->pairs,
-                                   a->num_threads, &distinct, a->routing_bf16);
+                                   a->num_threads, &distinct, a->routing_bf16, a->part);
     clock_gettime(CLOCK_MONOTONIC, &end);
     a->calls += 1;
     a->pairs_total += a->T * a->K;
@@ -429,7 +436,8 @@ class HostStepArgs(ctypes.Structure):
     _fields_ = [("hidden", ctypes.c_void_p), ("index", ctypes.c_void_p), ("weights", ctypes.c_void_p),
                 ("local", ctypes.c_void_p), ("gate_up", ctypes.c_void_p), ("down", ctypes.c_void_p),
                 ("out", ctypes.c_void_p), ("scratch", ctypes.c_void_p), ("pairs", ctypes.c_void_p),
-                ("T", ctypes.c_int64), ("K", ctypes.c_int64), ("E", ctypes.c_int64), ("H", ctypes.c_int64),
+                ("part", ctypes.c_void_p), ("T", ctypes.c_int64), ("K", ctypes.c_int64), ("E", ctypes.c_int64),
+                ("H", ctypes.c_int64),
                 ("I", ctypes.c_int64), ("hidden_bf16", ctypes.c_int32), ("weights_bf16", ctypes.c_int32),
                 ("num_threads", ctypes.c_int32), ("closed", ctypes.c_int32), ("routing_bf16", ctypes.c_int32),
                 ("unused", ctypes.c_int32), ("calls", ctypes.c_int64),
@@ -462,13 +470,14 @@ def load_kernel():
     expert = library.expert_swiglu
     expert.restype = None
     expert.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+                       ctypes.c_int]
     pairs = library.partial_sum
     pairs.restype = ctypes.c_int64
     pairs.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                       ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
                       ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                      ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+                      ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
     host_step = library.host_step
     host_step.restype = None
     host_step.argtypes = [ctypes.c_void_p]
@@ -484,10 +493,11 @@ def load_kernel():
 
 
 def expert_swiglu(kernel, gate_up: torch.Tensor, down: torch.Tensor, hidden: torch.Tensor,
-                  num_threads: int, round_bf16: bool = False) -> torch.Tensor:
+                  num_threads: int, round_bf16: bool = False, rows: int | None = None) -> torch.Tensor:
     """One expert's SwiGLU through ``kernel`` (load_kernel's): ``gate_up`` [2I, H] and ``down`` [H, I] contiguous
     host tensors in bf16 or fp32, ``hidden`` [T, H]; [T, H] in fp32. ``round_bf16``: its intermediates and output
-    rounded to bf16 where a GPU computing the expert in bf16 rounds them (the values then bf16's)."""
+    rounded to bf16 where a GPU computing the expert in bf16 rounds them (the values then bf16's). ``rows``: over
+    the first ``rows`` intermediate rows only (a part of the expert; None: all I)."""
     two_i, hidden_size = gate_up.shape
     if gate_up.dtype not in (torch.bfloat16, torch.float32) or down.dtype != gate_up.dtype:
         raise ValueError(f"the CPU kernel reads bf16 or fp32 weights, not {gate_up.dtype} and {down.dtype}")
@@ -497,9 +507,13 @@ def expert_swiglu(kernel, gate_up: torch.Tensor, down: torch.Tensor, hidden: tor
     num_tokens = x.shape[0]
     out = torch.empty(num_tokens, hidden_size, dtype=torch.float32)
     scratch = torch.empty(num_tokens * 3 * (two_i // 2), dtype=torch.float32)
+    intermediate = two_i // 2
+    rows = intermediate if rows is None else rows
+    if not 0 < rows <= intermediate:
+        raise ValueError(f"rows {rows} of an expert of {intermediate} intermediate rows")
     kernel.expert(gate_up.data_ptr(), down.data_ptr(), int(gate_up.dtype == torch.bfloat16), x.data_ptr(),
-                  out.data_ptr(), scratch.data_ptr(), num_tokens, hidden_size, two_i // 2, max(1, num_threads),
-                  int(round_bf16))
+                  out.data_ptr(), scratch.data_ptr(), num_tokens, hidden_size, intermediate, rows,
+                  max(1, num_threads), int(round_bf16))
     return out
 
 
@@ -532,15 +546,18 @@ def scratch_sizes(num_pairs: int, hidden_size: int, intermediate_size: int) -> t
 
 def partial_sum(kernel, gate_up: torch.Tensor, down: torch.Tensor, local: torch.Tensor, hidden: torch.Tensor,
                 top_k_index: torch.Tensor, top_k_weights: torch.Tensor, out: torch.Tensor,
-                num_threads: int, routing_bf16: bool | None = None) -> tuple[int, int]:
+                num_threads: int, routing_bf16: bool | None = None,
+                part: torch.Tensor | None = None) -> tuple[int, int]:
     """A routed layer's CPU pairs through ``kernel`` (load_kernel's), summed per token into ``out`` [T, H] (fp32,
     contiguous): ``gate_up`` [L, 2I, H] and ``down`` [L, H, I] the CPU experts (contiguous, bf16 or fp32),
     ``local`` [E] int64 each expert's index among them (-1: not a CPU expert; every other below L, which the caller
     keeps, as runtime.cpu_handoff.cpu_layer builds it), ``hidden`` [T, H] (bf16 or fp32),
     ``top_k_index`` [T, k] and ``top_k_weights`` [T, k]. Returns (pairs, distinct experts) computed. Rounded as
     the GPU rounds (the C source's partial_sum): bf16 ``hidden`` rounds each expert's intermediates and output,
-    ``routing_bf16`` (default: whether ``top_k_weights`` are bf16) each weighted pair."""
+    ``routing_bf16`` (default: whether ``top_k_weights`` are bf16) each weighted pair. ``part``: int64 host tensor
+    (expert id, rows, ...): that expert's pairs over its first rows only (runtime.fetch_planning's part)."""
     _check_layer(gate_up, down, local, hidden, top_k_index, out)
+    part = _checked_part(part)
     num_tokens, num_top_k = top_k_index.shape
     hidden_size, intermediate = gate_up.shape[2], gate_up.shape[1] // 2
     hidden = hidden.contiguous()
@@ -555,8 +572,19 @@ def partial_sum(kernel, gate_up: torch.Tensor, down: torch.Tensor, local: torch.
         num_top_k, local.data_ptr(), local.numel(), gate_up.data_ptr(), down.data_ptr(),
         int(gate_up.dtype == torch.bfloat16), hidden_size, intermediate, out.data_ptr(), scratch.data_ptr(),
         pairs.data_ptr(), max(1, num_threads), ctypes.byref(distinct),
-        int(top_k_weights.dtype == torch.bfloat16 if routing_bf16 is None else routing_bf16))
+        int(top_k_weights.dtype == torch.bfloat16 if routing_bf16 is None else routing_bf16),
+        None if part is None else part.data_ptr())
     return int(computed), int(distinct.value)
+
+
+def _checked_part(part: torch.Tensor | None) -> torch.Tensor | None:
+    """``part`` as the C side reads it (a contiguous int64 host tensor of at least 2: expert id, rows), or None."""
+    if part is None:
+        return None
+    if part.dtype != torch.int64 or part.device.type != "cpu" or not part.is_contiguous() or part.numel() < 2:
+        raise ValueError(f"part must be a contiguous int64 host tensor (expert id, rows), not {part.dtype} "
+                         f"[{part.numel()}] on {part.device}")
+    return part
 
 
 #: HostStep's counters, in the order CpuCounters names them
@@ -569,11 +597,14 @@ class HostStep:
     long as a graph that captured it may replay. ``index`` and ``weights`` hold the step's [T x k] routed ids
     (int64) and weights (fp32) in token-major order; ``scratch`` and ``pairs`` partial_sum's scratch (scratch_sizes
     at least; shared between HostSteps whose nodes run one after another). ``routing_bf16``: the router's weights
-    were bf16 before the handoff widened them (each weighted pair is rounded as the GPU's bf16 product is)."""
+    were bf16 before the handoff widened them (each weighted pair is rounded as the GPU's bf16 product is).
+    ``part``: the page-locked (expert id, rows) the GPU writes each step of a layer that splits an expert by its rows
+    (runtime.fetch_planning), read as partial_sum's part; None: whole experts."""
 
     def __init__(self, kernel, gate_up: torch.Tensor, down: torch.Tensor, local: torch.Tensor, *,
                  hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
-                 scratch: torch.Tensor, pairs: torch.Tensor, num_threads: int, routing_bf16: bool = False):
+                 scratch: torch.Tensor, pairs: torch.Tensor, num_threads: int, routing_bf16: bool = False,
+                 part: torch.Tensor | None = None):
         num_tokens, hidden_size = hidden.shape
         num_pairs = index.numel()
         if num_pairs % max(1, num_tokens) or index.dtype != torch.int64 or weights.dtype != torch.float32 \
@@ -591,11 +622,13 @@ class HostStep:
                 or pairs.numel() < ints:
             raise ValueError(f"a host step of {num_pairs} pairs needs {floats} fp32 and {ints} int64 of scratch")
         self.kernel = kernel
-        self._tensors = (gate_up, down, local, hidden, index, weights, out, scratch, pairs)
+        part = _checked_part(part)
+        self._tensors = (gate_up, down, local, hidden, index, weights, out, scratch, pairs, part)
         self.args = HostStepArgs(
             hidden=hidden.data_ptr(), index=index.data_ptr(), weights=weights.data_ptr(), local=local.data_ptr(),
             gate_up=gate_up.data_ptr(), down=down.data_ptr(), out=out.data_ptr(), scratch=scratch.data_ptr(),
-            pairs=pairs.data_ptr(), T=num_tokens, K=num_top_k, E=local.numel(), H=hidden_size, I=intermediate,
+            pairs=pairs.data_ptr(), part=None if part is None else part.data_ptr(), T=num_tokens, K=num_top_k,
+            E=local.numel(), H=hidden_size, I=intermediate,
             hidden_bf16=int(hidden.dtype == torch.bfloat16), weights_bf16=int(gate_up.dtype == torch.bfloat16),
             num_threads=max(1, num_threads), closed=0, routing_bf16=int(routing_bf16))
 

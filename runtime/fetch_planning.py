@@ -16,8 +16,14 @@ A layer that splits each step's misses with the host CPU by their count (a plan'
 first takes, of the step's m misses (routed, not resident, not prefetched), the first j(m) that the CPU may compute
 in ascending id order (``split_to_cpu``): those read as resident at the device buffer's zero row, so nothing
 gathers them, and the pairs routed to them are the CPU's (``cpu_index``: the expert id, -1 for the GPU's pairs).
+Where the plan's j(m) holds a fraction (``rows``: the intermediate rows of one more expert the CPU computes), the
+next eligible miss is split by its rows: it keeps a fetch slot, its pairs are both the GPU's and the CPU's, and
+``part`` [3] names it (expert id, rows, slot; -1, 0, -1 for none): the gather brings its rows [rows, I) into the
+slot with rows [0, rows) zero (runtime.uva_gather), the CPU computes rows [0, rows) (runtime.cpu_kernel), and the
+two outputs sum to the expert's.
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -32,24 +38,29 @@ def fused_fetch_plan(top_k_index: torch.Tensor, resident_row: torch.Tensor, fetc
     None) or plan_fetch_after_prefetch computes them, with their counts added into ``counts`` [4] (FETCH_KINDS:
     without prefetch, every fetch is "unpredicted"). ``sources_out``: write the slot -> expert ids there (the
     prefetch's own record) instead of a new tensor. With ``cpu_split``, the step's misses are split with the CPU
-    first (split_to_cpu) and a third tensor returned: the CPU's pairs' expert ids [S] (-1: the GPU's). One Triton
-    program; CUDA tensors only."""
+    first (split_to_cpu) and two more returned: the CPU's pairs' expert ids [S] (-1: the GPU's), and where the
+    split has ``rows``, the part [3] (module docstring; else None). One Triton program; CUDA tensors only."""
     ids = top_k_index.reshape(-1)
     num_pairs, num_experts = ids.numel(), resident_row.numel()
     pair_rows = torch.empty_like(ids)
     sources = sources_out if sources_out is not None else torch.empty(fetch_slots, dtype=torch.int64,
                                                                       device=ids.device)
     with_prefetch, with_cpu = prefetched is not None, cpu_split is not None
+    with_part = with_cpu and cpu_split.rows is not None
     cpu_index = torch.empty_like(ids) if with_cpu else pair_rows
     eligible, take = (cpu_split.eligible, cpu_split.take) if with_cpu else (resident_row, resident_row)
+    part = torch.empty(3, dtype=torch.int64, device=ids.device) if with_part else pair_rows
     from triton import next_power_of_2  # with the kernel: triton ships with CUDA builds of torch
 
     _kernel()[(1,)](ids, resident_row, prefetched if with_prefetch else sources, pair_rows, sources, counts,
-                    eligible, take, cpu_index, take.numel(), cpu_split.zero_row if with_cpu else 0,
-                    num_pairs, num_experts, fetch_slots, slot_base, WITH_PREFETCH=with_prefetch, WITH_CPU=with_cpu,
+                    eligible, take, cpu_index, cpu_split.rows if with_part else take, part, take.numel(),
+                    cpu_split.zero_row if with_cpu else 0, num_pairs, num_experts, fetch_slots, slot_base,
+                    WITH_PREFETCH=with_prefetch, WITH_CPU=with_cpu, WITH_PART=with_part,
                     BLOCK_S=next_power_of_2(num_pairs), BLOCK_E=next_power_of_2(num_experts),
                     BLOCK_F=next_power_of_2(fetch_slots))
-    return (pair_rows, sources, cpu_index) if with_cpu else (pair_rows, sources)
+    if not with_cpu:
+        return pair_rows, sources
+    return pair_rows, sources, cpu_index, part if with_part else None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,18 +69,36 @@ class CpuSplit:
 
     #: [E] int64: 1 where the CPU may compute the expert (the plan's cpu ids), else 0
     eligible: torch.Tensor
-    #: [M] int64: j(m), the misses a step with m of them sends to the CPU (past the end: the last entry)
+    #: [M] int64: j(m), the whole misses a step with m of them sends to the CPU (past the end: the last entry)
     take: torch.Tensor
     #: the device buffer's row of zeros the CPU's experts read as resident at
     zero_row: int
+    #: [M] int64 or None: the intermediate rows of the next eligible miss the CPU computes at m misses (0: none;
+    #: the link brings the rest of it), where the plan's j(m) holds fractions
+    rows: torch.Tensor | None = None
+
+
+#: a part's rows are a multiple of this many intermediate rows (even: the gather moves 4-byte words of bf16 pairs)
+PART_ROWS_MULTIPLE = 16
+
+
+def part_rows(share: float, intermediate: int) -> int:
+    """The intermediate rows of one more expert the CPU computes where a plan's j(m) is ``share`` experts: the
+    fraction's rows, a multiple of PART_ROWS_MULTIPLE (0: whole experts only, or a fraction too small to split;
+    a fraction that rounds to the whole expert is capped one multiple short of it)."""
+    fraction = share - math.floor(share)
+    rows = round(fraction * intermediate / PART_ROWS_MULTIPLE) * PART_ROWS_MULTIPLE
+    return max(0, min(rows, intermediate - PART_ROWS_MULTIPLE))
 
 
 def split_to_cpu(top_k_index: torch.Tensor, resident_row: torch.Tensor, split: CpuSplit,
-                 prefetched: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 prefetched: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(the step's resident rows [E], with the CPU's experts at the zero row; the CPU's pairs' expert ids [S], -1
-    for the GPU's): of the step's m misses (routed, not resident, not in ``prefetched``), the first
-    ``take[min(m, M - 1)]`` of those ``eligible`` in ascending id order go to the CPU. Torch ops, fixed shapes (the
-    fused kernel's twin on the CPU stand-in)."""
+    for the GPU's; the part [2], its expert id and rows, where the split has rows, else None): of the step's m
+    misses (routed, not resident, not in ``prefetched``), the first ``take[min(m, M - 1)]`` of those ``eligible``
+    in ascending id order go to the CPU, and where ``rows`` there is positive, the next one's first rows too (it
+    stays a miss, fetched for its other rows). Torch ops, fixed shapes (the fused kernel's twin on the CPU
+    stand-in)."""
     ids = top_k_index.reshape(-1)  # [S]
     num_experts = resident_row.numel()
     routed = torch.zeros(num_experts + 1, dtype=torch.bool, device=ids.device)
@@ -81,10 +110,19 @@ def split_to_cpu(top_k_index: torch.Tensor, resident_row: torch.Tensor, split: C
         missed &= ~held[:num_experts]
     num_missed = missed.sum().clamp(max=split.take.numel() - 1)
     candidates = missed & (split.eligible > 0)
-    chosen = candidates & (torch.cumsum(candidates, 0) <= split.take[num_missed])  # [E]
+    rank = torch.cumsum(candidates, 0)
+    chosen = candidates & (rank <= split.take[num_missed])  # [E]
     rows = torch.where(chosen, split.zero_row, resident_row)
-    on_cpu = torch.cat((chosen, chosen.new_zeros(1)))[torch.where(ids >= 0, ids, num_experts)]  # [S]
-    return rows, torch.where(on_cpu, ids, -1)
+    part = None
+    shared = chosen
+    if split.rows is not None:
+        part_rows = split.rows[num_missed]
+        parted = candidates & (rank == split.take[num_missed] + 1) & (part_rows > 0)  # [E], at most one
+        shared = chosen | parted
+        expert = torch.where(parted, torch.arange(num_experts, device=ids.device), -1).max()
+        part = torch.stack((expert, torch.where(expert >= 0, part_rows, 0)))
+    on_cpu = torch.cat((shared, shared.new_zeros(1)))[torch.where(ids >= 0, ids, num_experts)]  # [S]
+    return rows, torch.where(on_cpu, ids, -1), part
 
 
 def _kernel():
@@ -95,9 +133,9 @@ def _kernel():
 
         @triton.jit
         def plan(ids_ptr, resident_ptr, prefetched_ptr, pair_rows_ptr, sources_ptr, counts_ptr, eligible_ptr,
-                 take_ptr, cpu_index_ptr, take_len, zero_row, num_pairs, num_experts, num_slots, slot_base,
-                 WITH_PREFETCH: tl.constexpr, WITH_CPU: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr,
-                 BLOCK_F: tl.constexpr):
+                 take_ptr, cpu_index_ptr, rows_ptr, part_ptr, take_len, zero_row, num_pairs, num_experts, num_slots,
+                 slot_base, WITH_PREFETCH: tl.constexpr, WITH_CPU: tl.constexpr, WITH_PART: tl.constexpr,
+                 BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_F: tl.constexpr):
             s = tl.arange(0, BLOCK_S)
             e = tl.arange(0, BLOCK_E)
             f = tl.arange(0, BLOCK_F)
@@ -116,9 +154,16 @@ def _kernel():
                 num_missed = tl.minimum(tl.sum(missed.to(tl.int32), axis=0), take_len - 1)
                 eligible = tl.load(eligible_ptr + e, mask=e < num_experts, other=0) > 0
                 candidates = missed & eligible
-                chosen = candidates & (tl.cumsum(candidates.to(tl.int32), axis=0) <= tl.load(take_ptr + num_missed))
+                rank = tl.cumsum(candidates.to(tl.int32), axis=0)
+                whole = tl.load(take_ptr + num_missed)
+                chosen = candidates & (rank <= whole)
                 resident = tl.where(chosen, zero_row, resident)
-                on_cpu = tl.max(tl.where(pair_is & chosen[None, :], 1, 0), axis=1) > 0  # [S]
+                shared = chosen
+                if WITH_PART:  # the next eligible miss's first rows too: it stays a miss, fetched for the rest
+                    part_rows = tl.load(rows_ptr + num_missed)
+                    parted = candidates & (rank == whole + 1) & (part_rows > 0)  # [E], at most one
+                    shared = chosen | parted
+                on_cpu = tl.max(tl.where(pair_is & shared[None, :], 1, 0), axis=1) > 0  # [S]
                 tl.store(cpu_index_ptr + s, tl.where(on_cpu, ids, -1), mask=s < num_pairs)
             need = routed & (resident < 0)
             if WITH_PREFETCH:
@@ -147,6 +192,12 @@ def _kernel():
             fetches = (slot[None, :] == f[:, None]) & miss[None, :]  # [F, E]
             sources = tl.max(tl.where(fetches, e[None, :].to(tl.int64), -1), axis=1)
             tl.store(sources_ptr + f, sources, mask=f < num_slots)
+            if WITH_CPU:
+                if WITH_PART:
+                    part_expert = tl.max(tl.where(parted, e, -1).to(tl.int64), axis=0)
+                    tl.store(part_ptr, part_expert)
+                    tl.store(part_ptr + 1, tl.where(part_expert >= 0, part_rows, 0).to(tl.int64))
+                    tl.store(part_ptr + 2, tl.max(tl.where(parted, slot, -1).to(tl.int64), axis=0))
 
         _KERNELS["plan"] = plan
     return _KERNELS["plan"]

@@ -56,10 +56,11 @@ from runtime.cpu_experts import gpu_partial_sum
 from runtime.cpu_handoff import CpuExperts, check_cpu_experts, check_cpu_take, start_cpu_experts
 from runtime.engine import PackedParam, backend_unpin, view_as_param
 from runtime.experts_impl import ExpertsProxy, decode_experts_forward, expert_param_names, prefill_experts_forward
-from runtime.fetch_planning import CpuSplit, fused_fetch_plan, plan_fetch, plan_fetch_after_prefetch, split_to_cpu
+from runtime.fetch_planning import (CpuSplit, fused_fetch_plan, part_rows, plan_fetch, plan_fetch_after_prefetch,
+                                    split_to_cpu)
 from runtime.router_prediction import NextLayerPredictor, predictors_for, prefetch_depths
 from runtime.routed_prefetch import prefetch_next
-from runtime.uva_gather import GATHER_BLOCK_WORDS, GATHER_NUM_WARPS, device_view, gather_rows
+from runtime.uva_gather import GATHER_BLOCK_WORDS, GATHER_NUM_WARPS, device_view, gather_rows, part_layout
 
 #: persistent programs of the side stream's prefetch gather: few enough to leave the SMs to the compute the
 #: prefetch overlaps, enough to keep the link busy. On an H100 (scripts/bench_experts.py --gather-programs) 16,
@@ -91,7 +92,7 @@ class RoutedExperts:
                  prefetch: bool = False, prefetch_programs: int = PREFETCH_GATHER_PROGRAMS,
                  prefetch_depth: "int | dict[int, int] | None" = None,
                  cpu: dict[int, tuple[int, ...]] | None = None, cpu_dtype: str = "fp32",
-                 cpu_threads: int | None = None, cpu_take: dict[int, tuple[int, ...]] | None = None):
+                 cpu_threads: int | None = None, cpu_take: dict[int, tuple[float, ...]] | None = None):
         """Allocate (nothing read, nothing pinned yet): ``modules``: layer index -> its experts module (its
         params may be on the meta device: only their shapes are read here); ``resident``: layer index -> expert
         ids kept on the GPU; ``fetch_slots``: distinct experts one decode step can fetch (the plan's
@@ -105,7 +106,8 @@ class RoutedExperts:
         index -> expert ids the host CPU computes (runtime.cpu_handoff), from a host copy in ``cpu_dtype`` ("bf16",
         "fp32") with ``cpu_threads`` threads (None: torch's current count); ``cpu_take``: layer index -> j(m), for
         layers that send the first j(m) of a step's m misses among their CPU ids to the CPU instead of every pair
-        routed to those ids (runtime.fetch_planning.split_to_cpu)."""
+        routed to those ids (runtime.fetch_planning.split_to_cpu); a fraction f of j(m) sends the first f of one
+        more expert's intermediate rows (part_rows)."""
         if prefetch and decoder_layers is None:
             raise PlanError("next-layer prefetch needs the decoder layers (their norms and routers); pass them")
         if prefetch_programs < 1:
@@ -136,8 +138,16 @@ class RoutedExperts:
         check_cpu_experts(self.cpu, self.resident, self.num_experts, self.param_names, self.cpu_dtype,
                           self.cpu_threads)
         #: routed layer index -> j(m) of the layers splitting each step's misses with the CPU by their count
-        self.cpu_take = {index: tuple(int(j) for j in take) for index, take in (cpu_take or {}).items() if take}
+        self.cpu_take = {index: tuple(float(j) for j in take) for index, take in (cpu_take or {}).items() if take}
         check_cpu_take(self.cpu_take, self.cpu)
+        #: routed layer index -> per miss count, the intermediate rows of one more expert its CPU computes, for the
+        #: layers whose j(m) holds fractions
+        intermediate = self.rows["down_proj"][1][-1] if "down_proj" in self.rows else 0
+        self.cpu_rows = {}
+        for index, take in self.cpu_take.items():
+            rows = tuple(part_rows(j, intermediate) for j in take)
+            if any(rows):
+                self.cpu_rows[index] = rows
         #: the CPU side (runtime.cpu_handoff.CpuExperts), made by start where some layer has CPU experts
         self.cpu_experts: CpuExperts | None = None
         self.row_bytes = {name: math.prod(shape) * dtype.itemsize for name, (dtype, shape) in self.rows.items()}
@@ -307,8 +317,11 @@ class RoutedExperts:
             return None
         eligible = torch.zeros(self.num_experts, dtype=torch.int64)
         eligible[list(self.cpu[index])] = 1
+        rows = self.cpu_rows.get(index)
         return CpuSplit(eligible=eligible.to(self.device), zero_row=self.zero_row,
-                        take=torch.tensor(self.cpu_take[index], dtype=torch.int64, device=self.device))
+                        take=torch.tensor([math.floor(j) for j in self.cpu_take[index]], dtype=torch.int64,
+                                          device=self.device),
+                        rows=None if rows is None else torch.tensor(rows, dtype=torch.int64, device=self.device))
 
     def _start_prefetch(self) -> None:
         """A predictor per routed layer whose next routed layer's router can be called on its router input;
@@ -418,8 +431,8 @@ class RoutedExperts:
             # choice needs the prefetched ids (the prefetch's plan), not their weights (its gather)
             if ahead and self.stream is not None:
                 torch.cuda.current_stream(self.device).wait_event(self.planned_events[ordinal])
-            pair_rows, source_ids, cpu_index = self._fetch_plan(index, top_k_index, base, ahead, split)
-            pending = cpu.fork(index, hidden, cpu_index.view_as(top_k_index), top_k_weights)
+            pair_rows, source_ids, cpu_index, part = self._fetch_plan(index, top_k_index, base, ahead, split)
+            pending = cpu.fork(index, hidden, cpu_index.view_as(top_k_index), top_k_weights, part)
         else:
             # first, right after the router: the side stream's copies to the host start while the GPU plans its
             # fetch
@@ -432,7 +445,7 @@ class RoutedExperts:
         if predicted and self.count_ranks:
             self._count_ranks(ordinal, top_k_index)
         if split is None:
-            pair_rows, source_ids, _ = self._fetch_plan(index, top_k_index, base, ahead, None)
+            pair_rows, source_ids, _, part = self._fetch_plan(index, top_k_index, base, ahead, None)
         words, warps = self.gather_shape
         # the misses, on the critical path: the full grid, but in a layer whose CPU experts a host node computes
         # the prefetch's programs (the same rate): the full grid holds every SM for the gather's length, and the
@@ -442,7 +455,8 @@ class RoutedExperts:
         programs = self.prefetch_programs if index in self.cpu and cpu.handoff == "host-node" else None
         for name in self.param_names:
             gather_rows(self.host_device[index, name], self.buffer[name][base:base + self.fetch_slots], source_ids,
-                        max_programs=programs, block_words=words, num_warps=warps)
+                        max_programs=programs, block_words=words, num_warps=warps, part=part,
+                        layout=None if part is None else part_layout(name, self.rows[name][1]))
         if self.prefetch_after_misses:
             prefetch_next(self, ordinal, hidden)
         proxy = ExpertsProxy(module, {name: self.buffer[name] for name in self.param_names})
@@ -455,18 +469,18 @@ class RoutedExperts:
         return cpu.join(pending, partial).to(hidden.dtype)
 
     def _fetch_plan(self, index: int, top_k_index: torch.Tensor, base: int, ahead: bool, split: CpuSplit | None):
-        """(pair -> device-buffer row, slot -> expert to gather, the CPU's pairs or None) of a step of layer
-        ``index``, the fetch counters added: after the layer's prefetch where ``ahead``, its misses split with the
-        CPU where ``split`` (runtime.fetch_planning)."""
+        """(pair -> device-buffer row, slot -> expert to gather, the CPU's pairs or None, the part split by its rows
+        or None) of a step of layer ``index``, the fetch counters added: after the layer's prefetch where
+        ``ahead``, its misses split with the CPU where ``split`` (runtime.fetch_planning)."""
         ordinal, resident_row = self.ordinal[index], self.tables[index].resident_row
         prefetched = self.prefetched[ordinal] if ahead else None
         if self.device.type == "cuda":  # one kernel where the torch ops below are 15 or 35 graph nodes
             planned = fused_fetch_plan(top_k_index, resident_row, self.fetch_slots, base, self.fetch_counts,
                                        prefetched, cpu_split=split)
-            return planned if split is not None else (*planned, None)
-        cpu_index = None
+            return planned if split is not None else (*planned, None, None)
+        cpu_index = part = None
         if split is not None:
-            resident_row, cpu_index = split_to_cpu(top_k_index, resident_row, split, prefetched)
+            resident_row, cpu_index, part = split_to_cpu(top_k_index, resident_row, split, prefetched)
         if prefetched is not None:
             pair_rows, source_ids, counts = plan_fetch_after_prefetch(top_k_index, resident_row, prefetched,
                                                                       slot_base=base)
@@ -474,7 +488,11 @@ class RoutedExperts:
         else:
             pair_rows, source_ids = plan_fetch(top_k_index, resident_row, self.fetch_slots, slot_base=base)
             self.fetch_counts.add_(torch.nn.functional.pad((source_ids >= 0).sum().view(1), (len(FETCH_KINDS) - 1, 0)))
-        return pair_rows, source_ids, cpu_index
+        if part is not None:  # the part's slot: where the plan put its expert
+            slots = torch.arange(source_ids.numel(), device=source_ids.device)
+            slot = torch.where((source_ids == part[0]) & (part[0] >= 0), slots, -1).max()
+            part = torch.cat((part, slot.view(1)))
+        return pair_rows, source_ids, cpu_index, part
     def _count_ranks(self, ordinal: int, top_k_index: torch.Tensor) -> None:
         """Per rank, how many of this step's predictions for this layer it routed the same token to."""
         num_tokens = top_k_index.shape[0]

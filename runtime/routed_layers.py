@@ -59,7 +59,7 @@ def cpu_from_plan(plan) -> tuple[dict[int, tuple[int, ...]], str, int | None]:
     return cpu, getattr(section, "dtype", None) or "fp32", int(threads) if threads else None
 
 
-def cpu_take_from_plan(plan) -> dict[int, tuple[int, ...]]:
+def cpu_take_from_plan(plan) -> dict[int, tuple[float, ...]]:
     """Routed layer -> j(m) of the plan's layers that split each step's misses with the CPU by their count
     (``cpu_take``); none in plans with fixed CPU ids or made before it."""
     experts = getattr(plan, "experts", None)
@@ -85,7 +85,7 @@ def apply_routed_experts(model: nn.Module, routed: dict[int, tuple[int, ...]], f
                          prefetch_depth: "int | dict[int, int] | None" = None,
                          cpu: dict[int, tuple[int, ...]] | None = None, cpu_dtype: str = "fp32",
                          cpu_threads: int | None = None,
-                         cpu_take: dict[int, tuple[int, ...]] | None = None) -> RoutedExperts | None:
+                         cpu_take: dict[int, tuple[float, ...]] | None = None) -> RoutedExperts | None:
     """Route-fetch the experts of the layers ``routed`` names (layer index -> resident expert ids): their
     fused expert params move to page-locked, mapped host memory (resident ones also to the GPU) and their
     forward fetches what each step routes to. Non-expert params are left where they are (the caller puts

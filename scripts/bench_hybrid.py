@@ -46,8 +46,10 @@ from scripts.conformance import (MODELS, calibrated_profile, cli, ensure_checkpo
 GiB = 2**30
 CONTEXT = 4096
 NEW_TOKENS = 64
-ARMS = {"choice": [], "fixed": ["--cpu-experts", "fixed"], "fetch": ["--cpu-experts", "off"],
-        "whole": ["--routed-experts", "off"]}
+#: make's flags per arm: its choice; the per-step split with one expert split by its rows too (--cpu-experts rows);
+#: fixed CPU ids; fetch-only; whole layers
+ARMS = {"choice": [], "rows": ["--cpu-experts", "rows"], "fixed": ["--cpu-experts", "fixed"],
+        "fetch": ["--cpu-experts", "off"], "whole": ["--routed-experts", "off"]}
 
 
 def bytes_split(config: dict) -> tuple[int, int]:
@@ -272,12 +274,13 @@ def table(rows: list[dict], link_bytes_per_s: float | None = None) -> str:
             lines.append(f"| {model} | {sequences} | {row['arm']} | {fmt(measured)}{spread} | {fmt(predicted)} | "
                          f"{error} | {on_cpu} | {row.get('tokens_equal', '-')} |")
         valid = [ms for ms in steps.values() if ms]
-        if steps.get("choice") and steps.get("fetch"):
-            lines.append(f"| {model} | {sequences} | choice / fetch-only speed | "
-                         f"{steps['fetch'] / steps['choice']:.3f}x | | | | |")
-        if steps.get("choice") and steps.get("fixed"):
-            lines.append(f"| {model} | {sequences} | choice / fixed CPU ids speed | "
-                         f"{steps['fixed'] / steps['choice']:.3f}x | | | | |")
+        for arm, label in (("fetch", "fetch-only"), ("fixed", "fixed CPU ids")):
+            if steps.get("choice") and steps.get(arm):
+                lines.append(f"| {model} | {sequences} | choice / {label} speed | "
+                             f"{steps[arm] / steps['choice']:.3f}x | | | | |")
+        if steps.get("choice") and steps.get("rows"):
+            lines.append(f"| {model} | {sequences} | split by rows (--cpu-experts rows) / choice speed | "
+                         f"{steps['choice'] / steps['rows']:.3f}x | | | | |")
         if steps.get("choice") and valid:
             lines.append(f"| {model} | {sequences} | choice regret | {steps['choice'] / min(valid):.3f} | | | | |")
         fetch = next((row for row in group if row["arm"] == "fetch"), None)

@@ -89,8 +89,8 @@ def _check_serving_inputs(inputs: Inputs) -> None:
                          f"{', '.join(KV_DTYPES)}")
     if inputs.cpu_experts not in CPU_EXPERTS_CHOICES:
         raise UsageError(f"--cpu-experts {shown(inputs.cpu_experts)} is not one of "
-                         f"{', '.join(CPU_EXPERTS_CHOICES)}: auto (the default), fixed (fixed CPU ids) or off "
-                         "(fetch every miss)")
+                         f"{', '.join(CPU_EXPERTS_CHOICES)}: auto (the default), rows (one expert split by its rows "
+                         "too), fixed (fixed CPU ids) or off (fetch every miss)")
     if inputs.routed_experts not in ROUTED_EXPERTS_CHOICES:
         raise UsageError(f"--routed-experts {shown(inputs.routed_experts)} is not one of "
                          f"{', '.join(ROUTED_EXPERTS_CHOICES)}: auto (the default) or off (whole layers only)")

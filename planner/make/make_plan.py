@@ -265,7 +265,9 @@ def _with_cpu_experts(experts: ExpertModel | None, inputs: Inputs, profile, layo
                    for layer in experts.geometry.layers)
     handoff_us = profile.cpu_experts.handoff_us  # measured by calibrate where a GPU was there
     return replace(experts, cpu=CpuInputs(cpu=profile.cpu_experts, expert_params=params,
-                                          host_limit_bytes=host_limit_bytes, per_step=inputs.cpu_experts == "auto",
+                                          host_limit_bytes=host_limit_bytes,
+                                          per_step=inputs.cpu_experts in ("auto", "rows"),
+                                          fractional=inputs.cpu_experts == "rows",
                                           handoff_ms=None if handoff_us is None else handoff_us / 1e3))
 
 

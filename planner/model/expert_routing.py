@@ -172,5 +172,9 @@ class PerStepCpu:
 
     draw: StepDraw
     expert_ms: float
-    #: j(m): CPU experts a step with m misses takes (m past the table: its last entry)
-    take: tuple[int, ...]
+    #: j(m): the experts' worth a step with m misses sends to the CPU (m past the table: its last entry): whole
+    #: experts, and where j(m) has a fraction f, the first f of one more expert's intermediate rows
+    #: (planner.search.cpu_per_step)
+    take: tuple[float, ...]
+    #: of one CPU expert's time inside the step, the part a fraction of it still pays (None: whole experts only)
+    fixed_ms: float | None = None

@@ -26,11 +26,16 @@ PREFETCH_ACCURACY_SOURCES = ("assumed", "trace_per_rank", "trace_per_expert")
 #: make --cpu-experts (inputs.cpu_experts): auto (the planner weighs the host CPU where the profile measured it, a
 #: layer's CPU experts fixed ids or split per step by the count it misses, whichever waits less), fixed (fixed ids
 #: only) or off (fetch every miss)
-CPU_EXPERTS_CHOICES = ("auto", "fixed", "off")
+CPU_EXPERTS_CHOICES = ("auto", "rows", "fixed", "off")
 #: make --routed-experts: whether routed placements are weighed beside whole layers
 ROUTED_EXPERTS_CHOICES = ("auto", "off")
 #: experts.cpu.dtype: the host copy of the CPU experts the CPU reads (planner.source.profile.CPU_EXPERT_DTYPES)
 CPU_COPY_DTYPES = ("bf16", "fp32")
+
+
+#: a fractional share in a layer's cpu_take is a multiple of 1 / CPU_TAKE_QUANTUM of an expert (the runtime rounds
+#: the rows it sends to the CPU to runtime.fetch_planning.PART_ROWS_MULTIPLE)
+CPU_TAKE_QUANTUM = 16
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,7 +72,11 @@ class ExpertLayer:
     #: written): j(m), the CPU experts a step that misses m experts takes (the first j(m) of its misses by id;
     #: past the list, its last entry), its cpu ids then every non-resident expert. Without it every pair routed to
     #: the cpu ids goes to the CPU
-    cpu_take: tuple[int, ...] = ()
+    cpu_take: tuple[float, ...] = ()
+    #: where cpu_take holds a fraction f (a step sends the first f of one more expert's intermediate rows to the CPU,
+    #: the rest crossing the link; in steps of 1 / CPU_TAKE_QUANTUM): the part of cpu_ms_per_expert such a fraction
+    #: still pays whole, ms (None elsewhere, and not written)
+    cpu_fixed_ms: float | None = None
 
     def __post_init__(self):
         if self.regime not in (ROUTED, WHOLE_LAYER):
@@ -106,6 +115,17 @@ class ExpertLayer:
         if wrong:
             raise ValueError(f"cpu_take[{wrong[0]}] is {self.cpu_take[wrong[0]]}: a step missing m experts sends from "
                              f"0 to m of them to the CPU (at most its {len(self.cpu)} cpu ids)")
+        off_grid = [m for m, take in enumerate(self.cpu_take)
+                    if abs(take * CPU_TAKE_QUANTUM - round(take * CPU_TAKE_QUANTUM)) > 1e-6]
+        if off_grid:
+            raise ValueError(f"cpu_take[{off_grid[0]}] is {self.cpu_take[off_grid[0]]}, not a multiple of "
+                             f"1/{CPU_TAKE_QUANTUM} of an expert")
+        fractional = any(take != int(take) for take in self.cpu_take)
+        if fractional != (self.cpu_fixed_ms is not None):
+            raise ValueError("cpu_fixed_ms is given exactly where cpu_take holds a fraction of an expert")
+        if self.cpu_fixed_ms is not None and not 0 <= self.cpu_fixed_ms <= self.cpu_ms_per_expert:
+            raise ValueError(f"cpu_fixed_ms {self.cpu_fixed_ms} must be from 0 to cpu_ms_per_expert "
+                             f"({self.cpu_ms_per_expert})")
     @property
     def routed(self) -> bool:
         """Whether the layer fetches its routed experts (else it is resident or streams whole)."""
@@ -312,4 +332,4 @@ OPTIONAL_EXPERTS_SET = {"cpu": None, "cpu_declined": None}
 
 #: experts.layers keys written only where set (a plan priced from a trace's per-expert figures; CPU experts)
 OPTIONAL_EXPERT_LAYER = {"prefetch_hit_share": None, "prefetch_ahead_share": None, "cpu": (), "cpu_ms": None,
-                         "cpu_ms_per_expert": None, "cpu_take": ()}
+                         "cpu_ms_per_expert": None, "cpu_take": (), "cpu_fixed_ms": None}

@@ -289,6 +289,8 @@ def _check_type(value: Any, annotation: Any, origin: str, lowest: int = 0) -> An
             raise PlanError(f"{origin} must be a list of {inner.__name__}; regenerate the plan")
         if inner is int and not all(_plausible(v) for v in value):
             raise PlanError(f"{origin} must hold whole numbers from 0 to {MAX_PLAN_INT}; regenerate the plan")
+        if inner is float and not all(_plausible(v) for v in value):
+            raise PlanError(f"{origin} must hold numbers from 0 to {MAX_PLAN_FLOAT:g}; regenerate the plan")
         return tuple(value)
     if origin_type is dict:
         if not isinstance(value, dict) or not all(isinstance(k, str) and _is(v, int) and _plausible(v)

@@ -58,6 +58,9 @@ def _input_rules(plan: Plan) -> str | None:
         return f"inputs.cpu_experts {shown(inputs.cpu_experts)} is not one of {', '.join(CPU_EXPERTS_CHOICES)}"
     if inputs.cpu_experts == "off" and plan.experts is not None and plan.experts.cpu is not None:
         return "experts.cpu is given but inputs.cpu_experts is off"
+    if inputs.cpu_experts != "rows" and plan.experts is not None and any(
+            row.cpu_fixed_ms is not None for row in plan.experts.layers):
+        return f"experts.layers split experts by their rows but inputs.cpu_experts is {inputs.cpu_experts}"
     if inputs.routed_experts not in ROUTED_EXPERTS_CHOICES:
         return (f"inputs.routed_experts {shown(inputs.routed_experts)} is not one of "
                 f"{', '.join(ROUTED_EXPERTS_CHOICES)}")

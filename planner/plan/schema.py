@@ -128,8 +128,9 @@ class Inputs:
     cpu_experts: str = field(default="auto", metadata=option(
         "--cpu-experts", "MoE, routed experts, decode: auto (compute some non-resident experts on the host CPU where "
                          "the profile measured its rate and that step is faster; each step's misses split by their "
-                         "count where that waits less), fixed (the CPU's experts fixed ids) or off (fetch every "
-                         "miss)."))
+                         "count where that waits less), rows (as auto, and one expert split by its rows between the "
+                         "CPU and the link where that waits less still; experimental: docs/limitations.md), fixed "
+                         "(the CPU's experts fixed ids) or off (fetch every miss)."))
     routed_experts: str = field(default="auto", metadata=option(
         "--routed-experts", "MoE: auto (fetch only a step's routed, non-resident experts where that is faster "
                             "than streaming whole layers) or off (every MoE layer resident or streamed whole, as "

@@ -62,6 +62,14 @@ CPU_PATH_OVERLAPS_LINK = True
 #: measured, 0.350 by the fit. The 2.0x constant before priced Mixtral's CPU at 67.0 ms a step where it ran 47.6
 CPU_IN_STEP_FACTOR = 1.35
 CPU_IN_STEP_EXTRA_MS = 0.046
+#: what a layer step that splits an expert by its rows waits beyond the later of its two paths (both paths then end
+#: at the balance, where either's spread delays the step; the CPU reads down's first columns strided, row by row).
+#: Measured on the H200 host, 12 threads, 2026-11-29 (scripts/bench_hybrid.py --measure, one sequence, 8-layer cuts;
+#: benchmarks/2026-11-29-cpu-experts-rows-h200.md): priced without it, plans splitting experts by rows ran 0.963-
+#: 1.002x of whole CPU experts for OLMoE and Qwen3-30B-A3B, where they priced 1.02-1.04x faster (0.05-0.08 ms a
+#: split unaccounted), and 1.142x for Mixtral-8x7B. At this price make --cpu-experts rows splits Mixtral's experts (a
+#: fraction saves whole ms there) and keeps the small ones whole
+PART_EXTRA_MS = 0.08
 
 
 def layer_wait_ms(link_ms: float, cpu_ms: float, overlapped: bool | None = None) -> float:
@@ -104,6 +112,13 @@ def cpu_expert_ms(cpu: CpuExperts, expert_params: int, num_tokens: float) -> flo
     measured_ms = _table_ms(cpu, num_tokens)
     alone_ms = overhead_ms + max(0.0, measured_ms - overhead_ms) * expert_params / cpu.num_params
     return CPU_IN_STEP_FACTOR * alone_ms + CPU_IN_STEP_EXTRA_MS
+
+
+def cpu_expert_fixed_ms(cpu: CpuExperts, cpu_ms_per_expert: float) -> float:
+    """What a fraction of an expert's rows (planner.search.cpu_per_step) pays whole of ``cpu_ms_per_expert`` (one
+    CPU expert's time inside the step, cpu_expert_ms): the profile's per-expert overhead as the step runs it; the
+    rest in proportion to its rows. At most the whole expert's time."""
+    return min(cpu_ms_per_expert, CPU_IN_STEP_FACTOR * cpu.overhead_us / 1e3 + CPU_IN_STEP_EXTRA_MS)
 
 
 def _table_ms(cpu: CpuExperts, num_tokens: float) -> float:

@@ -22,8 +22,9 @@ from planner.model.expert_placement import RoutedLayer, RoutedPlacement
 from planner.model.expert_routing import LayerRouting, PerStepCpu
 from planner.model.experts import MoeGeometry
 from planner.plan.experts_section import CpuPlacement
-from planner.search.cpu_experts import (CPU_WITHIN_LINK_FACTOR, link_expert_ms, max_cpu_tokens_per_expert,
-                                        resolved_handoff_ms, split_layer, tokens_per_touched_expert)
+from planner.search.cpu_experts import (CPU_WITHIN_LINK_FACTOR, cpu_expert_fixed_ms, link_expert_ms,
+                                        max_cpu_tokens_per_expert, resolved_handoff_ms, split_layer,
+                                        tokens_per_touched_expert)
 from planner.search.cpu_per_step import LinkWait, per_step_split
 from planner.search.routed_step import cpu_draw, layer_fetch, layer_wait_ms, step_draw
 from planner.source.profile import CpuExperts
@@ -48,6 +49,9 @@ class CpuInputs:
     #: --cpu-experts auto; fixed: fixed CPU ids only). With an fp32 host copy it then holds every non-resident
     #: expert; where the host cannot hold that, the layers keep fixed ids
     per_step: bool = True
+    #: whether a per-step split may send a fraction of one more expert (its first rows) to the CPU
+    #: (planner.search.cpu_per_step; make --cpu-experts rows)
+    fractional: bool = False
 
 
 def cpu_ids(routing: LayerRouting, resident: tuple[int, ...], count: int) -> tuple[int, ...]:
@@ -84,6 +88,9 @@ class LayerCpuSplit:
     #: the CPU path's fixed cost a layer step, and one CPU expert inside the step at the step's tokens per expert
     handoff_ms: float
     cpu_ms_per_expert: float
+    #: of cpu_ms_per_expert, the part a fraction of an expert still pays (planner.search.cpu_per_step; None: the
+    #: per-step split takes whole experts only)
+    cpu_fixed_ms: float | None = None
 
     @property
     def num_non_resident(self) -> int:
@@ -127,14 +134,15 @@ class LayerCpuSplit:
                          uniform=self.routing.num_counted_tokens is None)
         link = LinkWait(compute_ms=self.compute_ms + fetch.gather_ms, expert_ms=expert_ms, hit_share=fetch.hit_share,
                         ahead_share=fetch.ahead_share, predicted=self.position > 0)
-        split = per_step_split(draw, link, self.handoff_ms, self.cpu_ms_per_expert)
+        split = per_step_split(draw, link, self.handoff_ms, self.cpu_ms_per_expert, self.cpu_fixed_ms)
         link_bytes = split.mean_link_experts * self.expert_bytes
         kept = set(row.resident)
         return replace(row, expected_fetched_bytes=link_bytes, fetch_ms=1e3 * link_bytes / self.link_bytes_per_s,
                        cpu=tuple(e for e in range(self.num_experts) if e not in kept),
                        cpu_ms=self.handoff_ms + split.mean_cpu_experts * self.cpu_ms_per_expert,
                        cpu_handoff_ms=self.handoff_ms, cpu_ms_per_expert=self.cpu_ms_per_expert,
-                       cpu_per_step=PerStepCpu(draw=draw, expert_ms=expert_ms, take=split.take))
+                       cpu_per_step=PerStepCpu(draw=draw, expert_ms=expert_ms, take=split.take,
+                                               fixed_ms=split.fixed_ms))
 
     def best_row(self, start: int, per_step: bool) -> RoutedLayer:
         """The layer's candidate of least expected wait: fixed CPU ids at their best count (``start``: the
@@ -197,7 +205,9 @@ def hybrid_placement(placement: RoutedPlacement, *, geometry: MoeGeometry, routi
                                     expert_bytes=layer.expert_bytes, num_experts=geometry.num_experts,
                                     top_k=geometry.top_k, num_tokens=num_tokens, compute_ms=layer_ms[row.index],
                                     link_bytes_per_s=link_bytes_per_s, handoff_ms=handoff_ms,
-                                    cpu_ms_per_expert=split.cpu_ms_per_expert)
+                                    cpu_ms_per_expert=split.cpu_ms_per_expert,
+                                    cpu_fixed_ms=cpu_expert_fixed_ms(cpu, split.cpu_ms_per_expert)
+                                    if inputs.fractional else None)
         best = layer_split.best_row(round(split.cpu_share * layer_split.num_non_resident), inputs.per_step)
         if not best.cpu:
             reasons.append(f"no whole number of CPU experts near the balance ({split.cpu_experts:.2f} of "

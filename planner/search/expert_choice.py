@@ -286,7 +286,8 @@ def experts_section(experts: ExpertModel, chosen: Choice, layers: LayerBytes, po
                                  prefetch_ahead_share=_share(row.prefetch_ahead_share), cpu=row.cpu,
                                  cpu_ms=row.cpu_ms if row.cpu else None,
                                  cpu_ms_per_expert=row.cpu_ms_per_expert if row.cpu else None,
-                                 cpu_take=row.cpu_per_step.take if row.cpu_per_step is not None else ())
+                                 cpu_take=row.cpu_per_step.take if row.cpu_per_step is not None else (),
+                                 cpu_fixed_ms=row.cpu_per_step.fixed_ms if row.cpu_per_step is not None else None)
                      for row in placement.layers)
         buffers = (placement.fetch_slots, placement.fetch_buffer_bytes, placement.staging_buffer_bytes,
                    placement.gather_workspace_bytes)

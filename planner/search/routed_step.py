@@ -200,7 +200,7 @@ def _plan_cpu_draw(plan: Plan, row: ExpertLayer, expert_bytes: int) -> dict:
                          mean_touched=expected + row.expected_fetched_bytes / expert_bytes,
                          num_tokens=plan.workload.tokens_per_step, uniform=experts.routing == "uniform")
         per_step = PerStepCpu(draw=draw, expert_ms=1e3 * expert_bytes / experts.routed_fetch_bytes_per_s,
-                              take=row.cpu_take)
+                              take=row.cpu_take, fixed_ms=row.cpu_fixed_ms)
         return {"cpu_per_step": per_step, **common}
     draw = cpu_draw(num_experts=experts.num_experts, top_k=experts.top_k, num_resident=len(row.resident),
                     num_cpu_ids=len(row.cpu), mean_cpu_experts=expected,

@@ -56,10 +56,21 @@ def _placement_lines(experts: ExpertsPlan) -> list[str]:
                      "a step that misses m experts (touched, not resident, not prefetched) sends the first j(m) of "
                      "them by id to the CPU and fetches the rest, so both paths end near together whatever the step "
                      f"drew; {expected:.1f} CPU experts a step in expectation. j(m) for m = 0, 1, 2, ...: "
-                     + _tables(split) + " (past the list, its last entry).")
+                     + _tables(split) + " (past the list, its last entry)." + _fraction_words(split))
     if fixed:
         lines.append("  Experts per layer, resident / CPU / fetched when touched: " + _per_layer(experts) + ".")
     return lines
+
+
+def _fraction_words(rows) -> str:
+    """Where a table holds fractions: what a fraction sends, and what it costs the CPU."""
+    fixed = [row.cpu_fixed_ms for row in rows if row.cpu_fixed_ms is not None]
+    if not fixed:
+        return ""
+    return (" A fraction f sends the first f of one more expert's intermediate rows to the CPU and fetches the rest "
+            "of it (its slot's first rows zero), the two parts summed; the CPU pays "
+            f"{format_ms(min(fixed))} of a part's time whole (the kernel's per-expert cost) and the rest in "
+            "proportion.")
 
 
 def _tables(rows) -> str:
@@ -79,7 +90,8 @@ def _spread_lines(plan: Plan, experts: ExpertsPlan) -> list[str]:
     priced = [row.cpu_ms_per_expert for row in experts.cpu_layers if row.cpu_ms_per_expert is not None]
     if not priced:
         return []
-    at_means = tuple(replace(row, cpu_ms_per_expert=None, cpu_take=()) for row in experts.routed_layers)
+    at_means = tuple(replace(row, cpu_ms_per_expert=None, cpu_take=(), cpu_fixed_ms=None)
+                     for row in experts.routed_layers)
     spread_ms, means_ms = plan_decode_step(plan).stall_ms, plan_decode_step(plan, at_means).stall_ms
     return [f"  A CPU expert takes {format_ms(min(priced))}"
             + (f" to {format_ms(max(priced))}" if max(priced) > min(priced) else "")

@@ -3,25 +3,20 @@ planner's own timeline.
 
     PYTHONPATH=. python3 scripts/experiments/fractional_split_price.py --gpu PROFILE [--accuracy 0.5]
 
-The per-step split (planner.search.cpu_per_step) sends j(m) whole experts of a step's m misses to the CPU. Here j
-may be fractional: the CPU computes floor(x) whole experts and rows [0, f I) of one more (f = x - floor(x)) while
-the link brings m - x experts' bytes (scripts/experiments/fractional_expert.py measured both parts on the H200:
-the split gather reads at the whole gather's rate, and the C kernel's time on r rows is a fixed cost plus a
-share in r). The CPU's time for x experts is then h + c (floor(x) + [f > 0] (a + (1 - a) f)), c the plan's CPU
-ms per expert inside the step and a the share of an expert's CPU time that does not shrink with its rows
-(--fixed-share, from that measurement). For each m, x(m) is the share of least expected wait over a grid of
-1/64 expert, and the layer's wait is E over the step's (touched, missed) draw of max(link, CPU) at x(m), as
-cpu_per_step prices integers. Everything else (residency, prefetch, compute, the timeline) is make's.
+First written (2026-11-29) to price the split before it was built, by patching planner.search.cpu_per_step's
+pricing; make --cpu-experts rows now plans it (the CPU's fixed part of a fraction from the profile's overhead,
+PART_EXTRA_MS for what a split step costs besides). This prints make's predicted step for fetch-only, auto (whole
+CPU experts) and rows. Before PART_EXTRA_MS (as first printed: Mixtral-8x7B 68.80 to 60.20 ms, 1.14x; Qwen3-30B-A3B
+1.04x) the small experts were split too; measured, that did not pay (benchmarks/2026-11-29-cpu-experts-rows-h200.md).
 
-Nothing here runs on a GPU: the plans are made from header-only checkpoints (offload-plan header-checkpoint) of
-the benchmarked cuts (8 layers), at the budgets scripts/bench_hybrid.py gave them.
+Nothing here runs on a GPU: the plans are made from header-only checkpoints (offload-plan header-checkpoint) of the
+benchmarked cuts (8 layers), at the budgets scripts/bench_hybrid.py gave them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import pathlib
 import subprocess
 import sys
@@ -29,40 +24,11 @@ import tempfile
 
 from planner.make.make_plan import make_plan
 from planner.plan.schema import Inputs
-from planner.search import cpu_per_step
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-#: (name, example config, layers of the cut, budget of bench_hybrid's cut in MiB, the fixed share a)
-MODELS = (("qwen3-moe", "examples/qwen3-30b-a3b/config.json", 8, 5085, 0.245),
-          ("mixtral", "examples/mixtral-8x7b/config.json", 8, 8566, 0.0))
-GRID = 64
-#: cpu_per_step's own pricing of whole experts, restored by fractional(False)
-WHOLE = {"cpu_ms": cpu_per_step._cpu_ms, "best_take": cpu_per_step._best_take}
-#: the share of a whole expert's CPU time that a split expert still pays (set per model in main)
-FIXED_SHARE = {"value": 0.0}
-
-
-def cpu_ms(x: float, handoff_ms: float, cpu_ms_per_expert: float) -> float:
-    whole = math.floor(x + 1e-9)
-    part = x - whole
-    fixed = FIXED_SHARE["value"]
-    return handoff_ms + cpu_ms_per_expert * (whole + (fixed + (1 - fixed) * part if part > 1e-9 else 0.0))
-
-
-def best_share(num_missed: int, terms: list[tuple[int, float]], link, handoff_ms: float,
-               cpu_ms_per_expert: float) -> float:
-    """cpu_per_step._best_take with fractional shares: the x on a grid of 1/GRID expert of least expected wait."""
-    choices = [k / GRID for k in range(num_missed * GRID + 1)]
-    return min(choices, key=lambda x: math.fsum(
-        p * max(link.at(n, num_missed - x), cpu_ms(x, handoff_ms, cpu_ms_per_expert)) for n, p in terms))
-
-
-def fractional(on: bool) -> None:
-    """Price per-step layers with fractional shares (True) or as make does (False): cpu_per_step's table and
-    expected wait with this script's CPU time and choice of share in place of whole experts'."""
-    cpu_per_step._cpu_ms = cpu_ms if on else WHOLE["cpu_ms"]
-    cpu_per_step._best_take = best_share if on else WHOLE["best_take"]
-    cpu_per_step.per_step_split.cache_clear()  # its tables were made under the other pricing
+#: (name, example config, layers of the cut, budget of bench_hybrid's cut in MiB)
+MODELS = (("qwen3-moe", "examples/qwen3-30b-a3b/config.json", 8, 5085),
+          ("mixtral", "examples/mixtral-8x7b/config.json", 8, 8566))
 
 
 def header_checkpoint(config: str, layers: int, folder: pathlib.Path) -> pathlib.Path:
@@ -90,18 +56,13 @@ def main() -> None:
     parser.add_argument("--sequences", type=int, nargs="+", default=[1, 4])
     args = parser.parse_args()
     work = pathlib.Path(tempfile.gettempdir()) / "fractional-split-price"
-    print("| model | S | fetch-only | per-step, whole experts | per-step, fractional | fractional over whole |")
+    print("| model | S | fetch-only | auto (whole CPU experts) | rows (fractions) | rows over auto |")
     print("|---|---|---|---|---|---|")
-    for name, config, layers, budget, fixed in MODELS:
-        FIXED_SHARE["value"] = fixed
+    for name, config, layers, budget in MODELS:
         checkpoint = header_checkpoint(config, layers, work / name)
         for sequences in args.sequences:
-            fractional(False)
-            fetch = step_ms(checkpoint, args.gpu, budget, sequences, args.accuracy, "off")
-            whole = step_ms(checkpoint, args.gpu, budget, sequences, args.accuracy, "auto")
-            fractional(True)
-            part = step_ms(checkpoint, args.gpu, budget, sequences, args.accuracy, "auto")
-            fractional(False)
+            fetch, whole, part = (step_ms(checkpoint, args.gpu, budget, sequences, args.accuracy, choice)
+                                  for choice in ("off", "auto", "rows"))
             print(f"| {name} | {sequences} | {fetch:.2f} | {whole:.2f} | {part:.2f} | {whole / part:.3f}x |")
 
 

@@ -8,6 +8,7 @@ import random
 import pytest
 
 from planner.model.expert_routing import PerStepCpu, StepDraw
+from planner.search.cpu_experts import PART_EXTRA_MS
 from planner.search.cpu_per_step import (LinkWait, _terms_by_miss, expected_wait_ms, joint_pmf, per_step_split,
                                          take_at, touched_pmf)
 
@@ -95,3 +96,52 @@ def test_the_expected_wait_is_the_simulated_steps_mean():
         j = take_at(split.take, m)
         total += max(link.at(n, m - j), handoff_ms + j * cpu_ms)
     assert total / steps == pytest.approx(split.wait_ms, rel=0.02)
+
+
+@pytest.mark.parametrize(("draw", "link", "handoff_ms", "cpu_ms"), CASES)
+@pytest.mark.parametrize("fixed_share", [0.0, 0.3])
+def test_a_fractional_table_takes_the_best_fraction_near_the_best_count_and_waits_less(draw, link, handoff_ms, cpu_ms,
+                                                                                         fixed_share):
+    """With a fixed part of a CPU expert's time (what a fraction of its rows still pays), each entry is the share of
+    least wait on the 1/16 grid within one expert of the best whole count (a fraction f of one more expert costs
+    fixed + f x the rest on the CPU, and m - j experts on the link; a step with a fraction waits PART_EXTRA_MS
+    more), on the grid, and the layer waits no longer than
+    with whole experts; the mean CPU and link experts still add to the touched ones."""
+    fixed_ms = fixed_share * cpu_ms
+    whole = per_step_split(draw, link, handoff_ms, cpu_ms)
+    split = per_step_split(draw, link, handoff_ms, cpu_ms, fixed_ms)
+    by_miss = _terms_by_miss(joint_pmf(draw, link.prefetched_share))
+
+    def cpu_path(share: float) -> float:
+        count = math.floor(share)
+        part = share - count
+        return handoff_ms + count * cpu_ms + (fixed_ms + part * (cpu_ms - fixed_ms) if part else 0.0)
+
+    for m, terms in by_miss.items():
+        if math.fsum(p for _, p in terms) < 1e-4:
+            continue
+
+        def wait(share: float) -> float:
+            extra = PART_EXTRA_MS if share != int(share) else 0.0
+            return math.fsum(p * (max(link.at(n, m - share), cpu_path(share)) + extra) for n, p in terms)
+
+        count = take_at(whole.take, m)
+        grid = [count + k / 16 for k in range(-15, 16) if 0 <= count + k / 16 <= m]
+        assert wait(take_at(split.take, m)) == pytest.approx(min(map(wait, grid)), rel=1e-9, abs=1e-12), m
+    assert all(share * 16 == int(share * 16) for share in split.take)
+    assert split.wait_ms <= whole.wait_ms + 1e-12
+    assert split.mean_cpu_experts + split.mean_link_experts == pytest.approx(draw.mean_touched, rel=1e-6)
+    per_step = PerStepCpu(draw=draw, expert_ms=link.expert_ms, take=split.take, fixed_ms=split.fixed_ms)
+    assert expected_wait_ms(per_step, link, handoff_ms, cpu_ms) == pytest.approx(split.wait_ms, rel=1e-12)
+
+
+def test_a_fraction_is_taken_where_it_saves_more_than_splitting_costs():
+    """One token: a Mixtral-like layer (an expert 6.4 ms on either path) sends part of an expert where two miss and
+    waits less; a Qwen3-30B-A3B-like one (0.17 ms on the link, 0.28 on the CPU) would save less than a split costs
+    (PART_EXTRA_MS) and keeps whole experts at one miss."""
+    draw, link, handoff_ms, cpu_ms = CASES[2]
+    split = per_step_split(draw, link, handoff_ms, cpu_ms, 0.084)
+    assert 1 < take_at(split.take, 2) < 2 and split.fixed_ms == 0.084
+    assert split.wait_ms < per_step_split(draw, link, handoff_ms, cpu_ms).wait_ms
+    draw, link, handoff_ms, _ = CASES[0]
+    assert take_at(per_step_split(draw, link, handoff_ms, 0.28, 0.084).take, 1) == 0

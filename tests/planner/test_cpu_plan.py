@@ -12,6 +12,7 @@ import yaml
 from planner.errors import PlanError
 from planner.plan.file import read_plan
 from planner.search import cpu_experts
+from planner.search.cpu_per_step import per_step_split
 from tests.conftest import invoke, make_checkpoint
 from tests.helpers import roofline_profile
 
@@ -311,7 +312,8 @@ def test_run_bench_reads_the_plans_expected_cpu_experts_a_step(moe):
     assert rows
     want = sum((row.cpu_ms - handoff_ms) / row.cpu_ms_per_expert for row in rows)
     assert planned_cpu_experts(plan) == pytest.approx(want) and 0 < want <= sum(len(row.cpu) for row in rows)
-    layers = tuple(dataclasses.replace(row, cpu_ms_per_expert=None, cpu_take=()) for row in plan.experts.layers)
+    layers = tuple(dataclasses.replace(row, cpu_ms_per_expert=None, cpu_take=(), cpu_fixed_ms=None)
+                   for row in plan.experts.layers)
     older = dataclasses.replace(plan, experts=dataclasses.replace(plan.experts, layers=layers))
     assert planned_cpu_experts(older) is None
 
@@ -358,11 +360,18 @@ def _first_split_layer(data: dict) -> dict:
 
 @pytest.mark.parametrize("edit, words", [
     (lambda d: _first_split_layer(d).__setitem__("cpu_take", [0, 2]), "cpu_take[1] is 2"),
-    (lambda d: _first_split_layer(d).__setitem__("cpu_take", [0, -1]), "cpu_take must hold whole numbers"),
+    (lambda d: _first_split_layer(d).__setitem__("cpu_take", [0, -1]), "cpu_take must hold numbers from 0"),
+    (lambda d: _first_split_layer(d).update(cpu_take=[0, 0.3], cpu_fixed_ms=0.01), "not a multiple of 1/16"),
+    (lambda d: _first_split_layer(d).update(cpu_take=[0, 0.5], cpu_fixed_ms=None),
+     "cpu_fixed_ms is given exactly where cpu_take holds a fraction"),
+    (lambda d: _first_split_layer(d).update(cpu_take=[0, 1], cpu_fixed_ms=0.01),
+     "cpu_fixed_ms is given exactly where cpu_take holds a fraction"),
+    (lambda d: _first_split_layer(d).update(cpu_take=[0, 0.5], cpu_fixed_ms=99.0),
+     "must be from 0 to cpu_ms_per_expert"),
     (lambda d: _first_split_layer(d).__setitem__("cpu", _first_split_layer(d)["cpu"][1:]),
      "must be every expert not resident"),
-    (lambda d: _first_split_layer(d).__setitem__("cpu_take", [0]), "the most its cpu_take sends"),
-    (lambda d: _first_split_layer(d).__setitem__("cpu_take", [0, 1, 2]), "prediction.step_ms"),
+    (lambda d: _first_split_layer(d).update(cpu_take=[0], cpu_fixed_ms=None), "the most its cpu_take sends"),
+    (lambda d: _first_split_layer(d).update(cpu_take=[0, 1, 2], cpu_fixed_ms=None), "prediction.step_ms"),
     (lambda d: _first_split_layer(d).pop("cpu_ms_per_expert"), "cpu_take is given only with"),
 ])
 def test_hand_edits_of_a_per_step_split_are_refused_in_one_line(moe, edit, words):
@@ -426,3 +435,32 @@ def test_the_prefetch_depth_is_chosen_with_the_cpu_beside_the_link(moe, accuracy
         make("fast.yaml", f"depth-{depth}.yaml", *flags, "--prefetch-depth", depth)
         pinned.append(read_plan(f"depth-{depth}.yaml").prediction.step_ms)
     assert chosen.prediction.step_ms <= min(pinned)
+
+
+def test_rows_may_split_one_expert_by_its_rows_and_auto_does_not(moe, monkeypatch):
+    """--cpu-experts rows prices a fraction of one more expert (its first rows on the CPU) per miss count and writes
+    it with the fixed part it pays (here without PART_EXTRA_MS, which this fixture's small experts cannot carry:
+    with it, rows keeps them whole); auto writes whole counts only and is no faster; check passes both, and an
+    auto plan edited to hold a fraction is refused in one line."""
+    make("fast.yaml", "priced.yaml", "--cpu-experts", "rows")
+    assert all(row.cpu_fixed_ms is None for row in read_plan("priced.yaml").experts.layers)
+    monkeypatch.setattr(cpu_experts, "PART_EXTRA_MS", 0.0)
+    per_step_split.cache_clear()  # its tables were priced with the extra
+    try:
+        make("fast.yaml", "rows.yaml", "--cpu-experts", "rows")
+    finally:
+        per_step_split.cache_clear()  # nor may later tests read tables priced without it
+    make("fast.yaml", "whole.yaml", "--cpu-experts", "auto")
+    auto, whole = read_plan("rows.yaml"), read_plan("whole.yaml")
+    parted = [row for row in auto.experts.layers if row.cpu_fixed_ms is not None]
+    assert parted and all(any(take != int(take) for take in row.cpu_take) for row in parted)
+    assert all(0 < row.cpu_fixed_ms < row.cpu_ms_per_expert for row in parted)
+    assert all(take == int(take) and row.cpu_fixed_ms is None for row in whole.experts.layers for take in row.cpu_take)
+    assert auto.prediction.step_ms < whole.prediction.step_ms
+    for path in ("rows.yaml", "whole.yaml"):
+        assert invoke(["check", path]).exit_code == 0
+
+    def fraction(data: dict) -> None:
+        _first_split_layer(data).update(cpu_take=[0, 0.5], cpu_fixed_ms=0.01)
+
+    _assert_refused_in_one_line("whole.yaml", fraction, "inputs.cpu_experts is auto")

@@ -321,3 +321,71 @@ def test_a_bad_split_table_is_one_line(model):
         with pytest.raises(PlanError, match=wrong) as error:
             apply_routed_experts(copy.deepcopy(model), ROUTED, 2, CpuStandIn(), cpu={0: (2, 3)}, cpu_take=cpu_take)
         assert "\n" not in str(error.value)
+
+
+#: a fractional split: j(m) = m / 2 + 1/4, so each step with misses sends whole experts and the first quarter or
+#: three quarters of one more expert's rows to the CPU (16 or 48 of the tiny model's 64)
+PART_TAKE = {index: tuple(min(m, m / 2 + 0.25) for m in range(9)) for index in ROUTED}
+
+
+def _split_with_part(top_k: torch.Tensor, index: int) -> tuple[set, int | None, set]:
+    """(experts the CPU computes whole, the expert split by its rows or None, experts fetched, the split one
+    included) of one step without prefetch."""
+    missed = sorted(set(top_k.flatten().tolist()) - set(ROUTED[index]))
+    share = PART_TAKE[index][min(len(missed), len(PART_TAKE[index]) - 1)]
+    whole = int(share)
+    parted = missed[whole] if share > whole and whole < len(missed) else None
+    return set(missed[:whole]), parted, set(missed[whole:])
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_greedy_decode_splitting_one_expert_by_its_rows(model, prefetch):
+    """A per-step split with fractions: the all-resident model's tokens, logits within a few fp32 roundings, so
+    the GPU's rows of the split expert (its slot's first rows zero) and the CPU's add up to the expert; without
+    prefetch the split expert is fetched (its other rows) and its pairs are the CPU's too."""
+    batch, num_steps = 2, 8
+    calls, (ids, logits, _), routed_model, routed = _reference_and_routed(model, batch, num_steps, cpu=SPLIT_CPU,
+                                                                          cpu_take=PART_TAKE, prefetch=prefetch)
+    try:
+        assert routed.cpu_rows == {index: (0, 48, 16, 48, 16, 48, 16, 48, 16) for index in ROUTED}
+        routed_ids, routed_logits, _ = _greedy(routed_model, batch, num_steps)
+        assert torch.equal(routed_ids, ids)
+        assert all(_within(a, b, 1e-5) for a, b in zip(routed_logits, logits))
+        stats = routed.cpu_stats()
+        if not prefetch:
+            steps = [(index, top_k) for index in ROUTED for top_k in calls[index][1:]]  # call 0 is the prefill
+            splits = [(top_k, *_split_with_part(top_k, index)) for index, top_k in steps]
+            assert any(parted is not None for _, _, parted, _ in splits)
+            on_cpu = [chosen | ({parted} if parted is not None else set()) for _, chosen, parted, _ in splits]
+            assert stats["pairs_cpu"] == sum(int(torch.isin(top_k, torch.tensor(sorted(ids) or [-1])).sum())
+                                             for (top_k, *_), ids in zip(splits, on_cpu))
+            assert stats["experts_cpu"] == sum(len(ids) for ids in on_cpu)
+            assert routed.fetched_bytes() == sum(len(fetched) for *_, fetched in splits) * routed.expert_bytes
+    finally:
+        routed.close()
+
+
+@pytest.mark.parametrize("with_kernel", [True, False], ids=["c-kernel", "torch"])
+def test_the_cpu_computes_the_first_rows_of_a_split_expert(layer, with_kernel):
+    """cpu_partial_sum with a part: the split expert's pairs over its first rows only (C kernel and torch's path
+    alike), and those plus its other rows are the whole expert's output."""
+    experts, hidden, index, weights = layer
+    expert = int(index[0, 0])
+    host = _cpu_layer(experts, ids=tuple(range(NUM_EXPERTS)))
+    if not with_kernel:
+        host.host.kernel = None
+    only = torch.where(index == expert, index, -1)  # the split expert's pairs alone
+    rows = 32
+    parts = []
+    for part in (torch.tensor([expert, rows]), None):
+        out = torch.empty(hidden.shape)
+        cpu_partial_sum(host, hidden, only, weights, out, part=part)
+        parts.append(out)
+    first, whole = parts
+    gate_up, down = experts.gate_up_proj[expert], experts.down_proj[expert]
+    intermediate = down.shape[1]
+    gate = hidden @ gate_up[rows:intermediate].T
+    up = hidden @ gate_up[intermediate + rows:].T
+    pair_weight = torch.where(index == expert, weights, 0).sum(-1, keepdim=True)
+    rest = pair_weight * ((torch.nn.functional.silu(gate) * up) @ down[:, rows:].T)
+    assert _within(first + rest, whole, 1e-5) and not _within(first, whole, 1e-2)

@@ -118,21 +118,26 @@ def test_graphed_decode_with_cpu_experts_is_within_the_tolerance(model, batch, c
 #: a per-step split: every non-resident expert may go to the CPU; a step sends about half its misses there
 SPLIT_CPU = {index: tuple(e for e in range(32) if e not in resident) for index, resident in ROUTED.items()}
 SPLIT_TAKE = {index: tuple(m // 2 for m in range(17)) for index in ROUTED}
+#: with fractions: a step with m misses sends m / 2 + 1/4 experts' worth, a quarter or three quarters of one expert's
+#: rows split between the CPU and the link
+PART_TAKE = {index: tuple(min(m, m / 2 + 0.25) for m in range(17)) for index in ROUTED}
 
 
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("handoff", HANDOFFS)
-def test_graphed_decode_splitting_each_steps_misses_is_within_the_tolerance(model, batch, prefetch, handoff,
+@pytest.mark.parametrize("take", [SPLIT_TAKE, PART_TAKE], ids=["whole", "rows"])
+def test_graphed_decode_splitting_each_steps_misses_is_within_the_tolerance(model, batch, prefetch, handoff, take,
                                                                             monkeypatch):
     """A per-step split (cpu_take: the fused fetch plan picks the CPU's misses inside the captured step, after the
-    prefetch's plan where one is pending): the all-resident model's greedy tokens but at near ties, logits within
-    the bf16 tolerance, eager steps within the same of the graphed, and the CPU computes pairs."""
+    prefetch's plan where one is pending), of whole experts or with one expert split by its rows: the all-resident
+    model's greedy tokens but at near ties, logits within the bf16 tolerance, eager steps within the same of the
+    graphed, and the CPU computes pairs."""
     monkeypatch.setenv("OFFLOAD_PLAN_CPU_HANDOFF", handoff)
     expected_ids, expected_logits = _decode(copy.deepcopy(model).to(CUDA), batch, graphed=False)
     routed_model = copy.deepcopy(model)
     routed = apply_routed_experts(routed_model, ROUTED, 4 * batch, CudaBackend(CUDA), cpu=SPLIT_CPU,
-                                  cpu_dtype="bf16", cpu_take=SPLIT_TAKE, prefetch=prefetch)
+                                  cpu_dtype="bf16", cpu_take=take, prefetch=prefetch)
     routed_model.to(CUDA)
     try:
         ids, logits = _decode(routed_model, batch, graphed=True, after_capture=routed.reset_counters)

@@ -23,7 +23,7 @@ def check_against_torch(device: str = "cpu") -> int:
     def draw(high: int, size=(1,)) -> torch.Tensor:
         return torch.randint(0, high, size, generator=generator)
 
-    cases = 0
+    cases = parts = 0
     for num_experts in (4, 16, 60, 128):
         for top_k in (1, 2, 8):
             for tokens in (1, 2, 4):
@@ -61,32 +61,50 @@ def check_against_torch(device: str = "cpu") -> int:
                                  sources_out=written)
                 assert torch.equal(written, plan_fetch(ids, resident_row, slots)[1])
 
-                split = _cpu_split(resident_row, slots, generator)
-                for prefetched in (None, held):
-                    counts = torch.zeros(4, dtype=torch.int64, device=device)
-                    rows, sources, cpu_index = fused_fetch_plan(ids, resident_row, slots, base, counts,
-                                                                prefetched=prefetched, cpu_split=split)
-                    step_rows, want_cpu = split_to_cpu(ids, resident_row, split, prefetched)
-                    if prefetched is None:
-                        want_rows, want_sources = plan_fetch(ids, step_rows, slots, slot_base=base)
-                    else:
-                        want_rows, want_sources, _ = plan_fetch_after_prefetch(ids, step_rows, held, slot_base=base)
-                    assert torch.equal(cpu_index, want_cpu.view(-1))
-                    assert torch.equal(rows, want_rows) and torch.equal(sources, want_sources)
-                    assert not ((want_cpu >= 0) & (resident_row[want_cpu.clamp(min=0)] >= 0)).any()
+                for parted in (False, True):
+                    split = _cpu_split(resident_row, slots, generator, parted)
+                    for prefetched in (None, held):
+                        counts = torch.zeros(4, dtype=torch.int64, device=device)
+                        rows, sources, cpu_index, part = fused_fetch_plan(ids, resident_row, slots, base, counts,
+                                                                          prefetched=prefetched, cpu_split=split)
+                        step_rows, want_cpu, want_part = split_to_cpu(ids, resident_row, split, prefetched)
+                        if prefetched is None:
+                            want_rows, want_sources = plan_fetch(ids, step_rows, slots, slot_base=base)
+                        else:
+                            want_rows, want_sources, _ = plan_fetch_after_prefetch(ids, step_rows, held,
+                                                                                   slot_base=base)
+                        assert torch.equal(cpu_index, want_cpu.view(-1))
+                        assert torch.equal(rows, want_rows) and torch.equal(sources, want_sources)
+                        assert not ((want_cpu >= 0) & (resident_row[want_cpu.clamp(min=0)] >= 0)).any()
+                        _check_part(part, want_part, want_sources)
+                        parts += int(part is not None and int(part[0]) >= 0)
                 cases += 1
+    assert parts > 0  # some steps split an expert by its rows
     return cases
 
 
-def _cpu_split(resident_row: torch.Tensor, slots: int, generator: torch.Generator):
-    """A random split: some non-resident experts the CPU may compute, and a table j(m) <= m of random length."""
+def _cpu_split(resident_row: torch.Tensor, slots: int, generator: torch.Generator, parted: bool = False):
+    """A random split: some non-resident experts the CPU may compute, and a table j(m) <= m of random length;
+    ``parted``: with random rows of one more expert (0 in some entries)."""
     from runtime.fetch_planning import CpuSplit
 
     num_experts, device = resident_row.numel(), resident_row.device
     eligible = ((resident_row.cpu() < 0) & (torch.rand(num_experts, generator=generator) < 0.7)).to(torch.int64)
     length = int(torch.randint(1, slots + 2, (1,), generator=generator))
     take = torch.tensor([int(torch.randint(0, m + 1, (1,), generator=generator)) for m in range(length)])
-    return CpuSplit(eligible=eligible.to(device), take=take.to(device), zero_row=999)
+    rows = torch.randint(0, 3, (length,), generator=generator) * 16 if parted else None
+    return CpuSplit(eligible=eligible.to(device), take=take.to(device), zero_row=999,
+                    rows=None if rows is None else rows.to(device))
+
+
+def _check_part(part, want_part, sources) -> None:
+    """The fused plan's part [expert, rows, slot] is the torch twin's [expert, rows] and the slot its expert got."""
+    if want_part is None:
+        assert part is None
+        return
+    expert = int(want_part[0])
+    want_slot = int((sources == expert).nonzero().flatten()[0]) if expert >= 0 else -1
+    assert part.tolist() == [expert, int(want_part[1]), want_slot]
 
 
 def test_split_to_cpu_takes_the_first_eligible_misses():
@@ -97,7 +115,8 @@ def test_split_to_cpu_takes_the_first_eligible_misses():
     ids = torch.tensor([[3, 1], [5, 6]])
     resident_row = torch.tensor([-1, 10, -1, -1, -1, -1, -1, -1])
     split = CpuSplit(eligible=torch.tensor([0, 0, 1, 1, 1, 1, 1, 1]), take=torch.tensor([0, 1, 1]), zero_row=99)
-    rows, cpu_index = split_to_cpu(ids, resident_row, split, prefetched=torch.tensor([5, -1, -1, -1]))
+    rows, cpu_index, part = split_to_cpu(ids, resident_row, split, prefetched=torch.tensor([5, -1, -1, -1]))
+    assert part is None
     assert cpu_index.tolist() == [3, -1, -1, -1]
     assert rows.tolist() == [-1, 10, -1, 99, -1, -1, -1, -1]
     split = CpuSplit(eligible=split.eligible, take=torch.tensor([0, 1, 2]), zero_row=99)
@@ -119,3 +138,41 @@ def test_fused_fetch_plan_on_the_gpu():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     assert check_against_torch("cuda") == 33
+
+
+def test_split_to_cpu_splits_the_next_miss_by_its_rows():
+    """By hand: misses 3, 5, 6 (nothing prefetched; m = 3: j = 1 and 32 rows): the CPU computes 3 whole and the first
+    32 rows of 5, whose pairs are the CPU's too while it stays a miss; 6 is fetched."""
+    from runtime.fetch_planning import CpuSplit, split_to_cpu
+
+    ids = torch.tensor([[3, 1], [5, 6]])
+    resident_row = torch.tensor([-1, 10, -1, -1, -1, -1, -1, -1])
+    split = CpuSplit(eligible=torch.tensor([0, 0, 1, 1, 1, 1, 1, 1]), take=torch.tensor([0, 1, 1, 1]), zero_row=99,
+                     rows=torch.tensor([0, 0, 0, 32]))
+    rows, cpu_index, part = split_to_cpu(ids, resident_row, split)
+    assert cpu_index.tolist() == [3, -1, 5, -1] and part.tolist() == [5, 32]
+    assert rows.tolist() == [-1, 10, -1, 99, -1, -1, -1, -1]  # 5 is not at the zero row: fetched for its rest
+    split = CpuSplit(eligible=split.eligible, take=split.take, zero_row=99, rows=torch.tensor([0, 0, 0, 0]))
+    assert split_to_cpu(ids, resident_row, split)[2].tolist() == [-1, 0]  # no rows at m = 3: no part
+
+
+def test_the_gather_zeroes_a_split_experts_first_rows():
+    """gather_rows with a part (its torch semantics, the Triton kernel's twin): the split expert's slot holds its
+    gate and up rows and down columns from r on and zeros before; the other slots whole; per PartLayout."""
+    from runtime.uva_gather import gather_rows, part_layout
+
+    hidden, intermediate, rows = 8, 32, 16
+    gate_up = torch.randn(4, 2 * intermediate, hidden)
+    down = torch.randn(4, hidden, intermediate)
+    ids = torch.tensor([2, 0, -1])
+    part = torch.tensor([0, rows, 1])
+    for name, source in (("gate_up_proj", gate_up), ("down_proj", down)):
+        slots = torch.full((3, *source.shape[1:]), 7.0)
+        gather_rows(source, slots, ids, part=part, layout=part_layout(name, tuple(source.shape[1:])))
+        assert torch.equal(slots[0], source[2]) and torch.equal(slots[2], torch.full_like(slots[2], 7.0))
+        want = source[0].clone()
+        if name == "gate_up_proj":
+            want[:rows], want[intermediate:intermediate + rows] = 0, 0
+        else:
+            want[:, :rows] = 0
+        assert torch.equal(slots[1], want)

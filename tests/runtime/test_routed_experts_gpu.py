@@ -54,6 +54,51 @@ def test_gather_from_mapped_host_memory_inside_a_graph():
         backend.unpin(host)
 
 
+@pytest.mark.parametrize("max_programs", [None, 3])
+def test_a_split_experts_gather_inside_a_graph_is_the_torch_twins(max_programs):
+    """The Triton gather with a part (runtime.uva_gather): bf16 gate_up and down from mapped host memory, one slot
+    the part's (its first rows zero), replayed with another part and other ids: each replay equals the CPU twin."""
+    from runtime.uva_gather import part_layout
+
+    backend = CudaBackend(CUDA)
+    hidden, intermediate = 64, 96
+    hosts = {"gate_up_proj": torch.randn(12, 2 * intermediate, hidden).to(torch.bfloat16),
+             "down_proj": torch.randn(12, hidden, intermediate).to(torch.bfloat16)}
+    for host in hosts.values():
+        backend.pin(host, mapped=True)
+    try:
+        ids = torch.tensor([3, -1, 11, 5], device=CUDA)
+        part = torch.tensor([11, 32, 2], device=CUDA)
+        slots = {name: torch.full((4, *host.shape[1:]), 7.0, dtype=torch.bfloat16, device=CUDA)
+                 for name, host in hosts.items()}
+
+        def gather():
+            for name, host in hosts.items():
+                gather_rows(device_view(host, CUDA), slots[name], ids, max_programs=max_programs, part=part,
+                            layout=part_layout(name, tuple(host.shape[1:])))
+
+        gather()  # compiles outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            gather()
+        for new_ids, new_part in (([3, -1, 11, 5], [11, 32, 2]), ([0, 7, -1, 2], [0, 80, 0]), ([4, 1, -1, -1],
+                                                                                             [-1, 0, -1])):
+            ids.copy_(torch.tensor(new_ids))
+            part.copy_(torch.tensor(new_part))
+            for slot in slots.values():
+                slot.fill_(7.0)
+            graph.replay()
+            torch.cuda.synchronize()
+            for name, host in hosts.items():
+                want = torch.full((4, *host.shape[1:]), 7.0, dtype=torch.bfloat16)
+                gather_rows(host, want, torch.tensor(new_ids), part=torch.tensor(new_part),
+                            layout=part_layout(name, tuple(host.shape[1:])))
+                assert torch.equal(slots[name].cpu(), want), (name, new_part)
+    finally:
+        for host in hosts.values():
+            backend.unpin(host)
+
+
 def _decode(model, batch: int, graphed: bool, after_capture=None):
     return greedy_decode(model, batch, graphed, NUM_STEPS, after_capture)
 
