@@ -50,6 +50,13 @@ def _split_edits(rng, row: dict) -> list[tuple[str, object]]:
         ("cpu_take all zero", lambda: row.update(cpu_take=[0])),
         ("cpu_take with a cpu id dropped", lambda: row.update(cpu=row["cpu"][1:])),
         ("cpu_take without cpu_ms_per_expert", lambda: row.pop("cpu_ms_per_expert")),
+        # an expert split by its rows (make --cpu-experts rows): fractions need cpu_fixed_ms, on the 1/16 grid,
+        # within the expert's time, and a plan made with rows
+        ("cpu_take a fraction without cpu_fixed_ms", lambda: row.update(cpu_take=[0, 0.5], cpu_fixed_ms=None)),
+        ("cpu_take off the 1/16 grid", lambda: row.update(cpu_take=[0, 0.3], cpu_fixed_ms=0.01)),
+        ("cpu_fixed_ms past cpu_ms_per_expert", lambda: row.update(cpu_take=[0, 0.5], cpu_fixed_ms=1e6)),
+        (f"cpu_fixed_ms {junk!r}", lambda: row.update(cpu_take=[0, 0.5], cpu_fixed_ms=junk)),
+        ("cpu_take a fraction in a plan made without rows", lambda: row.update(cpu_take=[0, 0.5], cpu_fixed_ms=0.01)),
     ]
 
 
