@@ -23,10 +23,11 @@ slot with rows [0, rows) zero (runtime.uva_gather), the CPU computes rows [0, ro
 two outputs sum to the expert's.
 """
 
-import math
 from dataclasses import dataclass
 
 import torch
+
+from planner.plan.experts_section import fraction_of
 
 _KERNELS = {}
 
@@ -86,8 +87,7 @@ def part_rows(share: float, intermediate: int) -> int:
     """The intermediate rows of one more expert the CPU computes where a plan's j(m) is ``share`` experts: the
     fraction's rows, a multiple of PART_ROWS_MULTIPLE (0: whole experts only, or a fraction too small to split;
     a fraction that rounds to the whole expert is capped one multiple short of it)."""
-    fraction = share - math.floor(share)
-    rows = round(fraction * intermediate / PART_ROWS_MULTIPLE) * PART_ROWS_MULTIPLE
+    rows = round(fraction_of(share) * intermediate / PART_ROWS_MULTIPLE) * PART_ROWS_MULTIPLE
     return max(0, min(rows, intermediate - PART_ROWS_MULTIPLE))
 
 

@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from planner.errors import PlanError
+from planner.plan.experts_section import fraction_of
 from planner.model.placement import ALIGN_BYTES, align_up
 from runtime.allocation import alloc_device_or_fail, host_allocation_or_fail
 from runtime.cpu_experts import gpu_partial_sum
@@ -148,6 +149,9 @@ class RoutedExperts:
             rows = tuple(part_rows(j, intermediate) for j in take)
             if any(rows):
                 self.cpu_rows[index] = rows
+        #: param name -> where an expert's intermediate rows lie in it (the gather of an expert split by its rows)
+        self.part_layouts = {name: part_layout(name, shape) for name, (_, shape) in self.rows.items()} \
+            if self.cpu_rows else {}
         #: the CPU side (runtime.cpu_handoff.CpuExperts), made by start where some layer has CPU experts
         self.cpu_experts: CpuExperts | None = None
         self.row_bytes = {name: math.prod(shape) * dtype.itemsize for name, (dtype, shape) in self.rows.items()}
@@ -319,7 +323,7 @@ class RoutedExperts:
         eligible[list(self.cpu[index])] = 1
         rows = self.cpu_rows.get(index)
         return CpuSplit(eligible=eligible.to(self.device), zero_row=self.zero_row,
-                        take=torch.tensor([math.floor(j) for j in self.cpu_take[index]], dtype=torch.int64,
+                        take=torch.tensor([round(j - fraction_of(j)) for j in self.cpu_take[index]], dtype=torch.int64,
                                           device=self.device),
                         rows=None if rows is None else torch.tensor(rows, dtype=torch.int64, device=self.device))
 
@@ -456,7 +460,7 @@ class RoutedExperts:
         for name in self.param_names:
             gather_rows(self.host_device[index, name], self.buffer[name][base:base + self.fetch_slots], source_ids,
                         max_programs=programs, block_words=words, num_warps=warps, part=part,
-                        layout=None if part is None else part_layout(name, self.rows[name][1]))
+                        layout=self.part_layouts.get(name))
         if self.prefetch_after_misses:
             prefetch_next(self, ordinal, hidden)
         proxy = ExpertsProxy(module, {name: self.buffer[name] for name in self.param_names})

@@ -4,6 +4,7 @@ runtime read it through the predicates (ExpertLayer.routed, ExpertsPoint.routed,
 .prefetching) rather than comparing strings.
 """
 
+import math
 from dataclasses import dataclass
 
 from planner.model.expert_prefetch import fetch_weighted_shares, prefetch_shares
@@ -36,6 +37,12 @@ CPU_COPY_DTYPES = ("bf16", "fp32")
 #: a fractional share in a layer's cpu_take is a multiple of 1 / CPU_TAKE_QUANTUM of an expert (the runtime rounds
 #: the rows it sends to the CPU to runtime.fetch_planning.PART_ROWS_MULTIPLE)
 CPU_TAKE_QUANTUM = 16
+
+
+def fraction_of(share: float) -> float:
+    """The fraction of one more expert in a cpu_take entry of ``share`` experts (0 for a whole count)."""
+    part = share - math.floor(share + 1e-9)
+    return part if part > 1e-9 else 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,7 +127,7 @@ class ExpertLayer:
         if off_grid:
             raise ValueError(f"cpu_take[{off_grid[0]}] is {self.cpu_take[off_grid[0]]}, not a multiple of "
                              f"1/{CPU_TAKE_QUANTUM} of an expert")
-        fractional = any(take != int(take) for take in self.cpu_take)
+        fractional = any(fraction_of(take) for take in self.cpu_take)
         if fractional != (self.cpu_fixed_ms is not None):
             raise ValueError("cpu_fixed_ms is given exactly where cpu_take holds a fraction of an expert")
         if self.cpu_fixed_ms is not None and not 0 <= self.cpu_fixed_ms <= self.cpu_ms_per_expert:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from planner.model.expert_prefetch import planned_layer_stall_ms
 from planner.model.expert_routing import PerStepCpu, StepDraw, binomial_pmf
-from planner.plan.experts_section import CPU_TAKE_QUANTUM
+from planner.plan.experts_section import CPU_TAKE_QUANTUM, fraction_of
 from planner.search import cpu_experts
 
 #: joint (touched, missed) terms below this probability are left out, and the table stops at the largest miss
@@ -107,10 +107,9 @@ def _cpu_ms(share: float, handoff_ms: float, cpu_ms_per_expert: float, fixed_ms:
     """The CPU path of a step sending it ``share`` experts' worth: whole experts at ``cpu_ms_per_expert``, a
     fraction f of one more at ``fixed_ms`` + f x the rest."""
     # the handoff is paid every step: the captured step rings the host whatever the routing
-    whole = math.floor(share + 1e-9)
-    part = share - whole
-    part_ms = 0.0 if part <= 1e-9 else (fixed_ms or 0.0) + part * (cpu_ms_per_expert - (fixed_ms or 0.0))
-    return handoff_ms + whole * cpu_ms_per_expert + part_ms
+    part = fraction_of(share)
+    part_ms = (fixed_ms or 0.0) + part * (cpu_ms_per_expert - (fixed_ms or 0.0)) if part else 0.0
+    return handoff_ms + round(share - part) * cpu_ms_per_expert + part_ms
 
 
 def _terms_by_miss(joint: tuple[tuple[int, int, float], ...]) -> dict[int, list[tuple[int, float]]]:
@@ -134,7 +133,7 @@ def per_step_split(draw: StepDraw, link: LinkWait, handoff_ms: float, cpu_ms_per
         # draw's tail, cut at NEGLIGIBLE_STEP_PMF) must not make the table's last entry, read past its end, drop
         take.append(min(max(j, take[-1] if take else 0), m))
     take = _trimmed(take)
-    fractional = any(share != int(share) for share in take)
+    fractional = any(fraction_of(share) for share in take)
     per_step = PerStepCpu(draw=draw, expert_ms=link.expert_ms, take=take, fixed_ms=fixed_ms if fractional else None)
     steps = _steps(per_step, link)
     return PerStepSplit(take=per_step.take, wait_ms=expected_wait_ms(per_step, link, handoff_ms, cpu_ms_per_expert),
@@ -152,7 +151,7 @@ def expected_wait_ms(per_step: PerStepCpu, link: LinkWait, handoff_ms: float, cp
 def _wait_ms(link_ms: float, cpu_ms: float, share: float) -> float:
     """A step's wait for the later of its two paths, and where ``share`` has a fraction (an expert split by its
     rows), cpu_experts.PART_EXTRA_MS more."""
-    return max(link_ms, cpu_ms, 0.0) + (cpu_experts.PART_EXTRA_MS if share - math.floor(share + 1e-9) > 1e-9 else 0.0)
+    return max(link_ms, cpu_ms, 0.0) + (cpu_experts.PART_EXTRA_MS if fraction_of(share) else 0.0)
 
 
 def _steps(per_step: PerStepCpu, link: LinkWait) -> list[tuple[int, int, float, float]]:

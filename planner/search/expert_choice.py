@@ -159,17 +159,20 @@ def routed_choice(experts: ExpertModel, *, searcher: Searcher, compute: ComputeT
                      for depth in prefetch_depths(experts)]
         return at_depths if experts.prefetch_depth is not None else [placement, *at_depths]
 
-    placement = placed(None)
-    if placement is None:
-        return None
     if decode:
-        placement, simulation = fastest(compute, fetch_only(0))
+        candidates = fetch_only(0)  # empty where even no resident expert fits
+        if not candidates:
+            return None
+        placement, simulation = fastest(compute, candidates)
         placement, simulation, cpu, declined = _with_cpu(experts, compute, placement, simulation, num_tokens,
                                                          h2d_bytes_per_s, fetch_only)
         # the link carries the ranks gathered ahead (hits and wasted) and the misses: as many as the step routes
         # to, plus the wasted ones
         copy_bytes = round(placement.expected_fetched_bytes + wasted_prefetch_bytes(placement))
     else:
+        placement = placed(None)
+        if placement is None:
+            return None
         simulation = prefill_simulation(experts.geometry, compute, h2d_bytes_per_s, copy_overhead_us)
         copy_bytes = sum(staged_bytes(experts.geometry).values())
         cpu, declined = None, None if experts.cpu is None else (
@@ -203,20 +206,14 @@ def _with_cpu(experts: ExpertModel, compute: ComputeTimes, placement: RoutedPlac
                                              f"read as resident at ({zero_row_bytes:,} bytes)")
     # the prefetch depth is chosen with the CPU beside the link, not for fetching alone: the CPU takes the misses a
     # wrong guess leaves, so a shallower prefetch (fewer wasted bytes on the link) can be faster with it
-    best, declined = None, None
-    for room in rooms:
-        hybrid, section, why = hybrid_placement(room, geometry=experts.geometry, routing=experts.routing,
-                                                inputs=experts.cpu, num_tokens=num_tokens, layer_ms=compute.layer_ms,
-                                                link_bytes_per_s=routed_fetch_bytes_per_s(h2d_bytes_per_s))
-        if hybrid is None:
-            declined = declined or why
-            continue
-        with_cpu = decode_simulation(compute, hybrid)
-        if best is None or round(with_cpu.step_ms, STEP_MS_DECIMALS) < round(best[1].step_ms, STEP_MS_DECIMALS):
-            best = (hybrid, with_cpu, section)
-    if best is None:
-        return placement, simulation, None, declined
-    hybrid, with_cpu, section = best
+    hybrids = [hybrid_placement(room, geometry=experts.geometry, routing=experts.routing, inputs=experts.cpu,
+                                num_tokens=num_tokens, layer_ms=compute.layer_ms,
+                                link_bytes_per_s=routed_fetch_bytes_per_s(h2d_bytes_per_s)) for room in rooms]
+    placed = [(hybrid, section) for hybrid, section, _ in hybrids if hybrid is not None]
+    if not placed:
+        return placement, simulation, None, hybrids[0][2]
+    hybrid, with_cpu = fastest(compute, [hybrid for hybrid, _ in placed])
+    section = next(section for candidate, section in placed if candidate is hybrid)
     if round(with_cpu.step_ms, STEP_MS_DECIMALS) < round(simulation.step_ms, STEP_MS_DECIMALS):
         return hybrid, with_cpu, section, None
     return placement, simulation, None, (f"the step with CPU experts ({with_cpu.step_ms:.3f} ms) is no faster than "
