@@ -30,7 +30,11 @@ cap of a serving plan); peak at least 0.9 of the predicted total; measured / pre
 equal to the all-resident plan's. A plan with CPU experts computes their products in another order than the GPU
 (docs/experts.md, Numerics): where its text differs, its logits are decoded against the all-resident plan's
 (first_split), and it passes when the tokens split at a near tie (all-resident's top two within twice the bf16
-tolerance) with every logit up to the split within the tolerance; any other split fails.
+tolerance) with every logit up to the split within the tolerance. Else both are decoded again eagerly with every
+routed call's routing recorded (routing_against): it passes when the first call whose routing differs from
+all-resident's had its input within the tolerance (a router's near tie: sparsemixer's threshold, a top-k tie),
+every step before it had its logits within the tolerance, and every routed call's output was within the tolerance
+of its experts computed in fp32 (the arithmetic, checked on whatever input each call had). Any other split fails.
 """
 
 from __future__ import annotations
@@ -844,7 +848,8 @@ def tokens_equal(row: dict, reference_text: str | None) -> bool | None:
     if row["text"] == reference_text:
         return True
     split = row.get("logits")
-    return bool(split and split.get("near_tie") and split["within_tolerance"])
+    return bool(split and ((split.get("near_tie") and split["within_tolerance"])
+                           or (split.get("routing") or {}).get("router_tie")))
 
 
 def tokens_text(row: dict) -> str:
@@ -853,9 +858,20 @@ def tokens_text(row: dict) -> str:
     split = row.get("logits")
     if not split or split.get("split_at") is None:
         return str(verdict)
-    kind = "near tie" if split["near_tie"] else "fault"
-    return (f"{verdict}: {kind} at step {split['split_at']} (top-two gap {split['margin_share']:.2%}, logits within "
+    routing = split.get("routing") or {}
+    kind = "near tie" if split["near_tie"] else "router near tie" if routing.get("router_tie") else "fault"
+    text = (f"{verdict}: {kind} at step {split['split_at']} (top-two gap {split['margin_share']:.2%}, logits within "
             f"{split['worst_share']:.2%})")
+    flip = routing.get("flip")
+    if flip:
+        where = "the prefill" if flip["step"] is None else f"step {flip['step']}"
+        which = "a router's near tie" if routing["router_tie"] else "a router's choice"
+        change = "another expert" if flip["other_expert"] else f"a weight {flip['weight_gap']:.2f} off"
+        worst = routing["experts_worst_share"]
+        calls = "" if worst is None else f"; every routed call within {worst:.2%} of its fp32 experts"
+        text += (f"; from {which} at {where}, layer {flip['layer']} (input within {flip['input_share']:.2%}, "
+                 f"{change}{calls})")
+    return text
 
 
 def has_cpu_experts(path: Path) -> bool:
@@ -872,12 +888,40 @@ def reference_logits(path: Path) -> list:
 
 
 def split_against(plan: Path, reference_plan: Path) -> dict:
-    """first_split of the plan's greedy decode against the all-resident plan's, at the bf16 tolerance."""
+    """first_split of the plan's greedy decode against the all-resident plan's, at the bf16 tolerance; where that
+    is no near tie within the tolerance, ``routing``: both decoded again eagerly with their routing recorded
+    (routing_against)."""
     from runtime.cpu_experts import BF16_TOLERANCE
 
     split = first_split(greedy_logits(plan, MAX_NEW_TOKENS)[1], reference_logits(reference_plan), BF16_TOLERANCE)
     gpu_clean()
+    if split["split_at"] is not None and not (split["near_tie"] and split["within_tolerance"]):
+        split["routing"] = routing_against(plan, reference_plan, BF16_TOLERANCE)
+        gpu_clean()
     return split
+
+
+def routing_against(plan: Path, reference_plan: Path, tolerance: float) -> dict:
+    """The plan's and the all-resident plan's eager decodes with their routing recorded: the eager first_split's
+    step and shares, ``experts_worst_share`` (every routed call of the plan against its experts in fp32:
+    the CPU's and the GPU's arithmetic, on whatever input the call had), the first routing_flip, and
+    ``router_tie``: that flip is a router's near tie (its input within the tolerance), every routed call within
+    the tolerance of its fp32 experts, and every step's logits before the flip's within the tolerance. The CPU's
+    fp32 sums then moved a router's input across its boundary, as a near tie of the logits moves the argmax: from
+    that step on the two decodes differ in what they compute, and their logits are compared no further."""
+    records, reference_records = [], []
+    logits = greedy_logits(plan, MAX_NEW_TOKENS, routing=records)[1]
+    reference = greedy_logits(reference_plan, MAX_NEW_TOKENS, routing=reference_records)[1]
+    split = first_split(logits, reference, tolerance)
+    flip = routing_flip(records, reference_records, tolerance)
+    checked = [record["experts_share"] for record in records if record["experts_share"] is not None]
+    experts_worst = max(checked, default=None)
+    flip_step = None if flip is None else (flip["step"] or 0)  # a flip in the prefill: before step 0
+    router_tie = bool(flip and flip["near_tie"] and experts_worst is not None and experts_worst <= tolerance
+                      and all(share <= tolerance for share in split["shares"][:flip_step]))
+    return {"split_at": split["split_at"], "worst_share": split["worst_share"], "shares": split["shares"],
+            "experts_worst_share": experts_worst, "experts_calls": len(checked), "flip": flip,
+            "router_tie": router_tie}
 
 
 def first_split(logits: list, reference_logits: list, tolerance: float) -> dict:
@@ -906,9 +950,12 @@ def first_split(logits: list, reference_logits: list, tolerance: float) -> dict:
     return result
 
 
-def greedy_logits(path: Path, num_tokens: int) -> tuple[list[int], list]:
+def greedy_logits(path: Path, num_tokens: int, graphed: bool | None = None, routing: list | None = None
+                  ) -> tuple[list[int], list]:
     """The plan's greedy decode of PROMPT, in this process, over the static cache ``run --prompt`` decodes with
-    (replayed from CUDA graphs where the plan was made graphed): its ids and each step's logits (CPU)."""
+    (replayed from CUDA graphs where the plan was made graphed, or as ``graphed`` says): its ids and each step's
+    logits (CPU). ``routing`` (a list): decoded eagerly, with every routed experts call appended to it in order
+    (routing_records)."""
     import torch
     from transformers import AutoTokenizer
 
@@ -917,7 +964,10 @@ def greedy_logits(path: Path, num_tokens: int) -> tuple[list[int], list]:
     from runtime.load import load_with_plan
 
     plan = read_plan(path)
-    graphed = bool(plan.workload.cuda_graph)
+    if routing is not None:
+        graphed = False  # hooks do not run in a graph's replay
+    elif graphed is None:
+        graphed = bool(plan.workload.cuda_graph)
     loaded = load_with_plan(plan)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(loaded.source.folder))
@@ -926,14 +976,108 @@ def greedy_logits(path: Path, num_tokens: int) -> tuple[list[int], list]:
         room_tokens = max(NUM_WARMUP_CALLS, calls_for(num_tokens, steps)) * steps  # as run --prompt's cache
         loop = DecodeLoop(loaded.model, batch=1, max_cache_tokens=prompt.shape[1] + room_tokens,
                           device=prompt.device, engine=loaded.engine, steps_per_call=steps)
-        loop.prefill(prompt)
-        loop.capture() if graphed else loop.warm_up()
-        ids, logits = loop.generate(num_tokens)
+        with routing_records(loaded.model, routing, loaded.engine.routed_experts) as forwards:
+            loop.prefill(prompt)
+            loop.capture() if graphed else loop.warm_up()
+            forwards["decode_from"] = forwards["count"]
+            ids, logits = loop.generate(num_tokens)
         torch.cuda.synchronize()
         return ids[0].tolist(), [step[0].float().cpu() for step in logits]
     finally:
         loaded.engine.close()
 
+
+@contextlib.contextmanager
+def routing_records(model, records: list | None, routed=None):
+    """While entered (``records`` not None), each call of a layer's ``mlp.experts`` appends {"forward": the
+    model's forward it ran in, "step": the decode step (None before the decode), "layer", "hidden" [T, H] fp32,
+    "ids" [T, k], "weights" [T, k] fp32, "experts_share": for a layer of ``routed`` (runtime.routed_experts.
+    RoutedExperts), the call's output against its experts in fp32 from the host copy (experts_fp32), as a share of
+    that's largest magnitude, else None} (on the CPU) to ``records``. Yields a dict whose "decode_from" the caller
+    sets to "count" (the forwards run) where the decode starts."""
+    import re as regex
+
+    forwards = {"count": 0, "decode_from": None}
+    if records is None:
+        yield forwards
+        return
+
+    def counted(module, args):
+        forwards["count"] += 1
+
+    def recorded(layer: int):
+        def hook(module, args, kwargs, output):
+            hidden, ids, weights = [*args, *kwargs.values()][:3]
+            forward = forwards["count"] - 1
+            start = forwards["decode_from"]
+            share = None
+            if routed is not None and layer in routed.layers:
+                reference = experts_fp32(routed, layer, hidden, ids, weights)
+                share = float((output.float().reshape(reference.shape) - reference).abs().max()
+                              / reference.abs().max())
+            records.append({"forward": forward, "step": None if start is None else forward - start,
+                            "layer": layer, "hidden": hidden.detach().float().cpu(), "ids": ids.detach().cpu(),
+                            "weights": weights.detach().float().cpu(), "experts_share": share})
+        return hook
+
+    handles = [model.register_forward_pre_hook(counted)]
+    for name, module in model.named_modules():
+        found = regex.search(r"layers\.(\d+)\.mlp\.experts$", name)
+        if found and hasattr(module, "num_experts"):
+            handles.append(module.register_forward_hook(recorded(int(found.group(1))), with_kwargs=True))
+    try:
+        yield forwards
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def experts_fp32(routed, layer: int, hidden, ids, weights):
+    """A routed layer's experts call computed in fp32 from the host copy of its experts (SwiGLU: gate_up [2I, H]
+    gate rows first, down [H, I], the module's activation): [T, H] on the hidden states' device."""
+    import torch
+
+    module = routed.modules[layer]
+    x = hidden.reshape(-1, hidden.shape[-1]).float()
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for token in range(ids.shape[0]):
+        for rank in range(ids.shape[1]):
+            expert = int(ids[token, rank])
+            if expert < 0:
+                continue
+            gate_up = routed.host[layer, "gate_up_proj"][expert].to(x.device).float()
+            down = routed.host[layer, "down_proj"][expert].to(x.device).float()
+            gate, up = (gate_up @ x[token]).chunk(2)
+            out[token] += float(weights[token, rank]) * (down @ (module.act_fn(gate) * up))
+    return out
+
+
+def routing_flip(records: list, reference_records: list, tolerance: float) -> dict | None:
+    """The first routed experts call of a decode (routing_records) whose routing differs from the reference's
+    (another expert for a token, or a routing weight off by more than ``tolerance``), with its step, its layer and
+    its input against the reference's as a share of the reference's largest magnitude; ``near_tie``: that input
+    is within ``tolerance``, so the router's decision lay that close to its boundary (a router is discontinuous:
+    the top-k at a tie, PhiMoE's sparsemixer at its threshold). None where the calls never differ, or the two
+    decodes' calls do not align."""
+    import torch
+
+    for mine, theirs in zip(records, reference_records):
+        if (mine["layer"], mine["forward"], mine["ids"].shape) != (theirs["layer"], theirs["forward"],
+                                                                   theirs["ids"].shape):
+            return None
+        order, reference_order = mine["ids"].sort(-1), theirs["ids"].sort(-1)
+        other_expert = not torch.equal(order.values, reference_order.values)
+        weight_gap = 0.0 if other_expert else float(
+            (mine["weights"].gather(-1, order.indices) - theirs["weights"].gather(-1, reference_order.indices))
+            .abs().max())
+        if other_expert or weight_gap > tolerance:
+            input_share = float((mine["hidden"] - theirs["hidden"]).abs().max() / theirs["hidden"].abs().max())
+            return {"step": mine["step"], "layer": mine["layer"], "input_share": input_share,
+                    "other_expert": other_expert, "weight_gap": weight_gap, "near_tie": input_share <= tolerance,
+                    "ids": mine["ids"].tolist(), "reference_ids": theirs["ids"].tolist(),
+                    "weights": [[round(w, 4) for w in row] for row in mine["weights"].tolist()],
+                    "reference_weights": [[round(w, 4) for w in row] for row in theirs["weights"].tolist()]}
+    return None
 
 
 # --- one model, in its own process ---------------------------------------------------------------------------------

@@ -60,6 +60,19 @@ PLANNED_EXPERTS_IMPLEMENTATION = {"decode": "grouped_mm", "prefill": "grouped_mm
 EXPERTS_FALLBACK = {"decode": "batched_mm", "prefill": "eager"}
 
 
+#: safetensors dtype names -> torch's (the names planned_experts_implementation takes)
+_TORCH_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+
+
+def decode_copies_pairs(weights_dtype: str) -> bool:
+    """Whether a routed decode step of experts in ``weights_dtype`` (a safetensors name, e.g. BF16) copies every
+    routed pair's weights into a workspace: batched_mm does, the decode fallback where torch's grouped GEMM has no
+    kernel for the dtype (anything but bf16); grouped_mm reads the experts where they lie. The routed decode
+    computes with the model's own experts function (runtime.experts_impl.decode_experts_forward)."""
+    torch_name = _TORCH_DTYPES.get(weights_dtype, weights_dtype)
+    return planned_experts_implementation("decode", torch_name) != "grouped_mm"
+
+
 def planned_experts_implementation(phase: str, dtype: str) -> str:
     """The experts implementation a ``phase`` ("decode" or "prefill") step of weights of ``dtype`` runs."""
     if dtype == "bfloat16":

@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 
 from planner.model.expert_prefetch import ExpertPrediction, fetch_weighted_shares, layer_shares, prefetch_shares
 from planner.model.expert_routing import CpuDraw, LayerRouting, PerStepCpu
+from planner.model.activations import decode_copies_pairs
 from planner.model.experts import MoeGeometry, decode_gathers, routed_fetch_bytes_per_s
 
 #: expert-bytes savings closer than this share are a tie (the lower expert id, the lower layer wins)
@@ -101,24 +102,31 @@ def fixed_routed_bytes(geometry: MoeGeometry, layer_total_bytes: tuple[int, ...]
     """(weight bytes before resident experts, fetch buffer bytes, staging buffer bytes, gather workspace bytes)
     of an all-routed placement: everything but the routed experts, a fetch buffer of fetch_slots experts for
     decode (two sets with ``prefetch``), one staging buffer of num_experts experts for prefill chunks, and the
-    decode step's gather of every routed pair's weights (decode_gather_bytes)."""
+    decode step's gather of every routed pair's weights where its experts function copies them
+    (decode_gather_bytes)."""
     expert_total = sum(layer.expert_bytes * geometry.num_experts for layer in geometry.layers)
     slot = geometry.max_expert_bytes
     fetch_buffer = geometry.fetch_slots(num_tokens) * slot * (2 if prefetch else 1)
     staging = geometry.num_experts * slot
-    gather = decode_gather_bytes(num_tokens, geometry.top_k, geometry.num_experts, slot)
+    gather = decode_gather_bytes(num_tokens, geometry.top_k, geometry.num_experts, slot,
+                                 copies_pairs=decode_copies_pairs(geometry.expert_dtype))
     return (non_layer_bytes + sum(layer_total_bytes) - expert_total + fetch_buffer + staging + gather, fetch_buffer,
             staging, gather)
 
 
-def decode_gather_bytes(num_tokens: int, top_k: int, num_experts: int, expert_bytes: int) -> int:
-    """GPU bytes a routed decode step of ``num_tokens`` tokens gathers: it computes through transformers'
-    batched_mm (runtime.routed_experts: the products then equal the all-resident model's bitwise), which copies
-    each (token, expert) pair's weights out of the buffer into one workspace, alive for the layer's experts. A
-    step that routes more pairs than num_experts runs the prefill path over the staging buffer instead: none.
-    Measured on the H100 (OLMoE, 4 sequences x top-8 = 32 pairs of 12 MiB experts): 384.2 MiB held by the
-    gather, 384 MiB predicted."""
-    return num_tokens * top_k * expert_bytes if decode_gathers(num_tokens, top_k, num_experts) else 0
+def decode_gather_bytes(num_tokens: int, top_k: int, num_experts: int, expert_bytes: int, *,
+                        copies_pairs: bool) -> int:
+    """GPU bytes a routed decode step of ``num_tokens`` tokens gathers. It computes with the model's own experts
+    function (runtime.routed_experts: the products then equal the all-resident model's bitwise): where that is
+    transformers' batched_mm (``copies_pairs``: planner.model.activations.decode_copies_pairs), it copies each
+    (token, expert) pair's weights out of the buffer into one workspace, alive for the layer's experts (on the
+    H100, OLMoE at 4 sequences x top-8 = 32 pairs of 12 MiB experts held 384.2 MiB there); grouped_mm (bf16)
+    reads the buffer in place: none (on the H200, PhiMoE and OLMoE serving plans at 4 sequences peaked 1.37 GB and
+    0.38 GB under plans that booked it, 2026-11-29). A step that routes more pairs than num_experts runs the
+    prefill path over the staging buffer instead: none."""
+    if not copies_pairs or not decode_gathers(num_tokens, top_k, num_experts):
+        return 0
+    return num_tokens * top_k * expert_bytes
 
 
 def gather_rate(hbm_bytes_per_s: float, compute_efficiency: float) -> float:
@@ -126,14 +134,17 @@ def gather_rate(hbm_bytes_per_s: float, compute_efficiency: float) -> float:
     return hbm_bytes_per_s * compute_efficiency
 
 
-def gather_ms(num_tokens: int, top_k: int, num_experts: int, expert_bytes: int, gather_bytes_per_s: float) -> float:
-    """What a routed layer's decode gather adds to its compute: batched_mm writes every pair's weights
-    (decode_gather_bytes) to its workspace and its product reads them back, twice the gather's bytes at
+def gather_ms(num_tokens: int, top_k: int, num_experts: int, expert_bytes: int, gather_bytes_per_s: float, *,
+              copies_pairs: bool) -> float:
+    """What a routed layer's decode gather adds to its compute (none where grouped_mm reads the buffer in place,
+    ``copies_pairs`` False): batched_mm writes every pair's weights (decode_gather_bytes) to its workspace and
+    its product reads them back, twice the gather's bytes at
     ``gather_bytes_per_s`` (the rate estimates read weights at: HBM x compute efficiency); its reads of the
     buffer stand in for the all-resident layer's own reads of the experts it touches. On the H100's conformance
     sweep (2026-11-28) routed steps at one sequence ran 6-20% slower than priced without it (Qwen2-MoE, Qwen3-MoE,
     OLMoE, DeepSeek-V2-Lite shapes: 0.06-0.22 ms a routed layer; this gives 0.09-0.14)."""
-    return 2e3 * decode_gather_bytes(num_tokens, top_k, num_experts, expert_bytes) / gather_bytes_per_s
+    gathered = decode_gather_bytes(num_tokens, top_k, num_experts, expert_bytes, copies_pairs=copies_pairs)
+    return 2e3 * gathered / gather_bytes_per_s
 
 
 def choose_resident(geometry: MoeGeometry, routing: tuple[LayerRouting, ...], num_tokens: int,
@@ -196,7 +207,8 @@ def routed_placement(geometry: MoeGeometry, routing: tuple[LayerRouting, ...], *
         fetched = fetched_experts * layer.expert_bytes
         resident_bytes += len(ids) * layer.expert_bytes
         layer_gather_ms = 0.0 if gather_bytes_per_s is None else gather_ms(
-            num_tokens, geometry.top_k, geometry.num_experts, layer.expert_bytes, gather_bytes_per_s)
+            num_tokens, geometry.top_k, geometry.num_experts, layer.expert_bytes, gather_bytes_per_s,
+            copies_pairs=decode_copies_pairs(geometry.expert_dtype))
         rows.append(RoutedLayer(index=layer.index, resident=ids, expected_fetched_bytes=fetched,
                                 hit_rate=hit_rate, fetch_ms=1e3 * fetched / rate, expert_bytes=layer.expert_bytes,
                                 gather_ms=layer_gather_ms))

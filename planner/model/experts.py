@@ -67,6 +67,9 @@ class MoeGeometry:
     #: unroutable only because the experts are quantized (whole experts all the same): plans price the routed
     #: regime beside whole layers, on paper, and never choose it
     priced_on_paper: bool = False
+    #: the experts' weights' dtype (safetensors name; the one holding most of their bytes): which experts function
+    #: a routed decode step runs (planner.model.activations.decode_copies_pairs)
+    expert_dtype: str = "BF16"
 
     def __post_init__(self):
         if not 1 <= self.top_k <= self.num_experts:
@@ -109,14 +112,18 @@ def moe_geometry(config: dict | None, layout: ModelLayout) -> MoeGeometry | None
     if top_k > num_experts:
         raise ModelInputError(f"config.json routes each token to {top_k} experts but the model has {num_experts}; "
                               "fix num_experts_per_tok (or the expert count) in config.json")
-    rows = []
+    rows, dtype_bytes = [], {}
     for layer in layers:
+        for name, dtype, _, nbytes in layer.params:
+            if is_expert_param(name):
+                dtype_bytes[dtype] = dtype_bytes.get(dtype, 0) + nbytes
         expert_total = sum(p[3] for p in layer.params if is_expert_param(p[0]))
         rows.append(MoeLayer(index=layer.index, expert_bytes=math.ceil(expert_total / num_experts),
                              other_bytes=layer.nbytes - expert_total))
     reason, quantized = _unroutable_reason(layers, num_experts)
     return MoeGeometry(num_experts=num_experts, top_k=top_k, layers=tuple(rows),
-                       unroutable_reason=reason, priced_on_paper=quantized)
+                       unroutable_reason=reason, priced_on_paper=quantized,
+                       expert_dtype=max(dtype_bytes, key=dtype_bytes.get))
 
 
 def max_experts(layers) -> int:

@@ -10,7 +10,7 @@ from planner.errors import shown
 from planner.model.expert_placement import decode_gather_bytes
 from planner.plan.experts_section import CPU_EXPERTS_CHOICES, ROUTED_EXPERTS_CHOICES
 from planner.plan.figures import first_disagreeing_figure, is_decode, near
-from planner.plan.schema import NOTHING_FITS, AdaptersSection, Plan, gathers, routed_rows
+from planner.plan.schema import NOTHING_FITS, AdaptersSection, Plan, copies_pairs, gathers, routed_rows
 
 
 def first_broken_rule(plan: Plan, *, derived: bool = True) -> str | None:
@@ -259,7 +259,8 @@ def _experts_rules(plan: Plan) -> str | None:
                "staging_buffer_bytes": experts.num_experts * experts.expert_bytes if routed else 0}
     tokens = plan.workload.tokens_per_step
     derived["gather_workspace_bytes"] = (decode_gather_bytes(tokens, experts.top_k, experts.num_experts,
-                                                             experts.expert_bytes) if routed else 0)
+                                                             experts.expert_bytes, copies_pairs=copies_pairs(plan))
+                                         if routed else 0)
     for key, value in derived.items():
         if getattr(experts, key) != value:
             return f"experts.{key} {getattr(experts, key)} is not the {value} its counts give"

@@ -8,6 +8,7 @@ must keep, planner.plan.rules; reading schema 1 plans, planner.plan.migration.
 from dataclasses import dataclass, field
 
 from planner.model.cost import is_decode_step
+from planner.model.activations import decode_copies_pairs
 from planner.model.experts import decode_gathers
 from planner.plan.adapters_section import AdaptersSection
 from planner.plan.experts_section import ExpertLayer, ExpertsPlan
@@ -459,6 +460,13 @@ SECTIONS = {
 
 
 # ---- figures the plan's rows give (planner.plan.rules holds the stored ones to them; show prints them) ----
+
+
+def copies_pairs(plan: Plan) -> bool:
+    """Whether the plan's routed decode steps copy every pair's weights (planner.model.activations.
+    decode_copies_pairs), by the dtype holding most of the checkpoint's bytes (a routed model's: its experts')."""
+    dtype_bytes = plan.model.dtype_bytes
+    return decode_copies_pairs(max(dtype_bytes, key=dtype_bytes.get)) if dtype_bytes else True
 
 
 def gathers(plan: Plan) -> bool:

@@ -22,7 +22,7 @@ from planner.model.expert_routing import CpuDraw, PerStepCpu, StepDraw
 from planner.search import cpu_experts
 from planner.search.cpu_per_step import LinkWait, expected_wait_ms
 from planner.plan.experts_section import ExpertLayer
-from planner.plan.schema import Plan, routed_layer_expert_bytes
+from planner.plan.schema import Plan, copies_pairs, routed_layer_expert_bytes
 from planner.search.simulate import Interval, Simulation
 
 #: where in a routed layer's compute the timeline draws its wait: after attention and the router, before the
@@ -173,13 +173,14 @@ def plan_fetches(plan: Plan, rows: tuple[ExpertLayer, ...] | None = None) -> tup
     rate = experts.routed_fetch_bytes_per_s
     hit, ahead = experts.prefetch_shares() or (None, 1.0)
     tokens = plan.workload.tokens_per_step
-    gathering = is_decode_step(plan.workload)
+    gathering, pairs_copied = is_decode_step(plan.workload), copies_pairs(plan)
     fetches = []
     for row in experts.routed_layers if rows is None else rows:
         expert_bytes = routed_layer_expert_bytes(plan, row)
         expert_ms = 1e3 * expert_bytes / rate
         gather = gather_ms(tokens, experts.top_k, experts.num_experts, expert_bytes,
-                           gather_rate(hardware.hbm_bytes_per_s, hardware.compute_efficiency)) if gathering else 0.0
+                           gather_rate(hardware.hbm_bytes_per_s, hardware.compute_efficiency),
+                           copies_pairs=pairs_copied) if gathering else 0.0
         fetches.append(RoutedFetch(index=row.index, link_ms=1e3 * row.expected_fetched_bytes / rate,
                                    expert_ms=expert_ms if row.expected_fetched_bytes else None, gather_ms=gather,
                                    cpu_ms=row.cpu_ms or 0.0, **_plan_cpu_draw(plan, row, expert_bytes),

@@ -57,11 +57,14 @@ def measured_moe(tmp_path, monkeypatch):
 @pytest.fixture
 def moe(measured_moe, monkeypatch):
     """measured_moe on a host whose CPU path runs beside the link after a 0.05 ms handoff, and whose fast.yaml CPU
-    computes this model's expert in about half the link's time: what the plan's wiring needs to be exercised (the
-    measured price is declined here: test_the_measured_cpu_path_is_declined). A CPU slower per expert than the link
-    saves nothing at one sequence of top-2 routing: a step that sends a pair to it waits for it (E[max])."""
+    computes this model's expert in about half the link's time (fp32.yaml's too, with an fp32 copy): what the
+    plan's wiring needs to be exercised (the measured price is declined here: test_the_measured_cpu_path_is_
+    declined). A CPU slower per expert than the link saves nothing at one sequence of top-2 routing: a step that
+    sends a pair to it waits for it (E[max])."""
     base = yaml.safe_load(open(measured_moe / "fast.yaml"))
-    (measured_moe / "fast.yaml").write_text(yaml.safe_dump({**base, "cpu_experts": cpu_section(QUICK_MS)}))
+    for name, dtype in (("fast", "bf16"), ("fp32", "fp32")):
+        (measured_moe / f"{name}.yaml").write_text(yaml.safe_dump({**base, "cpu_experts": cpu_section(QUICK_MS,
+                                                                                                        dtype)}))
     monkeypatch.setattr(cpu_experts, "CPU_PATH_OVERLAPS_LINK", True)
     monkeypatch.setattr(cpu_experts, "CPU_HANDOFF_MS", 0.05)
     monkeypatch.setattr(cpu_experts, "CPU_IN_STEP_FACTOR", 1.0)
@@ -255,7 +258,7 @@ def _assert_refused_in_one_line(path: str, edit, words: str) -> None:
 
 
 def test_cpu_ids_on_a_whole_layer_are_refused(moe):
-    make("none.yaml", "whole.yaml", "--budget", "120MiB")
+    make("none.yaml", "whole.yaml", "--budget", "120MiB", "--routed-experts", "off")
     whole = yaml.safe_load(open("whole.yaml"))
     assert whole["experts"]["regime"] == "whole_layer"
 

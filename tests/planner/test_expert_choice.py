@@ -22,7 +22,8 @@ from tests.conftest import assert_one_line_error, make_checkpoint, run_cli
 
 def _placement(accuracy, limit_bytes):
     layers = tuple(MoeLayer(index=i, expert_bytes=1000, other_bytes=500) for i in range(3))
-    geometry = MoeGeometry(num_experts=4, top_k=1, layers=layers, unroutable_reason=None)
+    # fp32 experts: the decode's batched_mm copies its pair (a bf16 one's grouped_mm would not)
+    geometry = MoeGeometry(num_experts=4, top_k=1, layers=layers, unroutable_reason=None, expert_dtype="F32")
     return routed_placement(geometry, uniform_routing(geometry), num_tokens=1, layer_total_bytes=(4500,) * 3,
                             non_layer_bytes=100, weight_limit_bytes=limit_bytes, h2d_bytes_per_s=1e6,
                             prefetch_accuracy=accuracy)
@@ -114,7 +115,8 @@ def _depth_pick(rank_accuracy, compute_ms, pinned=None):
     from planner.search.expert_choice import choose_prefetch_depth, expert_model
 
     layers = tuple(MoeLayer(index=i, expert_bytes=1000, other_bytes=500) for i in range(4))
-    geometry = MoeGeometry(num_experts=16, top_k=len(rank_accuracy), layers=layers, unroutable_reason=None)
+    geometry = MoeGeometry(num_experts=16, top_k=len(rank_accuracy), layers=layers, unroutable_reason=None,
+                           expert_dtype="F32")  # batched_mm's pair copies fill the limit: no resident expert
     placement = routed_placement(geometry, uniform_routing(geometry), num_tokens=1, layer_total_bytes=(16500,) * 4,
                                  non_layer_bytes=100, weight_limit_bytes=30100, h2d_bytes_per_s=1e6,
                                  prefetch_accuracy=0.5)

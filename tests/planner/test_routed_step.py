@@ -9,7 +9,7 @@ from planner.model.expert_placement import (RoutedLayer, RoutedPlacement, gather
                                             with_prefetch_depth)
 from planner.model.expert_routing import uniform_routing
 from planner.model.experts import MoeGeometry, MoeLayer
-from planner.plan.schema import Inputs, routed_layer_expert_bytes
+from planner.plan.schema import Inputs, copies_pairs, routed_layer_expert_bytes
 from planner.search.expert_choice import decode_simulation
 from planner.search.routed_step import WAIT_AT_LAYER_SHARE, RoutedFetch, plan_fetches, routed_decode_step
 from planner.views.show import resimulate
@@ -62,10 +62,11 @@ def test_the_plan_and_show_draw_the_same_step(qwen3_30b):
                              expert_bytes=routed_layer_expert_bytes(plan, row),
                              gather_ms=gather_ms(1, experts.top_k, experts.num_experts,
                                                  routed_layer_expert_bytes(plan, row),
-                                                 gather_rate(hardware.hbm_bytes_per_s, hardware.compute_efficiency)),
+                                                 gather_rate(hardware.hbm_bytes_per_s, hardware.compute_efficiency),
+                                                 copies_pairs=copies_pairs(plan)),
                              prefetch_hit_share=row.prefetch_hit_share, prefetch_ahead_share=row.prefetch_ahead_share)
                  for row in experts.routed_layers)
-    assert all(row.gather_ms > 0 for row in rows)  # one sequence's 8 pairs, under the 128 experts
+    assert all(row.gather_ms == 0 for row in rows)  # bf16 experts: grouped_mm reads the buffer in place
     placement = RoutedPlacement(layers=rows, fetch_slots=experts.fetch_slots, weight_bytes=0, fetch_buffer_bytes=0,
                                 staging_buffer_bytes=0, gather_workspace_bytes=0, host_pinned_bytes=0,
                                 prefetch_accuracy=hit, prefetch_ahead_share=ahead,
@@ -85,7 +86,7 @@ def test_the_benchmark_predicts_the_step_the_planner_prices():
     from scripts.bench_experts import model_step_ms
 
     num_layers, expert_bytes, h2d_bytes_per_s = 4, 1000, 1e6
-    geometry = MoeGeometry(num_experts=8, top_k=2, unroutable_reason=None,
+    geometry = MoeGeometry(num_experts=8, top_k=2, unroutable_reason=None, expert_dtype="F32",  # pairs copied
                            layers=tuple(MoeLayer(index=i, expert_bytes=expert_bytes, other_bytes=500)
                                         for i in range(num_layers)))
     base = routed_placement(geometry, uniform_routing(geometry), num_tokens=1, layer_total_bytes=(8500,) * 4,
@@ -105,5 +106,7 @@ def test_the_benchmark_predicts_the_step_the_planner_prices():
 
 def test_a_decode_gather_is_written_and_read_back_and_only_where_it_runs():
     expert_bytes, rate = 9 * 2**20, 1.5e12
-    assert gather_ms(4, 8, 128, expert_bytes, rate) == pytest.approx(2e3 * 32 * expert_bytes / rate)
-    assert gather_ms(32, 8, 128, expert_bytes, rate) == 0  # 256 pairs: the step runs the prefill path instead
+    assert gather_ms(4, 8, 128, expert_bytes, rate, copies_pairs=True) == pytest.approx(2e3 * 32 * expert_bytes / rate)
+    # 256 pairs: the step runs the prefill path instead
+    assert gather_ms(32, 8, 128, expert_bytes, rate, copies_pairs=True) == 0
+    assert gather_ms(4, 8, 128, expert_bytes, rate, copies_pairs=False) == 0  # grouped_mm: nothing copied

@@ -101,7 +101,8 @@ def test_the_cold_experts_shares_over_any_resident_set():
 
 def _geometry() -> MoeGeometry:
     layers = tuple(MoeLayer(index=i, expert_bytes=1000, other_bytes=500) for i in range(3))
-    return MoeGeometry(num_experts=4, top_k=1, layers=layers, unroutable_reason=None)
+    # fp32 experts: the decode's batched_mm copies its pair (the hand counts below book it)
+    return MoeGeometry(num_experts=4, top_k=1, layers=layers, unroutable_reason=None, expert_dtype="F32")
 
 
 def test_the_planner_prices_the_prefetch_from_the_cold_experts_accuracy():

@@ -242,3 +242,94 @@ def test_a_cpu_experts_plan_passes_the_tokens_verdict_only_at_a_near_tie_within_
         assert conformance.tokens_equal(row | {"logits": tie | broken}, "w1 w2") is False
     row |= {"logits": tie, "verdicts": {"tokens_equal": True}}
     assert conformance.tokens_text(row) == "True: near tie at step 1 (top-two gap 0.40%, logits within 0.80%)"
+
+
+def _routing_record(torch, forward, step, layer, ids, weights, hidden, experts_share=0.003):
+    return {"forward": forward, "step": step, "layer": layer, "ids": torch.tensor(ids),
+            "weights": torch.tensor(weights), "hidden": torch.tensor(hidden), "experts_share": experts_share}
+
+
+def test_routing_flip_finds_the_first_call_whose_routing_differs_and_its_inputs_distance():
+    """Equal routing: None; a weight past the tolerance (sparsemixer's threshold) or another expert (a top-k tie)
+    at the first such call, in the reference's order of ranks; near_tie by the input's distance; calls that do not
+    align: None."""
+    torch = pytest.importorskip("torch")
+    reference = [_routing_record(torch, 0, None, 0, [[1, 2], [3, 0]], [[0.6, 0.4], [0.5, 0.5]], [[1.0, -2.0]]),
+                 _routing_record(torch, 1, 0, 0, [[5, 6]], [[1.0, 1.0]], [[2.0, 0.0]]),
+                 _routing_record(torch, 2, 1, 0, [[5, 6]], [[1.0, 1.0]], [[2.0, 0.0]])]
+    tolerance = 2**-6
+    same_ranks_swapped = [reference[0] | {"ids": torch.tensor([[2, 1], [3, 0]]),
+                                          "weights": torch.tensor([[0.4, 0.6], [0.5, 0.5]])}, *reference[1:]]
+    assert conformance.routing_flip(same_ranks_swapped, reference, tolerance) is None
+    # step 0: the second expert's weight halves on an input 0.5% off: a near tie
+    weight = [reference[0], reference[1] | {"weights": torch.tensor([[1.0, 0.5]]),
+                                            "hidden": torch.tensor([[2.01, 0.0]])}, reference[2]]
+    flip = conformance.routing_flip(weight, reference, tolerance)
+    assert flip["step"] == 0 and flip["near_tie"] and not flip["other_expert"]
+    assert flip["weight_gap"] == pytest.approx(0.5) and flip["input_share"] == pytest.approx(0.005)
+    # another expert on an input 10% off: no tie
+    other = [reference[0], reference[1] | {"ids": torch.tensor([[5, 7]]), "hidden": torch.tensor([[2.2, 0.0]])},
+             reference[2]]
+    flip = conformance.routing_flip(other, reference, tolerance)
+    assert flip["other_expert"] and not flip["near_tie"]
+    # a weight nudged within the tolerance is no flip
+    nudged = [reference[0], reference[1] | {"weights": torch.tensor([[1.0, 0.99]])}, reference[2]]
+    assert conformance.routing_flip(nudged, reference, tolerance) is None
+    assert conformance.routing_flip([reference[1]], [reference[0]], tolerance) is None  # not aligned
+
+
+def test_routing_records_each_experts_call_with_its_decode_step():
+    """A tiny PhiMoE forward twice (a prompt, then one decode step): one record per layer per forward, the
+    prompt's with no step, the decode's at step 0, the router's ids and weights as the experts module got them;
+    hooks gone after."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.PhimoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+                                       num_experts_per_tok=2)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    records = []
+    with torch.no_grad(), conformance.routing_records(model, records) as forwards:
+        model(torch.tensor([[1, 2, 3]]))
+        forwards["decode_from"] = forwards["count"]
+        model(torch.tensor([[4]]))
+    assert [(r["forward"], r["step"], r["layer"], tuple(r["ids"].shape)) for r in records] == \
+        [(0, None, 0, (3, 2)), (0, None, 1, (3, 2)), (1, 0, 0, (1, 2)), (1, 0, 1, (1, 2))]
+    assert all(r["hidden"].shape[-1] == 32 and r["experts_share"] is None for r in records)
+    assert not model.model.layers[0].mlp.experts._forward_hooks and not model._forward_pre_hooks
+
+
+def test_a_router_near_tie_explains_a_split_only_with_the_arithmetic_within_the_tolerance(monkeypatch):
+    """routing_against: a flip on an input within the tolerance, every routed call within it of its fp32 experts
+    and every step before the flip within it: router_tie (the tokens verdict passes); an expert call past the
+    tolerance, or logits past it before the flip, or a flip on a distant input: no tie (it fails)."""
+    torch = pytest.importorskip("torch")
+    reference_logits = [torch.tensor([4.0, 1.0, 0.0]), torch.tensor([4.0, 1.0, 0.0]), torch.tensor([0.0, 4.0, 1.0])]
+    reference = [_routing_record(torch, 1 + step, step, 0, [[5, 6]], [[1.0, 1.0]], [[2.0, 0.0]]) for step in range(3)]
+
+    def decode(logits, records):
+        def greedy(path, num_tokens, graphed=None, routing=None):
+            routing.extend(reference if path.name == "reference.yaml" else records)
+            return [], reference_logits if path.name == "reference.yaml" else logits
+        monkeypatch.setattr(conformance, "greedy_logits", greedy)
+        return conformance.routing_against(conformance.Path("plan.yaml"), conformance.Path("reference.yaml"), 2**-6)
+
+    flipped = [reference[0], reference[1] | {"weights": torch.tensor([[1.0, 0.5]])}, reference[2]]
+    jumped = [reference_logits[0], torch.tensor([1.0, 4.0, 0.0]), torch.tensor([0.0, 1.0, 4.0])]
+    tie = decode(jumped, flipped)
+    assert tie["router_tie"] and tie["flip"]["step"] == 1 and tie["split_at"] == 1
+    assert tie["experts_worst_share"] == 0.003 and tie["experts_calls"] == 3
+    row = {"exit": {"prompt": 0}, "text": "w1 w3", "verdicts": {"tokens_equal": True},
+           "logits": {"split_at": 1, "near_tie": False, "within_tolerance": False, "margin_share": 0.75,
+                      "worst_share": 0.75, "routing": tie}}
+    assert conformance.tokens_equal(row, "w1 w2") is True
+    assert "from a router's near tie at step 1, layer 0" in conformance.tokens_text(row)
+    wrong_expert = [record | {"experts_share": 0.05} if record["step"] == 0 else record for record in flipped]
+    assert not decode(jumped, wrong_expert)["router_tie"]
+    off_before = [torch.tensor([4.0, 1.5, 0.0]), *jumped[1:]]
+    assert not decode(off_before, flipped)["router_tie"]
+    far = [reference[0], flipped[1] | {"hidden": torch.tensor([[2.5, 0.0]])}, reference[2]]
+    assert not decode(jumped, far)["router_tie"]
+    row["logits"]["routing"] = decode(jumped, far)
+    assert conformance.tokens_equal(row, "w1 w2") is False
