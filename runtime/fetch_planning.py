@@ -34,13 +34,16 @@ _KERNELS = {}
 
 def fused_fetch_plan(top_k_index: torch.Tensor, resident_row: torch.Tensor, fetch_slots: int, slot_base: int,
                      counts: torch.Tensor, prefetched: torch.Tensor | None = None, sources_out: torch.Tensor | None
-                     = None, cpu_split: "CpuSplit | None" = None) -> tuple[torch.Tensor, ...]:
+                     = None, cpu_split: "CpuSplit | None" = None, part_counts: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, ...]:
     """(pair -> device-buffer row [S], slot -> expert id to gather or -1 [fetch_slots]) as plan_fetch (``prefetched``
     None) or plan_fetch_after_prefetch computes them, with their counts added into ``counts`` [4] (FETCH_KINDS:
     without prefetch, every fetch is "unpredicted"). ``sources_out``: write the slot -> expert ids there (the
     prefetch's own record) instead of a new tensor. With ``cpu_split``, the step's misses are split with the CPU
     first (split_to_cpu) and two more returned: the CPU's pairs' expert ids [S] (-1: the GPU's), and where the
-    split has ``rows``, the part [3] (module docstring; else None). One Triton program; CUDA tensors only."""
+    split has ``rows``, the part [3] (module docstring; else None), its rows added into ``part_counts`` [4] at its
+    kind (part_count_kind: the rows the CPU computes of a fetched expert, which do not cross the link). One Triton
+    program; CUDA tensors only."""
     ids = top_k_index.reshape(-1)
     num_pairs, num_experts = ids.numel(), resident_row.numel()
     pair_rows = torch.empty_like(ids)
@@ -51,10 +54,13 @@ def fused_fetch_plan(top_k_index: torch.Tensor, resident_row: torch.Tensor, fetc
     cpu_index = torch.empty_like(ids) if with_cpu else pair_rows
     eligible, take = (cpu_split.eligible, cpu_split.take) if with_cpu else (resident_row, resident_row)
     part = torch.empty(3, dtype=torch.int64, device=ids.device) if with_part else pair_rows
+    if with_part and part_counts is None:
+        part_counts = torch.zeros(len(counts), dtype=torch.int64, device=ids.device)
     from triton import next_power_of_2  # with the kernel: triton ships with CUDA builds of torch
 
     _kernel()[(1,)](ids, resident_row, prefetched if with_prefetch else sources, pair_rows, sources, counts,
-                    eligible, take, cpu_index, cpu_split.rows if with_part else take, part, take.numel(),
+                    eligible, take, cpu_index, cpu_split.rows if with_part else take, part,
+                    part_counts if with_part else counts, take.numel(),
                     cpu_split.zero_row if with_cpu else 0, num_pairs, num_experts, fetch_slots, slot_base,
                     WITH_PREFETCH=with_prefetch, WITH_CPU=with_cpu, WITH_PART=with_part,
                     BLOCK_S=next_power_of_2(num_pairs), BLOCK_E=next_power_of_2(num_experts),
@@ -77,6 +83,12 @@ class CpuSplit:
     #: [M] int64 or None: the intermediate rows of the next eligible miss the CPU computes at m misses (0: none;
     #: the link brings the rest of it), where the plan's j(m) holds fractions
     rows: torch.Tensor | None = None
+
+
+def part_count_kind(prefetched: bool) -> int:
+    """The FETCH_KINDS entry a split expert's fetch counts as: "missed" in a layer a prefetch predicted, else
+    "unpredicted" (runtime.routed_experts)."""
+    return 2 if prefetched else 3
 
 
 #: a part's rows are a multiple of this many intermediate rows (even: the gather moves 4-byte words of bf16 pairs)
@@ -133,7 +145,8 @@ def _kernel():
 
         @triton.jit
         def plan(ids_ptr, resident_ptr, prefetched_ptr, pair_rows_ptr, sources_ptr, counts_ptr, eligible_ptr,
-                 take_ptr, cpu_index_ptr, rows_ptr, part_ptr, take_len, zero_row, num_pairs, num_experts, num_slots,
+                 take_ptr, cpu_index_ptr, rows_ptr, part_ptr, part_counts_ptr, take_len, zero_row, num_pairs,
+                 num_experts, num_slots,
                  slot_base, WITH_PREFETCH: tl.constexpr, WITH_CPU: tl.constexpr, WITH_PART: tl.constexpr,
                  BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_F: tl.constexpr):
             s = tl.arange(0, BLOCK_S)
@@ -198,6 +211,13 @@ def _kernel():
                     tl.store(part_ptr, part_expert)
                     tl.store(part_ptr + 1, tl.where(part_expert >= 0, part_rows, 0).to(tl.int64))
                     tl.store(part_ptr + 2, tl.max(tl.where(parted, slot, -1).to(tl.int64), axis=0))
+                    # its rows, which the CPU computes and the link does not bring, at the miss's kind
+                    # (part_count_kind: "missed" after a prefetch, else "unpredicted")
+                    split_rows = tl.where(part_expert >= 0, part_rows, 0).to(tl.int64)
+                    if WITH_PREFETCH:
+                        tl.store(part_counts_ptr + 2, tl.load(part_counts_ptr + 2) + split_rows)
+                    else:
+                        tl.store(part_counts_ptr + 3, tl.load(part_counts_ptr + 3) + split_rows)
 
         _KERNELS["plan"] = plan
     return _KERNELS["plan"]

@@ -57,8 +57,8 @@ from runtime.cpu_experts import gpu_partial_sum
 from runtime.cpu_handoff import CpuExperts, check_cpu_experts, check_cpu_take, start_cpu_experts
 from runtime.engine import PackedParam, backend_unpin, view_as_param
 from runtime.experts_impl import ExpertsProxy, decode_experts_forward, expert_param_names, prefill_experts_forward
-from runtime.fetch_planning import (CpuSplit, fused_fetch_plan, part_rows, plan_fetch, plan_fetch_after_prefetch,
-                                    split_to_cpu)
+from runtime.fetch_planning import (CpuSplit, fused_fetch_plan, part_count_kind, part_rows, plan_fetch,
+                                    plan_fetch_after_prefetch, split_to_cpu)
 from runtime.router_prediction import NextLayerPredictor, predictors_for, prefetch_depths
 from runtime.routed_prefetch import prefetch_next
 from runtime.uva_gather import GATHER_BLOCK_WORDS, GATHER_NUM_WARPS, device_view, gather_rows, part_layout
@@ -144,6 +144,8 @@ class RoutedExperts:
         #: routed layer index -> per miss count, the intermediate rows of one more expert its CPU computes, for the
         #: layers whose j(m) holds fractions
         intermediate = self.rows["down_proj"][1][-1] if "down_proj" in self.rows else 0
+        #: the experts' intermediate rows (0 where the experts are not SwiGLU's gate_up and down)
+        self.intermediate = intermediate
         self.cpu_rows = {}
         for index, take in self.cpu_take.items():
             rows = tuple(part_rows(j, intermediate) for j in take)
@@ -180,6 +182,9 @@ class RoutedExperts:
         #: [4] int64 on the device: distinct non-resident experts gathered by decode steps since reset, by kind
         #: (FETCH_KINDS)
         self.fetch_counts = torch.zeros(len(FETCH_KINDS), dtype=torch.int64, device=self.device)
+        #: [4] int64 on the device: of those, the intermediate rows of split experts the CPU computed (they did not
+        #: cross the link), by kind
+        self.part_row_counts = torch.zeros(len(FETCH_KINDS), dtype=torch.int64, device=self.device)
 
     def _prediction_state(self) -> None:
         """The next-layer prediction's buffers, counters and knobs (filled by ``start``), and the host views."""
@@ -379,9 +384,12 @@ class RoutedExperts:
         return sum(self.fetched_bytes_by_kind().values())
 
     def fetched_bytes_by_kind(self) -> dict[str, int]:
-        """FETCH_KINDS -> bytes gathered since the last reset (one read of the device counter)."""
-        counts = self.fetch_counts.tolist()
-        return {kind: count * self.expert_bytes for kind, count in zip(FETCH_KINDS, counts)}
+        """FETCH_KINDS -> bytes gathered since the last reset (one read of each device counter): whole experts, but
+        for an expert split by its rows only the rows the CPU did not compute."""
+        counts, part_rows_by_kind = self.fetch_counts.tolist(), self.part_row_counts.tolist()
+        row_bytes = self.expert_bytes // self.intermediate if self.intermediate else 0
+        return {kind: count * self.expert_bytes - rows * row_bytes
+                for kind, count, rows in zip(FETCH_KINDS, counts, part_rows_by_kind)}
 
     def rank_accuracy(self, index: int | None = None) -> tuple[float | None, ...]:
         """Per rank of the prediction (1 = the predicting router's highest score), the share of predictions the
@@ -406,6 +414,7 @@ class RoutedExperts:
         if self.cpu_experts is not None:
             self.cpu_experts.reset()
         self.fetch_counts.zero_()
+        self.part_row_counts.zero_()
         self.rank_counts.zero_()
         self.staged_bytes = 0
 
@@ -480,7 +489,7 @@ class RoutedExperts:
         prefetched = self.prefetched[ordinal] if ahead else None
         if self.device.type == "cuda":  # one kernel where the torch ops below are 15 or 35 graph nodes
             planned = fused_fetch_plan(top_k_index, resident_row, self.fetch_slots, base, self.fetch_counts,
-                                       prefetched, cpu_split=split)
+                                       prefetched, cpu_split=split, part_counts=self.part_row_counts)
             return planned if split is not None else (*planned, None, None)
         cpu_index = part = None
         if split is not None:
@@ -496,6 +505,7 @@ class RoutedExperts:
             slots = torch.arange(source_ids.numel(), device=source_ids.device)
             slot = torch.where((source_ids == part[0]) & (part[0] >= 0), slots, -1).max()
             part = torch.cat((part, slot.view(1)))
+            self.part_row_counts[part_count_kind(prefetched is not None)] += part[1]
         return pair_rows, source_ids, cpu_index, part
     def _count_ranks(self, ordinal: int, top_k_index: torch.Tensor) -> None:
         """Per rank, how many of this step's predictions for this layer it routed the same token to."""

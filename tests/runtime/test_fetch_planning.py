@@ -15,7 +15,7 @@ def check_against_torch(device: str = "cpu") -> int:
     """Random layers (experts, top-k, tokens, resident rows, a slot set partly prefetched, a split of the misses
     with the CPU): the fused plan's pair rows, slot sources, counts and CPU pairs equal plan_fetch's and
     plan_fetch_after_prefetch's (after split_to_cpu). Returns the cases run."""
-    from runtime.fetch_planning import fused_fetch_plan, split_to_cpu
+    from runtime.fetch_planning import fused_fetch_plan, part_count_kind, split_to_cpu
     from runtime.fetch_planning import plan_fetch, plan_fetch_after_prefetch
 
     generator = torch.Generator().manual_seed(0)
@@ -65,8 +65,10 @@ def check_against_torch(device: str = "cpu") -> int:
                     split = _cpu_split(resident_row, slots, generator, parted)
                     for prefetched in (None, held):
                         counts = torch.zeros(4, dtype=torch.int64, device=device)
+                        part_counts = torch.full((4,), 5, dtype=torch.int64, device=device)
                         rows, sources, cpu_index, part = fused_fetch_plan(ids, resident_row, slots, base, counts,
-                                                                          prefetched=prefetched, cpu_split=split)
+                                                                          prefetched=prefetched, cpu_split=split,
+                                                                          part_counts=part_counts)
                         step_rows, want_cpu, want_part = split_to_cpu(ids, resident_row, split, prefetched)
                         if prefetched is None:
                             want_rows, want_sources = plan_fetch(ids, step_rows, slots, slot_base=base)
@@ -77,6 +79,11 @@ def check_against_torch(device: str = "cpu") -> int:
                         assert torch.equal(rows, want_rows) and torch.equal(sources, want_sources)
                         assert not ((want_cpu >= 0) & (resident_row[want_cpu.clamp(min=0)] >= 0)).any()
                         _check_part(part, want_part, want_sources)
+                        # the split expert's rows (the CPU's, not the link's) added at its fetch's kind
+                        want_counts = [5, 5, 5, 5]
+                        if want_part is not None:
+                            want_counts[part_count_kind(prefetched is not None)] += int(want_part[1])
+                        assert part_counts.tolist() == want_counts
                         parts += int(part is not None and int(part[0]) >= 0)
                 cases += 1
     assert parts > 0  # some steps split an expert by its rows
