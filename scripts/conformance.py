@@ -992,9 +992,10 @@ def routing_records(model, records: list | None, routed=None):
     """While entered (``records`` not None), each call of a layer's ``mlp.experts`` appends {"forward": the
     model's forward it ran in, "step": the decode step (None before the decode), "layer", "hidden" [T, H] fp32,
     "ids" [T, k], "weights" [T, k] fp32, "experts_share": for a layer of ``routed`` (runtime.routed_experts.
-    RoutedExperts), the call's output against its experts in fp32 from the host copy (experts_fp32), as a share of
-    that's largest magnitude, else None} (on the CPU) to ``records``. Yields a dict whose "decode_from" the caller
-    sets to "count" (the forwards run) where the decode starts."""
+    RoutedExperts) whose experts are SwiGLU's (swiglu_experts), the call's output against its experts in fp32
+    from the host copy (experts_fp32), as a share of that's largest magnitude, else None} (on the CPU) to
+    ``records``. Yields a dict whose "decode_from" the caller sets to "count" (the forwards run) where the decode
+    starts."""
     import re as regex
 
     forwards = {"count": 0, "decode_from": None}
@@ -1011,7 +1012,7 @@ def routing_records(model, records: list | None, routed=None):
             forward = forwards["count"] - 1
             start = forwards["decode_from"]
             share = None
-            if routed is not None and layer in routed.layers:
+            if routed is not None and layer in routed.layers and swiglu_experts(routed, layer):
                 reference = experts_fp32(routed, layer, hidden, ids, weights)
                 share = float((output.float().reshape(reference.shape) - reference).abs().max()
                               / reference.abs().max())
@@ -1030,6 +1031,11 @@ def routing_records(model, records: list | None, routed=None):
     finally:
         for handle in handles:
             handle.remove()
+
+
+def swiglu_experts(routed, layer: int) -> bool:
+    """Whether the routed layer's experts are what experts_fp32 computes: gate_up and down, no biases, an act_fn."""
+    return sorted(routed.param_names) == ["down_proj", "gate_up_proj"] and hasattr(routed.modules[layer], "act_fn")
 
 
 def experts_fp32(routed, layer: int, hidden, ids, weights):

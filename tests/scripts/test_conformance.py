@@ -333,3 +333,17 @@ def test_a_router_near_tie_explains_a_split_only_with_the_arithmetic_within_the_
     assert not decode(jumped, far)["router_tie"]
     row["logits"]["routing"] = decode(jumped, far)
     assert conformance.tokens_equal(row, "w1 w2") is False
+
+
+def test_only_swiglu_experts_are_checked_against_fp32():
+    """experts_fp32 computes gate_up and down with the module's activation: a layer with biases or other params
+    (gpt-oss's) is not checked (its experts_share stays None) rather than computed wrong."""
+    from types import SimpleNamespace
+
+    swiglu = SimpleNamespace(param_names=["gate_up_proj", "down_proj"], modules={0: SimpleNamespace(act_fn=abs)})
+    assert conformance.swiglu_experts(swiglu, 0)
+    biased = SimpleNamespace(param_names=["down_proj", "down_proj_bias", "gate_up_proj", "gate_up_proj_bias"],
+                             modules=swiglu.modules)
+    assert not conformance.swiglu_experts(biased, 0)
+    assert not conformance.swiglu_experts(SimpleNamespace(param_names=swiglu.param_names,
+                                                          modules={0: SimpleNamespace()}), 0)
