@@ -14,8 +14,10 @@ from planner.units import format_bytes, format_ms
 #: largest magnitude: runtime.cpu_experts' FP32_TOLERANCE and BF16_TOLERANCE (planner/ imports no runtime module)
 NUMERICS = ("CPU arithmetic is not bitwise the GPU's (another kernel, another summation order): with an fp32 host "
             "copy a layer's output is within 1e-5, with bf16 within 2^-6, of the reference output's largest "
-            "magnitude (the same experts in fp32 on both sides); greedy tokens are checked against all-resident "
-            "on the GPU (runtime/cpu_experts.py)")
+            "magnitude (the same experts in fp32 on both sides); greedy tokens may split from all-resident's "
+            "where its logits, or a router's scores, are that near a tie, and a router that chooses otherwise "
+            "changes what the steps after compute (docs/experts.md, Numerics; scripts/conformance.py tells such a "
+            "split from a fault)")
 
 
 def cpu_lines(plan: Plan, experts: ExpertsPlan) -> list[str]:
