@@ -340,7 +340,7 @@ def _split_with_part(top_k: torch.Tensor, index: int) -> tuple[set, int | None, 
 
 def test_greedy_decode_splitting_the_first_miss_by_its_rows_beside_a_fetched_one(model):
     """j(2) = 0.75: the first miss's rows split, the second fetched whole: the all-resident model's tokens and
-    logits within a few fp32 roundings (the GPU's open fault's case, docs/limitations.md, on the stand-in)."""
+    logits within a few fp32 roundings (PhiMoE's conformance plan's case, on the stand-in)."""
     take = {index: tuple(max(0.0, m - 1.25) for m in range(9)) for index in ROUTED}
     _, (ids, logits, _), routed_model, routed = _reference_and_routed(model, 2, 8, cpu=SPLIT_CPU, cpu_take=take)
     try:

@@ -122,7 +122,7 @@ SPLIT_TAKE = {index: tuple(m // 2 for m in range(17)) for index in ROUTED}
 #: rows split between the CPU and the link
 PART_TAKE = {index: tuple(min(m, m / 2 + 0.25) for m in range(17)) for index in ROUTED}
 #: the split expert first and another miss fetched whole: m - 1.25 experts' worth (m = 2: three quarters of the first
-#: miss's rows on the CPU, the second miss over the link), the case of the open fault (docs/limitations.md)
+#: miss's rows on the CPU, the second miss over the link), the case of PhiMoE's conformance plan
 PART_FIRST_TAKE = {index: tuple(max(0.0, m - 1.25) for m in range(17)) for index in ROUTED}
 
 
