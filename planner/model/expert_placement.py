@@ -121,9 +121,9 @@ def decode_gather_bytes(num_tokens: int, top_k: int, num_experts: int, expert_by
     transformers' batched_mm (``copies_pairs``: planner.model.activations.decode_copies_pairs), it copies each
     (token, expert) pair's weights out of the buffer into one workspace, alive for the layer's experts (on the
     H100, OLMoE at 4 sequences x top-8 = 32 pairs of 12 MiB experts held 384.2 MiB there); grouped_mm (bf16)
-    reads the buffer in place: none (on the H200, PhiMoE and OLMoE serving plans at 4 sequences peaked 1.37 GB and
-    0.38 GB under plans that booked it, 2026-11-29). A step that routes more pairs than num_experts runs the
-    prefill path over the staging buffer instead: none."""
+    reads the buffer in place: none (on the H200 on 2026-11-29, a PhiMoE serving plan at 4 sequences that booked
+    1.26 GB of it peaked 1.37 GB under its prediction, an OLMoE one at 0.881 of it). A step that routes more pairs
+    than num_experts runs the prefill path over the staging buffer instead: none."""
     if not copies_pairs or not decode_gathers(num_tokens, top_k, num_experts):
         return 0
     return num_tokens * top_k * expert_bytes
