@@ -42,7 +42,7 @@ def fused_fetch_plan(top_k_index: torch.Tensor, resident_row: torch.Tensor, fetc
     prefetch's own record) instead of a new tensor. With ``cpu_split``, the step's misses are split with the CPU
     first (split_to_cpu) and two more returned: the CPU's pairs' expert ids [S] (-1: the GPU's), and where the
     split has ``rows``, the part [3] (module docstring; else None), its rows added into ``part_counts`` [4] at its
-    kind (part_count_kind: the rows the CPU computes of a fetched expert, which do not cross the link). One Triton
+    kind (miss_kind: the rows the CPU computes of a fetched expert, which do not cross the link). One Triton
     program; CUDA tensors only."""
     ids = top_k_index.reshape(-1)
     num_pairs, num_experts = ids.numel(), resident_row.numel()
@@ -70,6 +70,34 @@ def fused_fetch_plan(top_k_index: torch.Tensor, resident_row: torch.Tensor, fetc
     return pair_rows, sources, cpu_index, part if with_part else None
 
 
+def torch_fetch_plan(top_k_index: torch.Tensor, resident_row: torch.Tensor, fetch_slots: int, slot_base: int,
+                     counts: torch.Tensor, prefetched: torch.Tensor | None = None,
+                     cpu_split: "CpuSplit | None" = None, part_counts: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, ...]:
+    """fused_fetch_plan's twin in torch ops, on any device (the CPU stand-in's path): split_to_cpu first where
+    ``cpu_split``, then plan_fetch or plan_fetch_after_prefetch; the same results, ``counts`` and ``part_counts``
+    added to alike."""
+    cpu_index = part = None
+    if cpu_split is not None:
+        resident_row, cpu_index, part = split_to_cpu(top_k_index, resident_row, cpu_split, prefetched)
+    if prefetched is not None:
+        pair_rows, sources, step_counts = plan_fetch_after_prefetch(top_k_index, resident_row, prefetched,
+                                                                    slot_base=slot_base)
+        counts.add_(step_counts)
+    else:
+        pair_rows, sources = plan_fetch(top_k_index, resident_row, fetch_slots, slot_base=slot_base)
+        counts[miss_kind(False)] += (sources >= 0).sum()
+    if cpu_split is None:
+        return pair_rows, sources
+    if part is not None:  # the part's slot: where the plan put its expert
+        slots = torch.arange(sources.numel(), device=sources.device)
+        slot = torch.where((sources == part[0]) & (part[0] >= 0), slots, -1).max()
+        part = torch.cat((part, slot.view(1)))
+        if part_counts is not None:
+            part_counts[miss_kind(prefetched is not None)] += part[1]
+    return pair_rows, sources, cpu_index, part
+
+
 @dataclass(frozen=True, kw_only=True)
 class CpuSplit:
     """One routed layer's split of each step's misses with the CPU, on the device."""
@@ -85,9 +113,9 @@ class CpuSplit:
     rows: torch.Tensor | None = None
 
 
-def part_count_kind(prefetched: bool) -> int:
-    """The FETCH_KINDS entry a split expert's fetch counts as: "missed" in a layer a prefetch predicted, else
-    "unpredicted" (runtime.routed_experts)."""
+def miss_kind(prefetched: bool) -> int:
+    """The FETCH_KINDS entry (runtime.routed_experts) a fetch after the router counts as: "missed" in a layer a
+    prefetch predicted, else "unpredicted"."""
     return 2 if prefetched else 3
 
 
@@ -146,8 +174,8 @@ def _kernel():
         @triton.jit
         def plan(ids_ptr, resident_ptr, prefetched_ptr, pair_rows_ptr, sources_ptr, counts_ptr, eligible_ptr,
                  take_ptr, cpu_index_ptr, rows_ptr, part_ptr, part_counts_ptr, take_len, zero_row, num_pairs,
-                 num_experts, num_slots,
-                 slot_base, WITH_PREFETCH: tl.constexpr, WITH_CPU: tl.constexpr, WITH_PART: tl.constexpr,
+                 num_experts, num_slots, slot_base, WITH_PREFETCH: tl.constexpr, WITH_CPU: tl.constexpr,
+                 WITH_PART: tl.constexpr,
                  BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_F: tl.constexpr):
             s = tl.arange(0, BLOCK_S)
             e = tl.arange(0, BLOCK_E)
@@ -212,7 +240,7 @@ def _kernel():
                     tl.store(part_ptr + 1, tl.where(part_expert >= 0, part_rows, 0).to(tl.int64))
                     tl.store(part_ptr + 2, tl.max(tl.where(parted, slot, -1).to(tl.int64), axis=0))
                     # its rows, which the CPU computes and the link does not bring, at the miss's kind
-                    # (part_count_kind: "missed" after a prefetch, else "unpredicted")
+                    # (miss_kind: "missed" after a prefetch, else "unpredicted")
                     split_rows = tl.where(part_expert >= 0, part_rows, 0).to(tl.int64)
                     if WITH_PREFETCH:
                         tl.store(part_counts_ptr + 2, tl.load(part_counts_ptr + 2) + split_rows)

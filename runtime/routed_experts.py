@@ -57,8 +57,7 @@ from runtime.cpu_experts import gpu_partial_sum
 from runtime.cpu_handoff import CpuExperts, check_cpu_experts, check_cpu_take, start_cpu_experts
 from runtime.engine import PackedParam, backend_unpin, view_as_param
 from runtime.experts_impl import ExpertsProxy, decode_experts_forward, expert_param_names, prefill_experts_forward
-from runtime.fetch_planning import (CpuSplit, fused_fetch_plan, part_count_kind, part_rows, plan_fetch,
-                                    plan_fetch_after_prefetch, split_to_cpu)
+from runtime.fetch_planning import CpuSplit, fused_fetch_plan, part_rows, torch_fetch_plan
 from runtime.router_prediction import NextLayerPredictor, predictors_for, prefetch_depths
 from runtime.routed_prefetch import prefetch_next
 from runtime.uva_gather import GATHER_BLOCK_WORDS, GATHER_NUM_WARPS, device_view, gather_rows, part_layout
@@ -141,14 +140,13 @@ class RoutedExperts:
         #: routed layer index -> j(m) of the layers splitting each step's misses with the CPU by their count
         self.cpu_take = {index: tuple(float(j) for j in take) for index, take in (cpu_take or {}).items() if take}
         check_cpu_take(self.cpu_take, self.cpu)
+        #: the experts' intermediate rows (0 where the experts are not SwiGLU's gate_up and down)
+        self.intermediate = self.rows["down_proj"][1][-1] if "down_proj" in self.rows else 0
         #: routed layer index -> per miss count, the intermediate rows of one more expert its CPU computes, for the
         #: layers whose j(m) holds fractions
-        intermediate = self.rows["down_proj"][1][-1] if "down_proj" in self.rows else 0
-        #: the experts' intermediate rows (0 where the experts are not SwiGLU's gate_up and down)
-        self.intermediate = intermediate
         self.cpu_rows = {}
         for index, take in self.cpu_take.items():
-            rows = tuple(part_rows(j, intermediate) for j in take)
+            rows = tuple(part_rows(j, self.intermediate) for j in take)
             if any(rows):
                 self.cpu_rows[index] = rows
         #: param name -> where an expert's intermediate rows lie in it (the gather of an expert split by its rows)
@@ -487,26 +485,11 @@ class RoutedExperts:
         ``ahead``, its misses split with the CPU where ``split`` (runtime.fetch_planning)."""
         ordinal, resident_row = self.ordinal[index], self.tables[index].resident_row
         prefetched = self.prefetched[ordinal] if ahead else None
-        if self.device.type == "cuda":  # one kernel where the torch ops below are 15 or 35 graph nodes
-            planned = fused_fetch_plan(top_k_index, resident_row, self.fetch_slots, base, self.fetch_counts,
-                                       prefetched, cpu_split=split, part_counts=self.part_row_counts)
-            return planned if split is not None else (*planned, None, None)
-        cpu_index = part = None
-        if split is not None:
-            resident_row, cpu_index, part = split_to_cpu(top_k_index, resident_row, split, prefetched)
-        if prefetched is not None:
-            pair_rows, source_ids, counts = plan_fetch_after_prefetch(top_k_index, resident_row, prefetched,
-                                                                      slot_base=base)
-            self.fetch_counts.add_(counts)
-        else:
-            pair_rows, source_ids = plan_fetch(top_k_index, resident_row, self.fetch_slots, slot_base=base)
-            self.fetch_counts.add_(torch.nn.functional.pad((source_ids >= 0).sum().view(1), (len(FETCH_KINDS) - 1, 0)))
-        if part is not None:  # the part's slot: where the plan put its expert
-            slots = torch.arange(source_ids.numel(), device=source_ids.device)
-            slot = torch.where((source_ids == part[0]) & (part[0] >= 0), slots, -1).max()
-            part = torch.cat((part, slot.view(1)))
-            self.part_row_counts[part_count_kind(prefetched is not None)] += part[1]
-        return pair_rows, source_ids, cpu_index, part
+        # on CUDA one kernel where the torch ops of its twin are 15 or 35 graph nodes
+        plan = fused_fetch_plan if self.device.type == "cuda" else torch_fetch_plan
+        planned = plan(top_k_index, resident_row, self.fetch_slots, base, self.fetch_counts, prefetched,
+                       cpu_split=split, part_counts=self.part_row_counts)
+        return planned if split is not None else (*planned, None, None)
     def _count_ranks(self, ordinal: int, top_k_index: torch.Tensor) -> None:
         """Per rank, how many of this step's predictions for this layer it routed the same token to."""
         num_tokens = top_k_index.shape[0]

@@ -174,11 +174,11 @@ def _step_record(routed, index: int, hidden, top_k_index, top_k_weights, out) ->
 
 def _kernels_against_twins(routed, index: int, shape) -> list[str]:
     """The compiled fetch plan over 300 random steps of the layer's split (its own tables, fetch_slots, no
-    prefetch) against split_to_cpu + plan_fetch, and the compiled gather of a part at the layer's shape against
+    prefetch) against its torch twin (torch_fetch_plan), and the compiled gather of a part at the layer's shape against
     the torch gather: one line each."""
     import torch
 
-    from runtime.fetch_planning import fused_fetch_plan, plan_fetch, split_to_cpu
+    from runtime.fetch_planning import fused_fetch_plan, torch_fetch_plan
     from runtime.uva_gather import gather_rows
 
     split, resident_row = routed.tables[index].cpu_split, routed.tables[index].resident_row
@@ -188,16 +188,13 @@ def _kernels_against_twins(routed, index: int, shape) -> list[str]:
     for _ in range(300):
         ids = torch.stack([torch.randperm(num_experts, generator=generator)[:shape[1]] for _ in range(shape[0])])
         ids = ids.to(device)
-        counts = torch.zeros(4, dtype=torch.int64, device=device)
-        rows, sources, cpu_index, part = fused_fetch_plan(ids, resident_row, routed.fetch_slots, 0, counts,
-                                                          cpu_split=split)
-        step_rows, want_cpu, want_part = split_to_cpu(ids, resident_row, split)
-        want_rows, want_sources = plan_fetch(ids, step_rows, routed.fetch_slots)
-        expert = -1 if want_part is None else int(want_part[0])
-        want_slot = int((want_sources == expert).nonzero().flatten()[0]) if expert >= 0 else -1
+        planned = [plan(ids, resident_row, routed.fetch_slots, 0, torch.zeros(4, dtype=torch.int64, device=device),
+                        cpu_split=split) for plan in (fused_fetch_plan, torch_fetch_plan)]
+        (rows, sources, cpu_index, part), (want_rows, want_sources, want_cpu, want_part) = planned
         same = (torch.equal(rows, want_rows) and torch.equal(sources, want_sources)
-                and torch.equal(cpu_index, want_cpu.view(-1))
-                and (want_part is None or part.tolist() == [expert, int(want_part[1]), want_slot]))
+                and torch.equal(cpu_index, want_cpu) and (part is None) == (want_part is None)
+                and (part is None or torch.equal(part, want_part)))
+        expert = -1 if want_part is None else int(want_part[0])
         differ += not same
         parts += expert >= 0
     lines = [f"layer {index}: fused plan against its twin, 300 steps ({parts} with a part): {differ} differ"]

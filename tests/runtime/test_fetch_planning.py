@@ -15,7 +15,7 @@ def check_against_torch(device: str = "cpu") -> int:
     """Random layers (experts, top-k, tokens, resident rows, a slot set partly prefetched, a split of the misses
     with the CPU): the fused plan's pair rows, slot sources, counts and CPU pairs equal plan_fetch's and
     plan_fetch_after_prefetch's (after split_to_cpu). Returns the cases run."""
-    from runtime.fetch_planning import fused_fetch_plan, part_count_kind, split_to_cpu
+    from runtime.fetch_planning import fused_fetch_plan, miss_kind, split_to_cpu, torch_fetch_plan
     from runtime.fetch_planning import plan_fetch, plan_fetch_after_prefetch
 
     generator = torch.Generator().manual_seed(0)
@@ -82,8 +82,16 @@ def check_against_torch(device: str = "cpu") -> int:
                         # the split expert's rows (the CPU's, not the link's) added at its fetch's kind
                         want_counts = [5, 5, 5, 5]
                         if want_part is not None:
-                            want_counts[part_count_kind(prefetched is not None)] += int(want_part[1])
+                            want_counts[miss_kind(prefetched is not None)] += int(want_part[1])
                         assert part_counts.tolist() == want_counts
+                        # the stand-in's path: the same results and counters from the twin
+                        twin_counts = torch.zeros(4, dtype=torch.int64, device=device)
+                        twin_part_counts = torch.full((4,), 5, dtype=torch.int64, device=device)
+                        twin = torch_fetch_plan(ids, resident_row, slots, base, twin_counts, prefetched,
+                                                cpu_split=split, part_counts=twin_part_counts)
+                        assert all(torch.equal(a, b) for a, b in zip(twin[:3], (rows, sources, cpu_index)))
+                        assert (twin[3] is None) == (part is None) and (part is None or torch.equal(twin[3], part))
+                        assert torch.equal(twin_counts, counts) and torch.equal(twin_part_counts, part_counts)
                         parts += int(part is not None and int(part[0]) >= 0)
                 cases += 1
     assert parts > 0  # some steps split an expert by its rows
