@@ -56,48 +56,62 @@ def time_all_reduces(message_bytes: tuple[int, ...] = MESSAGE_BYTES) -> tuple[tu
 
 
 def _worker(rank: int, world_size: int, init_file: str, result_file: str) -> None:
-    """One spawned rank: join the group on GPU ``rank``, time the all-reduces, rank 0 writes them."""
-    torch.cuda.set_device(rank)
+    """One spawned rank: join the group on GPU ``rank``, time the all-reduces, rank 0 writes them and what NCCL
+    came to hold outside torch's allocator (the most of any rank)."""
+    from runtime.outside_memory import outside_allocator_bytes
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    torch.ones(1, device=device)  # the CUDA context and the fill kernel's module, before NCCL exists
+    torch.cuda.synchronize(device)
+    before_bytes = outside_allocator_bytes(device)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                            device_id=torch.device("cuda", rank))
+                            device_id=device)
     try:
         timings = time_all_reduces()
+        dist.barrier()
+        torch.cuda.synchronize(device)
+        grown = torch.tensor([outside_allocator_bytes(device) - before_bytes], device=device)
+        dist.all_reduce(grown, op=dist.ReduceOp.MAX)
         if rank == 0:
-            Path(result_file).write_text(json.dumps(timings))
+            Path(result_file).write_text(json.dumps({"timings": timings, "nccl_bytes": int(grown.item())}))
     finally:
         dist.destroy_process_group()
 
 
-def spawned_timings(world_size: int) -> tuple[tuple[int, float], ...]:
-    """time_all_reduces over ``world_size`` processes spawned on GPUs 0..N-1 (seconds: each starts CUDA and NCCL)."""
+def spawned_measurement(world_size: int) -> dict:
+    """time_all_reduces over ``world_size`` processes spawned on GPUs 0..N-1 (seconds: each starts CUDA and NCCL),
+    and the bytes NCCL held outside the allocator on a rank: {"timings": ..., "nccl_bytes": ...}."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="offload-plan-all-reduce-") as folder:
         init_file, result_file = str(Path(folder) / "init"), str(Path(folder) / "timings.json")
         mp.spawn(_worker, args=(world_size, init_file, result_file), nprocs=world_size, join=True)
-        return tuple((int(size), float(ms)) for size, ms in json.loads(Path(result_file).read_text()))
+        return json.loads(Path(result_file).read_text())
 
 
 def _cache_key(world_size: int) -> str:
-    identity = {"what": "all-reduce v1", "gpus": [torch.cuda.get_device_name(i) for i in range(world_size)],
+    identity = {"what": "all-reduce v2", "gpus": [torch.cuda.get_device_name(i) for i in range(world_size)],
                 "torch": torch.__version__, "nccl": str(torch.cuda.nccl.version()), "sizes": MESSAGE_BYTES,
                 "back_to_back": NUM_BACK_TO_BACK}
     return "all-reduce:" + hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
 
 
-def measured_timings(world_size: int) -> tuple[tuple[int, float], ...]:
-    """The all-reduce timings over ``world_size`` GPUs: in the running process group when it has that many ranks
-    (never cached: every rank must take part), else spawned and cached."""
+def measured_all_reduce(world_size: int) -> tuple[tuple[tuple[int, float], ...], int | None]:
+    """The all-reduce timings over ``world_size`` GPUs and NCCL's bytes outside the allocator on a rank: in the
+    running process group when it has that many ranks (never cached: every rank must take part; NCCL's bytes are
+    not measured there, the group having been up before), else spawned and cached."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() == world_size:
-        return time_all_reduces()
+        return time_all_reduces(), None
     from runtime.measure import load_cache, save_cache
 
     key = _cache_key(world_size)
     cache = load_cache()
     if key not in cache:
-        cache[key] = spawned_timings(world_size)
+        cache[key] = spawned_measurement(world_size)
         save_cache(cache)
-    return tuple((int(size), float(ms)) for size, ms in cache[key])
+    entry = cache[key]
+    return tuple((int(size), float(ms)) for size, ms in entry["timings"]), entry.get("nccl_bytes")
 
 
 def measured_link(tp: int, profile, measured_on: str | None) -> AllReduceLink:
@@ -111,7 +125,8 @@ def measured_link(tp: int, profile, measured_on: str | None) -> AllReduceLink:
     visible = torch.cuda.device_count()
     if visible < tp:
         return assumed_link(profile, tp, f"{visible} GPU(s) visible here, fewer than the {tp} ranks")
-    timings = measured_timings(tp)
+    timings, nccl_bytes = measured_all_reduce(tp)
     described = ", ".join(f"{size} B in {1e3 * ms:.1f} us" for size, ms in timings)
+    held = "" if nccl_bytes is None else f"; NCCL held {nccl_bytes / 2**20:.0f} MiB a rank outside the allocator"
     return link_from_timings(tp, timings, f"measured: NCCL all-reduce on {tp} x {torch.cuda.get_device_name()}, "
-                                          f"torch {torch.__version__}: {described}")
+                                          f"torch {torch.__version__}: {described}{held}", nccl_bytes)

@@ -10,7 +10,8 @@ layer copies reach on the lent H100. HBM: a 2 GiB device-to-device copy, bytes r
 8192^3 bf16 product on random data. FP8: a layer-sized FP8 weight dequantized as run's FP8 linears do before
 each matmul (the profile's fp8_dequant_bytes_per_s). Memory: what the driver reports; host memory: the host's
 MemTotal; the CUDA context figure: what the process holds outside torch's allocator once a decoder step's kernel
-families ran (runtime.outside_memory's probe). The host CPU's expert rate (the profile's cpu_experts section): a
+families ran (runtime.outside_memory's probe); where two GPUs or more are visible, NCCL's buffers on a rank of a
+group of them (nccl_figure). The host CPU's expert rate (the profile's cpu_experts section): a
 Qwen3-30B-A3B-shaped SwiGLU expert at 1 to 32 tokens in bf16 and fp32 with the CPU experts' threads
 (runtime.cpu_experts.default_cpu_threads), the faster dtype kept (runtime.cpu_experts.cpu_experts_profile), and a
 layer's handoff to the CPU and back (measure_handoff_ms). The layer floor (the profile's layer_floor section):
@@ -165,7 +166,12 @@ def calibrate() -> tuple[HardwareProfile, dict]:
         measured["host_memory_bytes"] = Figure(
             value=host_bytes, source="measured",
             note=f"MemTotal of this host, shared with the OS and with any other GPU of the host; {stamp}")
-    fields = {key: getattr(base, key) for key in ("fp8_flops_per_s", "trigger", "reserve_bytes")}
+    nccl = nccl_figure(stamp)
+    if nccl is not None:
+        measured["nccl_bytes"] = nccl
+    # the NVLink figure make --tp prices all-reduces with (make --tp N --measure times them on the local GPUs)
+    fields = {key: getattr(base, key) for key in ("fp8_flops_per_s", "trigger", "reserve_bytes",
+                                                  "gpu_link_bytes_per_s")}
     if host_bytes is None:
         fields["host_memory_bytes"] = base.host_memory_bytes
     fields["compute_efficiency"] = restated_efficiency(base, matmul)
@@ -175,6 +181,21 @@ def calibrate() -> tuple[HardwareProfile, dict]:
                               **measured, **fields, cpu_experts=cpu_experts,
                               layer_floor=measured_layer_floor(stamp))
     return profile, {"h2d_points_bytes_ms": points, "free_bytes": free_bytes, "cpu_experts_ms": cpu_tables}
+
+
+def nccl_figure(stamp: str) -> Figure | None:
+    """What NCCL holds outside torch's allocator on a rank, measured where two GPUs or more are visible: every
+    visible GPU a rank of one group (spawned processes), from joining it through all-reduces of 4 KiB and 64 MiB
+    (runtime.all_reduce); None on one GPU."""
+    from runtime.all_reduce import spawned_measurement
+
+    num_gpus = torch.cuda.device_count()
+    if num_gpus < 2:
+        return None
+    nccl_bytes = spawned_measurement(num_gpus)["nccl_bytes"]
+    return Figure(value=nccl_bytes, source="measured",
+                  note=f"held outside torch's allocator on a rank of a {num_gpus}-GPU NCCL group once it reduced "
+                       f"(the most of any rank); {stamp}")
 
 
 def restated_efficiency(base: HardwareProfile, measured_flops_per_s: float) -> Figure:

@@ -84,17 +84,32 @@ def _capture_and_replay(device: torch.device) -> None:
     del output, graph
 
 
-def check_stack_fits(plan, device: torch.device) -> int:
+def check_stack_fits(plan, device: torch.device, every_rank: bool = False) -> int:
     """What this stack holds outside the allocator once the probe ran (returned), against what ``plan`` booked
     for it; refused in one line, before anything is loaded, where the plan cannot keep its promise here
-    (stack_overrun)."""
+    (stack_overrun). ``every_rank``: a rank of a tensor-parallel group, whose ranks refuse together (one rank
+    loading on alone would wait for the others in its first collective)."""
     from planner.errors import RuntimeUnavailableError
 
     probe_bytes = probe_outside_allocator_bytes(device)
     refusal = stack_overrun(plan.memory, probe_bytes, torch.cuda.get_device_properties(device).total_memory)
+    if every_rank:
+        refusal = _any_rank_refusal(refusal, device)
     if refusal is not None:
         raise RuntimeUnavailableError(refusal)
     return probe_bytes
+
+
+def _any_rank_refusal(refusal: str | None, device: torch.device) -> str | None:
+    """This rank's refusal, or another rank's word for it, where any rank of the group refuses."""
+    import torch.distributed as dist
+
+    refused = torch.tensor([0 if refusal is None else 1], device=device)
+    dist.all_reduce(refused, op=dist.ReduceOp.MAX)
+    if refusal is None and refused.item():
+        return ("another rank's stack holds more outside torch's allocator than the plan booked: make the plan on "
+                "this machine with --measure, or with a profile from offload-plan calibrate")
+    return refusal
 
 
 def stack_overrun(memory, probe_bytes: int, device_total_bytes: int) -> str | None:

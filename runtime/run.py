@@ -78,12 +78,12 @@ def run(plan: Plan, plan_path: Path, options: RunOptions, loading_bar=None) -> R
     rank = check_launch(plan, plan_path)  # one process per rank of a TP plan, else one
     device = require_cuda("offload-plan run")
     if rank is not None:
-        start_rank(rank)  # this rank's GPU taken before anything allocates on one
+        device = start_rank(rank)  # this rank's GPU taken before anything allocates on one
     if options.prompt is None:  # before the minutes of loading
         check_decode_flags(plan, options.cuda_graph, options.compile_backend)
+    start_outside_bytes = check_stack_fits(plan, device, every_rank=rank is not None)  # before the loading
     if rank is not None:  # capped once loaded: transformers' load holds the rank's whole shard for a while
         return _bench_rank(rank, plan, source, options)
-    start_outside_bytes = check_stack_fits(plan, device)  # before the minutes of loading
     memory_fraction = cap_gpu_memory(plan.memory.gpu_memory_bytes, device,
                                      booked_outside_bytes=plan.memory.cuda_context_bytes)
     with out_of_memory_in_one_line(plan, "while loading"):

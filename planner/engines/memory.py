@@ -73,9 +73,11 @@ def token_bytes(plan: Plan, divisor: int) -> int:
 
 
 def startup_bytes(plan: Plan, tp_size: int) -> int:
-    """What exists before the engines' start-up snapshot: the plan's CUDA context figure, and NCCL's buffers,
-    which a make --tp plan's context figure already holds (planner.model.memory_accounting.other_bytes)."""
-    return plan.memory.cuda_context_bytes + (NCCL_BYTES_PER_RANK if tp_size > 1 and plan.inputs.tp == 1 else 0)
+    """What exists before the engines' start-up snapshot: the plan's CUDA context figure, and NCCL's buffers (the
+    plan's measured figure, else NCCL_BYTES_PER_RANK), which a make --tp plan's context figure already holds
+    (planner.model.memory_accounting.other_bytes)."""
+    nccl_bytes = NCCL_BYTES_PER_RANK if plan.hardware.nccl_bytes is None else plan.hardware.nccl_bytes
+    return plan.memory.cuda_context_bytes + (nccl_bytes if tp_size > 1 and plan.inputs.tp == 1 else 0)
 
 
 def vllm_memory(plan: Plan, tp_size: int, divisor: int | None = None,

@@ -10,6 +10,7 @@ from planner.search.expert_choice import RoutedChoice, experts_section, prefill_
 from planner.model.expert_placement import non_resident_bytes
 from planner.model.experts import ROUTED_FETCH_EFFICIENCY
 from planner.model.layout import ModelLayout
+from planner.model.memory_accounting import measured_nccl_bytes
 from planner.make.inputs import workload_of
 from planner.make.model_record import Model
 from planner.model.model_config import model_config
@@ -37,7 +38,8 @@ def assemble(model: Model, workload: Workload, compute: ComputeTimes, choice: Ch
         schema_version=SCHEMA_VERSION,
         inputs=model.inputs,
         model=model_section(model.checkpoint, model.layout),
-        hardware=HardwareSection(profile=profile.name, **(profile.figures() | {"host_memory_bytes": host_limit})),
+        hardware=HardwareSection(profile=profile.name, **(profile.figures() | {
+            "host_memory_bytes": host_limit, "nccl_bytes": measured_nccl_bytes(model)})),
         workload=_workload_section(model, workload, compute, chunk_tokens,
                                    serving is not None and chunk_graphed(model, choice)),
         offload=_offload_section(model, choice),

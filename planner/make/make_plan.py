@@ -55,7 +55,7 @@ def make_plan(inputs: Inputs, compute_override: ComputeTimes | None = None,
               measure: MeasureFunction | None = None,
               measure_activations: MeasureActivations | None = None,
               checkpoint: Checkpoint | None = None, measure_link: MeasureLink | None = None,
-              context_bytes: int | None = None) -> Planned:
+              context_bytes: int | None = None, nccl_bytes: int | None = None) -> Planned:
     """Read the checkpoint and profile named by ``inputs`` and search the fastest plan that fits: for the
     weights alone within a budget, or (``inputs.concurrency``) for a serving target on the whole GPU.
 
@@ -66,7 +66,8 @@ def make_plan(inputs: Inputs, compute_override: ComputeTimes | None = None,
     the local GPUs with ``measure_link`` (else the profile's link stands, said so in the plan). ``checkpoint``: the
     one --model names, already read (make --tp 2,4 reads it once for every GPU count). ``context_bytes``: what
     the local stack holds outside torch's allocator, measured by make --measure (check passes a --measure plan's
-    recorded figure), in place of the profile's.
+    recorded figure), in place of the profile's; ``nccl_bytes`` likewise NCCL's buffers on a rank (check passes a
+    --measure plan's recorded figure; make measures it beside the all-reduce).
     """
     # planning DeepSeek-V3 shards and groups its 92k tensors and searches hundreds of placements: objects that
     # form no reference cycles, which the cyclic collector would walk again and again (a fifth of make --tp 2,4).
@@ -74,13 +75,13 @@ def make_plan(inputs: Inputs, compute_override: ComputeTimes | None = None,
     measuring = measure is not None or measure_activations is not None or measure_link is not None
     with contextlib.nullcontext() if measuring else collector_paused():
         return _make_plan(inputs, compute_override, measure, measure_activations, checkpoint, measure_link,
-                          context_bytes)
+                          context_bytes, nccl_bytes)
 
 
 def _make_plan(inputs: Inputs, compute_override: ComputeTimes | None, measure: MeasureFunction | None,
                measure_activations: MeasureActivations | None, checkpoint: Checkpoint | None,
-               measure_link: MeasureLink | None, context_bytes: int | None) -> Planned:
-    model = _read_model(inputs, measure, measure_activations, checkpoint, measure_link, context_bytes)
+               measure_link: MeasureLink | None, context_bytes: int | None, nccl_bytes: int | None) -> Planned:
+    model = _read_model(inputs, measure, measure_activations, checkpoint, measure_link, context_bytes, nccl_bytes)
     planned = make_serving_plan(model) if inputs.concurrency is not None else _weights_plan(model, compute_override)
     condition = trace_condition_warning(planned.plan, unseen_share(model.experts.routing) if model.experts else 0.0)
     return planned if condition is None else replace(planned, warnings=(*planned.warnings, condition))
@@ -218,11 +219,12 @@ def _read_at_use_plan(plan: Plan, model: Model, choice: Choice) -> Plan:
 
 def _read_model(inputs: Inputs, measure: MeasureFunction | None = None,
                 measure_activations: MeasureActivations | None = None, whole: Checkpoint | None = None,
-                measure_link: MeasureLink | None = None, context_bytes: int | None = None) -> Model:
+                measure_link: MeasureLink | None = None, context_bytes: int | None = None,
+                nccl_bytes: int | None = None) -> Model:
     """Profile, checkpoint headers, layout, the bytes each layer would move, the KV cache model and adapters."""
     resolved = resolve_inputs(inputs)
     check_engine_input(inputs.engine, tuple(inputs.params))
-    profile = with_measured_context(load_profile(inputs.gpu), context_bytes)
+    profile = with_measured_context(load_profile(inputs.gpu), context_bytes, nccl_bytes)
     check_tp_inputs(inputs, profile)
     # one rank's shard under --tp: its tensors' shapes and its config (heads, KV heads, widths) as vLLM splits them
     whole = load_checkpoint(inputs.model, inputs.revision) if whole is None else whole

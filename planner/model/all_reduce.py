@@ -39,6 +39,9 @@ class AllReduceLink:
     measured: str = ""
     #: why an assumed figure stands where --measure asked for a measured one ("" otherwise)
     assumed_why: str = ""
+    #: GPU memory NCCL held outside torch's allocator on a rank once it joined the group and reduced (measured
+    #: beside the timings; None where not measured)
+    nccl_bytes: int | None = None
 
     def describe(self, tp: int, num_per_step: int) -> str:
         """How the plan's compute source states the all-reduces (unchanged for a plan without --measure)."""
@@ -57,7 +60,8 @@ def assumed_link(profile, tp: int, why: str = "") -> AllReduceLink:
                          assumed_why=why)
 
 
-def link_from_timings(tp: int, timings: tuple[tuple[int, float], ...], measured: str) -> AllReduceLink:
+def link_from_timings(tp: int, timings: tuple[tuple[int, float], ...], measured: str,
+                      nccl_bytes: int | None = None) -> AllReduceLink:
     """The latency and bus bandwidth through the smallest and the largest of ``timings`` ((message bytes, ms of one
     all-reduce) on ``tp`` GPUs): the line t = latency + 2 (N - 1) / N x bytes / bandwidth through both."""
     if tp < 2 or len(timings) < 2:
@@ -71,7 +75,7 @@ def link_from_timings(tp: int, timings: tuple[tuple[int, float], ...], measured:
     latency_ms = max(0.0, small_ms - ms_per_byte * small_bytes)
     bus_bytes_per_s = 1e3 * 2 * (tp - 1) / tp / ms_per_byte
     return AllReduceLink(latency_us=round(1e3 * latency_ms, 2), bytes_per_s=round(bus_bytes_per_s, -7),
-                         measured=measured)
+                         measured=measured, nccl_bytes=nccl_bytes)
 
 
 def ring_all_reduce_ms(num_bytes: float, tp: int, link_bytes_per_s: float,

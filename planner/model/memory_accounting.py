@@ -112,11 +112,28 @@ def outside_allocator_bytes(model: Model) -> int:
     """GPU memory the process holds outside torch's allocator: the CUDA context, loaded kernels and library state
     (make --measure's figure, else the profile's, else CUDA_CONTEXT_BYTES), the driver's mappings of the host
     memory the plan may page-lock (booked for every byte of the checkpoint: what a placement pins is chosen
-    after this is set aside), and NCCL's buffers on a tensor-parallel rank."""
+    after this is set aside), and NCCL's buffers on a tensor-parallel rank (nccl_bytes_per_rank)."""
     context = model.profile.cuda_context_bytes
     context_bytes = CUDA_CONTEXT_BYTES if context is None else int(context.value)
     page_tables = math.ceil(model.checkpoint.total_bytes * PINNED_PAGE_TABLE_SHARE)
-    return context_bytes + page_tables + (NCCL_BYTES_PER_RANK if model.inputs.tp > 1 else 0)
+    return context_bytes + page_tables + (nccl_bytes_per_rank(model) if model.inputs.tp > 1 else 0)
+
+
+def nccl_bytes_per_rank(model: Model) -> int:
+    """What NCCL holds outside torch's allocator on a tensor-parallel rank: measured_nccl_bytes, else
+    NCCL_BYTES_PER_RANK (measured on two H200s by scripts/experiments/nccl_memory.py)."""
+    measured = measured_nccl_bytes(model)
+    return NCCL_BYTES_PER_RANK if measured is None else measured
+
+
+def measured_nccl_bytes(model: Model) -> int | None:
+    """NCCL's buffers on a rank as measured on the local GPUs: by make --tp N --measure beside the all-reduce's
+    timing (N ranks, what the plan runs), else the profile's figure (calibrate's); None: not measured."""
+    link = model.all_reduce_link if model.inputs.tp > 1 else None
+    if link is not None and link.nccl_bytes is not None:
+        return link.nccl_bytes
+    figure = model.profile.nccl_bytes
+    return None if figure is None else int(figure.value)
 
 
 def weights_plan_other_bytes(model: Model, workload: Workload) -> OtherBytes | None:

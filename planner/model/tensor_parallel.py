@@ -446,7 +446,9 @@ def rank_config(config: dict | None, tp: int) -> dict | None:
         raise ModelInputError("--tp: the per-rank state of linear-attention and state-space layers is not modelled; "
                               "plan this model with --tp 1")
     model = tp_model(config)
-    if "kv_lora_rank" not in text and "head_dim" not in text and isinstance(text.get("hidden_size"), int):
+    # transformers' MixtralConfig writes "head_dim": null, the release's config.json leaves it out: both mean
+    # hidden / heads of the whole model
+    if "kv_lora_rank" not in text and text.get("head_dim") is None and isinstance(text.get("hidden_size"), int):
         text["head_dim"] = text["hidden_size"] // model.num_heads
     text["num_attention_heads"] = model.num_heads // tp
     text["num_key_value_heads"] = max(1, model.num_kv_heads // tp)

@@ -21,9 +21,10 @@ from planner.errors import PlanError, printable, shown
 from planner.plan.adapters_section import AdapterRow, AdaptersSection
 from planner.plan.experts_section import (OPTIONAL_EXPERT_LAYER, OPTIONAL_EXPERTS, OPTIONAL_EXPERTS_SET, CpuPlacement,
                                           ExpertLayer, ExpertsPlan, ExpertsPoint)
-from planner.plan.schema import (MAX_PLAN_BYTES, MAX_PLAN_FLOAT, MAX_PLAN_INT, MS_DECIMALS, OPTIONAL_INPUTS,
-                                 OPTIONAL_OFFLOAD, OPTIONAL_WORKLOAD, OPTIONAL_SECTIONS, READABLE_SCHEMA_VERSIONS,
-                                 SCHEMA_VERSION, SECTIONS, LayerRow, Plan, ServingRow, ServingSection)
+from planner.plan.schema import (MAX_PLAN_BYTES, MAX_PLAN_FLOAT, MAX_PLAN_INT, MS_DECIMALS, OPTIONAL_HARDWARE,
+                                 OPTIONAL_INPUTS, OPTIONAL_OFFLOAD, OPTIONAL_WORKLOAD, OPTIONAL_SECTIONS,
+                                 READABLE_SCHEMA_VERSIONS, SCHEMA_VERSION, SECTIONS, LayerRow, Plan, ServingRow,
+                                 ServingSection)
 from planner.plan.migration import upgraded_from_1
 from planner.plan.rules import first_broken_rule
 from planner.source.untrusted import checked_path, load_yaml, read_capped
@@ -66,9 +67,10 @@ def plan_to_dict(plan: Plan) -> dict:
     for key, default in OPTIONAL_OFFLOAD.items():
         if out["offload"][key] == default:
             del out["offload"][key]
-    for key, default in OPTIONAL_WORKLOAD.items():
-        if out["workload"][key] == default:
-            del out["workload"][key]
+    for section, optional in (("workload", OPTIONAL_WORKLOAD), ("hardware", OPTIONAL_HARDWARE)):
+        for key, default in optional.items():
+            if out[section][key] == default:
+                del out[section][key]
     out["layers"] = [{key: _plain(value) for key, value in asdict(row).items()} for row in plan.layers]
     if plan.serving is not None:
         out["serving"] = {key: _plain(value) for key, value in asdict(plan.serving).items() if key != "points"}
@@ -189,6 +191,8 @@ def plan_from_dict(data: object, origin: str, *, derived: bool = True) -> Plan:
         data = dict(data, offload={**OPTIONAL_OFFLOAD, **data["offload"]})
     if isinstance(data["workload"], dict):  # written only when true
         data = dict(data, workload={**OPTIONAL_WORKLOAD, **data["workload"]})
+    if isinstance(data["hardware"], dict):  # written only when measured
+        data = dict(data, hardware={**OPTIONAL_HARDWARE, **data["hardware"]})
     for name, cls in SECTIONS.items():
         kwargs[name] = _section(cls, data[name], f"{origin}: {name}")
     rows = data["layers"]

@@ -184,6 +184,9 @@ class HardwareSection:
     host_memory_bytes: int | None = None
     #: the profile's CUDA context figure; None: the planner's default (memory.cuda_context_bytes says what was used)
     cuda_context_bytes: int | None = None
+    #: NCCL's buffers on a tensor-parallel rank, measured (calibrate's profile, make --tp N --measure); None: the
+    #: planner's figure. Written only when measured
+    nccl_bytes: int | None = None
 
     def __post_init__(self):
         # The same rules as planner.source.profile.HardwareProfile, from its tables: a plan read back must not divide by
@@ -200,6 +203,8 @@ class HardwareSection:
         for key in ("fp8_flops_per_s", "host_memory_bytes"):
             if getattr(self, key) is not None and not getattr(self, key) > 0:
                 raise ValueError(f"hardware.{key} must be positive (or null)")
+        if self.nccl_bytes is not None and self.nccl_bytes < 0:
+            raise ValueError("hardware.nccl_bytes must not be negative (or null)")
         for key in ("trigger", "compute_efficiency"):
             if not 0 < getattr(self, key) <= 1:
                 raise ValueError(f"hardware.{key} must be a share in (0, 1]")
@@ -442,6 +447,8 @@ OPTIONAL_INPUTS = {"adapters": (), "adapter_slots": None, "routing_trace": None,
 OPTIONAL_OFFLOAD = {"mechanism": "prefetch", "read_at_use_gib": 0}
 #: workload keys written only when not their default, so plans made before them keep their bytes
 OPTIONAL_WORKLOAD = {"chunk_graphed": False}
+#: hardware keys written only when not their default (plans made before them, or without them, keep their bytes)
+OPTIONAL_HARDWARE = {"nccl_bytes": None}
 
 
 #: top-level sections a plan holds only when they apply

@@ -30,7 +30,8 @@ def profiles_dir() -> Path:
 #: 1e9) or a corrupt file, and the arithmetic on it would overflow or mislead
 FIGURE_MAX = {"gpu_memory_bytes": 2**50, "hbm_bytes_per_s": 1e16, "bf16_flops_per_s": 1e19,
               "fp8_flops_per_s": 1e19, "h2d_bytes_per_s": 1e14, "copy_overhead_us": 1e6, "reserve_bytes": 2**50,
-              "host_memory_bytes": 2**60, "gpu_link_bytes_per_s": 1e14, "fp8_dequant_bytes_per_s": 1e16}
+              "host_memory_bytes": 2**60, "gpu_link_bytes_per_s": 1e14, "fp8_dequant_bytes_per_s": 1e16,
+              "nccl_bytes": 2**50}
 #: plausible lower bounds of the rates and shares, far below any chip: a rate of 1e-300 is a typo, and the
 #: planner's times (bytes / rate) would overflow to infinity
 FIGURE_MIN = {"gpu_link_bytes_per_s": 1e6, "fp8_dequant_bytes_per_s": 1e6,
@@ -223,6 +224,10 @@ class HardwareProfile:
     #: GPU-to-GPU bandwidth per direction of each GPU (NVLink) that tensor-parallel all-reduces cross; None where
     #: the GPUs have no such link (make --tp refuses the profile then)
     gpu_link_bytes_per_s: Figure | None = None
+    #: GPU memory NCCL's communicator holds outside torch's allocator on each tensor-parallel rank (its channels'
+    #: buffers, from joining the group through the first all-reduce; calibrate and make --tp N --measure measure it
+    #: where two GPUs or more are visible); None: planner.search.serving.NCCL_BYTES_PER_RANK
+    nccl_bytes: Figure | None = None
     #: HBM bytes per second the passes that dequantize FP8 weights before each bf16 matmul move (run's FP8 path,
     #: planner.model.fp8_cost; calibrate measures it); None: FP8_DEQUANT_HBM_SHARE of hbm_bytes_per_s
     fp8_dequant_bytes_per_s: Figure | None = None
@@ -245,6 +250,8 @@ class HardwareProfile:
             if key in POSITIVE_FIGURES and figure.value <= 0:
                 raise ValueError(f"{key} must be positive" + (" (null on chips without fp8)" if key.startswith("fp8")
                                                              else ""))
+            if figure.value < 0:
+                raise ValueError(f"{key} must not be negative")
             if figure.value > highest:
                 raise ValueError(f"{key} is {figure.value:g}, beyond any GPU (at most {highest:g}): check its unit")
             if key in FIGURE_MIN and 0 < figure.value < FIGURE_MIN[key]:
@@ -278,7 +285,7 @@ class HardwareProfile:
 _SECTIONS = ("cpu_experts", "layer_floor")
 _FIGURE_FIELDS = tuple(f.name for f in fields(HardwareProfile) if f.name not in ("name", "description", *_SECTIONS))
 _OPTIONAL_FIELDS = ("fp8_flops_per_s", "host_memory_bytes", "cuda_context_bytes", "gpu_link_bytes_per_s",
-                    "fp8_dequant_bytes_per_s")
+                    "fp8_dequant_bytes_per_s", "nccl_bytes")
 
 
 def profile_from_dict(data: object, origin: str) -> HardwareProfile:
@@ -290,7 +297,8 @@ def profile_from_dict(data: object, origin: str) -> HardwareProfile:
     if unknown:
         raise ProfileError(f"{origin}: unknown field(s) {shown(unknown, 60)}; the fields are those of "
                            "profiles/h100-sxm.yaml (fp8_flops_per_s, host_memory_bytes, cuda_context_bytes, "
-                           "gpu_link_bytes_per_s, fp8_dequant_bytes_per_s, cpu_experts, layer_floor optional)")
+                           "gpu_link_bytes_per_s, fp8_dequant_bytes_per_s, nccl_bytes, cpu_experts, layer_floor "
+                           "optional)")
     missing = sorted(k for k in known - set(data) if k not in (*_OPTIONAL_FIELDS, *_SECTIONS))
     if missing:
         raise ProfileError(f"{origin}: missing field(s) {missing}; see profiles/h100-sxm.yaml for the format")
@@ -416,15 +424,16 @@ def load_profile(name_or_path: str) -> HardwareProfile:
     return profile_from_dict(data, str(path))
 
 
-def with_measured_context(profile: HardwareProfile, context_bytes: int | None) -> HardwareProfile:
-    """The profile with ``context_bytes`` as its cuda_context_bytes, measured on the local stack by make --measure
-    (or recorded by a --measure plan, for check); the profile unchanged when None."""
-    if context_bytes is None:
-        return profile
-    figure = Figure(value=int(context_bytes), source="measured",
-                    note="outside torch's allocator on the local stack, measured by make --measure")
+def with_measured_context(profile: HardwareProfile, context_bytes: int | None,
+                          nccl_bytes: int | None = None) -> HardwareProfile:
+    """The profile with ``context_bytes`` as its cuda_context_bytes and ``nccl_bytes`` as its nccl_bytes, measured
+    on the local stack by make --measure (or recorded by a --measure plan, for check); each unchanged when None."""
+    note = "outside torch's allocator on the local stack, measured by make --measure"
+    changes = {key: Figure(value=int(value), source="measured", note=note)
+               for key, value in (("cuda_context_bytes", context_bytes), ("nccl_bytes", nccl_bytes))
+               if value is not None}
     try:
-        return replace(profile, cuda_context_bytes=figure)
+        return replace(profile, **changes) if changes else profile
     except ValueError as error:
         raise ProfileError(f"the measured CUDA context figure: {error}") from None
 

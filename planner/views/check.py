@@ -160,7 +160,8 @@ def _compare(display: str, text: str, plan: Plan, profile: HardwareProfile, head
     regenerated = None
     try:
         planned = make_plan(plan.inputs, compute_override=recorded_compute(plan) if plan.inputs.measure else None,
-                            context_bytes=plan.hardware.cuda_context_bytes if plan.inputs.measure else None)
+                            context_bytes=plan.hardware.cuda_context_bytes if plan.inputs.measure else None,
+                            nccl_bytes=plan.hardware.nccl_bytes if plan.inputs.measure else None)
         regenerated = render_plan(planned.plan, header)
         fingerprint = planned.checkpoint.fingerprint()
     except ModelInputError:

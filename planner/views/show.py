@@ -9,7 +9,7 @@ from planner.plan.schema import Plan, gathers, routed_expert_bytes
 from planner.search.routed_step import plan_decode_step
 from planner.search.schedule import PrefetchSchedule
 from planner.search.simulate import STEPS_PER_GRAPH, Simulation, join_every_steps_for, simulate
-from planner.search.serving import OFFLOAD_MARGIN_SHARE
+from planner.search.serving import NCCL_BYTES_PER_RANK, OFFLOAD_MARGIN_SHARE
 from planner.views.tp_comparison import tp_row
 from planner.units import format_bytes, format_ms, format_rate
 from planner.views.show_experts import experts_text
@@ -321,7 +321,8 @@ def _memory(plan: Plan) -> Table:
             (f"GPU: CUDA-graph pool (a captured decode step, {_activations_source(plan)})",
              memory.cuda_graph_pool_bytes),
             (f"GPU: outside the allocator (CUDA context and kernels, {_context_source(plan)}; page tables of pinned "
-             "host memory" + ("; NCCL's buffers" if plan.inputs.tp > 1 else "") + ")", memory.cuda_context_bytes),
+             "host memory" + (f"; NCCL's buffers, {_nccl_source(plan)}" if plan.inputs.tp > 1 else "") + ")",
+             memory.cuda_context_bytes),
             ("GPU: total", memory.total_gpu_bytes),
             ("GPU: memory the plan must fit", memory.gpu_memory_bytes),
         ]
@@ -378,6 +379,14 @@ def _estimate_spread(plan: Plan) -> str:
     kind = "FP8" if fp8 else "bf16"
     return (f" (an estimate: measured steps of {kind} models ran {low:.2f}-{high:.2f}x of such estimates on the "
             "H100 and H200; make --measure times the layers)")
+
+
+def _nccl_source(plan: Plan) -> str:
+    """Where the plan's figure for NCCL's buffers on a rank came from."""
+    measured = plan.hardware.nccl_bytes
+    if measured is None:
+        return f"{format_bytes(NCCL_BYTES_PER_RANK)} measured on two H200s"
+    return f"{format_bytes(measured)} measured on the local GPUs"
 
 
 def _context_source(plan: Plan) -> str:

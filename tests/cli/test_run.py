@@ -33,7 +33,7 @@ def handed(monkeypatch):
 
     calls = []
     monkeypatch.setattr(runtime.run, "require_cuda", lambda what: None)
-    monkeypatch.setattr(runtime.run, "check_stack_fits", lambda plan, device: 0)
+    monkeypatch.setattr(runtime.run, "check_stack_fits", lambda plan, device, **_: 0)
     monkeypatch.setattr(runtime.run, "cap_gpu_memory", lambda limit_bytes, device, booked_outside_bytes: None)
     monkeypatch.setattr(runtime.run, "load_with_plan", lambda plan, progress, source: SimpleNamespace(source=source))
 

@@ -29,3 +29,15 @@ def test_the_all_reduce_between_two_gpus_is_measured(tmp_path, monkeypatch):
     link = measured_link(2, load_profile(local_profile_name()), None)
     assert link.measured.startswith("measured: NCCL all-reduce on 2 x")
     assert 1 <= link.latency_us <= 500 and 10e9 <= link.bytes_per_s <= 2e12, link
+    # NCCL's buffers measured beside the timings (about 0.8 GiB a rank on two H200s) and stated in the source
+    assert 64 * 2**20 <= link.nccl_bytes <= 4 * 2**30 and "NCCL held" in link.measured, link
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_calibrate_measures_nccl_buffers_where_two_gpus_are_visible():
+    from runtime.calibrate import nccl_figure
+
+    figure = nccl_figure("test")
+    assert figure.source == "measured" and 64 * 2**20 <= figure.value <= 4 * 2**30, figure
+    assert f"{torch.cuda.device_count()}-GPU NCCL group" in figure.note

@@ -90,7 +90,7 @@ def _on_the_cpu(monkeypatch) -> None:
     import runtime.run
 
     monkeypatch.setattr(runtime.run, "require_cuda", lambda what: torch.device("cpu"))
-    monkeypatch.setattr(runtime.run, "check_stack_fits", lambda plan, device: 0)
+    monkeypatch.setattr(runtime.run, "check_stack_fits", lambda plan, device, **_: 0)
     monkeypatch.setattr(runtime.run, "cap_gpu_memory", lambda limit_bytes, device, booked_outside_bytes: None)
     monkeypatch.setattr(load, "require_cuda", lambda what="": torch.device("cpu"))
     monkeypatch.setattr(load, "CudaBackend", lambda device: CpuStandIn())

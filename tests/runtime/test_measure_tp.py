@@ -101,6 +101,33 @@ def test_a_measured_rank_plan_adds_the_measured_all_reduces_and_says_so(tiny):
     assert source.startswith("measured: fake GPU") and "at 200 GB/s and 20 us each (measured: fake NCCL)" in source
 
 
+def test_nccl_buffers_measured_beside_the_link_are_booked_recorded_and_read_back(tiny, tmp_path):
+    """NCCL's bytes measured with the all-reduce replace the planner's figure in the rank's outside-allocator
+    booking, the plan records them (hardware.nccl_bytes), and check regenerates the plan from that record."""
+    from planner.make.inputs import regenerate_command
+    from planner.plan.file import render_plan, write_atomic
+    from planner.search.serving import NCCL_BYTES_PER_RANK
+    from planner.views.check import check_plan
+
+    _, folder = tiny
+    measured = 300 * 2**20
+
+    def link(tp, profile, measured_on):
+        return all_reduce.AllReduceLink(latency_us=20.0, bytes_per_s=200e9, measured="measured: fake NCCL",
+                                        nccl_bytes=measured)
+
+    assumed, plan = _plan(folder), _plan(folder, measure_link=link)
+    assert assumed.hardware.nccl_bytes is None and plan.hardware.nccl_bytes == measured
+    assert assumed.memory.cuda_context_bytes - plan.memory.cuda_context_bytes == NCCL_BYTES_PER_RANK - measured
+    path = tmp_path / "rank.yaml"
+    write_atomic(path, render_plan(plan, regenerate_command(plan.inputs, str(path))))
+    back = read_plan(path)
+    assert "nccl_bytes: 314572800" in path.read_text() and (back.hardware, back.memory) == (plan.hardware, plan.memory)
+    assert "nccl_bytes" not in render_plan(assumed, "test")  # written only when measured: old plans keep their bytes
+    result = check_plan(path)
+    assert result.problems == (), (result.problems, result.diff)
+
+
 def test_without_a_link_measurement_the_plan_says_the_link_is_assumed(tiny):
     _, folder = tiny
     source = _plan(folder).workload.compute_source
@@ -138,5 +165,7 @@ def test_make_tp_measure_times_the_ranks_layers_on_the_gpu(tiny, tmp_path, step)
         assert plan.inputs.cuda_graph and "graph" in source, source
     if torch.cuda.device_count() >= 2:
         assert "(measured: NCCL all-reduce on 2 x" in source
+        # NCCL's buffers measured beside it: about 0.8 GiB a rank on two H200s (scripts/experiments/nccl_memory.py)
+        assert 64 * 2**20 <= plan.hardware.nccl_bytes <= 4 * 2**30 and "NCCL held" in source
     else:
         assert "(assumed: the profile's link and 10 us; 1 GPU(s) visible here" in source
