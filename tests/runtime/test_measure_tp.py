@@ -169,3 +169,12 @@ def test_make_tp_measure_times_the_ranks_layers_on_the_gpu(tiny, tmp_path, step)
         assert 64 * 2**20 <= plan.hardware.nccl_bytes <= 4 * 2**30 and "NCCL held" in source
     else:
         assert "(assumed: the profile's link and 10 us; 1 GPU(s) visible here" in source
+
+
+def test_rank_config_writes_head_dim_where_the_config_holds_null():
+    """transformers' MixtralConfig writes "head_dim": null, meaning hidden / heads of the whole model: the rank's
+    config holds that figure, not hidden / its own heads (a TP plan of such a checkpoint was refused)."""
+    config = {"model_type": "mixtral", "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
+              "head_dim": None, "intermediate_size": 14336, "vocab_size": 32000}
+    rank = tensor_parallel.rank_config(config, 2)
+    assert (rank["head_dim"], rank["num_attention_heads"], rank["num_key_value_heads"]) == (128, 16, 4)
