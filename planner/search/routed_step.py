@@ -241,6 +241,21 @@ def plan_decode_step(plan: Plan, rows: tuple[ExpertLayer, ...] | None = None) ->
                               plan_fetches(plan, rows), plan.experts.fetch_slots)
 
 
+def cpu_rate_step_ms(plan: Plan, scale: float) -> float | None:
+    """A plan with CPU experts: its decode step by the same timeline (plan_decode_step) with every CPU expert's
+    in-step time ``scale`` x its price, and the placement and per-step tables as planned (the runtime splits each
+    step by them whatever the host's rate): what the plan runs at on a host whose CPU computes at that share of
+    calibrate's price. None for a plan without CPU experts priced per expert."""
+    experts = plan.experts
+    if experts is None or experts.cpu is None or any(row.cpu_ms_per_expert is None for row in experts.cpu_layers):
+        return None
+    handoff_ms = experts.cpu.handoff_ms
+    rows = tuple(replace(row, cpu_ms_per_expert=scale * row.cpu_ms_per_expert,
+                         cpu_ms=handoff_ms + scale * (row.cpu_ms - handoff_ms)) if row.cpu else row
+                 for row in experts.routed_layers)
+    return plan_decode_step(plan, rows).step_ms
+
+
 #: make warns of a traced plan whose step, routed uniformly, would take this many times its own, where its trace
 #: never routed to TRACE_UNSEEN_WARN_SHARE of some layer's experts or more (a trace too short, or of prompts
 #: that route alike, to know them: random weights' decodes, which repeat two tokens, left 90% unseen; a

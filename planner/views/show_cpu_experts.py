@@ -7,7 +7,7 @@ from itertools import groupby
 
 from planner.plan.experts_section import ExpertsPlan
 from planner.plan.schema import Plan
-from planner.search.routed_step import plan_decode_step
+from planner.search.routed_step import cpu_rate_step_ms, plan_decode_step
 from planner.units import format_bytes, format_ms
 
 #: the CPU experts' tolerance against the all-resident layer on the GPU, as a share of the reference output's
@@ -34,6 +34,7 @@ def cpu_lines(plan: Plan, experts: ExpertsPlan) -> list[str]:
         f"handoff per layer), the link {format_ms(cpu.link_ms_per_step)}; against the step's {format_ms(step)}: "
         f"CPU {_share(cpu.cpu_ms_per_step, step)}, link {_share(cpu.link_ms_per_step, step)} (the two overlap).",
         *_spread_lines(plan, experts),
+        *_rate_lines(plan),
         f"  Numerics: {NUMERICS}.",
     ]
 
@@ -100,6 +101,27 @@ def _spread_lines(plan: Plan, experts: ExpertsPlan) -> list[str]:
             + " inside the step. A layer waits for the later path at its own step's routing (a step that sends more "
             f"pairs than usual to the CPU waits for it): {format_ms(spread_ms)} of waits a step in expectation, "
             f"where both paths at their means would wait {format_ms(means_ms)}."]
+
+
+#: the host CPU's rate inside the step against its price (calibrate's lone expert x the in-step factor), as run
+#: --bench counted it (the host's ms a step over the plan's CPU ms a step) on H200 hosts: 0.75 (Mixtral-8x7B at
+#: four sequences) and 0.84 (Qwen3-30B-A3B at one) on 2026-11-29's first host, 1.12 and 1.65 (Qwen3 at four and
+#: one) and 1.50 (DeepSeek-V2-Lite) on its second, whose calibrate read the same lone rate; one DeepSeek-V2-Lite
+#: arm 4.7 (benchmarks/2026-11-29-router-ties-h200.md, 2026-11-29-conformance-rerun-h200.md)
+CPU_RATE_SPREAD = (0.75, 1.65)
+
+
+def _rate_lines(plan: Plan) -> list[str]:
+    """What the host CPU's rate does to the step: the plan's timeline with the CPU experts at the ends of the
+    spread measured inside steps (CPU_RATE_SPREAD), the tables as planned (nothing without per-expert prices)."""
+    fast, slow = (cpu_rate_step_ms(plan, scale) for scale in CPU_RATE_SPREAD)
+    if fast is None or slow is None:
+        return []
+    return [f"  The host CPU's rate moves the step: at {CPU_RATE_SPREAD[0]:g}x its price "
+            f"{format_ms(fast)}, at {CPU_RATE_SPREAD[1]:g}x {format_ms(slow)} (the prediction takes calibrate's "
+            "rate; inside steps H200 hosts ran their CPU experts at "
+            f"{CPU_RATE_SPREAD[0]:g}-{CPU_RATE_SPREAD[1]:g}x of it from one host and day to the next, which a "
+            "calibrate alone does not see: run --bench counts this host's against the plan)."]
 
 
 def _per_layer(experts: ExpertsPlan) -> str:

@@ -7,6 +7,8 @@ import dataclasses
 import json
 
 import pytest
+
+from planner.units import format_ms
 import yaml
 
 from planner.errors import PlanError
@@ -185,6 +187,7 @@ def test_show_check_diff_and_export_read_a_plan_with_cpu_experts(moe, choice, wo
     assert all(word in text for word in words)
     assert all(bool(row.cpu_take) == (choice == "auto") for row in read_plan("plan.yaml").experts.cpu_layers)
     assert "2^-6" in text and "1e-5" in text
+    _assert_the_cpu_rate_moves_the_step(read_plan("plan.yaml"), text)
     assert invoke(["check", "plan.yaml", "off.yaml"]).exit_code == 0
     diff = invoke(["diff", "off.yaml", "plan.yaml"])
     assert diff.exit_code == 0, diff.stderr
@@ -205,6 +208,20 @@ def test_show_check_diff_and_export_read_a_plan_with_cpu_experts(moe, choice, wo
         assert f'-ot "blk\\.({layers})\\.ffn_(up|down|gate)_exps=CPU"' in said
     again = invoke(["show", "--json", "plan.yaml"])
     assert again.exit_code == 0 and '"cpu"' in again.stdout
+
+
+def _assert_the_cpu_rate_moves_the_step(plan, shown: str) -> None:
+    """The plan's step re-timed with its CPU experts at a share of their price: its prediction at 1x, slower as the
+    CPU is, and show states the ends of the measured spread."""
+    from planner.search.routed_step import cpu_rate_step_ms
+    from planner.views.show_cpu_experts import CPU_RATE_SPREAD
+
+    steps = [cpu_rate_step_ms(plan, scale) for scale in (0.5, 1.0, 2.0, 4.0)]
+    assert steps[1] == pytest.approx(plan.prediction.step_ms, abs=1e-3)
+    assert steps == sorted(steps) and steps[3] > steps[1]
+    fast, slow = (cpu_rate_step_ms(plan, scale) for scale in CPU_RATE_SPREAD)
+    assert (f"The host CPU's rate moves the step: at {CPU_RATE_SPREAD[0]:g}x its price {format_ms(fast)}, at "
+            f"{CPU_RATE_SPREAD[1]:g}x {format_ms(slow)}") in shown
 
 
 def _edited(path: str, edit) -> str:
