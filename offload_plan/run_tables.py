@@ -113,6 +113,10 @@ def _add_cpu_row(table: Table, cpu: dict | None) -> None:
                   f"{cpu['handoff']})",
                   format_ms(measured), format_ms(planned) if planned else "-",
                   f"{measured / planned:.2f}" if planned else "")
+    repriced = cpu.get("step_ms_at_host_cpu_rate")
+    if repriced is not None:
+        table.add_row(f"the plan's decode step at this host's CPU rate ({cpu['host_cpu_scale']:.2f}x its price; "
+                      "the prediction's error beyond it is not the CPU's)", "", format_ms(repriced), "")
 
 
 def cpu_experts_text(cpu: dict) -> str:

@@ -84,16 +84,29 @@ def routed_fetches(loaded, num_steps: int) -> RoutedFetches | None:
 def _cpu_per_step(routed, plan, num_steps: int) -> dict | None:
     """The CPU side's counters over the timed steps, per step, beside the plan's expected CPU ms a step and its
     expected CPU experts a step (distinct experts per layer step, summed: what the plan's CPU time is priced on;
-    None for a plan written without cpu_ms_per_expert)."""
+    None for a plan written without cpu_ms_per_expert), and the step re-timed at the host's rate
+    (at_host_cpu_rate)."""
     stats = routed.cpu_stats()
     if not stats:
         return None
     planned = plan.experts.cpu
+    host_ms = 1e3 * stats["callback_s"] / num_steps
     return {"handoff": routed.cpu_experts.handoff, "pairs_per_step": stats["pairs_cpu"] / num_steps,
             "experts_per_step": stats["experts_cpu"] / num_steps,
-            "pairs_share": stats["pairs_share"], "host_ms_per_step": 1e3 * stats["callback_s"] / num_steps,
+            "pairs_share": stats["pairs_share"], "host_ms_per_step": host_ms,
             "planned_cpu_ms_per_step": planned.cpu_ms_per_step if planned is not None else None,
-            "planned_experts_per_step": planned_cpu_experts(plan)}
+            "planned_experts_per_step": planned_cpu_experts(plan), **at_host_cpu_rate(plan, host_ms)}
+
+
+def at_host_cpu_rate(plan, host_ms_per_step: float) -> dict:
+    """The host CPU's measured rate over the plan's price (planner.search.routed_step.host_cpu_scale), and the
+    plan's decode step re-timed at it, the tables as planned (cpu_rate_step_ms): what of a step's error the
+    host's CPU explains. {} where either cannot be had."""
+    from planner.search.routed_step import cpu_rate_step_ms, host_cpu_scale
+
+    scale = host_cpu_scale(plan, host_ms_per_step)
+    step_ms = None if scale is None else cpu_rate_step_ms(plan, scale)
+    return {} if step_ms is None else {"host_cpu_scale": scale, "step_ms_at_host_cpu_rate": step_ms}
 
 
 def planned_cpu_experts(plan) -> float | None:

@@ -268,7 +268,7 @@ def table(rows: list[dict], link_bytes_per_s: float | None = None) -> str:
             cpu = ((row.get("bench") or {}).get("routed") or {}).get("cpu") or {}
             on_cpu = f"{row.get('cpu_experts', '-')}" + (
                 f" ({cpu['pairs_per_step']:.1f} pairs{cpu_experts_text(cpu)}, host {cpu['host_ms_per_step']:.2f} ms "
-                f"a step, planned {fmt(cpu.get('planned_cpu_ms_per_step'))})" if cpu else "")
+                f"a step, planned {fmt(cpu.get('planned_cpu_ms_per_step'))}{_at_host_rate(cpu)})" if cpu else "")
             repeats = [ms for ms in row.get("step_ms_repeats", ()) if ms is not None]
             spread = f" ({min(repeats):.2f}-{max(repeats):.2f}, {len(repeats)} runs)" if len(repeats) > 1 else ""
             lines.append(f"| {model} | {sequences} | {row['arm']} | {fmt(measured)}{spread} | {fmt(predicted)} | "
@@ -295,6 +295,14 @@ def table(rows: list[dict], link_bytes_per_s: float | None = None) -> str:
                 if steps.get(arm):
                     lines.append(f"| {model} | {sequences} | {label} | {floor / steps[arm]:.3f} | | | | |")
     return "\n".join(lines)
+
+
+def _at_host_rate(cpu: dict) -> str:
+    """"; the step at the host's CPU rate X ms (Nx)": the plan re-timed at the rate the run's host CPU measured
+    (runtime.routed_fetches.at_host_cpu_rate), where the run's JSON has it."""
+    if cpu.get("step_ms_at_host_cpu_rate") is None:
+        return ""
+    return f"; the step at the host's CPU rate {cpu['step_ms_at_host_cpu_rate']:.2f} ms ({cpu['host_cpu_scale']:.2f}x)"
 
 
 if __name__ == "__main__":

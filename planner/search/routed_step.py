@@ -256,6 +256,17 @@ def cpu_rate_step_ms(plan: Plan, scale: float) -> float | None:
     return plan_decode_step(plan, rows).step_ms
 
 
+def host_cpu_scale(plan: Plan, host_ms_per_step: float) -> float | None:
+    """The host CPU's rate inside the steps run --bench timed, over the plan's price: the host's own ms a step in
+    its expert kernel (its clock: the handoffs left out) over the plan's CPU ms a step less its handoffs. None for a
+    plan without CPU experts or CPU time to compare."""
+    experts = plan.experts
+    if experts is None or experts.cpu is None:
+        return None
+    priced_ms = math.fsum(row.cpu_ms - experts.cpu.handoff_ms for row in experts.cpu_layers)
+    return host_ms_per_step / priced_ms if priced_ms > 0 and host_ms_per_step > 0 else None
+
+
 #: make warns of a traced plan whose step, routed uniformly, would take this many times its own, where its trace
 #: never routed to TRACE_UNSEEN_WARN_SHARE of some layer's experts or more (a trace too short, or of prompts
 #: that route alike, to know them: random weights' decodes, which repeat two tokens, left 90% unseen; a

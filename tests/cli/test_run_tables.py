@@ -73,6 +73,11 @@ def test_a_plan_with_cpu_experts_shows_the_hosts_share_beside_the_plans():
     counted = RoutedFetches(**{**vars(routed), "cpu": {**routed.cpu, "experts_per_step": 15.2,
                                                        "planned_experts_per_step": 14.75}})
     assert "(16.6 pairs, 15.2 experts (14.8 planned), doorbell)" in _text(counted)
+    assert "at this host's CPU rate" not in _text(counted)
+    repriced = RoutedFetches(**{**vars(routed), "cpu": {**routed.cpu, "host_cpu_scale": 1.69,
+                                                        "step_ms_at_host_cpu_rate": 11.53}})
+    assert "the plan's decode step at this host's CPU rate (1.69x its price;" in _text(repriced)
+    assert "11.53 ms" in _text(repriced)
 
 
 @pytest.mark.parametrize("peak", [None, 9 * 2**30])

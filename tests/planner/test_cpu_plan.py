@@ -219,6 +219,13 @@ def _assert_the_cpu_rate_moves_the_step(plan, shown: str) -> None:
     steps = [cpu_rate_step_ms(plan, scale) for scale in (0.5, 1.0, 2.0, 4.0)]
     assert steps[1] == pytest.approx(plan.prediction.step_ms, abs=1e-3)
     assert steps == sorted(steps) and steps[3] > steps[1]
+    # run --bench's host clock (handoffs left out) at the plan's price is 1x, and twice it re-times the step at 2x
+    from planner.search.routed_step import host_cpu_scale
+
+    priced_ms = sum(row.cpu_ms - plan.experts.cpu.handoff_ms for row in plan.experts.cpu_layers)
+    assert host_cpu_scale(plan, priced_ms) == pytest.approx(1.0)
+    assert cpu_rate_step_ms(plan, host_cpu_scale(plan, 2 * priced_ms)) == pytest.approx(steps[2])
+    assert host_cpu_scale(plan, 0.0) is None
     fast, slow = (cpu_rate_step_ms(plan, scale) for scale in CPU_RATE_SPREAD)
     assert (f"The host CPU's rate moves the step: at {CPU_RATE_SPREAD[0]:g}x its price {format_ms(fast)}, at "
             f"{CPU_RATE_SPREAD[1]:g}x {format_ms(slow)}") in shown
