@@ -1406,8 +1406,9 @@ def link_text(row: dict) -> str:
 
 
 def routing_text(bench: dict) -> str:
-    """A routed arm's decode steps: the experts' bytes they fetched over the plan's expected bytes, and the next-layer
-    prediction's accuracy (mean over ranks) against the plan's, as run --bench --json measured them."""
+    """A routed arm's decode steps: the experts' bytes they fetched over the plan's expected bytes, the next-layer
+    prediction's accuracy (mean over ranks) against the plan's, and with CPU experts the host CPU's rate against
+    its price and the step the plan re-timed at it, as run --bench --json measured them."""
     from runtime.routed_fetches import RoutedFetches
 
     if not bench.get("routed") or not bench["routed"]["predicted_bytes_per_step"]:
@@ -1417,6 +1418,11 @@ def routing_text(bench: dict) -> str:
     measured, planned = routed.prefetch_accuracy, routed.planned_prefetch_accuracy
     if measured is not None and planned is not None:
         text += f", {measured:.2f} / {planned:.2f}"
+    cpu = routed.cpu or {}
+    step_ms = bench.get("decode_step_ms") or bench.get("step_ms")
+    if cpu.get("step_ms_at_host_cpu_rate") and step_ms:  # what of the step's error the host's CPU explains
+        text += (f"; CPU at {cpu['host_cpu_scale']:.2f}x its price, the plan there "
+                 f"{cpu['step_ms_at_host_cpu_rate']:.2f} ms ({step_ms / cpu['step_ms_at_host_cpu_rate'] - 1:+.1%})")
     return text
 
 

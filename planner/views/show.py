@@ -386,7 +386,7 @@ def _nccl_source(plan: Plan) -> str:
     measured = plan.hardware.nccl_bytes
     if measured is None:
         return f"{format_bytes(NCCL_BYTES_PER_RANK)} measured on two H200s"
-    return f"{format_bytes(measured)} measured on the local GPUs"
+    return f"{format_bytes(measured)} measured (make --tp N --measure, or calibrate)"
 
 
 def _context_source(plan: Plan) -> str:

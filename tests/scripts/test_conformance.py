@@ -182,6 +182,10 @@ def test_a_routed_arm_shows_what_its_steps_fetched_against_the_plan():
     assert conformance.routing_text({"routed": routed}) == "0.90, 0.86 / 0.78"
     assert conformance.routing_text({"routed": routed | {"rank_accuracy": []}}) == "0.90"
     assert conformance.routing_text({}) == "-"
+    cpu = {"handoff": "doorbell", "pairs_per_step": 16.6, "host_ms_per_step": 8.46, "planned_cpu_ms_per_step": 5.12,
+           "host_cpu_scale": 1.69, "step_ms_at_host_cpu_rate": 11.54}
+    assert conformance.routing_text({"routed": routed | {"cpu": cpu}, "decode_step_ms": 11.63}) == (
+        "0.90, 0.86 / 0.78; CPU at 1.69x its price, the plan there 11.54 ms (+0.8%)")
 
 
 def test_adapters_arms_make_and_read_plans_with_adapters_on_the_cpu(tmp_path):
