@@ -99,14 +99,18 @@ def _cpu_per_step(routed, plan, num_steps: int) -> dict | None:
 
 
 def at_host_cpu_rate(plan, host_ms_per_step: float) -> dict:
-    """The host CPU's measured rate over the plan's price (planner.search.routed_step.host_cpu_scale), and the
-    plan's decode step re-timed at it, the tables as planned (cpu_rate_step_ms): what of a step's error the
-    host's CPU explains. {} where either cannot be had."""
+    """The host CPU's measured rate over the plan's price (planner.search.routed_step.host_cpu_scale), the plan's
+    decode step re-timed at it, the tables as planned (cpu_rate_step_ms): what of a step's error the host's CPU
+    explains, and the make --cpu-time-scale that prices this host's rate. {} where these cannot be had."""
     from planner.search.routed_step import cpu_rate_step_ms, host_cpu_scale
 
     scale = host_cpu_scale(plan, host_ms_per_step)
     step_ms = None if scale is None else cpu_rate_step_ms(plan, scale)
-    return {} if step_ms is None else {"host_cpu_scale": scale, "step_ms_at_host_cpu_rate": step_ms}
+    if step_ms is None:
+        return {}
+    # make --cpu-time-scale prices the CPU at a multiple of the profile's rate: this host's, over the profile's
+    return {"host_cpu_scale": scale, "step_ms_at_host_cpu_rate": step_ms,
+            "cpu_time_scale": round(scale * (plan.inputs.cpu_time_scale or 1.0), 2)}
 
 
 def planned_cpu_experts(plan) -> float | None:

@@ -14,7 +14,7 @@ from planner.model.kv_cache import KV_DTYPES
 from planner.plan.experts_section import CPU_EXPERTS_CHOICES, ROUTED_EXPERTS_CHOICES
 from planner.model.model_config import ModelConfig
 from planner.plan.schema import Inputs
-from planner.source.profile import HardwareProfile
+from planner.source.profile import MAX_CPU_TIME_SCALE, HardwareProfile
 from planner.search.serving import ConcurrencyRange, parse_concurrency
 from planner.units import format_bytes, parse_bytes
 
@@ -126,6 +126,10 @@ def _check_shares(inputs: Inputs) -> None:
     accuracy = inputs.prefetch_accuracy
     if accuracy is not None and not 0 <= accuracy <= 1:
         raise UsageError(f"--prefetch-accuracy {accuracy:g} is not a share; give one from 0 to 1 (e.g. 0.8)")
+    scale = inputs.cpu_time_scale
+    if scale is not None and not 0 < scale <= MAX_CPU_TIME_SCALE:
+        raise UsageError(f"--cpu-time-scale {scale:g} is not a multiple of the CPU's price; give one above 0 and at "
+                         f"most {MAX_CPU_TIME_SCALE:g} (e.g. the host CPU scale run --bench prints)")
     depth = inputs.prefetch_depth  # bounded by the router's top-k once the checkpoint is read (planner.make.make_plan)
     if depth is not None and not 0 <= depth <= MAX_PREFETCH_DEPTH:
         raise UsageError(f"--prefetch-depth {cut(str(depth))} is not a number of ranks; give one from 0 (no "

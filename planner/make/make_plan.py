@@ -266,7 +266,9 @@ def _with_cpu_experts(experts: ExpertModel | None, inputs: Inputs, profile, layo
     params = tuple(_expert_params(by_index[layer.index], experts.geometry.num_experts)
                    for layer in experts.geometry.layers)
     handoff_us = profile.cpu_experts.handoff_us  # measured by calibrate where a GPU was there
-    return replace(experts, cpu=CpuInputs(cpu=profile.cpu_experts, expert_params=params,
+    cpu = profile.cpu_experts if inputs.cpu_time_scale is None else replace(profile.cpu_experts,
+                                                                          in_step_scale=inputs.cpu_time_scale)
+    return replace(experts, cpu=CpuInputs(cpu=cpu, expert_params=params,
                                           host_limit_bytes=host_limit_bytes,
                                           per_step=inputs.cpu_experts in ("auto", "rows"),
                                           fractional=inputs.cpu_experts == "rows",

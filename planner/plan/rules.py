@@ -11,6 +11,7 @@ from planner.model.expert_placement import decode_gather_bytes
 from planner.plan.experts_section import CPU_EXPERTS_CHOICES, ROUTED_EXPERTS_CHOICES
 from planner.plan.figures import first_disagreeing_figure, is_decode, near
 from planner.plan.schema import NOTHING_FITS, AdaptersSection, Plan, copies_pairs, gathers, routed_rows
+from planner.source.profile import MAX_CPU_TIME_SCALE
 
 
 def first_broken_rule(plan: Plan, *, derived: bool = True) -> str | None:
@@ -48,6 +49,8 @@ def _input_rules(plan: Plan) -> str | None:
         return f"inputs.kv_dtype {shown(inputs.kv_dtype)} is not one of {', '.join(INPUT_KV_DTYPES)}"
     if inputs.prefetch_accuracy is not None and not 0 <= inputs.prefetch_accuracy <= 1:
         return f"inputs.prefetch_accuracy {inputs.prefetch_accuracy:g} is not a share from 0 to 1"
+    if inputs.cpu_time_scale is not None and not 0 < inputs.cpu_time_scale <= MAX_CPU_TIME_SCALE:
+        return f"inputs.cpu_time_scale {inputs.cpu_time_scale:g} is not in (0, {MAX_CPU_TIME_SCALE:g}]"
     if inputs.max_tpot_ms is not None and not 0 < inputs.max_tpot_ms <= MAX_TPOT_MS:
         return f"inputs.max_tpot_ms {inputs.max_tpot_ms:g} is not in (0, {MAX_TPOT_MS:g}]"
     if (inputs.concurrency is None) != (plan.serving is None):

@@ -132,6 +132,10 @@ class Inputs:
                          "count where that waits less), rows (as auto, and one expert split by its rows between the "
                          "CPU and the link where that waits less still; experimental: docs/limitations.md), fixed "
                          "(the CPU's experts fixed ids) or off (fetch every miss)."))
+    cpu_time_scale: float | None = field(default=None, metadata=option(
+        "--cpu-time-scale", "MoE, CPU experts: price each expert the host CPU computes at this many times the "
+                            "profile's rate inside the step, e.g. 1.7 where run --bench counted this host's CPU that "
+                            "much slower than the plan's price (default: 1)."))
     routed_experts: str = field(default="auto", metadata=option(
         "--routed-experts", "MoE: auto (fetch only a step's routed, non-resident experts where that is faster "
                             "than streaming whole layers) or off (every MoE layer resident or streamed whole, as "
@@ -440,7 +444,7 @@ class Plan:
 #: Inputs keys a plan holds only when they are given (their defaults otherwise)
 OPTIONAL_INPUTS = {"adapters": (), "adapter_slots": None, "routing_trace": None, "prefetch_accuracy": None,
                    "prefetch_depth": None,
-                   "tp": 1, "engine": None, "cpu_experts": "auto", "routed_experts": "auto"}
+                   "tp": 1, "engine": None, "cpu_experts": "auto", "cpu_time_scale": None, "routed_experts": "auto"}
 
 
 #: offload keys written only where not these (plans for the prefetch offloader keep their bytes)

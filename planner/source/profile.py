@@ -66,6 +66,8 @@ CPU_EXPERT_DTYPES = ("bf16", "fp32")
 #: file, and the planner divides by the rates
 CPU_EXPERT_BOUNDS = {"threads": (1, 4096), "weight_bytes_per_s": (1e6, 1e14), "flops_per_s": (1e6, 1e17),
                      "overhead_us": (0, 1e6), "hidden_size": (1, 2**20), "intermediate_size": (1, 2**20)}
+#: the largest make --cpu-time-scale: a CPU a hundred times slower than its price computes no expert in time
+MAX_CPU_TIME_SCALE = 100.0
 #: the most token counts a measured table may hold, and the largest count (a prefill chunk's tokens per expert)
 MAX_CPU_TABLE_ROWS = 64
 MAX_CPU_TABLE_TOKENS = 2**20
@@ -102,8 +104,13 @@ class CpuExperts:
     source: str = "measured"
     #: how and where it was measured, for people
     note: str = ""
+    #: a CPU expert's time inside the step as a multiple of its price from the figures above (make
+    #: --cpu-time-scale: run --bench counts the host's own); not a profile key, 1.0 unless a plan's inputs say
+    in_step_scale: float = 1.0
 
     def __post_init__(self):
+        if not 0 < self.in_step_scale <= MAX_CPU_TIME_SCALE:
+            raise ValueError(f"in_step_scale {self.in_step_scale:g} is not in (0, {MAX_CPU_TIME_SCALE:g}]")
         if self.dtype not in CPU_EXPERT_DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(CPU_EXPERT_DTYPES)}, not {shown(self.dtype)}")
         if self.source not in SOURCES:

@@ -117,9 +117,12 @@ def _rate_lines(plan: Plan) -> list[str]:
     fast, slow = (cpu_rate_step_ms(plan, scale) for scale in CPU_RATE_SPREAD)
     if fast is None or slow is None:
         return []
+    scale = plan.inputs.cpu_time_scale
+    priced = ("calibrate's rate" if scale is None
+              else f"{scale:g}x calibrate's rate (--cpu-time-scale), as a host's run --bench counted it")
     return [f"  The host CPU's rate moves the step: at {CPU_RATE_SPREAD[0]:g}x its price "
-            f"{format_ms(fast)}, at {CPU_RATE_SPREAD[1]:g}x {format_ms(slow)} (the prediction takes calibrate's "
-            "rate; inside steps H200 hosts ran their CPU experts at "
+            f"{format_ms(fast)}, at {CPU_RATE_SPREAD[1]:g}x {format_ms(slow)} (the prediction takes {priced}; "
+            "inside steps H200 hosts ran their CPU experts at "
             f"{CPU_RATE_SPREAD[0]:g}-{CPU_RATE_SPREAD[1]:g}x of it from one host and day to the next, which a "
             "calibrate alone does not see: run --bench counts this host's against the plan)."]
 

@@ -77,7 +77,12 @@ def test_a_plan_with_cpu_experts_shows_the_hosts_share_beside_the_plans():
     repriced = RoutedFetches(**{**vars(routed), "cpu": {**routed.cpu, "host_cpu_scale": 1.69,
                                                         "step_ms_at_host_cpu_rate": 11.53}})
     assert "the plan's decode step at this host's CPU rate (1.69x its price;" in _text(repriced)
-    assert "11.53 ms" in _text(repriced)
+    assert "11.53 ms" in _text(repriced) and "--cpu-time-scale" not in _text(repriced)
+    suggested = RoutedFetches(**{**vars(repriced), "cpu": {**repriced.cpu, "cpu_time_scale": 1.69}})
+    text = _text(suggested)
+    assert "make the plan again with --cpu-time-scale 1.69" in text and "--prefetch-accuracy 0.86" in text
+    near = RoutedFetches(**{**vars(suggested), "cpu": {**suggested.cpu, "host_cpu_scale": 1.1}})
+    assert "--cpu-time-scale" not in _text(near)
 
 
 @pytest.mark.parametrize("peak", [None, 9 * 2**30])
