@@ -104,11 +104,12 @@ def _spread_lines(plan: Plan, experts: ExpertsPlan) -> list[str]:
 
 
 #: the host CPU's rate inside the step against its price (calibrate's lone expert x the in-step factor), as run
-#: --bench counted it (the host's ms a step over the plan's CPU ms a step) on H200 hosts: 0.75 (Mixtral-8x7B at
-#: four sequences) and 0.84 (Qwen3-30B-A3B at one) on 2026-11-29's first host, 1.12 and 1.65 (Qwen3 at four and
-#: one) and 1.50 (DeepSeek-V2-Lite) on its second, whose calibrate read the same lone rate; one DeepSeek-V2-Lite
-#: arm 4.7 (benchmarks/2026-11-29-router-ties-h200.md, 2026-11-29-conformance-rerun-h200.md)
-CPU_RATE_SPREAD = (0.75, 1.65)
+#: --bench counts it (the host's own ms a step in its expert kernel over the plan's CPU ms less the handoffs:
+#: planner.search.routed_step.host_cpu_scale) on H200 hosts: 0.75 (Mixtral-8x7B at four sequences) and 0.86
+#: (Qwen3-30B-A3B at one) on 2026-11-29's first host; 1.13 and 1.69 (Qwen3 at four and one) and 1.56
+#: (DeepSeek-V2-Lite) on its second, whose calibrate read the same lone rate; one DeepSeek-V2-Lite arm 4.9
+#: (benchmarks/2026-11-29-router-ties-h200.md, 2026-11-29-conformance-rerun-h200.md)
+CPU_RATE_SPREAD = (0.75, 1.69)
 
 
 def _rate_lines(plan: Plan) -> list[str]:
