@@ -16,6 +16,8 @@ weights written for the full model). Per sequence count S, one plan each, all gr
 - ``fetch``: the same with ``--cpu-experts off`` (routed experts, every miss fetched);
 - ``whole``: the same with ``--routed-experts off`` (whole layers, no routed experts; before 2026-11-28 late,
   ``--for vllm``, which vLLM's unwired families refuse);
+- ``host`` (after ``choice``): the choice made again with ``--cpu-time-scale`` at the scale ``choice``'s run
+  counted for this host's CPU (``run --bench``'s suggestion), where that run had CPU experts;
 
 then ``run --bench --json`` (ms per step against the plan's prediction) and ``run --prompt`` (64 greedy tokens,
 compared with the all-resident plan's; scripts/conformance.run_plan); with ``--logits``, every routed arm
@@ -49,7 +51,10 @@ NEW_TOKENS = 64
 #: make's flags per arm: its choice; the per-step split with one expert split by its rows too (--cpu-experts rows);
 #: fixed CPU ids; fetch-only; whole layers
 ARMS = {"choice": [], "rows": ["--cpu-experts", "rows"], "fixed": ["--cpu-experts", "fixed"],
-        "fetch": ["--cpu-experts", "off"], "whole": ["--routed-experts", "off"]}
+        "fetch": ["--cpu-experts", "off"], "whole": ["--routed-experts", "off"], "host": []}
+#: the arm made again for the host's CPU: the choice with --cpu-time-scale at the scale the choice arm's run counted
+#: (run --bench --json's routed.cpu.cpu_time_scale), so listed after "choice"
+HOST_ARM = "host"
 
 
 def bytes_split(config: dict) -> tuple[int, int]:
@@ -144,6 +149,16 @@ def rebench(group: list[dict], extra: int) -> None:
     gpu_clean()
 
 
+def host_cpu_time_scale(rows: list[dict], model: str, sequences: int) -> float | None:
+    """The make --cpu-time-scale the choice arm's run counted for its host's CPU (None: no such run, or no CPU
+    experts in it)."""
+    for row in rows:
+        if (row["model"], row["sequences"], row["arm"]) == (model, sequences, "choice"):
+            cpu = ((row.get("bench") or {}).get("routed") or {}).get("cpu") or {}
+            return cpu.get("cpu_time_scale")
+    return None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["qwen3-moe:8:24"])
@@ -200,8 +215,16 @@ def main() -> int:
             for arm in args.arms:
                 path = work / f"{arm}-{sequences}.yaml"
                 row = {"model": name, "layers": int(layers), "budget_bytes": budget, "sequences": sequences,
-                       "arm": arm, "plan_path": str(path),
-                       "make": plan(folder, profile, sequences, budget, ARMS[arm] + flags, path)}
+                       "arm": arm, "plan_path": str(path)}
+                arm_flags = ARMS[arm]
+                if arm == HOST_ARM:
+                    scale = host_cpu_time_scale(rows, name, sequences)
+                    if scale is None:
+                        rows.append(row | {"make": {"exit": None, "error": "no choice arm with CPU experts ran "
+                                                                            "before it at this sequence count"}})
+                        continue
+                    arm_flags, row["cpu_time_scale"] = ["--cpu-time-scale", f"{scale:g}"], scale
+                row["make"] = plan(folder, profile, sequences, budget, arm_flags + flags, path)
                 if row["make"]["exit"] == 0:
                     row |= plan_facts(path) | run_plan(path, NEW_TOKENS)
                     row["tokens_equal"] = row.get("text") is not None and row["text"] == reference_row.get("text")
@@ -274,7 +297,8 @@ def table(rows: list[dict], link_bytes_per_s: float | None = None) -> str:
             lines.append(f"| {model} | {sequences} | {row['arm']} | {fmt(measured)}{spread} | {fmt(predicted)} | "
                          f"{error} | {on_cpu} | {row.get('tokens_equal', '-')} |")
         valid = [ms for ms in steps.values() if ms]
-        for arm, label in (("fetch", "fetch-only"), ("fixed", "fixed CPU ids")):
+        for arm, label in (("fetch", "fetch-only"), ("fixed", "fixed CPU ids"),
+                           (HOST_ARM, "made again for the host's CPU")):
             if steps.get("choice") and steps.get(arm):
                 lines.append(f"| {model} | {sequences} | choice / {label} speed | "
                              f"{steps[arm] / steps['choice']:.3f}x | | | | |")

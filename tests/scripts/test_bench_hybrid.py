@@ -76,3 +76,20 @@ def test_the_table_sets_both_arms_against_the_fetch_only_floor():
     assert "| m | 1 | fetch-only over the floor (floor / step) | 0.750 |" in table
     assert "| m | 1 | choice over the floor (floor / step; above 1: under the floor) | 1.125 |" in table
     assert "floor" not in bench_hybrid.table(rows)
+
+
+def test_the_host_arm_takes_the_scale_the_choice_arms_run_counted():
+    """The ``host`` arm is the choice made again with --cpu-time-scale at the scale run --bench counted for the
+    choice arm's CPU at the same sequence count; none where that run had no CPU experts; the table prices the
+    choice against it."""
+    choice = _row("choice", 11.6, 8.7)
+    choice["bench"]["routed"] = {"cpu": {"pairs_per_step": 16.6, "host_ms_per_step": 8.46,
+                                         "planned_cpu_ms_per_step": 5.12, "cpu_time_scale": 1.69}}
+    fetch = _row("fetch", 12.8, 11.7)
+    assert bench_hybrid.host_cpu_time_scale([choice, fetch], "m", 1) == 1.69
+    assert bench_hybrid.host_cpu_time_scale([choice, fetch], "m", 4) is None
+    assert bench_hybrid.host_cpu_time_scale([fetch], "m", 1) is None
+    assert bench_hybrid.ARMS["host"] == [] and list(bench_hybrid.ARMS).index("host") > list(bench_hybrid.ARMS).index(
+        "choice")
+    table = bench_hybrid.table([choice, fetch, _row("host", 9.8, 9.78)])
+    assert "| m | 1 | choice / made again for the host's CPU speed | 0.845x |" in table
