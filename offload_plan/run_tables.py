@@ -98,9 +98,13 @@ def _add_routed_rows(table: Table, routed) -> None:
         return
     table.add_row("next-layer prediction right (mean over ranks)", f"{measured:.1%}", f"{planned:.1%}",
                   f"{measured / planned:.2f}" if planned else "")
-    table.caption = " ".join(filter(None, (
-        table.caption, f"this run's routing: make the plan again with --prefetch-accuracy {measured:.2f} to price it "
-                       "(or record a trace of your prompts: offload-plan trace, then make --routing-trace)")))
+    _add_caption(table, f"this run's routing: make the plan again with --prefetch-accuracy {measured:.2f} to price "
+                        "it (or record a trace of your prompts: offload-plan trace, then make --routing-trace)")
+
+
+def _add_caption(table: Table, text: str) -> None:
+    """``text`` after what the table's caption already says (a routed plan's CPU and routing each add one)."""
+    table.caption = f"{table.caption} {text}" if table.caption else text
 
 
 #: run --bench suggests make --cpu-time-scale where the host's CPU ran further than this from its price (a margin
@@ -124,10 +128,9 @@ def _add_cpu_row(table: Table, cpu: dict | None) -> None:
         table.add_row(f"the plan's decode step at this host's CPU rate ({cpu['host_cpu_scale']:.2f}x its price; "
                       "the prediction's error beyond it is not the CPU's)", "", format_ms(repriced), "")
         if abs(cpu["host_cpu_scale"] - 1) > CPU_SCALE_TOLERANCE and cpu.get("cpu_time_scale"):
-            table.caption = " ".join(filter(None, (
-                table.caption, f"this host's CPU computed its experts at {cpu['host_cpu_scale']:.2f}x the plan's "
-                               f"price: make the plan again with --cpu-time-scale {cpu['cpu_time_scale']:g} to "
-                               "split the steps for it")))
+            _add_caption(table, f"this host's CPU computed its experts at {cpu['host_cpu_scale']:.2f}x the plan's "
+                                f"price: make the plan again with --cpu-time-scale {cpu['cpu_time_scale']:g} to "
+                                "split the steps for it")
 
 
 def cpu_experts_text(cpu: dict) -> str:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from scripts.conformance import (CAP_SHARES, GiB, MODELS, SERVING_CONTEXT, ensure_checkpoint, exits_ok, mib,
-                                 prediction_errors)
+                                 verdicts)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -78,6 +78,11 @@ def parser() -> argparse.ArgumentParser:
     return args
 
 
+def _with_repo_path() -> dict:
+    """This process's environment with the repository first on PYTHONPATH (the subprocesses run it from the tree)."""
+    return dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
 def checkpoint_folder(name: str, root: Path, dry_run: bool) -> Path:
     """The model's checkpoint (scripts/conformance.py's), written by a subprocess on the GPU (--dry-run: header
     only, here): this process holds no CUDA context or cached blocks, which the ranks' probes would count as
@@ -86,9 +91,8 @@ def checkpoint_folder(name: str, root: Path, dry_run: bool) -> Path:
         return ensure_checkpoint(MODELS[name], root, tiny=False, device="cpu", header_only=True)[0]
     code = ("import sys; from pathlib import Path; from scripts.conformance import MODELS, ensure_checkpoint; "
             "print(ensure_checkpoint(MODELS[sys.argv[1]], Path(sys.argv[2]), tiny=False, device='cuda')[0])")
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    done = subprocess.run([sys.executable, "-c", code, name, str(root)], capture_output=True, text=True, env=env,
-                          check=True)
+    done = subprocess.run([sys.executable, "-c", code, name, str(root)], capture_output=True, text=True,
+                          env=_with_repo_path(), check=True)
     return Path(done.stdout.strip().splitlines()[-1])
 
 
@@ -121,11 +125,10 @@ def command(args: list, torchrun: int = 0, timeout_s: float = 600) -> dict:
     seconds."""
     prefix = [sys.executable, "-m"] + (["torch.distributed.run", "--nproc-per-node", str(torchrun), "-m"]
                                        if torchrun else [])
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     start = time.perf_counter()
     try:
-        done = subprocess.run(prefix + ["offload_plan", *map(str, args)], capture_output=True, text=True, env=env,
-                              timeout=timeout_s)
+        done = subprocess.run(prefix + ["offload_plan", *map(str, args)], capture_output=True, text=True,
+                              env=_with_repo_path(), timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return {"code": 124, "error": f"timed out after {timeout_s:.0f} s", "stdout": "", "s": timeout_s}
     lines = [line.strip() for line in done.stderr.splitlines() if line.strip()]
@@ -156,16 +159,13 @@ def ranks_of(stdout: str) -> list[dict] | None:
 
 
 def rank_verdicts(arm: TpArm, cap_bytes: int, rank: dict) -> dict:
-    """One rank's memory and time against its plan."""
-    peak, predicted = rank.get("peak_gpu_bytes"), rank.get("predicted_total_gpu_bytes")
-    errors = prediction_errors(rank)
-    limit = 0.10 if arm.measure else 0.25
-    return {"rank": rank.get("rank"), "peak_over_cap": peak / cap_bytes if peak else None,
-            "peak_over_predicted": peak / predicted if peak and predicted else None,
-            "errors": {name: round(error, 4) for name, error in errors.items()},
-            "peak_le_cap": bool(peak) and peak <= cap_bytes,
-            "peak_ge_0.9_predicted": bool(peak and predicted) and peak >= 0.9 * predicted,
-            "error_within": bool(errors) and all(abs(error) <= limit for error in errors.values())}
+    """One rank's memory and time against its plan: scripts/conformance.py's verdicts on the rank's figures."""
+    row = {"bench": rank, "plan": {"memory": {"gpu_memory_bytes": cap_bytes}}, "exit": {}, "errors": {}}
+    judged = verdicts(arm, row, None)
+    return {"rank": rank.get("rank"), "peak_over_cap": row["peak_over_cap"],
+            "peak_over_predicted": row["peak_over_predicted"],
+            "errors": {name: round(error, 4) for name, error in row["prediction_errors"].items()},
+            **{key: judged[key] for key in ("peak_le_cap", "peak_ge_0.9_predicted", "error_within")}}
 
 
 def run_arm(arm: TpArm, folder: Path, caps: dict, args, out: Path) -> dict:

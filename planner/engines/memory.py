@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from planner.engines.read_at_use import READ_AT_USE
 from planner.plan.schema import Plan
-from planner.search.serving import DECODE_ROOM_TOKENS, NCCL_BYTES_PER_RANK
+from planner.search.serving import DECODE_ROOM_TOKENS, nccl_bytes_or_default
 from planner.units import format_bytes
 
 #: vLLM's KV cache block in tokens where the caller gives none (CacheConfig's default)
@@ -76,8 +76,8 @@ def startup_bytes(plan: Plan, tp_size: int) -> int:
     """What exists before the engines' start-up snapshot: the plan's CUDA context figure, and NCCL's buffers (the
     plan's measured figure, else NCCL_BYTES_PER_RANK), which a make --tp plan's context figure already holds
     (planner.model.memory_accounting.other_bytes)."""
-    nccl_bytes = NCCL_BYTES_PER_RANK if plan.hardware.nccl_bytes is None else plan.hardware.nccl_bytes
-    return plan.memory.cuda_context_bytes + (nccl_bytes if tp_size > 1 and plan.inputs.tp == 1 else 0)
+    nccl_bytes = nccl_bytes_or_default(plan.hardware.nccl_bytes) if tp_size > 1 and plan.inputs.tp == 1 else 0
+    return plan.memory.cuda_context_bytes + nccl_bytes
 
 
 def vllm_memory(plan: Plan, tp_size: int, divisor: int | None = None,

@@ -11,8 +11,8 @@ from planner.make.inputs import workload_of
 from planner.make.model_record import Model
 from planner.plan.schema import Inputs
 from planner.search.groups import Choice
-from planner.search.serving import (CUDA_CONTEXT_BYTES, DECODE_ROOM_TOKENS, NCCL_BYTES_PER_RANK,
-                                    PINNED_PAGE_TABLE_SHARE, RUNTIME_ALLOCATOR_BYTES, OtherBytes)
+from planner.search.serving import (CUDA_CONTEXT_BYTES, DECODE_ROOM_TOKENS, PINNED_PAGE_TABLE_SHARE,
+                                    RUNTIME_ALLOCATOR_BYTES, OtherBytes, nccl_bytes_or_default)
 from planner.units import format_bytes
 
 #: a captured decode step's pool over its activation peak (planner.model.activations, per layer: the step's tensors
@@ -122,8 +122,7 @@ def outside_allocator_bytes(model: Model) -> int:
 def nccl_bytes_per_rank(model: Model) -> int:
     """What NCCL holds outside torch's allocator on a tensor-parallel rank: measured_nccl_bytes, else
     NCCL_BYTES_PER_RANK (measured on two H200s by scripts/experiments/nccl_memory.py)."""
-    measured = measured_nccl_bytes(model)
-    return NCCL_BYTES_PER_RANK if measured is None else measured
+    return nccl_bytes_or_default(measured_nccl_bytes(model))
 
 
 def measured_nccl_bytes(model: Model) -> int | None:

@@ -32,6 +32,12 @@ PINNED_PAGE_TABLE_SHARE = 1 / 512
 #: is part of it). A make --tp plan's context figure holds it, and the engines' exports count it before their
 #: start-up snapshot. A single GPU creates no communicator
 NCCL_BYTES_PER_RANK = 842 * 2**20
+
+
+def nccl_bytes_or_default(measured_bytes: int | None) -> int:
+    """NCCL's buffers on a rank: the measured figure (a plan's hardware.nccl_bytes, a profile's or make --measure's),
+    else NCCL_BYTES_PER_RANK."""
+    return NCCL_BYTES_PER_RANK if measured_bytes is None else measured_bytes
 #: what the allocator holds in a serving process beyond the planned tensors, booked with the activations: the cuBLAS
 #: and cuBLASLt workspaces of the streams that run products (118-119 MiB allocated beyond the weights and KV cache
 #: after loading, in every arm) and the rounding of a step's transient blocks into the allocator's segments (a

@@ -442,7 +442,7 @@ def with_measured_context(profile: HardwareProfile, context_bytes: int | None,
     try:
         return replace(profile, **changes) if changes else profile
     except ValueError as error:
-        raise ProfileError(f"the measured CUDA context figure: {error}") from None
+        raise ProfileError(f"a measured figure (CUDA context or NCCL): {error}") from None
 
 
 def profile_to_dict(profile: HardwareProfile) -> dict:

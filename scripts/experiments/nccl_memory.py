@@ -1,5 +1,5 @@
 """GPU memory NCCL holds outside PyTorch's allocator on each rank, phase by phase (question: how much a TP rank's
-plan must set aside for it; the engines' export counts planner.engines.memory.NCCL_BYTES_PER_RANK).
+plan must set aside for it; the engines' export counts planner.search.serving.NCCL_BYTES_PER_RANK).
 
     PYTHONPATH=. torchrun --nproc-per-node 2 scripts/experiments/nccl_memory.py
 
