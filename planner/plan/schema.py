@@ -207,8 +207,7 @@ class HardwareSection:
         for key in ("fp8_flops_per_s", "host_memory_bytes"):
             if getattr(self, key) is not None and not getattr(self, key) > 0:
                 raise ValueError(f"hardware.{key} must be positive (or null)")
-        if self.nccl_bytes is not None and self.nccl_bytes < 0:
-            raise ValueError("hardware.nccl_bytes must not be negative (or null)")
+
         for key in ("trigger", "compute_efficiency"):
             if not 0 < getattr(self, key) <= 1:
                 raise ValueError(f"hardware.{key} must be a share in (0, 1]")

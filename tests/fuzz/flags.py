@@ -30,6 +30,8 @@ MAKE_FLAGS = {
     # the base model is dense: any prefetch depth is refused (it is for routed experts)
     "--prefetch-depth": (("0", "2", "-1", "9" * 30, "x"), ("0", "2", "-1", "9" * 30, "x")),
     "--cpu-experts": (("auto", "off", "maybe", "", "a\nb"), ("maybe", "", "a\nb")),
+    "--cpu-time-scale": (("1.7", "0", "-1", "101", "nan", "inf", "x", "1e400"),
+                         ("0", "-1", "101", "nan", "inf", "x", "1e400")),
     "--routed-experts": (("auto", "off", "never", "", "a\nb"), ("never", "", "a\nb")),
 }
 OUTPUTS = ((GUARD_NAME, False), ("missing/plan.yaml", True), ("ckpt", True), ("out.yaml/plan.yaml", True),

@@ -50,6 +50,17 @@ def _may_be_null(path: tuple) -> bool:
     return path[-1] in PLAN_OPTIONAL or (path[0] == "serving" and path[-1] in SERVING_OPTIONAL)
 
 
+#: (section, key, value, invalid) for keys a plan holds only when given or measured (absent from the base plans):
+#: NCCL's measured bytes (whole, not negative, within a plan's numbers) and make --cpu-time-scale (0 < x <= 100)
+WRITTEN_WHEN_GIVEN = (("hardware", "nccl_bytes", 0, False), ("hardware", "nccl_bytes", 842 * 2**20, False),
+                      ("hardware", "nccl_bytes", None, False), ("hardware", "nccl_bytes", -1, True),
+                      ("hardware", "nccl_bytes", 2**70, True), ("hardware", "nccl_bytes", "x", True),
+                      ("hardware", "nccl_bytes", 1.5, True), ("inputs", "cpu_time_scale", 1.7, False),
+                      ("inputs", "cpu_time_scale", None, False), ("inputs", "cpu_time_scale", 0.0, True),
+                      ("inputs", "cpu_time_scale", -1.0, True), ("inputs", "cpu_time_scale", 101.0, True),
+                      ("inputs", "cpu_time_scale", "x", True), ("inputs", "cpu_time_scale", float("nan"), True))
+
+
 #: optional plan fields that hold text when not null
 PLAN_OPTIONAL_TEXT = {"revision", "budget", "stack", "measured_on", "host_memory", "architecture", "concurrency",
                       "gpu_memory"}
@@ -83,7 +94,8 @@ def gen_plans(rng, base_: Base) -> Case:
     text = base_.plan_text_of(which)
     plan = base_.plan_copy(which)
     kind = rng.choice(("field", "field", "field", "field", "offload_layers", "delete", "add", "rows", "alias_bomb",
-                       "deep", "huge_int", "big_file", "tag", "duplicate", "utf8", "not_mapping", "alias", "schema"))
+                       "deep", "huge_int", "big_file", "tag", "duplicate", "utf8", "not_mapping", "alias", "schema",
+                       "written_when_given"))
     invalid, raw = True, None
     if kind == "field":
         path = rng.choice(_plan_paths(plan))
@@ -106,6 +118,10 @@ def gen_plans(rng, base_: Base) -> Case:
         target = _get(plan, rng.choice(_plan_paths(plan))[:-1])
         target["surprise"] = 1
         target[rng.choice((5, 1.5, True, None))] = 1  # YAML keys need not be strings
+    elif kind == "written_when_given":
+        section, key, value, invalid = rng.choice(WRITTEN_WHEN_GIVEN)
+        plan[section][key] = value
+        kind = f"written_when_given:{section}.{key}={value!r}"
     elif kind == "rows":
         rows = plan["layers"]
         change = rng.choice(("drop", "swap", "append", "index"))

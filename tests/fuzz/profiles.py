@@ -8,12 +8,15 @@ from tests.fuzz.core import (Base, Case, DEEP_LEVELS, HUGE_INT, JUNK, make_case)
 
 
 PROFILE_FIGURES = ("gpu_memory_bytes", "hbm_bytes_per_s", "bf16_flops_per_s", "fp8_flops_per_s", "h2d_bytes_per_s",
-                   "copy_overhead_us", "trigger", "reserve_bytes", "compute_efficiency", "host_memory_bytes")
+                   "copy_overhead_us", "trigger", "reserve_bytes", "compute_efficiency", "host_memory_bytes",
+                   "nccl_bytes")
+#: the figures a profile may leave out (or set null)
+OPTIONAL_FIGURES = ("fp8_flops_per_s", "host_memory_bytes", "cuda_context_bytes", "nccl_bytes")
 #: (lowest, highest) plausible value of each figure; lowest is exclusive where zero makes no sense
 PROFILE_RANGES = {"gpu_memory_bytes": (0, 2**50), "hbm_bytes_per_s": (0, 1e16), "bf16_flops_per_s": (0, 1e19),
                   "fp8_flops_per_s": (0, 1e19), "h2d_bytes_per_s": (0, 1e14), "copy_overhead_us": (-1, 1e6),
                   "trigger": (0, 1), "reserve_bytes": (-1, 2**50), "compute_efficiency": (0, 1),
-                  "host_memory_bytes": (0, 2**60)}
+                  "host_memory_bytes": (0, 2**60), "nccl_bytes": (-1, 2**50)}
 
 
 def _figure_invalid(key: str, value, profile: dict) -> bool:
@@ -86,7 +89,7 @@ def gen_profiles(rng, base_: Base) -> Case:
                             profile[key]["value"] * 2))
         profile[key]["value"] = value
         invalid = _figure_invalid(key, value, profile)
-        if value is None and key in ("fp8_flops_per_s", "host_memory_bytes", "cuda_context_bytes"):
+        if value is None and key in OPTIONAL_FIGURES:
             invalid = True
         kind = f"value:{key}"
     elif kind == "source":
@@ -102,8 +105,7 @@ def gen_profiles(rng, base_: Base) -> Case:
     elif kind == "delete":
         key = rng.choice(sorted(profile))
         del profile[key]
-        invalid = key not in ("fp8_flops_per_s", "host_memory_bytes", "cuda_context_bytes", "description",
-                              "cpu_experts", "layer_floor")
+        invalid = key not in (*OPTIONAL_FIGURES, "description", "cpu_experts", "layer_floor")
     elif kind == "add":
         profile[rng.choice(("surprise", "name\n"))] = 1
         profile[rng.choice((5, 1.5, True, None))] = 1  # YAML keys need not be strings
@@ -114,7 +116,7 @@ def gen_profiles(rng, base_: Base) -> Case:
     elif kind == "figure_junk":
         key = rng.choice(PROFILE_FIGURES)
         profile[key] = rng.choice((5, "x", [], None, {"value": 1}, {"source": "assumed"}))
-        invalid = not (profile[key] is None and key in ("fp8_flops_per_s", "host_memory_bytes", "cuda_context_bytes"))
+        invalid = not (profile[key] is None and key in OPTIONAL_FIGURES)
     elif kind == "alias_bomb":
         levels = rng.choice((9, 12, 20))
         lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
