@@ -127,10 +127,26 @@ def _add_cpu_row(table: Table, cpu: dict | None) -> None:
     if repriced is not None:
         table.add_row(f"the plan's decode step at this host's CPU rate ({cpu['host_cpu_scale']:.2f}x its price; "
                       "the prediction's error beyond it is not the CPU's)", "", format_ms(repriced), "")
+        resplit_ms = cpu.get("step_ms_resplit_at_host_cpu_rate")
+        if resplit_ms is not None:
+            table.add_row("  with its CPU tables made again at that rate (run re-splits the steps)", "",
+                          format_ms(resplit_ms), "")
+        _add_resplit_caption(table, cpu.get("resplit"))
         if abs(cpu["host_cpu_scale"] - 1) > CPU_SCALE_TOLERANCE and cpu.get("cpu_time_scale"):
             _add_caption(table, f"this host's CPU computed its experts at {cpu['host_cpu_scale']:.2f}x the plan's "
                                 f"price: make the plan again with --cpu-time-scale {cpu['cpu_time_scale']:g} to "
                                 "split the steps for it")
+
+
+def _add_resplit_caption(table: Table, resplit: dict | None) -> None:
+    """Where run re-split the plan's per-step CPU tables at the host's rate (runtime.cpu_resplit): at what scale, and
+    the layers changed."""
+    if not resplit or not resplit["events"]:
+        return
+    last = resplit["events"][-1]
+    _add_caption(table, f"run re-split the CPU's share of each step's misses {len(resplit['events'])} time(s), last "
+                        f"at {last['scale']:.2f}x the plan's price of a CPU expert ({len(last['changed_layers'])} "
+                        "layers' tables changed; OFFLOAD_PLAN_CPU_RESPLIT=off keeps the plan's).")
 
 
 def cpu_experts_text(cpu: dict) -> str:

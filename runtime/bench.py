@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from planner.errors import UsageError
+from runtime.cpu_resplit import settle
 from runtime.load import Loaded
 from runtime.routed_fetches import RoutedFetches, routed_fetches, start_counting
 from runtime.timing import forward_step, model_device, random_ids, step_figure, time_steps, timed_step_count
@@ -151,6 +152,7 @@ def run_decode_bench(loaded: Loaded, num_steps: int, cuda_graph: bool,
         loop.capture()
     else:
         loop.warm_up()
+    settle(loop)  # a plan whose CPU tables follow the host's rate: set before the timed steps
     loop.timed_steps(NUM_WARMUP_STEPS)
     engine.take_stats()
     earlier_reserved_bytes = torch.cuda.max_memory_reserved(device)

@@ -444,6 +444,22 @@ class CpuExperts:
         counts["callback_ms_per_call"] = 1e3 * counts["callback_s"] / counts["calls"] if counts["calls"] else 0.0
         return counts
 
+    def work_by_layer(self) -> dict[int | None, tuple[int, float]]:
+        """Routed layer index -> (CPU experts computed, seconds in the host step) since the last reset, after the steps
+        already queued have run (``wait``: the host queues captured steps far ahead of the GPU, so counters read
+        without it lag the steps the caller counted); the Python host function counts every layer together, under
+        None."""
+        self.wait()
+        work: dict[int | None, tuple[int, float]] = {}
+        for (index, _, _), node in self._host_nodes.items():
+            if isinstance(node, HostStep):
+                counts = node.counters()
+                experts, seconds = work.get(index, (0, 0.0))
+                work[index] = (experts + counts["experts_cpu"], seconds + counts["callback_s"])
+        if self.counters.calls:
+            work[None] = (self.counters.experts_cpu, self.counters.callback_s)
+        return work
+
     def reset(self) -> None:
         self.wait()
         self.counters = CpuCounters()

@@ -203,6 +203,8 @@ class DecodeLoop:
         #: capture
         self.warmup_s = self.compile_s = self.capture_s = 0.0
         self.compiled = compile_backend is not None
+        #: the routed experts' CPU re-splitter (runtime.cpu_resplit), told of every call's steps; None: none
+        self.resplit = getattr(getattr(engine, "routed_experts", None), "resplit", None)
 
     def prefill(self, prompt_ids: torch.Tensor) -> None:
         """Fill the cache with ``prompt_ids`` [batch, tokens] in chunks; the next ids are the last argmax."""
@@ -379,6 +381,8 @@ class DecodeLoop:
         else:
             with torch.inference_mode():
                 self._steps()
+        if self.resplit is not None:
+            self.resplit.observe(self.steps_per_call)
 
     def _reserve(self, num_tokens: int) -> None:
         if self.free_tokens < num_tokens:

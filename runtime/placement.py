@@ -16,6 +16,7 @@ from planner.search.schedule import PrefetchSchedule
 from planner.units import format_bytes
 from runtime.allocation import alloc_device_or_fail, host_allocation_or_fail
 from runtime.checkpoint_reader import Destination
+from runtime.cpu_resplit import resplitter_for
 from runtime.engine import (OffloadEngine, PackedParam, host_offsets, host_pieces, offloaded_layouts, pack_layout,
                             packed_bytes, view_as_param)
 from runtime.params import local_bytes, local_shape, local_tensor
@@ -169,6 +170,8 @@ def finish_placement(model: nn.Module, plan: Plan, placement: Placement, backend
     if placement.routed is not None:
         placement.routed.start()
         engine.routed_experts = placement.routed
+        # the per-step CPU tables follow the host's measured rate (runtime.cpu_resplit): DecodeLoop reports steps
+        placement.routed.resplit = resplitter_for(plan, placement.routed)
     return engine
 
 

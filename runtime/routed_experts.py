@@ -154,6 +154,9 @@ class RoutedExperts:
             if self.cpu_rows else {}
         #: the CPU side (runtime.cpu_handoff.CpuExperts), made by start where some layer has CPU experts
         self.cpu_experts: CpuExperts | None = None
+        #: what re-splits the per-step tables at the host's measured rate (runtime.cpu_resplit.CpuResplitter), set by
+        #: the placement of a plan that has such tables; None: the tables stay as given
+        self.resplit = None
         self.row_bytes = {name: math.prod(shape) * dtype.itemsize for name, (dtype, shape) in self.rows.items()}
         self.expert_bytes = sum(self.row_bytes.values())
         self._unpin = lambda: None
@@ -319,16 +322,44 @@ class RoutedExperts:
             _route(modules[index], self, index)
 
     def _split(self, index: int) -> CpuSplit | None:
-        """Layer ``index``'s per-step split on the device (None: fixed CPU ids, or none)."""
+        """Layer ``index``'s per-step split on the device (None: fixed CPU ids, or none). The tables hold an entry for
+        every miss count a step can have (0 to E, the plan's last entry repeated past its end, as the fetch plan reads
+        it), so that set_cpu_take can write a table of any length in place, between replays of a captured step."""
         if index not in self.cpu_take:
             return None
         eligible = torch.zeros(self.num_experts, dtype=torch.int64)
         eligible[list(self.cpu[index])] = 1
-        rows = self.cpu_rows.get(index)
+        whole, rows = self._take_rows(index, self.cpu_take[index])
         return CpuSplit(eligible=eligible.to(self.device), zero_row=self.zero_row,
-                        take=torch.tensor([round(j - fraction_of(j)) for j in self.cpu_take[index]], dtype=torch.int64,
-                                          device=self.device),
-                        rows=None if rows is None else torch.tensor(rows, dtype=torch.int64, device=self.device))
+                        take=whole.to(self.device), rows=None if index not in self.cpu_rows else rows.to(self.device))
+
+    def _take_rows(self, index: int, take: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """([E + 1] whole experts, [E + 1] intermediate rows of one more) of the table ``take`` on the host, its last
+        entry repeated to the end."""
+        padded = list(take) + [take[-1]] * (self.num_experts + 1 - len(take))
+        whole = torch.tensor([round(j - fraction_of(j)) for j in padded], dtype=torch.int64)
+        return whole, torch.tensor([part_rows(j, self.intermediate) for j in padded], dtype=torch.int64)
+
+    def set_cpu_take(self, tables: dict[int, tuple[float, ...]]) -> None:
+        """Split each step's misses of the per-step layers in ``tables`` (layer index -> j(m)) by those tables from
+        the next step on: the device tables are written in place on the current stream (ordered after the steps
+        already queued), so a captured step reads them at its next replay. Only layers that split per step, and
+        fractions only where the layer's plan already splits an expert by its rows (its buffers exist); raises
+        PlanError otherwise."""
+        check_cpu_take(tables, self.cpu)
+        for index, take in tables.items():
+            split = self.tables[index].cpu_split if index in self.tables else None
+            if split is None or not take:
+                raise PlanError(f"routed layer {index} does not split its misses with the CPU per step; its table "
+                                "cannot be changed")
+            if index not in self.cpu_rows and any(fraction_of(j) for j in take):
+                raise PlanError(f"routed layer {index} computes whole experts on the CPU; its table cannot take a "
+                                "fraction of one")
+            whole, rows = self._take_rows(index, tuple(float(j) for j in take))
+            split.take.copy_(whole)
+            if split.rows is not None:
+                split.rows.copy_(rows)
+            self.cpu_take[index] = tuple(float(j) for j in take)
 
     def _start_prefetch(self) -> None:
         """A predictor per routed layer whose next routed layer's router can be called on its router input;

@@ -61,6 +61,8 @@ def start_counting(loaded) -> None:
     if routed is not None:
         torch.cuda.synchronize(routed.device)
         routed.reset_counters()
+        if routed.resplit is not None:  # its windows count from the reset counters
+            routed.resplit.restart()
 
 
 def routed_fetches(loaded, num_steps: int) -> RoutedFetches | None:
@@ -84,33 +86,48 @@ def routed_fetches(loaded, num_steps: int) -> RoutedFetches | None:
 def _cpu_per_step(routed, plan, num_steps: int) -> dict | None:
     """The CPU side's counters over the timed steps, per step, beside the plan's expected CPU ms a step and its
     expected CPU experts a step (distinct experts per layer step, summed: what the plan's CPU time is priced on;
-    None for a plan written without cpu_ms_per_expert), and the step re-timed at the host's rate
-    (at_host_cpu_rate)."""
+    None for a plan written without cpu_ms_per_expert), the step re-timed at the host's rate (at_host_cpu_rate),
+    and where run re-split the tables at that rate, how (``resplit``)."""
     stats = routed.cpu_stats()
     if not stats:
         return None
     planned = plan.experts.cpu
-    host_ms = 1e3 * stats["callback_s"] / num_steps
+    host_ms, experts = 1e3 * stats["callback_s"] / num_steps, stats["experts_cpu"] / num_steps
+    resplit = getattr(routed, "resplit", None)
     return {"handoff": routed.cpu_experts.handoff, "pairs_per_step": stats["pairs_cpu"] / num_steps,
-            "experts_per_step": stats["experts_cpu"] / num_steps,
-            "pairs_share": stats["pairs_share"], "host_ms_per_step": host_ms,
+            "experts_per_step": experts, "pairs_share": stats["pairs_share"], "host_ms_per_step": host_ms,
             "planned_cpu_ms_per_step": planned.cpu_ms_per_step if planned is not None else None,
-            "planned_experts_per_step": planned_cpu_experts(plan), **at_host_cpu_rate(plan, host_ms)}
+            "planned_experts_per_step": planned_cpu_experts(plan),
+            **at_host_cpu_rate(plan, host_ms, experts, resplit is not None),
+            **({"resplit": resplit_record(resplit)} if resplit is not None else {})}
 
 
-def at_host_cpu_rate(plan, host_ms_per_step: float) -> dict:
-    """The host CPU's measured rate over the plan's price (planner.search.routed_step.host_cpu_scale), the plan's
-    decode step re-timed at it, the tables as planned (cpu_rate_step_ms): what of a step's error the host's CPU
-    explains, and the make --cpu-time-scale that prices this host's rate. {} where these cannot be had."""
+def at_host_cpu_rate(plan, host_ms_per_step: float, experts_per_step: float | None = None,
+                     resplit: bool = False) -> dict:
+    """The host CPU's measured rate over the plan's price (planner.search.routed_step.host_cpu_scale, per expert
+    computed where ``experts_per_step`` is counted), the plan's decode step re-timed at it with its tables as planned
+    (cpu_rate_step_ms), and with ``resplit`` (run re-splits the steps: runtime.cpu_resplit) with the tables made
+    again at it (planner.search.cpu_resplit): what of a step's error the host's CPU explains, and the make
+    --cpu-time-scale that prices this host's rate. {} where these cannot be had."""
+    from planner.search.cpu_resplit import resplit_at_scale
     from planner.search.routed_step import cpu_rate_step_ms, host_cpu_scale
 
-    scale = host_cpu_scale(plan, host_ms_per_step)
+    scale = host_cpu_scale(plan, host_ms_per_step, experts_per_step)
     step_ms = None if scale is None else cpu_rate_step_ms(plan, scale)
     if step_ms is None:
         return {}
     # make --cpu-time-scale prices the CPU at a multiple of the profile's rate: this host's, over the profile's
-    return {"host_cpu_scale": scale, "step_ms_at_host_cpu_rate": step_ms,
-            "cpu_time_scale": round(scale * (plan.inputs.cpu_time_scale or 1.0), 2)}
+    figures = {"host_cpu_scale": scale, "step_ms_at_host_cpu_rate": step_ms,
+               "cpu_time_scale": round(scale * (plan.inputs.cpu_time_scale or 1.0), 2)}
+    made = resplit_at_scale(plan, scale) if resplit else None
+    return figures | ({"step_ms_resplit_at_host_cpu_rate": made.step_ms} if made is not None else {})
+
+
+def resplit_record(resplit) -> dict:
+    """What run's re-splitter did (runtime.cpu_resplit.CpuResplitter): the scale its tables are made for now, each
+    re-split, and each window's measured scale (None: too few CPU experts)."""
+    return {"tables_scale": round(resplit.scale, 4), "events": [event.as_dict() for event in resplit.history],
+            "window_scales": [None if scale is None else round(scale, 4) for scale in resplit.measured]}
 
 
 def planned_cpu_experts(plan) -> float | None:

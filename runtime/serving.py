@@ -13,6 +13,7 @@ import torch
 
 from planner.errors import RuntimeUnavailableError
 from planner.units import format_bytes
+from runtime.cpu_resplit import settle
 from runtime.experts_impl import PREFILL, use_phase
 from runtime.outside_memory import outside_allocator_bytes
 from runtime.routed_fetches import RoutedFetches, routed_fetches, start_counting
@@ -189,6 +190,7 @@ def serve_and_time(loaded, cuda_graph: bool, compile_backend: str | None = None,
         saved = loop.save_state()
         first_logits = loop.generate(1)[1][0].cpu()
         loop.restore_state(saved)
+        settle(loop)  # a plan whose CPU tables follow the host's rate: set before the timed steps
         with contextlib.nullcontext() if timing_kernels is None else timing_kernels():
             if timing_kernels is not None and cuda_graph:
                 loop.capture_again()

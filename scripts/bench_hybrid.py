@@ -16,6 +16,8 @@ weights written for the full model). Per sequence count S, one plan each, all gr
 - ``fetch``: the same with ``--cpu-experts off`` (routed experts, every miss fetched);
 - ``whole``: the same with ``--routed-experts off`` (whole layers, no routed experts; before 2026-11-28 late,
   ``--for vllm``, which vLLM's unwired families refuse);
+- ``planned``: the choice's flags, run with OFFLOAD_PLAN_CPU_RESPLIT=off (the plan's own per-step tables
+  throughout, where ``choice``'s run re-splits them at the rate it measures the host's CPU at: runtime.cpu_resplit);
 - ``host`` (after ``choice``): the choice made again with ``--cpu-time-scale`` at the scale ``choice``'s run
   counted for this host's CPU (``run --bench``'s suggestion), where that run had CPU experts;
 
@@ -31,6 +33,7 @@ all-resident's.
 """
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -50,8 +53,11 @@ CONTEXT = 4096
 NEW_TOKENS = 64
 #: make's flags per arm: its choice; the per-step split with one expert split by its rows too (--cpu-experts rows);
 #: fixed CPU ids; fetch-only; whole layers
-ARMS = {"choice": [], "rows": ["--cpu-experts", "rows"], "fixed": ["--cpu-experts", "fixed"],
+ARMS = {"choice": [], "planned": [], "rows": ["--cpu-experts", "rows"], "fixed": ["--cpu-experts", "fixed"],
         "fetch": ["--cpu-experts", "off"], "whole": ["--routed-experts", "off"], "host": []}
+#: arms run with an environment of their own: "planned" is the choice run on the plan's own tables (run's re-split at
+#: the host's measured rate off: runtime.cpu_resplit)
+ARM_ENV = {"planned": {"OFFLOAD_PLAN_CPU_RESPLIT": "off"}}
 #: the arm made again for the host's CPU: the choice with --cpu-time-scale at the scale the choice arm's run counted
 #: (run --bench --json's routed.cpu.cpu_time_scale), so listed after "choice"
 HOST_ARM = "host"
@@ -144,9 +150,25 @@ def rebench(group: list[dict], extra: int) -> None:
     for _ in range(extra):
         for row in ran:
             gpu_clean()
-            figures = run_bench(Path(row["plan_path"]))[1]
+            with arm_env(row["arm"]):
+                figures = run_bench(Path(row["plan_path"]))[1]
             row["step_ms_repeats"].append(None if figures is None else figures.get("step_ms"))
     gpu_clean()
+
+
+@contextlib.contextmanager
+def arm_env(arm: str):
+    """The arm's environment (ARM_ENV) set inside, put back after: run reads it as it loads the plan."""
+    before = {name: os.environ.get(name) for name in ARM_ENV.get(arm, {})}
+    os.environ.update(ARM_ENV.get(arm, {}))
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def host_cpu_time_scale(rows: list[dict], model: str, sequences: int) -> float | None:
@@ -226,7 +248,8 @@ def main() -> int:
                     arm_flags, row["cpu_time_scale"] = ["--cpu-time-scale", f"{scale:g}"], scale
                 row["make"] = plan(folder, profile, sequences, budget, arm_flags + flags, path)
                 if row["make"]["exit"] == 0:
-                    row |= plan_facts(path) | run_plan(path, NEW_TOKENS)
+                    with arm_env(arm):
+                        row |= plan_facts(path) | run_plan(path, NEW_TOKENS)
                     row["tokens_equal"] = row.get("text") is not None and row["text"] == reference_row.get("text")
                     # every routed arm: fetch-only's logits say what the routed step alone changes, beside the CPU's
                     if reference_logits is not None and row.get("routed_layers"):
@@ -297,7 +320,7 @@ def table(rows: list[dict], link_bytes_per_s: float | None = None) -> str:
             lines.append(f"| {model} | {sequences} | {row['arm']} | {fmt(measured)}{spread} | {fmt(predicted)} | "
                          f"{error} | {on_cpu} | {row.get('tokens_equal', '-')} |")
         valid = [ms for ms in steps.values() if ms]
-        for arm, label in (("fetch", "fetch-only"), ("fixed", "fixed CPU ids"),
+        for arm, label in (("fetch", "fetch-only"), ("fixed", "fixed CPU ids"), ("planned", "the plan's own tables"),
                            (HOST_ARM, "made again for the host's CPU")):
             if steps.get("choice") and steps.get(arm):
                 lines.append(f"| {model} | {sequences} | choice / {label} speed | "
@@ -322,11 +345,19 @@ def table(rows: list[dict], link_bytes_per_s: float | None = None) -> str:
 
 
 def _at_host_rate(cpu: dict) -> str:
-    """"; the step at the host's CPU rate X ms (Nx)": the plan re-timed at the rate the run's host CPU measured
-    (runtime.routed_fetches.at_host_cpu_rate), where the run's JSON has it."""
+    """"; the step at the host's CPU rate X ms (Nx)[, re-split Y ms; run re-split at S1, S2]": the plan re-timed at
+    the rate the run's host CPU measured (runtime.routed_fetches.at_host_cpu_rate), with its tables as planned and
+    made again there, and the scales run re-split its tables at (runtime.cpu_resplit), where the run's JSON has
+    them."""
     if cpu.get("step_ms_at_host_cpu_rate") is None:
         return ""
-    return f"; the step at the host's CPU rate {cpu['step_ms_at_host_cpu_rate']:.2f} ms ({cpu['host_cpu_scale']:.2f}x)"
+    text = f"; the step at the host's CPU rate {cpu['step_ms_at_host_cpu_rate']:.2f} ms ({cpu['host_cpu_scale']:.2f}x)"
+    if cpu.get("step_ms_resplit_at_host_cpu_rate") is not None:
+        text += f", re-split {cpu['step_ms_resplit_at_host_cpu_rate']:.2f} ms"
+    events = (cpu.get("resplit") or {}).get("events") or []
+    if events:
+        text += "; run re-split at " + ", ".join(f"{event['scale']:.2f}x" for event in events)
+    return text
 
 
 if __name__ == "__main__":

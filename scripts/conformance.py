@@ -1420,9 +1420,13 @@ def routing_text(bench: dict) -> str:
         text += f", {measured:.2f} / {planned:.2f}"
     cpu = routed.cpu or {}
     step_ms = bench.get("decode_step_ms") or bench.get("step_ms")
-    if cpu.get("step_ms_at_host_cpu_rate") and step_ms:  # what of the step's error the host's CPU explains
-        text += (f"; CPU at {cpu['host_cpu_scale']:.2f}x its price, the plan there "
-                 f"{cpu['step_ms_at_host_cpu_rate']:.2f} ms ({step_ms / cpu['step_ms_at_host_cpu_rate'] - 1:+.1%})")
+    # what of the step's error the host's CPU explains: the plan there with the tables run split the steps by (made
+    # again at that rate where run re-split them: runtime.cpu_resplit), else its own
+    resplit = bool(((cpu.get("resplit") or {}).get("events")))
+    there = cpu.get("step_ms_resplit_at_host_cpu_rate") if resplit else cpu.get("step_ms_at_host_cpu_rate")
+    if there and step_ms:
+        text += (f"; CPU at {cpu['host_cpu_scale']:.2f}x its price, the plan there{' re-split' if resplit else ''} "
+                 f"{there:.2f} ms ({step_ms / there - 1:+.1%})")
     return text
 
 

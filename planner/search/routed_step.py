@@ -68,7 +68,7 @@ def routed_decode_step(layer_ms: Sequence[float], head_ms: float, fetches: Seque
     layer is predicted by none). On the link (``copies``): an unpredicted layer's fetch as it waits; a predicted
     one's prefetch (its ahead share) from the previous routed layer's wait, where the runtime starts it, and its
     misses ending as it stops waiting. ``num_slots``: the distinct experts a step can route a layer to."""
-    layer_ms = _with_gathers(layer_ms, fetches)
+    layer_ms = with_gathers(layer_ms, fetches)
     waits = _waits_ms(layer_ms, fetches, num_slots)
     by_index = {fetch.index: (position, fetch) for position, fetch in enumerate(fetches)}
     compute, copies, stalls = [Interval(layer=-1, start_ms=0.0, end_ms=head_ms)], [], []
@@ -92,7 +92,7 @@ def routed_decode_step(layer_ms: Sequence[float], head_ms: float, fetches: Seque
                       copies=tuple(copies), layer_stall_ms=tuple(stalls))
 
 
-def _with_gathers(layer_ms: Sequence[float], fetches: Sequence[RoutedFetch]) -> tuple[float, ...]:
+def with_gathers(layer_ms: Sequence[float], fetches: Sequence[RoutedFetch]) -> tuple[float, ...]:
     """Each layer's compute, a routed layer's with its decode gather."""
     gathers = {fetch.index: fetch.gather_ms for fetch in fetches}
     return tuple(ms + gathers.get(index, 0.0) for index, ms in enumerate(layer_ms))
@@ -243,27 +243,40 @@ def plan_decode_step(plan: Plan, rows: tuple[ExpertLayer, ...] | None = None) ->
 
 def cpu_rate_step_ms(plan: Plan, scale: float) -> float | None:
     """A plan with CPU experts: its decode step by the same timeline (plan_decode_step) with every CPU expert's
-    in-step time ``scale`` x its price, and the placement and per-step tables as planned (the runtime splits each
-    step by them whatever the host's rate): what the plan runs at on a host whose CPU computes at that share of
-    calibrate's price. None for a plan without CPU experts priced per expert."""
+    in-step time ``scale`` x its price, and the placement and per-step tables as planned (what the plan runs at, its
+    tables kept, on a host whose CPU computes at that share of calibrate's price; run re-splits them:
+    planner.search.cpu_resplit). None for a plan without CPU experts priced per expert."""
+    rows = rows_at_cpu_scale(plan, scale)
+    return None if rows is None else plan_decode_step(plan, rows).step_ms
+
+
+def rows_at_cpu_scale(plan: Plan, scale: float) -> tuple[ExpertLayer, ...] | None:
+    """The plan's routed rows with every CPU expert's in-step time (its whole price, and the part a fraction of one
+    pays) ``scale`` x the plan's, the handoff as planned; None for a plan without CPU experts priced per expert."""
     experts = plan.experts
     if experts is None or experts.cpu is None or any(row.cpu_ms_per_expert is None for row in experts.cpu_layers):
         return None
     handoff_ms = experts.cpu.handoff_ms
-    rows = tuple(replace(row, cpu_ms_per_expert=scale * row.cpu_ms_per_expert,
-                         cpu_ms=handoff_ms + scale * (row.cpu_ms - handoff_ms)) if row.cpu else row
-                 for row in experts.routed_layers)
-    return plan_decode_step(plan, rows).step_ms
+    return tuple(replace(row, cpu_ms_per_expert=scale * row.cpu_ms_per_expert,
+                         cpu_ms=handoff_ms + scale * (row.cpu_ms - handoff_ms),
+                         cpu_fixed_ms=None if row.cpu_fixed_ms is None else scale * row.cpu_fixed_ms)
+                 if row.cpu else row for row in experts.routed_layers)
 
 
-def host_cpu_scale(plan: Plan, host_ms_per_step: float) -> float | None:
+def host_cpu_scale(plan: Plan, host_ms_per_step: float, experts_per_step: float | None = None) -> float | None:
     """The host CPU's rate inside the steps run --bench timed, over the plan's price: the host's own ms a step in
-    its expert kernel (its clock: the handoffs left out) over the plan's CPU ms a step less its handoffs. None for a
-    plan without CPU experts or CPU time to compare."""
+    its expert kernel (its clock: the handoffs left out) over the price of the experts it computed
+    (``experts_per_step`` at the CPU layers' mean price of one: the rate whatever the routing drew, and whatever
+    tables run re-split the steps by), or where not counted, over the plan's CPU ms a step less its handoffs. None
+    for a plan without CPU experts or CPU time to compare."""
     experts = plan.experts
     if experts is None or experts.cpu is None:
         return None
-    priced_ms = math.fsum(row.cpu_ms - experts.cpu.handoff_ms for row in experts.cpu_layers)
+    prices = [row.cpu_ms_per_expert for row in experts.cpu_layers]
+    if experts_per_step and None not in prices:
+        priced_ms = experts_per_step * math.fsum(prices) / len(prices)
+    else:
+        priced_ms = math.fsum(row.cpu_ms - experts.cpu.handoff_ms for row in experts.cpu_layers)
     return host_ms_per_step / priced_ms if priced_ms > 0 and host_ms_per_step > 0 else None
 
 

@@ -83,6 +83,18 @@ def test_a_plan_with_cpu_experts_shows_the_hosts_share_beside_the_plans():
     assert "make the plan again with --cpu-time-scale 1.69" in text and "--prefetch-accuracy 0.86" in text
     near = RoutedFetches(**{**vars(suggested), "cpu": {**suggested.cpu, "host_cpu_scale": 1.1}})
     assert "--cpu-time-scale" not in _text(near)
+    event = {"step": 32, "scale": 1.69, "previous_scale": 1.0, "changed_layers": [0, 1, 2], "step_ms": 9.8,
+             "planned_tables_step_ms": 11.53}
+    resplit = RoutedFetches(**{**vars(suggested), "cpu": {**suggested.cpu, "step_ms_resplit_at_host_cpu_rate": 9.81,
+                                                          "resplit": {"tables_scale": 1.69, "events": [event],
+                                                                      "window_scales": [1.69, 1.7]}}})
+    text = " ".join(_text(resplit).split())
+    assert "with its CPU tables made again at that rate (run re-splits the steps)" in text and "9.81 ms" in text
+    assert "run re-split the CPU's share of each step's misses 1 time(s), last at 1.69x" in text
+    assert "3 layers' tables changed" in text
+    unchanged = RoutedFetches(**{**vars(resplit), "cpu": {**resplit.cpu, "resplit": {**resplit.cpu["resplit"],
+                                                                                   "events": []}}})
+    assert "run re-split the" not in " ".join(_text(unchanged).split())
 
 
 @pytest.mark.parametrize("peak", [None, 9 * 2**30])

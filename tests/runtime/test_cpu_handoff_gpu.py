@@ -156,6 +156,66 @@ def test_graphed_decode_splitting_each_steps_misses_is_within_the_tolerance(mode
         routed.close()
 
 
+@pytest.mark.parametrize("handoff", HANDOFFS)
+def test_tables_written_between_replays_split_the_next_replays(model, handoff, monkeypatch):
+    """RoutedExperts.set_cpu_take after the capture (what run's re-splitter does between replays): a table sending
+    the CPU nothing fetches every miss and computes no CPU expert, one sending every miss fetches none; the greedy
+    tokens stay the all-resident model's but at near ties, logits within the bf16 tolerance."""
+    monkeypatch.setenv("OFFLOAD_PLAN_CPU_HANDOFF", handoff)
+    expected_ids, expected_logits = _decode(copy.deepcopy(model).to(CUDA), 1, graphed=False)
+    routed_model = copy.deepcopy(model)
+    routed = apply_routed_experts(routed_model, ROUTED, 4, CudaBackend(CUDA), cpu=SPLIT_CPU, cpu_dtype="bf16",
+                                  cpu_take=SPLIT_TAKE)
+    routed_model.to(CUDA)
+    try:
+        for tables, on_cpu in (({index: (0,) for index in ROUTED}, False),
+                               ({index: tuple(range(33)) for index in ROUTED}, True)):
+            def after_capture(tables=tables):
+                routed.set_cpu_take(tables)
+                routed.reset_counters()
+
+            ids, logits = _decode(routed_model, 1, graphed=True, after_capture=after_capture)
+            stats, fetched = routed.cpu_stats(), routed.fetched_bytes()
+            assert (stats["experts_cpu"] > 0 and fetched == 0) if on_cpu else (stats["experts_cpu"] == 0 < fetched)
+            _agree_but_at_near_ties(logits, expected_logits)
+    finally:
+        routed.close()
+
+
+def test_the_resplitter_counts_the_steps_it_saw_inside_graphed_decode(model, monkeypatch):
+    """runtime.cpu_resplit inside a graphed decode loop: each window's host steps are counted once they ran (the host
+    queues replays far ahead of the GPU), a rate far off the price re-splits, and the next replays split by the new
+    tables (here: nothing to the CPU)."""
+    from types import SimpleNamespace as NS
+
+    from runtime import cpu_resplit
+    from runtime.graph import DecodeLoop
+    from tests.helpers import seeded_prompt
+
+    routed_model = copy.deepcopy(model)
+    routed = apply_routed_experts(routed_model, ROUTED, 4, CudaBackend(CUDA), cpu=SPLIT_CPU, cpu_dtype="bf16",
+                                  cpu_take=SPLIT_TAKE)
+    routed_model.to(CUDA)
+    # a price far below any CPU's: the first measured window reads the range's top
+    plan = NS(experts=NS(cpu_layers=tuple(NS(index=index, cpu_ms_per_expert=1e-6) for index in SPLIT_CPU)))
+    nothing = {index: (0,) for index in SPLIT_CPU}
+    monkeypatch.setattr(cpu_resplit, "resplit_at_scale",
+                        lambda _plan, scale: NS(tables=nothing, step_ms=1.0, planned_tables_step_ms=2.0))
+    try:
+        loop = DecodeLoop(routed_model, batch=1, max_cache_tokens=40 + 32, device=CUDA, steps_per_call=1)
+        loop.resplit = cpu_resplit.CpuResplitter(plan, routed, window_steps=4)
+        loop.prefill(seeded_prompt(1))
+        loop.capture()
+        loop.generate(12)  # windows end at 4 (the baseline), 8 (measured: re-split) and 12 (measured)
+        assert loop.resplit.measured[0] == cpu_resplit.RESPLIT_SCALE_RANGE[1]
+        assert len(loop.resplit.history) == 1 and routed.cpu_take == {index: (0.0,) for index in SPLIT_CPU}
+        routed.reset_counters()
+        loop.generate(4)
+        assert routed.cpu_stats()["experts_cpu"] == 0 and routed.fetched_bytes() > 0
+    finally:
+        routed.close()
+
+
 def test_cpu_experts_are_never_fetched(model):
     """Eager steps (the same host node, run in stream order): the fetch counter counts the routed experts neither
     resident nor on the CPU, and the callbacks count every pair routed to a CPU expert; the routing is the routed

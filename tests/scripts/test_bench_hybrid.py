@@ -1,6 +1,7 @@
 """scripts/bench_hybrid.py's arithmetic (no GPU): the budget scaled to a cut model, and its table's verdicts."""
 
 import dataclasses
+import os
 
 import pytest
 
@@ -93,3 +94,17 @@ def test_the_host_arm_takes_the_scale_the_choice_arms_run_counted():
         "choice")
     table = bench_hybrid.table([choice, fetch, _row("host", 9.8, 9.78)])
     assert "| m | 1 | choice / made again for the host's CPU speed | 0.845x |" in table
+
+
+def test_the_planned_arm_runs_with_the_resplit_off_and_puts_the_environment_back(monkeypatch):
+    from scripts.bench_hybrid import ARMS, arm_env
+
+    monkeypatch.delenv("OFFLOAD_PLAN_CPU_RESPLIT", raising=False)
+    assert ARMS["planned"] == ARMS["choice"]
+    with arm_env("planned"):
+        assert os.environ["OFFLOAD_PLAN_CPU_RESPLIT"] == "off"
+    assert "OFFLOAD_PLAN_CPU_RESPLIT" not in os.environ
+    monkeypatch.setenv("OFFLOAD_PLAN_CPU_RESPLIT", "on")
+    with arm_env("planned"), arm_env("choice"):
+        assert os.environ["OFFLOAD_PLAN_CPU_RESPLIT"] == "off"
+    assert os.environ["OFFLOAD_PLAN_CPU_RESPLIT"] == "on"

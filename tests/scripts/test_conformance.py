@@ -186,6 +186,13 @@ def test_a_routed_arm_shows_what_its_steps_fetched_against_the_plan():
            "host_cpu_scale": 1.69, "step_ms_at_host_cpu_rate": 11.54}
     assert conformance.routing_text({"routed": routed | {"cpu": cpu}, "decode_step_ms": 11.63}) == (
         "0.90, 0.86 / 0.78; CPU at 1.69x its price, the plan there 11.54 ms (+0.8%)")
+    # where run re-split its tables at the host's rate, the plan there with the tables made again
+    resplit = cpu | {"step_ms_resplit_at_host_cpu_rate": 9.81, "resplit": {"events": [{"scale": 1.7}]}}
+    assert conformance.routing_text({"routed": routed | {"cpu": resplit}, "decode_step_ms": 9.9}) == (
+        "0.90, 0.86 / 0.78; CPU at 1.69x its price, the plan there re-split 9.81 ms (+0.9%)")
+    unchanged = resplit | {"resplit": {"events": []}}
+    assert conformance.routing_text({"routed": routed | {"cpu": unchanged}, "decode_step_ms": 11.63}).endswith(
+        "the plan there 11.54 ms (+0.8%)")
 
 
 def test_adapters_arms_make_and_read_plans_with_adapters_on_the_cpu(tmp_path):
