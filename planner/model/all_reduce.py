@@ -14,11 +14,13 @@ from planner.model.model_config import DTYPE_BYTES, model_config
 from planner.model.tensor_parallel import RankCheckpoint, pad_vocab
 from planner.source.checkpoint import Checkpoint
 
-#: fixed cost of one all-reduce on NVLink, on top of bytes / bandwidth. Assumed, not measured: the order of the
-#: small-message latency NVIDIA's nccl-tests all_reduce_perf reports within one NVLink node (about 10-20 us for a
-#: few KiB on 8 H100s), and of vLLM's custom one-shot all-reduce (csrc/custom_all_reduce.cuh) for decode-sized
-#: messages. make --tp N --measure measures it instead where N GPUs are visible (runtime.all_reduce)
-ALL_REDUCE_LATENCY_US = 10.0
+#: fixed cost of one all-reduce on NVLink, on top of bytes / bandwidth, where make cannot measure it: what run's
+#: all-reduce (torch's NCCL, as runtime.all_reduce times it) measured for a decode-sized message between two
+#: H200s, 23.2 and 29.1 us on 2026-11-26 and 45.6 us on 2026-11-29 (benchmarks/2026-11-26-tp-2xh200.md,
+#: 2026-11-29-conformance-tp-2xh200.md), rounded to the middle of those. The 10 us assumed before (the order of
+#: nccl-tests' small-message latency within an NVLink node, and of vLLM's custom one-shot all-reduce) left
+#: estimated rank steps 4-58% optimistic. make --tp N --measure measures it where N GPUs are visible
+ALL_REDUCE_LATENCY_US = 30.0
 #: all-reduces per decoder layer: after attention's row-parallel o_proj and after the MLP's down_proj. A MoE
 #: layer reduces once too: vLLM's FusedMoE reduces the routed experts' partial sums (reduce_results), and where
 #: there are shared experts (DeepSeek) SharedFusedMoE adds their partial output before that one reduce; transformers'

@@ -55,7 +55,8 @@ def test_a_step_adds_two_all_reduces_a_layer_and_the_heads_reduce_and_gather():
 
 def test_the_link_says_whether_it_was_measured_or_assumed():
     measured = all_reduce.AllReduceLink(latency_us=17.5, bytes_per_s=360e9, measured="measured: NCCL")
-    assumed = all_reduce.AllReduceLink(latency_us=10.0, bytes_per_s=450e9, assumed_why="1 GPU(s) visible here")
+    assumed = all_reduce.AllReduceLink(latency_us=all_reduce.ALL_REDUCE_LATENCY_US, bytes_per_s=450e9,
+                                       assumed_why="1 GPU(s) visible here")
     assert measured.describe(2, 18) == ("+ 18 all-reduces a step over 2 GPUs at 360 GB/s and 17.5 us each "
                                         "(measured: NCCL)")
-    assert assumed.describe(2, 18).endswith("(assumed: the profile's link and 10 us; 1 GPU(s) visible here)")
+    assert assumed.describe(2, 18).endswith("(assumed: the profile's link and 30 us; 1 GPU(s) visible here)")

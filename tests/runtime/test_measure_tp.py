@@ -131,7 +131,7 @@ def test_nccl_buffers_measured_beside_the_link_are_booked_recorded_and_read_back
 def test_without_a_link_measurement_the_plan_says_the_link_is_assumed(tiny):
     _, folder = tiny
     source = _plan(folder).workload.compute_source
-    assert "at 450 GB/s and 10 us each (assumed: the profile's link and 10 us;" in source
+    assert "at 450 GB/s and 30 us each (assumed: the profile's link and 30 us;" in source
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="measures on a GPU there")
@@ -168,7 +168,7 @@ def test_make_tp_measure_times_the_ranks_layers_on_the_gpu(tiny, tmp_path, step)
         # NCCL's buffers measured beside it: about 0.8 GiB a rank on two H200s (scripts/experiments/nccl_memory.py)
         assert 64 * 2**20 <= plan.hardware.nccl_bytes <= 4 * 2**30 and "NCCL held" in source
     else:
-        assert "(assumed: the profile's link and 10 us; 1 GPU(s) visible here" in source
+        assert "(assumed: the profile's link and 30 us; 1 GPU(s) visible here" in source
 
 
 def test_rank_config_writes_head_dim_where_the_config_holds_null():
