@@ -245,6 +245,10 @@ class ExpertsPlan:
     #: why the CPU takes no expert, where the profile measured it and layers are routed (None elsewhere, and not
     #: written)
     cpu_declined: str | None = None
+    #: the safetensors dtype holding most of the experts' bytes (BF16, F8_E4M3, ...): what decides whether a routed
+    #: decode step copies its pairs' weights (planner.model.activations.decode_copies_pairs). None in plans made
+    #: before it (readers then take the checkpoint's dominant dtype), and not written then
+    expert_dtype: str | None = None
 
     @property
     def cpu_layers(self) -> tuple[ExpertLayer, ...]:
@@ -287,6 +291,8 @@ class ExpertsPlan:
     def __post_init__(self):
         if self.prefetch not in EXPERT_PREFETCH:
             raise ValueError(f"experts.prefetch {self.prefetch!r} is not null or {EXPERT_PREFETCH[1]}")
+        if self.expert_dtype == "":  # the reader checked its type
+            raise ValueError(f"experts.expert_dtype {self.expert_dtype!r} is not a dtype name (BF16, F8_E4M3, ...)")
         if self.prefetch_accuracy is not None and not 0 <= self.prefetch_accuracy <= 1:
             raise ValueError("experts.prefetch_accuracy must be a share in [0, 1]")
         if self.prefetch is not None and self.prefetch_accuracy is None:
@@ -334,7 +340,7 @@ OPTIONAL_EXPERTS = {"prefetch": None, "prefetch_accuracy": None, "prefetch_depth
 
 
 #: experts keys written only where set (plans with CPU experts, or with the CPU measured and declined)
-OPTIONAL_EXPERTS_SET = {"cpu": None, "cpu_declined": None}
+OPTIONAL_EXPERTS_SET = {"cpu": None, "cpu_declined": None, "expert_dtype": None}
 
 
 #: experts.layers keys written only where set (a plan priced from a trace's per-expert figures; CPU experts)

@@ -248,6 +248,10 @@ def _experts_rules(plan: Plan) -> str | None:
                 "trace)")
     if not 1 <= experts.top_k <= experts.num_experts:
         return f"experts.top_k {experts.top_k} is not from 1 to num_experts {experts.num_experts}"
+    dtypes = plan.model.dtype_bytes
+    if experts.expert_dtype is not None and dtypes and experts.expert_dtype not in dtypes:
+        return (f"experts.expert_dtype {shown(experts.expert_dtype)} is none of the checkpoint's dtypes "
+                f"({', '.join(sorted(dtypes))})")
     if not experts.layers or not experts.points:
         return "experts.layers and experts.points hold at least one row each"
     largest = max(row.bytes for row in plan.layers) if plan.layers else 0

@@ -474,9 +474,12 @@ SECTIONS = {
 
 def copies_pairs(plan: Plan) -> bool:
     """Whether the plan's routed decode steps copy every pair's weights (planner.model.activations.
-    decode_copies_pairs), by the dtype holding most of the checkpoint's bytes (a routed model's: its experts')."""
-    dtype_bytes = plan.model.dtype_bytes
-    return decode_copies_pairs(max(dtype_bytes, key=dtype_bytes.get)) if dtype_bytes else True
+    decode_copies_pairs), by the experts' dtype as make read it (experts.expert_dtype), or in plans made before
+    it, the dtype holding most of the checkpoint's bytes (a routed model's usually its experts')."""
+    dtype = plan.experts.expert_dtype if plan.experts is not None else None
+    if dtype is None and plan.model.dtype_bytes:
+        dtype = max(plan.model.dtype_bytes, key=plan.model.dtype_bytes.get)
+    return decode_copies_pairs(dtype) if dtype else True
 
 
 def gathers(plan: Plan) -> bool:

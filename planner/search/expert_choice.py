@@ -310,7 +310,8 @@ def experts_section(experts: ExpertModel, chosen: Choice, layers: LayerBytes, po
         gather_workspace_bytes=buffers[3],
         routed_fetch_bytes_per_s=routed_fetch_bytes_per_s(h2d_bytes_per_s), routed_unavailable=experts.unavailable,
         points=points, prefetch=prefetch[0], prefetch_accuracy=prefetch[1], prefetch_depth=prefetch[2],
-        prefetch_rank_accuracy=prefetch[3], prefetch_accuracy_source=prefetch[4], cpu=cpu[0], cpu_declined=cpu[1])
+        prefetch_rank_accuracy=prefetch[3], prefetch_accuracy_source=prefetch[4], cpu=cpu[0], cpu_declined=cpu[1],
+        expert_dtype=geometry.expert_dtype)
 
 
 def _share(value: float | None) -> float | None:

@@ -86,6 +86,9 @@ def _section_edits(rng, plan: dict) -> list[tuple[str, object]]:
         ("experts.cpu unknown key", lambda: cpu.update(speedup=2)),
         ("experts.cpu not a mapping", lambda: experts.update(cpu=["bf16", 12])),
         ("inputs.cpu_experts off", lambda: plan["inputs"].update(cpu_experts="off")),
+        # the experts' dtype make read (experts.expert_dtype): one the checkpoint does not hold, or not a name
+        ("experts.expert_dtype F8_E4M3", lambda: experts.update(expert_dtype="F8_E4M3")),
+        (f"experts.expert_dtype {junk!r}", lambda: experts.update(expert_dtype=junk if junk is not None else "")),
     ]
 
 
