@@ -20,14 +20,8 @@ import os
 from dataclasses import dataclass
 
 from planner.errors import PlanError
-from planner.search.cpu_resplit import per_step_tables, resplit_at_scale
+from planner.search.cpu_resplit import RESPLIT_TOLERANCE, RESPLIT_WINDOW_STEPS, per_step_tables, resplit_at_scale
 
-#: decode steps between two readings of the host's rate: a window of one sequence's steps computes 100-150 CPU
-#: experts on Qwen3-30B-A3B- and OLMoE-shaped plans at 24 and 6 GiB (15 a step, 2026-11-29), enough for a rate
-RESPLIT_WINDOW_STEPS = 16
-#: the tables are made again where the measured scale is more than this share away from theirs: within it, the
-#: step the new tables would give differs from the old's by less than the spread of steps between runs (about 3%)
-RESPLIT_TOLERANCE = 0.15
 #: a window with fewer CPU experts than this measures no rate
 RESPLIT_MIN_EXPERTS = 8
 #: a measured scale is clamped to this range of the plan's price (a host step stalled by something else for a

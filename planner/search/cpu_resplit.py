@@ -17,6 +17,15 @@ from planner.plan.schema import Plan
 from planner.search.cpu_per_step import LinkWait, per_step_split
 from planner.search.routed_step import plan_fetches, routed_decode_step, rows_at_cpu_scale, with_gathers
 
+#: decode steps between two readings of the host's rate: a window of one sequence's steps computes 100-150 CPU
+#: experts on Qwen3-30B-A3B- and OLMoE-shaped plans at 24 and 6 GiB (15 a step, 2026-11-29), enough for a rate
+RESPLIT_WINDOW_STEPS = 16
+#: the tables are made again where the measured scale is more than this share away from theirs. One process's
+#: windows read scales up to 8% apart at a steady rate (0.63-0.71 and 0.64-0.74 in two conformance arms, 2026-11-29),
+#: which a smaller margin would chase; at the margin's edge the tables made again save 1-5% of the step on paper
+#: (OLMoE-shaped plans at one and four sequences)
+RESPLIT_TOLERANCE = 0.15
+
 
 @dataclass(frozen=True, kw_only=True)
 class CpuResplit:

@@ -7,6 +7,7 @@ from itertools import groupby
 
 from planner.plan.experts_section import ExpertsPlan
 from planner.plan.schema import Plan
+from planner.search.cpu_resplit import RESPLIT_TOLERANCE, RESPLIT_WINDOW_STEPS, resplit_at_scale
 from planner.search.routed_step import cpu_rate_step_ms, plan_decode_step
 from planner.units import format_bytes, format_ms
 
@@ -104,28 +105,36 @@ def _spread_lines(plan: Plan, experts: ExpertsPlan) -> list[str]:
 
 
 #: the host CPU's rate inside the step against its price (calibrate's lone expert x the in-step factor), as run
-#: --bench counts it (the host's own ms a step in its expert kernel over the plan's CPU ms less the handoffs:
-#: planner.search.routed_step.host_cpu_scale) on H200 hosts: 0.75 (Mixtral-8x7B at four sequences) and 0.86
-#: (Qwen3-30B-A3B at one) on 2026-11-29's first host; 1.13 and 1.69 (Qwen3 at four and one) and 1.56
-#: (DeepSeek-V2-Lite) on its second, whose calibrate read the same lone rate; one DeepSeek-V2-Lite arm 4.9
-#: (benchmarks/2026-11-29-router-ties-h200.md, 2026-11-29-conformance-rerun-h200.md)
-CPU_RATE_SPREAD = (0.75, 1.69)
+#: --bench counts it (the host's own ms a step in its expert kernel over the price of the experts it computed:
+#: planner.search.routed_step.host_cpu_scale) on H200 hosts of 2026-11-29: 0.67 (OLMoE at four sequences, with the
+#: per-step tables re-split) to 2.04 (OLMoE at four, on the plan's tables), the same profile's lone rate throughout;
+#: one DeepSeek-V2-Lite arm 4.9 (benchmarks/2026-11-29-cpu-resplit-h200.md, 2026-11-29-conformance-rerun-h200.md)
+CPU_RATE_SPREAD = (0.67, 2.04)
 
 
 def _rate_lines(plan: Plan) -> list[str]:
     """What the host CPU's rate does to the step: the plan's timeline with the CPU experts at the ends of the
-    spread measured inside steps (CPU_RATE_SPREAD), the tables as planned (nothing without per-expert prices)."""
+    spread measured inside steps (CPU_RATE_SPREAD), the tables as planned, and where run re-splits the plan's
+    per-step tables at the rate it measures (planner.search.cpu_resplit), with the tables made again there (nothing
+    without per-expert prices)."""
     fast, slow = (cpu_rate_step_ms(plan, scale) for scale in CPU_RATE_SPREAD)
     if fast is None or slow is None:
         return []
     scale = plan.inputs.cpu_time_scale
     priced = ("calibrate's rate" if scale is None
               else f"{scale:g}x calibrate's rate (--cpu-time-scale), as a host's run --bench counted it")
-    return [f"  The host CPU's rate moves the step: at {CPU_RATE_SPREAD[0]:g}x its price "
-            f"{format_ms(fast)}, at {CPU_RATE_SPREAD[1]:g}x {format_ms(slow)} (the prediction takes {priced}; "
-            "inside steps H200 hosts ran their CPU experts at "
-            f"{CPU_RATE_SPREAD[0]:g}-{CPU_RATE_SPREAD[1]:g}x of it from one host and day to the next, which a "
-            "calibrate alone does not see: run --bench counts this host's against the plan)."]
+    lines = [f"  The host CPU's rate moves the step: at {CPU_RATE_SPREAD[0]:g}x its price "
+             f"{format_ms(fast)}, at {CPU_RATE_SPREAD[1]:g}x {format_ms(slow)} (the prediction takes {priced}; "
+             "inside steps H200 hosts ran their CPU experts at "
+             f"{CPU_RATE_SPREAD[0]:g}-{CPU_RATE_SPREAD[1]:g}x of it from one host and day to the next, which a "
+             "calibrate alone does not see: run --bench counts this host's against the plan)."]
+    resplit = [resplit_at_scale(plan, scale) for scale in CPU_RATE_SPREAD]
+    if None not in resplit:
+        lines.append(f"  run re-splits each step's misses at the rate it measures (every {RESPLIT_WINDOW_STEPS} "
+                     f"decode steps, where it is {RESPLIT_TOLERANCE:.0%} or more from the tables'): the step then "
+                     f"{format_ms(resplit[0].step_ms)} at {CPU_RATE_SPREAD[0]:g}x and {format_ms(resplit[1].step_ms)} "
+                     f"at {CPU_RATE_SPREAD[1]:g}x (OFFLOAD_PLAN_CPU_RESPLIT=off keeps these tables).")
+    return lines
 
 
 def _per_layer(experts: ExpertsPlan) -> str:

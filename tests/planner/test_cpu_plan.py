@@ -259,6 +259,15 @@ def _assert_the_cpu_rate_moves_the_step(plan, shown: str) -> None:
     fast, slow = (cpu_rate_step_ms(plan, scale) for scale in CPU_RATE_SPREAD)
     assert (f"The host CPU's rate moves the step: at {CPU_RATE_SPREAD[0]:g}x its price {format_ms(fast)}, at "
             f"{CPU_RATE_SPREAD[1]:g}x {format_ms(slow)}") in shown
+    # a per-step plan: what run's re-split makes of it at both ends; fixed ids have no such line
+    from planner.search.cpu_resplit import resplit_at_scale
+
+    resplit = [resplit_at_scale(plan, scale) for scale in CPU_RATE_SPREAD]
+    said = (f"run re-splits each step's misses at the rate it measures (every 16 decode steps, where it is 15% or more "
+            f"from the tables'): the step then {format_ms(resplit[0].step_ms)} at {CPU_RATE_SPREAD[0]:g}x and "
+            f"{format_ms(resplit[1].step_ms)} at {CPU_RATE_SPREAD[1]:g}x") if None not in resplit else None
+    assert (said in shown) if said else ("run re-splits" not in shown)
+    assert said is None or resplit[1].step_ms <= slow + 1e-9
 
 
 def _edited(path: str, edit) -> str:
