@@ -11,9 +11,9 @@ layer's table made again at the measured scale (planner.search.cpu_resplit.respl
 in place, between replays: runtime.routed_experts.RoutedExperts.set_cpu_take). The resident experts, the CPU ids
 and every buffer stay the plan's: its memory holds whatever the tables say.
 
-A window whose steps computed fewer than RESPLIT_MIN_EXPERTS CPU experts measures nothing (a table that sends the
-CPU almost nothing keeps its scale until the steps send it more). OFFLOAD_PLAN_CPU_RESPLIT=off keeps the plan's
-tables. Plans with fixed CPU ids (no per-step layer) have nothing to re-split.
+A window whose steps computed fewer than RESPLIT_MIN_EXPERTS CPU experts is measured with the windows after it, until
+they have as many (a table that sends the CPU little is measured over more steps). OFFLOAD_PLAN_CPU_RESPLIT=off keeps
+the plan's tables. Plans with fixed CPU ids (no per-step layer) have nothing to re-split.
 """
 
 import os
@@ -48,6 +48,11 @@ class ResplitEvent:
         return {"step": self.step, "scale": round(self.scale, 4), "previous_scale": round(self.previous_scale, 4),
                 "changed_layers": list(self.changed_layers), "step_ms": round(self.step_ms, 4),
                 "planned_tables_step_ms": round(self.planned_tables_step_ms, 4)}
+
+
+def _counters_reset(before: dict, now: dict) -> bool:
+    """Whether the host steps' counters went back between two readings (run --bench's start_counting resets them)."""
+    return any(now.get(key, (0, 0.0))[0] < experts for key, (experts, _) in before.items())
 
 
 def resplit_enabled() -> bool:
@@ -92,23 +97,29 @@ class CpuResplitter:
 
     def window_end(self) -> ResplitEvent | None:
         """Measure the window just ended (the first after a restart only sets the baseline) and re-split where the
-        scale moved past RESPLIT_TOLERANCE."""
+        scale moved past RESPLIT_TOLERANCE. A window with too few CPU experts keeps its baseline: the next windows
+        add theirs to it until there are enough (a table that sends the CPU little is still measured, over more
+        steps)."""
         now = self.routed.cpu_experts.work_by_layer()
-        before, self._baseline = self._baseline, now
-        if before is None:
+        before = self._baseline
+        if before is None or _counters_reset(before, now):
+            self._baseline = now
             return None
         scale = self._window_scale(before, now)
         self.measured.append(scale)
-        if scale is None or abs(scale / self.scale - 1.0) <= RESPLIT_TOLERANCE:
+        if scale is None:
+            return None
+        self._baseline = now
+        if abs(scale / self.scale - 1.0) <= RESPLIT_TOLERANCE:
             return None
         return self.resplit(scale)
 
     def _window_scale(self, before: dict, now: dict) -> float | None:
         """The host's seconds over the plan's price of the experts it computed between two readings (None: too few
-        experts, or counters reset between them)."""
+        experts)."""
         experts = {key: now[key][0] - before.get(key, (0, 0.0))[0] for key in now}
         seconds = {key: now[key][1] - before.get(key, (0, 0.0))[1] for key in now}
-        if any(count < 0 for count in experts.values()) or sum(experts.values()) < RESPLIT_MIN_EXPERTS:
+        if sum(experts.values()) < RESPLIT_MIN_EXPERTS:
             return None
         priced_ms = sum(count * self.prices.get(key, self.prices[None]) for key, count in experts.items())
         low, high = RESPLIT_SCALE_RANGE

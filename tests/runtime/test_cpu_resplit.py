@@ -125,15 +125,29 @@ def test_the_resplitter_measures_each_window_and_resplits_past_the_tolerance(aut
     assert resplitter.measured == pytest.approx([within, 6.0, 6.0 * within])
 
 
-def test_windows_that_measure_nothing_keep_the_tables(auto_plan):
-    """Fewer than RESPLIT_MIN_EXPERTS experts in a window, or counters reset under it: no rate, no re-split."""
+def test_windows_with_few_cpu_experts_are_measured_together(auto_plan):
+    """A window with fewer than RESPLIT_MIN_EXPERTS experts measures nothing alone: the windows after it join it until
+    they hold as many, then the rate over all of them counts."""
     routed = FakeRouted(auto_plan)
     resplitter = CpuResplitter(auto_plan, routed, window_steps=1)
-    few = max(0, (RESPLIT_MIN_EXPERTS - 1) // len(auto_plan.experts.cpu_layers))
-    assert _windows(resplitter, routed, auto_plan, [1.0, 5.0], experts_per_layer=few) == [None, None]
-    routed.work = {}  # the counters were reset (run --bench's start_counting)
-    assert resplitter.observe(1) is None and resplitter.measured == [None, None]
-    assert routed.written == []
+    layers = len(auto_plan.experts.cpu_layers)
+    needed = -(-RESPLIT_MIN_EXPERTS // layers)  # windows of one expert a layer
+    events = _windows(resplitter, routed, auto_plan, [1.0] + [5.0] * needed, experts_per_layer=1)
+    assert events[:needed] == [None] * needed and events[-1] is not None and events[-1].scale == pytest.approx(5.0)
+    assert resplitter.measured[:-1] == [None] * (needed - 1) and resplitter.measured[-1] == pytest.approx(5.0)
+
+
+def test_counters_reset_under_a_window_start_a_new_baseline(auto_plan):
+    """Counters that went back (run --bench's start_counting resets them) measure nothing and start the next window."""
+    routed = FakeRouted(auto_plan)
+    resplitter = CpuResplitter(auto_plan, routed, window_steps=1)
+    _windows(resplitter, routed, auto_plan, [1.0, 1.0], experts_per_layer=8)
+    routed.work = {}  # reset, then fewer experts than before it
+    routed.add(2, 5.0, auto_plan)
+    assert resplitter.observe(1) is None and resplitter.measured == [pytest.approx(1.0)] and routed.written == []
+    routed.add(8, 5.0, auto_plan)
+    event = resplitter.observe(1)
+    assert event is not None and event.scale == pytest.approx(5.0) and routed.written
 
 
 def test_the_resplitter_is_made_only_where_it_can_work(auto_plan, monkeypatch):
