@@ -1,15 +1,14 @@
 """A running plan's per-step CPU split re-made at the rate the host's CPU computes its experts in the steps.
 
 A plan prices each CPU expert at calibrate's rate; inside the captured step the same host type's CPU ran them at
-0.79-2.04x that price within a day (bench_hybrid, 2026-11-29, H200 hosts), the link's rate steady. Tables set for
+0.67-2.04x that price within a day (bench_hybrid, 2026-11-29, H200 hosts), the link's rate steady. Tables set for
 one rate then keep the CPU busy past the link, or idle. So the runtime counts, every RESPLIT_WINDOW_STEPS decode
-steps, what the host steps computed and how long they took (runtime.cpu_handoff.CpuExperts.work_by_layer, after
-the steps queued have run: one synchronisation a window, tens of microseconds of a window's 16 steps of 9-60 ms),
-prices those experts at the plan's rate, and where the host's time over that
-price (the scale) is more than RESPLIT_TOLERANCE away from the scale the tables were made for, writes every per-step
-layer's table made again at the measured scale (planner.search.cpu_resplit.resplit_at_scale; the device tables
-in place, between replays: runtime.routed_experts.RoutedExperts.set_cpu_take). The resident experts, the CPU ids
-and every buffer stay the plan's: its memory holds whatever the tables say.
+steps, what the host steps computed and how long they took (runtime.cpu_handoff.CpuExperts.work_by_layer, after the
+steps queued have run: one synchronisation a window), prices those experts at the plan's rate, and where the host's
+time over that price (the scale) is more than RESPLIT_TOLERANCE away from the scale the tables were made for, writes
+every per-step layer's table made again at the measured scale (planner.search.cpu_resplit.resplit_at_scale; the
+device tables in place, between replays: runtime.routed_experts.RoutedExperts.set_cpu_take). The resident experts,
+the CPU ids and every buffer stay the plan's: its memory holds whatever the tables say.
 
 A window whose steps computed fewer than RESPLIT_MIN_EXPERTS CPU experts is measured with the windows after it, until
 they have as many (a table that sends the CPU little is measured over more steps). OFFLOAD_PLAN_CPU_RESPLIT=off keeps
@@ -22,7 +21,8 @@ from dataclasses import dataclass
 from planner.errors import PlanError
 from planner.search.cpu_resplit import RESPLIT_TOLERANCE, RESPLIT_WINDOW_STEPS, per_step_tables, resplit_at_scale
 
-#: a window with fewer CPU experts than this measures no rate
+#: a window with fewer CPU experts than this measures no rate alone: the windows after it join it until they
+#: hold as many
 RESPLIT_MIN_EXPERTS = 8
 #: a measured scale is clamped to this range of the plan's price (a host step stalled by something else for a
 #: window, or a window counting a few cold experts, is not a rate to plan for)
