@@ -2,7 +2,7 @@
 
 A plan's per-step layers (planner.search.cpu_per_step) send the first j(m) of a step's m misses to the host CPU,
 j chosen at calibrate's price of one CPU expert. Inside a captured step the host's CPU ran the same experts at
-0.79-2.04x that price on the same H200 host type within a day (bench_hybrid, 2026-11-29), while the link's rate
+0.67-2.04x that price on the same H200 host type within a day (bench_hybrid, 2026-11-29), while the link's rate
 held: tables set for one rate then keep the CPU busy past the link (OLMoE at four sequences and 2.04x: 59.0 ms a
 step, where fetching every miss took 43.3). The resident experts, the CPU ids and every buffer stay as planned;
 only j changes, so the plan's memory holds whatever the tables say. This module gives the tables and the step at
