@@ -51,8 +51,10 @@ class ResplitEvent:
 
 
 def _counters_reset(before: dict, now: dict) -> bool:
-    """Whether the host steps' counters went back between two readings (run --bench's start_counting resets them)."""
-    return any(now.get(key, (0, 0.0))[0] < experts for key, (experts, _) in before.items())
+    """Whether the host steps' counters went back between two readings (run --bench's start_counting resets them):
+    any layer's experts or seconds fewer than before."""
+    return any(now.get(key, (0, 0.0))[0] < experts or now.get(key, (0, 0.0))[1] < seconds
+               for key, (experts, seconds) in before.items())
 
 
 def resplit_enabled() -> bool:

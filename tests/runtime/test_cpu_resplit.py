@@ -148,6 +148,10 @@ def test_counters_reset_under_a_window_start_a_new_baseline(auto_plan):
     routed.add(8, 5.0, auto_plan)
     event = resplitter.observe(1)
     assert event is not None and event.scale == pytest.approx(5.0) and routed.written
+    # a reset whose experts caught up by the next reading is still seen by its seconds
+    routed.work = {index: (experts, 0.0) for index, (experts, _) in routed.work.items()}
+    routed.add(1, 5.0, auto_plan)
+    assert resplitter.observe(1) is None and len(routed.written) == 1
 
 
 def test_the_resplitter_is_made_only_where_it_can_work(auto_plan, monkeypatch):
