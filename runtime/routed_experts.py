@@ -329,14 +329,14 @@ class RoutedExperts:
             return None
         eligible = torch.zeros(self.num_experts, dtype=torch.int64)
         eligible[list(self.cpu[index])] = 1
-        whole, rows = self._take_rows(index, self.cpu_take[index])
+        whole, rows = self._take_rows(self.cpu_take[index])
         return CpuSplit(eligible=eligible.to(self.device), zero_row=self.zero_row,
                         take=whole.to(self.device), rows=None if index not in self.cpu_rows else rows.to(self.device))
 
-    def _take_rows(self, index: int, take: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _take_rows(self, take: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """([E + 1] whole experts, [E + 1] intermediate rows of one more) of the table ``take`` on the host, its last
-        entry repeated to the end."""
-        padded = list(take) + [take[-1]] * (self.num_experts + 1 - len(take))
+        entry repeated to the end (entries past E: miss counts no step has, left out)."""
+        padded = (list(take) + [take[-1]] * (self.num_experts + 1))[:self.num_experts + 1]
         whole = torch.tensor([round(j - fraction_of(j)) for j in padded], dtype=torch.int64)
         return whole, torch.tensor([part_rows(j, self.intermediate) for j in padded], dtype=torch.int64)
 
@@ -355,7 +355,7 @@ class RoutedExperts:
             if index not in self.cpu_rows and any(fraction_of(j) for j in take):
                 raise PlanError(f"routed layer {index} computes whole experts on the CPU; its table cannot take a "
                                 "fraction of one")
-            whole, rows = self._take_rows(index, tuple(float(j) for j in take))
+            whole, rows = self._take_rows(tuple(float(j) for j in take))
             split.take.copy_(whole)
             if split.rows is not None:
                 split.rows.copy_(rows)
