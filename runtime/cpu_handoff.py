@@ -485,13 +485,19 @@ class CpuExperts:
 HANDOFFS = ("doorbell", "host-node")
 
 
+def env_choice(name: str, choices: tuple[str, ...]) -> str:
+    """The environment variable ``name`` as one of ``choices`` (unset: the first); one line (PlanError) otherwise."""
+    asked = os.environ.get(name, choices[0])
+    if asked not in choices:
+        raise PlanError(f"{name}={asked!r} is not one of {', '.join(choices)}; unset it or pick one")
+    return asked
+
+
 def handoff_kind(layers: dict[int, CpuLayer], device: torch.device, hidden_dtype: torch.dtype) -> str:
     """"doorbell" (runtime.cpu_doorbell) where the device is a GPU and every layer's experts are computed by the C
     kernel from hidden states it reads, unless OFFLOAD_PLAN_CPU_HANDOFF=host-node; else "host-node" (a captured
     host node: the kernel's host_step, or torch's path in a Python callback)."""
-    asked = os.environ.get("OFFLOAD_PLAN_CPU_HANDOFF", "doorbell")
-    if asked not in HANDOFFS:
-        raise PlanError(f"OFFLOAD_PLAN_CPU_HANDOFF={asked!r} is not one of {', '.join(HANDOFFS)}; unset it or pick one")
+    asked = env_choice("OFFLOAD_PLAN_CPU_HANDOFF", HANDOFFS)
     possible = device.type == "cuda" and bool(layers) and all(
         computed_in_c(layer, hidden_dtype) for layer in layers.values())
     return "doorbell" if asked == "doorbell" and possible else "host-node"

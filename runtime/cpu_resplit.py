@@ -15,11 +15,10 @@ they have as many (a table that sends the CPU little is measured over more steps
 the plan's tables. Plans with fixed CPU ids (no per-step layer) have nothing to re-split.
 """
 
-import os
 from dataclasses import dataclass
 
-from planner.errors import PlanError
 from planner.search.cpu_resplit import RESPLIT_TOLERANCE, RESPLIT_WINDOW_STEPS, per_step_tables, resplit_at_scale
+from runtime.cpu_handoff import env_choice
 
 #: a window with fewer CPU experts than this measures no rate alone: the windows after it join it until they
 #: hold as many
@@ -59,10 +58,7 @@ def _counters_reset(before: dict, now: dict) -> bool:
 
 def resplit_enabled() -> bool:
     """OFFLOAD_PLAN_CPU_RESPLIT: "on" (the default) or "off" (the plan's tables throughout); one line otherwise."""
-    asked = os.environ.get("OFFLOAD_PLAN_CPU_RESPLIT", "on")
-    if asked not in ("on", "off"):
-        raise PlanError(f"OFFLOAD_PLAN_CPU_RESPLIT={asked!r} is not on or off; unset it or pick one")
-    return asked == "on"
+    return env_choice("OFFLOAD_PLAN_CPU_RESPLIT", ("on", "off")) == "on"
 
 
 class CpuResplitter:

@@ -355,11 +355,11 @@ class RoutedExperts:
             if index not in self.cpu_rows and any(fraction_of(j) for j in take):
                 raise PlanError(f"routed layer {index} computes whole experts on the CPU; its table cannot take a "
                                 "fraction of one")
-            whole, rows = self._take_rows(tuple(float(j) for j in take))
+            self.cpu_take[index] = tuple(float(j) for j in take)
+            whole, rows = self._take_rows(self.cpu_take[index])
             split.take.copy_(whole)
             if split.rows is not None:
                 split.rows.copy_(rows)
-            self.cpu_take[index] = tuple(float(j) for j in take)
 
     def _start_prefetch(self) -> None:
         """A predictor per routed layer whose next routed layer's router can be called on its router input;
